@@ -1,0 +1,30 @@
+# Two set-up commands on a fresh machine:  `make up` (the main job)  and  `make test` (the test suite).
+# Both create or refresh the virtualenv in $(VENV). torch is installed first, pinned, so that pip takes
+# the CPU wheel instead of pulling a CUDA build as a dependency of another package.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvgate-installed
+
+.PHONY: venv up test bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+up: venv
+	$(BIN)/kvgate generate demo --prompt "Hello, kvgate!" --max-tokens 32
+
+test: venv
+	$(BIN)/python -m pytest tests
+
+bench: venv
+	$(BIN)/kvgate bench engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,88 @@
+"""Engine arguments (the `kvgate serve` flags) and their validation against the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgate.engine.errors import ConfigError
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+# Without a GPU to measure, the KV cache gets this much memory unless --kv-cache-memory says otherwise
+# (or less, when max_num_seqs full-length sequences need less).
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None  # bytes; None = automatic
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be auto or one of {sorted(set(_DTYPES))}, got {self.dtype!r}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device cuda was asked for, but torch sees no CUDA device")
+        return device
+
+    def resolve_dtype(self, hf_config, device: torch.device) -> torch.dtype:
+        """auto: the checkpoint's dtype on GPU; float32 on CPU (half-precision matmuls are slow there)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = _DTYPES.get(dtype, torch.float32)
+        return torch.bfloat16 if dtype in (None, torch.float32) else dtype
+
+    def resolve_max_model_len(self, hf_config) -> int:
+        limit = getattr(hf_config, "max_position_embeddings", None)
+        if self.max_model_len is None:
+            if limit is None:
+                raise ConfigError("the model config has no max_position_embeddings: set max_model_len")
+            return int(limit)
+        if limit is not None and self.max_model_len > limit:
+            raise ConfigError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}"
+            )
+        return self.max_model_len

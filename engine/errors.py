@@ -1,0 +1,17 @@
+"""Errors the engine raises for bad input; callers (CLI, HTTP server) turn them into clear messages."""
+
+
+class EngineError(Exception):
+    """Base class of the engine's own errors."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request (prompt or sampling parameters) the engine cannot serve; other requests are unaffected."""
+
+
+class ModelLoadError(EngineError, ValueError):
+    """A model folder that cannot be loaded: missing files, unknown architecture, mismatched weights."""
+
+
+class ConfigError(EngineError, ValueError):
+    """Engine arguments that contradict each other or the model."""

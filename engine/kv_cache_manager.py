@@ -1,0 +1,118 @@
+"""Per-request block tables over the block pool, with prefix-cache lookups and accounting."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvgate.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens, root_block_hash
+from kvgate.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def update_block_hashes(self, request: Request) -> list[bytes]:
+        """Extend the request's chained hashes to cover all its full blocks."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        num_full = len(tokens) // bs
+        parent = hashes[-1] if hashes else root_block_hash((request.cache_salt,))
+        for i in range(len(hashes), num_full):
+            parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks; the last token is always left to compute."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_stats.queries += num_tokens
+        self.prefix_stats.hits += num_hit_tokens
+
+    def can_fit(self, request: Request, num_tokens: int) -> bool:
+        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens; None (and no change) when the pool is too full."""
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        # Cache hits sitting in the free queue stop being allocatable once we take them.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return None
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self._num_cached_blocks[request.request_id] = len(blocks)
+        new_blocks = self.pool.get_new_blocks(max(0, num_needed))
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, total_tokens // self.block_size)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full: int) -> None:
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self.update_block_hashes(request)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            # Tail blocks are the least likely to be shared: evict them first.
+            self.pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,127 @@
+"""Offline API: `LLM(model, **engine_args).generate(prompts, sampling_params)`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from kvgate.engine.config import EngineConfig
+from kvgate.engine.errors import InvalidRequestError
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.outputs import CompletionOutput, RequestOutput
+from kvgate.engine.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+def resolve_model_path(model: str) -> str:
+    """`demo` names the built-in demo model (built on first use); anything else is a local folder."""
+    if model == "demo":
+        from kvgate.engine.demo import ensure_demo_model
+
+        return str(ensure_demo_model())
+    return model
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args) -> None:
+        served = engine_args.pop("served_model_name", None) or model
+        self.engine = LLMEngine(EngineConfig(model=resolve_model_path(model), served_model_name=served, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | Sequence[str | None] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs in input order."""
+        prompts = _as_prompt_list(prompts)
+        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        salts = _broadcast(cache_salt, len(prompts), "cache_salt")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        ids: list[str] = []
+        try:
+            for prompt, p, salt, prio in zip(prompts, params, salts, priorities):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, _prompt_input(prompt), p, cache_salt=salt, priority=prio)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:  # a bad prompt rejects the whole call, leaving the engine as it was
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             **kwargs) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": _chat_token_ids(self.tokenizer, conv)} for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, **kwargs)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        finals: dict[str, dict[int, CompletionOutput]] = {rid: {} for rid in ids}
+        last: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        while pending:
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"engine stopped with requests unfinished: {sorted(pending)}")
+            for out in self.engine.step():
+                if out.request_id not in finals:
+                    continue
+                for c in out.outputs:
+                    if c.finished:
+                        finals[out.request_id][c.index] = c
+                last[out.request_id] = out
+                if out.finished:
+                    pending.discard(out.request_id)
+        results = []
+        for rid in ids:
+            out = last[rid]
+            completions = [finals[rid][i] for i in sorted(finals[rid])]
+            results.append(RequestOutput(rid, out.prompt, out.prompt_token_ids, completions, True,
+                                         out.num_cached_tokens, out.metrics))
+        return results
+
+
+def _chat_token_ids(tokenizer, conversation: list[dict]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model's tokenizer has no chat template")
+    ids = tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _prompt_input(prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, (str, list)):
+        return prompt
+    raise InvalidRequestError(f"a prompt must be a string, token ids or a dict, got {type(prompt).__name__}")
+
+
+def _broadcast(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n

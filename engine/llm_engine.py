@@ -1,0 +1,267 @@
+"""The engine core: requests in, one scheduled batch per step, outputs out.
+
+`LLMEngine` is synchronous and single-threaded; the offline `LLM` drives it in a loop and the HTTP
+server drives it from its own loop. `n > 1` fans a request out into n child requests (seed + i each)
+that share the prompt's cached blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvgate.engine.config import EngineConfig
+from kvgate.engine.detokenizer import IncrementalDetokenizer
+from kvgate.engine.errors import ConfigError, InvalidRequestError
+from kvgate.engine.kv_cache_manager import KVCacheManager
+from kvgate.engine.loader import load_hf_config, load_tokenizer
+from kvgate.engine.model_runner import ModelRunner
+from kvgate.engine.outputs import CompletionOutput, RequestOutput
+from kvgate.engine.request import Request, RequestStatus
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """A cheap snapshot for metrics endpoints."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    block_size: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+@dataclass(eq=False)
+class _Child:
+    parent_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(eq=False)
+class _Parent:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    child_ids: list[str]
+    num_finished: int = 0
+
+
+def _eos_token_ids(model_path: str, hf_config, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_path, local_files_only=True)
+        eos = gen.eos_token_id
+    except OSError:
+        eos = getattr(hf_config, "eos_token_id", None)
+    for value in (eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.hf_config = load_hf_config(config.model)
+        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.hf_config, self.device)
+        self.max_model_len = config.resolve_max_model_len(self.hf_config)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len})"
+            )
+        self.model_name = config.served_model_name or config.model
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, self.hf_config, self.device, self.dtype, self.max_model_len)
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+        )
+        self.eos_token_ids = _eos_token_ids(config.model, self.hf_config, self.tokenizer)
+        self.vocab_size = self.hf_config.vocab_size
+        self._children: dict[str, _Child] = {}
+        self._parents: dict[str, _Parent] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+                 self.model_name, self.device, self.dtype, num_blocks, config.block_size, self.max_model_len)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> list[int]:
+        """Queue a request (a text prompt or token ids); returns the prompt token ids. Raises on bad input."""
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenize(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
+                raise InvalidRequestError("prompt token ids must be integers")
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, but the model's context length is {self.max_model_len} "
+                "(max_model_len), which leaves no room to generate"
+            )
+        params.validate()
+        params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        self._parents[request_id] = _Parent(text, token_ids, child_ids)
+        for index, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+            request = Request(child_id, token_ids, child_params, arrival_time=arrival, priority=priority,
+                              cache_salt=cache_salt, max_model_len=self.max_model_len)
+            if child_params.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(child_params.seed)
+                self._generators[child_id] = gen
+            self._children[child_id] = _Child(request_id, index, IncrementalDetokenizer(self.tokenizer, child_params, token_ids))
+            self.scheduler.add_request(request)
+        return token_ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request (all its n children); frees its KV blocks. False if it was not running."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return False
+        for child_id in parent.child_ids:
+            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
+            self._children.pop(child_id, None)
+            self._generators.pop(child_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- stepping ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one batch; returns an output for every request that got a token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        tokens, logprobs = self.runner.execute(out, self._generators)
+        progressed = self.scheduler.update_from_output(out, tokens)
+        now = time.monotonic()
+        return [self._make_output(r, logprobs.get(r.request_id), now) for r in progressed]
+
+    def _make_output(self, request: Request, logprobs, now: float) -> RequestOutput:
+        child = self._children[request.request_id]
+        token = request.output_token_ids[-1]
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+            child.cumulative_logprob += logprobs[token].logprob
+        params = request.sampling_params
+        # The EOS / stop token that ended a request is not part of its text.
+        ended_by_token = request.status == RequestStatus.FINISHED_STOPPED and (
+            token in params.stop_token_ids or (not params.ignore_eos and token in params.eos_token_ids)
+        )
+        stop = child.detokenizer.add_token(token, skip_text=ended_by_token)
+        if stop is not None:
+            if not request.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = stop
+        finished = request.is_finished
+        completion = CompletionOutput(
+            index=child.index,
+            text=child.detokenizer.output_text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=request.logprobs,
+            cumulative_logprob=child.cumulative_logprob if request.logprobs is not None else None,
+            delta_text=child.detokenizer.next_delta(finished),
+            delta_token_ids=[token],
+        )
+        parent_id = child.parent_id
+        parent = self._parents[parent_id]
+        metrics = {}
+        if finished:
+            parent.num_finished += 1
+            self._children.pop(request.request_id, None)
+            self._generators.pop(request.request_id, None)
+            metrics = {
+                "arrival_time": request.arrival_time,
+                "scheduled_time": request.scheduled_time,
+                "first_token_time": request.first_token_time,
+                "finished_time": now,
+                "num_preemptions": request.num_preemptions,
+            }
+        all_done = parent.num_finished == len(parent.child_ids)
+        if all_done:
+            del self._parents[parent_id]
+        return RequestOutput(
+            request_id=parent_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[completion],
+            finished=all_done,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            metrics=metrics,
+        )
+
+    # -- introspection ----------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage(),
+            num_blocks=kv.num_blocks,
+            block_size=kv.block_size,
+            prefix_cache_queries=kv.prefix_stats.queries,
+            prefix_cache_hits=kv.prefix_stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

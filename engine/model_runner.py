@@ -1,0 +1,146 @@
+"""Runs the model: owns the weights, the paged KV cache tensors and one batched forward pass per step."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvgate.engine.attention import AttentionMetadata
+from kvgate.engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from kvgate.engine.errors import ConfigError
+from kvgate.engine.kv_cache_manager import cdiv
+from kvgate.engine.loader import iterate_weights
+from kvgate.engine.models import resolve_model_class
+from kvgate.engine.models.layers import RotaryEmbedding
+from kvgate.engine.request import Request
+from kvgate.engine.sampler import Sampler, SamplingBatch
+from kvgate.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.vocab_size = hf_config.vocab_size
+        model_cls = resolve_model_class(hf_config)
+        with torch.device("meta"):
+            model = model_cls(hf_config, max_positions=max_model_len)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.tie_weights()
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reset_buffers(device)
+        model.load_weights(iterate_weights(config.model, dtype))
+        self.model = model.eval()
+        self.num_layers = hf_config.num_hidden_layers
+        self.sliding_window = model.sliding_window
+        if self.sliding_window is not None and self.sliding_window >= max_model_len:
+            self.sliding_window = None
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+
+    # -- KV cache ---------------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.model.num_kv_heads * self.model.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            num_blocks = cfg.num_gpu_blocks_override
+        elif cfg.kv_cache_memory is not None:
+            num_blocks = cfg.kv_cache_memory // self.bytes_per_block
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_cuda_kv_bytes() // self.bytes_per_block
+        else:
+            full = cfg.max_num_seqs * cdiv(self.max_model_len, self.block_size) * self.bytes_per_block
+            num_blocks = min(CPU_DEFAULT_KV_CACHE_BYTES, full) // self.bytes_per_block
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks of "
+                f"{self.bytes_per_block} bytes), fewer than max_model_len {self.max_model_len}: "
+                "give it more memory (kv_cache_memory) or lower max_model_len"
+            )
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, num_blocks * self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.num_blocks = num_blocks
+
+    def _profile_cuda_kv_bytes(self) -> int:
+        """Free memory after a worst-case forward (max_num_batched_tokens), times gpu_memory_utilization."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        self.allocate_kv_cache(cdiv(n, self.block_size))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            meta = AttentionMetadata.build([(0, n, list(range(self.num_blocks)))], self.block_size, self.device,
+                                           self.sliding_window)
+            hidden = self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)
+            rows = min(self.config.max_num_seqs, n)
+            self.model.compute_logits(hidden[:rows]).float().softmax(-1)
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        available = int(total * self.config.gpu_memory_utilization - used - activation_peak)
+        log.info("CUDA memory: total %.1f GiB, in use %.1f GiB, activation peak %.2f GiB -> KV cache %.1f GiB",
+                 total / 2**30, used / 2**30, activation_peak / 2**30, max(available, 0) / 2**30)
+        if available <= 0:
+            raise ConfigError("no GPU memory left for the KV cache: lower max_num_batched_tokens or raise "
+                              "gpu_memory_utilization")
+        return available
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, generators: dict[str, torch.Generator]):
+        """One forward pass for the whole batch; returns {request_id: token} and {request_id: logprobs}."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seqs = []
+        sample_rows: list[int] = []
+        samplers: list[Request] = []
+        for s in out.scheduled:
+            r = s.request
+            start, n = r.num_computed_tokens, s.num_new_tokens
+            input_ids.extend(r.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            seqs.append((start, n, s.block_ids))
+            if s.samples:
+                sample_rows.append(len(input_ids) - 1)
+                samplers.append(r)
+        dev = self.device
+        meta = AttentionMetadata.build(seqs, self.block_size, dev, self.sliding_window)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+        )
+        if not samplers:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        batch = SamplingBatch.build(samplers, self.vocab_size, dev, generators)
+        tokens, logprobs = self.sampler(logits, batch)
+        ids = [r.request_id for r in samplers]
+        token_map = dict(zip(ids, tokens.tolist()))
+        logprob_map = {rid: lp for rid, lp in zip(ids, logprobs)} if logprobs is not None else {}
+        return token_map, logprob_map

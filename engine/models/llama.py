@@ -1,0 +1,123 @@
+"""Llama (and the shared decoder stack that Mistral, Qwen2 and Qwen3 reuse)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvgate.engine.attention import AttentionMetadata
+from kvgate.engine.errors import ModelLoadError
+from kvgate.engine.models.layers import Attention, GatedMLP, RMSNorm
+
+# checkpoint name piece -> (our fused parameter piece, shard id)
+STACKED_PARAMS = [
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, max_positions: int, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, max_positions, qkv_bias=qkv_bias, qk_norm=qk_norm)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, kv_cache, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, max_positions: int, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, max_positions, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, max_positions, self.qkv_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        attn = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        window = getattr(config, "sliding_window", None)
+        if window is not None and getattr(config, "use_sliding_window", True) is False:
+            window = None
+        self.sliding_window = window
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head (again after the module was moved off the meta device)."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def _shard_slice(self, param_name: str, shard) -> slice:
+        if isinstance(shard, int):  # gate/up halves
+            size = self.config.intermediate_size
+            return slice(shard * size, (shard + 1) * size)
+        attn = self.model.layers[0].self_attn
+        q, kv = attn.q_size, attn.kv_size
+        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        # Every row of every parameter must be written exactly once; track what the checkpoint covered.
+        expected = {name: p.shape[0] for name, p in params.items()}
+        covered: dict[str, int] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            target, rows = name, slice(None)
+            for fused, piece, shard in STACKED_PARAMS:
+                if f".{piece}." in name:
+                    target = name.replace(piece, fused)
+                    rows = self._shard_slice(target, shard)
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ModelLoadError(f"checkpoint tensor {name!r} does not belong to {type(self).__name__}")
+            dest = param.data[rows]
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            covered[target] = covered.get(target, 0) + tensor.shape[0]
+        if self.tie_word_embeddings:
+            covered.pop("lm_head.weight", None)
+            expected.pop("lm_head.weight", None)
+        missing = sorted(n for n, rows in expected.items() if covered.get(n, 0) != rows)
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}"
+                                 + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))

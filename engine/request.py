@@ -1,0 +1,107 @@
+"""A request's life in the engine: WAITING -> RUNNING -> FINISHED_*, and PREEMPTED back to waiting."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvgate.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3  # EOS, stop token or stop string
+    FINISHED_LENGTH = 4  # max_tokens or the context length
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely
+    decoded_token: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower value = served first (vLLM's convention)
+    cache_salt: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the cache (computed or taken from the prefix cache).
+    num_computed_tokens: int = 0
+    # Prompt tokens that the prefix cache supplied at the (last) admission.
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    # Chained hashes of this request's full blocks, extended as tokens arrive.
+    block_hashes: list[bytes] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    # One {token_id: Logprob} per generated token when sampling_params.logprobs is set.
+    logprobs: list[dict[int, Logprob]] | None = None
+    first_token_time: float | None = None
+    scheduled_time: float | None = None  # first time it was scheduled (queue time ends)
+    max_model_len: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop_token(self) -> bool:
+        """Finish on EOS / stop token ids / max_tokens / context length; True when it finished."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in params.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if self.num_tokens >= self.max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

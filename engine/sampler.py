@@ -1,0 +1,180 @@
+"""Batched sampling on the logits' device.
+
+Order (vLLM's): raw logprobs -> min_tokens mask -> penalties -> greedy argmax for greedy rows ->
+temperature -> min-p -> top-k -> top-p -> draw. Draws use the exponential-race trick
+(argmax(p / E), E ~ Exp(1)), which lets each seeded request take its noise from its own generator, so a
+seeded request samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgate.engine.request import Logprob, Request
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling tensors, built once per step from the requests that sample."""
+
+    temperature: torch.Tensor  # [B] (0 for greedy rows)
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor | None  # [B] long, 0 = off
+    top_p: torch.Tensor | None  # [B]
+    min_p: torch.Tensor | None  # [B]
+    repetition: torch.Tensor | None  # [B]
+    presence: torch.Tensor | None
+    frequency: torch.Tensor | None
+    prompt_mask: torch.Tensor | None  # [B, V] bool: token occurs in the prompt
+    output_counts: torch.Tensor | None  # [B, V] counts of generated tokens
+    banned: list[tuple[int, list[int]]]  # (row, token ids) masked to -inf (min_tokens)
+    generators: list[torch.Generator | None]
+    num_logprobs: list[int | None]
+
+    @classmethod
+    def build(cls, requests: list[Request], vocab_size: int, device: torch.device,
+              generators: dict[str, torch.Generator]) -> "SamplingBatch":
+        ps = [r.sampling_params for r in requests]
+
+        def col(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        greedy = [p.greedy for p in ps]
+        needs_penalty = any(
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in ps
+        )
+        prompt_mask = output_counts = None
+        if needs_penalty:
+            prompt_mask = torch.zeros(len(ps), vocab_size, dtype=torch.bool, device=device)
+            output_counts = torch.zeros(len(ps), vocab_size, dtype=torch.float32, device=device)
+            for i, r in enumerate(requests):
+                if r.prompt_token_ids:
+                    prompt_mask[i, col(r.prompt_token_ids, torch.long)] = True
+                if r.output_token_ids:
+                    ids = col(r.output_token_ids, torch.long)
+                    output_counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+        banned = []
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(p.eos_token_ids)))
+                if ids:
+                    banned.append((i, ids))
+        any_sampled = not all(greedy)
+        return cls(
+            temperature=col([0.0 if g else p.temperature for g, p in zip(greedy, ps)]),
+            greedy=col(greedy, torch.bool),
+            top_k=col([p.top_k for p in ps], torch.long) if any_sampled and any(p.top_k > 0 for p in ps) else None,
+            top_p=col([p.top_p for p in ps]) if any_sampled and any(p.top_p < 1.0 for p in ps) else None,
+            min_p=col([p.min_p for p in ps]) if any_sampled and any(p.min_p > 0 for p in ps) else None,
+            repetition=col([p.repetition_penalty for p in ps]) if needs_penalty else None,
+            presence=col([p.presence_penalty for p in ps]) if needs_penalty else None,
+            frequency=col([p.frequency_penalty for p in ps]) if needs_penalty else None,
+            prompt_mask=prompt_mask,
+            output_counts=output_counts,
+            banned=banned,
+            generators=[generators.get(r.request_id) for r in requests],
+            num_logprobs=[p.logprobs for p in ps],
+        )
+
+
+def apply_penalties(logits, prompt_mask, output_counts, repetition, presence, frequency):
+    """Repetition (HF/CTRL style, prompt and output tokens), presence and frequency (OpenAI, output tokens)."""
+    seen = prompt_mask | (output_counts > 0)
+    rep = repetition[:, None].expand_as(logits)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - frequency[:, None] * output_counts
+    return logits - presence[:, None] * (output_counts > 0).float()
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep the top_k most likely tokens, then the smallest set whose probability reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+        kth = sorted_logits.gather(1, (vocab - k)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        cum = probs.cumsum(dim=-1)
+        drop = cum <= (1 - top_p[:, None])
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, list | None]:
+        """logits [B, V] (float32) -> (token ids [B], top logprobs per row or None)."""
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in batch.num_logprobs) else None
+        for row, ids in batch.banned:
+            logits[row, ids] = float("-inf")
+        if batch.repetition is not None:
+            logits = apply_penalties(logits, batch.prompt_mask, batch.output_counts,
+                                     batch.repetition, batch.presence, batch.frequency)
+        greedy_tokens = logits.argmax(dim=-1)
+        if bool(batch.greedy.all()):
+            tokens = greedy_tokens
+        else:
+            temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
+            logits = logits / temp[:, None]
+            if batch.min_p is not None:
+                logits = apply_min_p(logits, batch.min_p)
+            if batch.top_k is not None or batch.top_p is not None:
+                logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+            probs = logits.softmax(dim=-1)
+            noise = self._exponential_noise(probs, batch.generators)
+            sampled = probs.div(noise).argmax(dim=-1)
+            tokens = torch.where(batch.greedy, greedy_tokens, sampled)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = self._gather_logprobs(raw_logprobs, tokens, batch.num_logprobs)
+        return tokens, logprobs
+
+    @staticmethod
+    def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            if len(unseeded) == len(generators):
+                noise.exponential_()
+            else:
+                noise[unseeded] = torch.empty_like(noise[unseeded]).exponential_()
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        return noise
+
+    @staticmethod
+    def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, counts: list[int | None]) -> list:
+        k = max(n or 0 for n in counts)
+        chosen = raw.gather(1, tokens[:, None]).squeeze(1)
+        ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
+        top_vals = top_ids = None
+        if k > 0:
+            top_vals, top_ids = raw.topk(k, dim=-1)
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        chosen, ranks, toks = chosen.tolist(), ranks.tolist(), tokens.tolist()
+        result = []
+        for i, n in enumerate(counts):
+            if n is None:
+                result.append(None)
+                continue
+            entry = {toks[i]: Logprob(chosen[i], ranks[i])}
+            for j in range(n):
+                tid = top_ids[i][j]
+                if tid not in entry:
+                    entry[tid] = Logprob(top_vals[i][j], j + 1)
+            result.append(entry)
+        return result

@@ -1,0 +1,231 @@
+"""Continuous batching with one token budget per step (vLLM V1's scheduler, written small).
+
+Each step, running requests are served first (decodes and unfinished prefill chunks), then waiting
+requests are admitted while the budget, `max_num_seqs` and free KV blocks allow. A request has no
+"phase": it simply has `num_tokens - num_computed_tokens` tokens left to compute, so decodes and
+prefill chunks share a batch. When a running request cannot get a block, the lowest-priority (newest)
+running request is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvgate.engine.kv_cache_manager import KVCacheManager
+from kvgate.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's known tokens, so a token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS (preempted requests go back to the front) or by (priority, arrival)."""
+
+    def __init__(self, policy: str) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r} (fcfs or priority)")
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._seq), request))
+        elif front:
+            self._fifo.appendleft(request)
+        else:
+            self._fifo.append(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self):
+        return (e[3] for e in self._heap) if self.policy == "priority" else iter(self._fifo)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (stop string, abort) a request wherever it is; frees its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        return request
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(victim, front=True)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        chunk: dict[str, int] = {}  # request id -> tokens scheduled this step
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while True:
+                if self.kv.allocate_slots(request, num_new) is not None:
+                    break
+                victim = self._pick_victim()
+                if victim.request_id in chunk:  # already scheduled this step (priority policy)
+                    budget += chunk.pop(victim.request_id)
+                    i -= 1
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # it preempted itself: nothing else fits this step
+            chunk[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, unless this step had to preempt (memory is tight).
+        while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+                break
+            self.waiting.pop()
+            if request.num_preemptions == 0:
+                self.kv.record_prefix_query(request.num_tokens, num_hit)
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
+            self.running.append(request)
+            chunk[request.request_id] = num_new
+            budget -= num_new
+
+        for request in self.running:
+            if request.request_id in chunk:
+                out.scheduled.append(
+                    ScheduledRequest(request, chunk[request.request_id], self.kv.get_block_ids(request.request_id))
+                )
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests; returns requests that got a token."""
+        progressed = []
+        for s in out.scheduled:
+            request = s.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            progressed.append(request)
+            if request.check_stop_token():
+                self.requests.pop(request.request_id, None)
+                self.running.remove(request)
+                self.kv.free(request)
+        return progressed

@@ -1,0 +1,50 @@
+"""Tiny random models of each supported family, built with transformers' own config classes and saved
+as ordinary HF folders (safetensors + a byte-level tokenizer), so the engine loads them like real ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def make_config(family: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=262, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=512, bos_token_id=256, eos_token_id=257)
+    if family == "llama":  # GQA + Llama-3 rope scaling
+        return LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 128})
+    if family == "mistral":
+        return MistralConfig(**common, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False)
+    if family == "qwen2":  # qkv bias + tied embeddings
+        return Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
+    if family == "qwen3":  # q/k norm, explicit head_dim
+        return Qwen3Config(**common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+def build_tiny_model(family: str, folder: Path, seed: int = 0):
+    """Save a random HF model of `family` to `folder`; returns the HF model (fp32, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
+
+    config = make_config(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # wider than the default init so greedy choices are not near-ties
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+            elif "bias" in name:
+                p.normal_(0.0, 0.1)
+    model.eval()
+    model.save_pretrained(str(folder), safe_serialization=True)
+    write_tokenizer_files(build_byte_tokenizer(), folder, config.max_position_embeddings)
+    return model
