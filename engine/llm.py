@@ -26,8 +26,17 @@ def resolve_model_path(model: str) -> str:
 class LLM:
     def __init__(self, model: str, **engine_args) -> None:
         served = engine_args.pop("served_model_name", None) or model
-        self.engine = LLMEngine(EngineConfig(model=resolve_model_path(model), served_model_name=served, **engine_args))
-        self.tokenizer = self.engine.tokenizer
+        self._attach(LLMEngine(EngineConfig(model=resolve_model_path(model), served_model_name=served, **engine_args)))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._attach(LLMEngine(config))
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
 
     def generate(

@@ -66,3 +66,55 @@ def test_greedy_matches_hf(family, mode, tiny_model_dir, hf_reference):
         assert sum(o.num_cached_tokens for o in again) > 0
     assert stats.num_running == stats.num_waiting == 0
     assert stats.kv_cache_usage == 0.0
+
+
+def test_mistral_sliding_window_matches_hf(tmp_path):
+    """Prompts longer than the window: both prefill masks and decode masks must drop old keys."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.tiny_models import build_tiny_model
+
+    model = build_tiny_model("mistral", tmp_path, seed=3)
+    model.config.sliding_window = 24
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    prompts = make_prompts()
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected.append(gen[0, len(prompt):].tolist())
+    llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=32)
+    assert llm.engine.runner.sliding_window == 24
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_sharded_checkpoint_loads(tmp_path, tiny_model_dir, hf_reference):
+    _, model = tiny_model_dir("qwen3")
+    model.save_pretrained(str(tmp_path), safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    folder, _ = tiny_model_dir("qwen3")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((folder / f).read_bytes())
+    llm = LLM(str(tmp_path), max_model_len=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == hf_reference("qwen3")
+
+
+def test_missing_tensor_is_a_load_error(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    from kvgate.engine import ModelLoadError
+
+    folder, _ = tiny_model_dir("llama")
+    for f in folder.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="missing weights: model.layers.1.self_attn.qkv_proj.weight"):
+        LLM(str(tmp_path), max_model_len=128)

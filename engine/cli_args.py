@@ -1,0 +1,54 @@
+"""Engine flags shared by `kvgate generate`, `kvgate serve` and `kvgate bench engine` (DESIGN.md's names)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from kvgate.engine.config import EngineConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '1GiB', '512MiB', '2G' -> bytes (binary units)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 2147483648 or 2GiB)")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    return int(value * 1024 ** " kmgt".index(unit or " "))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch (default: 128)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step (default: 2048)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="bytes for the KV cache, e.g. 2GiB (default: measured on GPU, 1 GiB on CPU)")
+    g.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of shared prompt prefixes (default: on)")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--seed", type=int, default=0, help="engine random seed (default: 0)")
+
+
+def engine_config_from_args(model_path: str, args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=model_path,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+    )
