@@ -8,6 +8,7 @@ import torch
 
 from kvgate.engine.attention import AttentionMetadata
 from kvgate.engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
+from kvgate.engine.cpu_allocator import keep_large_allocations_in_heap
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
 from kvgate.engine.loader import iterate_weights
@@ -30,6 +31,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.vocab_size = hf_config.vocab_size
+        if device.type == "cpu":
+            keep_large_allocations_in_heap()
         model_cls = resolve_model_class(hf_config)
         with torch.device("meta"):
             model = model_cls(hf_config, max_positions=max_model_len)
@@ -75,7 +78,7 @@ class ModelRunner:
         return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, num_blocks * self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        shape = (2, self.model.num_kv_heads, num_blocks * self.block_size, self.model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.num_blocks = num_blocks
 
@@ -89,8 +92,7 @@ class ModelRunner:
         baseline = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            meta = AttentionMetadata.build([(0, n, list(range(self.num_blocks)))], self.block_size, self.device,
-                                           self.sliding_window)
+            meta = self._attention_metadata([(0, n, list(range(self.num_blocks)))])
             hidden = self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)
             rows = min(self.config.max_num_seqs, n)
             self.model.compute_logits(hidden[:rows]).float().softmax(-1)
@@ -110,6 +112,10 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------
 
+    def _attention_metadata(self, seqs) -> AttentionMetadata:
+        return AttentionMetadata.build(seqs, self.block_size, self.device, self.model.num_kv_heads,
+                                       self.num_blocks, self.sliding_window)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, generators: dict[str, torch.Generator]):
         """One forward pass for the whole batch; returns {request_id: token} and {request_id: logprobs}."""
@@ -128,7 +134,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 samplers.append(r)
         dev = self.device
-        meta = AttentionMetadata.build(seqs, self.block_size, dev, self.sliding_window)
+        meta = self._attention_metadata(seqs)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
