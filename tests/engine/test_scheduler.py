@@ -1,0 +1,100 @@
+"""Scheduler behaviour on its own: token budget, chunked prefill, max_num_seqs, preemption order, priority."""
+
+from kvgate.engine.kv_cache_manager import KVCacheManager
+from kvgate.engine.request import Request, RequestStatus
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.scheduler import Scheduler
+
+
+def make(num_blocks=64, block_size=4, **kw):
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=kw.pop("caching", True))
+    args = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256)
+    args.update(kw)
+    return Scheduler(kv, **args)
+
+
+def req(rid, n, priority=0, max_tokens=100):
+    return Request(rid, list(range(1000 * len(rid), 1000 * len(rid) + n)), SamplingParams(max_tokens=max_tokens),
+                   priority=priority, max_model_len=256)
+
+
+def run_step(s, token=7):
+    out = s.schedule()
+    s.update_from_output(out, {x.request.request_id: token for x in out.scheduled if x.samples})
+    return out
+
+
+def test_budget_and_chunked_prefill():
+    s = make(max_num_batched_tokens=32)
+    s.add_request(req("a", 50))
+    s.add_request(req("bb", 10))
+    out = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 32)]
+    assert not out.scheduled[0].samples  # a partial prefill chunk samples nothing
+    out = run_step(s)
+    # a finishes its prompt (18) and bb's whole prompt (10) joins in the same step
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 18), ("bb", 10)]
+    out = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("bb", 1)]
+
+
+def test_without_chunked_prefill_a_long_prompt_waits_for_a_whole_budget():
+    s = make(max_num_batched_tokens=32, enable_chunked_prefill=False)
+    s.add_request(req("a", 20))
+    s.add_request(req("bb", 20))
+    out = run_step(s)
+    assert [x.request.request_id for x in out.scheduled] == ["a"]
+
+
+def test_max_num_seqs():
+    s = make(max_num_seqs=2, max_num_batched_tokens=100)
+    for rid in ("a", "bb", "ccc"):
+        s.add_request(req(rid, 5))
+    out = run_step(s)
+    assert len(out.scheduled) == 2 and s.num_waiting == 1
+
+
+def test_preemption_recomputes_the_newest_request():
+    s = make(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    s.add_request(req("a", 8))
+    s.add_request(req("bb", 8))
+    run_step(s)  # both prompts: 2 + 2 blocks, plus room for 1 token each -> 3 + 3 blocks
+    # decodes eventually need a 4th block each: the newest (bb) is preempted, a keeps running
+    preempted = []
+    for _ in range(8):
+        preempted += [r.request_id for r in run_step(s).preempted]
+        if preempted:
+            break
+    assert preempted == ["bb"]
+    bb = s.requests["bb"]
+    assert bb.status == RequestStatus.PREEMPTED and bb.num_computed_tokens == 0 and bb.num_preemptions == 1
+    assert s.requests["a"].status == RequestStatus.RUNNING
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    s = make(num_blocks=64, max_num_seqs=1, policy="priority")
+    s.add_request(req("low", 4, priority=5))
+    s.add_request(req("high", 4, priority=-1))
+    out = run_step(s)
+    assert [x.request.request_id for x in out.scheduled] == ["high"]
+
+    s = make(num_blocks=5, block_size=4, max_num_batched_tokens=64, policy="priority")
+    s.add_request(req("high", 8, priority=0))
+    s.add_request(req("low", 8, priority=9))
+    preempted = []
+    for _ in range(8):
+        preempted += [r.request_id for r in run_step(s).preempted]
+        if preempted:
+            break
+    assert preempted[0] == "low"
+
+
+def test_finish_and_abort_free_blocks():
+    s = make()
+    s.add_request(req("a", 10))
+    s.add_request(req("bb", 10))
+    run_step(s)
+    assert s.kv.usage() > 0
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    s.finish_request("bb", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.usage() == 0 and not s.has_unfinished_requests()
