@@ -22,6 +22,8 @@ CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 @dataclass
 class EngineConfig:
     model: str
+    backend: str = "torch"  # torch | sim (a timing model instead of weights, see sim_runner.py)
+    sim_profile: object | None = None  # SimProfile for the sim backend; None = its defaults
     tokenizer: str | None = None
     served_model_name: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -39,6 +41,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.backend not in ("torch", "sim"):
+            raise ConfigError(f"backend must be torch or sim, got {self.backend!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

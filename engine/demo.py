@@ -31,18 +31,30 @@ def cache_dir() -> Path:
 
 
 def ensure_demo_model(root: Path | None = None) -> Path:
-    """Path of the demo model folder, building it if absent (safe when several processes race)."""
+    """Path of the demo model folder, building it if absent."""
     target = (root or cache_dir() / "models") / f"demo-{DEMO_VERSION}"
-    if (target / "model.safetensors").is_file():
+    return _build_once(target, "model.safetensors", build_demo_model)
+
+
+def ensure_byte_tokenizer(root: Path | None = None) -> Path:
+    """A folder with just the demo's byte-level tokenizer (for the sim backend, which needs no weights)."""
+    target = (root or cache_dir() / "tokenizers") / f"byte-{DEMO_VERSION}"
+    return _build_once(target, "tokenizer_config.json", lambda folder: write_tokenizer_files(
+        build_byte_tokenizer(), folder, DEMO_SHAPE["max_position_embeddings"]))
+
+
+def _build_once(target: Path, marker: str, build) -> Path:
+    """Build into a temporary sibling and rename it into place: safe when several processes race."""
+    if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        build_demo_model(tmp)
+        build(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
-            if not (target / "model.safetensors").is_file():  # lost a race only if the winner finished
+            if not (target / marker).is_file():  # lost a race only if the winner finished
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -75,22 +75,46 @@ def _eos_token_ids(model_path: str, hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _sim_tokenizer_path(config: EngineConfig) -> str:
+    """The sim serves any model name: a folder's own tokenizer if it has one, else the byte tokenizer."""
+    from pathlib import Path
+
+    from kvgate.engine.demo import ensure_byte_tokenizer
+
+    if config.tokenizer:
+        return config.tokenizer
+    folder = Path(config.model)
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+        return str(folder)
+    return str(ensure_byte_tokenizer())
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.hf_config = load_hf_config(config.model)
-        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
-        self.device = config.resolve_device()
-        self.dtype = config.resolve_dtype(self.hf_config, self.device)
-        self.max_model_len = config.resolve_max_model_len(self.hf_config)
+        self.model_name = config.served_model_name or config.model
+        torch.manual_seed(config.seed)
+        if config.backend == "sim":
+            from kvgate.engine.sim_runner import SimModelRunner, SimProfile, sim_hf_config
+
+            profile = config.sim_profile or SimProfile()
+            self.tokenizer = load_tokenizer(_sim_tokenizer_path(config))
+            self.hf_config = sim_hf_config(profile, self.tokenizer)
+            self.max_model_len = config.resolve_max_model_len(self.hf_config)
+            self.runner = SimModelRunner(config, profile, self.tokenizer, self.max_model_len)
+            self.device, self.dtype = self.runner.device, self.runner.dtype
+        else:
+            self.hf_config = load_hf_config(config.model)
+            self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+            self.device = config.resolve_device()
+            self.dtype = config.resolve_dtype(self.hf_config, self.device)
+            self.max_model_len = config.resolve_max_model_len(self.hf_config)
+            self.runner = ModelRunner(config, self.hf_config, self.device, self.dtype, self.max_model_len)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
                 f">= max_model_len ({self.max_model_len})"
             )
-        self.model_name = config.served_model_name or config.model
-        torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, self.hf_config, self.device, self.dtype, self.max_model_len)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -155,7 +179,7 @@ class LLMEngine:
             if params.n > 1:
                 child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
             request = Request(child_id, token_ids, child_params, arrival_time=arrival, priority=priority,
-                              cache_salt=cache_salt, max_model_len=self.max_model_len)
+                              cache_salt=cache_salt, max_model_len=self.max_model_len, sample_index=index)
             if child_params.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(child_params.seed)
@@ -173,6 +197,7 @@ class LLMEngine:
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
             self._children.pop(child_id, None)
             self._generators.pop(child_id, None)
+            self.runner.forget(child_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -228,6 +253,7 @@ class LLMEngine:
             parent.num_finished += 1
             self._children.pop(request.request_id, None)
             self._generators.pop(request.request_id, None)
+            self.runner.forget(request.request_id)
             metrics = {
                 "arrival_time": request.arrival_time,
                 "scheduled_time": request.scheduled_time,

@@ -110,6 +110,9 @@ class ModelRunner:
                               "gpu_memory_utilization")
         return available
 
+    def forget(self, request_id: str) -> None:
+        """A request ended; the torch runner keeps no per-request state."""
+
     # -- one step ---------------------------------------------------------------------------------
 
     def _attention_metadata(self, seqs) -> AttentionMetadata:

@@ -60,6 +60,7 @@ class Request:
     first_token_time: float | None = None
     scheduled_time: float | None = None  # first time it was scheduled (queue time ends)
     max_model_len: int = 0
+    sample_index: int = 0  # which of a parent's n samples this is
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -1,0 +1,152 @@
+"""`--backend sim`: the real scheduler, KV blocks, prefix cache and metrics, with the forward pass replaced
+by a timing model, so many replicas with GPU-like behaviour run on a small CPU machine.
+
+Time of one step = step overhead
+                 + prefill cost x tokens actually computed (prefix-cache hits are free)
+                 + decode cost x sequences decoding
+                 + attention cost x context tokens attended (every scheduled sequence's context).
+The engine thread sleeps for that long (less the time the step really took); it never spins. Tokens
+come from a per-request generator seeded by the request's seed (or its prompt), so outputs are
+deterministic, decode to printable text and never hit EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from types import SimpleNamespace
+
+import xxhash
+
+from kvgate.engine.config import EngineConfig
+from kvgate.engine.errors import ConfigError
+from kvgate.engine.kv_cache_manager import cdiv
+from kvgate.engine.request import Logprob, Request
+from kvgate.engine.scheduler import SchedulerOutput
+
+_PRINTABLE = list(range(32, 127))
+
+
+@dataclass
+class SimProfile:
+    """Defaults resemble Llama-3.1-8B in bf16 on one H100 SXM (vLLM-like kernels)."""
+
+    step_overhead_ms: float = 6.0  # weights streamed once per step (16 GB at ~3 TB/s) + scheduling
+    prefill_ms_per_token: float = 0.035  # ~16 GFLOP per token at ~450 TFLOP/s effective
+    decode_ms_per_seq: float = 0.05
+    ms_per_context_token: float = 0.00005  # 128 KiB of K/V per token read at ~2.6 TB/s
+    kv_bytes_per_token: int = 131072  # 32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes
+    kv_cache_memory: int = 56 * 2**30  # 80 GB x 0.9 minus 16 GB of weights
+    max_model_len: int = 32768
+    slowdown: float = 1.0  # multiplies every cost: a slower (or busier) replica
+
+    @classmethod
+    def load(cls, path: str | Path | None, **overrides) -> "SimProfile":
+        values = {}
+        if path:
+            text = Path(path).read_text()
+            try:
+                import yaml
+
+                values = yaml.safe_load(text) or {}
+            except Exception as exc:  # noqa: BLE001 - any parse error becomes a clear config error
+                raise ConfigError(f"cannot read sim profile {path}: {exc}") from exc
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(values) - known)
+            if unknown:
+                raise ConfigError(f"sim profile {path}: unknown keys {unknown}; known: {sorted(known)}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        profile = cls(**values)
+        for f in fields(profile):
+            if getattr(profile, f.name) < 0:
+                raise ConfigError(f"sim profile: {f.name} must be >= 0")
+        return profile
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        ms = (self.step_overhead_ms + self.prefill_ms_per_token * prefill_tokens
+              + self.decode_ms_per_seq * decode_seqs + self.ms_per_context_token * context_tokens)
+        return ms * self.slowdown / 1000.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def sim_hf_config(profile: SimProfile, tokenizer):
+    """The few config fields the engine reads, for a model that does not exist."""
+    return SimpleNamespace(vocab_size=len(tokenizer), max_position_embeddings=profile.max_model_len,
+                           eos_token_id=tokenizer.eos_token_id, architectures=["Simulated"])
+
+
+class SimModelRunner:
+    """Drop-in for ModelRunner: same KV sizing and execute() contract, no weights."""
+
+    def __init__(self, config: EngineConfig, profile: SimProfile, tokenizer, max_model_len: int) -> None:
+        import torch
+
+        self.config = config
+        self.profile = profile
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.device = torch.device("cpu")
+        self.dtype = torch.bfloat16
+        self.vocab_size = len(tokenizer)
+        self.num_blocks = 0
+        self._rngs: dict[str, random.Random] = {}
+        self.busy_seconds = 0.0  # modelled time, for checks and metrics
+
+    def determine_num_blocks(self) -> int:
+        if self.config.num_gpu_blocks_override is not None:
+            num_blocks = self.config.num_gpu_blocks_override
+        else:
+            memory = self.config.kv_cache_memory or self.profile.kv_cache_memory
+            num_blocks = memory // (self.profile.kv_bytes_per_token * self.block_size)
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ConfigError(f"the simulated KV cache holds {num_blocks * self.block_size} tokens, fewer than "
+                              f"max_model_len {self.max_model_len}")
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def _rng(self, request: Request) -> random.Random:
+        rng = self._rngs.get(request.request_id)
+        if rng is None:
+            seed = request.sampling_params.seed
+            if seed is None:  # same prompt, same text: unseeded requests are deterministic too
+                seed = xxhash.xxh64_intdigest(repr((request.prompt_token_ids, request.sample_index)).encode())
+            rng = self._rngs[request.request_id] = random.Random(seed)
+        return rng
+
+    def execute(self, out: SchedulerOutput, generators):
+        started = time.monotonic()
+        prefill_tokens = decode_seqs = context_tokens = 0
+        tokens: dict[str, int] = {}
+        logprobs: dict[str, dict[int, Logprob]] = {}
+        for s in out.scheduled:
+            r = s.request
+            context_tokens += r.num_computed_tokens + s.num_new_tokens
+            if s.num_new_tokens == 1 and r.num_computed_tokens > 0:
+                decode_seqs += 1
+            else:
+                prefill_tokens += s.num_new_tokens
+            if s.samples:
+                rng = self._rng(r)
+                token = rng.choice(_PRINTABLE)
+                tokens[r.request_id] = token
+                if r.sampling_params.logprobs is not None:
+                    entry = {token: Logprob(-0.05, 1)}
+                    for rank in range(2, r.sampling_params.logprobs + 2):
+                        entry.setdefault(rng.choice(_PRINTABLE), Logprob(-1.0 * rank, rank))
+                    logprobs[r.request_id] = entry
+        seconds = self.profile.step_seconds(prefill_tokens, decode_seqs, context_tokens)
+        self.busy_seconds += seconds
+        remaining = seconds - (time.monotonic() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        return tokens, logprobs
+
+    def forget(self, request_id: str) -> None:
+        self._rngs.pop(request_id, None)
