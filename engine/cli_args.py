@@ -21,6 +21,8 @@ def parse_bytes(text: str) -> int:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
+    g.add_argument("--backend", choices=["torch", "sim"], default="torch",
+                   help="torch: run the model; sim: a timing model, no weights (default: torch)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
@@ -35,11 +37,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="reuse KV blocks of shared prompt prefixes (default: on)")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default: 0)")
+    sim = parser.add_argument_group("sim backend (defaults resemble an 8B model on one H100)")
+    sim.add_argument("--sim-profile", default=None, help="YAML/JSON file with SimProfile fields")
+    sim.add_argument("--sim-step-overhead-ms", type=float, default=None)
+    sim.add_argument("--sim-prefill-ms-per-token", type=float, default=None)
+    sim.add_argument("--sim-decode-ms-per-seq", type=float, default=None)
+    sim.add_argument("--sim-ms-per-context-token", type=float, default=None)
+    sim.add_argument("--sim-slowdown", type=float, default=None, help="multiply every cost (a slow replica)")
+    sim.add_argument("--sim-max-model-len", type=int, default=None)
 
 
 def engine_config_from_args(model_path: str, args: argparse.Namespace) -> EngineConfig:
+    sim_profile = None
+    if args.backend == "sim":
+        from kvgate.engine.sim_runner import SimProfile
+
+        sim_profile = SimProfile.load(
+            args.sim_profile, step_overhead_ms=args.sim_step_overhead_ms,
+            prefill_ms_per_token=args.sim_prefill_ms_per_token, decode_ms_per_seq=args.sim_decode_ms_per_seq,
+            ms_per_context_token=args.sim_ms_per_context_token, slowdown=args.sim_slowdown,
+            max_model_len=args.sim_max_model_len)
     return EngineConfig(
         model=model_path,
+        backend=args.backend,
+        sim_profile=sim_profile,
         served_model_name=args.served_model_name,
         device=args.device,
         dtype=args.dtype,

@@ -8,6 +8,13 @@ class EngineError(Exception):
 class InvalidRequestError(EngineError, ValueError):
     """A request (prompt or sampling parameters) the engine cannot serve; other requests are unaffected."""
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the offending request field, when one is to blame
+
+    def __reduce__(self):  # keep `param` across the engine process's pipe
+        return type(self), (str(self), self.param)
+
 
 class ModelLoadError(EngineError, ValueError):
     """A model folder that cannot be loaded: missing files, unknown architecture, mismatched weights."""

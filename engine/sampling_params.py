@@ -43,9 +43,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(param: str, why: str) -> InvalidRequestError:
-            err = InvalidRequestError(f"{param} {why}")
-            err.param = param  # type: ignore[attr-defined]
-            return err
+            return InvalidRequestError(f"{param} {why}", param=param)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")

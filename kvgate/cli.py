@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
+    from kvgate.engine.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from kvgate.engine.bench import add_bench_engine_parser

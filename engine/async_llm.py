@@ -1,0 +1,295 @@
+"""Async front over the engine for the HTTP server.
+
+The engine loop runs apart from the asyncio server — in a thread of the server process or in a process
+of its own (`--engine-loop thread|process`) — and feeds per-request asyncio queues. Messages are plain
+picklable objects, so both modes share one loop (`EngineLoop`) and one front (`AsyncLLM`). A request
+whose consumer goes away (client disconnect, cancellation) is aborted in the engine, freeing its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvgate.engine.config import EngineConfig
+from kvgate.engine.errors import EngineError
+from kvgate.engine.llm_engine import EngineStats, LLMEngine
+from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float | None = None
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class EngineInfo:
+    """What the front needs to know about the engine, sent once when it is ready."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer_path: str
+
+
+@dataclass
+class RequestFailed:
+    request_id: str
+    error: Exception
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput]
+    failures: list[RequestFailed]
+    stats: EngineStats
+
+
+class EngineLoop:
+    """Owns an LLMEngine: takes commands, steps while there is work, blocks (no spinning) when idle."""
+
+    def __init__(self, engine: LLMEngine, receive: Callable[[float | None], object | None],
+                 send: Callable[[StepResult], None]) -> None:
+        self.engine = engine
+        self.receive = receive  # receive(timeout) -> a command, or None on timeout
+        self.send = send
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            failures: list[RequestFailed] = []
+            # Idle: wait for a command. Busy: take what has arrived and step.
+            command = self.receive(None if not engine.has_unfinished_requests() else 0.0)
+            changed = False
+            while command is not None:
+                if isinstance(command, Shutdown):
+                    return
+                changed = True
+                if isinstance(command, AddRequest):
+                    try:
+                        engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                           priority=command.priority, cache_salt=command.cache_salt,
+                                           arrival_time=command.arrival_time)
+                    except Exception as exc:  # noqa: BLE001 - reported to that request, the loop goes on
+                        failures.append(RequestFailed(command.request_id, exc))
+                elif isinstance(command, AbortRequest):
+                    engine.abort_request(command.request_id)
+                command = self.receive(0.0)
+            outputs = engine.step() if engine.has_unfinished_requests() else []
+            if outputs or failures or changed:
+                self.send(StepResult(outputs, failures, engine.stats()))
+
+
+def _tokenizer_path(engine: LLMEngine) -> str:
+    return getattr(engine.tokenizer, "name_or_path", "") or engine.config.model
+
+
+def _engine_info(engine: LLMEngine) -> EngineInfo:
+    return EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size, engine.config.block_size,
+                      engine.kv_cache_manager.num_blocks, engine.eos_token_ids, _tokenizer_path(engine))
+
+
+def _process_main(config: EngineConfig, conn) -> None:
+    """Entry point of the engine process: build the engine, report, then loop on the pipe."""
+    try:
+        engine = LLMEngine(config)
+    except Exception as exc:  # noqa: BLE001 - the front re-raises it
+        conn.send(exc)
+        return
+    conn.send(_engine_info(engine))
+
+    def receive(timeout):
+        if timeout is None or conn.poll(timeout):
+            try:
+                return conn.recv()
+            except EOFError:  # the server process is gone
+                return Shutdown()
+        return None
+
+    EngineLoop(engine, receive, conn.send).run()
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, engine_loop: str = "thread") -> None:
+        if engine_loop not in ("thread", "process"):
+            raise ValueError(f"engine_loop must be thread or process, got {engine_loop!r}")
+        self.config = config
+        self.mode = engine_loop
+        self.info: EngineInfo | None = None
+        self.tokenizer = None
+        self.stats: EngineStats | None = None
+        self.error: BaseException | None = None  # the engine loop died
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._commands: queue.SimpleQueue | None = None
+        self._conn = None
+        self._process = None
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.error is None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Build the engine (in its thread or process) and start its loop; raises if building fails."""
+        self._loop = asyncio.get_running_loop()
+        if self.mode == "thread":
+            engine = await asyncio.to_thread(LLMEngine, self.config)
+            self.tokenizer = engine.tokenizer
+            self._commands = queue.SimpleQueue()
+
+            def receive(timeout):
+                try:
+                    return self._commands.get(timeout=timeout) if timeout != 0.0 else self._commands.get_nowait()
+                except queue.Empty:
+                    return None
+
+            loop = EngineLoop(engine, receive, self._post)
+            self._start_thread(loop.run, "kvgate-engine")
+            info = _engine_info(engine)
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            parent, child = ctx.Pipe()
+            self._process = ctx.Process(target=_process_main, args=(self.config, child), name="kvgate-engine",
+                                        daemon=True)
+            self._process.start()
+            child.close()
+            self._conn = parent
+            info = await asyncio.to_thread(self._receive_first)
+            from kvgate.engine.loader import load_tokenizer
+
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, info.tokenizer_path)
+            self._start_thread(self._pipe_reader, "kvgate-engine-reader")
+        self.info = info
+        log.info("engine loop started (%s): %s, %d KV blocks", self.mode, info.model_name, info.num_blocks)
+
+    def _receive_first(self) -> EngineInfo:
+        message = self._conn.recv()
+        if isinstance(message, BaseException):
+            raise message
+        return message
+
+    def _start_thread(self, target, name: str) -> None:
+        def run():
+            try:
+                target()
+            except BaseException as exc:  # noqa: BLE001 - surfaces as 503s and in /health
+                log.exception("engine loop failed")
+                self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _pipe_reader(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                if self._process is not None and self._process.exitcode not in (None, 0):
+                    raise RuntimeError(f"engine process exited with code {self._process.exitcode}")
+                return
+            self._post(message)
+
+    def _post(self, result: StepResult) -> None:
+        self._loop.call_soon_threadsafe(self._dispatch, result)
+
+    def _dispatch(self, result: StepResult) -> None:
+        self.stats = result.stats
+        for failure in result.failures:
+            q = self._queues.get(failure.request_id)
+            if q is not None:
+                q.put_nowait(failure.error)
+        for out in result.outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self.error = exc
+        for q in self._queues.values():
+            q.put_nowait(EngineError(f"the engine stopped: {exc}"))
+
+    def _send(self, command) -> None:
+        if self.mode == "thread":
+            self._commands.put(command)
+        else:
+            self._conn.send(command)
+
+    async def shutdown(self) -> None:
+        if self.info is None and self._process is None:
+            return
+        try:
+            self._send(Shutdown())
+        except (OSError, BrokenPipeError):
+            pass
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join, 5.0)
+        if self._process is not None:
+            await asyncio.to_thread(self._process.join, 5.0)
+            if self._process.is_alive():
+                self._process.terminate()
+                await asyncio.to_thread(self._process.join, 5.0)
+            self._conn.close()
+        self.info = None
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       priority: int = 0, cache_salt: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; leaving the iteration early aborts it in the engine."""
+        if self.error is not None:
+            raise EngineError(f"the engine stopped: {self.error}")
+        if request_id in self._queues:
+            raise EngineError(f"request id {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        finished = False
+        try:
+            self._send(AddRequest(request_id, prompt_token_ids, params, priority, cache_salt, arrival_time))
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True  # never entered the engine (or the engine is gone)
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self.error is None:
+                self._send(AbortRequest(request_id))

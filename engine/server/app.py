@@ -1,0 +1,174 @@
+"""The HTTP server: routes, OpenAI-shaped errors, /health, /metrics; `kvgate serve` runs it with uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.errors import EngineError, InvalidRequestError
+from kvgate.engine.server.metrics import ServerMetrics
+from kvgate.engine.server.openai_serving import ModelNotFound, OpenAIServing, Overloaded
+from kvgate.engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                           TokenizeRequest, error_body)
+
+log = logging.getLogger(__name__)
+
+# Nginx's "client closed request": logged for requests whose client went away before the answer.
+CLIENT_CLOSED = 499
+
+
+def _error(status: int, message: str, err_type: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, err_type, status, param), status_code=status)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Run a non-streaming handler; if the client disconnects first, cancel it (aborting its requests)."""
+    work = asyncio.ensure_future(coro)
+    listener = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    return Response(status_code=CLIENT_CLOSED)
+
+
+def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int | None = None,
+               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    metrics = ServerMetrics(llm, served_model_name)
+    serving = OpenAIServing(llm, served_model_name, metrics, max_queued_requests)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def start():
+            try:
+                await llm.start()
+            except BaseException as exc:  # noqa: BLE001 - reported, then the server stops
+                log.error("engine failed to start: %s", exc)
+                app.state.startup_error = exc
+                if on_fatal:
+                    on_fatal(exc)
+
+        app.state.startup_error = None
+        starter = asyncio.create_task(start())
+        try:
+            yield
+        finally:
+            starter.cancel()
+            await asyncio.gather(starter, return_exceptions=True)
+            await llm.shutdown()
+
+    app = FastAPI(title="kvgate engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.serving = serving
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return _error(400, "The request body is not valid JSON.", "invalid_request_error")
+        where = ".".join(loc) or "body"
+        return _error(400, f"Invalid request: {where}: {first.get('msg', 'invalid value')}",
+                      "invalid_request_error", where if loc else None)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, exc: InvalidRequestError):
+        return _error(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(ModelNotFound)
+    async def model_not_found(_: Request, exc: ModelNotFound):
+        return _error(404, str(exc), "not_found_error", "model")
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(_: Request, exc: Overloaded):
+        return _error(503, str(exc), "overloaded_error")
+
+    @app.exception_handler(EngineError)
+    async def engine_error(_: Request, exc: EngineError):
+        return _error(503, str(exc), "server_error")
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return _error(500, f"Internal server error ({type(exc).__name__}).", "server_error")
+
+    def require_ready() -> None:
+        if not llm.ready:
+            raise EngineError("the engine is not ready yet" if llm.error is None else f"the engine stopped: {llm.error}")
+
+    @app.get("/health")
+    async def health():
+        if llm.ready:
+            return Response(status_code=200)
+        why = app.state.startup_error or llm.error
+        return _error(503, f"engine not ready: {why}" if why else "engine is starting", "server_error")
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        require_ready()
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": 0, "owned_by": "kvgate",
+            "root": llm.config.model, "max_model_len": llm.info.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        require_ready()
+        serving.check_model(req.model)
+        if req.messages is not None:
+            ids = serving.chat_prompt(ChatCompletionRequest(messages=req.messages,
+                                                            add_generation_prompt=req.add_generation_prompt))
+        elif req.prompt is not None:
+            ids = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise InvalidRequestError("give prompt or messages", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.info.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        require_ready()
+        serving.check_model(req.model)
+        if any(not 0 <= t < llm.info.vocab_size for t in req.tokens):
+            raise InvalidRequestError("tokens must be token ids of this model", param="tokens")
+        return {"prompt": llm.tokenizer.decode(req.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        require_ready()
+        prompts, params = serving.prepare_completion(req)
+        if req.stream:
+            return StreamingResponse(serving.completion_stream(req, prompts, params), media_type="text/event-stream")
+        return await _unless_disconnected(raw, serving.completion(req, prompts, params))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        require_ready()
+        prompts, params = serving.prepare_chat(req)
+        if req.stream:
+            return StreamingResponse(serving.chat_stream(req, prompts, params), media_type="text/event-stream")
+        return await _unless_disconnected(raw, serving.chat(req, prompts, params))
+
+    return app

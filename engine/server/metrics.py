@@ -1,0 +1,131 @@
+"""Prometheus metrics with vLLM's names and meaning (the Model Server Protocol that EPPs scrape).
+
+Gauges come from the engine loop's latest stats snapshot, read at scrape time by a custom collector:
+nothing is computed per scrape beyond formatting, so a 50 ms scrape interval costs little. Counters and
+latency histograms are updated by the server as requests progress.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: vLLM does not export them and scrapers need not parse them
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0)
+
+
+class EngineStatsCollector:
+    """Reads AsyncLLM.stats/info when scraped."""
+
+    def __init__(self, async_llm, model_name: str) -> None:
+        self.llm = async_llm
+        self.model_name = model_name
+
+    def collect(self):
+        stats, info = self.llm.stats, self.llm.info
+        labels = ["model_name"]
+        values = [self.model_name]
+        running = GaugeMetricFamily("vllm:num_requests_running", "Requests in model execution batches.",
+                                    labels=labels)
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be processed.",
+                                    labels=labels)
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                  labels=labels)
+        queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.",
+                                      labels=labels)
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", labels=labels)
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemptions.",
+                                          labels=labels)
+        if stats is not None:
+            running.add_metric(values, stats.num_running)
+            # Requests the server accepted that the engine has not picked up yet count as waiting too.
+            in_flight = max(self.llm.num_unfinished - stats.num_running - stats.num_waiting, 0)
+            waiting.add_metric(values, stats.num_waiting + in_flight)
+            usage.add_metric(values, stats.kv_cache_usage)
+            queries.add_metric(values, stats.prefix_cache_queries)
+            hits.add_metric(values, stats.prefix_cache_hits)
+            preemptions.add_metric(values, stats.num_preemptions)
+        else:
+            for family in (running, waiting, usage, queries, hits, preemptions):
+                family.add_metric(values, 0)
+        yield from (running, waiting, usage, queries, hits, preemptions)
+        if info is not None:
+            cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
+                                      labels=["block_size", "num_gpu_blocks", "model_name"])
+            cache.add_metric([str(info.block_size), str(info.num_blocks), self.model_name], 1)
+            yield cache
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric(["0", "", ""], time.time())
+        yield lora
+
+
+class ServerMetrics:
+    def __init__(self, async_llm, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineStatsCollector(async_llm, model_name))
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed.", labels,
+                                         registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                       labels + ["finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time spent waiting in the queue.",
+                                    labels, buckets=REQUEST_BUCKETS, registry=r)
+        self.model_name = model_name
+
+    def track(self, num_prompt_tokens: int) -> "RequestTracker":
+        return RequestTracker(self, num_prompt_tokens)
+
+
+class RequestTracker:
+    """Latency and token accounting of one API request (all its prompts and samples)."""
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+        self.m = metrics
+        self.labels = (metrics.model_name,)
+        self.arrival = time.monotonic()
+        self.num_prompt_tokens = num_prompt_tokens
+        self.last_token_time: float | None = None
+        self.generated = 0
+        self.done = False
+
+    def on_tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if self.last_token_time is None:
+            self.m.ttft.labels(*self.labels).observe(now - self.arrival)
+        else:
+            self.m.itl.labels(*self.labels).observe((now - self.last_token_time) / count)
+        self.last_token_time = now
+        self.generated += count
+
+    def on_finished_sample(self, finish_reason: str | None, metrics: dict) -> None:
+        self.m.request_success.labels(self.m.model_name, finish_reason or "abort").inc()
+        arrival, scheduled = metrics.get("arrival_time"), metrics.get("scheduled_time")
+        if arrival is not None and scheduled is not None:
+            self.m.queue_time.labels(*self.labels).observe(max(scheduled - arrival, 0.0))
+
+    def close(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.m.prompt_tokens.labels(*self.labels).inc(self.num_prompt_tokens)
+        self.m.generation_tokens.labels(*self.labels).inc(self.generated)
+        self.m.e2e.labels(*self.labels).observe(time.monotonic() - self.arrival)
