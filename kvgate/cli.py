@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgate.engine.bench import add_bench_engine_parser
 
     add_bench_engine_parser(bench_sub)
+    from kvgate.bench_serve import add_bench_serve_parser
+
+    add_bench_serve_parser(bench_sub)
     return parser
 
 

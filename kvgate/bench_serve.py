@@ -1,0 +1,261 @@
+"""`kvgate bench serve`: an OpenAI load generator in the manner of `vllm bench serve`.
+
+Requests are streamed (`/v1/completions`, `ignore_eos` so every request yields exactly its output length,
+`stream_options.include_usage` so token counts are the server's own). Arrivals are Poisson (gamma with
+`--burstiness`; 1.0 = Poisson) at `--request-rate`, or all at once, optionally capped by
+`--max-concurrency`. Datasets: `random` (random text of given lengths) and `shared-prefix` (G groups x P
+prompts, each group sharing a system prompt: the workload that makes prefix-cache routing visible).
+Prompt lengths are in characters; for the byte-level `demo` tokenizer that is also tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import string
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+_ALPHABET = string.ascii_lowercase + "      "  # about one space in five: word-like text
+
+
+@dataclass
+class BenchRequest:
+    prompt: str
+    output_len: int
+    group: int = -1  # shared-prefix group, -1 for none
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    status: int = 0
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    served_by: str = ""  # the x-kvgate-endpoint / x-gateway-destination-endpoint-served header, if any
+
+
+def random_text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(_ALPHABET) for _ in range(n))
+
+
+def random_dataset(num: int, input_len: int, output_len: int, range_ratio: float, seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+
+    def length(base: int) -> int:
+        lo, hi = int(base * (1 - range_ratio)), int(base * (1 + range_ratio))
+        return max(1, rng.randint(lo, hi))
+
+    return [BenchRequest(random_text(rng, length(input_len)), length(output_len)) for _ in range(num)]
+
+
+def shared_prefix_dataset(groups: int, prompts_per_group: int, system_len: int, question_len: int,
+                          output_len: int, seed: int) -> list[BenchRequest]:
+    """Group-major list; the runner shuffles arrivals so groups interleave."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        system = random_text(rng, system_len)
+        for _ in range(prompts_per_group):
+            out.append(BenchRequest(system + random_text(rng, question_len), output_len, g))
+    return out
+
+
+def arrival_gaps(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
+    if rate == float("inf"):
+        return [0.0] * n
+    theta = 1.0 / (rate * burstiness)
+    return list(rng.gamma(shape=burstiness, scale=theta, size=n))
+
+
+async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
+                   extra_headers: dict | None = None) -> RequestResult:
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0}
+    result = RequestResult()
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=body, headers=extra_headers) as resp:
+            result.status = resp.status_code
+            result.served_by = resp.headers.get("x-kvgate-endpoint", "") or resp.headers.get(
+                "x-gateway-destination-endpoint-served", "")
+            if resp.status_code != 200:
+                result.error = (await resp.aread()).decode(errors="replace")[:300]
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+                usage = chunk.get("usage")
+                if usage:
+                    result.prompt_tokens = usage["prompt_tokens"]
+                    result.output_tokens = usage["completion_tokens"]
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        result.latency = time.perf_counter() - start
+        result.ok = result.output_tokens > 0 or req.output_len == 0
+        if not result.ok:
+            result.error = "no usage in the stream"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(values) * 1000.0
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            key = f"HTTP {r.status}" if r.status and r.status != 200 else (r.error.split(":")[0] or "error")
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "errors": errors, "duration_s": duration,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": out_tokens / duration if duration else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
+        "ttft_ms": _percentiles([r.ttft for r in ok]),
+        "itl_ms": _percentiles([x for r in ok for x in r.itls]),
+        "e2el_ms": _percentiles([r.latency for r in ok]),
+    }
+
+
+async def run_benchmark(base_url: str, model: str | None, requests: list[BenchRequest], rate: float,
+                        burstiness: float, max_concurrency: int | None, seed: int, timeout: float,
+                        headers: dict | None = None) -> tuple[dict, list[RequestResult]]:
+    limits = httpx.Limits(max_connections=max_concurrency or len(requests), max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout, connect=10.0),
+                                 limits=limits) as client:
+        if model is None:
+            models = (await client.get("/v1/models")).json()
+            model = models["data"][0]["id"]
+        gaps = arrival_gaps(len(requests), rate, burstiness, np.random.default_rng(seed))
+        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+        async def limited(req: BenchRequest) -> RequestResult:
+            if semaphore is None:
+                return await send_one(client, "/v1/completions", model, req, headers)
+            async with semaphore:
+                return await send_one(client, "/v1/completions", model, req, headers)
+
+        start = time.perf_counter()
+        tasks = []
+        for gap, req in zip(gaps, requests):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    summary = summarize(list(results), duration)
+    summary["model"] = model
+    return summary, list(results)
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        "============ kvgate bench serve ============",
+        f"{'model':<34}{s['model']}",
+        f"{'successful requests':<34}{s['completed']}",
+        f"{'failed requests':<34}{s['failed']}" + (f"  {s['errors']}" if s["errors"] else ""),
+        f"{'benchmark duration (s)':<34}{s['duration_s']:.2f}",
+        f"{'total input tokens':<34}{s['total_input_tokens']}",
+        f"{'total generated tokens':<34}{s['total_output_tokens']}",
+        f"{'prompt tokens served from cache':<34}{s['total_cached_tokens']}",
+        f"{'request throughput (req/s)':<34}{s['request_throughput']:.2f}",
+        f"{'output token throughput (tok/s)':<34}{s['output_throughput']:.1f}",
+        f"{'total token throughput (tok/s)':<34}{s['total_token_throughput']:.1f}",
+    ]
+    for key, title in (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency"),
+                       ("e2el_ms", "end-to-end latency")):
+        p = s[key]
+        lines.append(f"{title + ' (ms)':<34}mean {p['mean']:.1f}  p50 {p['p50']:.1f}  p90 {p['p90']:.1f}  "
+                     f"p99 {p['p99']:.1f}")
+    return "\n".join(lines)
+
+
+def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    if args.dataset == "random":
+        return random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
+                              args.random_range_ratio, args.seed)
+    reqs = shared_prefix_dataset(args.sp_num_groups, args.sp_prompts_per_group, args.sp_system_prompt_len,
+                                 args.sp_question_len, args.sp_output_len, args.seed)
+    random.Random(args.seed).shuffle(reqs)  # groups interleave in arrival order
+    return reqs
+
+
+def add_bench_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (or a gateway in front of some)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    p.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
+    p.add_argument("--num-prompts", type=int, default=200, help="random dataset: number of requests")
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths vary by +- this fraction")
+    p.add_argument("--sp-num-groups", type=int, default=8)
+    p.add_argument("--sp-prompts-per-group", type=int, default=16)
+    p.add_argument("--sp-system-prompt-len", type=int, default=1024)
+    p.add_argument("--sp-question-len", type=int, default=64)
+    p.add_argument("--sp-output-len", type=int, default=32)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1.0 = Poisson arrivals")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    p.add_argument("--header", action="append", default=[], help="extra request header NAME=VALUE")
+    p.add_argument("--result-file", default=None, help="write the summary as JSON here")
+    p.set_defaults(func=run_bench_serve)
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    if args.burstiness <= 0:
+        raise SystemExit("kvgate bench serve: --burstiness must be > 0")
+    headers = dict(h.split("=", 1) for h in args.header)
+    requests = build_requests(args)
+    summary, results = asyncio.run(run_benchmark(args.base_url.rstrip("/"), args.model, requests,
+                                                 args.request_rate, args.burstiness, args.max_concurrency,
+                                                 args.seed, args.timeout, headers or None))
+    print(format_summary(summary))
+    if args.result_file:
+        summary["config"] = {k: v for k, v in vars(args).items() if k != "func"}
+        summary["served_by"] = [r.served_by for r in results]
+        with open(args.result_file, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    return 0 if summary["completed"] else 1
+
+
+
