@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -15,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.errors import EngineError, InvalidRequestError
 from kvgate.engine.server.metrics import ServerMetrics
-from kvgate.engine.server.openai_serving import ModelNotFound, OpenAIServing, Overloaded
+from kvgate.engine.server.openai_serving import ModelNotFound, OpenAIServing, Overloaded, Prepared
 from kvgate.engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            TokenizeRequest, error_body)
 
@@ -36,19 +37,26 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def _unless_disconnected(request: Request, coro):
+async def _unless_disconnected(request: Request, coro, prep: Prepared):
     """Run a non-streaming handler; if the client disconnects first, cancel it (aborting its requests)."""
     work = asyncio.ensure_future(coro)
     listener = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return Response(status_code=CLIENT_CLOSED)
     finally:
         listener.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    await asyncio.gather(work, return_exceptions=True)
-    return Response(status_code=CLIENT_CLOSED)
+        prep.tracker.close()  # no-op when the handler closed it
+
+
+def _stream(body, prep: Prepared) -> StreamingResponse:
+    # A response dropped before its body is iterated never runs the generator's `finally`: release then.
+    weakref.finalize(body, prep.tracker.close)
+    return StreamingResponse(body, media_type="text/event-stream")
 
 
 def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int | None = None,
@@ -89,7 +97,7 @@ def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int |
             return _error(400, "The request body is not valid JSON.", "invalid_request_error")
         where = ".".join(loc) or "body"
         return _error(400, f"Invalid request: {where}: {first.get('msg', 'invalid value')}",
-                      "invalid_request_error", where if loc else None)
+                      "invalid_request_error", loc[0] if loc else None)
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, exc: InvalidRequestError):
@@ -158,17 +166,17 @@ def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int |
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         require_ready()
-        prompts, params = serving.prepare_completion(req)
+        prep = serving.prepare_completion(req)
         if req.stream:
-            return StreamingResponse(serving.completion_stream(req, prompts, params), media_type="text/event-stream")
-        return await _unless_disconnected(raw, serving.completion(req, prompts, params))
+            return _stream(serving.completion_stream(req, prep), prep)
+        return await _unless_disconnected(raw, serving.completion(req, prep), prep)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         require_ready()
-        prompts, params = serving.prepare_chat(req)
+        prep = serving.prepare_chat(req)
         if req.stream:
-            return StreamingResponse(serving.chat_stream(req, prompts, params), media_type="text/event-stream")
-        return await _unless_disconnected(raw, serving.chat(req, prompts, params))
+            return _stream(serving.chat_stream(req, prep), prep)
+        return await _unless_disconnected(raw, serving.chat(req, prep), prep)
 
     return app

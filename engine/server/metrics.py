@@ -89,15 +89,17 @@ class ServerMetrics:
                                     labels, buckets=REQUEST_BUCKETS, registry=r)
         self.model_name = model_name
 
-    def track(self, num_prompt_tokens: int) -> "RequestTracker":
-        return RequestTracker(self, num_prompt_tokens)
+    def track(self, num_prompt_tokens: int, num_samples: int, on_close=None) -> "RequestTracker":
+        return RequestTracker(self, num_prompt_tokens, num_samples, on_close)
 
 
 class RequestTracker:
     """Latency and token accounting of one API request (all its prompts and samples)."""
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, num_samples: int, on_close=None) -> None:
         self.m = metrics
+        self.on_close = on_close
+        self.unfinished_samples = num_samples
         self.labels = (metrics.model_name,)
         self.arrival = time.monotonic()
         self.num_prompt_tokens = num_prompt_tokens
@@ -117,15 +119,21 @@ class RequestTracker:
         self.generated += count
 
     def on_finished_sample(self, finish_reason: str | None, metrics: dict) -> None:
+        self.unfinished_samples -= 1
         self.m.request_success.labels(self.m.model_name, finish_reason or "abort").inc()
         arrival, scheduled = metrics.get("arrival_time"), metrics.get("scheduled_time")
         if arrival is not None and scheduled is not None:
             self.m.queue_time.labels(*self.labels).observe(max(scheduled - arrival, 0.0))
 
     def close(self) -> None:
+        """Idempotent: called when the handler ends, and as a fallback if it never ran."""
         if self.done:
             return
         self.done = True
+        if self.on_close is not None:
+            self.on_close()
+        if self.unfinished_samples > 0:  # the client went away (or the engine failed) before the end
+            self.m.request_success.labels(self.m.model_name, "abort").inc(self.unfinished_samples)
         self.m.prompt_tokens.labels(*self.labels).inc(self.num_prompt_tokens)
         self.m.generation_tokens.labels(*self.labels).inc(self.generated)
         self.m.e2e.labels(*self.labels).observe(time.monotonic() - self.arrival)

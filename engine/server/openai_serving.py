@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.errors import InvalidRequestError
@@ -28,6 +29,15 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+@dataclass
+class Prepared:
+    """A validated request: its prompts, per-prompt parameters and its accounting (opened on admission)."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    tracker: RequestTracker
+
+
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_name: str, metrics: ServerMetrics,
                  max_queued_requests: int | None = None) -> None:
@@ -35,6 +45,7 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
+        self.in_flight = 0  # engine requests (prompts x n) admitted and not yet done
         self._token_text: dict[int, str] = {}
 
     # -- checks -----------------------------------------------------------------------------------
@@ -48,10 +59,20 @@ class OpenAIServing:
             return
         stats = self.llm.stats
         running = stats.num_running if stats else 0
-        queued = self.llm.num_unfinished - running
+        queued = self.in_flight - running
         if queued >= self.max_queued_requests:
             raise Overloaded(f"The server is overloaded: {queued} requests are queued "
                              f"(limit {self.max_queued_requests}). Retry later.")
+
+    def _admit(self, prompts: list[list[int]], params: list[SamplingParams], n: int) -> Prepared:
+        self.check_capacity()
+        samples = len(prompts) * n
+        self.in_flight += samples
+
+        def release() -> None:
+            self.in_flight -= samples
+
+        return Prepared(prompts, params, self.metrics.track(sum(map(len, prompts)), samples, on_close=release))
 
     # -- prompts and parameters -------------------------------------------------------------------
 
@@ -181,8 +202,7 @@ class OpenAIServing:
             raise InvalidRequestError("echo is not supported", param="echo")
         prompts = self.completion_prompts(req)
         params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids in prompts]
-        self.check_capacity()
-        return prompts, params
+        return self._admit(prompts, params, req.n)
 
     def _completion_logprobs(self, c, start: int = 0, offset: int = 0) -> dict | None:
         if c.logprobs is None:
@@ -198,9 +218,9 @@ class OpenAIServing:
             pos += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    async def completion(self, req: CompletionRequest, prompts, params) -> dict:
+    async def completion(self, req: CompletionRequest, prep: Prepared) -> dict:
         rid = f"cmpl-{uuid.uuid4().hex}"
-        tracker = self.metrics.track(sum(map(len, prompts)))
+        prompts, params, tracker = prep.prompts, prep.params, prep.tracker
         finals: dict[tuple[int, int], object] = {}
         cached = {}
         try:
@@ -227,10 +247,10 @@ class OpenAIServing:
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
-    async def completion_stream(self, req: CompletionRequest, prompts, params) -> AsyncIterator[str]:
+    async def completion_stream(self, req: CompletionRequest, prep: Prepared) -> AsyncIterator[str]:
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        tracker = self.metrics.track(sum(map(len, prompts)))
+        prompts, params, tracker = prep.prompts, prep.params, prep.tracker
         sent_tokens: dict[tuple[int, int], int] = {}
         offsets: dict[tuple[int, int], int] = {}
         completion_tokens, cached = 0, {}
@@ -274,8 +294,7 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None)
-        self.check_capacity()
-        return [ids], [params]
+        return self._admit([ids], [params], req.n)
 
     def _chat_logprobs(self, c, k: int, start: int = 0) -> dict | None:
         if c.logprobs is None:
@@ -291,9 +310,9 @@ class OpenAIServing:
             })
         return {"content": content}
 
-    async def chat(self, req: ChatCompletionRequest, prompts, params) -> dict:
+    async def chat(self, req: ChatCompletionRequest, prep: Prepared) -> dict:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        tracker = self.metrics.track(len(prompts[0]))
+        prompts, params, tracker = prep.prompts, prep.params, prep.tracker
         finals, cached = {}, {}
         try:
             async for i, out in self._run(rid, prompts, params, req):
@@ -311,10 +330,10 @@ class OpenAIServing:
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(prompts, completion_tokens, cached)}
 
-    async def chat_stream(self, req: ChatCompletionRequest, prompts, params) -> AsyncIterator[str]:
+    async def chat_stream(self, req: ChatCompletionRequest, prep: Prepared) -> AsyncIterator[str]:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        tracker = self.metrics.track(len(prompts[0]))
+        prompts, params, tracker = prep.prompts, prep.params, prep.tracker
 
         def chunk(choices, **extra):
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
