@@ -259,3 +259,76 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
 
 
+
+
+def add_bench_engine_loop_parser(sub) -> None:
+    p = sub.add_parser("engine-loop", help="thread vs process engine loop under the same streaming load")
+    p.add_argument("--model", default="demo")
+    p.add_argument("--backend", choices=["torch", "sim"], default="torch")
+    p.add_argument("--num-prompts", type=int, default=192)
+    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-file", default=None)
+    p.set_defaults(func=run_bench_engine_loop)
+
+
+def run_bench_engine_loop(args: argparse.Namespace) -> int:
+    """Start `kvgate serve` once per mode on a free port and run the identical load against each."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    kvgate = str(Path(sys.executable).parent / "kvgate")
+    requests = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len, 0.0, args.seed)
+    warmup = random_dataset(8, 32, 8, 0.0, args.seed + 1)
+    summaries = {}
+    for mode in ("thread", "process"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen([kvgate, "serve", args.model, "--backend", args.backend, "--engine-loop", mode,
+                                 "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"kvgate serve ({mode}) exited: {proc.stderr.read().decode()[-2000:]}")
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"kvgate serve ({mode}) did not become healthy")
+                time.sleep(0.2)
+            asyncio.run(run_benchmark(url, None, warmup, float("inf"), 1.0, 8, args.seed, 120))
+            summary, _ = asyncio.run(run_benchmark(url, None, requests, float("inf"), 1.0, args.max_concurrency,
+                                                   args.seed, 600))
+            summaries[mode] = summary
+            print(f"--- engine loop: {mode}\n{format_summary(summary)}\n", flush=True)
+        finally:
+            os.killpg(proc.pid, 15)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    t, p = summaries["thread"], summaries["process"]
+    print(f"{'':<26}{'thread':>12}{'process':>12}{'process/thread':>16}")
+    rows = [("output tok/s", t["output_throughput"], p["output_throughput"]),
+            ("TTFT p50 (ms)", t["ttft_ms"]["p50"], p["ttft_ms"]["p50"]),
+            ("TTFT p99 (ms)", t["ttft_ms"]["p99"], p["ttft_ms"]["p99"]),
+            ("ITL p50 (ms)", t["itl_ms"]["p50"], p["itl_ms"]["p50"]),
+            ("ITL p99 (ms)", t["itl_ms"]["p99"], p["itl_ms"]["p99"])]
+    for name, a, b in rows:
+        print(f"{name:<26}{a:>12.1f}{b:>12.1f}{(b / a if a else float('nan')):>15.2f}x")
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(summaries, f, indent=2)
+    return 0

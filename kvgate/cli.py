@@ -67,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgate.engine.bench import add_bench_engine_parser
 
     add_bench_engine_parser(bench_sub)
-    from kvgate.bench_serve import add_bench_serve_parser
+    from kvgate.bench_serve import add_bench_engine_loop_parser, add_bench_serve_parser
 
     add_bench_serve_parser(bench_sub)
+    add_bench_engine_loop_parser(bench_sub)
     return parser
 
 
