@@ -1,0 +1,71 @@
+"""Data shared by the EPP's parts: endpoints, their scraped metrics, requests and scheduling results."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One serving target: a pod's IP and one of the pool's target ports."""
+
+    address: str  # "ip:port"
+    name: str = ""  # pod name (or the address in standalone mode)
+    namespace: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+    engine_type: str = "vllm"  # metrics dialect: vllm | sglang | trtllm
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.address}/metrics"
+
+
+@dataclass
+class EndpointMetrics:
+    """The Model Server Protocol numbers of one endpoint, as last scraped."""
+
+    waiting_queue_size: int = 0
+    running_requests: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    max_lora: int = 0
+    running_loras: frozenset[str] = frozenset()
+    waiting_loras: frozenset[str] = frozenset()
+    kv_block_size: int | None = None
+    num_kv_blocks: int | None = None
+    updated_at: float = 0.0  # time.monotonic() of the last successful scrape; 0 = never
+
+
+@dataclass
+class EndpointState:
+    """What scheduling plugins see of an endpoint at decision time."""
+
+    endpoint: Endpoint
+    metrics: EndpointMetrics
+    stale: bool  # metrics older than the staleness threshold (or never scraped)
+    in_flight_requests: int = 0  # routed by this EPP and not finished yet
+    in_flight_tokens: int = 0  # their estimated prompt + output tokens
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+
+@dataclass
+class LLMRequest:
+    """The parsed request the scheduler decides on."""
+
+    request_id: str
+    model: str  # the model the client asked for
+    target_model: str  # after InferenceModelRewrite
+    prompt: str  # completions prompt, or the chat messages flattened to text: what prefix hashing sees
+    headers: Mapping[str, str] = field(default_factory=dict)
+    priority: int = 0  # from the InferenceObjective; < 0 = sheddable
+    cache_salt: str | None = None
+    max_tokens: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def estimated_prompt_tokens(self) -> int:
+        return max(1, len(self.prompt) // 4)
