@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgate.engine.server.cli import add_serve_parser
 
     add_serve_parser(sub)
+    from kvgate.epp.main import add_epp_parser
+
+    add_epp_parser(sub)
+    from kvgate.up import add_up_parser
+
+    add_up_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")

@@ -59,8 +59,30 @@ def _stream(body, prep: Prepared) -> StreamingResponse:
     return StreamingResponse(body, media_type="text/event-stream")
 
 
+SERVER_ID_HEADER = "x-kvgate-endpoint"
+
+
+class ServerIdMiddleware:
+    """Adds which replica answered to every response (plain ASGI: streaming and disconnects untouched)."""
+
+    def __init__(self, app, server_id: str) -> None:
+        self.app = app
+        self.header = (SERVER_ID_HEADER.encode(), server_id.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int | None = None,
-               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_fatal: Callable[[BaseException], None] | None = None, server_id: str | None = None) -> FastAPI:
     metrics = ServerMetrics(llm, served_model_name)
     serving = OpenAIServing(llm, served_model_name, metrics, max_queued_requests)
 
@@ -87,6 +109,9 @@ def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int |
     app = FastAPI(title="kvgate engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.metrics = metrics
+
+    if server_id:
+        app.add_middleware(ServerIdMiddleware, server_id=server_id)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError):

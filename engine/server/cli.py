@@ -44,7 +44,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(llm, served, args.max_queued_requests, on_fatal)
+    app = create_app(llm, served, args.max_queued_requests, on_fatal, server_id=f"{args.host}:{args.port}")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                            timeout_graceful_shutdown=5, access_log=False))
     logging.getLogger("kvgate").info("serving %s on http://%s:%d", served, args.host, args.port)

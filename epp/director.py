@@ -1,0 +1,81 @@
+"""Per-request decisions: objective and model rewrite, admission, scheduling, and in-flight accounting."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from kvgate.epp.types import EndpointState, LLMRequest
+
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+
+
+class RoutingError(Exception):
+    """A request that cannot be routed; answered with an ImmediateResponse of this HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class InFlight:
+    requests: int = 0
+    tokens: int = 0
+
+
+class Director:
+    def __init__(self, datastore, datalayer, scheduler, admission, metrics=None, seed: int | None = None) -> None:
+        self.datastore = datastore
+        self.datalayer = datalayer
+        self.scheduler = scheduler
+        self.admission = admission
+        self.metrics = metrics
+        self.rng = random.Random(seed)
+        self.in_flight: dict[str, InFlight] = {}
+
+    def candidates(self, subset: list[str] | None) -> list[EndpointState]:
+        counts = {a: (f.requests, f.tokens) for a, f in self.in_flight.items()}
+        states = self.datalayer.states(counts)
+        if subset is not None:
+            allowed = set(subset)
+            states = [s for s in states if s.address in allowed]
+        return states
+
+    def pick(self, request: LLMRequest, subset: list[str] | None = None) -> list[EndpointState]:
+        """Ordered endpoints for the request (primary first); raises RoutingError (503 / 429)."""
+        started = time.perf_counter()
+        request.priority = self.datastore.priority(request.headers.get(OBJECTIVE_HEADER))
+        if request.model:
+            request.target_model = self.datastore.rewrite(request.model, self.rng)
+        states = self.candidates(subset)
+        if not states:
+            why = "the subset hint matches no endpoint of the pool" if subset is not None else "the pool has no ready endpoints"
+            raise RoutingError(503, f"no eligible endpoint: {why}")
+        if not self.admission.admit(request, states):
+            raise RoutingError(429, "the pool is saturated and this request is sheddable (priority < 0)")
+        ordered = self.scheduler.schedule(request, states)
+        if not ordered:
+            raise RoutingError(503, "no eligible endpoint: every endpoint was filtered out")
+        primary = ordered[0]
+        self.scheduler.on_picked(request, primary)
+        flight = self.in_flight.setdefault(primary.address, InFlight())
+        flight.requests += 1
+        flight.tokens += request.estimated_prompt_tokens + (request.max_tokens or 0)
+        if self.metrics is not None:
+            self.metrics.scheduling_seconds.observe(time.perf_counter() - started)
+        return ordered
+
+    def release(self, request: LLMRequest, address: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        """The response ended (or broke): undo the in-flight accounting and tell the plugins."""
+        flight = self.in_flight.get(address)
+        if flight is not None:
+            flight.requests -= 1
+            flight.tokens -= request.estimated_prompt_tokens + (request.max_tokens or 0)
+            if flight.requests <= 0:
+                del self.in_flight[address]
+        self.scheduler.on_response_complete(request, address, prompt_tokens, completion_tokens)
+        if self.metrics is not None and (prompt_tokens or completion_tokens):
+            self.metrics.tokens.labels(address, "prompt").inc(prompt_tokens)
+            self.metrics.tokens.labels(address, "completion").inc(completion_tokens)

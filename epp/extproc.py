@@ -1,0 +1,230 @@
+"""The Envoy ext-proc server: one gRPC stream per HTTP request, the Endpoint Picker Protocol on top.
+
+Request path: headers -> body chunks -> (end of body) decision. In FULL_DUPLEX_STREAMED mode Envoy holds
+the request until the headers response, so the EPP answers the headers only after the whole body has
+arrived: the headers response carries `x-gateway-destination-endpoint` (primary first, then fallbacks)
+and clear_route_cache, the same value goes into dynamic metadata `envoy.lb`, and the buffered body is
+streamed back unchanged (or with the model rewritten). In BUFFERED mode the headers are answered at once
+and the decision rides on the body response. Requests without a body are decided at header time.
+Response path: every body chunk is echoed straight back (SSE tokens keep flowing), `usage` is read from
+the tail of the stream, and the in-flight accounting is released when the stream ends or breaks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from kvgate.epp.director import Director, RoutingError
+from kvgate.epp.request_parsing import BadRequest, parse_request
+from kvgate.epp.types import LLMRequest
+
+log = logging.getLogger(__name__)
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_TAIL_BYTES = 64 * 1024  # enough of a response to find its usage
+
+
+def _headers(http_headers) -> dict[str, str]:
+    out = {}
+    for h in http_headers.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode(errors="replace") if h.raw_value else h.value
+    return out
+
+
+def _metadata_value(metadata, namespace: str, key: str):
+    ns = metadata.filter_metadata.get(namespace)
+    if ns is None or key not in ns.fields:
+        return None
+    value = ns.fields[key]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return [v.string_value for v in value.list_value.values]
+    if kind == "string_value":
+        return [s.strip() for s in value.string_value.split(",") if s.strip()]
+    return None
+
+
+def _destination(value: str, rewritten_body: bytes | None, *, buffered_body: bool):
+    mutation = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION_HEADER,
+                                                                      raw_value=value.encode()))
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[mutation]), clear_route_cache=True)
+    if buffered_body and rewritten_body is not None:
+        common.status = pb.CommonResponse.CONTINUE_AND_REPLACE
+        common.body_mutation.body = rewritten_body
+    metadata = struct_pb2.Struct()
+    metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: value}})
+    return common, metadata
+
+
+def _immediate(status: int, message: str) -> pb.ProcessingResponse:
+    kind = {400: "invalid_request_error", 429: "rate_limit_error"}.get(status, "service_unavailable")
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
+    headers = pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))])
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status), headers=headers, body=body.encode(),
+        details=f"kvgate_epp_{status}"))
+
+
+def find_usage(tail: bytes) -> tuple[int, int] | None:
+    """(prompt_tokens, completion_tokens) from a JSON body or the last SSE events carrying usage."""
+    text = tail.decode(errors="ignore")
+    candidates = [text.strip()] if text.lstrip().startswith("{") else []
+    candidates += [line[5:].strip() for line in reversed(text.splitlines()) if line.startswith("data:")]
+    for item in candidates:
+        if '"usage"' not in item:
+            continue
+        try:
+            usage = json.loads(item).get("usage")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(usage, dict):
+            return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    return None
+
+
+class _RequestStream:
+    """State of one HTTP request as it passes through Envoy."""
+
+    def __init__(self, director: Director, metrics) -> None:
+        self.director = director
+        self.metrics = metrics
+        self.request_full_duplex = False
+        self.response_full_duplex = False
+        self.headers: dict[str, str] = {}
+        self.subset: list[str] | None = None
+        self.body = bytearray()
+        self.request: LLMRequest | None = None
+        self.picked: str | None = None
+        self.served: str | None = None
+        self.tail = bytearray()
+        self.released = False
+
+    def handle(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if msg.HasField("protocol_config"):
+            self.request_full_duplex = msg.protocol_config.request_body_mode == FULL_DUPLEX
+            self.response_full_duplex = msg.protocol_config.response_body_mode == FULL_DUPLEX
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            self.headers = _headers(msg.request_headers)
+            self.subset = _metadata_value(msg.metadata_context, SUBSET_NAMESPACE, SUBSET_KEY)
+            if msg.request_headers.end_of_stream:  # no body (GET /v1/models, ...): decide now
+                return [self._decide(body_less=True)]
+            if self.request_full_duplex:
+                return []  # answered once the body is complete
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+        if kind == "request_body":
+            self.body += msg.request_body.body
+            if not msg.request_body.end_of_stream:
+                return []
+            return self._decide_on_body()
+        if kind == "request_trailers":
+            return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if kind == "response_headers":
+            served = _metadata_value(msg.metadata_context, LB_NAMESPACE, SERVED_KEY)
+            self.served = served[0] if served else self.picked
+            if msg.response_headers.end_of_stream:
+                self.release()
+            return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+        if kind == "response_body":
+            chunk = msg.response_body.body
+            self.tail += chunk
+            if len(self.tail) > _TAIL_BYTES:
+                del self.tail[: len(self.tail) - _TAIL_BYTES]
+            if msg.response_body.end_of_stream:
+                self.release()
+            if self.response_full_duplex:
+                return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                    body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                        body=chunk, end_of_stream=msg.response_body.end_of_stream)))))]
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+        if kind == "response_trailers":
+            self.release()
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    def _decide_on_body(self) -> list[pb.ProcessingResponse]:
+        rid = self.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            self.request, body = parse_request(rid, bytes(self.body), self.headers)
+        except BadRequest as exc:
+            self._count(400)
+            return [_immediate(400, str(exc))]
+        rewritten = None
+        try:
+            ordered = self.director.pick(self.request, self.subset)
+        except RoutingError as exc:
+            self._count(exc.status)
+            self.request = None
+            return [_immediate(exc.status, str(exc))]
+        if self.request.target_model and self.request.target_model != self.request.model:
+            body["model"] = self.request.target_model
+            rewritten = json.dumps(body).encode()
+        self.picked = ordered[0].address
+        value = ",".join(s.address for s in ordered)
+        self._count(200)
+        if self.request_full_duplex:
+            common, metadata = _destination(value, None, buffered_body=False)
+            out_body = rewritten if rewritten is not None else bytes(self.body)
+            return [
+                pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata),
+                pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+                    body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                        body=out_body, end_of_stream=True))))),
+            ]
+        common, metadata = _destination(value, rewritten, buffered_body=True)
+        return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)]
+
+    def _decide(self, body_less: bool) -> pb.ProcessingResponse:
+        rid = self.headers.get("x-request-id") or uuid.uuid4().hex
+        self.request = LLMRequest(request_id=rid, model="", target_model="", prompt="", headers=self.headers)
+        try:
+            ordered = self.director.pick(self.request, self.subset)
+        except RoutingError as exc:
+            self._count(exc.status)
+            self.request = None
+            return _immediate(exc.status, str(exc))
+        self.picked = ordered[0].address
+        self._count(200)
+        common, metadata = _destination(",".join(s.address for s in ordered), None, buffered_body=False)
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+
+    def _count(self, code: int) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(str(code)).inc()
+
+    def release(self) -> None:
+        if self.released or self.request is None or self.picked is None:
+            return
+        self.released = True
+        usage = find_usage(bytes(self.tail)) or (0, 0)
+        self.director.release(self.request, self.picked, *usage)
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, director: Director, metrics=None) -> None:
+        self.director = director
+        self.metrics = metrics
+
+    async def Process(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        stream = _RequestStream(self.director, self.metrics)
+        try:
+            async for msg in request_iterator:
+                for response in stream.handle(msg):
+                    yield response
+        finally:
+            stream.release()  # the stream ended or broke: never leak in-flight accounting

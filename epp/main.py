@@ -1,0 +1,162 @@
+"""`kvgate epp`: the Endpoint Picker process (ext-proc gRPC, health, metrics, datastore, datalayer)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import signal
+
+log = logging.getLogger("kvgate.epp")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def parse_duration(text: str) -> float:
+    """'50ms', '2s', '1m', '0.5' (seconds) -> seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 50ms, 2s)")
+    return float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
+
+
+def add_epp_parser(sub) -> None:
+    p = sub.add_parser("epp", help="run the Endpoint Picker (Envoy ext-proc server)")
+    mode = p.add_argument_group("pool (Kubernetes mode or standalone)")
+    mode.add_argument("--pool-name", help="InferencePool to serve (Kubernetes mode)")
+    mode.add_argument("--pool-namespace", default="default")
+    mode.add_argument("--endpoints", help="standalone: ip:port,ip:port,... of the engines")
+    mode.add_argument("--endpoints-file", help="standalone: a file of ip:port entries, reloaded when it changes")
+    mode.add_argument("--manifests", help="standalone: YAML with InferenceObjective / InferenceModelRewrite objects")
+    p.add_argument("--grpc-host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    p.add_argument("--grpc-port", type=int, default=9002)
+    p.add_argument("--grpc-health-port", type=int, default=9003)
+    p.add_argument("--metrics-port", type=int, default=9090)
+    p.add_argument("--config-file", help="EndpointPickerConfig YAML (plugins and scheduling profiles)")
+    p.add_argument("--refresh-metrics-interval", type=parse_duration, default=0.05)
+    p.add_argument("--metrics-staleness-threshold", type=parse_duration, default=2.0)
+    p.add_argument("--saturation-queue-depth", type=int, default=5,
+                   help="an endpoint with this many waiting requests counts as saturated (default 5)")
+    p.add_argument("--saturation-kv-cache", type=float, default=0.8,
+                   help="an endpoint with this KV-cache usage counts as saturated (default 0.8)")
+    p.set_defaults(func=run_epp)
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from prometheus_client import start_http_server
+
+    from kvgate.epp.admission import Admission
+    from kvgate.epp.datalayer import Datalayer
+    from kvgate.epp.datastore import (Datastore, EndpointsFile, load_manifests, parse_endpoints, parse_objectives,
+                                      parse_rewrites)
+    from kvgate.epp.director import Director
+    from kvgate.epp.extproc import ExtProcServicer
+    from kvgate.epp.metrics import EppMetrics
+    from kvgate.epp.scheduling.config import load_config
+    from kvgate.epp.scheduling.framework import Scheduler
+
+    datastore = Datastore()
+    datalayer = Datalayer(interval=args.refresh_metrics_interval, timeout=1.0,
+                          staleness=args.metrics_staleness_threshold)
+    scheduler = Scheduler(load_config(args.config_file))
+    metrics = EppMetrics()
+    director = Director(datastore, datalayer, scheduler,
+                        Admission(queue_depth_threshold=args.saturation_queue_depth,
+                                  kv_cache_threshold=args.saturation_kv_cache), metrics)
+    metrics.watch(director)
+
+    loop = asyncio.get_running_loop()
+    known: set[str] = set()
+
+    def on_endpoints(endpoints) -> None:  # may be called from the watcher thread
+        def apply():
+            datalayer.set_endpoints(endpoints)
+            current = {e.address for e in endpoints}
+            for gone in known - current:
+                scheduler.remove_endpoint(gone)
+            known.clear()
+            known.update(current)
+            log.info("pool endpoints: %s", ", ".join(sorted(current)) or "(none)")
+        loop.call_soon_threadsafe(apply)
+
+    datastore.listeners.append(on_endpoints)
+    health_servicer = health.aio.HealthServicer()
+    await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    for name in ("readiness", EXT_PROC_SERVICE, ""):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(director, metrics), server)
+    server.add_insecure_port(f"{args.grpc_host}:{args.grpc_port}")
+    health_server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+    health_server.add_insecure_port(f"{args.grpc_host}:{args.grpc_health_port}")
+    metrics_http, metrics_thread = start_http_server(args.metrics_port, addr=args.grpc_host, registry=metrics.registry)
+
+    await datalayer.start()
+    await server.start()
+    await health_server.start()
+    watcher = None
+    endpoints_file = None
+    if args.pool_name:
+        from kvgate.epp.k8s_watch import PoolWatcher
+
+        watcher = PoolWatcher(datastore, args.pool_name, args.pool_namespace)
+        watcher.start()
+    else:
+        if args.manifests:
+            docs = load_manifests(args.manifests)
+            datastore.set_policies(parse_objectives(docs), parse_rewrites(docs))
+        if args.endpoints_file:
+            endpoints_file = EndpointsFile(args.endpoints_file, datastore)
+            endpoints_file.poll()
+        else:
+            datastore.set_endpoints(parse_endpoints(args.endpoints or ""))
+    log.info("EPP listening: ext-proc %s:%d, health %d, metrics %d", args.grpc_host, args.grpc_port,
+             args.grpc_health_port, args.metrics_port)
+    ready = False
+    try:
+        while not stop.is_set():
+            if endpoints_file is not None:
+                endpoints_file.poll()
+            if datastore.synced and not ready:
+                ready = True
+                for name in ("readiness", EXT_PROC_SERVICE, ""):
+                    await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        await server.stop(grace=2)
+        await health_server.stop(grace=0)
+        await datalayer.stop()
+        metrics_http.shutdown()
+
+
+def run_epp(args: argparse.Namespace) -> int:
+    if bool(args.pool_name) == bool(args.endpoints or args.endpoints_file):
+        raise SystemExit("kvgate epp: give either --pool-name (Kubernetes mode) or --endpoints/--endpoints-file")
+    if args.endpoints:
+        from kvgate.epp.datastore import parse_endpoints
+
+        try:
+            parse_endpoints(args.endpoints)
+        except ValueError as exc:
+            raise SystemExit(f"kvgate epp: {exc}") from exc
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(args, stop)
+
+    asyncio.run(main())
+    return 0

