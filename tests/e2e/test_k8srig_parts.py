@@ -1,0 +1,179 @@
+"""Unit tests of the rig's other parts: the 1.20 manifest transform, the echo server, volume writes, kube
+client helpers. No control plane needed; not in the e2e tier."""
+from __future__ import annotations
+
+import json
+import http.client
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from k8srig import BuildFailed, Unavailable, crds, echoserver, ensure_binaries
+from k8srig.kube import Kubeconfig, Resource, load_documents
+from k8srig.podrunner import write_atomic_volume
+
+SHARED = Path(__file__).resolve().parents[3] / "shared"
+
+
+def _walk(node, key):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == key:
+                yield v
+            yield from _walk(v, key)
+    elif isinstance(node, list):
+        for x in node:
+            yield from _walk(x, key)
+
+
+# --- the 1.20 transform --------------------------------------------------------------------------------------
+
+def test_crd_transform_drops_cel_and_empty_string_defaults_only():
+    crd = {"kind": "CustomResourceDefinition", "spec": {"versions": [{"name": "v1", "schema": {"openAPIV3Schema": {
+        "type": "object", "x-kubernetes-validations": [{"rule": "self.a > 0"}],
+        "properties": {"a": {"type": "integer", "default": 1},
+                       "b": {"type": "string", "default": ""},
+                       "default": {"type": "string", "x-kubernetes-validations": [{"rule": "x"}]}}}}}]}}
+    out = crds.crd_for_1_20(crd)
+    schema = out["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert "x-kubernetes-validations" not in schema
+    assert schema["properties"]["a"]["default"] == 1 and "default" not in schema["properties"]["b"]
+    assert schema["properties"]["default"] == {"type": "string"}
+    assert "x-kubernetes-validations" in crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]  # input untouched
+
+
+@pytest.mark.skipif(not (SHARED / "reference").is_dir(), reason="shared reference data not present")
+def test_upstream_crds_lose_every_rejected_key():
+    files = sorted((SHARED / "reference" / "gateway-api").glob("*.crd.yaml")) + \
+        [SHARED / "reference" / "gie" / "inferencepools.crd.yaml"]
+    assert any(list(_walk(load_documents(f.read_text()), "x-kubernetes-validations")) for f in files)
+    for f in files:
+        for doc in load_documents(f.read_text()):
+            out = crds.crd_for_1_20(doc)
+            assert not list(_walk(out, "x-kubernetes-validations"))
+            assert "" not in list(_walk(out, "default"))
+
+
+def test_grpc_probes_become_tcp_probes_in_pod_templates():
+    dep = {"kind": "Deployment", "spec": {"template": {"spec": {"containers": [{
+        "name": "epp", "livenessProbe": {"grpc": {"port": 9003, "service": "x"}, "periodSeconds": 10},
+        "readinessProbe": {"httpGet": {"port": 80}}}]}}}}
+    out = crds.manifest_for_1_20(dep)
+    c = out["spec"]["template"]["spec"]["containers"][0]
+    assert c["livenessProbe"] == {"tcpSocket": {"port": 9003}, "periodSeconds": 10}
+    assert c["readinessProbe"] == {"httpGet": {"port": 80}}
+    assert crds.manifest_for_1_20({"kind": "Service", "spec": {}}) == {"kind": "Service", "spec": {}}
+
+
+# --- echo server ---------------------------------------------------------------------------------------------
+
+def test_echo_document_matches_upstream_shape():
+    doc = echoserver.echo_document(path="/a?b=1", host="h:80", method="GET", proto="HTTP/1.1",
+                                   headers=[("host", "h:80"), ("x-foo", "1"), ("X-FOO", "2"), ("user-agent", "t")],
+                                   context=echoserver.context_from_env({"NAMESPACE": "ns", "POD_NAME": "p"}))
+    assert doc == {"path": "/a?b=1", "host": "h:80", "method": "GET", "proto": "HTTP/1.1",
+                   "headers": {"X-Foo": ["1", "2"], "User-Agent": ["t"]},
+                   "namespace": "ns", "ingress": "", "service": "", "pod": "p", "sni": ""}
+    assert echoserver.parse_go_duration("1m1.5s") == 61.5
+    with pytest.raises(ValueError):
+        echoserver.parse_go_duration("5 s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_echo_server_process_answers_on_its_pod_ip():
+    port, h2c = _free_port(), _free_port()
+    ip = "127.0.0.1"
+    env = {"K8SRIG_POD_IP": ip, "HTTP_PORT": str(port), "H2C_PORT": str(h2c), "POD_NAME": "echo-1",
+           "NAMESPACE": "ns"}
+    proc = subprocess.Popen([sys.executable, echoserver.__file__], env=env, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                conn = http.client.HTTPConnection(ip, port, timeout=2)
+                conn.request("GET", "/x/y?delay=10ms", headers={"X-Echo-Set-Header": "X-A:1,X-B:2"})
+                r = conn.getresponse()
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+        body = json.loads(r.read())
+        assert r.status == 200 and r.getheader("X-A") == "1" and r.getheader("X-B") == "2"
+        assert (body["pod"], body["namespace"], body["path"], body["method"]) == ("echo-1", "ns", "/x/y?delay=10ms", "GET")
+        assert body["headers"]["X-Echo-Set-Header"] == ["X-A:1,X-B:2"]
+        conn.request("GET", "/status/418")
+        assert conn.getresponse().status == 418
+        conn.close()
+        conn = http.client.HTTPConnection(ip, h2c, timeout=2)
+        conn.request("GET", "/")
+        assert conn.getresponse().status == 400      # HTTP/1 on the h2c port, as upstream answers
+        conn.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+
+
+# --- volumes and client bits ---------------------------------------------------------------------------------
+
+def test_write_atomic_volume_swaps_data_like_the_kubelet(tmp_path):
+    d = tmp_path / "vol"
+    assert write_atomic_volume(d, {"a.txt": b"1", "sub/b.txt": b"2"})
+    assert (d / "a.txt").read_bytes() == b"1" and (d / "sub" / "b.txt").read_bytes() == b"2"
+    assert (d / "a.txt").is_symlink() and (d / "..data").is_symlink()
+    first = (d / "..data").resolve()
+    assert not write_atomic_volume(d, {"a.txt": b"1", "sub/b.txt": b"2"})     # unchanged: no swap
+    assert write_atomic_volume(d, {"a.txt": b"3"})
+    assert (d / "a.txt").read_bytes() == b"3" and not (d / "sub").exists() and not first.exists()
+
+
+def test_resource_paths_and_kubeconfig_round_trip(tmp_path):
+    pods = Resource("v1", "Pod", "pods", True)
+    assert pods.path("ns", "p", "status") == "/api/v1/namespaces/ns/pods/p/status"
+    assert Resource("apps/v1", "Deployment", "deployments", True).path("ns") == "/apis/apps/v1/namespaces/ns/deployments"
+    assert Resource("v1", "Node", "nodes", False).path("ignored", "n") == "/api/v1/nodes/n"
+    kc = Kubeconfig(server="https://127.0.0.1:6443", ca_pem=b"PEM", token="t")
+    (tmp_path / "kc").write_text(kc.to_yaml())
+    again = Kubeconfig.load(tmp_path / "kc")
+    assert (again.server, again.ca_pem, again.token) == ("https://127.0.0.1:6443", b"PEM", "t")
+
+
+# --- build outcomes ------------------------------------------------------------------------------------------
+
+def _script(tmp_path, body: str) -> Path:
+    p = tmp_path / "build"
+    p.write_text("#!/usr/bin/env bash\n" + body)
+    return p
+
+
+def test_build_outcomes_map_to_skip_fail_and_binaries(tmp_path):
+    log = tmp_path / "build.log"
+    unavailable = _script(tmp_path, '[[ "$1" == --check ]] && exit 1\necho "[b] UNAVAILABLE: no apt-get here" >&2; exit 3\n')
+    with pytest.raises(Unavailable, match="no apt-get here"):
+        ensure_binaries(log, script=unavailable)
+    broken = _script(tmp_path, '[[ "$1" == --check ]] && exit 1\necho "make: *** boom" >&2; exit 2\n')
+    with pytest.raises(BuildFailed, match="boom"):
+        ensure_binaries(log, script=broken)
+    built = _script(tmp_path, '[[ "$1" == --check ]] && exit 1\necho noise >&2; echo /opt/k8s/bin\n')
+    b = ensure_binaries(log, script=built)
+    assert b.dir == Path("/opt/k8s/bin") and b.built_s is not None
+    cached = _script(tmp_path, 'echo /opt/cache/bin\n')
+    assert ensure_binaries(log, script=cached).built_s is None
+
+
+def test_pod_networks_are_exclusive_and_released():
+    import random
+    from k8srig.controlplane import claim_pod_network, release_pod_network
+    a = claim_pod_network(random.Random(1))
+    b = claim_pod_network(random.Random(1))          # same first choice: must skip the held one
+    assert a[0] != b[0]
+    release_pod_network(a[1], a[2])
+    release_pod_network(b[1], b[2])
+    assert not Path(a[2]).exists() and not Path(b[2]).exists()
