@@ -36,10 +36,11 @@ def add_epp_parser(sub) -> None:
     p.add_argument("--config-file", help="EndpointPickerConfig YAML (plugins and scheduling profiles)")
     p.add_argument("--refresh-metrics-interval", type=parse_duration, default=0.05)
     p.add_argument("--metrics-staleness-threshold", type=parse_duration, default=2.0)
-    p.add_argument("--saturation-queue-depth", type=int, default=5,
-                   help="an endpoint with this many waiting requests counts as saturated (default 5)")
-    p.add_argument("--saturation-kv-cache", type=float, default=0.8,
-                   help="an endpoint with this KV-cache usage counts as saturated (default 0.8)")
+    p.add_argument("--saturation-queue-depth", type=int, default=None,
+                   help="an endpoint with this many waiting requests counts as saturated "
+                        "(default: the config file's saturationDetector, else 5)")
+    p.add_argument("--saturation-kv-cache", type=float, default=None,
+                   help="an endpoint with this KV-cache usage counts as saturated (default: config, else 0.8)")
     p.set_defaults(func=run_epp)
 
 
@@ -59,14 +60,19 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     from kvgate.epp.scheduling.config import load_config
     from kvgate.epp.scheduling.framework import Scheduler
 
+    config = load_config(args.config_file)
+    saturation = config.saturation
     datastore = Datastore()
     datalayer = Datalayer(interval=args.refresh_metrics_interval, timeout=1.0,
-                          staleness=args.metrics_staleness_threshold)
-    scheduler = Scheduler(load_config(args.config_file))
+                          staleness=saturation.metrics_staleness_threshold or args.metrics_staleness_threshold)
+    scheduler = Scheduler(config.scheduler)
     metrics = EppMetrics()
-    director = Director(datastore, datalayer, scheduler,
-                        Admission(queue_depth_threshold=args.saturation_queue_depth,
-                                  kv_cache_threshold=args.saturation_kv_cache), metrics)
+    admission = Admission(
+        queue_depth_threshold=args.saturation_queue_depth if args.saturation_queue_depth is not None
+        else saturation.queue_depth_threshold,
+        kv_cache_threshold=args.saturation_kv_cache if args.saturation_kv_cache is not None
+        else saturation.kv_cache_util_threshold)
+    director = Director(datastore, datalayer, scheduler, admission, metrics)
     metrics.watch(director)
 
     loop = asyncio.get_running_loop()
@@ -141,6 +147,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 
 def run_epp(args: argparse.Namespace) -> int:
+    from kvgate.epp.scheduling.config import ConfigError, load_config
+
+    try:
+        load_config(args.config_file)  # fail fast, before any port is opened
+    except ConfigError as exc:
+        raise SystemExit(f"kvgate epp: {exc}") from exc
     if bool(args.pool_name) == bool(args.endpoints or args.endpoints_file):
         raise SystemExit("kvgate epp: give either --pool-name (Kubernetes mode) or --endpoints/--endpoints-file")
     if args.endpoints:

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serve_parser(bench_sub)
     add_bench_engine_loop_parser(bench_sub)
+    from kvgate.epp.bench import add_bench_epp_parser
+
+    add_bench_epp_parser(bench_sub)
     return parser
 
 

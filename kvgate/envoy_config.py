@@ -86,8 +86,11 @@ def _lua(name: str, code: str) -> dict:
 
 
 def _routes(route: Route) -> list[dict]:
+    # The pool's ext_proc filter is disabled in the chain; a FilterConfig on its routes turns it on.
     enable = {f"envoy.filters.http.ext_proc.{route.pool.name}": {
-        "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": False}}
+        "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
+        "config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                   "overrides": {}}}}
     match = {"prefix": route.path_prefix}
     no_timeout = {"timeout": "0s", "idle_timeout": "0s"}
     return [

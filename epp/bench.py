@@ -1,0 +1,145 @@
+"""`kvgate bench epp`: scheduling decision time, added latency of Envoy + EPP, and scrape CPU cost."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+
+def add_bench_epp_parser(sub) -> None:
+    p = sub.add_parser("epp", help="EPP decision time, added gateway latency, scrape CPU per endpoint")
+    p.add_argument("--endpoint-counts", default="10,100,1000")
+    p.add_argument("--decisions", type=int, default=2000, help="scheduling decisions per endpoint count")
+    p.add_argument("--latency-requests", type=int, default=300)
+    p.add_argument("--request-rate", type=float, default=25.0, help="requests/s for the latency comparison")
+    p.add_argument("--scrape-endpoints", type=int, default=20)
+    p.add_argument("--scrape-seconds", type=float, default=5.0)
+    p.add_argument("--result-file", default=None)
+    p.set_defaults(func=run_bench_epp)
+
+
+def _start(cmd: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _wait(url: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+async def _timed_requests(url: str, n: int, rate: float, headers: dict) -> list[float]:
+    latencies = []
+    gaps = np.random.default_rng(0).exponential(1.0 / rate, size=n)
+    async with httpx.AsyncClient(timeout=30) as client:
+        async def one(i: int):
+            t0 = time.perf_counter()
+            r = await client.post(url + "/v1/completions", headers=headers, json={
+                "model": "sim-model", "prompt": f"latency probe {i} " + "p" * 200, "max_tokens": 1})
+            if r.status_code == 200:
+                latencies.append(time.perf_counter() - t0)
+        tasks = []
+        for i, gap in enumerate(gaps):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+    return latencies
+
+
+def measure_added_latency(n: int, rate: float) -> dict:
+    """Envoy + EPP vs Envoy routing by a client-set header, to the same sim engine, same request stream."""
+    from kvgate.envoy_config import PoolBackend, Route, envoy_binary, render_direct, render_gateway
+    from kvgate.up import free_port
+
+    kvgate = str(Path(sys.executable).parent / "kvgate")
+    work = Path(tempfile.mkdtemp(prefix="kvgate-bench-epp-"))
+    procs = []
+    try:
+        port = free_port()
+        procs.append(_start([kvgate, "serve", "sim-model", "--backend", "sim", "--port", str(port),
+                             "--sim-step-overhead-ms", "1"], work / "engine.log"))
+        _wait(f"http://127.0.0.1:{port}/health")
+        endpoint = f"127.0.0.1:{port}"
+        grpc, health, metrics = free_port(), free_port(), free_port()
+        procs.append(_start([kvgate, "epp", "--endpoints", endpoint, "--grpc-port", str(grpc), "--grpc-health-port",
+                             str(health), "--metrics-port", str(metrics)], work / "epp.log"))
+        _wait(f"http://127.0.0.1:{metrics}/metrics")
+        gw_port, gw_admin, direct_port, direct_admin = (free_port() for _ in range(4))
+        (work / "gw.json").write_text(json.dumps(render_gateway(
+            [Route(PoolBackend("bench", "127.0.0.1", grpc, [endpoint]))], "127.0.0.1", gw_port, gw_admin)))
+        (work / "direct.json").write_text(json.dumps(render_direct("127.0.0.1", direct_port, direct_admin)))
+        procs.append(_start([envoy_binary(), "-c", str(work / "gw.json"), "--base-id", str(gw_admin)],
+                            work / "envoy-gw.log"))
+        procs.append(_start([envoy_binary(), "-c", str(work / "direct.json"), "--base-id", str(direct_admin)],
+                            work / "envoy-direct.log"))
+        _wait(f"http://127.0.0.1:{gw_admin}/ready")
+        _wait(f"http://127.0.0.1:{direct_admin}/ready")
+        time.sleep(0.5)  # first scrapes
+        warm = 20
+        asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", warm, rate, {}))
+        asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", warm, rate,
+                                    {"x-gateway-destination-endpoint": endpoint}))
+        via_epp = asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", n, rate, {}))
+        direct = asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", n, rate,
+                                             {"x-gateway-destination-endpoint": endpoint}))
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+    out = {}
+    for name, values in (("envoy_epp", via_epp), ("envoy_direct", direct)):
+        a = np.asarray(values) * 1000
+        out[name] = {"ok": len(values), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
+    for q in ("p50_ms", "p99_ms"):
+        out[f"added_{q}"] = out["envoy_epp"][q] - out["envoy_direct"][q]
+        out[f"ratio_{q.split('_')[0]}"] = out["envoy_epp"][q] / out["envoy_direct"][q]
+    return out
+
+
+def run_bench_epp(args: argparse.Namespace) -> int:
+    from kvgate.epp.scheduling.bench import bench_scheduling, bench_scrape_cpu
+
+    results: dict = {"scheduling": {}, "latency": None, "scrape": None}
+    print(f"{'endpoints':>10}{'decision p50 (us)':>20}{'decision p99 (us)':>20}")
+    for count in [int(x) for x in args.endpoint_counts.split(",")]:
+        r = bench_scheduling(count, args.decisions)
+        results["scheduling"][count] = r
+        print(f"{count:>10}{r['p50_us']:>20.1f}{r['p99_us']:>20.1f}", flush=True)
+    lat = measure_added_latency(args.latency_requests, args.request_rate)
+    results["latency"] = lat
+    print(f"\nlatency at {args.request_rate:g} req/s, {args.latency_requests} requests (1 output token):")
+    print(f"  Envoy + EPP      p50 {lat['envoy_epp']['p50_ms']:.2f} ms  p99 {lat['envoy_epp']['p99_ms']:.2f} ms")
+    print(f"  Envoy direct     p50 {lat['envoy_direct']['p50_ms']:.2f} ms  p99 {lat['envoy_direct']['p99_ms']:.2f} ms")
+    print(f"  added by the EPP p50 {lat['added_p50_ms']:+.2f} ms ({lat['ratio_p50']:.2f}x)  "
+          f"p99 {lat['added_p99_ms']:+.2f} ms ({lat['ratio_p99']:.2f}x)", flush=True)
+    scrape = bench_scrape_cpu(args.scrape_endpoints, args.scrape_seconds)
+    results["scrape"] = scrape
+    print(f"\nscraping {args.scrape_endpoints} endpoints every 50 ms: {json.dumps(scrape)}")
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(results, indent=2))
+    return 0

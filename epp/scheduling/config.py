@@ -1,0 +1,290 @@
+"""EndpointPickerConfig: upstream's YAML for the EPP's plugins, scheduling profiles and saturation detector.
+
+    apiVersion: inference.networking.x-k8s.io/v1alpha1
+    kind: EndpointPickerConfig
+    plugins:                          # instances: type (registry name), name (defaults to type), parameters
+    - type: prefix-cache-scorer
+      parameters: {blockSize: 64, maxPrefixBlocksToMatch: 256, lruCapacityPerServer: 31250}
+    - type: queue-scorer
+    - type: max-score-picker
+    schedulingProfiles:               # the first profile is the primary one
+    - name: default
+      plugins:
+      - pluginRef: queue-scorer
+        weight: 2                     # scorers only; default 1
+      - pluginRef: prefix-cache-scorer
+        weight: 3
+    saturationDetector: {queueDepthThreshold: 5, kvCacheUtilThreshold: 0.8, metricsStalenessThreshold: 2s}
+
+Defaults as upstream fills them: no schedulingProfiles → one `default` profile with every scheduling plugin;
+a profile without a picker gets a max-score-picker. Other top-level sections upstream knows (featureGates,
+dataLayer, flowControl, parser, requestHandler) are accepted and ignored. Multiple profiles load, but only the
+first (primary) runs: kvgate has no multi-profile handler (e.g. prefill/decode) yet.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvgate.epp.scheduling.framework import (
+    Filter,
+    Picker,
+    Plugin,
+    ProfileHandler,
+    SchedulerConfig,
+    SchedulingProfile,
+    Scorer,
+    WeightedScorer,
+)
+from kvgate.epp.scheduling.plugins import REGISTRY, create_plugin
+
+API_VERSIONS = {
+    "inference.networking.x-k8s.io/v1alpha1",
+    "config.apix.gateway-api-inference-extension.sigs.k8s.io/v1alpha1",
+    "llm-d.ai/v1alpha1",
+    "llm-d.ai/v1",
+}
+KIND = "EndpointPickerConfig"
+IGNORED_SECTIONS = {"featureGates", "dataLayer", "flowControl", "parser", "requestHandler", "data"}
+KNOWN_SECTIONS = {"apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector"} | IGNORED_SECTIONS
+
+
+class ConfigError(ValueError):
+    """An EndpointPickerConfig that cannot be used; the message names the problem and where it is."""
+
+
+@dataclass
+class SaturationConfig:
+    queue_depth_threshold: int = 5
+    kv_cache_util_threshold: float = 0.8
+    metrics_staleness_threshold: float | None = None  # seconds; None = the --metrics-staleness-threshold flag
+
+
+@dataclass
+class EppConfig:
+    scheduler: SchedulerConfig
+    saturation: SaturationConfig = field(default_factory=SaturationConfig)
+
+
+DEFAULT_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: header-based-testing-filter
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: header-based-testing-filter
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: max-score-picker
+"""
+
+
+def default_config() -> EppConfig:
+    """The header filter (a no-op without its header), queue 2, kv-cache 2, prefix 3, max-score picker."""
+    return parse_config(DEFAULT_CONFIG_YAML)
+
+
+def load_config(path: str | Path | None) -> EppConfig:
+    """The config in `path`, or the default when no path is given."""
+    if path is None or str(path) == "":
+        return default_config()
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from e
+    return parse_config(text, source=str(path))
+
+
+def parse_config(text: str, source: str = "<config>") -> EppConfig:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from e
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"{source}: expected a mapping (an EndpointPickerConfig), got {type(doc).__name__}")
+    _check_header(doc, source)
+    plugins = _build_plugins(doc.get("plugins"), source)
+    profiles = _build_profiles(doc.get("schedulingProfiles"), plugins, source)
+    saturation = _saturation(doc.get("saturationDetector"), source)
+    return EppConfig(scheduler=SchedulerConfig(profiles=profiles, plugins=plugins), saturation=saturation)
+
+
+def _check_header(doc: Mapping, source: str) -> None:
+    if doc.get("kind") != KIND:
+        raise ConfigError(f"{source}: kind must be {KIND}, got {doc.get('kind')!r}")
+    if doc.get("apiVersion") not in API_VERSIONS:
+        raise ConfigError(f"{source}: unsupported apiVersion {doc.get('apiVersion')!r} "
+                          f"(supported: {', '.join(sorted(API_VERSIONS))})")
+    unknown = sorted(set(doc) - KNOWN_SECTIONS)
+    if unknown:
+        raise ConfigError(f"{source}: unknown top-level field(s) {', '.join(map(str, unknown))}")
+
+
+def _build_plugins(specs: Any, source: str) -> dict[str, Plugin]:
+    if not isinstance(specs, list) or not specs:
+        raise ConfigError(f"{source}: plugins must be a non-empty list")
+    plugins: dict[str, Plugin] = {}
+    for i, spec in enumerate(specs):
+        where = f"{source}: plugins[{i}]"
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"{where}: expected a mapping with type, name, parameters")
+        extra = sorted(set(spec) - {"type", "name", "parameters"})
+        if extra:
+            raise ConfigError(f"{where}: unknown field(s) {', '.join(map(str, extra))}")
+        type_name = spec.get("type")
+        if not isinstance(type_name, str) or not type_name:
+            raise ConfigError(f"{where}: type is required")
+        if type_name not in REGISTRY:
+            raise ConfigError(f"{where}: unknown plugin type {type_name!r} (known: {', '.join(sorted(REGISTRY))})")
+        name = spec.get("name") or type_name
+        if not isinstance(name, str):
+            raise ConfigError(f"{where}: name must be a string")
+        if name in plugins:
+            raise ConfigError(f"{where}: duplicate plugin name {name!r}")
+        parameters = spec.get("parameters")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise ConfigError(f"{where} ({name}): parameters must be a mapping")
+        try:
+            plugins[name] = create_plugin(type_name, parameters, name)
+        except ValueError as e:
+            raise ConfigError(f"{where} ({name}): {e}") from e
+    return plugins
+
+
+def _build_profiles(specs: Any, plugins: dict[str, Plugin], source: str) -> list[SchedulingProfile]:
+    if specs is None:  # upstream's default: one profile with every scheduling plugin, weight 1
+        specs = [{"name": "default", "plugins": [{"pluginRef": n} for n, p in plugins.items()
+                                                 if not isinstance(p, ProfileHandler)]}]
+    if not isinstance(specs, list) or not specs:
+        raise ConfigError(f"{source}: schedulingProfiles must be a non-empty list")
+    handlers = [n for n, p in plugins.items() if isinstance(p, ProfileHandler)]
+    if handlers and len(specs) > 1:
+        raise ConfigError(f"{source}: {handlers[0]} (a single-profile handler) allows one scheduling profile, "
+                          f"got {len(specs)}")
+    profiles, names = [], set()
+    for i, spec in enumerate(specs):
+        where = f"{source}: schedulingProfiles[{i}]"
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"{where}: expected a mapping with name and plugins")
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}: name is required")
+        if name in names:
+            raise ConfigError(f"{where}: duplicate profile name {name!r}")
+        names.add(name)
+        profiles.append(_build_profile(name, spec.get("plugins"), plugins, f"{where} ({name})"))
+    return profiles
+
+
+def _build_profile(name: str, refs: Any, plugins: dict[str, Plugin], where: str) -> SchedulingProfile:
+    if not isinstance(refs, list):
+        raise ConfigError(f"{where}: plugins must be a list of {{pluginRef, weight}}")
+    profile = SchedulingProfile(name=name)
+    for j, ref in enumerate(refs):
+        at = f"{where}: plugins[{j}]"
+        if not isinstance(ref, Mapping) or "pluginRef" not in ref:
+            raise ConfigError(f"{at}: expected a mapping with pluginRef")
+        extra = sorted(set(ref) - {"pluginRef", "weight"})
+        if extra:
+            raise ConfigError(f"{at}: unknown field(s) {', '.join(map(str, extra))}")
+        plugin = plugins.get(ref["pluginRef"])
+        if plugin is None:
+            raise ConfigError(f"{at}: pluginRef {ref['pluginRef']!r} names no plugin "
+                              f"(defined: {', '.join(plugins)})")
+        weight = ref.get("weight", 1)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ConfigError(f"{at}: weight of {plugin.name!r} must be a number, got {weight!r}")
+        if weight < 0:
+            raise ConfigError(f"{at}: weight of {plugin.name!r} must be >= 0, got {weight}")
+        if isinstance(plugin, ProfileHandler):
+            raise ConfigError(f"{at}: {plugin.name!r} is a profile handler, not a scheduling plugin")
+        placed = False
+        if isinstance(plugin, Filter):
+            profile.filters.append(plugin)
+            placed = True
+        if isinstance(plugin, Scorer):
+            profile.scorers.append(WeightedScorer(plugin, float(weight)))
+            placed = True
+        if isinstance(plugin, Picker):
+            if profile.picker is not None:
+                raise ConfigError(f"{at}: more than one picker ({profile.picker.name!r} and {plugin.name!r})")
+            profile.picker = plugin
+            placed = True
+        if not placed:
+            raise ConfigError(f"{at}: {plugin.name!r} is not a filter, scorer or picker")
+    if profile.picker is None:
+        profile.picker = create_plugin("max-score-picker")
+    return profile
+
+
+def _saturation(spec: Any, source: str) -> SaturationConfig:
+    config = SaturationConfig()
+    if spec is None:
+        return config
+    where = f"{source}: saturationDetector"
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{where}: expected a mapping")
+    extra = sorted(set(spec) - {"queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold"})
+    if extra:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(map(str, extra))}")
+    if "queueDepthThreshold" in spec:
+        q = spec["queueDepthThreshold"]
+        if isinstance(q, bool) or not isinstance(q, int) or q <= 0:
+            raise ConfigError(f"{where}: queueDepthThreshold must be a positive integer, got {q!r}")
+        config.queue_depth_threshold = q
+    if "kvCacheUtilThreshold" in spec:
+        kv = spec["kvCacheUtilThreshold"]
+        if isinstance(kv, bool) or not isinstance(kv, (int, float)) or not 0 < kv <= 1:
+            raise ConfigError(f"{where}: kvCacheUtilThreshold must be a number in (0, 1], got {kv!r}")
+        config.kv_cache_util_threshold = float(kv)
+    if "metricsStalenessThreshold" in spec:
+        try:
+            config.metrics_staleness_threshold = parse_duration(spec["metricsStalenessThreshold"])
+        except ValueError as e:
+            raise ConfigError(f"{where}: metricsStalenessThreshold: {e}") from e
+    return config
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: Any) -> float:
+    """Go-style duration ("50ms", "2s", "1m30s") or a plain number of seconds → seconds (> 0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a duration: {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and value.strip():
+        text, pos, seconds = value.strip(), 0, 0.0
+        for m in _DURATION_PART.finditer(text):
+            if m.start() != pos:
+                break
+            seconds += float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+            pos = m.end()
+        if pos != len(text):
+            try:
+                seconds, pos = float(text), len(text)
+            except ValueError:
+                raise ValueError(f"not a duration: {value!r} (use e.g. 50ms, 2s)") from None
+    else:
+        raise ValueError(f"not a duration: {value!r}")
+    if seconds <= 0:
+        raise ValueError(f"duration must be positive, got {value!r}")
+    return seconds

@@ -1,0 +1,164 @@
+"""EndpointPickerConfig loading: the default, an upstream-style file, and every error a user can make."""
+
+import pytest
+
+from kvgate.epp.scheduling.config import ConfigError, default_config, load_config, parse_config, parse_duration
+from kvgate.epp.scheduling.framework import Scheduler
+
+HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+
+FULL = HEADER + """\
+plugins:
+- type: single-profile-handler
+- type: header-based-testing-filter
+- type: prefix-cache-scorer
+  parameters:
+    blockSize: 32
+    maxPrefixBlocksToMatch: 128
+    lruCapacityPerServer: 5000
+- name: queue
+  type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: lora-affinity-scorer
+- type: running-requests-size-scorer
+- type: token-load-scorer
+- type: weighted-random-picker
+  parameters:
+    maxNumOfEndpoints: 3
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: header-based-testing-filter
+  - pluginRef: queue
+    weight: 1.5
+  - pluginRef: kv-cache-utilization-scorer
+  - pluginRef: prefix-cache-scorer
+    weight: 4
+  - pluginRef: lora-affinity-scorer
+    weight: 0
+  - pluginRef: running-requests-size-scorer
+  - pluginRef: token-load-scorer
+  - pluginRef: weighted-random-picker
+saturationDetector:
+  queueDepthThreshold: 8
+  kvCacheUtilThreshold: 0.9
+  metricsStalenessThreshold: 500ms
+featureGates: [dataLayer]
+"""
+
+
+def profile_summary(config):
+    p = config.scheduler.profiles[0]
+    return ([f.type_name for f in p.filters], [(ws.scorer.name, ws.weight) for ws in p.scorers], p.picker.type_name)
+
+
+def test_default_config():
+    config = default_config()
+    assert profile_summary(config) == (
+        ["header-based-testing-filter"],
+        [("queue-scorer", 2.0), ("kv-cache-utilization-scorer", 2.0), ("prefix-cache-scorer", 3.0)],
+        "max-score-picker")
+    assert load_config(None).scheduler.profiles[0].name == "default"
+    s = config.saturation
+    assert (s.queue_depth_threshold, s.kv_cache_util_threshold, s.metrics_staleness_threshold) == (5, 0.8, None)
+
+
+def test_full_upstream_style_file(tmp_path):
+    path = tmp_path / "epp.yaml"
+    path.write_text(FULL)
+    config = load_config(path)
+    filters, scorers, picker = profile_summary(config)
+    assert filters == ["header-based-testing-filter"]
+    assert scorers == [("queue", 1.5), ("kv-cache-utilization-scorer", 1.0), ("prefix-cache-scorer", 4.0),
+                       ("lora-affinity-scorer", 0.0), ("running-requests-size-scorer", 1.0),
+                       ("token-load-scorer", 1.0)]
+    assert picker == "weighted-random-picker"
+    assert config.scheduler.profiles[0].picker.max_endpoints == 3
+    prefix = config.scheduler.plugins["prefix-cache-scorer"]
+    assert (prefix.block_size, prefix.max_prefix_blocks, prefix.index.capacity) == (32, 128, 5000)
+    assert config.saturation.queue_depth_threshold == 8
+    assert config.saturation.kv_cache_util_threshold == 0.9
+    assert config.saturation.metrics_staleness_threshold == pytest.approx(0.5)
+    Scheduler(config.scheduler)  # builds
+
+
+def test_upstream_defaults_fill_profile_and_picker():
+    config = parse_config(HEADER + "plugins:\n- type: queue-scorer\n- type: kv-cache-utilization-scorer\n")
+    assert profile_summary(config) == (
+        [], [("queue-scorer", 1.0), ("kv-cache-utilization-scorer", 1.0)], "max-score-picker")
+
+
+def test_multiple_profiles_load_and_the_first_is_primary():
+    text = HEADER + """\
+plugins: [{type: queue-scorer}, {type: random-picker}]
+schedulingProfiles:
+- {name: prefill, plugins: [{pluginRef: queue-scorer}]}
+- {name: decode, plugins: [{pluginRef: random-picker}]}
+"""
+    config = parse_config(text)
+    assert [p.name for p in config.scheduler.profiles] == ["prefill", "decode"]
+    assert Scheduler(config.scheduler).primary.name == "prefill"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("- just a list\n", "expected a mapping"),
+    ("plugins: [oops\n", "not valid YAML"),
+    ("apiVersion: v1\nkind: EndpointPickerConfig\nplugins: [{type: queue-scorer}]\n", "unsupported apiVersion"),
+    ("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: Pod\n", "kind must be EndpointPickerConfig"),
+    (HEADER + "plugins: []\n", "plugins must be a non-empty list"),
+    (HEADER + "plugins: [{type: queue-scorer}]\nschedulingProfile: []\n", "unknown top-level field"),
+    (HEADER + "plugins: [{type: no-such-scorer}]\n", "unknown plugin type 'no-such-scorer'"),
+    (HEADER + "plugins: [{name: x}]\n", "type is required"),
+    (HEADER + "plugins: [{type: queue-scorer, weight: 2}]\n", "unknown field"),
+    (HEADER + "plugins: [{type: queue-scorer}, {type: queue-scorer}]\n", "duplicate plugin name 'queue-scorer'"),
+    (HEADER + "plugins: [{type: queue-scorer, parameters: {x: 1}}]\n", "unknown parameter"),
+    (HEADER + "plugins: [{type: queue-scorer, parameters: [1]}]\n", "parameters must be a mapping"),
+    (HEADER + "plugins: [{type: prefix-cache-scorer, parameters: {blockSize: 0}}]\n", "blockSize must be >= 1"),
+    (HEADER + "plugins: [{type: queue-scorer}]\nschedulingProfiles:\n- {name: d, plugins: [{pluginRef: nope}]}\n",
+     "pluginRef 'nope' names no plugin"),
+    (HEADER + "plugins: [{type: queue-scorer}]\nschedulingProfiles:\n"
+              "- {name: d, plugins: [{pluginRef: queue-scorer, weight: heavy}]}\n",
+     "weight of 'queue-scorer' must be a number"),
+    (HEADER + "plugins: [{type: queue-scorer}]\nschedulingProfiles:\n"
+              "- {name: d, plugins: [{pluginRef: queue-scorer, weight: -1}]}\n", "must be >= 0"),
+    (HEADER + "plugins: [{type: max-score-picker}, {type: random-picker}]\nschedulingProfiles:\n"
+              "- {name: d, plugins: [{pluginRef: max-score-picker}, {pluginRef: random-picker}]}\n",
+     "more than one picker"),
+    (HEADER + "plugins: [{type: queue-scorer}]\nschedulingProfiles:\n- {plugins: []}\n", "name is required"),
+    (HEADER + "plugins: [{type: queue-scorer}]\nschedulingProfiles:\n- {name: a, plugins: []}\n"
+              "- {name: a, plugins: []}\n", "duplicate profile name"),
+    (HEADER + "plugins: [{type: single-profile-handler}, {type: queue-scorer}]\nschedulingProfiles:\n"
+              "- {name: a, plugins: []}\n- {name: b, plugins: []}\n", "allows one scheduling profile"),
+    (HEADER + "plugins: [{type: single-profile-handler}]\nschedulingProfiles:\n"
+              "- {name: a, plugins: [{pluginRef: single-profile-handler}]}\n", "profile handler"),
+    (HEADER + "plugins: [{type: queue-scorer}]\nsaturationDetector: {queueDepthThreshold: 0}\n",
+     "queueDepthThreshold must be a positive integer"),
+    (HEADER + "plugins: [{type: queue-scorer}]\nsaturationDetector: {kvCacheUtilThreshold: 1.5}\n",
+     "kvCacheUtilThreshold must be a number in"),
+    (HEADER + "plugins: [{type: queue-scorer}]\nsaturationDetector: {metricsStalenessThreshold: soon}\n",
+     "not a duration"),
+])
+def test_errors_name_the_problem(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(text)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("value, seconds", [("50ms", 0.05), ("2s", 2.0), ("1m30s", 90.0), (3, 3.0), ("0.5", 0.5),
+                                            ("250us", 0.00025)])
+def test_parse_duration(value, seconds):
+    assert parse_duration(value) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", ["", "5 parsecs", "-1s", 0, True, None])
+def test_parse_duration_rejects(value):
+    with pytest.raises(ValueError):
+        parse_duration(value)

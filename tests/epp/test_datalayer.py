@@ -1,0 +1,363 @@
+"""The datalayer against real HTTP servers on loopback: pick-up, keep-alive, staleness, churn, dialects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from kvgate.epp.datalayer import DIALECTS, Datalayer, MetricsParseError, iter_samples, parse_labels, parse_metrics
+from kvgate.epp.types import Endpoint
+from tests.procs import KvgateServe
+
+
+def vllm_page(waiting=0, running=0, usage=0.0, *, lora_running="", lora_waiting="", max_lora=0):
+    return f"""# HELP vllm:num_requests_running Requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{model_name="m"}} {running}.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{model_name="m"}} {waiting}.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{model_name="m"}} {usage}
+vllm:cache_config_info{{block_size="16",model_name="m",num_gpu_blocks="4096"}} 1.0
+vllm:lora_requests_info{{max_lora="{max_lora}",running_lora_adapters="{lora_running}",\
+waiting_lora_adapters="{lora_waiting}"}} 1.7e+09
+vllm:e2e_request_latency_seconds_bucket{{le="0.1",model_name="m"}} 3.0
+"""
+
+
+class FakeEngine:
+    """A keep-alive HTTP/1.1 server on a free loopback port answering /metrics with `text`."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.status = 200
+        self.chunked = False
+        self.silent = False  # accept requests but never answer
+        self.connections = 0
+        self.requests = 0
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> "FakeEngine":
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        self.server.close()
+        for w in list(self._writers):
+            w.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self._writers.add(writer)
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                self.requests += 1
+                if self.silent:
+                    continue
+                body = self.text.encode()
+                head = f"HTTP/1.1 {self.status} X\r\nContent-Type: text/plain\r\n"
+                if self.chunked:
+                    half = len(body) // 2
+                    chunks = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (body[:half], body[half:]) if c)
+                    writer.write(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode() + chunks + b"0\r\n\r\n")
+                else:
+                    writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+
+async def wait_until(predicate, timeout: float = 2.0, step: float = 0.01) -> float:
+    """Seconds waited until predicate() held; fails the test after `timeout`."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(step)
+    return time.monotonic() - start
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def metrics_of(layer: Datalayer, address: str):
+    return layer.metrics(address)
+
+
+# ------------------------------------------------------------------------------------------- collectors
+
+def test_values_are_picked_up_within_a_few_intervals_over_one_connection():
+    async def main():
+        engine = await FakeEngine(vllm_page(waiting=3, running=2, usage=0.25)).start()
+        layer = Datalayer(interval=0.02, staleness=1.0)
+        try:
+            layer.set_endpoints([Endpoint(engine.address)])
+            assert layer.states()[0].stale  # never scraped yet
+            await layer.start()
+            await wait_until(lambda: metrics_of(layer, engine.address).waiting_queue_size == 3, timeout=1.0)
+            m = metrics_of(layer, engine.address)
+            assert (m.running_requests, m.kv_cache_usage, m.kv_block_size, m.num_kv_blocks) == (2, 0.25, 16, 4096)
+            engine.text = vllm_page(waiting=7, usage=0.5)
+            waited = await wait_until(lambda: metrics_of(layer, engine.address).waiting_queue_size == 7, timeout=1.0)
+            assert waited < 0.5
+            state = layer.states({engine.address: (4, 900)})[0]
+            assert not state.stale and (state.in_flight_requests, state.in_flight_tokens) == (4, 900)
+            await wait_until(lambda: engine.requests >= 10)
+            assert engine.connections == 1  # keep-alive
+        finally:
+            await layer.stop()
+            await engine.stop()
+
+    run(main())
+
+
+def test_metrics_go_stale_when_the_server_stops_answering_and_recover():
+    async def main():
+        engine = await FakeEngine(vllm_page(waiting=2)).start()
+        layer = Datalayer(interval=0.02, staleness=0.3)
+        try:
+            layer.set_endpoints([Endpoint(engine.address)])
+            await layer.start()
+            await wait_until(lambda: not layer.states()[0].stale)
+            await engine.stop()
+            stopped = time.monotonic()
+            await wait_until(lambda: layer.states()[0].stale, timeout=2.0)
+            assert time.monotonic() - stopped >= 0.2  # stale only once older than the threshold
+            assert layer.states()[0].metrics.waiting_queue_size == 2  # failed scrapes keep the old numbers
+            assert layer.stats()["failures"] > 0
+            engine.text = vllm_page(waiting=5)
+            await engine.start()  # same port
+            await wait_until(lambda: not layer.states()[0].stale and
+                             layer.states()[0].metrics.waiting_queue_size == 5, timeout=2.0)
+        finally:
+            await layer.stop()
+            await engine.stop()
+
+    run(main())
+
+
+def test_error_status_and_unanswered_requests_keep_old_metrics():
+    async def main():
+        engine = await FakeEngine(vllm_page(waiting=1)).start()
+        layer = Datalayer(interval=0.02, timeout=0.2, staleness=5.0)
+        try:
+            layer.set_endpoints([Endpoint(engine.address)])
+            await layer.start()
+            await wait_until(lambda: layer.states()[0].metrics.waiting_queue_size == 1)
+            engine.status, engine.text = 500, vllm_page(waiting=9)
+            failures = layer.stats()["failures"]
+            await wait_until(lambda: layer.stats()["failures"] >= failures + 3)
+            assert layer.states()[0].metrics.waiting_queue_size == 1
+            engine.status, engine.silent = 200, True
+            before = engine.requests
+            await asyncio.sleep(0.5)
+            # Each unanswered request times out (0.2 s) and the connection is dropped: no busy retry loop.
+            assert engine.requests - before <= 4
+            assert layer.states()[0].metrics.waiting_queue_size == 1
+            engine.silent = False
+            await wait_until(lambda: layer.states()[0].metrics.waiting_queue_size == 9, timeout=2.0)
+        finally:
+            await layer.stop()
+            await engine.stop()
+
+    run(main())
+
+
+def test_chunked_responses_are_read():
+    async def main():
+        engine = await FakeEngine(vllm_page(waiting=4, usage=0.5)).start()
+        engine.chunked = True
+        layer = Datalayer(interval=0.02)
+        try:
+            layer.set_endpoints([Endpoint(engine.address)])
+            await layer.start()
+            await wait_until(lambda: layer.states()[0].metrics.waiting_queue_size == 4)
+            assert layer.states()[0].metrics.kv_cache_usage == 0.5
+        finally:
+            await layer.stop()
+            await engine.stop()
+
+    run(main())
+
+
+def test_collectors_are_added_and_removed_cleanly():
+    async def main():
+        a = await FakeEngine(vllm_page(waiting=1)).start()
+        b = await FakeEngine(vllm_page(waiting=2)).start()
+        changes = []
+        layer = Datalayer(interval=0.02, on_change=lambda address, m: changes.append(
+            (address, None if m is None else m.waiting_queue_size)))
+        try:
+            await layer.start()
+            layer.set_endpoints([Endpoint(a.address)])
+            await wait_until(lambda: (a.address, 1) in changes)
+            layer.set_endpoints([Endpoint(a.address), Endpoint(b.address)])
+            await wait_until(lambda: (b.address, 2) in changes)
+            collector_a = layer._collectors[a.address]
+            layer.set_endpoints([Endpoint(a.address, name="pod-a"), Endpoint(b.address)])  # idempotent
+            assert layer._collectors[a.address] is collector_a
+            assert layer.endpoints()[0].name == "pod-a"
+            assert not layer.states()[0].stale  # kept its metrics
+            layer.set_endpoints([Endpoint(b.address)])
+            assert [s.address for s in layer.states()] == [b.address]
+            assert (a.address, None) in changes
+            await wait_until(lambda: collector_a.task.done())
+            scraped = a.requests
+            await asyncio.sleep(0.1)
+            assert a.requests == scraped  # no scrapes after removal
+            await wait_until(lambda: not a._writers)  # the removed collector closed its connection
+        finally:
+            await layer.stop()
+            await a.stop()
+            await b.stop()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert not [t for t in others if t.get_name().startswith("metrics ")]
+
+    run(main())
+
+
+def test_set_endpoints_before_start_and_stop_is_idempotent():
+    async def main():
+        engine = await FakeEngine(vllm_page(waiting=6)).start()
+        layer = Datalayer(interval=0.02)
+        layer.set_endpoints([Endpoint(engine.address)])
+        try:
+            await layer.start()
+            await layer.start()
+            await wait_until(lambda: layer.states()[0].metrics.waiting_queue_size == 6)
+        finally:
+            await layer.stop()
+            await layer.stop()
+            await engine.stop()
+        assert not layer.running
+
+    run(main())
+
+
+def test_against_a_real_kvgate_sim_engine(tmp_path):
+    async def main(url: str, address: str):
+        layer = Datalayer(interval=0.05)
+        try:
+            layer.set_endpoints([Endpoint(address)])
+            await layer.start()
+            await wait_until(lambda: not layer.states()[0].stale, timeout=5.0)
+            m = layer.states()[0].metrics
+            assert m.kv_block_size == 16 and m.num_kv_blocks and m.max_lora == 0
+            busy = []
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = {"model": "sim-8b", "prompt": "hello " * 200, "max_tokens": 64, "ignore_eos": True}
+                requests = [asyncio.create_task(client.post(url + "/v1/completions", json=body)) for _ in range(6)]
+
+                def saw_load():
+                    s = layer.states()[0].metrics
+                    busy.append((s.running_requests, s.waiting_queue_size, s.kv_cache_usage))
+                    return s.running_requests + s.waiting_queue_size > 0 and s.kv_cache_usage > 0
+
+                await wait_until(saw_load, timeout=10.0)
+                responses = await asyncio.gather(*requests)
+            assert all(r.status_code == 200 for r in responses)
+            await wait_until(lambda: layer.states()[0].metrics.running_requests == 0, timeout=5.0)
+        finally:
+            await layer.stop()
+
+    with KvgateServe("sim-8b", "--backend", "sim", cache_dir=tmp_path) as server:
+        run(main(server.url, f"{server.host}:{server.port}"))
+
+
+# ------------------------------------------------------------------------------------------- dialects
+
+def test_vllm_page_with_labels():
+    text = vllm_page(waiting=3, running=5, usage=0.4, lora_running="sql, chat", lora_waiting="math",
+                     max_lora=4) + 'vllm:num_requests_waiting{model_name="other"} 2.0\n'
+    m = parse_metrics(text, DIALECTS["vllm"], 12.0)
+    assert (m.waiting_queue_size, m.running_requests, m.kv_cache_usage, m.updated_at) == (3, 5, 0.4, 12.0)
+    assert (m.max_lora, m.running_loras, m.waiting_loras) == (4, {"sql", "chat"}, {"math"})
+
+
+def test_vllm_sums_label_sets_and_takes_max_usage():
+    text = """vllm:num_requests_waiting{engine="0"} 2
+vllm:num_requests_waiting{engine="1"} 3
+vllm:num_requests_running{engine="0"} 1
+vllm:num_requests_running{engine="1"} 4
+vllm:kv_cache_usage_perc{engine="0"} 0.2
+vllm:kv_cache_usage_perc{engine="1"} 0.7
+"""
+    m = parse_metrics(text, DIALECTS["vllm"])
+    assert (m.waiting_queue_size, m.running_requests, m.kv_cache_usage) == (5, 5, 0.7)
+
+
+def test_vllm_older_gpu_cache_usage_and_unlabelled_samples():
+    text = "vllm:num_requests_waiting 4\nvllm:num_requests_running 1\nvllm:gpu_cache_usage_perc 0.3\n"
+    m = parse_metrics(text, DIALECTS["vllm"])
+    assert (m.waiting_queue_size, m.running_requests, m.kv_cache_usage) == (4, 1, 0.3)
+    assert m.kv_block_size is None and m.max_lora == 0
+
+
+def test_vllm_lora_takes_the_newest_sample():
+    text = """vllm:num_requests_waiting 0
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="old",waiting_lora_adapters=""} 100.0
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="new1,new2",waiting_lora_adapters="w"} 200.0
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="older",waiting_lora_adapters=""} 50.0
+"""
+    m = parse_metrics(text, DIALECTS["vllm"])
+    assert m.running_loras == {"new1", "new2"} and m.waiting_loras == {"w"}
+
+
+def test_sglang_page():
+    text = """# HELP sglang:num_queue_reqs The number of requests in the waiting queue
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="qwen",engine_type="unified",tp_rank="0"} 6.0
+sglang:num_queue_reqs{model_name="qwen",engine_type="unified",tp_rank="1"} 1.0
+sglang:num_running_reqs{model_name="qwen",engine_type="unified",tp_rank="0"} 12.0
+sglang:token_usage{model_name="qwen",engine_type="unified",tp_rank="0"} 0.52
+sglang:token_usage{model_name="qwen",engine_type="unified",tp_rank="1"} 0.61
+sglang:cache_hit_rate{model_name="qwen"} 0.3
+"""
+    m = parse_metrics(text, DIALECTS["sglang"])
+    assert (m.waiting_queue_size, m.running_requests, m.kv_cache_usage) == (7, 12, 0.61)
+
+
+def test_trtllm_page_filters_by_label():
+    text = """nv_trt_llm_request_metrics{model="ensemble",request_type="context",version="1"} 3
+nv_trt_llm_request_metrics{model="ensemble",request_type="scheduled",version="1"} 8
+nv_trt_llm_request_metrics{model="ensemble",request_type="max",version="1"} 64
+nv_trt_llm_request_metrics{model="ensemble",request_type="waiting",version="1"} 2
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction",model="ensemble",version="1"} 0.35
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="tokens_per",model="ensemble",version="1"} 64
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="ensemble",version="1"} 2000
+"""
+    m = parse_metrics(text, DIALECTS["trtllm"])
+    assert (m.waiting_queue_size, m.running_requests, m.kv_cache_usage) == (2, 8, 0.35)
+    assert (m.kv_block_size, m.num_kv_blocks) == (64, 2000)
+
+
+def test_scanner_edge_cases():
+    text = ("vllm:num_requests_waiting_by_reason{reason=\"x\"} 9\n"  # a longer family name: not ours
+            "vllm:num_requests_waiting{a=\"1\"} NaN\n"
+            "vllm:num_requests_waiting{a=\"2\"} 3 1700000000000\n"  # with a timestamp
+            "vllm:num_requests_waiting{a=\"3\"} 1e0")
+    assert [v for _, v in iter_samples(text, "vllm:num_requests_waiting")] == [3.0, 1.0]
+    assert parse_labels(r'a="x\"y",b="c,d",c="\\"') == {"a": 'x"y', "b": "c,d", "c": "\\"}
+
+
+def test_page_without_any_known_family_is_an_error():
+    with pytest.raises(MetricsParseError):
+        parse_metrics("<html>not metrics</html>", DIALECTS["vllm"])
+    with pytest.raises(MetricsParseError):
+        parse_metrics(vllm_page(), DIALECTS["sglang"])

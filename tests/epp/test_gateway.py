@@ -1,0 +1,194 @@
+"""The Endpoint Picker through the real Envoy binary, in front of real sim engines."""
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from tests.gateway import EPP, Envoy, Gateway, wait_http
+from tests.procs import free_port
+from kvgate.envoy_config import PoolBackend, Route, render_gateway
+
+SERVED_BY = "x-kvgate-endpoint"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kvgate-cache")
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory, cache):
+    with Gateway(tmp_path_factory.mktemp("gw3"), cache, [["--backend", "sim"]] * 3) as gw:
+        yield gw
+
+
+def complete(url, prompt="hello", max_tokens=4, headers=None, **extra):
+    return httpx.post(url + "/v1/completions", json={"model": "sim-model", "prompt": prompt,
+                                                     "max_tokens": max_tokens, **extra},
+                      headers=headers or {}, timeout=30)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_conformance_header_selects_endpoints(three, count):
+    chosen = three.endpoints[:count]
+    served = Counter()
+    for i in range(12):
+        r = complete(three.url, f"prompt {i}", headers={"test-epp-endpoint-selection": ",".join(chosen)})
+        assert r.status_code == 200, r.text
+        served[r.headers[SERVED_BY]] += 1
+    assert set(served) <= set(chosen)
+    if count == 1:
+        assert served[chosen[0]] == 12
+
+
+def test_unknown_endpoint_in_selection_header_is_503(three):
+    r = complete(three.url, headers={"test-epp-endpoint-selection": "127.0.0.1:1"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+def test_malformed_body_is_400(three):
+    r = httpx.post(three.url + "/v1/completions", content=b'{"prompt": "x", ', timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(three.url + "/v1/completions", json={"model": "sim-model"}, timeout=10)
+    assert r.status_code == 400
+
+
+def test_get_without_body_is_routed(three):
+    r = httpx.get(three.url + "/v1/models", timeout=10)
+    assert r.status_code == 200 and r.headers[SERVED_BY] in three.endpoints
+
+
+def test_streaming_through_gateway_is_incremental_and_identical(three):
+    body = {"model": "sim-model", "prompt": "stream me", "max_tokens": 40, "seed": 11, "ignore_eos": True}
+    direct = httpx.post(f"http://{three.endpoints[0]}/v1/completions", json=body, timeout=30).json()
+    arrivals, text = [], []
+    with httpx.stream("POST", three.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                arrivals.append(time.monotonic())
+                text.extend(c["text"] for c in json.loads(line[6:])["choices"])
+    assert "".join(text) == direct["choices"][0]["text"]
+    assert len(arrivals) >= 40
+    # 40 decode steps of ~6 ms each: the first chunk must arrive well before the last
+    assert arrivals[-1] - arrivals[0] > 0.1
+
+
+def test_prefix_affinity_and_balance(tmp_path, cache):
+    with Gateway(tmp_path, cache, [["--backend", "sim"]] * 4) as gw:
+        rng = random.Random(3)
+        systems = ["".join(rng.choice("abcdefgh ") for _ in range(3000)) for _ in range(8)]
+        order = [g for g in range(8) for _ in range(6)]
+        rng.shuffle(order)
+        home: dict[int, str] = {}
+        repeats = same = 0
+        load = Counter()
+
+        async def main():
+            nonlocal repeats, same
+            async with httpx.AsyncClient(timeout=60) as client:
+                for i, g in enumerate(order):
+                    r = await client.post(gw.url + "/v1/completions", json={
+                        "model": "sim-model", "prompt": systems[g] + f" question {i}?", "max_tokens": 4})
+                    assert r.status_code == 200, r.text
+                    ep = r.headers[SERVED_BY]
+                    load[ep] += 1
+                    if g in home:
+                        repeats += 1
+                        same += ep == home[g]
+                    home.setdefault(g, ep)
+
+        asyncio.run(main())
+        assert same / repeats >= 0.9, (same, repeats)
+        mean = len(order) / 4
+        assert max(load.values()) <= 2 * mean, load
+
+
+def test_load_awareness_avoids_a_slow_endpoint(tmp_path, cache):
+    engines = [["--backend", "sim"], ["--backend", "sim"], ["--backend", "sim", "--sim-slowdown", "50",
+                                                             "--max-num-seqs", "1"]]
+    with Gateway(tmp_path, cache, engines) as gw:
+        slow = gw.endpoints[2]
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as client:
+                # pile a queue onto the slow endpoint directly
+                backlog = [asyncio.create_task(client.post(f"http://{slow}/v1/completions", json={
+                    "prompt": f"backlog {i}", "max_tokens": 20, "ignore_eos": True})) for i in range(8)]
+                await asyncio.sleep(0.5)  # the EPP scrapes every 50 ms
+                served = Counter()
+                for i in range(30):
+                    r = await client.post(gw.url + "/v1/completions", json={
+                        "model": "sim-model", "prompt": f"new request {i} " + "z" * (i * 7), "max_tokens": 2})
+                    served[r.headers[SERVED_BY]] += 1
+                for t in backlog:
+                    t.cancel()
+                await asyncio.gather(*backlog, return_exceptions=True)
+                return served
+
+        served = asyncio.run(main())
+        assert served[slow] <= 1, served
+
+
+def test_shedding_429_for_sheddable_when_saturated(tmp_path, cache):
+    manifests = tmp_path / "objectives.yaml"
+    manifests.write_text(
+        "kind: InferenceObjective\nmetadata: {name: batch}\nspec: {priority: -1, poolRef: {name: p}}\n---\n"
+        "kind: InferenceObjective\nmetadata: {name: interactive}\nspec: {priority: 10, poolRef: {name: p}}\n")
+    engines = [["--backend", "sim", "--sim-slowdown", "50", "--max-num-seqs", "1"]]
+    with Gateway(tmp_path, cache, engines, epp_args=["--manifests", str(manifests),
+                                                     "--saturation-queue-depth", "2"]) as gw:
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as client:
+                backlog = [asyncio.create_task(client.post(f"http://{gw.endpoints[0]}/v1/completions", json={
+                    "prompt": f"b{i}", "max_tokens": 10, "ignore_eos": True})) for i in range(6)]
+                await asyncio.sleep(0.5)
+                shed = await client.post(gw.url + "/v1/completions", headers={
+                    "x-gateway-inference-objective": "batch"}, json={"model": "sim-model", "prompt": "x",
+                                                                     "max_tokens": 1})
+                kept = await client.post(gw.url + "/v1/completions", headers={
+                    "x-gateway-inference-objective": "interactive"}, json={"model": "sim-model", "prompt": "y",
+                                                                           "max_tokens": 1})
+                for t in backlog:
+                    t.cancel()
+                await asyncio.gather(*backlog, return_exceptions=True)
+                return shed, kept
+
+        shed, kept = asyncio.run(main())
+        assert shed.status_code == 429 and shed.json()["error"]["code"] == 429
+        assert kept.status_code == 200
+
+
+def test_no_endpoints_is_503(tmp_path):
+    empty = tmp_path / "endpoints.txt"
+    empty.write_text("")
+    epp = EPP(tmp_path, endpoints_file=empty)
+    envoy = None
+    try:
+        port, admin = free_port(), free_port()
+        envoy = Envoy(tmp_path, render_gateway([Route(PoolBackend("empty", "127.0.0.1", epp.grpc_port))],
+                                               "127.0.0.1", port, admin), admin)
+        r = complete(f"http://127.0.0.1:{port}")
+        assert r.status_code == 503 and "no eligible endpoint" in r.json()["error"]["message"]
+    finally:
+        if envoy:
+            envoy.stop()
+        epp.stop()
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+def test_failure_mode_with_the_epp_down(tmp_path, cache, fail_open):
+    with Gateway(tmp_path, cache, [["--backend", "sim"]] * 2, failure_mode_allow=fail_open) as gw:
+        assert complete(gw.url).status_code == 200
+        gw.epp.stop()
+        r = complete(gw.url)
+        if fail_open:
+            assert r.status_code == 200 and r.headers[SERVED_BY] in gw.endpoints
+        else:
+            assert r.status_code >= 500

@@ -1,0 +1,125 @@
+"""A real gateway for tests: sim (or demo) engines + `kvgate epp` + Envoy, each its own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from kvgate.envoy_config import PoolBackend, Route, envoy_binary, render_gateway
+from tests.procs import KVGATE, KvgateServe, free_port
+
+
+class Proc:
+    def __init__(self, name: str, cmd: list[str], logdir: Path) -> None:
+        self.name = name
+        self.log_path = logdir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+
+def wait_http(url: str, proc: Proc | None, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} died:\n{proc.log()}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready:\n{proc.log() if proc else ''}")
+
+
+class EPP(Proc):
+    def __init__(self, logdir: Path, endpoints: list[str] | None = None, endpoints_file: Path | None = None,
+                 extra: list[str] = ()) -> None:
+        self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
+        cmd = [KVGATE, "epp", "--grpc-port", str(self.grpc_port), "--grpc-health-port", str(self.health_port),
+               "--metrics-port", str(self.metrics_port), *extra]
+        cmd += ["--endpoints-file", str(endpoints_file)] if endpoints_file else ["--endpoints", ",".join(endpoints)]
+        super().__init__("epp", cmd, logdir)
+        wait_http(f"http://127.0.0.1:{self.metrics_port}/metrics", self)
+
+    def metrics(self) -> str:
+        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+
+
+class Envoy(Proc):
+    def __init__(self, logdir: Path, config: dict, admin_port: int, name: str = "envoy") -> None:
+        path = logdir / f"{name}.json"
+        path.write_text(json.dumps(config))
+        super().__init__(name, [envoy_binary(), "-c", str(path), "--log-level", "warn",
+                                "--base-id", str(admin_port)], logdir)
+        wait_http(f"http://127.0.0.1:{admin_port}/ready", self)
+
+
+class Gateway:
+    """N engines, an EPP over them, an Envoy in front: `url` is what clients call."""
+
+    def __init__(self, logdir: Path, cache_dir: Path, engine_args: list[list[str]], *, failure_mode_allow=False,
+                 epp_args: list[str] = (), model: str = "sim-model") -> None:
+        self.logdir = logdir
+        self.engines: list[KvgateServe] = []
+        self.epp = self.envoy = None
+        try:
+            for args in engine_args:
+                self.engines.append(KvgateServe(model, *args, cache_dir=cache_dir))
+            for e in self.engines:
+                e.wait_ready()
+            self.endpoints = [f"127.0.0.1:{e.port}" for e in self.engines]
+            self.epp = EPP(logdir, self.endpoints, extra=list(epp_args))
+            self.port, admin = free_port(), free_port()
+            pool = PoolBackend("test", "127.0.0.1", self.epp.grpc_port, self.endpoints, failure_mode_allow)
+            self.envoy = Envoy(logdir, render_gateway([Route(pool)], "127.0.0.1", self.port, admin), admin)
+            self.url = f"http://127.0.0.1:{self.port}"
+            self._wait_epp_sees_metrics()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_epp_sees_metrics(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.epp.metrics()
+            fresh = [l for l in text.splitlines() if l.startswith("kvgate_epp_endpoint_stale") and l.endswith(" 0.0")]
+            if len(fresh) == len(self.endpoints):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"EPP never saw fresh metrics:\n{self.epp.log()}")
+
+    def stop(self) -> None:
+        for p in (self.envoy, self.epp):
+            if p is not None:
+                p.stop()
+        for e in self.engines:
+            e.stop()
+
+    def __enter__(self) -> "Gateway":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
