@@ -1,0 +1,26 @@
+"""The repository's folder names must not shadow real packages when the repo root is on sys.path."""
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_no_shadowing_of_stdlib_operator_or_the_envoy_packages():
+    code = ("import sys; sys.path.insert(0, %r); import operator, envoy.service.ext_proc.v3, kvgate.epp, "
+            "kvgate.engine; print(operator.__file__); print(envoy.__file__)") % str(ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    operator_file, envoy_file = out.stdout.split()
+    assert Path(operator_file).parent != ROOT / "operator" and Path(envoy_file).parent != ROOT / "envoy"
+    assert "site-packages" in envoy_file
+    for folder in ("operator", "envoy"):
+        assert not (ROOT / folder / "__init__.py").exists(), f"{folder}/ must not become a top-level package"
+
+
+def test_namespace_mapping():
+    for name in ("kvgate.engine", "kvgate.engine.server", "kvgate.epp", "kvgate.epp.scheduling.plugins"):
+        module = importlib.import_module(name)
+        assert Path(module.__file__).resolve().is_relative_to(ROOT)
