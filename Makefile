@@ -18,9 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 up: venv
-	@echo "kvgate serve demo on http://127.0.0.1:8000 (Ctrl-C stops). Try:"
-	@echo "  curl http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'"
-	$(BIN)/kvgate --log-level info serve demo --host 127.0.0.1 --port 8000
+	$(BIN)/kvgate up --replicas 2 --model demo --port 8080
 
 test: venv
 	$(BIN)/python -m pytest tests
