@@ -99,7 +99,6 @@ def write_tokenizer_files(tok, folder: Path, max_length: int) -> None:
 
 
 def build_demo_model(folder: Path) -> None:
-    import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 

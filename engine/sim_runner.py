@@ -23,7 +23,6 @@ import xxhash
 
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.errors import ConfigError
-from kvgate.engine.kv_cache_manager import cdiv
 from kvgate.engine.request import Logprob, Request
 from kvgate.engine.scheduler import SchedulerOutput
 

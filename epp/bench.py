@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -15,6 +12,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from kvgate.processes import free_port, start_group, stop_group, wait_http_ok
 
 
 def add_bench_epp_parser(sub) -> None:
@@ -27,31 +26,6 @@ def add_bench_epp_parser(sub) -> None:
     p.add_argument("--scrape-seconds", type=float, default=5.0)
     p.add_argument("--result-file", default=None)
     p.set_defaults(func=run_bench_epp)
-
-
-def _start(cmd: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _wait(url: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(url)
 
 
 async def _timed_requests(url: str, n: int, rate: float, headers: dict) -> list[float]:
@@ -75,31 +49,30 @@ async def _timed_requests(url: str, n: int, rate: float, headers: dict) -> list[
 def measure_added_latency(n: int, rate: float) -> dict:
     """Envoy + EPP vs Envoy routing by a client-set header, to the same sim engine, same request stream."""
     from kvgate.envoy_config import PoolBackend, Route, envoy_binary, render_direct, render_gateway
-    from kvgate.up import free_port
 
     kvgate = str(Path(sys.executable).parent / "kvgate")
     work = Path(tempfile.mkdtemp(prefix="kvgate-bench-epp-"))
     procs = []
     try:
         port = free_port()
-        procs.append(_start([kvgate, "serve", "sim-model", "--backend", "sim", "--port", str(port),
-                             "--sim-step-overhead-ms", "1"], work / "engine.log"))
-        _wait(f"http://127.0.0.1:{port}/health")
+        procs.append(start_group([kvgate, "serve", "sim-model", "--backend", "sim", "--port", str(port),
+                                  "--sim-step-overhead-ms", "1"], work / "engine.log"))
+        wait_http_ok(f"http://127.0.0.1:{port}/health", 120)
         endpoint = f"127.0.0.1:{port}"
         grpc, health, metrics = free_port(), free_port(), free_port()
-        procs.append(_start([kvgate, "epp", "--endpoints", endpoint, "--grpc-port", str(grpc), "--grpc-health-port",
-                             str(health), "--metrics-port", str(metrics)], work / "epp.log"))
-        _wait(f"http://127.0.0.1:{metrics}/metrics")
+        procs.append(start_group([kvgate, "epp", "--endpoints", endpoint, "--grpc-port", str(grpc),
+                                  "--grpc-health-port", str(health), "--metrics-port", str(metrics)],
+                                 work / "epp.log"))
+        wait_http_ok(f"http://127.0.0.1:{metrics}/metrics", 120)
         gw_port, gw_admin, direct_port, direct_admin = (free_port() for _ in range(4))
         (work / "gw.json").write_text(json.dumps(render_gateway(
             [Route(PoolBackend("bench", "127.0.0.1", grpc, [endpoint]))], "127.0.0.1", gw_port, gw_admin)))
         (work / "direct.json").write_text(json.dumps(render_direct("127.0.0.1", direct_port, direct_admin)))
-        procs.append(_start([envoy_binary(), "-c", str(work / "gw.json"), "--base-id", str(gw_admin)],
-                            work / "envoy-gw.log"))
-        procs.append(_start([envoy_binary(), "-c", str(work / "direct.json"), "--base-id", str(direct_admin)],
-                            work / "envoy-direct.log"))
-        _wait(f"http://127.0.0.1:{gw_admin}/ready")
-        _wait(f"http://127.0.0.1:{direct_admin}/ready")
+        for name, admin in (("gw", gw_admin), ("direct", direct_admin)):
+            procs.append(start_group([envoy_binary(), "-c", str(work / f"{name}.json"), "--base-id", str(admin)],
+                                     work / f"envoy-{name}.log"))
+        wait_http_ok(f"http://127.0.0.1:{gw_admin}/ready", 120)
+        wait_http_ok(f"http://127.0.0.1:{direct_admin}/ready", 120)
         time.sleep(0.5)  # first scrapes
         warm = 20
         asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", warm, rate, {}))
@@ -110,7 +83,7 @@ def measure_added_latency(n: int, rate: float) -> dict:
                                              {"x-gateway-destination-endpoint": endpoint}))
     finally:
         for p in reversed(procs):
-            _stop(p)
+            stop_group(p)
     out = {}
     for name, values in (("envoy_epp", via_epp), ("envoy_direct", direct)):
         a = np.asarray(values) * 1000

@@ -276,49 +276,32 @@ def add_bench_engine_loop_parser(sub) -> None:
 
 def run_bench_engine_loop(args: argparse.Namespace) -> int:
     """Start `kvgate serve` once per mode on a free port and run the identical load against each."""
-    import os
-    import socket
-    import subprocess
     import sys
+    import tempfile
     from pathlib import Path
+
+    from kvgate.processes import free_port, start_group, stop_group, wait_http_ok
 
     kvgate = str(Path(sys.executable).parent / "kvgate")
     requests = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len, 0.0, args.seed)
     warmup = random_dataset(8, 32, 8, 0.0, args.seed + 1)
     summaries = {}
+    logs = Path(tempfile.mkdtemp(prefix="kvgate-bench-loop-"))
     for mode in ("thread", "process"):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = subprocess.Popen([kvgate, "serve", args.model, "--backend", args.backend, "--engine-loop", mode,
-                                 "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True)
+        port = free_port()
+        proc = start_group([kvgate, "serve", args.model, "--backend", args.backend, "--engine-loop", mode,
+                            "--port", str(port)], logs / f"serve-{mode}.log")
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                if proc.poll() is not None:
-                    raise SystemExit(f"kvgate serve ({mode}) exited: {proc.stderr.read().decode()[-2000:]}")
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"kvgate serve ({mode}) did not become healthy")
-                time.sleep(0.2)
+            wait_http_ok(url + "/health", 180, lambda: proc.poll() is not None and
+                         f"kvgate serve ({mode}) exited; see {logs / f'serve-{mode}.log'}", f"kvgate serve ({mode})")
             asyncio.run(run_benchmark(url, None, warmup, float("inf"), 1.0, 8, args.seed, 120))
             summary, _ = asyncio.run(run_benchmark(url, None, requests, float("inf"), 1.0, args.max_concurrency,
                                                    args.seed, 600))
             summaries[mode] = summary
             print(f"--- engine loop: {mode}\n{format_summary(summary)}\n", flush=True)
         finally:
-            os.killpg(proc.pid, 15)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+            stop_group(proc, timeout=15)
     t, p = summaries["thread"], summaries["process"]
     print(f"{'':<26}{'thread':>12}{'process':>12}{'process/thread':>16}")
     rows = [("output tok/s", t["output_throughput"], p["output_throughput"]),

@@ -9,22 +9,14 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from kvgate.envoy_config import PoolBackend, Route, envoy_binary, render_gateway
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from kvgate.processes import free_port, start_group, stop_group, wait_http_ok
 
 
 def add_up_parser(sub) -> None:
@@ -47,9 +39,7 @@ class Stack:
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-        log = open(self.workdir / f"{name}.log", "wb")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+        proc = start_group(cmd, self.workdir / f"{name}.log", env)
         self.procs.append((name, proc))
         return proc
 
@@ -61,28 +51,10 @@ class Stack:
 
     def stop(self) -> None:
         for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for _, proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
+            stop_group(proc)
 
     def wait_http(self, url: str, deadline: float, what: str) -> None:
-        while time.monotonic() < deadline:
-            problem = self.dead()
-            if problem:
-                raise RuntimeError(problem)
-            try:
-                if httpx.get(url, timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{what} not ready at {url}")
+        wait_http_ok(url, max(deadline - time.monotonic(), 0.1), self.dead, what)
 
 
 def run_up(args: argparse.Namespace) -> int:

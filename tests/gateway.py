@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -12,7 +11,8 @@ from pathlib import Path
 import httpx
 
 from kvgate.envoy_config import PoolBackend, Route, envoy_binary, render_gateway
-from tests.procs import KVGATE, KvgateServe, free_port
+from kvgate.processes import wait_http_ok
+from tests.procs import KVGATE, KvgateServe, free_port, stop_group
 
 
 class Proc:
@@ -27,13 +27,7 @@ class Proc:
         return self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_group(self.proc)
         self._log.close()
 
     def log(self) -> str:
@@ -41,17 +35,10 @@ class Proc:
 
 
 def wait_http(url: str, proc: Proc | None, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and not proc.alive():
-            raise RuntimeError(f"{proc.name} died:\n{proc.log()}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready:\n{proc.log() if proc else ''}")
+    def problem():
+        return None if proc is None or proc.alive() else f"{proc.name} died:\n{proc.log()}"
+
+    wait_http_ok(url, timeout, problem, url)
 
 
 class EPP(Proc):

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +10,10 @@ from pathlib import Path
 
 import httpx
 
+from kvgate.processes import free_port, stop_group
+
 KVGATE = str(Path(sys.executable).parent / "kvgate")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["KVGATE", "KvgateServe", "free_port", "scrape", "stop_group"]
 
 
 class KvgateServe:
@@ -57,13 +52,7 @@ class KvgateServe:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_group(self.proc)
         self._log.close()
 
     def __enter__(self) -> "KvgateServe":

@@ -218,20 +218,24 @@ class OpenAIServing:
             pos += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    async def completion(self, req: CompletionRequest, prep: Prepared) -> dict:
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        prompts, params, tracker = prep.prompts, prep.params, prep.tracker
-        finals: dict[tuple[int, int], object] = {}
-        cached = {}
+    async def _collect(self, rid: str, req: SamplingFields, prep: Prepared) -> tuple[dict, dict]:
+        """Run to the end: ({(prompt index, sample index): final output}, {prompt index: cached tokens})."""
+        finals, cached = {}, {}
         try:
-            async for i, out in self._run(rid, prompts, params, req):
-                self._observe(tracker, out)
+            async for i, out in self._run(rid, prep.prompts, prep.params, req):
+                self._observe(prep.tracker, out)
                 cached[i] = out.num_cached_tokens
                 for c in out.outputs:
                     if c.finished:
                         finals[(i, c.index)] = c
         finally:
-            tracker.close()
+            prep.tracker.close()
+        return finals, cached
+
+    async def completion(self, req: CompletionRequest, prep: Prepared) -> dict:
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        prompts = prep.prompts
+        finals, cached = await self._collect(rid, req, prep)
         n = req.n
         choices = []
         for (i, j), c in sorted(finals.items()):
@@ -312,20 +316,11 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, prep: Prepared) -> dict:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompts, params, tracker = prep.prompts, prep.params, prep.tracker
-        finals, cached = {}, {}
-        try:
-            async for i, out in self._run(rid, prompts, params, req):
-                self._observe(tracker, out)
-                cached[i] = out.num_cached_tokens
-                for c in out.outputs:
-                    if c.finished:
-                        finals[c.index] = c
-        finally:
-            tracker.close()
+        prompts = prep.prompts
+        finals, cached = await self._collect(rid, req, prep)
         choices = [{"index": j, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._chat_logprobs(c, req.top_logprobs or 0), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for j, c in sorted(finals.items())]
+                    "stop_reason": c.stop_reason} for (_, j), c in sorted(finals.items())]
         completion_tokens = sum(len(c.token_ids) for c in finals.values())
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(prompts, completion_tokens, cached)}

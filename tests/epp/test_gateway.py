@@ -9,7 +9,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests.gateway import EPP, Envoy, Gateway, wait_http
+from tests.gateway import EPP, Envoy, Gateway
 from tests.procs import free_port
 from kvgate.envoy_config import PoolBackend, Route, render_gateway
 

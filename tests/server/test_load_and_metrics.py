@@ -5,7 +5,6 @@ import json
 import time
 
 import httpx
-import pytest
 
 from tests.procs import scrape
 

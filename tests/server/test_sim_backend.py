@@ -8,7 +8,6 @@ import time
 
 import httpx
 import openai
-import pytest
 
 from tests.procs import KVGATE, KvgateServe, scrape
 
