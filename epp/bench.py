@@ -66,7 +66,8 @@ def measure_added_latency(n: int, rate: float) -> dict:
         wait_http_ok(f"http://127.0.0.1:{metrics}/metrics", 120)
         gw_port, gw_admin, direct_port, direct_admin = (free_port() for _ in range(4))
         (work / "gw.json").write_text(json.dumps(render_gateway(
-            [Route(PoolBackend("bench", "127.0.0.1", grpc, [endpoint]))], "127.0.0.1", gw_port, gw_admin)))
+            [Route(PoolBackend("bench", "127.0.0.1", grpc, [endpoint], epp_health_port=health))],
+            "127.0.0.1", gw_port, gw_admin)))
         (work / "direct.json").write_text(json.dumps(render_direct("127.0.0.1", direct_port, direct_admin)))
         for name, admin in (("gw", gw_admin), ("direct", direct_admin)):
             procs.append(start_group([envoy_binary(), "-c", str(work / f"{name}.json"), "--base-id", str(admin)],

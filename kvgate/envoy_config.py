@@ -41,6 +41,10 @@ class PoolBackend:
     endpoints: list[str] = field(default_factory=list)  # ip:port, for the FailOpen fallback
     failure_mode_allow: bool = False
     epp_timeout_s: float = 10.0
+    # The EPP gRPC health port: Envoy health-checks the ext-proc service there (else a TCP connect check on
+    # the ext-proc port), so a dead EPP is known before a request's body is streamed to it — FailOpen then
+    # falls back cleanly instead of failing a request whose body already went to the dead stream.
+    epp_health_port: int | None = None
 
 
 @dataclass
@@ -104,6 +108,16 @@ def _routes(route: Route) -> list[dict]:
     ]
 
 
+def _epp_health_check(pool: PoolBackend) -> dict:
+    check = {"timeout": "1s", "interval": "1s", "no_traffic_interval": "1s", "unhealthy_threshold": 1,
+             "healthy_threshold": 1}
+    if pool.epp_health_port:
+        check["grpc_health_check"] = {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"}
+    else:
+        check["tcp_health_check"] = {}
+    return check
+
+
 def _clusters(pool: PoolBackend) -> list[dict]:
     fallback_hosts = []
     for ep in pool.endpoints:
@@ -112,8 +126,12 @@ def _clusters(pool: PoolBackend) -> list[dict]:
     return [
         {"name": f"epp-{pool.name}", "type": "STRICT_DNS", "connect_timeout": "2s",
          "typed_extension_protocol_options": _http2_options(),
+         "health_checks": [_epp_health_check(pool)],
+         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},  # never send to a failed EPP
          "load_assignment": {"cluster_name": f"epp-{pool.name}", "endpoints": [{"lb_endpoints": [
-             {"endpoint": {"address": _address(pool.epp_host, pool.epp_port)}}]}]}},
+             {"endpoint": {"address": _address(pool.epp_host, pool.epp_port),
+                           **({"health_check_config": {"port_value": pool.epp_health_port}}
+                              if pool.epp_health_port else {})}}]}]}},
         {"name": f"pool-{pool.name}", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
          "connect_timeout": "2s",
          "original_dst_lb_config": {"use_http_header": True, "http_header_name": PRIMARY_HEADER}},

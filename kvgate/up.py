@@ -88,7 +88,8 @@ def run_up(args: argparse.Namespace) -> int:
         if args.config_file:
             epp_cmd += ["--config-file", args.config_file]
         stack.start("epp", epp_cmd)
-        pool = PoolBackend("local", "127.0.0.1", grpc_port, endpoints, args.failure_mode == "FailOpen")
+        pool = PoolBackend("local", "127.0.0.1", grpc_port, endpoints, args.failure_mode == "FailOpen",
+                           epp_health_port=health_port)
         config = render_gateway([Route(pool)], args.host, args.port, admin_port)
         (workdir / "envoy.json").write_text(json.dumps(config, indent=2))
         stack.start("envoy", [envoy_binary(), "-c", str(workdir / "envoy.json"), "--log-level", "warn",

@@ -79,9 +79,11 @@ class Gateway:
                 e.wait_ready()
             self.endpoints = [f"127.0.0.1:{e.port}" for e in self.engines]
             self.epp = EPP(logdir, self.endpoints, extra=list(epp_args))
-            self.port, admin = free_port(), free_port()
-            pool = PoolBackend("test", "127.0.0.1", self.epp.grpc_port, self.endpoints, failure_mode_allow)
-            self.envoy = Envoy(logdir, render_gateway([Route(pool)], "127.0.0.1", self.port, admin), admin)
+            self.port, self.admin_port = free_port(), free_port()
+            pool = PoolBackend("test", "127.0.0.1", self.epp.grpc_port, self.endpoints, failure_mode_allow,
+                               epp_health_port=self.epp.health_port)
+            self.envoy = Envoy(logdir, render_gateway([Route(pool)], "127.0.0.1", self.port, self.admin_port),
+                               self.admin_port)
             self.url = f"http://127.0.0.1:{self.port}"
             self._wait_epp_sees_metrics()
         except BaseException:
@@ -97,6 +99,10 @@ class Gateway:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"EPP never saw fresh metrics:\n{self.epp.log()}")
+
+    def envoy_stat(self, name: str) -> int:
+        text = httpx.get(f"http://127.0.0.1:{self.admin_port}/stats?filter=^{name}$", timeout=5).text
+        return int(text.split(":")[1]) if ":" in text else 0
 
     def stop(self) -> None:
         for p in (self.envoy, self.epp):

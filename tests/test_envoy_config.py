@@ -8,8 +8,8 @@ import pytest
 from kvgate.envoy_config import PoolBackend, Route, envoy_binary, render_direct, render_gateway
 
 CONFIGS = {
-    "one-pool-failclose": render_gateway([Route(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000"]))],
-                                         "127.0.0.1", 8080, 9901),
+    "one-pool-failclose": render_gateway([Route(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000"],
+                                                            epp_health_port=9003))], "127.0.0.1", 8080, 9901),
     "failopen": render_gateway([Route(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000", "127.0.0.2:8000"],
                                                   failure_mode_allow=True))], "127.0.0.1", 8080),
     "two-pools-hosts-paths": render_gateway([

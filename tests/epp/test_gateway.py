@@ -187,6 +187,10 @@ def test_failure_mode_with_the_epp_down(tmp_path, cache, fail_open):
     with Gateway(tmp_path, cache, [["--backend", "sim"]] * 2, failure_mode_allow=fail_open) as gw:
         assert complete(gw.url).status_code == 200
         gw.epp.stop()
+        # "the EPP is down" as Envoy sees it: its health check has marked the EPP unhealthy (1 s interval)
+        deadline = time.monotonic() + 10
+        while gw.envoy_stat("cluster.epp-test.membership_healthy") and time.monotonic() < deadline:
+            time.sleep(0.05)
         r = complete(gw.url)
         if fail_open:
             assert r.status_code == 200 and r.headers[SERVED_BY] in gw.endpoints
