@@ -123,7 +123,7 @@ class _RequestStream:
             self.headers = _headers(msg.request_headers)
             self.subset = _metadata_value(msg.metadata_context, SUBSET_NAMESPACE, SUBSET_KEY)
             if msg.request_headers.end_of_stream:  # no body (GET /v1/models, ...): decide now
-                return [self._decide(body_less=True)]
+                return [self._decide_without_body()]
             if self.request_full_duplex:
                 return []  # answered once the body is complete
             return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
@@ -189,7 +189,7 @@ class _RequestStream:
         common, metadata = _destination(value, rewritten, buffered_body=True)
         return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)]
 
-    def _decide(self, body_less: bool) -> pb.ProcessingResponse:
+    def _decide_without_body(self) -> pb.ProcessingResponse:
         rid = self.headers.get("x-request-id") or uuid.uuid4().hex
         self.request = LLMRequest(request_id=rid, model="", target_model="", prompt="", headers=self.headers)
         try:

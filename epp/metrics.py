@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
@@ -24,8 +26,6 @@ class EndpointGauges:
                                 labels=["endpoint"])
         flight = GaugeMetricFamily("kvgate_epp_endpoint_in_flight_requests", "Requests routed, not finished.",
                                    labels=["endpoint"])
-        import time
-
         now = time.monotonic()
         for s in self.director.candidates(None):
             labels = [s.address]

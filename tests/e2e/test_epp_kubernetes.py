@@ -1,0 +1,93 @@
+"""`kvgate epp --pool-name` against the rig's real API server: the pool's ready pods become endpoints."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from k8srig import crds, objects
+from k8srig.kube import CORE, CRD, DEPLOYMENT, delete_namespace, load_documents, wait_default_service_account, wait_for
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+KVGATE = str(Path(sys.executable).parent / "kvgate")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def install_our_crds(client) -> None:
+    names = []
+    for f in sorted((REPO / "crds").glob("*.yaml")):
+        for doc in load_documents(f.read_text()):
+            names.append(client.apply(crds.crd_for_1_20(doc))["metadata"]["name"])
+
+    def established():
+        return all({c["type"]: c["status"] for c in client.get(CRD, n).get("status", {}).get("conditions") or []}
+                   .get("Established") == "True" for n in names)
+    wait_for(established, timeout_s=60, what="kvgate CRDs Established")
+
+
+def test_epp_follows_the_pool_and_its_pods(k8s, tmp_path):
+    if not getattr(k8s, "local", False):
+        pytest.skip("runs the EPP as a local process next to the rig's pods")
+    client = k8s.client
+    install_our_crds(client)
+    ns = "e2e-epp"
+    client.create(CORE["Namespace"], objects.namespace(ns))
+    epp = None
+    try:
+        wait_default_service_account(client, ns, token=True)
+        args = ["serve", "demo", "--backend", "sim", "--host", "0.0.0.0", "--port", "8000"]
+        client.create(DEPLOYMENT, objects.deployment("llm", ns, [objects.kvgate_container(args, 8000)], replicas=2))
+        client.apply({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+                      "metadata": {"name": "pool", "namespace": ns},
+                      "spec": {"selector": {"matchLabels": {"app": "llm"}}, "targetPorts": [{"number": 8000}],
+                               "endpointPickerRef": {"name": "pool-epp", "port": {"number": 9002}}}})
+        metrics_port = free_port()
+        log = open(tmp_path / "epp.log", "wb")
+        epp = subprocess.Popen([KVGATE, "epp", "--pool-name", "pool", "--pool-namespace", ns,
+                                "--grpc-port", str(free_port()), "--grpc-health-port", str(free_port()),
+                                "--metrics-port", str(metrics_port)], stdout=log, stderr=subprocess.STDOUT,
+                               env=dict(os.environ, KUBECONFIG=str(k8s.kubeconfig)), start_new_session=True)
+
+        def endpoints() -> set[str]:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).text
+            except httpx.HTTPError:
+                return set()
+            return set(re.findall(r'kvgate_epp_endpoint_stale\{endpoint="([^"]+)"\} 0\.0', text))
+
+        def ready_pod_endpoints() -> set[str]:
+            pods = client.list(CORE["Pod"], ns, labelSelector="app=llm")["items"]
+            return {f"{p['status']['podIP']}:8000" for p in pods
+                    if any(c["type"] == "Ready" and c["status"] == "True"
+                           for c in p.get("status", {}).get("conditions") or [])
+                    and not p["metadata"].get("deletionTimestamp")}
+
+        def converged(n: int) -> bool:
+            want = ready_pod_endpoints()
+            return len(want) == n and endpoints() == want
+
+        wait_for(lambda: converged(2), timeout_s=180, what="the EPP to scrape the pool's 2 ready pods")
+        for replicas in (3, 1):
+            client.patch(DEPLOYMENT, "llm", {"spec": {"replicas": replicas}}, ns)
+            start = time.monotonic()
+            wait_for(lambda: converged(replicas), timeout_s=180, what=f"the EPP to follow {replicas} pods")
+            print(f"[epp] followed the pool to {replicas} endpoints {time.monotonic() - start:.1f}s after scaling")
+    finally:
+        if epp is not None:
+            os.killpg(epp.pid, 15)
+            epp.wait(timeout=15)
+        delete_namespace(client, ns, wait_gone=False)
