@@ -16,8 +16,16 @@ def test_no_shadowing_of_stdlib_operator_or_the_envoy_packages():
     operator_file, envoy_file = out.stdout.split()
     assert Path(operator_file).parent != ROOT / "operator" and Path(envoy_file).parent != ROOT / "envoy"
     assert "site-packages" in envoy_file
-    for folder in ("operator", "envoy"):
-        assert not (ROOT / folder / "__init__.py").exists(), f"{folder}/ must not become a top-level package"
+    # envoy/ is data only: with an __init__.py it would win over xds-protos' `envoy` on such a sys.path
+    assert not (ROOT / "envoy" / "__init__.py").exists(), "envoy/ must not become a Python package"
+
+
+def test_the_distribution_has_one_top_level_package():
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert all(p == "kvgate" or p.startswith("kvgate.") for p in tool["packages"])
+    assert set(tool["package-dir"]) == set(tool["packages"])  # operator/ is only ever kvgate.operator
 
 
 def test_namespace_mapping():
