@@ -10,7 +10,8 @@ def kvgate_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def demo_server(kvgate_cache):
-    with KvgateServe("demo", "--max-model-len", "1024", cache_dir=kvgate_cache) as server:
+    with KvgateServe("demo", "--max-model-len", "1024", "--engine-loop", "thread",
+                     cache_dir=kvgate_cache) as server:
         yield server
 
 

@@ -1,0 +1,374 @@
+"""Gateway API controller logic for GatewayClass controllerName kvgate.dev/gateway-controller.
+
+A Gateway of our class becomes an Envoy Deployment + Service + ConfigMap; its config is rendered from the
+HTTPRoutes attached to it (envoy_routes). Route and Gateway statuses use the Gateway API's standard
+conditions and reasons.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import NamedTuple
+
+from kvgate.envoy_config import PoolBackend
+from kvgate.operator import naming
+from kvgate.operator.conditions import condition, stamp
+from kvgate.operator.envoy_routes import RouteRule, ServiceBackend, WeightedBackend, hostname_covers
+from kvgate.operator.envoy_routes import render_gateway_bootstrap
+from kvgate.operator.pool import epp_ref, epp_service_port, is_fail_open
+
+ADMIN_PORT = 19000
+UNPRIVILEGED_OFFSET = 10000  # listener ports below 1024 are served on port+10000 in the (non-root) pod
+HTTPROUTE_KIND = {"group": naming.GATEWAY_GROUP, "kind": "HTTPRoute"}
+
+
+def is_our_class(gatewayclass: dict | None) -> bool:
+    return bool(gatewayclass) and (gatewayclass.get("spec") or {}).get("controllerName") == naming.CONTROLLER_NAME
+
+
+def gatewayclass_status(gc: dict, now: str | None = None) -> dict:
+    gen = (gc.get("metadata") or {}).get("generation")
+    accepted = condition("Accepted", True, "Accepted", f"handled by {naming.CONTROLLER_NAME}", gen)
+    return {"conditions": stamp([accepted], (gc.get("status") or {}).get("conditions"), now)}
+
+
+def container_port(listener_port: int) -> int:
+    return listener_port if listener_port >= 1024 else listener_port + UNPRIVILEGED_OFFSET
+
+
+# --- attaching routes to listeners ---------------------------------------------------------------------------
+
+class GatewayRouting(NamedTuple):
+    rules: list[RouteRule]  # what Envoy serves
+    route_parents: dict[tuple[str, str], list[dict]]  # (ns, route) -> its status.parents entries for this Gateway
+    pools_used: list[tuple[str, str]]  # (ns, pool) used by accepted routes: the pool's status.parents
+    attached_routes: dict[str, int]  # listener name -> number of routes attached
+
+
+def _refers_to(parent_ref: dict, route: dict, gateway: dict) -> bool:
+    return (parent_ref.get("group", naming.GATEWAY_GROUP) == naming.GATEWAY_GROUP
+            and parent_ref.get("kind", "Gateway") == "Gateway"
+            and parent_ref.get("name") == naming.name_of(gateway)
+            and parent_ref.get("namespace", naming.namespace_of(route)) == naming.namespace_of(gateway))
+
+
+def _namespace_allowed(listener: dict, route_ns: str, gateway_ns: str, namespaces: dict[str, dict]) -> bool:
+    allowed = ((listener.get("allowedRoutes") or {}).get("namespaces") or {})
+    source = allowed.get("from", "Same")
+    if source == "All":
+        return True
+    if source == "Selector":
+        wanted = (allowed.get("selector") or {}).get("matchLabels") or {}
+        labels = namespaces.get(route_ns) or {}
+        return bool(wanted) and all(labels.get(k) == v for k, v in wanted.items())
+    return route_ns == gateway_ns
+
+
+def _kind_allowed(listener: dict) -> bool:
+    kinds = (listener.get("allowedRoutes") or {}).get("kinds")
+    return not kinds or any(k.get("kind") == "HTTPRoute" and k.get("group", naming.GATEWAY_GROUP)
+                            == naming.GATEWAY_GROUP for k in kinds)
+
+
+def effective_hostnames(listener_hostname: str | None, route_hostnames: list[str]) -> list[str]:
+    """The hostnames a route serves on a listener: the intersection of both; [] when they are disjoint."""
+    if not listener_hostname:
+        return list(route_hostnames) or ["*"]
+    if not route_hostnames:
+        return [listener_hostname]
+    out = []
+    for h in route_hostnames:
+        if hostname_covers(listener_hostname, h):
+            out.append(h)
+        elif hostname_covers(h, listener_hostname):
+            out.append(listener_hostname)
+    return sorted(set(out))
+
+
+def _http_listeners(gateway: dict) -> list[dict]:
+    return [l for l in (gateway.get("spec") or {}).get("listeners") or [] if l.get("protocol") == "HTTP"]
+
+
+def _match_listeners(parent_ref: dict, route: dict, gateway: dict,
+                     namespaces: dict[str, dict]) -> tuple[list[tuple[dict, list[str]]], dict | None]:
+    """Listeners (with effective hostnames) the route attaches to via this parentRef, or a failed Accepted."""
+    candidates = [l for l in _http_listeners(gateway)
+                  if parent_ref.get("sectionName") in (None, l.get("name"))
+                  and parent_ref.get("port") in (None, l.get("port"))]
+    if not candidates:
+        return [], condition("Accepted", False, "NoMatchingParent", "no HTTP listener matches the parentRef's "
+                             "sectionName/port")
+    allowed = [l for l in candidates if _kind_allowed(l)
+               and _namespace_allowed(l, naming.namespace_of(route), naming.namespace_of(gateway), namespaces)]
+    if not allowed:
+        return [], condition("Accepted", False, "NotAllowedByListeners",
+                             "the listeners' allowedRoutes do not admit this route")
+    hostnames = (route.get("spec") or {}).get("hostnames") or []
+    attached = [(l, effective_hostnames(l.get("hostname"), hostnames)) for l in allowed]
+    attached = [(l, hs) for l, hs in attached if hs]
+    if not attached:
+        return [], condition("Accepted", False, "NoMatchingListenerHostname",
+                             "no listener hostname intersects the route's hostnames")
+    return attached, None
+
+
+# --- resolving backendRefs -----------------------------------------------------------------------------------
+
+def _grant_allows(grants: list[dict], route: dict, target_ns: str, group: str, kind: str, name: str) -> bool:
+    for grant in grants:
+        if naming.namespace_of(grant) != target_ns:
+            continue
+        spec = grant.get("spec") or {}
+        from_ok = any(f.get("group") == naming.GATEWAY_GROUP and f.get("kind") == "HTTPRoute"
+                      and f.get("namespace") == naming.namespace_of(route) for f in spec.get("from") or [])
+        to_ok = any(t.get("group", "") == group and t.get("kind") == kind and t.get("name") in (None, "", name)
+                    for t in spec.get("to") or [])
+        if from_ok and to_ok:
+            return True
+    return False
+
+
+class Lookups(NamedTuple):
+    pools: dict[tuple[str, str], dict]
+    services: dict[tuple[str, str], dict]
+    grants: list[dict]
+    pool_endpoints: dict[tuple[str, str], list[str]]
+
+
+def pool_backend(pool: dict, services: dict[tuple[str, str], dict], endpoints: list[str]) -> PoolBackend:
+    """The Envoy view of a pool: its EPP Service's DNS name, FailOpen fallback endpoints, EPP health port."""
+    ns = naming.namespace_of(pool)
+    svc_name = epp_ref(pool).get("name", "")
+    svc = services.get((ns, svc_name)) or {}
+    svc_ports = [p.get("port") for p in (svc.get("spec") or {}).get("ports") or []]
+    # Health-check over gRPC only where the Service exposes the EPP's health port (ours does; a user's EPP
+    # Service may expose only the ext-proc port, and Envoy then checks that port's TCP socket).
+    health = naming.EPP_HEALTH_PORT if naming.EPP_HEALTH_PORT in svc_ports else None
+    return PoolBackend(name=f"{ns}-{naming.name_of(pool)}", epp_host=f"{svc_name}.{ns}.svc.cluster.local",
+                       epp_port=epp_service_port(pool), endpoints=sorted(endpoints),
+                       failure_mode_allow=is_fail_open(pool), epp_health_port=health)
+
+
+def resolve_backend(ref: dict, route: dict, look: Lookups) -> tuple[PoolBackend | ServiceBackend | None, dict | None]:
+    """(backend, None) or (None, a failed ResolvedRefs condition) for one backendRef."""
+    group, kind = ref.get("group", ""), ref.get("kind", "Service")
+    ns, name = ref.get("namespace", naming.namespace_of(route)), ref.get("name", "")
+    if (group, kind) not in ((naming.INFERENCE_GROUP, "InferencePool"), ("", "Service")):
+        return None, condition("ResolvedRefs", False, "InvalidKind", f"unsupported backendRef kind {group}/{kind}")
+    if ns != naming.namespace_of(route) and not _grant_allows(look.grants, route, ns, group, kind, name):
+        return None, condition("ResolvedRefs", False, "RefNotPermitted",
+                               f"no ReferenceGrant in {ns!r} allows a reference to {kind} {name!r}")
+    if kind == "InferencePool":
+        pool = look.pools.get((ns, name))
+        if pool is None:
+            return None, condition("ResolvedRefs", False, "BackendNotFound", f"InferencePool {ns}/{name} not found")
+        return pool_backend(pool, look.services, look.pool_endpoints.get((ns, name), [])), None
+    svc, port = look.services.get((ns, name)), ref.get("port")
+    if svc is None:
+        return None, condition("ResolvedRefs", False, "BackendNotFound", f"Service {ns}/{name} not found")
+    if port not in [p.get("port") for p in (svc.get("spec") or {}).get("ports") or []]:
+        return None, condition("ResolvedRefs", False, "BackendNotFound", f"Service {ns}/{name} has no port {port}")
+    return ServiceBackend(f"{ns}-{name}-{port}", f"{name}.{ns}.svc.cluster.local", int(port)), None
+
+
+def _route_rules(route: dict, look: Lookups) -> tuple[list[tuple[list[WeightedBackend], list[dict]]], dict, set]:
+    """Per rule: (weighted backends, matches); the ResolvedRefs condition; the pools the route uses."""
+    failures, rules, pools = [], [], set()
+    for rule in (route.get("spec") or {}).get("rules") or []:
+        backends = []
+        for ref in rule.get("backendRefs") or []:
+            backend, failed = resolve_backend(ref, route, look)
+            if failed:
+                failures.append(failed)
+            elif isinstance(backend, PoolBackend):
+                pools.add((ref.get("namespace", naming.namespace_of(route)), ref["name"]))
+            backends.append(WeightedBackend(backend, int(ref.get("weight", 1))))
+        rules.append((backends, rule.get("matches") or [{}]))
+    resolved = failures[0] if failures else condition("ResolvedRefs", True, "ResolvedRefs", "all backendRefs resolve")
+    return rules, resolved, pools
+
+
+def _path(match: dict) -> tuple[str, str]:
+    path = match.get("path") or {}
+    return path.get("type", "PathPrefix"), path.get("value", "/")
+
+
+def _order_key(route: dict) -> tuple:
+    # Gateway API tie-break: the oldest route wins, then alphabetical namespace/name.
+    meta = route.get("metadata") or {}
+    return meta.get("creationTimestamp", ""), naming.namespace_of(route), naming.name_of(route)
+
+
+def _unsupported_match(match: dict) -> bool:
+    return _path(match)[0] not in ("PathPrefix", "Exact")
+
+
+def routes_for_gateway(gateway: dict, httproutes: list[dict], pools: list[dict], services: list[dict],
+                       referencegrants: list[dict], pool_endpoints: dict[tuple[str, str], list[str]] | None = None,
+                       namespaces: dict[str, dict] | None = None) -> GatewayRouting:
+    """Attach `httproutes` to `gateway`'s listeners and resolve their backends.
+
+    `pool_endpoints` maps (ns, pool) to its ready pods' ip:port (the FailOpen fallback); `namespaces` maps a
+    namespace to its labels (for listeners admitting routes by namespace selector)."""
+    look = Lookups({naming.key_of(p): p for p in pools}, {naming.key_of(s): s for s in services},
+                   referencegrants, pool_endpoints or {})
+    rules, parents, used, attached = [], {}, set(), {l.get("name"): 0 for l in _http_listeners(gateway)}
+    for order, route in enumerate(sorted(httproutes, key=_order_key)):
+        gen = (route.get("metadata") or {}).get("generation")
+        for parent_ref in (route.get("spec") or {}).get("parentRefs") or []:
+            if not _refers_to(parent_ref, route, gateway):
+                continue
+            listeners, rejected = _match_listeners(parent_ref, route, gateway, namespaces or {})
+            route_rules, resolved, route_pools = _route_rules(route, look)
+            if rejected:
+                conds = [{**rejected, "observedGeneration": gen} if gen is not None else rejected, resolved]
+            elif any(_unsupported_match(m) for _, ms in route_rules for m in ms):
+                conds = [condition("Accepted", False, "UnsupportedValue",
+                                   "only PathPrefix and Exact path matches are supported", gen), resolved]
+            else:
+                conds = [condition("Accepted", True, "Accepted", "attached to the Gateway", gen), resolved]
+                used |= route_pools
+                rules += _rules_for(route, route_rules, listeners, order)
+                for listener, _ in listeners:
+                    attached[listener.get("name")] += 1
+            entry = {"parentRef": parent_ref, "controllerName": naming.CONTROLLER_NAME, "conditions": conds}
+            parents.setdefault(naming.key_of(route), []).append(entry)
+    return GatewayRouting(rules, parents, sorted(used), attached)
+
+
+def _rules_for(route: dict, route_rules: list, listeners: list[tuple[dict, list[str]]], order: int) -> list[RouteRule]:
+    out = []
+    ns, name = naming.key_of(route)
+    for listener, hostnames in listeners:
+        for i, (backends, matches) in enumerate(route_rules):
+            for j, match in enumerate(matches):
+                path_type, path_value = _path(match)
+                out.append(RouteRule(name=f"{ns}/{name}/{i}/{j}", listen_port=container_port(listener["port"]),
+                                     backends=backends, hostnames=hostnames, path_type=path_type,
+                                     path_value=path_value, order=order))
+    return out
+
+
+def render_config(gateway: dict, routing: GatewayRouting) -> dict:
+    ports = [container_port(l["port"]) for l in _http_listeners(gateway)]
+    return render_gateway_bootstrap(routing.rules, ports or [container_port(80)], ADMIN_PORT)
+
+
+def httproute_status(route: dict, our_parents: list[dict], now: str | None = None) -> dict:
+    """HTTPRoute.status: other controllers' parents kept, ours replaced by `our_parents` (all our Gateways')."""
+    previous = (route.get("status") or {}).get("parents") or []
+    others = [p for p in previous if p.get("controllerName") != naming.CONTROLLER_NAME]
+    ours = []
+    for entry in our_parents:
+        old = next((p for p in previous if p.get("parentRef") == entry["parentRef"]
+                    and p.get("controllerName") == naming.CONTROLLER_NAME), {})
+        ours.append({**entry, "conditions": stamp(entry["conditions"], old.get("conditions"), now)})
+    return {"parents": others + ours}
+
+
+# --- the Envoy objects ---------------------------------------------------------------------------------------
+
+def _config_text(rendered: dict) -> str:
+    return json.dumps(rendered, sort_keys=True, indent=1)  # JSON is YAML; sorted keys keep it byte-stable
+
+
+def _envoy_ports(gateway: dict) -> list[int]:
+    return sorted({l["port"] for l in _http_listeners(gateway)})
+
+
+def _envoy_container(gateway: dict, image: str) -> dict:
+    ports = _envoy_ports(gateway)
+    return {
+        "name": "envoy",
+        "image": image,
+        # No hot restart: it needs shared memory, and a config change rolls the pods instead.
+        "command": ["envoy", "-c", "/etc/envoy/envoy.yaml", "--disable-hot-restart", "--log-level", "info"],
+        "ports": [{"name": f"http-{p}", "containerPort": container_port(p), "protocol": "TCP"} for p in ports],
+        "readinessProbe": {"tcpSocket": {"port": container_port(ports[0]) if ports else ADMIN_PORT},
+                           "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": container_port(ports[0]) if ports else ADMIN_PORT},
+                          "periodSeconds": 10, "failureThreshold": 3},
+        "volumeMounts": [{"name": "config", "mountPath": "/etc/envoy", "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def desired_envoy_objects(gateway: dict, rendered_config: dict, image: str, service_type: str = "ClusterIP"
+                          ) -> list[dict]:
+    """ConfigMap (the bootstrap), Deployment (Envoy) and Service (the listener ports) of a Gateway."""
+    name = naming.envoy_name(gateway)
+    labels = naming.component_labels("gateway", naming.name_of(gateway))
+    selector = naming.selector_labels("gateway", naming.name_of(gateway))
+    text = _config_text(rendered_config)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]  # Envoy's static config: changes roll the pods
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": naming.object_meta(name, gateway, labels),
+                  "data": {"envoy.yaml": text}}
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": naming.object_meta(name, gateway, labels),
+        "spec": {"replicas": 1, "selector": {"matchLabels": selector}, "template": {
+            "metadata": {"labels": labels, "annotations": {"kvgate.dev/config-digest": digest}},
+            "spec": {"containers": [_envoy_container(gateway, image)],
+                     "volumes": [{"name": "config", "configMap": {"name": name}}, {"name": "tmp", "emptyDir": {}}],
+                     "automountServiceAccountToken": False,
+                     "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                                         "seccompProfile": {"type": "RuntimeDefault"}}}}},
+    }
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": naming.object_meta(name, gateway, labels),
+               "spec": {"type": service_type, "selector": selector, "ports": [
+                   {"name": f"http-{p}", "port": p, "targetPort": container_port(p), "protocol": "TCP"}
+                   for p in _envoy_ports(gateway)]}}
+    return [config_map, deployment, service]
+
+
+# --- Gateway status ------------------------------------------------------------------------------------------
+
+def gateway_addresses(service: dict | None) -> list[dict]:
+    """Load-balancer addresses when the Service has them, else its cluster IP."""
+    status = ((service or {}).get("status") or {}).get("loadBalancer") or {}
+    out = []
+    for ingress in status.get("ingress") or []:
+        if ingress.get("ip"):
+            out.append({"type": "IPAddress", "value": ingress["ip"]})
+        elif ingress.get("hostname"):
+            out.append({"type": "Hostname", "value": ingress["hostname"]})
+    cluster_ip = ((service or {}).get("spec") or {}).get("clusterIP")
+    if not out and cluster_ip and cluster_ip != "None":
+        out.append({"type": "IPAddress", "value": cluster_ip})
+    return out
+
+
+def _listener_status(listener: dict, programmed: bool, gen: int | None) -> list[dict]:
+    if listener.get("protocol") != "HTTP":
+        return [condition("Accepted", False, "UnsupportedProtocol", f"protocol {listener.get('protocol')} is not "
+                          "supported (HTTP only)", gen),
+                condition("Programmed", False, "Invalid", "listener not accepted", gen),
+                condition("ResolvedRefs", True, "ResolvedRefs", "", gen)]
+    return [condition("Accepted", True, "Accepted", "", gen),
+            condition("Programmed", programmed, "Programmed" if programmed else "Pending", "", gen),
+            condition("ResolvedRefs", True, "ResolvedRefs", "", gen)]
+
+
+def gateway_status(gateway: dict, deployment: dict | None, service: dict | None, routing: GatewayRouting,
+                   now: str | None = None) -> dict:
+    """Gateway.status: Accepted, Programmed (Envoy ready and an address known), addresses, listeners."""
+    gen = (gateway.get("metadata") or {}).get("generation")
+    previous = gateway.get("status") or {}
+    addresses = gateway_addresses(service)
+    ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0) > 0
+    programmed = ready and bool(addresses)
+    has_http = bool(_http_listeners(gateway))
+    accepted = (condition("Accepted", True, "Accepted", "", gen) if has_http
+                else condition("Accepted", False, "ListenersNotValid", "no HTTP listener", gen))
+    why = "Envoy is ready" if programmed else ("waiting for an address" if ready else "waiting for Envoy to be ready")
+    conds = [accepted, condition("Programmed", programmed, "Programmed" if programmed else "Pending", why, gen)]
+    old_listeners = {l.get("name"): l for l in previous.get("listeners") or []}
+    listeners = [{"name": l.get("name"), "supportedKinds": [dict(HTTPROUTE_KIND)],
+                  "attachedRoutes": routing.attached_routes.get(l.get("name"), 0),
+                  "conditions": stamp(_listener_status(l, programmed, gen),
+                                      (old_listeners.get(l.get("name")) or {}).get("conditions"), now)}
+                 for l in (gateway.get("spec") or {}).get("listeners") or []]
+    return {"addresses": addresses, "conditions": stamp(conds, previous.get("conditions"), now),
+            "listeners": listeners}

@@ -1,0 +1,265 @@
+"""ModelServer → a Deployment of `kvgate serve` pods that are members of the ModelServer's InferencePool.
+
+The pods carry the pool's selector labels and serve on the pool's first target port, so the pool (and its
+EPP) picks them up with no further wiring. The root filesystem is read-only: the engine writes only to its
+cache dir (the demo model, compiled kernels) and /tmp, both emptyDirs.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvgate.operator import naming
+from kvgate.operator.conditions import condition, find, stamp
+
+CACHE_DIR = "/var/cache/kvgate"
+CONTAINER = "engine"
+DEFAULT_MODEL = "demo"
+RUN_AS = 65532  # the conventional "nonroot" uid; the image needs no particular user
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti)?$")
+
+
+def kv_cache_bytes(quantity: int | str) -> int:
+    """`kvCacheMemory` (bytes, or a binary-suffixed quantity such as "2Gi") as bytes."""
+    if isinstance(quantity, int):
+        return quantity
+    m = _QUANTITY.match(str(quantity).strip())
+    if not m:
+        raise ValueError(f"not a byte quantity: {quantity!r} (e.g. 2147483648 or 2Gi)")
+    power = ["", "Ki", "Mi", "Gi", "Ti"].index(m.group(2) or "")
+    return int(float(m.group(1)) * 1024 ** power)
+
+
+# --- validation: what the CRD schema cannot say -------------------------------------------------------------
+
+def _pool_problems(ms: dict, pool: dict | None) -> list[dict]:
+    pool_name = ((ms.get("spec") or {}).get("poolRef") or {}).get("name", "")
+    if pool is None:
+        return [{"reason": "PoolNotFound",
+                 "message": f"InferencePool {pool_name!r} not found in namespace {naming.namespace_of(ms)!r}"}]
+    spec = pool.get("spec") or {}
+    problems = []
+    if not (spec.get("selector") or {}).get("matchLabels"):
+        problems.append({"reason": "PoolInvalid", "message": f"InferencePool {pool_name!r} has no selector labels"})
+    if not spec.get("targetPorts"):
+        problems.append({"reason": "PoolInvalid", "message": f"InferencePool {pool_name!r} has no targetPorts"})
+    return problems
+
+
+def _spec_problems(ms: dict) -> list[dict]:
+    spec = ms.get("spec") or {}
+    model = spec.get("model") or {}
+    problems = []
+    sources = [k for k in ("pvc", "hostPath", "image") if model.get(k)]
+    if len(sources) > 1:
+        problems.append({"reason": "InvalidSpec", "message": f"more than one model volume source: {sources}"})
+    if sources and not str(model.get("path", DEFAULT_MODEL)).startswith("/"):
+        problems.append({"reason": "InvalidSpec", "message": "model.path must be absolute with a volume source"})
+    kv = (spec.get("engine") or {}).get("kvCacheMemory")
+    if kv is not None:
+        try:
+            kv_cache_bytes(kv)
+        except ValueError as exc:
+            problems.append({"reason": "InvalidSpec", "message": f"engine.kvCacheMemory: {exc}"})
+    if not isinstance(spec.get("extraArgs", []), list):
+        problems.append({"reason": "InvalidSpec", "message": "extraArgs must be a list of strings"})
+    return problems
+
+
+def validate_modelserver(ms: dict, pool: dict | None) -> list[dict]:
+    """Problems ({reason, message}) the schema cannot catch; empty when a Deployment can be made.
+
+    Some of these the CRD's CEL rules also reject — they are checked again for clusters too old to run CEL
+    (the e2e rig is Kubernetes 1.20)."""
+    return _pool_problems(ms, pool) + _spec_problems(ms)
+
+
+# --- the Deployment ------------------------------------------------------------------------------------------
+
+def pool_labels(pool: dict) -> dict[str, str]:
+    return dict(((pool.get("spec") or {}).get("selector") or {}).get("matchLabels") or {})
+
+
+def pool_port(pool: dict) -> int:
+    return int((pool.get("spec") or {}).get("targetPorts")[0]["number"])
+
+
+def engine_flags(engine: dict) -> list[str]:
+    """`spec.engine` as `kvgate serve` flags, in a fixed order; unset fields keep the engine's defaults."""
+    valued = [("backend", "--backend"), ("device", "--device"), ("dtype", "--dtype"),
+              ("blockSize", "--block-size"), ("maxNumSeqs", "--max-num-seqs"),
+              ("maxNumBatchedTokens", "--max-num-batched-tokens"), ("maxModelLen", "--max-model-len")]
+    flags = []
+    for field, flag in valued:
+        if engine.get(field) is not None:
+            flags += [flag, str(engine[field])]
+    if engine.get("kvCacheMemory") is not None:
+        flags += ["--kv-cache-memory", str(kv_cache_bytes(engine["kvCacheMemory"]))]
+    if engine.get("enablePrefixCaching") is not None:
+        flags.append("--enable-prefix-caching" if engine["enablePrefixCaching"] else "--no-enable-prefix-caching")
+    return flags
+
+
+def serve_command(spec: dict, port: int) -> list[str]:
+    model = spec.get("model") or {}
+    path = model.get("path") or DEFAULT_MODEL
+    command = ["kvgate", "serve", path, "--host", "0.0.0.0", "--port", str(port),
+               "--served-model-name", model.get("servedModelName") or path]
+    return command + engine_flags(spec.get("engine") or {}) + [str(a) for a in spec.get("extraArgs") or []]
+
+
+def _model_volume(model: dict) -> dict | None:
+    if model.get("pvc"):
+        pvc = model["pvc"]
+        return {"name": "model", "persistentVolumeClaim": {"claimName": pvc["claimName"],
+                                                           "readOnly": pvc.get("readOnly", True)}}
+    if model.get("hostPath"):
+        return {"name": "model", "hostPath": {"path": model["hostPath"]["path"], "type": "Directory"}}
+    if model.get("image"):
+        image = {"reference": model["image"]["reference"]}
+        if model["image"].get("pullPolicy"):
+            image["pullPolicy"] = model["image"]["pullPolicy"]
+        return {"name": "model", "image": image}
+    return None
+
+
+def _volumes(model: dict) -> tuple[list[dict], list[dict]]:
+    volumes = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    model_volume = _model_volume(model)
+    if model_volume:
+        volumes.append(model_volume)
+        mounts.append({"name": "model", "mountPath": model["path"], "readOnly": True})
+    return volumes, mounts
+
+
+def _probes(port_name: str) -> dict:
+    # Readiness is /health (503 until the model is loaded); liveness only checks the socket, so a long model
+    # load is never mistaken for a hang. No gRPC probes: the e2e rig runs Kubernetes 1.20.
+    return {
+        "readinessProbe": {"httpGet": {"path": "/health", "port": port_name}, "periodSeconds": 5,
+                           "timeoutSeconds": 2, "failureThreshold": 3},
+        "livenessProbe": {"tcpSocket": {"port": port_name}, "initialDelaySeconds": 10, "periodSeconds": 10,
+                          "timeoutSeconds": 2, "failureThreshold": 6},
+    }
+
+
+def _container(spec: dict, image: str, port: int) -> dict:
+    volumes_mounts = _volumes(spec.get("model") or {})[1]
+    container = {
+        "name": CONTAINER,
+        "image": spec.get("image") or image,
+        "command": serve_command(spec, port),
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "env": [{"name": "KVGATE_CACHE_DIR", "value": CACHE_DIR}, {"name": "HOME", "value": "/tmp"},
+                {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "volumeMounts": volumes_mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        **_probes("http"),
+    }
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    if spec.get("resources"):
+        container["resources"] = spec["resources"]
+    return container
+
+
+def _pod_spec(spec: dict, image: str, port: int) -> dict:
+    pod = {
+        "containers": [_container(spec, image, port)],
+        "volumes": _volumes(spec.get("model") or {})[0],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "automountServiceAccountToken": False,  # engines never talk to the API server
+        "enableServiceLinks": False,
+    }
+    if spec.get("nodeSelector"):
+        pod["nodeSelector"] = dict(sorted(spec["nodeSelector"].items()))
+    if spec.get("tolerations"):
+        pod["tolerations"] = spec["tolerations"]
+    return pod
+
+
+def desired_engine_deployment(modelserver: dict, pool: dict | None, image: str) -> dict | None:
+    """The engine Deployment for `modelserver`, or None when `validate_modelserver` finds problems.
+
+    The Deployment's selector is exactly the pool's selector, so every pod it makes is a pool member.
+    (Kubernetes makes a Deployment's selector immutable: see `needs_recreate`.)"""
+    if validate_modelserver(modelserver, pool):
+        return None
+    spec = modelserver.get("spec") or {}
+    name = naming.engine_deployment_name(modelserver)
+    port = pool_port(pool)
+    selector = pool_labels(pool)
+    pod_labels = {**(spec.get("podLabels") or {}), **naming.component_labels("engine", name), **selector}
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": naming.object_meta(name, modelserver, naming.component_labels("engine", name)),
+        "spec": {
+            "replicas": int(spec.get("replicas", 1)),
+            "selector": {"matchLabels": dict(sorted(selector.items()))},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": dict(sorted(pod_labels.items())), "annotations": annotations},
+                "spec": _pod_spec(spec, image, port),
+            },
+        },
+    }
+
+
+def needs_recreate(existing: dict | None, desired: dict | None) -> bool:
+    """A Deployment's selector cannot change: when the pool's selector did, delete and create it again."""
+    if not existing or not desired:
+        return False
+    return (existing.get("spec") or {}).get("selector") != desired["spec"]["selector"]
+
+
+# --- status --------------------------------------------------------------------------------------------------
+
+def _ready_condition(ms: dict, deployment: dict | None, problems: list[dict]) -> dict:
+    gen = (ms.get("metadata") or {}).get("generation")
+    if problems:
+        return condition("Ready", False, problems[0]["reason"], problems[0]["message"], gen)
+    if deployment is None:
+        return condition("Ready", False, "DeploymentPending", "the engine Deployment does not exist yet", gen)
+    want = int((ms.get("spec") or {}).get("replicas", 1))
+    ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
+    if want == 0:
+        return condition("Ready", True, "ScaledToZero", "replicas is 0", gen)
+    if ready >= want:
+        return condition("Ready", True, "AllReplicasReady", f"{ready}/{want} replicas ready", gen)
+    return condition("Ready", False, "ReplicasNotReady", f"{ready}/{want} replicas ready", gen)
+
+
+def _pool_condition(ms: dict, pool: dict | None, problems: list[dict]) -> dict:
+    gen = (ms.get("metadata") or {}).get("generation")
+    pool_problems = [p for p in problems if p["reason"].startswith("Pool")]
+    if pool_problems:
+        return condition("PoolFound", False, pool_problems[0]["reason"], pool_problems[0]["message"], gen)
+    return condition("PoolFound", True, "PoolFound", f"InferencePool {naming.name_of(pool)!r}", gen)
+
+
+def modelserver_status(ms: dict, deployment: dict | None, pool: dict | None, now: str | None = None) -> dict:
+    """ModelServer.status: counts from the Deployment, the scale subresource's selector, conditions."""
+    problems = validate_modelserver(ms, pool)
+    dep_status = (deployment or {}).get("status") or {}
+    status = {
+        "replicas": int(dep_status.get("replicas") or 0),
+        "readyReplicas": int(dep_status.get("readyReplicas") or 0),
+        "conditions": stamp([_ready_condition(ms, deployment, problems), _pool_condition(ms, pool, problems)],
+                            (ms.get("status") or {}).get("conditions"), now),
+    }
+    if pool is not None and pool_labels(pool):
+        status["selector"] = naming.selector_string(pool_labels(pool))
+    if (ms.get("metadata") or {}).get("generation") is not None:
+        status["observedGeneration"] = ms["metadata"]["generation"]
+    return status
+
+
+def is_ready(status: dict) -> bool:
+    ready = find(status.get("conditions"), "Ready")
+    return bool(ready) and ready["status"] == "True"

@@ -1,0 +1,269 @@
+"""InferencePool → its Endpoint Picker (EPP), and the pool's status.parents as Gateway controllers write it.
+
+Which pools get an operator-made EPP: a pool is kvgate's when a ModelServer joins it or it is annotated
+`kvgate.dev/endpoint-picker: managed`, and its endpointPickerRef is a core Service that is either absent
+(the operator creates it) or already the operator's (managed-by label and an owner reference to the pool).
+A Service that exists without those marks is the user's, and a pool nobody marked as kvgate's is left
+alone even when its Service is missing — a pool may name an EPP the user has not deployed yet, and the
+operator must not step in front of it (upstream conformance reports such a pool as InvalidExtensionRef).
+The annotation `kvgate.dev/endpoint-picker: external` opts a pool with ModelServers out.
+"""
+
+from __future__ import annotations
+
+from kvgate.operator import naming
+from kvgate.operator.conditions import condition, stamp
+
+EPP_ANNOTATION = "kvgate.dev/endpoint-picker"
+CONFIG_FILE = "/config/epp.yaml"
+
+# The EPP's default scheduling (README: queue 2, kv-cache 2, prefix 3, max-score), written out so that the
+# ConfigMap always holds the config the EPP runs.
+DEFAULT_EPP_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: max-score-picker
+"""
+
+# Exactly what the EPP reads (epp/k8s_watch.py): its pool, the pool's pods, and the pool's policies.
+EPP_RBAC_RULES = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [naming.INFERENCE_GROUP], "resources": ["inferencepools"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [naming.INFERENCE_X_GROUP], "resources": ["inferenceobjectives", "inferencemodelrewrites"],
+     "verbs": ["get", "list", "watch"]},
+]
+
+
+def epp_ref(pool: dict) -> dict:
+    return (pool.get("spec") or {}).get("endpointPickerRef") or {}
+
+
+def epp_service_port(pool: dict) -> int:
+    return int((epp_ref(pool).get("port") or {}).get("number") or naming.EPP_GRPC_PORT)
+
+
+def is_fail_open(pool: dict) -> bool:
+    return epp_ref(pool).get("failureMode") == "FailOpen"
+
+
+def _refers_to_service(pool: dict) -> bool:
+    ref = epp_ref(pool)
+    return bool(ref.get("name")) and ref.get("group", "") == "" and ref.get("kind", "Service") == "Service"
+
+
+def manages_epp(pool: dict, existing_service: dict | None, modelservers: list[dict]) -> bool:
+    """Whether the operator runs this pool's EPP (see the module docstring for the rule)."""
+    mode = ((pool.get("metadata") or {}).get("annotations") or {}).get(EPP_ANNOTATION)
+    joined = any(((ms.get("spec") or {}).get("poolRef") or {}).get("name") == naming.name_of(pool)
+                 and naming.namespace_of(ms) == naming.namespace_of(pool) for ms in modelservers)
+    if mode == "external" or not (mode == "managed" or joined) or not _refers_to_service(pool):
+        return False
+    if existing_service is None:
+        return True
+    return naming.is_managed(existing_service) and naming.is_owned_by(existing_service, pool)
+
+
+# --- the EPP's objects ---------------------------------------------------------------------------------------
+
+def _epp_labels(pool: dict) -> dict[str, str]:
+    return naming.component_labels("epp", naming.name_of(pool))
+
+
+def _service_account(pool: dict) -> dict:
+    return {"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": naming.object_meta(naming.epp_name(pool), pool, _epp_labels(pool))}
+
+
+def _role(pool: dict) -> dict:
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": naming.object_meta(naming.epp_name(pool), pool, _epp_labels(pool)),
+            "rules": [dict(rule) for rule in EPP_RBAC_RULES]}
+
+
+def _role_binding(pool: dict) -> dict:
+    name = naming.epp_name(pool)
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": naming.object_meta(name, pool, _epp_labels(pool)),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": naming.namespace_of(pool)}]}
+
+
+def _config_map(pool: dict, config_yaml: str) -> dict:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": naming.object_meta(naming.epp_name(pool), pool, _epp_labels(pool)),
+            "data": {"epp.yaml": config_yaml}}
+
+
+def epp_command(pool: dict) -> list[str]:
+    return ["kvgate", "epp", "--pool-name", naming.name_of(pool), "--pool-namespace", naming.namespace_of(pool),
+            "--grpc-host", "0.0.0.0", "--grpc-port", str(naming.EPP_GRPC_PORT),
+            "--grpc-health-port", str(naming.EPP_HEALTH_PORT), "--metrics-port", str(naming.EPP_METRICS_PORT),
+            "--config-file", CONFIG_FILE]
+
+
+def _epp_container(pool: dict, image: str) -> dict:
+    # Kubernetes 1.20 has no gRPC probes: the probes check the health port's socket. Envoy itself
+    # health-checks the EPP over gRPC (envoy_config), so traffic never depends on these probes alone.
+    return {
+        "name": "epp",
+        "image": image,
+        "command": epp_command(pool),
+        "ports": [{"name": "grpc", "containerPort": naming.EPP_GRPC_PORT, "protocol": "TCP"},
+                  {"name": "grpc-health", "containerPort": naming.EPP_HEALTH_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": naming.EPP_METRICS_PORT, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "readinessProbe": {"tcpSocket": {"port": "grpc-health"}, "periodSeconds": 5, "timeoutSeconds": 2},
+        "livenessProbe": {"tcpSocket": {"port": "grpc-health"}, "initialDelaySeconds": 5, "periodSeconds": 10,
+                          "timeoutSeconds": 2, "failureThreshold": 3},
+        "volumeMounts": [{"name": "config", "mountPath": "/config", "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def _config_digest(config_yaml: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
+
+
+def _deployment(pool: dict, image: str, config_yaml: str) -> dict:
+    name = naming.epp_name(pool)
+    selector = naming.selector_labels("epp", naming.name_of(pool))
+    # The EPP reads its config file once: a changed config must roll the pods, hence its digest on the template.
+    pod_annotations = {"kvgate.dev/config-digest": _config_digest(config_yaml),
+                       "prometheus.io/scrape": "true", "prometheus.io/port": str(naming.EPP_METRICS_PORT)}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": naming.object_meta(name, pool, _epp_labels(pool)),
+        "spec": {
+            "replicas": 1,  # the EPP keeps per-endpoint state (prefix index): one replica per pool
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": _epp_labels(pool), "annotations": pod_annotations},
+                "spec": {
+                    "serviceAccountName": name,
+                    "containers": [_epp_container(pool, image)],
+                    "volumes": [{"name": "config", "configMap": {"name": name}}, {"name": "tmp", "emptyDir": {}}],
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "terminationGracePeriodSeconds": 30,
+                },
+            },
+        },
+    }
+
+
+def _service(pool: dict) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": naming.object_meta(epp_ref(pool)["name"], pool, _epp_labels(pool)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": naming.selector_labels("epp", naming.name_of(pool)),
+            "ports": [
+                {"name": "grpc", "port": epp_service_port(pool), "targetPort": "grpc", "protocol": "TCP",
+                 "appProtocol": "kubernetes.io/h2c"},
+                {"name": "grpc-health", "port": naming.EPP_HEALTH_PORT, "targetPort": "grpc-health",
+                 "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"},
+                {"name": "metrics", "port": naming.EPP_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP",
+                 "appProtocol": "http"},
+            ],
+        },
+    }
+
+
+def epp_problems(pool: dict, config_yaml: str | None) -> list[dict]:
+    """Why no EPP can be made for `pool` ({reason, message}); empty when it can."""
+    problems = []
+    if not _refers_to_service(pool):
+        problems.append({"reason": "InvalidExtensionRef", "message": "endpointPickerRef is not a core Service"})
+    elif epp_service_port(pool) in (naming.EPP_HEALTH_PORT, naming.EPP_METRICS_PORT):
+        problems.append({"reason": "InvalidExtensionRef",
+                         "message": f"endpointPickerRef port {epp_service_port(pool)} collides with the EPP's "
+                                    f"health ({naming.EPP_HEALTH_PORT}) or metrics ({naming.EPP_METRICS_PORT}) port"})
+    if config_yaml is not None:
+        from kvgate.epp.scheduling.config import ConfigError, parse_config
+
+        try:
+            parse_config(config_yaml, source="EndpointPickerConfig")
+        except ConfigError as exc:
+            problems.append({"reason": "InvalidConfig", "message": str(exc)})
+    return problems
+
+
+def desired_epp_objects(pool: dict, image: str, config_yaml: str | None = None) -> list[dict]:
+    """ServiceAccount, Role, RoleBinding, ConfigMap, Deployment and Service of the pool's EPP, in the order
+    they are best applied; [] when `epp_problems` finds the pool unusable (its status says why)."""
+    if epp_problems(pool, config_yaml):
+        return []
+    config_yaml = config_yaml if config_yaml is not None else DEFAULT_EPP_CONFIG
+    return [_service_account(pool), _role(pool), _role_binding(pool), _config_map(pool, config_yaml),
+            _deployment(pool, image, config_yaml), _service(pool)]
+
+
+# --- status.parents ------------------------------------------------------------------------------------------
+
+def epp_resolution(pool: dict, service: dict | None) -> tuple[bool, str]:
+    """(resolved, message) of the pool's endpointPickerRef against the Service that exists (or None)."""
+    ref = epp_ref(pool)
+    if not ref.get("name"):
+        return False, "endpointPickerRef is not set"
+    if not _refers_to_service(pool):
+        return False, f"unsupported endpointPickerRef kind {ref.get('group', '')}/{ref.get('kind')}"
+    if service is None:
+        return False, f"Service {ref['name']!r} not found in namespace {naming.namespace_of(pool)!r}"
+    spec = service.get("spec") or {}
+    if spec.get("type") == "ExternalName":
+        return False, f"Service {ref['name']!r} is of type ExternalName"
+    if epp_service_port(pool) not in [p.get("port") for p in spec.get("ports") or []]:
+        return False, f"Service {ref['name']!r} has no port {epp_service_port(pool)}"
+    return True, "the endpoint picker Service resolves"
+
+
+def _parent_ref(gateway: dict) -> dict:
+    return {"group": naming.GATEWAY_GROUP, "kind": "Gateway", "name": naming.name_of(gateway),
+            "namespace": naming.namespace_of(gateway)}
+
+
+def _same_parent(entry: dict, ref: dict) -> bool:
+    got = entry.get("parentRef") or {}
+    return (got.get("group", naming.GATEWAY_GROUP), got.get("kind", "Gateway"), got.get("name"),
+            got.get("namespace")) == (ref["group"], ref["kind"], ref["name"], ref["namespace"])
+
+
+def pool_status(pool: dict, gateways_referencing: list[dict], epp_service: dict | None,
+                now: str | None = None, controller_name: str = naming.CONTROLLER_NAME) -> dict:
+    """The pool's status: one parents entry per Gateway of ours whose accepted HTTPRoutes use the pool.
+
+    Entries of other controllers are kept untouched; ours for Gateways that no longer use the pool are
+    dropped (upstream conformance expects no parents once no route references the pool)."""
+    gen = (pool.get("metadata") or {}).get("generation")
+    previous = (pool.get("status") or {}).get("parents") or []
+    resolved, message = epp_resolution(pool, epp_service)
+    ours = []
+    for gateway in sorted(gateways_referencing, key=naming.key_of):
+        ref = _parent_ref(gateway)
+        old = next((p for p in previous if _same_parent(p, ref)), {})
+        conds = [condition("Accepted", True, "Accepted", f"referenced by an HTTPRoute of Gateway {ref['name']}", gen),
+                 condition("ResolvedRefs", resolved, "ResolvedRefs" if resolved else "InvalidExtensionRef",
+                           message, gen)]
+        ours.append({"parentRef": ref, "controllerName": controller_name,
+                     "conditions": stamp(conds, old.get("conditions"), now)})
+    others = [p for p in previous if p.get("controllerName") != controller_name]
+    return {"parents": others + ours}
