@@ -11,33 +11,16 @@ The annotation `kvgate.dev/endpoint-picker: external` opts a pool with ModelServ
 
 from __future__ import annotations
 
+from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 
 EPP_ANNOTATION = "kvgate.dev/endpoint-picker"
 CONFIG_FILE = "/config/epp.yaml"
 
-# The EPP's default scheduling (README: queue 2, kv-cache 2, prefix 3, max-score), written out so that the
-# ConfigMap always holds the config the EPP runs.
-DEFAULT_EPP_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: max-score-picker
-"""
+# The EPP's own default (header filter for conformance, queue 2, kv-cache 2, prefix 3, max-score), written
+# into the ConfigMap so that it always holds the config the EPP runs.
+DEFAULT_EPP_CONFIG = DEFAULT_CONFIG_YAML
 
 # Exactly what the EPP reads (epp/k8s_watch.py): its pool, the pool's pods, and the pool's policies.
 EPP_RBAC_RULES = [

@@ -1,6 +1,5 @@
 """Prefix caching, counted: which tokens are computed, which blocks stay hits, and cache_salt isolation."""
 
-import random
 
 import pytest
 
@@ -8,13 +7,9 @@ from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.block_pool import BlockPool
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.request import Request
+from tests.engine.tiny_models import random_tokens as tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-
-def tokens(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Sampling: reproducible seeds, top_k=1 == greedy, processors against reference formulas, stop strings."""
 
 import math
-import random
 
 import numpy as np
 import pytest
@@ -10,12 +9,8 @@ import torch
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.detokenizer import IncrementalDetokenizer
 from kvgate.engine.request import Request
+from tests.engine.tiny_models import random_tokens as tokens
 from kvgate.engine.sampler import Sampler, SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p
-
-
-def tokens(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,18 @@ as ordinary HF folders (safetensors + a byte-level tokenizer), so the engine loa
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    """n token ids of the byte-level vocabulary, reproducible by seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
 
 
 def make_config(family: str):
