@@ -28,14 +28,16 @@ def add_bench_epp_parser(sub) -> None:
     p.set_defaults(func=run_bench_epp)
 
 
-async def _timed_requests(url: str, n: int, rate: float, headers: dict) -> list[float]:
+async def _timed_requests(url: str, n: int, rate: float, headers: dict, tag: str) -> list[float]:
+    """Poisson arrivals of 1-token completions; prompts unique per `tag` so that no run is served from the
+    prefix cache that another run filled (a cached 200-token prefill would be a ~7 ms head start)."""
     latencies = []
     gaps = np.random.default_rng(0).exponential(1.0 / rate, size=n)
     async with httpx.AsyncClient(timeout=30) as client:
         async def one(i: int):
             t0 = time.perf_counter()
             r = await client.post(url + "/v1/completions", headers=headers, json={
-                "model": "sim-model", "prompt": f"latency probe {i} " + "p" * 200, "max_tokens": 1})
+                "model": "sim-model", "prompt": f"{tag} latency probe {i} " + "p" * 200, "max_tokens": 1})
             if r.status_code == 200:
                 latencies.append(time.perf_counter() - t0)
         tasks = []
@@ -76,12 +78,11 @@ def measure_added_latency(n: int, rate: float) -> dict:
         wait_http_ok(f"http://127.0.0.1:{direct_admin}/ready", 120)
         time.sleep(0.5)  # first scrapes
         warm = 20
-        asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", warm, rate, {}))
-        asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", warm, rate,
-                                    {"x-gateway-destination-endpoint": endpoint}))
-        via_epp = asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", n, rate, {}))
-        direct = asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", n, rate,
-                                             {"x-gateway-destination-endpoint": endpoint}))
+        direct_header = {"x-gateway-destination-endpoint": endpoint}
+        asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", warm, rate, {}, "warm-epp"))
+        asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", warm, rate, direct_header, "warm-direct"))
+        via_epp = asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", n, rate, {}, "epp"))
+        direct = asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", n, rate, direct_header, "direct"))
     finally:
         for p in reversed(procs):
             stop_group(p)
