@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgate.epp.main import add_epp_parser
 
     add_epp_parser(sub)
+    from kvgate.operator.main import add_operator_parser
+
+    add_operator_parser(sub)
     from kvgate.up import add_up_parser
 
     add_up_parser(sub)

@@ -230,9 +230,10 @@ def test_envoy_config_file_binds_the_pod_ip():
     assert config_arg(["envoy", "-c", "/etc/envoy/e.yaml", "-l", "info"], ("-c", "--config-path")) == (2, "/etc/envoy/e.yaml")
     assert config_arg(["envoy", "--config-path=/x.yaml"], ("-c", "--config-path")) == (1, "/x.yaml")
     assert config_arg(["envoy"], ("-c",)) is None
-    cfg = "address: 0.0.0.0\nport_value: 8080\nother: 10.0.0.0\nv6: '::'\nv6b: \"::\"\n"
+    cfg = "address: 0.0.0.0\nport_value: 8080\nother: 10.0.0.0\nv6: '::'\nv6b: \"::\"\nadmin: 127.0.0.1\nnot: 127.0.0.10\n"
     assert ps.bind_address_in_config(cfg, "127.7.0.3") == \
-        "address: 127.7.0.3\nport_value: 8080\nother: 10.0.0.0\nv6: '127.7.0.3'\nv6b: \"127.7.0.3\"\n"
+        "address: 127.7.0.3\nport_value: 8080\nother: 10.0.0.0\nv6: '127.7.0.3'\nv6b: \"127.7.0.3\"\n" \
+        "admin: 127.7.0.3\nnot: 127.0.0.10\n"
 
 
 def test_host_words_are_never_mapped():

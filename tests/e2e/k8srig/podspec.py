@@ -133,8 +133,11 @@ def bind_address(value: str, pod_ip: str) -> str:
 
 
 def bind_address_in_config(text: str, pod_ip: str) -> str:
-    """bind_address for a config file, also turning a quoted IPv6 any-address ('::' / "::") into the pod IP."""
+    """bind_address for a config file, also turning a quoted IPv6 any-address ('::' / "::") into the pod IP,
+    and 127.0.0.1 too: every pod has a loopback of its own, but here they all share the host's, so a pod's
+    localhost listeners (Envoy's admin port, say) would collide across pods and across a rollout."""
     text = bind_address(text, pod_ip)
+    text = re.sub(r"(?<![\d.])127\.0\.0\.1(?![\d.])", pod_ip, text)
     return re.sub(r"""(["'])::\1""", lambda m: f"{m.group(1)}{pod_ip}{m.group(1)}", text)
 
 

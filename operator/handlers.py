@@ -1,0 +1,447 @@
+"""The kopf layer: watch events enqueue keys; one worker reconciles them with the pure functions.
+
+Level-triggered and idempotent. A handler never acts on the event's body: it only names what to reconcile
+(a ModelServer, an InferencePool, or "the Gateways"), and the worker reads the current state from the API
+server, computes the desired objects and statuses (modelserver.py, pool.py, gateway.py) and applies them.
+Re-applying an unchanged object is a no-op on the server, so the loop settles. A periodic resync
+(`resync_s`) enqueues everything again, which also catches anything a watch missed.
+
+Only `@kopf.on.event` handlers: they keep no state on the objects (no kopf annotations, no finalizers), so
+deleting a ModelServer, pool or Gateway is never blocked by the operator being down, and the garbage
+collector removes what the operator made through the owner references on every object.
+
+Keys (deduplicated while queued; a failing key is retried with exponential backoff, 1 s to 60 s):
+    ("ModelServer", ns, name)    the engine Deployment and the ModelServer's status
+    ("InferencePool", ns, name)  the pool's EPP objects when the operator manages them
+    ("PoolMembers", ns, name)    the ModelServers of a pool (their Deployment follows the pool's selector)
+    ("Gateways",)                GatewayClass statuses; per Gateway of ours the Envoy objects and status;
+                                 HTTPRoute and InferencePool status.parents (they need all Gateways at once)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from kvgate.envoy_config import PoolBackend
+from kvgate.operator import naming
+from kvgate.operator.apply import KINDS, ApiError, Kube, describe
+from kvgate.operator.conditions import condition, stamp
+from kvgate.operator.envoy_routes import WeightedBackend
+from kvgate.operator.gateway import (GatewayRouting, desired_envoy_objects, gateway_status, gatewayclass_status,
+                                     httproute_status, is_our_class, render_config, routes_for_gateway)
+from kvgate.operator.modelserver import desired_engine_deployment, modelserver_status, needs_recreate
+from kvgate.operator.pool import (desired_epp_objects, epp_problems, epp_ref, is_fail_open, manages_epp,
+                                  pool_status)
+
+log = logging.getLogger("kvgate.operator")
+
+MODELSERVER = KINDS[("kvgate.dev/v1alpha1", "ModelServer")]
+POOL = KINDS[("inference.networking.k8s.io/v1", "InferencePool")]
+GATEWAYCLASS = KINDS[("gateway.networking.k8s.io/v1", "GatewayClass")]
+GATEWAY = KINDS[("gateway.networking.k8s.io/v1", "Gateway")]
+HTTPROUTE = KINDS[("gateway.networking.k8s.io/v1", "HTTPRoute")]
+REFERENCEGRANT = KINDS[("gateway.networking.k8s.io/v1beta1", "ReferenceGrant")]
+DEPLOYMENT = KINDS[("apps/v1", "Deployment")]
+SERVICE = KINDS[("v1", "Service")]
+POD = KINDS[("v1", "Pod")]
+NAMESPACE = KINDS[("v1", "Namespace")]
+
+GATEWAYS_KEY = ("Gateways",)
+EPP_ADDRESS_MODES = ("service", "pod-ip")
+
+
+@dataclass
+class OperatorConfig:
+    engine_image: str
+    epp_image: str
+    envoy_image: str
+    namespace: str | None = None  # None: all namespaces
+    # "service": Envoy reaches a pool's EPP by its Service's DNS name (any cluster with Service routing).
+    # "pod-ip": by the IP of a ready EPP pod (clusters without Service routing, e.g. the e2e rig).
+    epp_address_mode: str = "service"
+    envoy_service_type: str = "ClusterIP"
+    resync_s: float = 15.0
+
+
+# --- the work queue ------------------------------------------------------------------------------------------
+
+class WorkQueue:
+    """Keys to reconcile: deduplicated while waiting, delayed retries kept in a heap, one consumer."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._ready: list[tuple] = []
+        self._queued: set[tuple] = set()
+        self._delayed: list[tuple[float, tuple]] = []
+        self._stopped = False
+
+    def add(self, key: tuple, delay_s: float = 0.0) -> None:
+        with self._cond:
+            if delay_s > 0:
+                heapq.heappush(self._delayed, (time.monotonic() + delay_s, key))
+            elif key not in self._queued:
+                self._queued.add(key)
+                self._ready.append(key)
+            self._cond.notify()
+
+    def get(self) -> tuple | None:
+        """The next key (None once stopped); waits for one."""
+        with self._cond:
+            while not self._stopped:
+                now = time.monotonic()
+                while self._delayed and self._delayed[0][0] <= now:
+                    key = heapq.heappop(self._delayed)[1]
+                    if key not in self._queued:
+                        self._queued.add(key)
+                        self._ready.append(key)
+                if self._ready:
+                    key = self._ready.pop(0)
+                    self._queued.discard(key)
+                    return key
+                timeout = (self._delayed[0][0] - now) if self._delayed else None
+                self._cond.wait(timeout)
+            return None
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+
+# --- reconciling ---------------------------------------------------------------------------------------------
+
+def _deleting(obj: dict | None) -> bool:
+    return bool(obj) and bool((obj.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def _ours(entries: list[dict] | None) -> bool:
+    return any(e.get("controllerName") == naming.CONTROLLER_NAME for e in entries or [])
+
+
+def _ready_pods(pods: list[dict], selector: dict[str, str]) -> list[dict]:
+    def ready(p):
+        return any(c.get("type") == "Ready" and c.get("status") == "True"
+                   for c in (p.get("status") or {}).get("conditions") or [])
+    return sorted((p for p in pods if selector and not _deleting(p) and (p.get("status") or {}).get("podIP")
+                   and ready(p) and all(((p.get("metadata") or {}).get("labels") or {}).get(k) == v
+                                        for k, v in selector.items())), key=naming.name_of)
+
+
+def _target_port(service: dict, port: int, pod: dict) -> int | None:
+    """The pod port behind `service`'s port `port` (a named targetPort looked up in the pod's containers)."""
+    for sp in (service.get("spec") or {}).get("ports") or []:
+        if sp.get("port") != port:
+            continue
+        target = sp.get("targetPort", port)
+        if isinstance(target, int):
+            return target
+        if str(target).isdigit():
+            return int(target)
+        for c in (pod.get("spec") or {}).get("containers") or []:
+            for cp in c.get("ports") or []:
+                if cp.get("name") == target:
+                    return int(cp["containerPort"])
+    return None
+
+
+def epp_backend_via_pod(backend: PoolBackend, service: dict | None, pods: list[dict]) -> PoolBackend:
+    """`backend` with the EPP address replaced by a ready EPP pod's IP and target ports (epp-address-mode
+    pod-ip); unchanged when the Service or a ready pod is missing."""
+    if not service:
+        return backend
+    ready = _ready_pods(pods, (service.get("spec") or {}).get("selector") or {})
+    if not ready:
+        return backend
+    pod = ready[0]
+    port = _target_port(service, backend.epp_port, pod)
+    if port is None:
+        return backend
+    health = _target_port(service, backend.epp_health_port, pod) if backend.epp_health_port else None
+    return dataclasses.replace(backend, epp_host=pod["status"]["podIP"], epp_port=port,
+                               epp_health_port=health or backend.epp_health_port)
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, config: OperatorConfig) -> None:
+        self.kube, self.config = kube, config
+        self.queue = WorkQueue()
+        self._failures: dict[tuple, int] = defaultdict(int)
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        for target, name in ((self._work, "reconcile"), (self._resync, "resync")):
+            t = threading.Thread(target=target, name=f"kvgate-operator-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.queue.stop()
+        for t in self._threads:
+            t.join(timeout=10)
+
+    def _work(self) -> None:
+        while (key := self.queue.get()) is not None:
+            try:
+                self.reconcile(key)
+                self._failures.pop(key, None)
+            except Exception as exc:  # never crash: log, back off, retry
+                self._failures[key] += 1
+                delay = min(60.0, 2.0 ** (self._failures[key] - 1))
+                level = logging.WARNING if isinstance(exc, ApiError) else logging.ERROR
+                log.log(level, "reconcile %s failed (attempt %d), retrying in %.0fs: %s", "/".join(key),
+                        self._failures[key], delay, exc, exc_info=not isinstance(exc, ApiError))
+                self.queue.add(key, delay)
+
+    def _resync(self) -> None:
+        while not self._stop.wait(self.config.resync_s):
+            try:
+                self.enqueue_all()
+            except Exception as exc:
+                log.warning("resync: listing failed: %s", exc)
+
+    def enqueue_all(self) -> None:
+        ns = self.config.namespace
+        for ms in self.kube.list(MODELSERVER, ns):
+            self.queue.add(("ModelServer", *naming.key_of(ms)))
+        for pool in self.kube.list(POOL, ns):
+            self.queue.add(("InferencePool", *naming.key_of(pool)))
+        self.queue.add(GATEWAYS_KEY)
+
+    def reconcile(self, key: tuple) -> None:
+        kind = key[0]
+        if kind == "ModelServer":
+            self.reconcile_modelserver(key[1], key[2])
+        elif kind == "InferencePool":
+            self.reconcile_pool(key[1], key[2])
+        elif kind == "PoolMembers":
+            for ms in self.kube.list(MODELSERVER, key[1]):
+                if ((ms.get("spec") or {}).get("poolRef") or {}).get("name") == key[2]:
+                    self.reconcile_modelserver(*naming.key_of(ms))
+        elif kind == "Gateways":
+            self.reconcile_gateways()
+        else:
+            raise ValueError(f"unknown key {key}")
+
+    # --- ModelServer ----------------------------------------------------------------------------------------
+    def reconcile_modelserver(self, ns: str, name: str) -> None:
+        ms = self.kube.get(MODELSERVER, name, ns)
+        if ms is None or _deleting(ms):
+            return
+        pool_name = ((ms.get("spec") or {}).get("poolRef") or {}).get("name")
+        pool = self.kube.get(POOL, pool_name, ns) if pool_name else None
+        desired = desired_engine_deployment(ms, pool, self.config.engine_image)
+        existing = self.kube.get(DEPLOYMENT, naming.engine_deployment_name(ms), ns)
+        blocker = None
+        if existing is not None and not naming.is_owned_by(existing, ms):
+            blocker = condition("Ready", False, "DeploymentConflict",
+                                f"Deployment {naming.name_of(existing)!r} exists and is not this ModelServer's")
+            existing = None
+        elif desired is not None:
+            if needs_recreate(existing, desired):
+                log.info("%s: the pool's selector changed; recreating its Deployment", describe(ms))
+                self.kube.delete(existing)
+            try:
+                existing = self.kube.apply(desired)
+            except ApiError as exc:
+                if exc.status not in (400, 422):
+                    raise
+                blocker = condition("Ready", False, "DeploymentRejected", str(exc)[:1000])
+        status = modelserver_status(ms, existing, pool)
+        if blocker is not None:
+            blocker["observedGeneration"] = (ms.get("metadata") or {}).get("generation")
+            others = [c for c in status["conditions"] if c["type"] != "Ready"]
+            status["conditions"] = stamp([blocker], (ms.get("status") or {}).get("conditions")) + others
+        self.kube.patch_status(ms, status)
+
+    # --- InferencePool: the EPP -----------------------------------------------------------------------------
+    def reconcile_pool(self, ns: str, name: str) -> None:
+        pool = self.kube.get(POOL, name, ns)
+        if pool is None or _deleting(pool):
+            return
+        ref = epp_ref(pool)
+        service = self.kube.get(SERVICE, ref["name"], ns) if ref.get("name") else None
+        if not manages_epp(pool, service, self.kube.list(MODELSERVER, ns)):
+            return
+        objects = desired_epp_objects(pool, self.config.epp_image)
+        if not objects:
+            log.warning("%s: no EPP made: %s", describe(pool),
+                        "; ".join(p["message"] for p in epp_problems(pool, None)))
+        for obj in objects:
+            self.kube.apply(obj)
+
+    # --- Gateways, routes, pool parents ---------------------------------------------------------------------
+    def reconcile_gateways(self) -> None:
+        ns = self.config.namespace
+        classes = [gc for gc in self.kube.list(GATEWAYCLASS) if is_our_class(gc) and not _deleting(gc)]
+        for gc in classes:
+            self.kube.patch_status(gc, gatewayclass_status(gc))
+        class_names = {naming.name_of(gc) for gc in classes}
+        gateways = [g for g in self.kube.list(GATEWAY, ns)
+                    if (g.get("spec") or {}).get("gatewayClassName") in class_names and not _deleting(g)]
+        routes = self.kube.list(HTTPROUTE, ns)
+        pools = self.kube.list(POOL, ns)
+        services = self.kube.list(SERVICE, ns)
+        grants = self.kube.list(REFERENCEGRANT, ns)
+        namespaces = self._namespace_labels()
+        pods = _PodCache(self.kube)
+        endpoints = {}
+        for pool in pools:  # the FailOpen fallback only: other pools' endpoints would roll Envoy on every scale
+            if is_fail_open(pool):
+                from kvgate.epp.datastore import pool_endpoints
+
+                endpoints[naming.key_of(pool)] = [e.address for e in pool_endpoints(pool, pods.of(naming.namespace_of(pool)))]
+
+        route_parents: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        pool_gateways: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        failed = []
+        for gw in gateways:
+            try:
+                routing = routes_for_gateway(gw, routes, pools, services, grants, endpoints, namespaces)
+                if self.config.epp_address_mode == "pod-ip":
+                    routing = self._epp_via_pods(routing, services, pods)
+                applied = [self.kube.apply(o) for o in
+                           desired_envoy_objects(gw, render_config(gw, routing), self.config.envoy_image,
+                                                 self.config.envoy_service_type)]
+                deployment = next(o for o in applied if o.get("kind") == "Deployment")
+                service = next(o for o in applied if o.get("kind") == "Service")
+                self.kube.patch_status(gw, gateway_status(gw, deployment, service, routing))
+            except Exception as exc:
+                failed.append(f"{describe(gw)}: {exc}")
+                log.warning("%s: reconcile failed: %s", describe(gw), exc)
+                continue
+            for key, entries in routing.route_parents.items():
+                route_parents[key] += entries
+            for key in routing.pools_used:
+                pool_gateways[key].append(gw)
+
+        for route in routes:
+            ours = route_parents.get(naming.key_of(route), [])
+            if ours or _ours((route.get("status") or {}).get("parents")):
+                self.kube.patch_status(route, httproute_status(route, ours))
+        svc_by_key = {naming.key_of(s): s for s in services}
+        for pool in pools:
+            using = pool_gateways.get(naming.key_of(pool), [])
+            if using or _ours((pool.get("status") or {}).get("parents")):
+                svc = svc_by_key.get((naming.namespace_of(pool), epp_ref(pool).get("name", "")))
+                self.kube.patch_status(pool, pool_status(pool, using, svc))
+        if failed:
+            raise RuntimeError("; ".join(failed))
+
+    def _namespace_labels(self) -> dict[str, dict]:
+        try:
+            return {naming.name_of(n): (n.get("metadata") or {}).get("labels") or {} for n in self.kube.list(NAMESPACE)}
+        except ApiError as exc:
+            if exc.status != 403:  # a namespaced operator may not read namespaces: selectors then match none
+                raise
+            return {}
+
+    def _epp_via_pods(self, routing: GatewayRouting, services: list[dict], pods: "_PodCache") -> GatewayRouting:
+        svc_by_key = {naming.key_of(s): s for s in services}
+        swapped: dict[str, PoolBackend] = {}
+
+        def swap(backend):
+            if not isinstance(backend, PoolBackend):
+                return backend
+            if backend.name not in swapped:
+                # PoolBackend.name is "<namespace>-<pool>" and epp_host "<service>.<namespace>.svc..."
+                svc_name, _, rest = backend.epp_host.partition(".")
+                svc_ns = rest.split(".", 1)[0]
+                swapped[backend.name] = epp_backend_via_pod(backend, svc_by_key.get((svc_ns, svc_name)),
+                                                            pods.of(svc_ns))
+            return swapped[backend.name]
+
+        rules = [dataclasses.replace(r, backends=[WeightedBackend(swap(w.backend), w.weight) for w in r.backends])
+                 for r in routing.rules]
+        return routing._replace(rules=rules)
+
+
+class _PodCache:
+    """Pods per namespace, listed at most once per reconcile."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube, self._by_ns = kube, {}
+
+    def of(self, ns: str) -> list[dict]:
+        if ns not in self._by_ns:
+            self._by_ns[ns] = self.kube.list(POD, ns)
+        return self._by_ns[ns]
+
+
+# --- kopf registration ---------------------------------------------------------------------------------------
+
+def _owner_kinds(body) -> list[str]:
+    return [ref.get("kind", "") for ref in (body.get("metadata") or {}).get("ownerReferences") or []]
+
+
+def register(registry, reconciler: Reconciler):
+    """Register the watch handlers on a kopf OperatorRegistry; each only enqueues keys."""
+    import kopf
+
+    q = reconciler.queue
+    managed = {naming.MANAGED_BY_KEY: naming.MANAGED_BY}
+
+    @kopf.on.event("kvgate.dev", "v1alpha1", "modelservers", registry=registry)
+    def modelserver_event(body, namespace, name, **_):
+        q.add(("ModelServer", namespace, name))
+        pool_name = ((body.get("spec") or {}).get("poolRef") or {}).get("name")
+        if pool_name:
+            q.add(("InferencePool", namespace, pool_name))
+
+    @kopf.on.event("inference.networking.k8s.io", "v1", "inferencepools", registry=registry)
+    def pool_event(namespace, name, **_):
+        q.add(("InferencePool", namespace, name))
+        q.add(("PoolMembers", namespace, name))
+        q.add(GATEWAYS_KEY)
+
+    for group, version, plural in (("gateway.networking.k8s.io", "v1", "gatewayclasses"),
+                                   ("gateway.networking.k8s.io", "v1", "gateways"),
+                                   ("gateway.networking.k8s.io", "v1", "httproutes"),
+                                   ("gateway.networking.k8s.io", "v1beta1", "referencegrants")):
+        @kopf.on.event(group, version, plural, registry=registry, id=f"{plural}_event")
+        def gateway_api_event(**_):
+            q.add(GATEWAYS_KEY)
+
+    def owned_event(body, namespace, **_):
+        for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
+            if ref.get("kind") == "ModelServer":
+                q.add(("ModelServer", namespace, ref.get("name")))
+                q.add(GATEWAYS_KEY)  # FailOpen fallback endpoints follow the engine pods
+            elif ref.get("kind") == "InferencePool":
+                q.add(("InferencePool", namespace, ref.get("name")))  # put back what a user deleted
+                q.add(GATEWAYS_KEY)  # the pool's ResolvedRefs; with pod-ip, the EPP's address
+            elif ref.get("kind") == "Gateway":
+                q.add(GATEWAYS_KEY)
+
+    kopf.on.event("apps", "v1", "deployments", labels=managed, registry=registry, id="deployments_event")(owned_event)
+    kopf.on.event(group="", version="v1", plural="services", labels=managed, registry=registry, id="services_event")(owned_event)
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs):  # a registry of our own gets no default login handler: use the kubernetes client's
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, **_):
+        settings.posting.level = logging.WARNING  # Kubernetes Events only for problems
+        settings.watching.server_timeout = 300  # re-list now and then, as a belt to the resync's braces
+        settings.watching.client_timeout = 330
+        reconciler.start()
+        reconciler.queue.add(GATEWAYS_KEY)
+        log.info("kvgate operator started: namespace %s, epp-address-mode %s, resync every %.0fs",
+                 reconciler.config.namespace or "(all)", reconciler.config.epp_address_mode,
+                 reconciler.config.resync_s)
+
+    @kopf.on.cleanup(registry=registry)
+    def cleanup(**_):
+        reconciler.stop()
+        log.info("kvgate operator stopped")
+
+    return registry

@@ -1,0 +1,62 @@
+"""`kvgate operator`: the kopf-based operator for ModelServers, InferencePools and Gateways of class kvgate.
+
+Runs in-process with kopf (standalone: no peering objects), against the in-cluster service account or
+$KUBECONFIG. What it does is in handlers.py; how objects are built is in modelserver.py, pool.py, gateway.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+DEFAULT_KVGATE_IMAGE = "ghcr.io/kvgate/kvgate:latest"
+DEFAULT_ENVOY_IMAGE = "envoyproxy/envoy:v1.36-latest"
+
+
+def add_operator_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("operator", help="run the Kubernetes operator (ModelServer, InferencePool EPPs, Gateways)",
+                       description="Reconcile ModelServers into engine Deployments, run an EPP per kvgate "
+                                   "InferencePool and an Envoy per Gateway of class controllerName "
+                                   "kvgate.dev/gateway-controller. Uses the in-cluster service account, else "
+                                   "$KUBECONFIG.")
+    p.add_argument("--namespace", default=None,
+                   help="watch only this namespace (default: all namespaces)")
+    p.add_argument("--engine-image", default=DEFAULT_KVGATE_IMAGE,
+                   help="image of the engine pods when a ModelServer names none (default %(default)s)")
+    p.add_argument("--epp-image", default=DEFAULT_KVGATE_IMAGE, help="image of the EPP pods (default %(default)s)")
+    p.add_argument("--envoy-image", default=DEFAULT_ENVOY_IMAGE,
+                   help="image of the Gateways' Envoy pods (default %(default)s)")
+    p.add_argument("--envoy-service-type", default="ClusterIP", choices=["ClusterIP", "NodePort", "LoadBalancer"],
+                   help="type of each Gateway's Envoy Service (default %(default)s)")
+    p.add_argument("--epp-address-mode", default="service", choices=["service", "pod-ip"],
+                   help="how Envoy reaches a pool's EPP: 'service' (default) by the EPP Service's DNS name; "
+                        "'pod-ip' by a ready EPP pod's IP, for clusters without Service routing (e.g. the "
+                        "e2e rig, which has no kube-proxy); the Envoy config then follows the EPP pod")
+    p.add_argument("--resync-seconds", type=float, default=15.0,
+                   help="reconcile everything again this often (default %(default)s)")
+    p.add_argument("--liveness-port", type=int, default=None,
+                   help="serve kopf's liveness probe at http://0.0.0.0:PORT/healthz (default: off)")
+    p.set_defaults(func=run_operator)
+    return p
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    import kopf
+
+    from kvgate.operator.apply import Kube
+    from kvgate.operator.handlers import OperatorConfig, Reconciler, register
+
+    if getattr(args, "log_level", "warning") == "warning":  # the CLI's quiet default: an operator says what it does
+        logging.getLogger("kvgate.operator").setLevel(logging.INFO)
+    config = OperatorConfig(engine_image=args.engine_image, epp_image=args.epp_image, envoy_image=args.envoy_image,
+                            namespace=args.namespace, epp_address_mode=args.epp_address_mode,
+                            envoy_service_type=args.envoy_service_type, resync_s=args.resync_seconds)
+    reconciler = Reconciler(Kube(), config)
+    registry = register(kopf.OperatorRegistry(), reconciler)
+    liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    try:
+        kopf.run(registry=registry, standalone=True, clusterwide=args.namespace is None,
+                 namespaces=[args.namespace] if args.namespace else (), liveness_endpoint=liveness)
+    finally:
+        reconciler.stop()
+    return 0

@@ -1,0 +1,211 @@
+"""`kvgate operator` against the rig: crds/samples/ become engine pods, an EPP and an Envoy that serve a
+completion; scaling the ModelServer grows the EPP's endpoints; deleting the resources garbage-collects
+everything the operator made.
+
+The operator runs as a local process with the rig's kubeconfig and `--epp-address-mode pod-ip` (the rig has
+no kube-proxy, so Envoy must reach the EPP by its pod IP rather than its Service name).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from k8srig import crds, objects
+from k8srig.kube import CORE, CRD, DEPLOYMENT, load_documents, wait_default_service_account, wait_for
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+GATEWAY_API = REPO.parent / "shared" / "reference" / "gateway-api"
+KVGATE = str(Path(sys.executable).parent / "kvgate")
+MANAGED = "app.kubernetes.io/managed-by=kvgate-operator"
+
+
+def install_crds(client, files: list[Path]) -> None:
+    names = []
+    for f in files:
+        for doc in load_documents(f.read_text()):
+            names.append(client.apply(crds.crd_for_1_20(doc))["metadata"]["name"])
+
+    def established():
+        return all({c["type"]: c["status"] for c in client.get(CRD, n).get("status", {}).get("conditions") or []}
+                   .get("Established") == "True" for n in names)
+    wait_for(established, timeout_s=60, what="CRDs Established")
+
+
+def is_ready(pod: dict) -> bool:
+    return (not pod["metadata"].get("deletionTimestamp") and bool(pod.get("status", {}).get("podIP"))
+            and any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or []))
+
+
+def condition_status(conditions: list[dict] | None, type_: str) -> str | None:
+    return next((c["status"] for c in conditions or [] if c["type"] == type_), None)
+
+
+def test_operator_runs_the_samples(k8s, tmp_path):
+    if not getattr(k8s, "local", False):
+        pytest.skip("runs the operator as a local process next to the rig")
+    if not GATEWAY_API.is_dir():
+        pytest.skip(f"upstream Gateway API CRDs not found at {GATEWAY_API}")
+    client = k8s.client
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+
+    def mark(what: str) -> None:
+        timings[what] = time.monotonic() - t0
+        print(f"[operator-e2e] {timings[what]:6.1f}s {what}", flush=True)
+
+    install_crds(client, sorted((REPO / "crds").glob("*.yaml")) + sorted(GATEWAY_API.glob("*.crd.yaml")))
+    mark("CRDs installed")
+    ns = f"e2e-operator-{secrets.token_hex(2)}"
+    client.create(CORE["Namespace"], objects.namespace(ns))
+    samples = {}
+    for f in sorted((REPO / "crds" / "samples").glob("*.yaml")):
+        for doc in load_documents(f.read_text()):
+            samples[doc["kind"]] = doc
+    gatewayclass = samples.pop("GatewayClass")
+    gatewayclass["metadata"]["name"] = class_name = f"kvgate-{ns}"  # cluster-scoped: unique to this test
+    samples["Gateway"]["spec"]["gatewayClassName"] = class_name
+    ms_res = client.resource_for("kvgate.dev/v1alpha1", "ModelServer", wait_s=30)
+    pool_res = client.resource_for("inference.networking.k8s.io/v1", "InferencePool", wait_s=30)
+    gw_res = client.resource_for("gateway.networking.k8s.io/v1", "Gateway", wait_s=30)
+    route_res = client.resource_for("gateway.networking.k8s.io/v1", "HTTPRoute", wait_s=30)
+    gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
+    made = [DEPLOYMENT, CORE["Service"], CORE["ConfigMap"], CORE["ServiceAccount"],
+            client.resource_for("rbac.authorization.k8s.io/v1", "Role"),
+            client.resource_for("rbac.authorization.k8s.io/v1", "RoleBinding")]
+
+    log_path = tmp_path / "operator.log"
+    operator = None
+    try:
+        wait_default_service_account(client, ns, token=True)
+        with open(log_path, "wb") as log:
+            operator = subprocess.Popen(
+                [KVGATE, "operator", "--epp-address-mode", "pod-ip", "--resync-seconds", "10"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env=dict(os.environ, KUBECONFIG=str(k8s.kubeconfig), PYTHONUNBUFFERED="1"))
+        client.apply(gatewayclass)
+        for kind in ("InferencePool", "ModelServer", "InferenceObjective", "InferenceModelRewrite", "Gateway",
+                     "HTTPRoute"):
+            doc = samples[kind]
+            doc["metadata"]["namespace"] = ns
+            client.apply(doc)
+        mark("operator started, samples applied")
+
+        def pods(selector: str) -> list[dict]:
+            return client.list(CORE["Pod"], ns, labelSelector=selector)["items"]
+
+        def ready_ips(selector: str) -> set[str]:
+            return {p["status"]["podIP"] for p in pods(selector) if is_ready(p)}
+
+        def deployment_ready(name: str) -> bool:
+            dep = client.get_or_none(DEPLOYMENT, name, ns)
+            return bool(dep) and (dep.get("status") or {}).get("readyReplicas", 0) >= 1
+
+        wait_for(lambda: len(ready_ips("app=demo-llm")) == 2, timeout_s=90, what="2 engine pods Ready")
+        mark("engine pods Ready")
+        wait_for(lambda: deployment_ready("demo-pool-epp"), timeout_s=60, what="the EPP Deployment Ready")
+        mark("EPP Deployment Ready")
+        wait_for(lambda: deployment_ready("inference-gateway-envoy"), timeout_s=60,
+                 what="the Envoy Deployment Ready")
+        mark("Envoy Deployment Ready")
+
+        envoy_selector = "app.kubernetes.io/name=kvgate-gateway,app.kubernetes.io/instance=inference-gateway"
+        served: list[str] = []
+        last = [""]
+
+        def completion_served() -> bool:
+            # The Envoy config follows the EPP pod's IP: the first Envoy pod may roll once while it settles.
+            for ip in ready_ips(envoy_selector):
+                try:
+                    r = httpx.post(f"http://{ip}:8080/v1/completions", timeout=10,
+                                   json={"model": "demo", "prompt": "Hello", "max_tokens": 4})
+                except httpx.HTTPError as exc:
+                    last[0] = repr(exc)
+                    continue
+                last[0] = f"{ip}: {r.status_code} {r.text[:200]}"
+                if r.status_code == 200 and "x-kvgate-endpoint" in r.headers:
+                    served.append(r.headers["x-kvgate-endpoint"])
+                    return True
+            return False
+
+        try:
+            wait_for(completion_served, timeout_s=60, interval_s=1, what="a completion served through Envoy")
+        except Exception as exc:  # say what the last attempt got, which the wait's own message cannot know
+            raise AssertionError(f"{exc}; last attempt: {last[0]}") from exc
+        mark("completion served through Envoy")
+        engine_ips = ready_ips("app=demo-llm")
+        assert served[-1].rsplit(":", 1)[0] in engine_ips, (served, engine_ips)
+
+        def pool_parent_ok() -> bool:
+            pool = client.get(pool_res, "demo-pool", ns)
+            parents = (pool.get("status") or {}).get("parents") or []
+            entry = next((p for p in parents if p["parentRef"]["name"] == "inference-gateway"), None)
+            return bool(entry) and all(condition_status(entry["conditions"], t) == "True"
+                                       for t in ("Accepted", "ResolvedRefs"))
+        wait_for(pool_parent_ok, timeout_s=30, what="InferencePool status Accepted and ResolvedRefs for the Gateway")
+        route = client.get(route_res, "demo-route", ns)
+        assert condition_status(route["status"]["parents"][0]["conditions"], "Accepted") == "True"
+        assert condition_status(client.get(gc_res, class_name)["status"]["conditions"], "Accepted") == "True"
+        wait_for(lambda: condition_status((client.get(gw_res, "inference-gateway", ns).get("status") or {})
+                                          .get("conditions"), "Programmed") == "True",
+                 timeout_s=30, what="Gateway Programmed")
+        wait_for(lambda: condition_status((client.get(ms_res, "demo-llm", ns).get("status") or {})
+                                          .get("conditions"), "Ready") == "True",
+                 timeout_s=30, what="ModelServer Ready")
+        mark("statuses: pool, route, class, gateway, modelserver")
+
+        # Scale as `kubectl scale modelserver demo-llm --replicas 3` does: through the scale subresource.
+        client.patch(ms_res, "demo-llm", {"spec": {"replicas": 3}}, ns, sub="scale")
+        epp_ip = next(iter(ready_ips("app.kubernetes.io/name=kvgate-epp,app.kubernetes.io/instance=demo-pool")))
+
+        def epp_endpoints() -> set[str]:
+            try:
+                text = httpx.get(f"http://{epp_ip}:9090/metrics", timeout=2).text
+            except httpx.HTTPError:
+                return set()
+            return set(re.findall(r'kvgate_epp_endpoint_stale\{endpoint="([^"]+)"\} 0\.0', text))
+
+        scaled_at = time.monotonic()
+        wait_for(lambda: len(epp_endpoints()) == 3 and {e.rsplit(":", 1)[0] for e in epp_endpoints()}
+                 == ready_ips("app=demo-llm"), timeout_s=90, interval_s=0.5, what="the EPP to route to 3 endpoints")
+        mark(f"EPP routes to 3 endpoints ({time.monotonic() - scaled_at:.1f}s after scaling)")
+        wait_for(lambda: (client.get(ms_res, "demo-llm", ns).get("status") or {}).get("readyReplicas") == 3,
+                 timeout_s=30, what="ModelServer status readyReplicas 3")
+
+        # Delete the user's objects: the garbage collector removes everything the operator made.
+        for res, name in ((gw_res, "inference-gateway"), (pool_res, "demo-pool"), (ms_res, "demo-llm")):
+            client.delete(res, name, ns)
+
+        def leftovers() -> list[str]:
+            out = [f"{r.kind}/{o['metadata']['name']}" for r in made
+                   for o in client.list(r, ns, labelSelector=MANAGED)["items"]]
+            return out + [f"Pod/{p['metadata']['name']}" for p in client.list(CORE["Pod"], ns)["items"]]
+
+        wait_for(lambda: not leftovers(), timeout_s=90, interval_s=1,
+                 what="the garbage collector to remove the operator's objects")
+        mark("everything the operator made is gone")
+        assert operator.poll() is None, "the operator exited"
+    except BaseException:
+        print(f"--- operator log ({log_path}):\n" + log_path.read_text()[-6000:] if log_path.exists() else "")
+        raise
+    finally:
+        if operator is not None and operator.poll() is None:
+            os.killpg(operator.pid, signal.SIGTERM)
+            try:
+                operator.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(operator.pid, signal.SIGKILL)
+                operator.wait(timeout=5)
+        client.delete(gc_res, class_name)
+        client.delete(CORE["Namespace"], ns)
+    print(f"[operator-e2e] operator log: {log_path}; timings: "
+          + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
