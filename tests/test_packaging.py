@@ -16,8 +16,19 @@ def test_no_shadowing_of_stdlib_operator_or_the_envoy_packages():
     operator_file, envoy_file = out.stdout.split()
     assert Path(operator_file).parent != ROOT / "operator" and Path(envoy_file).parent != ROOT / "envoy"
     assert "site-packages" in envoy_file
-    # envoy/ is data only: with an __init__.py it would win over xds-protos' `envoy` on such a sys.path
-    assert not (ROOT / "envoy" / "__init__.py").exists(), "envoy/ must not become a Python package"
+    # envoy/ is data only, and operator/ is kvgate.operator only: with an __init__.py either would win over
+    # xds-protos' `envoy` / the standard `operator` whenever the checkout is on sys.path
+    for folder in ("envoy", "operator"):
+        assert not (ROOT / folder / "__init__.py").exists(), f"{folder}/ must not become a top-level package"
+
+
+def test_python_m_from_the_checkout_keeps_the_standard_operator():
+    # `python -m pip` in a fresh venv, run from the checkout: nothing has imported `operator` yet when the
+    # checkout is put first on sys.path (-S reproduces that: no site, no .pth files).
+    code = "import sys; sys.path.insert(0, %r); import collections, operator; print(operator.__file__)" % str(ROOT)
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()).parent != ROOT / "operator"
 
 
 def test_the_distribution_has_one_top_level_package():

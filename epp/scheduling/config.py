@@ -142,11 +142,7 @@ def _build_plugins(specs: Any, source: str) -> dict[str, Plugin]:
     plugins: dict[str, Plugin] = {}
     for i, spec in enumerate(specs):
         where = f"{source}: plugins[{i}]"
-        if not isinstance(spec, Mapping):
-            raise ConfigError(f"{where}: expected a mapping with type, name, parameters")
-        extra = sorted(set(spec) - {"type", "name", "parameters"})
-        if extra:
-            raise ConfigError(f"{where}: unknown field(s) {', '.join(map(str, extra))}")
+        _check_fields(spec, {"type", "name", "parameters"}, where)
         type_name = spec.get("type")
         if not isinstance(type_name, str) or not type_name:
             raise ConfigError(f"{where}: type is required")
@@ -233,16 +229,21 @@ def _build_profile(name: str, refs: Any, plugins: dict[str, Plugin], where: str)
     return profile
 
 
+def _check_fields(spec: Any, allowed: set[str], where: str) -> None:
+    """A mapping with no fields beyond `allowed`, else a ConfigError naming the place."""
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{where}: expected a mapping with {', '.join(sorted(allowed))}")
+    extra = sorted(set(spec) - allowed)
+    if extra:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(map(str, extra))}")
+
+
 def _saturation(spec: Any, source: str) -> SaturationConfig:
     config = SaturationConfig()
     if spec is None:
         return config
     where = f"{source}: saturationDetector"
-    if not isinstance(spec, Mapping):
-        raise ConfigError(f"{where}: expected a mapping")
-    extra = sorted(set(spec) - {"queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold"})
-    if extra:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(map(str, extra))}")
+    _check_fields(spec, {"queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold"}, where)
     if "queueDepthThreshold" in spec:
         q = spec["queueDepthThreshold"]
         if isinstance(q, bool) or not isinstance(q, int) or q <= 0:

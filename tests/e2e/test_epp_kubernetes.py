@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from k8srig import crds, objects
-from k8srig.kube import CORE, CRD, DEPLOYMENT, delete_namespace, load_documents, wait_default_service_account, wait_for
+from k8srig.kube import CORE, DEPLOYMENT, delete_namespace, wait_default_service_account, wait_for
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -27,23 +27,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def install_our_crds(client) -> None:
-    names = []
-    for f in sorted((REPO / "crds").glob("*.yaml")):
-        for doc in load_documents(f.read_text()):
-            names.append(client.apply(crds.crd_for_1_20(doc))["metadata"]["name"])
-
-    def established():
-        return all({c["type"]: c["status"] for c in client.get(CRD, n).get("status", {}).get("conditions") or []}
-                   .get("Established") == "True" for n in names)
-    wait_for(established, timeout_s=60, what="kvgate CRDs Established")
-
-
 def test_epp_follows_the_pool_and_its_pods(k8s, tmp_path):
     if not getattr(k8s, "local", False):
         pytest.skip("runs the EPP as a local process next to the rig's pods")
     client = k8s.client
-    install_our_crds(client)
+    crds.install(client, sorted((REPO / "crds").glob("*.yaml")))
     ns = "e2e-epp"
     client.create(CORE["Namespace"], objects.namespace(ns))
     epp = None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from k8srig import Rig, crds, objects, procs
-from k8srig.kube import (CORE, CRD, DEPLOYMENT, ENDPOINTSLICE, delete_namespace, load_documents,
+from k8srig.kube import (CORE, DEPLOYMENT, ENDPOINTSLICE, delete_namespace, load_documents,
                          wait_default_service_account, wait_for)
 
 pytestmark = pytest.mark.e2e
@@ -354,18 +354,7 @@ def test_upstream_conformance_base_manifest_applies(k8s):
     crd_files = sorted((SHARED / "reference" / "gateway-api").glob("*.crd.yaml")) + \
         [SHARED / "reference" / "gie" / "inferencepools.crd.yaml"]
     assert len(crd_files) == 5, f"reference CRDs missing under {SHARED}"
-    names = []
-    for f in crd_files:
-        for doc in load_documents(f.read_text()):
-            names.append(client.apply(crds.crd_for_1_20(doc))["metadata"]["name"])
-
-    def established():
-        for n in names:
-            conds = {c["type"]: c["status"] for c in client.get(CRD, n).get("status", {}).get("conditions") or []}
-            if conds.get("Established") != "True":
-                return False
-        return True
-    wait_for(established, timeout_s=60, what="CRDs Established")
+    crds.install(client, crd_files)
 
     text = (SHARED / "reference" / "gie" / "conformance" / "base.yaml").read_text()
     docs = [crds.manifest_for_1_20(d) for d in load_documents(text.replace("{GATEWAY_CLASS_NAME}", "kvgate"))]

@@ -20,25 +20,13 @@ from pathlib import Path
 import httpx
 import pytest
 from k8srig import crds, objects
-from k8srig.kube import CORE, CRD, DEPLOYMENT, load_documents, wait_default_service_account, wait_for
+from k8srig.kube import CORE, DEPLOYMENT, load_documents, wait_default_service_account, wait_for
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 GATEWAY_API = REPO.parent / "shared" / "reference" / "gateway-api"
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 MANAGED = "app.kubernetes.io/managed-by=kvgate-operator"
-
-
-def install_crds(client, files: list[Path]) -> None:
-    names = []
-    for f in files:
-        for doc in load_documents(f.read_text()):
-            names.append(client.apply(crds.crd_for_1_20(doc))["metadata"]["name"])
-
-    def established():
-        return all({c["type"]: c["status"] for c in client.get(CRD, n).get("status", {}).get("conditions") or []}
-                   .get("Established") == "True" for n in names)
-    wait_for(established, timeout_s=60, what="CRDs Established")
 
 
 def is_ready(pod: dict) -> bool:
@@ -63,7 +51,7 @@ def test_operator_runs_the_samples(k8s, tmp_path):
         timings[what] = time.monotonic() - t0
         print(f"[operator-e2e] {timings[what]:6.1f}s {what}", flush=True)
 
-    install_crds(client, sorted((REPO / "crds").glob("*.yaml")) + sorted(GATEWAY_API.glob("*.crd.yaml")))
+    crds.install(client, sorted((REPO / "crds").glob("*.yaml")) + sorted(GATEWAY_API.glob("*.crd.yaml")))
     mark("CRDs installed")
     ns = f"e2e-operator-{secrets.token_hex(2)}"
     client.create(CORE["Namespace"], objects.namespace(ns))

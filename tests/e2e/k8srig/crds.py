@@ -74,3 +74,19 @@ def manifest_for_1_20(doc: dict) -> dict:
         tpl["spec"] = pod_spec_for_1_20(tpl.get("spec") or {})
         return out
     return doc
+
+
+def install(client, files, timeout_s: float = 60.0) -> list[str]:
+    """Apply the 1.20 copies of every CRD in `files` and wait until all are Established; returns their names."""
+    from pathlib import Path
+
+    from .kube import CRD, load_documents, wait_for
+
+    names = [client.apply(crd_for_1_20(doc))["metadata"]["name"]
+             for f in files for doc in load_documents(Path(f).read_text())]
+
+    def established() -> bool:
+        return all({c["type"]: c["status"] for c in client.get(CRD, n).get("status", {}).get("conditions") or []}
+                   .get("Established") == "True" for n in names)
+    wait_for(established, timeout_s=timeout_s, what="CRDs Established")
+    return names
