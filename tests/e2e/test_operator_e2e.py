@@ -169,6 +169,24 @@ def test_operator_runs_the_samples(k8s, tmp_path):
         wait_for(lambda: (client.get(ms_res, "demo-llm", ns).get("status") or {}).get("readyReplicas") == 3,
                  timeout_s=30, what="ModelServer status readyReplicas 3")
 
+        # Bad input the schema cannot catch becomes a status condition, and the operator keeps serving the rest.
+        client.create(ms_res, {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelServer",
+                               "metadata": {"name": "orphan", "namespace": ns},
+                               "spec": {"poolRef": {"name": "no-such-pool"}, "replicas": 1,
+                                        "model": {"servedModelName": "demo"}, "engine": {"backend": "sim"}}}, ns)
+
+        def orphan_condition() -> dict | None:
+            conds = (client.get(ms_res, "orphan", ns).get("status") or {}).get("conditions") or []
+            return next((c for c in conds if c["type"] == "PoolFound"), None)
+        wait_for(lambda: (orphan_condition() or {}).get("status") == "False", timeout_s=30,
+                 what="the orphan ModelServer's PoolFound=False condition")
+        assert orphan_condition()["reason"] == "PoolNotFound"
+        assert not client.list(DEPLOYMENT, ns, labelSelector="app.kubernetes.io/instance=orphan")["items"]
+        served.clear()
+        wait_for(completion_served, timeout_s=30, interval_s=1, what="a completion still served through Envoy")
+        client.delete(ms_res, "orphan", ns)
+        mark("invalid ModelServer reported by a condition; the pool still serves")
+
         # Delete the user's objects: the garbage collector removes everything the operator made.
         for res, name in ((gw_res, "inference-gateway"), (pool_res, "demo-pool"), (ms_res, "demo-llm")):
             client.delete(res, name, ns)
