@@ -1,0 +1,125 @@
+{{/* The chart name, shortened to 63 characters. */}}
+{{- define "kvgate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's full name, used for the operator's objects. */}}
+{{- define "kvgate.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvgate.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Standard labels. */}}
+{{- define "kvgate.labels" -}}
+helm.sh/chart: {{ include "kvgate.chart" . }}
+{{ include "kvgate.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvgate
+{{- end }}
+
+{{/* Selector labels of the operator's pods. */}}
+{{- define "kvgate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "kvgate.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvgate.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The kvgate image; the tag defaults to the chart's appVersion. */}}
+{{- define "kvgate.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "kvgate.envoyImage" -}}
+{{- printf "%s:%s" .Values.envoyImage.repository .Values.envoyImage.tag }}
+{{- end }}
+
+{{/*
+The operator's permissions in the namespaces it watches: exactly the API calls of operator/handlers.py and
+operator/apply.py (server-side apply is authorized as get + patch, and as create when the object is new),
+plus kopf's watches and Events. Pods, inferencepools, inferenceobjectives and inferencemodelrewrites
+get/list/watch are also what the EPP Role it creates grants (operator/pool.py EPP_RBAC_RULES): Kubernetes
+only lets it create that Role if it holds those permissions itself (RBAC escalation prevention).
+*/}}
+{{- define "kvgate.namespacedRules" -}}
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["configmaps", "serviceaccounts"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["kvgate.dev"]
+  resources: ["modelservers"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["kvgate.dev"]
+  resources: ["modelservers/status"]
+  verbs: ["patch"]
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools/status"]
+  verbs: ["patch"]
+- apiGroups: ["inference.networking.x-k8s.io"]
+  resources: ["inferenceobjectives", "inferencemodelrewrites"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["gateways", "httproutes", "referencegrants"]
+  verbs: ["list", "watch"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["gateways/status", "httproutes/status"]
+  verbs: ["patch"]
+{{- end }}
+
+{{/*
+What is cluster-scoped: GatewayClasses (listed, watched, status patched), namespaces (the operator lists them
+for allowedRoutes selectors; kopf lists and watches them in namespaced mode) and CRDs (kopf watches them to
+notice resources installed after it started).
+*/}}
+{{- define "kvgate.clusterRules" -}}
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["gatewayclasses"]
+  verbs: ["list", "watch"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["gatewayclasses/status"]
+  verbs: ["patch"]
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- end }}

@@ -1,0 +1,352 @@
+"""The Helm chart charts/kvgate: lint, rendered kinds per values, object validity, least-privilege RBAC, CRDs.
+
+Rendered and linted offline with the real Helm SDK (the `helm-python-sdk` package: Helm's Go library behind a
+C ABI, no helm binary). Custom resources are validated against our CRDs, Gateway API objects against the
+reference CRDs under shared/reference/gateway-api (as tests/test_crds.py does), core/apps/rbac objects
+structurally, and the operator's arguments with the real `kvgate` CLI parser.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvgate.cli import build_parser
+from tests.test_crds import CRDS, GATEWAY_API, our_schema, schemas_by_type
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (pip install helm-python-sdk)")
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "kvgate"
+RELEASE, NAMESPACE = "kvgate", "kvgate-system"
+
+OUR_KINDS = {"InferencePool", "ModelServer", "InferenceObjective", "InferenceModelRewrite"}
+GATEWAY_KINDS = {"GatewayClass", "Gateway", "HTTPRoute"}
+
+# --- rendering ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _chart():
+    return helm.Chart.load(CHART)
+
+
+def render(values: dict | None = None) -> list[dict]:
+    """The chart's objects for `values` (NOTES.txt left out), in template order."""
+    manifests = _chart().render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        objects += [d for d in yaml.safe_load_all(text) if d]
+    return objects
+
+
+def kinds(objects: list[dict]) -> Counter:
+    return Counter(o["kind"] for o in objects)
+
+
+def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
+    (obj,) = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    return obj
+
+
+BASE = Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Deployment": 1})
+SAMPLE = Counter({"InferencePool": 1, "ModelServer": 1, "Gateway": 1, "HTTPRoute": 1})
+VARIANTS = {
+    "default": ({}, BASE + Counter({"GatewayClass": 1})),
+    "namespaced": ({"watchNamespaces": ["team-a", "team-b"]},
+                   Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 2,
+                            "RoleBinding": 2, "Deployment": 2, "GatewayClass": 1})),
+    "sample-pool": ({"samplePool": {"enabled": True}}, BASE + Counter({"GatewayClass": 1}) + SAMPLE),
+    "no-gatewayclass": ({"gatewayClass": {"create": False}}, BASE),
+    "custom-images": ({"image": {"repository": "registry.example/kvgate", "tag": "1.2.3", "pullPolicy": "Always"},
+                       "envoyImage": {"repository": "registry.example/envoy", "tag": "v9"},
+                       "operator": {"eppImage": "registry.example/epp:7"}},
+                      BASE + Counter({"GatewayClass": 1})),
+    "tcp-probes-extra-args": ({"probes": {"type": "tcp"}, "logLevel": "debug",
+                               "operator": {"extraArgs": ["--epp-address-mode", "pod-ip"],
+                                            "envoyServiceType": "NodePort"},
+                               "nodeSelector": {"kubernetes.io/os": "linux"},
+                               "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                               "podAnnotations": {"example.com/a": "b"}},
+                              BASE + Counter({"GatewayClass": 1})),
+}
+
+
+@pytest.fixture(params=sorted(VARIANTS), ids=sorted(VARIANTS))
+def variant(request) -> tuple[str, dict, list[dict]]:
+    values, _ = VARIANTS[request.param]
+    return request.param, values, render(values)
+
+
+# --- lint and kinds ----------------------------------------------------------------------------------------
+
+
+def test_chart_metadata():
+    meta = _chart().metadata
+    assert (meta["apiVersion"], meta["name"], meta["version"], meta["appVersion"]) == ("v2", "kvgate", "0.1.0", "0.1.0")
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_lint_passes(name):
+    values, _ = VARIANTS[name]
+    report = helm.lint(CHART, values or None, namespace=NAMESPACE, kube_version="v1.20.0")
+    assert report["errors"] == [], report
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors; info is fine
+    assert problems == [], report
+
+
+def test_rendered_kinds(variant):
+    name, _, objects = variant
+    assert kinds(objects) == VARIANTS[name][1]
+
+
+def test_bad_probe_type_fails_render():
+    with pytest.raises(helm.HelmRenderError, match="probes.type"):
+        render({"probes": {"type": "grpc"}})
+
+
+# --- validity of every object ------------------------------------------------------------------------------
+
+
+def test_every_object_is_valid(variant):
+    name, _, objects = variant
+    for obj in objects:
+        what = f"{name}: {obj.get('kind')} {obj.get('metadata', {}).get('name')}"
+        assert obj.get("apiVersion") and obj.get("kind") and obj.get("metadata", {}).get("name"), what
+        if obj["kind"] in OUR_KINDS:
+            assert our_schema(obj["kind"]).errors(obj) == [], what
+        elif obj["kind"] in GATEWAY_KINDS:
+            if not GATEWAY_API.is_dir():
+                pytest.skip(f"Gateway API reference CRDs not found at {GATEWAY_API}: Gateway API objects unchecked")
+            schema = schemas_by_type().get((obj["apiVersion"], obj["kind"]))
+            assert schema is not None, f"{what}: no Gateway API CRD serves {obj['apiVersion']}"
+            assert schema.errors(obj) == [], what
+        else:
+            assert obj["apiVersion"] in ("v1", "apps/v1", "rbac.authorization.k8s.io/v1"), what
+            if obj["kind"] == "Deployment":
+                pod = obj["spec"]["template"]
+                assert obj["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(), what
+                for c in pod["spec"]["containers"]:
+                    assert c.get("image") and c.get("args"), what
+
+
+def _operators(objects: list[dict]) -> list[dict]:
+    """The pod specs of the operator Deployments."""
+    return [o["spec"]["template"]["spec"] for o in objects if o["kind"] == "Deployment"]
+
+
+def _operator_args(pod_spec: dict):
+    (container,) = pod_spec["containers"]
+    assert container["command"] == ["kvgate"]
+    return build_parser().parse_args(container["args"])
+
+
+def test_operator_args_parse_with_the_kvgate_cli(variant):
+    name, values, objects = variant
+    for pod in _operators(objects):
+        args = _operator_args(pod)
+        assert args.command == "operator"
+        assert args.liveness_port == 8080
+        assert args.log_level == values.get("logLevel", "info")
+
+
+def test_default_operator_args():
+    (pod,) = _operators(render())
+    args = _operator_args(pod)
+    image = "ghcr.io/kvgate/kvgate:0.1.0"
+    assert pod["containers"][0]["image"] == image
+    assert (args.namespace, args.engine_image, args.epp_image, args.envoy_image) == (
+        None, image, image, "envoyproxy/envoy:v1.36-latest")
+    assert (args.envoy_service_type, args.epp_address_mode, args.resync_seconds) == ("ClusterIP", "service", 15.0)
+
+
+def test_custom_images():
+    (pod,) = _operators(render(VARIANTS["custom-images"][0]))
+    args = _operator_args(pod)
+    assert pod["containers"][0]["image"] == "registry.example/kvgate:1.2.3"
+    assert pod["containers"][0]["imagePullPolicy"] == "Always"
+    assert (args.engine_image, args.epp_image, args.envoy_image) == (
+        "registry.example/kvgate:1.2.3", "registry.example/epp:7", "registry.example/envoy:v9")
+
+
+def test_extra_args_and_scheduling():
+    values = VARIANTS["tcp-probes-extra-args"][0]
+    (pod,) = _operators(render(values))
+    args = _operator_args(pod)
+    assert (args.epp_address_mode, args.envoy_service_type, args.log_level) == ("pod-ip", "NodePort", "debug")
+    assert pod["nodeSelector"] == values["nodeSelector"]
+    assert pod["tolerations"] == values["tolerations"]
+    deployment = one(render(values), "Deployment")
+    assert deployment["spec"]["template"]["metadata"]["annotations"] == values["podAnnotations"]
+
+
+def test_namespaced_mode_runs_one_operator_per_namespace():
+    objects = render(VARIANTS["namespaced"][0])
+    watched = sorted(_operator_args(pod).namespace for pod in _operators(objects))
+    assert watched == ["team-a", "team-b"]
+    selectors = [yaml.safe_dump(d["spec"]["selector"]) for d in objects if d["kind"] == "Deployment"]
+    assert len(set(selectors)) == 2, "the two operator Deployments must not select each other's pods"
+    assert {o["metadata"]["namespace"] for o in objects if o["kind"] in ("Role", "RoleBinding")} == {"team-a", "team-b"}
+
+
+def test_operator_pod_hardening_and_probes():
+    for probes, handler in (("http", {"httpGet": {"path": "/healthz", "port": "healthz"}}),
+                            ("tcp", {"tcpSocket": {"port": "healthz"}})):
+        objects = render({"probes": {"type": probes}})
+        deployment = one(objects, "Deployment")
+        assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == one(objects, "ServiceAccount")["metadata"]["name"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        (c,) = pod["containers"]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert c["resources"]["requests"] and c["resources"]["limits"]
+        port = {p["name"]: p["containerPort"] for p in c["ports"]}["healthz"]
+        assert port == _operator_args(pod).liveness_port  # kopf serves http://0.0.0.0:PORT/healthz
+        for probe in (c["livenessProbe"], c["readinessProbe"]):
+            assert "grpc" not in probe  # Kubernetes 1.20 (the e2e rig) has no gRPC probes
+            assert {k: v for k, v in probe.items() if k in ("httpGet", "tcpSocket")} == handler
+
+
+# --- RBAC --------------------------------------------------------------------------------------------------
+
+READ = {"get", "list", "watch"}
+APPLY = {"get", "create", "patch"}  # server-side apply: get first, PATCH authorized as create for new objects
+NAMESPACED_RULES = {
+    ("", "pods"): READ,
+    ("", "services"): READ | APPLY,
+    ("", "configmaps"): APPLY,
+    ("", "serviceaccounts"): APPLY,
+    ("", "events"): {"create"},
+    ("apps", "deployments"): READ | APPLY | {"delete"},
+    ("rbac.authorization.k8s.io", "roles"): APPLY,
+    ("rbac.authorization.k8s.io", "rolebindings"): APPLY,
+    ("kvgate.dev", "modelservers"): READ,
+    ("kvgate.dev", "modelservers/status"): {"patch"},
+    ("inference.networking.k8s.io", "inferencepools"): READ,
+    ("inference.networking.k8s.io", "inferencepools/status"): {"patch"},
+    ("inference.networking.x-k8s.io", "inferenceobjectives"): READ,
+    ("inference.networking.x-k8s.io", "inferencemodelrewrites"): READ,
+    ("gateway.networking.k8s.io", "gateways"): {"list", "watch"},
+    ("gateway.networking.k8s.io", "httproutes"): {"list", "watch"},
+    ("gateway.networking.k8s.io", "referencegrants"): {"list", "watch"},
+    ("gateway.networking.k8s.io", "gateways/status"): {"patch"},
+    ("gateway.networking.k8s.io", "httproutes/status"): {"patch"},
+}
+CLUSTER_RULES = {
+    ("gateway.networking.k8s.io", "gatewayclasses"): {"list", "watch"},
+    ("gateway.networking.k8s.io", "gatewayclasses/status"): {"patch"},
+    ("", "namespaces"): {"list", "watch"},
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+}
+
+
+def grants(role: dict) -> dict[tuple[str, str], set[str]]:
+    """(apiGroup, resource) -> verbs of a Role/ClusterRole; no wildcards, names or non-resource URLs."""
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert set(rule) == {"apiGroups", "resources", "verbs"}, rule
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[field], f"wildcard in {rule}"
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out.setdefault((group, resource), set()).update(rule["verbs"])
+    return out
+
+
+def _subject_ok(binding: dict, objects: list[dict], role_kind: str, role_name: str) -> None:
+    sa = one(objects, "ServiceAccount")["metadata"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind, "name": role_name}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": NAMESPACE}]
+    assert sa["namespace"] == NAMESPACE
+
+
+def test_cluster_rbac_is_exactly_what_the_operator_uses():
+    objects = render()
+    role = one(objects, "ClusterRole")
+    assert grants(role) == {**NAMESPACED_RULES, **CLUSTER_RULES}
+    _subject_ok(one(objects, "ClusterRoleBinding"), objects, "ClusterRole", role["metadata"]["name"])
+
+
+def test_namespaced_rbac_is_exactly_what_the_operator_uses():
+    objects = render(VARIANTS["namespaced"][0])
+    cluster_role = one(objects, "ClusterRole")
+    assert grants(cluster_role) == CLUSTER_RULES
+    _subject_ok(one(objects, "ClusterRoleBinding"), objects, "ClusterRole", cluster_role["metadata"]["name"])
+    for ns in ("team-a", "team-b"):
+        (role,) = [o for o in objects if o["kind"] == "Role" and o["metadata"]["namespace"] == ns]
+        (binding,) = [o for o in objects if o["kind"] == "RoleBinding" and o["metadata"]["namespace"] == ns]
+        assert grants(role) == NAMESPACED_RULES
+        _subject_ok(binding, objects, "Role", role["metadata"]["name"])
+
+
+def test_operator_holds_what_the_epp_role_grants():
+    """RBAC escalation prevention: the operator may only create the EPP Role if it holds its permissions."""
+    from kvgate.operator.pool import EPP_RBAC_RULES
+
+    held = NAMESPACED_RULES
+    for rule in EPP_RBAC_RULES:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                assert set(rule["verbs"]) <= held.get((group, resource), set()), (group, resource)
+
+
+def test_operator_holds_every_kind_it_applies():
+    """Every kind of the operator's API table (operator/apply.py KINDS) is covered by the rules."""
+    from kvgate.operator.apply import KINDS
+
+    rules = {**NAMESPACED_RULES, **CLUSTER_RULES}
+    for kind in KINDS.values():
+        group = kind.api_version.rpartition("/")[0]
+        assert (group, kind.plural) in rules, kind
+
+
+def test_rbac_disabled_renders_no_rbac():
+    objects = render({"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "existing"}})
+    assert kinds(objects) == Counter({"Deployment": 1, "GatewayClass": 1})
+    assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
+
+
+# --- GatewayClass and sample pool --------------------------------------------------------------------------
+
+
+def test_gatewayclass():
+    gc = one(render(), "GatewayClass")
+    assert gc["metadata"]["name"] == "kvgate"
+    assert gc["spec"]["controllerName"] == "kvgate.dev/gateway-controller"
+    assert "namespace" not in gc["metadata"]
+
+
+def test_sample_pool_matches_the_samples():
+    objects = render({"samplePool": {"enabled": True}})
+    samples = {d["kind"]: d for p in sorted((CRDS / "samples").glob("*.yaml"))
+               for d in yaml.safe_load_all(p.read_text()) if d}
+    for kind in ("InferencePool", "ModelServer", "Gateway", "HTTPRoute"):
+        obj = one(objects, kind)
+        assert obj["metadata"]["namespace"] == NAMESPACE
+        assert obj["metadata"]["name"] == samples[kind]["metadata"]["name"]
+        assert obj["spec"] == samples[kind]["spec"], kind
+
+
+# --- CRDs --------------------------------------------------------------------------------------------------
+
+
+def test_chart_crds_are_byte_identical_to_crds_folder():
+    ours = {p.name: p.read_bytes() for p in CRDS.glob("*.yaml")}
+    chart = {p.name: p.read_bytes() for p in (CHART / "crds").iterdir()}
+    assert sorted(chart) == sorted(ours), "charts/kvgate/crds/ must hold exactly crds/*.yaml"
+    for name, data in ours.items():
+        assert chart[name] == data, f"charts/kvgate/crds/{name} differs from crds/{name}: copy it again"
+
+
+def test_helm_loads_the_crds():
+    loaded = {Path(c["filename"]).name for c in _chart().crds}
+    assert loaded == {p.name for p in CRDS.glob("*.yaml")}
