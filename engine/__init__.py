@@ -1,13 +1,30 @@
-"""The kvgate engine: a paged-KV LLM inference engine (vLLM V1's design, written small)."""
+"""The kvgate engine: a paged-KV LLM inference engine (vLLM V1's design, written small).
 
-from kvgate.engine.config import EngineConfig
-from kvgate.engine.errors import ConfigError, EngineError, InvalidRequestError, ModelLoadError
-from kvgate.engine.llm import LLM
-from kvgate.engine.llm_engine import LLMEngine
-from kvgate.engine.outputs import CompletionOutput, RequestOutput
-from kvgate.engine.sampling_params import SamplingParams
+Exports load on first use (PEP 562), so that `kvgate epp` / `kvgate operator`, which share the command
+line with the engine, never pay for importing torch.
+"""
 
-__all__ = [
-    "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-    "EngineError", "InvalidRequestError", "ModelLoadError", "ConfigError",
-]
+import importlib
+
+_EXPORTS = {
+    "LLM": "kvgate.engine.llm",
+    "LLMEngine": "kvgate.engine.llm_engine",
+    "EngineConfig": "kvgate.engine.config",
+    "SamplingParams": "kvgate.engine.sampling_params",
+    "RequestOutput": "kvgate.engine.outputs",
+    "CompletionOutput": "kvgate.engine.outputs",
+    "EngineError": "kvgate.engine.errors",
+    "InvalidRequestError": "kvgate.engine.errors",
+    "ModelLoadError": "kvgate.engine.errors",
+    "ConfigError": "kvgate.engine.errors",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvgate.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

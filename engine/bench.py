@@ -10,8 +10,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 # Random models built on the spot (no download): name -> (config class name, config kwargs).
 RANDOM_MODELS = {
     "qwen3-0.5b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -41,7 +39,8 @@ def add_bench_engine_parser(sub) -> None:
     p.set_defaults(func=run_bench_engine)
 
 
-def _build_random_model(name: str, folder: Path, dtype: torch.dtype) -> None:
+def _build_random_model(name: str, folder: Path, dtype) -> None:
+    import torch
     import transformers
     from safetensors.torch import save_file
 
@@ -65,13 +64,17 @@ def make_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[
     return [[rng.randrange(min(vocab, 256)) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def _sync(device: torch.device) -> None:
+def _sync(device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
 def _hf_generate(model, batch: list[list[int]], output_len: int, pad_id: int, device) -> list[list[int]]:
     """Greedy, exactly output_len new tokens per row, left padding."""
+    import torch
+
     width = max(len(p) for p in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -85,6 +88,7 @@ def _hf_generate(model, batch: list[list[int]], output_len: int, pad_id: int, de
 
 
 def run_bench_engine(args: argparse.Namespace) -> int:
+    import torch
     from transformers import AutoModelForCausalLM
 
     from kvgate.engine import LLM, SamplingParams

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvgate.engine.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
+# dtype names -> torch attribute names (torch itself is imported only when a device or dtype is resolved)
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 
 # Without a GPU to measure, the KV cache gets this much memory unless --kv-cache-memory says otherwise
@@ -60,7 +63,9 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be auto or one of {sorted(set(_DTYPES))}, got {self.dtype!r}")
 
-    def resolve_device(self) -> torch.device:
+    def resolve_device(self) -> "torch.device":
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
@@ -68,15 +73,17 @@ class EngineConfig:
             raise ConfigError("device cuda was asked for, but torch sees no CUDA device")
         return device
 
-    def resolve_dtype(self, hf_config, device: torch.device) -> torch.dtype:
+    def resolve_dtype(self, hf_config, device: "torch.device") -> "torch.dtype":
         """auto: the checkpoint's dtype on GPU; float32 on CPU (half-precision matmuls are slow there)."""
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, _DTYPES[self.dtype])
         if device.type == "cpu":
             return torch.float32
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(dtype, str):
-            dtype = _DTYPES.get(dtype, torch.float32)
+            dtype = getattr(torch, _DTYPES.get(dtype, "float32"))
         return torch.bfloat16 if dtype in (None, torch.float32) else dtype
 
     def resolve_max_model_len(self, hf_config) -> int:

@@ -34,8 +34,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Each subcommand's module registers its own flags; heavy imports wait until a command runs.
     from kvgate import __version__
+    from kvgate.bench_serve import add_bench_engine_loop_parser, add_bench_serve_parser
+    from kvgate.engine.bench import add_bench_engine_parser
     from kvgate.engine.cli_args import add_engine_args
+    from kvgate.engine.server.cli import add_serve_parser
+    from kvgate.epp.bench import add_bench_epp_parser
+    from kvgate.epp.main import add_epp_parser
+    from kvgate.operator.main import add_operator_parser
+    from kvgate.up import add_up_parser
 
     parser = argparse.ArgumentParser(prog="kvgate", description="kvgate: an inference gateway for Kubernetes")
     parser.add_argument("--version", action="version", version=f"kvgate {__version__}")
@@ -58,30 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
-    from kvgate.engine.server.cli import add_serve_parser
-
     add_serve_parser(sub)
-    from kvgate.epp.main import add_epp_parser
-
     add_epp_parser(sub)
-    from kvgate.operator.main import add_operator_parser
-
     add_operator_parser(sub)
-    from kvgate.up import add_up_parser
-
     add_up_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from kvgate.engine.bench import add_bench_engine_parser
-
     add_bench_engine_parser(bench_sub)
-    from kvgate.bench_serve import add_bench_engine_loop_parser, add_bench_serve_parser
-
     add_bench_serve_parser(bench_sub)
     add_bench_engine_loop_parser(bench_sub)
-    from kvgate.epp.bench import add_bench_epp_parser
-
     add_bench_epp_parser(bench_sub)
     return parser
 
