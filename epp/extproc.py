@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
+SERVED_TEST_HEADER = "x-conformance-test-served-endpoint"
+# What upstream's test EPP reports when the gateway sent no served-endpoint metadata (the test then fails).
+SERVED_MISSING = "fail: missing destination endpoint served metadata"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -100,9 +103,10 @@ def find_usage(tail: bytes) -> tuple[int, int] | None:
 class _RequestStream:
     """State of one HTTP request as it passes through Envoy."""
 
-    def __init__(self, director: Director, metrics) -> None:
+    def __init__(self, director: Director, metrics, report_served: bool = False) -> None:
         self.director = director
         self.metrics = metrics
+        self.report_served = report_served
         self.request_full_duplex = False
         self.response_full_duplex = False
         self.headers: dict[str, str] = {}
@@ -139,7 +143,14 @@ class _RequestStream:
             self.served = served[0] if served else self.picked
             if msg.response_headers.end_of_stream:
                 self.release()
-            return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+            if not self.report_served:
+                return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+            # Only what the gateway reports, never our own pick: a gateway that does not say fails the check.
+            value = ",".join(served) if served else SERVED_MISSING
+            mutation = pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=SERVED_TEST_HEADER, raw_value=value.encode()))])
+            return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=mutation)))]
         if kind == "response_body":
             chunk = msg.response_body.body
             self.tail += chunk
@@ -216,12 +227,13 @@ class _RequestStream:
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, director: Director, metrics=None) -> None:
+    def __init__(self, director: Director, metrics=None, report_served: bool = False) -> None:
         self.director = director
         self.metrics = metrics
+        self.report_served = report_served
 
     async def Process(self, request_iterator, context):  # noqa: N802 - gRPC method name
-        stream = _RequestStream(self.director, self.metrics)
+        stream = _RequestStream(self.director, self.metrics, self.report_served)
         try:
             async for msg in request_iterator:
                 for response in stream.handle(msg):

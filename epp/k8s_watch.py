@@ -34,6 +34,7 @@ class PoolWatcher:
         self._stop = threading.Event()
         self._kick = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._forbidden: set[str] = set()
 
     def start(self) -> None:
         for target, name in ((self._sync_loop, "pool-sync"), (self._pod_watch_loop, "pod-watch")):
@@ -52,6 +53,11 @@ class PoolWatcher:
             items = self.custom.list_namespaced_custom_object(POLICY_GROUP, POLICY_VERSION, self.namespace, plural)
         except ApiException as exc:
             if exc.status == 404:  # CRD not installed: no policies
+                return []
+            if exc.status == 403:  # RBAC grants only pods and pools (upstream's minimal EPP role): no policies
+                if plural not in self._forbidden:
+                    self._forbidden.add(plural)
+                    log.warning("not allowed to list %s in %s: running without them", plural, self.namespace)
                 return []
             raise
         return items.get("items", [])

@@ -11,6 +11,9 @@ import signal
 log = logging.getLogger("kvgate.epp")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# Upstream's EPP reports its readiness under this gRPC health service name (its manifests probe it).
+UPSTREAM_HEALTH_SERVICE = "inference-extension"
+READINESS_SERVICES = ("readiness", EXT_PROC_SERVICE, UPSTREAM_HEALTH_SERVICE, "")
 
 
 def parse_duration(text: str) -> float:
@@ -41,6 +44,12 @@ def add_epp_parser(sub) -> None:
                         "(default: the config file's saturationDetector, else 5)")
     p.add_argument("--saturation-kv-cache", type=float, default=None,
                    help="an endpoint with this KV-cache usage counts as saturated (default: config, else 0.8)")
+    # Upstream EPP flags that change nothing here, accepted so that upstream manifests (e.g. the conformance
+    # suite's EPP Deployments) run this EPP unchanged: logging format/level are ours (--log-level).
+    compat = p.add_argument_group("accepted for compatibility with the upstream EPP (no effect)")
+    compat.add_argument("--zap-encoder", choices=("json", "console"), help=argparse.SUPPRESS)
+    compat.add_argument("--zap-log-level", help=argparse.SUPPRESS)
+    compat.add_argument("--v", "-v", dest="upstream_verbosity", help=argparse.SUPPRESS)
     p.set_defaults(func=run_epp)
 
 
@@ -92,11 +101,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     datastore.listeners.append(on_endpoints)
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-    for name in ("readiness", EXT_PROC_SERVICE, ""):
+    for name in READINESS_SERVICES:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(director, metrics), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(director, metrics, config.report_served_endpoint), server)
     server.add_insecure_port(f"{args.grpc_host}:{args.grpc_port}")
     health_server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
@@ -131,7 +140,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
                 endpoints_file.poll()
             if datastore.synced and not ready:
                 ready = True
-                for name in ("readiness", EXT_PROC_SERVICE, ""):
+                for name in READINESS_SERVICES:
                     await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=0.5)

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Each subcommand's module registers its own flags; heavy imports wait until a command runs.
     from kvgate import __version__
     from kvgate.bench_serve import add_bench_engine_loop_parser, add_bench_serve_parser
+    from kvgate.conformance.cli import add_conformance_parser
     from kvgate.engine.bench import add_bench_engine_parser
     from kvgate.engine.cli_args import add_engine_args
     from kvgate.engine.server.cli import add_serve_parser
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_epp_parser(sub)
     add_operator_parser(sub)
     add_up_parser(sub)
+    add_conformance_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")

@@ -6,6 +6,11 @@ EPP's choice; and a fallback cluster of the pool's endpoints, reached only when 
 (FailOpen with the EPP down). Two small Lua filters keep the header honest: the first drops any
 client-supplied destination header before the EPP runs, the second copies the first entry of the EPP's
 `ip:port[,ip:port...]` list into the header the ORIGINAL_DST cluster reads (it takes one address).
+
+On the way back the gateway reports which endpoint served the request, as the Inference Extension's
+protocol asks: the pool's routes add the upstream host (`%UPSTREAM_HOST%`) as an internal response header,
+the second Lua filter moves it into the dynamic metadata `envoy.lb` / `x-gateway-destination-endpoint-served`,
+and the ext_proc filter forwards that namespace to the EPP with the response headers.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ from dataclasses import dataclass, field
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 PRIMARY_HEADER = "x-kvgate-destination-primary"
+UPSTREAM_HOST_HEADER = "x-kvgate-upstream-host"  # internal: set by the route, removed before the EPP sees it
+LB_NAMESPACE = "envoy.lb"
+H2C = "kubernetes.io/h2c"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 
 _STRIP_LUA = f"""
 function envoy_on_request(h)
@@ -28,6 +37,15 @@ function envoy_on_request(h)
   if v ~= nil then
     local first = string.match(v, "^%s*([^,%s]+)")
     if first ~= nil then h:headers():replace("{PRIMARY_HEADER}", first) end
+  end
+end
+function envoy_on_response(h)
+  local served = h:headers():get("{UPSTREAM_HOST_HEADER}")
+  if served ~= nil then
+    h:headers():remove("{UPSTREAM_HOST_HEADER}")
+    if served ~= "" and served ~= "-" then
+      h:streamInfo():dynamicMetadata():set("{LB_NAMESPACE}", "{SERVED_KEY}", served)
+    end
   end
 end
 """
@@ -45,6 +63,9 @@ class PoolBackend:
     # the ext-proc port), so a dead EPP is known before a request's body is streamed to it — FailOpen then
     # falls back cleanly instead of failing a request whose body already went to the dead stream.
     epp_health_port: int | None = None
+    # The pool's appProtocol: "http" (HTTP/1.1, also when unset) or "kubernetes.io/h2c" (cleartext HTTP/2 to
+    # the model servers).
+    app_protocol: str = "http"
 
 
 @dataclass
@@ -74,6 +95,7 @@ def _ext_proc_filter(pool: PoolBackend) -> dict:
                              "timeout": f"{pool.epp_timeout_s:g}s"},
             "failure_mode_allow": pool.failure_mode_allow,
             "message_timeout": f"{pool.epp_timeout_s:g}s",
+            "metadata_options": {"forwarding_namespaces": {"untyped": [LB_NAMESPACE]}},
             "processing_mode": {
                 "request_header_mode": "SEND", "response_header_mode": "SEND",
                 "request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "FULL_DUPLEX_STREAMED",
@@ -89,6 +111,12 @@ def _lua(name: str, code: str) -> dict:
         "default_source_code": {"inline_string": code}}}
 
 
+def report_upstream_host() -> list[dict]:
+    """Route `response_headers_to_add` carrying the upstream host to the Lua filter (see the module doc)."""
+    return [{"header": {"key": UPSTREAM_HOST_HEADER, "value": "%UPSTREAM_HOST%"},
+             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+
+
 def _routes(route: Route) -> list[dict]:
     # The pool's ext_proc filter is disabled in the chain; a FilterConfig on its routes turns it on.
     enable = {f"envoy.filters.http.ext_proc.{route.pool.name}": {
@@ -101,10 +129,10 @@ def _routes(route: Route) -> list[dict]:
         {"name": f"{route.pool.name}-picked",
          "match": {**match, "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
          "route": {"cluster": f"pool-{route.pool.name}", **no_timeout},
-         "typed_per_filter_config": enable},
+         "response_headers_to_add": report_upstream_host(), "typed_per_filter_config": enable},
         {"name": f"{route.pool.name}-fallback", "match": match,
          "route": {"cluster": f"pool-{route.pool.name}-fallback", **no_timeout},
-         "typed_per_filter_config": enable},
+         "response_headers_to_add": report_upstream_host(), "typed_per_filter_config": enable},
     ]
 
 
@@ -123,6 +151,7 @@ def _clusters(pool: PoolBackend) -> list[dict]:
     for ep in pool.endpoints:
         host, _, port = ep.rpartition(":")
         fallback_hosts.append({"endpoint": {"address": _address(host.strip("[]"), int(port))}})
+    upstream_protocol = {"typed_extension_protocol_options": _http2_options()} if pool.app_protocol == H2C else {}
     return [
         {"name": f"epp-{pool.name}", "type": "STRICT_DNS", "connect_timeout": "2s",
          "typed_extension_protocol_options": _http2_options(),
@@ -133,10 +162,10 @@ def _clusters(pool: PoolBackend) -> list[dict]:
                            **({"health_check_config": {"port_value": pool.epp_health_port}}
                               if pool.epp_health_port else {})}}]}]}},
         {"name": f"pool-{pool.name}", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
-         "connect_timeout": "2s",
+         "connect_timeout": "2s", **upstream_protocol,
          "original_dst_lb_config": {"use_http_header": True, "http_header_name": PRIMARY_HEADER}},
         {"name": f"pool-{pool.name}-fallback", "type": "STATIC", "lb_policy": "LEAST_REQUEST",
-         "connect_timeout": "2s",
+         "connect_timeout": "2s", **upstream_protocol,
          "load_assignment": {"cluster_name": f"pool-{pool.name}-fallback",
                              "endpoints": [{"lb_endpoints": fallback_hosts}]}},
     ]

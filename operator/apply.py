@@ -107,8 +107,9 @@ class Kube:
     """Dict-in, dict-out API calls with retries. Thread-safe as the ApiClient's connection pool is."""
 
     def __init__(self, api_client=None, *, attempts: int = 5, base_delay_s: float = 0.5, max_delay_s: float = 8.0,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, field_manager: str = FIELD_MANAGER):
         self.api = api_client if api_client is not None else load_config()
+        self.field_manager = field_manager
         self.attempts, self.base_delay_s, self.max_delay_s, self.timeout_s = attempts, base_delay_s, max_delay_s, timeout_s
 
     # --- transport ------------------------------------------------------------------------------------------
@@ -180,12 +181,12 @@ class Kube:
         return items
 
     def apply(self, obj: dict) -> dict:
-        """Server-side apply `obj` (field manager kvgate-operator, force): create or update, idempotently."""
+        """Server-side apply `obj` (our field manager, force): create or update, idempotently."""
         kind = kind_for(obj)
         meta = obj["metadata"]
         before = self.get(kind, meta["name"], meta.get("namespace"))
         out = self.request("PATCH", kind.path(meta.get("namespace"), meta["name"]), obj,
-                           query={"fieldManager": FIELD_MANAGER, "force": "true"},
+                           query={"fieldManager": self.field_manager, "force": "true"},
                            content_type="application/apply-patch+yaml")
         if before is None:
             log.info("created %s", describe(obj))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from kvgate.envoy_config import DESTINATION_HEADER, PoolBackend, Route, render_gateway
+from kvgate.envoy_config import DESTINATION_HEADER, PoolBackend, Route, render_gateway, report_upstream_host
 
 FRACTION_DENOMINATOR = 1_000_000
 
@@ -85,9 +85,10 @@ def _backend_routes(backend: PoolBackend | ServiceBackend | None, match: dict, n
     picked = {**match, "headers": [{"name": DESTINATION_HEADER, "present_match": True}]}
     enable = _enable_ext_proc(backend)
     return [{"name": f"{name}-picked", "match": picked, "route": {"cluster": f"pool-{backend.name}", **_NO_TIMEOUT},
-             "typed_per_filter_config": enable},
+             "response_headers_to_add": report_upstream_host(), "typed_per_filter_config": enable},
             {"name": f"{name}-fallback", "match": match,
-             "route": {"cluster": f"pool-{backend.name}-fallback", **_NO_TIMEOUT}, "typed_per_filter_config": enable}]
+             "route": {"cluster": f"pool-{backend.name}-fallback", **_NO_TIMEOUT},
+             "response_headers_to_add": report_upstream_host(), "typed_per_filter_config": enable}]
 
 
 def rule_routes(rule: RouteRule) -> list[dict]:

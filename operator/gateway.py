@@ -147,7 +147,8 @@ def pool_backend(pool: dict, services: dict[tuple[str, str], dict], endpoints: l
     health = naming.EPP_HEALTH_PORT if naming.EPP_HEALTH_PORT in svc_ports else None
     return PoolBackend(name=f"{ns}-{naming.name_of(pool)}", epp_host=f"{svc_name}.{ns}.svc.cluster.local",
                        epp_port=epp_service_port(pool), endpoints=sorted(endpoints),
-                       failure_mode_allow=is_fail_open(pool), epp_health_port=health)
+                       failure_mode_allow=is_fail_open(pool), epp_health_port=health,
+                       app_protocol=(pool.get("spec") or {}).get("appProtocol") or "http")
 
 
 def resolve_backend(ref: dict, route: dict, look: Lookups) -> tuple[PoolBackend | ServiceBackend | None, dict | None]:

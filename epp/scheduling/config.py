@@ -51,6 +51,11 @@ API_VERSIONS = {
     "llm-d.ai/v1",
 }
 KIND = "EndpointPickerConfig"
+# Response-side plugins (not scheduling plugins: they go in no profile). Upstream's conformance hook: copy the
+# endpoint the gateway reports as served (response metadata) into the `x-conformance-test-served-endpoint`
+# response header, so a test client can see where its request really went.
+SERVED_VERIFIER = "destination-endpoint-served-verifier"
+RESPONSE_PLUGIN_TYPES = {SERVED_VERIFIER}
 IGNORED_SECTIONS = {"featureGates", "dataLayer", "flowControl", "parser", "requestHandler", "data"}
 KNOWN_SECTIONS = {"apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector"} | IGNORED_SECTIONS
 
@@ -70,6 +75,7 @@ class SaturationConfig:
 class EppConfig:
     scheduler: SchedulerConfig
     saturation: SaturationConfig = field(default_factory=SaturationConfig)
+    report_served_endpoint: bool = False  # a destination-endpoint-served-verifier is configured
 
 
 DEFAULT_CONFIG_YAML = """\
@@ -81,6 +87,7 @@ plugins:
 - type: kv-cache-utilization-scorer
 - type: prefix-cache-scorer
 - type: max-score-picker
+- type: destination-endpoint-served-verifier
 schedulingProfiles:
 - name: default
   plugins:
@@ -119,10 +126,16 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
     if not isinstance(doc, Mapping):
         raise ConfigError(f"{source}: expected a mapping (an EndpointPickerConfig), got {type(doc).__name__}")
     _check_header(doc, source)
-    plugins = _build_plugins(doc.get("plugins"), source)
+    response_plugins = [p for p in doc.get("plugins") or [] if isinstance(p, Mapping)
+                        and p.get("type") in RESPONSE_PLUGIN_TYPES]
+    for spec in response_plugins:
+        _check_fields(spec, {"type", "name", "parameters"}, f"{source}: plugins ({spec['type']})")
+    plugins = _build_plugins([p for p in doc.get("plugins") or [] if not any(p is r for r in response_plugins)]
+                             if response_plugins else doc.get("plugins"), source)
     profiles = _build_profiles(doc.get("schedulingProfiles"), plugins, source)
     saturation = _saturation(doc.get("saturationDetector"), source)
-    return EppConfig(scheduler=SchedulerConfig(profiles=profiles, plugins=plugins), saturation=saturation)
+    return EppConfig(scheduler=SchedulerConfig(profiles=profiles, plugins=plugins), saturation=saturation,
+                     report_served_endpoint=bool(response_plugins))
 
 
 def _check_header(doc: Mapping, source: str) -> None:
@@ -147,7 +160,7 @@ def _build_plugins(specs: Any, source: str) -> dict[str, Plugin]:
         if not isinstance(type_name, str) or not type_name:
             raise ConfigError(f"{where}: type is required")
         if type_name not in REGISTRY:
-            raise ConfigError(f"{where}: unknown plugin type {type_name!r} (known: {', '.join(sorted(REGISTRY))})")
+            raise ConfigError(f"{where}: unknown plugin type {type_name!r} (known: {', '.join(sorted({*REGISTRY, *RESPONSE_PLUGIN_TYPES}))})")
         name = spec.get("name") or type_name
         if not isinstance(name, str):
             raise ConfigError(f"{where}: name must be a string")

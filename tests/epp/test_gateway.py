@@ -46,6 +46,25 @@ def test_conformance_header_selects_endpoints(three, count):
         assert served[chosen[0]] == 12
 
 
+def test_gateway_reports_the_served_endpoint(three):
+    """Envoy reports the upstream host as `envoy.lb` response metadata; the EPP's served-endpoint verifier
+    (default config) copies it into x-conformance-test-served-endpoint (upstream's conformance hook)."""
+    for endpoint in three.endpoints:
+        for r in (complete(three.url, headers={"test-epp-endpoint-selection": endpoint}),
+                  httpx.get(three.url + "/v1/models", headers={"test-epp-endpoint-selection": endpoint}, timeout=10)):
+            assert r.status_code == 200, r.text
+            assert r.headers[SERVED_BY] == endpoint
+            assert r.headers["x-conformance-test-served-endpoint"] == endpoint
+            assert "x-kvgate-upstream-host" not in r.headers  # the internal header never leaves Envoy
+
+
+def test_selection_header_keeps_only_this_pools_endpoints(three):
+    """Upstream's weighted-pools conformance test lists endpoints of two pools: each EPP keeps its own."""
+    mine = three.endpoints[1]
+    r = complete(three.url, headers={"test-epp-endpoint-selection": f"127.0.0.1:1,{mine},127.0.0.1:2"})
+    assert r.status_code == 200 and r.headers[SERVED_BY] == mine
+
+
 def test_unknown_endpoint_in_selection_header_is_503(three):
     r = complete(three.url, headers={"test-epp-endpoint-selection": "127.0.0.1:1"})
     assert r.status_code == 503 and r.json()["error"]["code"] == 503

@@ -6,10 +6,14 @@ values) and the context from the environment — NAMESPACE, INGRESS_NAME, SERVIC
 answers `OK`, `/status/NNN` answers with that code, `?delay=1s` waits, and `X-Echo-Set-Header: K:V,...` sets
 response headers. It listens on HTTP_PORT (3000) and H2C_PORT (3001), bound to the pod's IP.
 
-Differences, on purpose: no TLS listener, no websocket, no gRPC mode, and the H2C port speaks HTTP/1.1 only
-(it answers 400 "Expected h2c request" to requests without `Upgrade: h2c`, like upstream does to HTTP/1 ones).
+The H2C port speaks cleartext HTTP/2 with prior knowledge (through the `h2` library) and answers 400
+"Expected h2c request" to HTTP/1 requests, like upstream. With INCLUDE_HTTP_PORT_HEADER=true the document
+also carries `httpPort`, the port that served the request (upstream's data-parallel backends set it).
 
-Standard library only: it runs as `python echoserver.py` with no package on the path.
+Differences, on purpose: no TLS listener, no websocket, no gRPC mode, no HTTP/1.1 `Upgrade: h2c`.
+
+It runs as `python echoserver.py` with no package on the path: the standard library, plus `h2` for the
+H2C port when it is installed (without it that port answers HTTP/1 only).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -40,9 +45,12 @@ def canonical_header(name: str) -> str:
     return "-".join(p[:1].upper() + p[1:].lower() for p in name.split("-"))
 
 
-def context_from_env(env: dict[str, str]) -> dict[str, str]:
-    return {"namespace": env.get("NAMESPACE", ""), "ingress": env.get("INGRESS_NAME", ""),
-            "service": env.get("SERVICE_NAME", ""), "pod": env.get("POD_NAME", "")}
+def context_from_env(env: dict[str, str], port: int | None = None) -> dict[str, str]:
+    out = {"namespace": env.get("NAMESPACE", ""), "ingress": env.get("INGRESS_NAME", ""),
+           "service": env.get("SERVICE_NAME", ""), "pod": env.get("POD_NAME", "")}
+    if port is not None and env.get("INCLUDE_HTTP_PORT_HEADER", "").lower() == "true":
+        out["httpPort"] = str(port)
+    return out
 
 
 def echo_document(*, path: str, host: str, method: str, proto: str, headers: list[tuple[str, str]],
@@ -66,6 +74,85 @@ def echo_response_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str
             name, _, value = kv.strip().partition(":")
             out[name] = f"{out[name]},{value.strip()}" if name in out else value
     return list(out.items())
+
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def serve_h2c(sock: socket.socket, context: dict[str, str]) -> None:
+    """One HTTP/2 (prior knowledge) connection: each request stream gets the echo document."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+    conn.initiate_connection()
+    sock.sendall(conn.data_to_send())
+    streams: dict[int, list[tuple[str, str]]] = {}
+    sock.settimeout(60)
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            return
+        for event in conn.receive_data(data):
+            if isinstance(event, h2.events.RequestReceived):
+                streams[event.stream_id] = list(event.headers)
+                if event.stream_ended:
+                    _answer_h2(conn, event.stream_id, streams.pop(event.stream_id), context)
+            elif isinstance(event, h2.events.DataReceived):
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.StreamEnded) and event.stream_id in streams:
+                _answer_h2(conn, event.stream_id, streams.pop(event.stream_id), context)
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                sock.sendall(conn.data_to_send())
+                return
+        out = conn.data_to_send()
+        if out:
+            sock.sendall(out)
+
+
+def _answer_h2(conn, stream_id: int, headers: list[tuple[str, str]], context: dict[str, str]) -> None:
+    pseudo = {k: v for k, v in headers if k.startswith(":")}
+    plain = [(k, v) for k, v in headers if not k.startswith(":")]
+    doc = echo_document(path=pseudo.get(":path", "/"), host=pseudo.get(":authority", ""),
+                        method=pseudo.get(":method", "GET"), proto="HTTP/2.0", headers=plain, context=context)
+    body = json.dumps(doc, indent=1).encode()
+    conn.send_headers(stream_id, [(":status", "200"), ("content-type", "application/json"),
+                                  ("content-length", str(len(body))), *echo_response_headers(plain)])
+    conn.send_data(stream_id, body, end_stream=True)
+
+
+class H2CServer(ThreadingHTTPServer):
+    """HTTP/2 with prior knowledge when a connection starts with the preface, else the HTTP/1 handler."""
+
+    def __init__(self, address, handler, context: dict[str, str]):
+        super().__init__(address, handler)
+        self.context = context
+
+    def process_request_thread(self, request, client_address):
+        try:
+            request.settimeout(10)
+            first = request.recv(len(H2_PREFACE), socket.MSG_PEEK)
+            if first.startswith(H2_PREFACE[:len(first)]) and len(first) >= 3 and _have_h2():
+                try:
+                    serve_h2c(request, self.context)
+                except (OSError, ValueError) as exc:
+                    sys.stdout.write(f"h2c connection from {client_address[0]} ended: {exc}\n")
+                finally:
+                    self.shutdown_request(request)
+                return
+        except OSError:
+            self.shutdown_request(request)
+            return
+        super().process_request_thread(request, client_address)
+
+
+def _have_h2() -> bool:
+    try:
+        import h2  # noqa: F401
+        return True
+    except ImportError:
+        return False
 
 
 def make_handler(context: dict[str, str], h2c: bool):
@@ -123,10 +210,11 @@ def make_handler(context: dict[str, str], h2c: bool):
 def main() -> int:
     env = dict(os.environ)
     host = env.get("K8SRIG_POD_IP") or env.get("POD_IP") or "127.0.0.1"
-    context = context_from_env(env)
     servers = []
     for port, h2c in ((int(env.get("HTTP_PORT") or 3000), False), (int(env.get("H2C_PORT") or 3001), True)):
-        srv = ThreadingHTTPServer((host, port), make_handler(context, h2c))
+        context = context_from_env(env, port)
+        srv = (H2CServer((host, port), make_handler(context, h2c), context) if h2c
+               else ThreadingHTTPServer((host, port), make_handler(context, h2c)))
         srv.daemon_threads = True
         servers.append(srv)
         print(f"Starting server, listening on {host}:{port} ({'h2c' if h2c else 'http'})", flush=True)
