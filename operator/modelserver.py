@@ -136,9 +136,11 @@ def _volumes(model: dict) -> tuple[list[dict], list[dict]]:
 
 def _probes(port_name: str) -> dict:
     # Readiness is /health (503 until the model is loaded); liveness only checks the socket, so a long model
-    # load is never mistaken for a hang. No gRPC probes: the e2e rig runs Kubernetes 1.20.
+    # load is never mistaken for a hang. No gRPC probes: the e2e rig runs Kubernetes 1.20. Readiness is probed
+    # every second (a /health answer costs microseconds): a new replica joins the pool as soon as it is up,
+    # rather than up to a probe period later (scale-up 2 -> 4 on the e2e rig: 11.0 s with 5 s probes).
     return {
-        "readinessProbe": {"httpGet": {"path": "/health", "port": port_name}, "periodSeconds": 5,
+        "readinessProbe": {"httpGet": {"path": "/health", "port": port_name}, "periodSeconds": 1,
                            "timeoutSeconds": 2, "failureThreshold": 3},
         "livenessProbe": {"tcpSocket": {"port": port_name}, "initialDelaySeconds": 10, "periodSeconds": 10,
                           "timeoutSeconds": 2, "failureThreshold": 6},

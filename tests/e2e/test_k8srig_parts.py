@@ -110,12 +110,26 @@ def test_echo_server_process_answers_on_its_pod_ip():
         assert (body["pod"], body["namespace"], body["path"], body["method"]) == ("echo-1", "ns", "/x/y?delay=10ms", "GET")
         assert body["headers"]["X-Echo-Set-Header"] == ["X-A:1,X-B:2"]
         conn.request("GET", "/status/418")
-        assert conn.getresponse().status == 418
+        r = conn.getresponse()
+        assert r.status == 418 and r.read() == b""
+        # A chunked body (as a proxy streaming a request sends it) is read whole: the keep-alive connection
+        # then serves the next request, which a left-over body would corrupt.
+        conn.request("POST", "/chunked", body=iter([b'{"model": ', b'"m"}']), encode_chunked=True)
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["path"] == "/chunked"
+        conn.request("GET", "/after")
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["path"] == "/after"
         conn.close()
         conn = http.client.HTTPConnection(ip, h2c, timeout=2)
         conn.request("GET", "/")
         assert conn.getresponse().status == 400      # HTTP/1 on the h2c port, as upstream answers
         conn.close()
+        import httpx                                  # h2c with prior knowledge, as Envoy speaks it
+        with httpx.Client(http1=False, http2=True, timeout=5) as h2:
+            r = h2.post(f"http://{ip}:{h2c}/v1/completions", json={"model": "m"})
+            assert r.http_version == "HTTP/2" and r.status_code == 200 and r.json()["proto"] == "HTTP/2.0"
+            assert r.json()["pod"] == "echo-1" and "httpPort" not in r.json()
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0

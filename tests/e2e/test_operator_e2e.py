@@ -14,6 +14,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -151,23 +152,77 @@ def test_operator_runs_the_samples(k8s, tmp_path):
                  timeout_s=30, what="ModelServer Ready")
         mark("statuses: pool, route, class, gateway, modelserver")
 
-        # Scale as `kubectl scale modelserver demo-llm --replicas 3` does: through the scale subresource.
-        client.patch(ms_res, "demo-llm", {"spec": {"replicas": 3}}, ns, sub="scale")
+        # Scale as `kubectl scale modelserver demo-llm --replicas 4` does: through the scale subresource.
         epp_ip = next(iter(ready_ips("app.kubernetes.io/name=kvgate-epp,app.kubernetes.io/instance=demo-pool")))
 
         def epp_endpoints() -> set[str]:
+            """The endpoints the EPP has fresh metrics for (what it routes to)."""
             try:
                 text = httpx.get(f"http://{epp_ip}:9090/metrics", timeout=2).text
             except httpx.HTTPError:
                 return set()
             return set(re.findall(r'kvgate_epp_endpoint_stale\{endpoint="([^"]+)"\} 0\.0', text))
 
+        def epp_follows_pods(n: int) -> bool:
+            eps = epp_endpoints()
+            return len(eps) == n and {e.rsplit(":", 1)[0] for e in eps} == ready_ips("app=demo-llm")
+
         scaled_at = time.monotonic()
-        wait_for(lambda: len(epp_endpoints()) == 3 and {e.rsplit(":", 1)[0] for e in epp_endpoints()}
-                 == ready_ips("app=demo-llm"), timeout_s=90, interval_s=0.5, what="the EPP to route to 3 endpoints")
-        mark(f"EPP routes to 3 endpoints ({time.monotonic() - scaled_at:.1f}s after scaling)")
-        wait_for(lambda: (client.get(ms_res, "demo-llm", ns).get("status") or {}).get("readyReplicas") == 3,
-                 timeout_s=30, what="ModelServer status readyReplicas 3")
+        client.patch(ms_res, "demo-llm", {"spec": {"replicas": 4}}, ns, sub="scale")
+        seen: dict[str, float] = {}
+
+        def scaled_up() -> bool:
+            now = time.monotonic() - scaled_at
+            if len(pods("app=demo-llm")) == 4:
+                seen.setdefault("pods created", now)
+            if len(ready_ips("app=demo-llm")) == 4:
+                seen.setdefault("pods Ready", now)
+            return epp_follows_pods(4)
+        wait_for(scaled_up, timeout_s=90, interval_s=0.2, what="the EPP to route to 4 endpoints")
+        scale_up_s = time.monotonic() - scaled_at
+        ready_s = seen.get("pods Ready", scale_up_s)
+        mark(f"EPP routes to 4 endpoints {scale_up_s:.1f}s after scaling (pods created at "
+             f"{seen.get('pods created', 0):.1f}s, Ready at {ready_s:.1f}s: the EPP followed {scale_up_s - ready_s:.1f}s "
+             f"after readiness)")
+        assert scale_up_s - ready_s <= 5.0, "the EPP took more than 5 s to route to pods that became Ready"
+        wait_for(lambda: (client.get(ms_res, "demo-llm", ns).get("status") or {}).get("readyReplicas") == 4,
+                 timeout_s=30, what="ModelServer status readyReplicas 4")
+
+        # Scale down under load: requests keep flowing through Envoy while two pods go; none may fail.
+        envoy_ip = next(iter(ready_ips(envoy_selector)))
+        outcomes: list[tuple[int | str, str]] = []
+        stop_load = threading.Event()
+
+        def load() -> None:
+            with httpx.Client(timeout=30) as http:
+                while not stop_load.is_set():
+                    try:
+                        r = http.post(f"http://{envoy_ip}:8080/v1/completions",
+                                      json={"model": "demo", "prompt": "drain", "max_tokens": 16})
+                        outcomes.append((r.status_code, r.headers.get("x-kvgate-endpoint", r.text[:120])))
+                    except httpx.HTTPError as exc:
+                        outcomes.append((type(exc).__name__, str(exc)[:120]))
+
+        before = ready_ips("app=demo-llm")
+        workers = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+        for w in workers:
+            w.start()
+        time.sleep(1.0)
+        scaled_at = time.monotonic()
+        client.patch(ms_res, "demo-llm", {"spec": {"replicas": 2}}, ns, sub="scale")
+        wait_for(lambda: epp_follows_pods(2) and len(pods("app=demo-llm")) == 2, timeout_s=90, interval_s=0.2,
+                 what="scale-down to 2 pods, followed by the EPP")
+        scale_down_s = time.monotonic() - scaled_at
+        time.sleep(1.0)
+        stop_load.set()
+        for w in workers:
+            w.join(timeout=40)
+        removed = before - ready_ips("app=demo-llm")
+        failed = [o for o in outcomes if o[0] != 200]
+        served_by_removed = sum(1 for code, who in outcomes if code == 200 and who.rsplit(":", 1)[0] in removed)
+        mark(f"scaled 4 -> 2 under load in {scale_down_s:.1f}s: {len(outcomes)} requests, {len(failed)} failed, "
+             f"{served_by_removed} served by the removed pods while they drained")
+        assert outcomes and not failed, failed[:10]
 
         # Bad input the schema cannot catch becomes a status condition, and the operator keeps serving the rest.
         client.create(ms_res, {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelServer",

@@ -177,10 +177,24 @@ def make_handler(context: dict[str, str], h2c: bool):
             if self.command != "HEAD":
                 self.wfile.write(body)
 
-        def _handle(self) -> None:
+        def _read_body(self) -> bytes:
+            """The request body, by Content-Length or chunked (a proxy streaming a body sends chunks): a
+            body left unread would be parsed as the next request on this keep-alive connection."""
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                body = bytearray()
+                while True:
+                    size = int(self.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
+                    if size == 0:
+                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+                            pass
+                        return bytes(body)
+                    body += self.rfile.read(size)
+                    self.rfile.readline()  # the CRLF after each chunk
             length = int(self.headers.get("Content-Length") or 0)
-            if length:
-                self.rfile.read(length)
+            return self.rfile.read(length) if length else b""
+
+        def _handle(self) -> None:
+            self._read_body()
             path = self.path.replace("//", "/")
             url = urlsplit(path)
             if h2c and self.headers.get("Upgrade", "").lower() != "h2c":
