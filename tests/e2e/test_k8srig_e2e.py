@@ -10,6 +10,7 @@ import ipaddress
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 
@@ -347,6 +348,39 @@ def test_service_endpointslice_lists_ready_pod_ips(k8s, namespace):
         ports = {p.get("port") for s in slices for p in s.get("ports") or []}
         return ips == want and ports == {3000}
     wait_for(slice_ips, timeout_s=60, what=f"EndpointSlice of service backend to list {sorted(want)}")
+
+    # The rig's service proxy: the Service's cluster IP (on loopback) reaches both pods, round robin.
+    svc = client.get(CORE["Service"], "backend", namespace)
+    cluster_ip = svc["spec"]["clusterIP"]
+    assert cluster_ip.startswith(k8s.pod_network + "."), cluster_ip
+    served = set()
+
+    def both_answer() -> bool:
+        try:
+            status, body = http_get(cluster_ip, 80, "/via-service")
+        except OSError:
+            return False
+        served.add(json.loads(body)["pod"]) if status == 200 else None
+        return len(served) == 2
+    wait_for(both_answer, timeout_s=30, interval_s=0.05, what=f"both pods answering on {cluster_ip}:80")
+    assert served == {p["metadata"]["name"] for p in ready}
+
+    scale(client, namespace, "backend", 0)
+
+    def refused() -> bool:
+        try:
+            http_get(cluster_ip, 80, "/", timeout=1.0)
+            return False
+        except OSError:  # reset at once: no ready endpoint
+            return True
+    wait_for(refused, timeout_s=30, what="the Service to refuse with no endpoints")
+    client.delete(CORE["Service"], "backend", namespace)
+
+    def closed() -> bool:
+        with socket.socket() as s:
+            s.settimeout(1)
+            return s.connect_ex((cluster_ip, 80)) != 0
+    wait_for(closed, timeout_s=30, what="the Service's listener to close")
 
 
 def test_upstream_conformance_base_manifest_applies(k8s):

@@ -191,3 +191,43 @@ def test_pod_networks_are_exclusive_and_released():
     release_pod_network(a[1], a[2])
     release_pod_network(b[1], b[2])
     assert not Path(a[2]).exists() and not Path(b[2]).exists()
+
+
+# --- the service proxy -----------------------------------------------------------------------------------------
+
+def test_service_proxy_listeners_follow_services_and_ready_slices():
+    from k8srig.serviceproxy import Backend, desired_listeners
+
+    def svc(name, ip, ports, **spec):
+        return {"metadata": {"namespace": "ns", "name": name}, "spec": {"clusterIP": ip, "ports": ports, **spec}}
+
+    def slice_(svc_name, eps, ports):
+        return {"metadata": {"namespace": "ns", "labels": {"kubernetes.io/service-name": svc_name}},
+                "endpoints": eps, "ports": ports}
+
+    services = [svc("web", "127.5.240.9", [{"name": "http", "port": 80}, {"name": "m", "port": 9090},
+                                           {"name": "u", "port": 53, "protocol": "UDP"}]),
+                svc("headless", "None", [{"port": 80}]),
+                svc("ext", "", [{"port": 80}], type="ExternalName"),
+                svc("empty", "127.5.240.10", [{"port": 8000}])]
+    slices = [slice_("web", [{"addresses": ["127.5.0.2"], "conditions": {"ready": True}},
+                             {"addresses": ["127.5.0.3"], "conditions": {"ready": False}},
+                             {"addresses": ["127.5.0.4"]}],
+                     [{"name": "http", "port": 3000}, {"name": "m", "port": 9091}]),
+              slice_("other", [{"addresses": ["127.5.0.9"]}], [{"name": "http", "port": 1}])]
+    assert desired_listeners(services, slices) == {
+        ("127.5.240.9", 80): [Backend("127.5.0.2", 3000), Backend("127.5.0.4", 3000)],
+        ("127.5.240.9", 9090): [Backend("127.5.0.2", 9091), Backend("127.5.0.4", 9091)],
+        ("127.5.240.10", 8000): [],  # no endpoints yet: listens, and resets connections
+    }
+
+
+def test_service_range_is_loopback_above_the_pods():
+    import ipaddress
+
+    from k8srig.controlplane import SERVICE_BLOCK, kubernetes_service_ip, service_cidr
+
+    net = ipaddress.ip_network(service_cidr("127.42"))
+    assert net.subnet_of(ipaddress.ip_network("127.42.0.0/16")) and net.is_loopback
+    assert ipaddress.ip_address(kubernetes_service_ip("127.42")) == net.network_address + 1
+    assert ipaddress.ip_address(f"127.42.{SERVICE_BLOCK - 1}.254") not in net

@@ -29,8 +29,18 @@ from .assets import Binaries
 from .kube import CORE, Client, Kubeconfig, wait_for
 
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent     # tests/e2e: `python -m k8srig.podrunner` from here
-SERVICE_CIDR = "10.96.0.0/16"
-SERVICE_IP = "10.96.0.1"
+# Service cluster IPs come from the top of the rig's own 127.N/16 (pods get the addresses below it), so that
+# the pod runner's service proxy can listen on them: loopback only, and no two rigs share a range.
+SERVICE_BLOCK = 240                  # 127.N.240.0/20
+
+
+def service_cidr(pod_network: str) -> str:
+    return f"{pod_network}.{SERVICE_BLOCK}.0/20"
+
+
+def kubernetes_service_ip(pod_network: str) -> str:
+    """The first address of the service range: the API server's own `kubernetes` Service."""
+    return f"{pod_network}.{SERVICE_BLOCK}.1"
 
 
 def claim_pod_network(rng: random.Random | None = None) -> tuple[str, int, str]:
@@ -72,7 +82,7 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
-def make_pki(d: Path) -> None:
+def make_pki(d: Path, service_ip: str) -> None:
     """CA, apiserver serving certificate (loopback + in-cluster names), service-account key pair."""
     d.mkdir(parents=True, exist_ok=True)
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "ca.key", cwd=d)
@@ -81,7 +91,7 @@ def make_pki(d: Path) -> None:
              "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", "-out", "ca.crt", cwd=d)
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "apiserver.key", cwd=d)
     _openssl("req", "-new", "-key", "apiserver.key", "-subj", "/CN=kube-apiserver", "-out", "apiserver.csr", cwd=d)
-    sans = ["IP:127.0.0.1", f"IP:{SERVICE_IP}", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
+    sans = ["IP:127.0.0.1", f"IP:{service_ip}", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
             "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local"]
     (d / "apiserver.ext").write_text(f"subjectAltName={','.join(sans)}\nextendedKeyUsage=serverAuth\n"
                                      "keyUsage=critical,digitalSignature,keyEncipherment\n")
@@ -146,9 +156,9 @@ class Rig:
         t0 = time.monotonic()
         self.dir = Path(tempfile.mkdtemp(prefix=f"k8srig-{self.id}-"))
         pki = self.dir / "pki"
-        make_pki(pki)
-        etcd_port, peer_port, api_port, kcm_port = (free_port() for _ in range(4))
         self.pod_network, self._net_lock, self._net_lock_path = claim_pod_network()
+        make_pki(pki, kubernetes_service_ip(self.pod_network))
+        etcd_port, peer_port, api_port, kcm_port = (free_port() for _ in range(4))
 
         tokens = {who: secrets.token_hex(16) for who in ("admin", "controller-manager", "pod-runner")}
         (pki / "tokens.csv").write_text("".join(f'{tok},{who},{who},"system:masters"\n' for who, tok in tokens.items()))
@@ -196,7 +206,7 @@ class Rig:
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-cluster-ip-range={SERVICE_CIDR}", "--endpoint-reconciler-type=none",
+            f"--service-cluster-ip-range={service_cidr(self.pod_network)}", "--endpoint-reconciler-type=none",
             "--profiling=false", "--v=1"])
         wait_for(lambda: self._alive("kube-apiserver", apiserver) and self.client.raw_get("/readyz", timeout=3)[0] == 200,
                  timeout_s=self.startup_timeout_s, interval_s=0.25, what="kube-apiserver /readyz")

@@ -31,7 +31,9 @@ from pathlib import Path
 from . import podspec as ps
 from . import procs
 from .images import ImageNotRunnable, ImageTable, Programs, config_arg
+from .controlplane import SERVICE_BLOCK
 from .kube import CORE, LEASE, ApiError, Client, Kubeconfig
+from .serviceproxy import ServiceProxy
 
 log = logging.getLogger("k8srig.podrunner")
 
@@ -465,7 +467,7 @@ class Runner:
         n = self._next_ip
         self._next_ip += 1
         x, y = divmod(n, 254)
-        if x > 255:
+        if x >= SERVICE_BLOCK:  # the addresses above are the Services' (controlplane.service_cidr)
             raise RuntimeError("pod network exhausted")
         return f"{self.network}.{x}.{y + 1}"
 
@@ -611,7 +613,9 @@ class Runner:
     def run(self) -> None:
         self.register_node()
         threads = [threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True),
-                   threading.Thread(target=self.pods_loop, name="pods", daemon=True)]
+                   threading.Thread(target=self.pods_loop, name="pods", daemon=True),
+                   threading.Thread(target=ServiceProxy(self.client).run, args=(self.stop_event,),
+                                    name="service-proxy", daemon=True)]
         for t in threads:
             t.start()
         log.info("node %s ready; pods get %s.x.y", self.node_name, self.network)
