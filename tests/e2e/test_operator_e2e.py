@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from k8srig import crds, objects
-from k8srig.kube import CORE, DEPLOYMENT, load_documents, wait_default_service_account, wait_for
+from k8srig.kube import CORE, DEPLOYMENT, ApiError, load_documents, wait_default_service_account, wait_for
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -240,6 +240,33 @@ def test_operator_runs_the_samples(k8s, tmp_path):
         served.clear()
         wait_for(completion_served, timeout_s=30, interval_s=1, what="a completion still served through Envoy")
         client.delete(ms_res, "orphan", ns)
+
+        # Wrong fields the schema can state are refused by the API server itself, with the field named ...
+        for bad, field in (({"replicas": -1}, "spec.replicas"), ({"engine": {"blockSize": 7}}, "spec.engine.blockSize"),
+                           ({"engine": {"backend": "gpu"}}, "spec.engine.backend")):
+            spec = {"poolRef": {"name": "demo-pool"}, "replicas": 1, "engine": {"backend": "sim"}}
+            spec.update(bad)
+            with pytest.raises(ApiError) as refused:
+                client.create(ms_res, {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelServer",
+                                       "metadata": {"name": "bad-fields", "namespace": ns}, "spec": spec}, ns)
+            assert refused.value.status == 422 and field in str(refused.value), str(refused.value)
+        # ... and what only the operator can judge becomes a Ready=False condition with the reason.
+        client.create(ms_res, {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelServer",
+                               "metadata": {"name": "two-sources", "namespace": ns},
+                               "spec": {"poolRef": {"name": "demo-pool"}, "replicas": 1, "engine": {"backend": "sim"},
+                                        "model": {"path": "/models/m", "pvc": {"claimName": "m"},
+                                                  "hostPath": {"path": "/models"}}}}, ns)
+
+        def ready_condition(name: str) -> dict:
+            conds = (client.get(ms_res, name, ns).get("status") or {}).get("conditions") or []
+            return next((c for c in conds if c["type"] == "Ready"), {})
+        wait_for(lambda: ready_condition("two-sources").get("reason") == "InvalidSpec", timeout_s=30,
+                 what="the two-sources ModelServer's Ready=False InvalidSpec condition")
+        assert ready_condition("two-sources")["status"] == "False"
+        assert "volume source" in ready_condition("two-sources")["message"]
+        served.clear()
+        wait_for(completion_served, timeout_s=30, interval_s=1, what="a completion still served through Envoy")
+        client.delete(ms_res, "two-sources", ns)
         mark("invalid ModelServer reported by a condition; the pool still serves")
 
         # Delete the user's objects: the garbage collector removes everything the operator made.
