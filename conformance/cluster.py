@@ -12,7 +12,6 @@ applied as upstream applies them, with three substitutions:
 
 from __future__ import annotations
 
-import copy
 import re
 import time
 from importlib import resources
@@ -47,7 +46,8 @@ def load_manifest(name: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(manifest_text(name)) if d]
 
 
-def _grpc_probe_to_tcp(probe: dict) -> dict:
+def grpc_probe_to_tcp(probe: dict) -> dict:
+    """A gRPC probe as a tcpSocket probe on its port (servers before 1.24 have no gRPC probes)."""
     if "grpc" not in probe:
         return probe
     out = {k: v for k, v in probe.items() if k != "grpc"}
@@ -72,7 +72,7 @@ def prepare(doc: dict, gateway_class: str, epp_image: str | None, grpc_probes: b
         if not grpc_probes:
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                 if probe in c:
-                    c[probe] = _grpc_probe_to_tcp(c[probe])
+                    c[probe] = grpc_probe_to_tcp(c[probe])
     return out
 
 
@@ -192,7 +192,3 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, int
                     detail += f"; (describing failed: {exc})"
             raise ConformanceError(f"timed out after {timeout_s:.0f}s waiting for {what}{detail}")
         time.sleep(interval_s)
-
-
-def copy_doc(doc: dict) -> dict:
-    return copy.deepcopy(doc)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from kvgate.conformance.cluster import grpc_probe_to_tcp  # the suite does the same on old servers
+
 DROPPED_SCHEMA_KEYS = ("x-kubernetes-validations",)
 POD_TEMPLATE_KINDS = {"Deployment", "ReplicaSet", "StatefulSet", "DaemonSet", "Job"}
 
@@ -41,21 +43,13 @@ def crd_for_1_20(crd: dict) -> dict:
     return out
 
 
-def _probe_for_1_20(probe: dict) -> dict:
-    if "grpc" not in probe:
-        return probe
-    out = {k: v for k, v in probe.items() if k != "grpc"}
-    out["tcpSocket"] = {"port": probe["grpc"]["port"]}
-    return out
-
-
 def pod_spec_for_1_20(spec: dict) -> dict:
     out = copy.deepcopy(spec)
     for key in ("containers", "initContainers"):
         for c in out.get(key) or []:
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                 if probe in c:
-                    c[probe] = _probe_for_1_20(c[probe])
+                    c[probe] = grpc_probe_to_tcp(c[probe])
     return out
 
 
