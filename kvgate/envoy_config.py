@@ -85,24 +85,54 @@ def _http2_options() -> dict:
         "explicit_http_config": {"http2_protocol_options": {}}}}
 
 
+def _ext_proc_config(cluster: str, timeout_s: float, failure_mode_allow: bool) -> dict:
+    return {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"envoy_grpc": {"cluster_name": cluster}, "timeout": f"{timeout_s:g}s"},
+        "failure_mode_allow": failure_mode_allow,
+        "message_timeout": f"{timeout_s:g}s",
+        "metadata_options": {"forwarding_namespaces": {"untyped": [LB_NAMESPACE]}},
+        "processing_mode": {
+            "request_header_mode": "SEND", "response_header_mode": "SEND",
+            "request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "FULL_DUPLEX_STREAMED",
+            "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
+        },
+    }
+
+
 def _ext_proc_filter(pool: PoolBackend) -> dict:
     return {
         "name": f"envoy.filters.http.ext_proc.{pool.name}",
         "disabled": True,  # enabled per route
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": f"epp-{pool.name}"},
-                             "timeout": f"{pool.epp_timeout_s:g}s"},
-            "failure_mode_allow": pool.failure_mode_allow,
-            "message_timeout": f"{pool.epp_timeout_s:g}s",
-            "metadata_options": {"forwarding_namespaces": {"untyped": [LB_NAMESPACE]}},
-            "processing_mode": {
-                "request_header_mode": "SEND", "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "FULL_DUPLEX_STREAMED",
-                "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
-            },
-        },
+        "typed_config": _ext_proc_config(f"epp-{pool.name}", pool.epp_timeout_s, pool.failure_mode_allow),
     }
+
+
+# --- one ext_proc filter for every pool (configs whose routes and clusters change without a restart) ---------
+#
+# A listener's filter chain cannot change without draining its connections, and a new pool must not need a new
+# filter. So a dynamic config has one ext_proc filter, disabled, whose service is a placeholder; each pool's
+# routes switch it on with ExtProcPerRoute overrides naming the pool's EPP cluster and its failure mode (the
+# per-route failure_mode_allow needs Envoy 1.35 or later).
+
+SHARED_EXT_PROC = "envoy.filters.http.ext_proc"
+_NO_EPP = "kvgate-no-epp"  # never called: every route that enables the filter names its pool's EPP cluster
+
+
+def shared_ext_proc_filter(timeout_s: float = 10.0) -> dict:
+    return {"name": SHARED_EXT_PROC, "disabled": True,
+            "typed_config": _ext_proc_config(_NO_EPP, timeout_s, failure_mode_allow=False)}
+
+
+def shared_ext_proc_route_config(pool: PoolBackend) -> dict:
+    """A route's `typed_per_filter_config` turning the shared ext_proc filter on for `pool`."""
+    return {SHARED_EXT_PROC: {
+        "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
+        "config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                   "overrides": {
+                       "grpc_service": {"envoy_grpc": {"cluster_name": f"epp-{pool.name}"},
+                                        "timeout": f"{pool.epp_timeout_s:g}s"},
+                       "failure_mode_allow": pool.failure_mode_allow}}}}
 
 
 def _lua(name: str, code: str) -> dict:
@@ -146,7 +176,8 @@ def _epp_health_check(pool: PoolBackend) -> dict:
     return check
 
 
-def _clusters(pool: PoolBackend) -> list[dict]:
+def pool_clusters(pool: PoolBackend) -> list[dict]:
+    """The pool's EPP cluster (health-checked), its ORIGINAL_DST cluster and its FailOpen fallback."""
     fallback_hosts = []
     for ep in pool.endpoints:
         host, _, port = ep.rpartition(":")
@@ -171,6 +202,14 @@ def _clusters(pool: PoolBackend) -> list[dict]:
     ]
 
 
+def gateway_http_filters(ext_proc_filters: list[dict]) -> list[dict]:
+    """The HTTP filter chain: strip client-set destinations, the ext_proc filter(s), pick the primary, route."""
+    return [_lua("kvgate.strip-destination", _STRIP_LUA), *ext_proc_filters,
+            _lua("kvgate.primary-destination", _PRIMARY_LUA),
+            {"name": "envoy.filters.http.router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+
+
 def render_gateway(routes: list[Route], listen_host: str, listen_port: int, admin_port: int | None = None,
                    admin_host: str = "127.0.0.1") -> dict:
     """A complete Envoy bootstrap serving `routes` on one HTTP listener."""
@@ -182,11 +221,7 @@ def render_gateway(routes: list[Route], listen_host: str, listen_port: int, admi
         hosts.setdefault(tuple(r.hostnames), []).extend(_routes(r))
     virtual_hosts = [{"name": f"vh-{i}", "domains": list(domains), "routes": rs}
                      for i, (domains, rs) in enumerate(hosts.items())]
-    http_filters = [_lua("kvgate.strip-destination", _STRIP_LUA)]
-    http_filters += [_ext_proc_filter(p) for p in pools.values()]
-    http_filters += [_lua("kvgate.primary-destination", _PRIMARY_LUA),
-                     {"name": "envoy.filters.http.router", "typed_config": {
-                         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]
+    http_filters = gateway_http_filters([_ext_proc_filter(p) for p in pools.values()])
     config = {
         "static_resources": {
             "listeners": [{
@@ -203,7 +238,7 @@ def render_gateway(routes: list[Route], listen_host: str, listen_port: int, admi
                         "http_filters": http_filters,
                     }}]}],
             }],
-            "clusters": [c for p in pools.values() for c in _clusters(p)],
+            "clusters": [c for p in pools.values() for c in pool_clusters(p)],
         },
     }
     if admin_port is not None:

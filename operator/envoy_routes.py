@@ -15,7 +15,32 @@
   a.example.com still reaches the rules of routes without hostnames; rules ordered by Gateway API
   precedence (Exact path first, then longer prefixes).
 
-The filters and the per-pool clusters come from `render_gateway` itself, so both renderers stay in step.
+Route and pool changes reach a running Envoy without a restart. A Gateway's config is a set of files, all in
+one ConfigMap mounted at /etc/envoy (`render_gateway_files`):
+
+- `envoy.yaml`, the bootstrap: admin, node, and one listener per port whose connection manager takes its
+  route table from RDS, and `dynamic_resources.cds_config` for the clusters. Only this file changes the
+  pods (its digest is their annotation), and only a listener port change (or a new renderer) changes it.
+- `rds-<port>.yaml`, each listener's RouteConfiguration, and `cds.yaml`, every cluster: file subscriptions
+  with `watched_directory` on the mount, so Envoy reloads them when the kubelet swaps the volume's `..data`
+  symlink. An RDS update swaps the route table in place (connections are not drained); a CDS update warms
+  new or changed clusters before they take traffic and leaves unchanged ones alone.
+
+Listeners stay in the bootstrap rather than LDS: a listener update drains its connections, and its HTTP
+filters need not change with the pools, since one ext_proc filter serves them all (each pool's routes switch
+it on, naming the pool's EPP cluster and failure mode: `shared_ext_proc_route_config`).
+
+RDS does not validate cluster names, so neither file's update can be rejected because of the other. On one
+volume swap Envoy (1.40, measured) reloads the route tables first, then the clusters: a route leaves a cluster
+before the cluster goes, but a route to a cluster new in the same update answers 503 (a pool's ext_proc call
+fails: 500 under FailClose) until CDS has added and warmed it — about a millisecond, or until the first
+health check of a new EPP cluster. Closing that gap needs two ConfigMap writes (the clusters, then the routes).
+
+The paths in the bootstrap are relative to Envoy's working directory, which the Deployment sets to the mount:
+the config then works wherever the files are (a test's temporary folder, a pod runner's volume folder).
+
+The Lua filters and the per-pool clusters come from `kvgate.envoy_config`, so both renderers stay in step;
+`static_bootstrap` folds a file set into one static bootstrap (what `envoy --mode validate` can check whole).
 """
 
 from __future__ import annotations
@@ -23,7 +48,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from kvgate.envoy_config import DESTINATION_HEADER, PoolBackend, Route, render_gateway, report_upstream_host
+from kvgate.envoy_config import (DESTINATION_HEADER, PoolBackend, gateway_http_filters, pool_clusters,
+                                 report_upstream_host, shared_ext_proc_filter, shared_ext_proc_route_config)
 
 FRACTION_DENOMINATOR = 1_000_000
 
@@ -65,13 +91,6 @@ def _fraction(numerator: int, rule: RouteRule, index: int) -> dict:
             "runtime_key": f"kvgate.weights.{rule.name.replace('/', '.')}.{index}"}
 
 
-def _enable_ext_proc(pool: PoolBackend) -> dict:
-    return {f"envoy.filters.http.ext_proc.{pool.name}": {
-        "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
-        "config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
-                   "overrides": {}}}}
-
-
 _NO_TIMEOUT = {"timeout": "0s", "idle_timeout": "0s"}  # streamed generations may run for minutes
 
 
@@ -83,7 +102,7 @@ def _backend_routes(backend: PoolBackend | ServiceBackend | None, match: dict, n
         return [{"name": f"{name}-service", "match": match,
                  "route": {"cluster": f"svc-{backend.name}", **_NO_TIMEOUT}}]
     picked = {**match, "headers": [{"name": DESTINATION_HEADER, "present_match": True}]}
-    enable = _enable_ext_proc(backend)
+    enable = shared_ext_proc_route_config(backend)
     return [{"name": f"{name}-picked", "match": picked, "route": {"cluster": f"pool-{backend.name}", **_NO_TIMEOUT},
              "response_headers_to_add": report_upstream_host(), "typed_per_filter_config": enable},
             {"name": f"{name}-fallback", "match": match,
@@ -146,24 +165,85 @@ def _backends(rules: list[RouteRule], kind: type) -> list:
     return [seen[name] for name in sorted(seen)]
 
 
-def render_gateway_bootstrap(rules: list[RouteRule], listen_ports: list[int], admin_port: int | None = None,
-                             listen_host: str = "0.0.0.0") -> dict:
-    """A complete Envoy bootstrap: one listener per port, serving the rules of that port."""
-    pools = _backends(rules, PoolBackend)
+BOOTSTRAP_FILE = "envoy.yaml"
+CDS_FILE = "cds.yaml"
+_CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+_ROUTE_CONFIG_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+_HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+
+
+def rds_file(port: int) -> str:
+    return f"rds-{port}.yaml"
+
+
+def _file_source(name: str) -> dict:
+    # Relative paths: Envoy's working directory is the config folder. `watched_directory` makes Envoy re-read
+    # the file when anything is moved into the folder, which is how the kubelet publishes a ConfigMap update.
+    return {"resource_api_version": "V3",
+            "path_config_source": {"path": f"./{name}", "watched_directory": {"path": "."}}}
+
+
+def _listener(port: int, listen_host: str) -> dict:
+    return {
+        "name": f"gateway-{port}",
+        "address": {"socket_address": {"address": listen_host, "port_value": port}},
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": _HCM_TYPE,
+                "stat_prefix": f"gateway_{port}",
+                "stream_idle_timeout": "0s",
+                "strip_any_host_port": True,  # Host "a.example.com:8080" matches hostname a.example.com
+                "rds": {"route_config_name": f"gateway-{port}", "config_source": _file_source(rds_file(port))},
+                "http_filters": gateway_http_filters([shared_ext_proc_filter()]),
+            }}]}],
+    }
+
+
+def render_gateway_files(rules: list[RouteRule], listen_ports: list[int], admin_port: int | None = None,
+                         listen_host: str = "0.0.0.0", node_id: str = "kvgate-gateway",
+                         node_cluster: str = "kvgate-gateway", admin_host: str = "127.0.0.1") -> dict[str, dict]:
+    """A Gateway's Envoy config as files {name: document}: the bootstrap, one route table per listener port
+    (RDS) and the clusters (CDS). Load it with the folder holding all of them as Envoy's working directory."""
     ports = sorted(set(listen_ports))
-    base = render_gateway([Route(pool=p) for p in pools], listen_host, ports[0] if ports else 8080, admin_port)
-    template = base["static_resources"]["listeners"][0]
-    listeners = []
+    bootstrap = {
+        "node": {"id": node_id, "cluster": node_cluster},
+        "dynamic_resources": {"cds_config": _file_source(CDS_FILE)},
+        "static_resources": {"listeners": [_listener(port, listen_host) for port in ports]},
+    }
+    if admin_port is not None:
+        bootstrap["admin"] = {"address": {"socket_address": {"address": admin_host, "port_value": admin_port}}}
+    files = {BOOTSTRAP_FILE: bootstrap}
     for port in ports:
-        listener = copy.deepcopy(template)
-        listener["name"] = f"gateway-{port}"
-        listener["address"]["socket_address"]["port_value"] = port
+        route_config = {"@type": _ROUTE_CONFIG_TYPE, "name": f"gateway-{port}",
+                        "virtual_hosts": virtual_hosts([r for r in rules if r.listen_port == port])}
+        files[rds_file(port)] = {"resources": [route_config]}
+    clusters = [c for p in _backends(rules, PoolBackend) for c in pool_clusters(p)]
+    clusters += [_service_cluster(s) for s in _backends(rules, ServiceBackend)]
+    files[CDS_FILE] = {"resources": [{"@type": _CLUSTER_TYPE, **c} for c in clusters]}
+    return files
+
+
+def _untyped(resource: dict) -> dict:
+    return {k: v for k, v in resource.items() if k != "@type"}
+
+
+def static_bootstrap(files: dict[str, dict]) -> dict:
+    """The same config as one static bootstrap: each listener's route table inline, the clusters static.
+
+    `envoy --mode validate` does not read dynamic resources, so this is what checks the RDS and CDS files;
+    inline route tables also check that every cluster a route names exists (`validate_clusters`)."""
+    bootstrap = copy.deepcopy(files[BOOTSTRAP_FILE])
+    bootstrap.pop("dynamic_resources", None)
+    for listener in bootstrap["static_resources"]["listeners"]:
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-        hcm["stat_prefix"] = f"gateway_{port}"
-        hcm["strip_any_host_port"] = True  # Host "a.example.com:8080" matches hostname a.example.com
-        hosts = virtual_hosts([r for r in rules if r.listen_port == port])
-        hcm["route_config"] = {"name": f"gateway-{port}", "virtual_hosts": hosts}
-        listeners.append(listener)
-    base["static_resources"]["listeners"] = listeners
-    base["static_resources"]["clusters"] += [_service_cluster(s) for s in _backends(rules, ServiceBackend)]
-    return base
+        rds = hcm.pop("rds")
+        (route_config,) = files[rds["config_source"]["path_config_source"]["path"].removeprefix("./")]["resources"]
+        hcm["route_config"] = {**_untyped(route_config), "validate_clusters": True}
+    bootstrap["static_resources"]["clusters"] = [_untyped(c) for c in files[CDS_FILE]["resources"]]
+    return bootstrap
+
+
+def listeners_of(files: dict[str, dict]) -> list[dict]:
+    """The listeners of a file set, each with its route table inline (for tests and tools reading a config)."""
+    return static_bootstrap(files)["static_resources"]["listeners"]

@@ -15,7 +15,7 @@ from kvgate.envoy_config import PoolBackend
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.envoy_routes import RouteRule, ServiceBackend, WeightedBackend, hostname_covers
-from kvgate.operator.envoy_routes import render_gateway_bootstrap
+from kvgate.operator.envoy_routes import BOOTSTRAP_FILE, render_gateway_files
 from kvgate.operator.pool import epp_ref, epp_service_port, is_fail_open
 
 ADMIN_PORT = 19000
@@ -251,9 +251,12 @@ def _rules_for(route: dict, route_rules: list, listeners: list[tuple[dict, list[
     return out
 
 
-def render_config(gateway: dict, routing: GatewayRouting) -> dict:
+def render_config(gateway: dict, routing: GatewayRouting) -> dict[str, dict]:
+    """The Gateway's Envoy config files, {file name: document}: the bootstrap, route tables and clusters."""
     ports = [container_port(l["port"]) for l in _http_listeners(gateway)]
-    return render_gateway_bootstrap(routing.rules, ports or [container_port(80)], ADMIN_PORT)
+    return render_gateway_files(routing.rules, ports or [container_port(80)], ADMIN_PORT,
+                                node_id=f"{naming.namespace_of(gateway)}/{naming.name_of(gateway)}",
+                                node_cluster=naming.envoy_name(gateway))
 
 
 def httproute_status(route: dict, our_parents: list[dict], now: str | None = None) -> dict:
@@ -274,6 +277,9 @@ def _config_text(rendered: dict) -> str:
     return json.dumps(rendered, sort_keys=True, indent=1)  # JSON is YAML; sorted keys keep it byte-stable
 
 
+CONFIG_DIR = "/etc/envoy"  # the ConfigMap's mount, and Envoy's working directory
+
+
 def _envoy_ports(gateway: dict) -> list[int]:
     return sorted({l["port"] for l in _http_listeners(gateway)})
 
@@ -283,30 +289,40 @@ def _envoy_container(gateway: dict, image: str) -> dict:
     return {
         "name": "envoy",
         "image": image,
-        # No hot restart: it needs shared memory, and a config change rolls the pods instead.
-        "command": ["envoy", "-c", "/etc/envoy/envoy.yaml", "--disable-hot-restart", "--log-level", "info"],
+        # Routes and clusters are files Envoy watches in its working directory (the mounted ConfigMap), so
+        # their changes apply in place; a bootstrap change (listener ports) rolls the pods. No hot restart: it
+        # needs shared memory.
+        "command": ["envoy", "-c", f"{CONFIG_DIR}/{BOOTSTRAP_FILE}", "--disable-hot-restart", "--log-level", "info"],
+        "workingDir": CONFIG_DIR,
         "ports": [{"name": f"http-{p}", "containerPort": container_port(p), "protocol": "TCP"} for p in ports],
         "readinessProbe": {"tcpSocket": {"port": container_port(ports[0]) if ports else ADMIN_PORT},
                            "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": container_port(ports[0]) if ports else ADMIN_PORT},
                           "periodSeconds": 10, "failureThreshold": 3},
-        "volumeMounts": [{"name": "config", "mountPath": "/etc/envoy", "readOnly": True},
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                          {"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
     }
 
 
-def desired_envoy_objects(gateway: dict, rendered_config: dict, image: str, service_type: str = "ClusterIP"
-                          ) -> list[dict]:
-    """ConfigMap (the bootstrap), Deployment (Envoy) and Service (the listener ports) of a Gateway."""
+def config_digest(files: dict[str, str]) -> str:
+    """The pods' config annotation: the bootstrap's digest only. Route tables and clusters reach a running
+    Envoy through the mounted ConfigMap; a bootstrap change (listener ports) needs new pods."""
+    return hashlib.sha256(files[BOOTSTRAP_FILE].encode()).hexdigest()[:16]
+
+
+def desired_envoy_objects(gateway: dict, rendered_config: dict[str, dict], image: str,
+                          service_type: str = "ClusterIP") -> list[dict]:
+    """ConfigMap (Envoy's config files, render_config's), Deployment (Envoy) and Service (the listener ports)
+    of a Gateway."""
     name = naming.envoy_name(gateway)
     labels = naming.component_labels("gateway", naming.name_of(gateway))
     selector = naming.selector_labels("gateway", naming.name_of(gateway))
-    text = _config_text(rendered_config)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]  # Envoy's static config: changes roll the pods
+    files = {file: _config_text(doc) for file, doc in sorted(rendered_config.items())}
+    digest = config_digest(files)
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": naming.object_meta(name, gateway, labels),
-                  "data": {"envoy.yaml": text}}
+                  "data": files}
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": naming.object_meta(name, gateway, labels),
         "spec": {"replicas": 1, "selector": {"matchLabels": selector}, "template": {

@@ -294,7 +294,7 @@ class Reconciler:
         namespaces = self._namespace_labels()
         pods = _PodCache(self.kube)
         endpoints = {}
-        for pool in pools:  # the FailOpen fallback only: other pools' endpoints would roll Envoy on every scale
+        for pool in pools:  # the FailOpen fallback only (other pools never use theirs)
             if is_fail_open(pool):
                 from kvgate.epp.datastore import pool_endpoints
 

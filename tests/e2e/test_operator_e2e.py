@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -269,8 +270,45 @@ def test_operator_runs_the_samples(k8s, tmp_path):
         client.delete(ms_res, "two-sources", ns)
         mark("invalid ModelServer reported by a condition; the pool still serves")
 
+        # Delete the pool while requests flow through the Gateway's address (its Service's cluster IP): every
+        # request gets an answer — served, then the Gateway API's 500 for a route whose backend is gone — and
+        # none hangs or breaks its connection; the same Envoy pod answers throughout (no restart).
+        gateway = client.get(gw_res, "inference-gateway", ns)
+        address = f"{gateway['status']['addresses'][0]['value']}:8080"
+        envoy_pods = {p["metadata"]["uid"] for p in pods(envoy_selector)}
+        answers: list[int | str] = []
+        stop_load.clear()
+
+        def pool_load() -> None:
+            with httpx.Client(timeout=30) as http:
+                while not stop_load.is_set():
+                    try:
+                        r = http.post(f"http://{address}/v1/completions",
+                                      json={"model": "demo", "prompt": "bye", "max_tokens": 4})
+                        answers.append(r.status_code)
+                    except httpx.HTTPError as exc:
+                        answers.append(type(exc).__name__)
+                    time.sleep(0.02)
+
+        workers = [threading.Thread(target=pool_load, daemon=True) for _ in range(2)]
+        for w in workers:
+            w.start()
+        wait_for(lambda: answers.count(200) >= 5, timeout_s=30, what="requests served through the Gateway address")
+        deleted_at = time.monotonic()
+        client.delete(pool_res, "demo-pool", ns)
+        wait_for(lambda: answers[-5:] == [500] * 5, timeout_s=60, interval_s=0.1,
+                 what="the route to answer 500 once its pool is gone")
+        stop_routing_s = time.monotonic() - deleted_at
+        stop_load.set()
+        for w in workers:
+            w.join(timeout=40)
+        mark(f"pool deleted under load: routing stopped after {stop_routing_s:.1f}s; answers "
+             f"{dict(Counter(answers))}")
+        assert set(answers) <= {200, 500}, Counter(answers)
+        assert {p["metadata"]["uid"] for p in pods(envoy_selector)} == envoy_pods, "Envoy was restarted"
+
         # Delete the user's objects: the garbage collector removes everything the operator made.
-        for res, name in ((gw_res, "inference-gateway"), (pool_res, "demo-pool"), (ms_res, "demo-llm")):
+        for res, name in ((gw_res, "inference-gateway"), (ms_res, "demo-llm")):
             client.delete(res, name, ns)
 
         def leftovers() -> list[str]:

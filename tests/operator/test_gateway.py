@@ -1,12 +1,21 @@
 import copy
 import json
 import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs
 
+import httpx
 import pytest
 
-from kvgate.envoy_config import envoy_binary
+from kvgate.envoy_config import DESTINATION_HEADER, PoolBackend, envoy_binary
+from kvgate.operator.envoy_routes import RouteRule, ServiceBackend, WeightedBackend, render_gateway_files
+from kvgate.processes import free_port, stop_group, wait_http_ok
 from kvgate.operator import gateway as g
 from kvgate.operator import pool as p
+from kvgate.operator.envoy_routes import BOOTSTRAP_FILE, CDS_FILE, listeners_of, rds_file, static_bootstrap
+from tests.e2e.k8srig.podrunner import write_atomic_volume  # the kubelet's way of publishing a ConfigMap
 from tests.operator.conftest import NOW, round_trips
 
 IMAGE = "kvgate:test"
@@ -32,12 +41,22 @@ def _cond(entry, type_):
     return c["status"], c["reason"]
 
 
-def _validate(config, tmp_path):
-    path = tmp_path / "envoy.json"
-    path.write_text(json.dumps(config))
-    r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
+def _validate(files, tmp_path):
+    """The real Envoy accepts the file set: the bootstrap with the dynamic files beside it (as mounted), and,
+    since validate mode does not read dynamic resources, the same config folded into one static bootstrap."""
+    folder = tmp_path / "etc-envoy"
+    write_atomic_volume(folder, {name: g._config_text(doc).encode() for name, doc in files.items()})
+    static = tmp_path / "static.json"
+    static.write_text(json.dumps(static_bootstrap(files)))
+    for cmd in (["-c", BOOTSTRAP_FILE], ["-c", str(static)]):
+        r = subprocess.run([envoy_binary(), "--mode", "validate", *cmd], cwd=folder, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _routes_of(files, port=8080):
+    (route_config,) = files[rds_file(port)]["resources"]
+    return route_config
 
 
 def test_gatewayclass_accepted(samples):
@@ -59,7 +78,8 @@ def test_samples_render_valid_envoy_and_objects(samples, tmp_path):
     for obj in objs:
         assert round_trips(obj), obj["kind"]
         assert obj["metadata"]["ownerReferences"][0]["name"] == "inference-gateway"
-    assert json.loads(objs[0]["data"]["envoy.yaml"]) == config
+    assert {k: json.loads(v) for k, v in objs[0]["data"].items()} == config
+    assert sorted(objs[0]["data"]) == [CDS_FILE, BOOTSTRAP_FILE, "rds-8080.yaml"]
     assert objs[2]["spec"]["ports"] == [{"name": "http-8080", "port": 8080, "targetPort": 8080, "protocol": "TCP"}]
     assert objs == g.desired_envoy_objects(copy.deepcopy(samples["Gateway"]), config, IMAGE)
     assert g.render_config(samples["Gateway"], _route(docs, samples["Gateway"])) == config
@@ -129,7 +149,7 @@ def test_weighted_two_pools(conformance, tmp_path):
     assert len(routing.pools_used) == 2
     config = g.render_config(gateway, routing)
     _validate(config, tmp_path)
-    (listener,) = config["static_resources"]["listeners"]
+    (listener,) = listeners_of(config)
     assert listener["address"]["socket_address"]["port_value"] == 10080  # port 80, unprivileged in the pod
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     (vh,) = [v for v in hcm["route_config"]["virtual_hosts"] if v["domains"] == ["primary.example.com"]]
@@ -142,8 +162,11 @@ def test_weighted_two_pools(conformance, tmp_path):
     fractions = [r["match"].get("runtime_fraction", {}).get("default_value") for r in routes]
     assert fractions[:2] == [{"numerator": 700000, "denominator": "MILLION"}] * 2
     assert fractions[2:] == [None, None]
-    # Each pool's routes switch on that pool's ext_proc only.
-    assert all(len(r["typed_per_filter_config"]) == 1 for r in routes)
+    # Each pool's routes switch on the one ext_proc filter, naming that pool's EPP.
+    assert [r["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["config"]["overrides"]["grpc_service"]
+            ["envoy_grpc"]["cluster_name"] for r in routes] == [
+        "epp-inference-conformance-app-backend-primary-inference-pool"] * 2 + [
+        "epp-inference-conformance-app-backend-secondary-inference-pool"] * 2
 
 
 def test_cross_namespace_needs_reference_grant_and_kinds(samples):
@@ -175,8 +198,7 @@ def test_service_backend_and_unresolved_share(samples, tmp_path):
     assert _cond(routing.route_parents[("default", "demo-route")][0], "ResolvedRefs") == ("False", "BackendNotFound")
     config = g.render_config(samples["Gateway"], routing)
     _validate(config, tmp_path)
-    routes = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
-        "route_config"]["virtual_hosts"][0]["routes"]
+    routes = _routes_of(config)["virtual_hosts"][0]["routes"]
     assert routes[0]["route"]["cluster"] == "svc-default-web-80" and routes[1]["direct_response"]["status"] == 500
 
 
@@ -226,3 +248,249 @@ def test_effective_hostnames():
     assert g.effective_hostnames(None, []) == ["*"]
     assert g.effective_hostnames("*.example.com", ["a.example.com", "b.other.com"]) == ["a.example.com"]
     assert g.effective_hostnames("a.example.com", ["*.example.com"]) == ["a.example.com"]
+
+
+def _objects(gateway, routes, pools, services=()):
+    routing = g.routes_for_gateway(gateway, routes, pools, list(services), [])
+    return g.desired_envoy_objects(gateway, g.render_config(gateway, routing), IMAGE)
+
+
+def test_route_and_pool_changes_do_not_roll_envoy(samples):
+    """Routes and pools live in files Envoy reloads in place; only the bootstrap (listener ports) rolls pods."""
+    gateway, pool = samples["Gateway"], samples["InferencePool"]
+    base_cm, base_dep, _ = _objects(gateway, [samples["HTTPRoute"]], [pool])
+    assert sorted(base_cm["data"]) == [CDS_FILE, BOOTSTRAP_FILE, "rds-8080.yaml"]
+    bootstrap = json.loads(base_cm["data"][BOOTSTRAP_FILE])
+    assert "clusters" not in bootstrap["static_resources"]
+    watched = {"path_config_source": {"path": "./cds.yaml", "watched_directory": {"path": "."}},
+               "resource_api_version": "V3"}
+    assert bootstrap["dynamic_resources"] == {"cds_config": watched}
+    (listener,) = bootstrap["static_resources"]["listeners"]
+    assert listener["filter_chains"][0]["filters"][0]["typed_config"]["rds"] == {
+        "route_config_name": "gateway-8080",
+        "config_source": {**watched, "path_config_source": {**watched["path_config_source"],
+                                                             "path": "./rds-8080.yaml"}}}
+    assert bootstrap["node"] == {"id": "default/inference-gateway", "cluster": "inference-gateway-envoy"}
+    (container,) = base_dep["spec"]["template"]["spec"]["containers"]
+    assert container["workingDir"] == "/etc/envoy"
+    assert container["command"][:3] == ["envoy", "-c", "/etc/envoy/envoy.yaml"]
+    assert container["volumeMounts"][0]["mountPath"] == "/etc/envoy"
+    assert [c["name"] for c in json.loads(base_cm["data"][CDS_FILE])["resources"]] == [
+        "epp-default-demo-pool", "pool-default-demo-pool", "pool-default-demo-pool-fallback"]
+
+    # A second pool and a Service rule added at once, and then no routes at all: new route tables and clusters,
+    # the same bootstrap, so the same Deployment.
+    route = copy.deepcopy(samples["HTTPRoute"])
+    other = copy.deepcopy(pool)
+    other["metadata"]["name"] = "other-pool"
+    route["spec"]["rules"] += [
+        {"matches": [{"path": {"type": "PathPrefix", "value": "/other"}}],
+         "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "other-pool"}]},
+        {"matches": [{"path": {"type": "Exact", "value": "/web"}}], "backendRefs": [{"name": "web", "port": 80}]}]
+    svc = {"kind": "Service", "metadata": {"name": "web", "namespace": "default"}, "spec": {"ports": [{"port": 80}]}}
+    more_cm, more_dep, _ = _objects(gateway, [route], [pool, other], [svc])
+    none_cm, none_dep, _ = _objects(gateway, [], [])
+    for cm, dep in ((more_cm, more_dep), (none_cm, none_dep)):
+        assert cm["data"][BOOTSTRAP_FILE] == base_cm["data"][BOOTSTRAP_FILE] and dep == base_dep
+        assert cm["data"]["rds-8080.yaml"] != base_cm["data"]["rds-8080.yaml"]
+        assert cm["data"][CDS_FILE] != base_cm["data"][CDS_FILE]
+    assert len(json.loads(more_cm["data"][CDS_FILE])["resources"]) == 7
+    assert json.loads(none_cm["data"][CDS_FILE]) == {"resources": []}
+
+    # A listener port change is a bootstrap change: the pods roll.
+    moved = copy.deepcopy(gateway)
+    moved["spec"]["listeners"][0]["port"] = 9090
+    moved_cm, moved_dep, _ = _objects(moved, [samples["HTTPRoute"]], [pool])
+    assert sorted(moved_cm["data"]) == [CDS_FILE, BOOTSTRAP_FILE, "rds-9090.yaml"]
+    digest = lambda dep: dep["spec"]["template"]["metadata"]["annotations"]["kvgate.dev/config-digest"]  # noqa: E731
+    assert digest(moved_dep) != digest(base_dep)
+    assert digest(moved_dep) == g.config_digest(moved_cm["data"])
+
+
+# --- live: the rendered files on a running Envoy, updated the way the kubelet updates a ConfigMap volume --------
+
+_METRICS = b"vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.0\n"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() != "chunked":
+            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = b""
+        while size := int(self.rfile.readline().split(b";")[0], 16):
+            body += self.rfile.read(size)
+            self.rfile.readline()
+        while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+            pass
+        return body
+
+    def _answer(self) -> None:
+        self._read_body()
+        path, _, query = self.path.partition("?")
+        if delay := parse_qs(query).get("delay"):
+            time.sleep(float(delay[0]))
+        body = _METRICS if path == "/metrics" else f"{self.server.name} {path}\n".encode()
+        self.send_response(200)
+        self.send_header("x-upstream", self.server.name)
+        self.send_header("x-seen-destination", self.headers.get(DESTINATION_HEADER, ""))
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+
+class _Upstream:
+    """A plain HTTP/1.1 backend: answers `<name> <path>` with header x-upstream, the EPP-picked destination it
+    was sent (x-seen-destination), and zeroed vLLM metrics at /metrics for an EPP in front of it."""
+
+    def __init__(self, name: str) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.server.daemon_threads = True
+        self.server.name = name
+        self.port = self.server.server_address[1]
+        self.address = f"127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _stats(admin: int, pattern: str) -> dict[str, int]:
+    text = httpx.get(f"http://127.0.0.1:{admin}/stats", params={"filter": pattern}, timeout=5).text
+    return {k: int(v) for k, _, v in (line.partition(": ") for line in text.splitlines()) if v.isdigit()}
+
+
+def _propagation_s(since: float, check, timeout_s: float = 10.0) -> float:
+    """Seconds from `since` until check() holds, polled every 20 ms."""
+    while not check():
+        assert time.monotonic() - since < timeout_s, f"not applied after {timeout_s:g} s"
+        time.sleep(0.02)
+    return time.monotonic() - since
+
+
+def test_live_envoy_applies_route_and_pool_changes_in_place(tmp_path):
+    """Envoy runs on the operator's files in a kubelet-style folder; route and pool changes swapped in with
+    `..data` apply within seconds, on the same process, with no keep-alive or in-flight request failed and no
+    update rejected: a route switched to another backend, two pools (one with a real EPP) added with their
+    routes at once, routes removed."""
+    from tests.gateway import EPP
+
+    a, b = _Upstream("a"), _Upstream("b")
+    port, admin = free_port(), free_port()
+    folder = tmp_path / "etc-envoy"
+    svc_a, svc_b = (ServiceBackend(f"svc-{u.server.name}", "127.0.0.1", u.port) for u in (a, b))
+
+    def publish(backends: dict[str, object]) -> float:
+        """Render `backends` ({path prefix: backend}) and swap the files in; returns when the swap began."""
+        rules = [RouteRule(f"test/{path.strip('/')}/0", port, [WeightedBackend(backend)], path_value=path)
+                 for path, backend in backends.items()]
+        files = render_gateway_files(rules, [port], admin, listen_host="127.0.0.1")
+        texts = {name: g._config_text(doc).encode() for name, doc in files.items()}
+        began = time.monotonic()
+        write_atomic_volume(folder, texts)
+        return began
+
+    epp = envoy = None
+    stop = threading.Event()
+    outcomes: list = []
+    try:
+        epp = EPP(tmp_path, [a.address, b.address])
+        publish({"/stable": svc_a, "/moving": svc_a})
+        with open(tmp_path / "envoy.log", "wb") as log:
+            envoy = subprocess.Popen([envoy_binary(), "-c", BOOTSTRAP_FILE, "--disable-hot-restart",
+                                      "--log-level", "info"], cwd=folder, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        wait_http_ok(f"http://127.0.0.1:{admin}/ready", 30, lambda: None if envoy.poll() is None else "envoy died")
+        url = f"http://127.0.0.1:{port}"
+
+        def load() -> None:  # one keep-alive connection, requests back to back on a route that never changes
+            with httpx.Client(base_url=url, timeout=10) as http:
+                while not stop.is_set():
+                    try:
+                        r = http.get("/stable")
+                        outcomes.append((r.status_code, r.headers.get("x-upstream")))
+                    except httpx.HTTPError as exc:
+                        outcomes.append((type(exc).__name__, str(exc)))
+
+        slow: list = []
+        threading.Thread(target=load, daemon=True).start()
+        in_flight = threading.Thread(target=lambda: slow.append(httpx.get(f"{url}/moving?delay=1.5", timeout=10)),
+                                     daemon=True)
+        in_flight.start()
+        probe = httpx.Client(base_url=url, timeout=10)
+        assert probe.get("/moving").headers["x-upstream"] == "a"
+        time.sleep(0.3)  # the slow request is in flight on the route about to move
+
+        times = {}
+        dead_epp = free_port()
+        began = publish({"/stable": svc_a, "/moving": svc_b})
+        times["route switched to another Service"] = _propagation_s(
+            began, lambda: probe.get("/moving").headers.get("x-upstream") == "b")
+
+        pools = {"/v1": PoolBackend("picked", "127.0.0.1", epp.grpc_port, [a.address, b.address],
+                                    epp_health_port=epp.health_port),
+                 "/open": PoolBackend("open", "127.0.0.1", dead_epp, [b.address], failure_mode_allow=True),
+                 "/closed": PoolBackend("closed", "127.0.0.1", dead_epp, [b.address])}
+        assert probe.post("/v1/completions", json={"model": "m", "prompt": "hi"}).status_code == 404
+        began = publish({"/stable": svc_a, "/moving": svc_b, **pools})
+
+        names = {a.address: "a", b.address: "b"}
+
+        def picked_by_epp() -> bool:  # the EPP's primary choice (first of its list) is the upstream that served
+            r = probe.post("/v1/completions", json={"model": "m", "prompt": "hello there", "max_tokens": 2})
+            primary = r.headers.get("x-seen-destination", "").split(",")[0]
+            return r.status_code == 200 and names.get(primary) == r.headers["x-upstream"]
+        times["pools and their routes added at once"] = _propagation_s(began, picked_by_epp)
+        # The EPP's choice reached the ORIGINAL_DST cluster, which served it. The shared ext_proc filter honours
+        # each pool's failure mode: with its EPP down, FailOpen falls back to the pool's endpoints, FailClose fails.
+        _propagation_s(time.monotonic(), lambda: probe.get("/open/x").headers.get("x-upstream") == "b", 5)
+        assert probe.get("/open/x").headers["x-seen-destination"] == ""
+        assert probe.get("/closed/x").status_code >= 500
+
+        began = publish({"/stable": svc_a})
+        times["routes and pools removed"] = _propagation_s(began, lambda: probe.get("/moving").status_code == 404)
+        in_flight.join(timeout=10)
+        stop.set()
+        time.sleep(0.2)
+        probe.close()
+
+        assert envoy.poll() is None, "Envoy exited"
+        assert slow and slow[0].status_code == 200 and slow[0].headers["x-upstream"] == "a"
+        failed = [o for o in outcomes if o != (200, "a")]
+        assert len(outcomes) > 20 and not failed, failed[:5]
+        rejected = _stats(admin, r"update_rejected|update_failure")
+        assert rejected and not any(rejected.values()), rejected
+        assert _stats(admin, r"cluster_manager\.cds\.update_success")["cluster_manager.cds.update_success"] >= 4
+        # Every connection lived through the updates: Envoy closed none, no listener drained or was re-created.
+        conns = _stats(admin, rf"^http\.gateway_{port}\.downstream_cx_destroy|^listener_manager\.listener_"
+                              r"(added|modified|removed)$|^listener_manager\.total_listeners_draining$")
+        assert {k: v for k, v in conns.items() if "local" in k or "listener" in k} == {
+            f"http.gateway_{port}.downstream_cx_destroy_local": 0,
+            f"http.gateway_{port}.downstream_cx_destroy_local_active_rq": 0, "listener_manager.listener_added": 1,
+            "listener_manager.listener_modified": 0, "listener_manager.listener_removed": 0,
+            "listener_manager.total_listeners_draining": 0}, conns
+        print(f"\n[envoy-propagation] same Envoy pid {envoy.pid}, {len(outcomes)} keep-alive requests, none failed; "
+              + "; ".join(f"{what}: {s * 1000:.0f} ms" for what, s in times.items()))
+        assert all(s < 5.0 for s in times.values()), times
+    except BaseException:
+        for name in ("envoy.log", "epp.log"):
+            if (tmp_path / name).exists():
+                print(f"--- {name}:\n" + (tmp_path / name).read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        stop.set()
+        for proc in (envoy,):
+            if proc is not None:
+                stop_group(proc)
+        if epp is not None:
+            epp.stop()
+        a.stop()
+        b.stop()
