@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from typing import NamedTuple
 
 from kvgate.envoy_config import PoolBackend
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.envoy_routes import RouteRule, ServiceBackend, WeightedBackend, hostname_covers
-from kvgate.operator.envoy_routes import BOOTSTRAP_FILE, render_gateway_files
+from kvgate.operator.envoy_routes import BOOTSTRAP_FILE, CDS_FILE, render_gateway_files
 from kvgate.operator.pool import epp_ref, epp_service_port, is_fail_open
 
 ADMIN_PORT = 19000
@@ -312,17 +313,56 @@ def config_digest(files: dict[str, str]) -> str:
     return hashlib.sha256(files[BOOTSTRAP_FILE].encode()).hexdigest()[:16]
 
 
+# Envoy resets every stream of a cluster it removes: an ext_proc stream to a deleted pool's EPP, a response still
+# coming from one of its endpoints. So a cluster whose routes are gone stays in cds.yaml this long (the routes
+# leave at once), and the ConfigMap's annotation remembers until when; a reconcile after that drops it.
+CLUSTER_LINGER_S = 30.0
+RETIRED_ANNOTATION = "kvgate.dev/retired-clusters"
+
+
+def retain_retired_clusters(rendered_config: dict[str, dict], previous_config_map: dict | None,
+                            now: float) -> tuple[dict[str, dict], dict[str, float]]:
+    """`rendered_config` with the clusters the previous ConfigMap had and the new config dropped kept until
+    their deadline (CLUSTER_LINGER_S after they first went); and {cluster: deadline} of those kept."""
+    if not previous_config_map or CDS_FILE not in rendered_config:
+        return rendered_config, {}
+    try:
+        previous = json.loads((previous_config_map.get("data") or {}).get(CDS_FILE) or "{}").get("resources") or []
+        deadlines = json.loads(((previous_config_map.get("metadata") or {}).get("annotations") or {})
+                               .get(RETIRED_ANNOTATION) or "{}")
+    except (ValueError, AttributeError):
+        return rendered_config, {}  # not ours to read: start afresh
+    clusters = list(rendered_config[CDS_FILE].get("resources") or [])
+    wanted = {c.get("name") for c in clusters}
+    retired = {}
+    for cluster in previous:
+        name = cluster.get("name")
+        if name in wanted:
+            continue
+        deadline = float(deadlines.get(name, now + CLUSTER_LINGER_S))
+        if deadline > now:
+            retired[name] = deadline
+            clusters.append(cluster)
+    if not retired:
+        return rendered_config, {}
+    return {**rendered_config, CDS_FILE: {**rendered_config[CDS_FILE], "resources": clusters}}, retired
+
+
 def desired_envoy_objects(gateway: dict, rendered_config: dict[str, dict], image: str,
-                          service_type: str = "ClusterIP") -> list[dict]:
-    """ConfigMap (Envoy's config files, render_config's), Deployment (Envoy) and Service (the listener ports)
-    of a Gateway."""
+                          service_type: str = "ClusterIP", previous_config_map: dict | None = None,
+                          now: float | None = None) -> list[dict]:
+    """ConfigMap (Envoy's config files, render_config's, plus clusters lingering after their routes: see
+    retain_retired_clusters), Deployment (Envoy) and Service (the listener ports) of a Gateway."""
     name = naming.envoy_name(gateway)
     labels = naming.component_labels("gateway", naming.name_of(gateway))
     selector = naming.selector_labels("gateway", naming.name_of(gateway))
+    rendered_config, retired = retain_retired_clusters(rendered_config, previous_config_map,
+                                                       time.time() if now is None else now)
     files = {file: _config_text(doc) for file, doc in sorted(rendered_config.items())}
     digest = config_digest(files)
-    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": naming.object_meta(name, gateway, labels),
-                  "data": files}
+    annotations = {RETIRED_ANNOTATION: json.dumps(retired, sort_keys=True)} if retired else None
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap",
+                  "metadata": naming.object_meta(name, gateway, labels, annotations), "data": files}
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": naming.object_meta(name, gateway, labels),
         "spec": {"replicas": 1, "selector": {"matchLabels": selector}, "template": {

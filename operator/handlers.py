@@ -49,6 +49,7 @@ HTTPROUTE = KINDS[("gateway.networking.k8s.io/v1", "HTTPRoute")]
 REFERENCEGRANT = KINDS[("gateway.networking.k8s.io/v1beta1", "ReferenceGrant")]
 DEPLOYMENT = KINDS[("apps/v1", "Deployment")]
 SERVICE = KINDS[("v1", "Service")]
+CONFIGMAP = KINDS[("v1", "ConfigMap")]
 POD = KINDS[("v1", "Pod")]
 NAMESPACE = KINDS[("v1", "Namespace")]
 
@@ -308,9 +309,11 @@ class Reconciler:
                 routing = routes_for_gateway(gw, routes, pools, services, grants, endpoints, namespaces)
                 if self.config.epp_address_mode == "pod-ip":
                     routing = self._epp_via_pods(routing, services, pods)
+                previous = self.kube.get(CONFIGMAP, naming.envoy_name(gw), naming.namespace_of(gw))
                 applied = [self.kube.apply(o) for o in
                            desired_envoy_objects(gw, render_config(gw, routing), self.config.envoy_image,
-                                                 self.config.envoy_service_type)]
+                                                 self.config.envoy_service_type,
+                                                 previous if naming.is_owned_by(previous, gw) else None)]
                 deployment = next(o for o in applied if o.get("kind") == "Deployment")
                 service = next(o for o in applied if o.get("kind") == "Service")
                 self.kube.patch_status(gw, gateway_status(gw, deployment, service, routing))

@@ -85,6 +85,40 @@ def test_samples_render_valid_envoy_and_objects(samples, tmp_path):
     assert g.render_config(samples["Gateway"], _route(docs, samples["Gateway"])) == config
 
 
+def test_clusters_linger_after_their_routes_go(samples, conformance):
+    """A cluster the new config drops stays in cds.yaml for CLUSTER_LINGER_S (its routes go at once), so that
+    streams in flight on it finish: Envoy resets the streams of a cluster it removes."""
+    docs = [samples[k] for k in ("Gateway", "HTTPRoute", "InferencePool")]
+    docs += p.desired_epp_objects(samples["InferencePool"], IMAGE)
+    gateway = samples["Gateway"]
+    with_pool = g.desired_envoy_objects(gateway, g.render_config(gateway, _route(docs, gateway)), IMAGE, now=1000.0)
+    pool_clusters = {c["name"] for c in json.loads(with_pool[0]["data"][CDS_FILE])["resources"]}
+    assert pool_clusters and "annotations" not in with_pool[0]["metadata"]
+
+    without = g.render_config(gateway, _route([gateway], gateway))  # the pool and the route are gone
+    assert not without[CDS_FILE]["resources"]
+    first = g.desired_envoy_objects(gateway, without, IMAGE, previous_config_map=with_pool[0], now=1000.0)
+    cm = first[0]
+    kept = {c["name"]: c for c in json.loads(cm["data"][CDS_FILE])["resources"]}
+    assert set(kept) == pool_clusters
+    assert json.loads(cm["metadata"]["annotations"][g.RETIRED_ANNOTATION]) == {
+        n: 1000.0 + g.CLUSTER_LINGER_S for n in pool_clusters}
+    assert cm["data"]["rds-8080.yaml"] == g.desired_envoy_objects(gateway, without, IMAGE)[0]["data"]["rds-8080.yaml"]
+    assert first[1] == with_pool[1]  # the Deployment (and its config digest) does not change
+
+    # Later reconciles keep the first deadline, and drop the clusters once it has passed.
+    again = g.desired_envoy_objects(gateway, without, IMAGE, previous_config_map=cm, now=1020.0)
+    assert again[0] == cm
+    gone = g.desired_envoy_objects(gateway, without, IMAGE, previous_config_map=cm, now=1000.0 + g.CLUSTER_LINGER_S)
+    assert not json.loads(gone[0]["data"][CDS_FILE])["resources"] and "annotations" not in gone[0]["metadata"]
+    # A cluster that comes back is simply wanted again; a previous ConfigMap that is not JSON is ignored.
+    back = g.desired_envoy_objects(gateway, g.render_config(gateway, _route(docs, gateway)), IMAGE,
+                                   previous_config_map=cm, now=1010.0)
+    assert back[0] == with_pool[0]
+    junk = {**cm, "data": {CDS_FILE: "not: [json"}}
+    assert g.desired_envoy_objects(gateway, without, IMAGE, previous_config_map=junk, now=1.0)[0] == gone[0]
+
+
 def test_invalid_pool_ref_is_backend_not_found(conformance, tmp_path):
     docs = conformance("httproute_invalid_inferencepool_ref.yaml")
     routing = _route(docs, _gw(docs, "conformance-primary"))
