@@ -35,7 +35,9 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--resync-seconds", type=float, default=15.0,
                    help="reconcile everything again this often (default %(default)s)")
     p.add_argument("--liveness-port", type=int, default=None,
-                   help="serve kopf's liveness probe at http://0.0.0.0:PORT/healthz (default: off)")
+                   help="serve kopf's liveness probe at http://HOST:PORT/healthz (default: off)")
+    p.add_argument("--liveness-host", default="0.0.0.0",
+                   help="address of the liveness endpoint (default %(default)s: every interface of the pod)")
     p.set_defaults(func=run_operator)
     return p
 
@@ -53,7 +55,7 @@ def run_operator(args: argparse.Namespace) -> int:
                             envoy_service_type=args.envoy_service_type, resync_s=args.resync_seconds)
     reconciler = Reconciler(Kube(), config)
     registry = register(kopf.OperatorRegistry(), reconciler)
-    liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    liveness = f"http://{args.liveness_host}:{args.liveness_port}/healthz" if args.liveness_port else None
     try:
         kopf.run(registry=registry, standalone=True, clusterwide=args.namespace is None,
                  namespaces=[args.namespace] if args.namespace else (), liveness_endpoint=liveness)

@@ -1,0 +1,151 @@
+"""`helm install` of charts/kvgate through the Helm SDK against the rig: the chart's operator runs as a pod (the
+rig runs the kvgate image as the local `kvgate` command), with the chart's ServiceAccount and least-privilege
+RBAC against an API server that enforces RBAC; then crds/samples/ come up as with the operator run by hand:
+engine pods, EPP and Envoy Ready, a completion through the Gateway's address, the pool Accepted and
+ResolvedRefs. `helm uninstall` removes the operator.
+
+The rig is Kubernetes 1.20: the chart's CRDs use CEL rules it does not know, so the test installs their 1.20
+copies first (as a cluster admin installs CRDs ahead of a chart) and installs a copy of the chart without its
+crds/ folder — what `helm install --skip-crds` does; the SDK's install has no such switch, and Helm's
+server-side apply would otherwise re-apply the CEL rules. The Gateway API CRDs are the chart's documented
+prerequisite.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from k8srig import crds
+from k8srig.kube import CORE, DEPLOYMENT, delete_namespace, load_documents, wait_for
+
+pytestmark = pytest.mark.e2e
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed")
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "kvgate"
+GATEWAY_API = REPO.parent / "shared" / "reference" / "gateway-api"
+
+
+def is_ready(pod: dict) -> bool:
+    return (not pod["metadata"].get("deletionTimestamp") and bool(pod.get("status", {}).get("podIP"))
+            and any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or []))
+
+
+def condition_status(conditions: list[dict] | None, type_: str) -> str | None:
+    return next((c["status"] for c in conditions or [] if c["type"] == type_), None)
+
+
+def test_helm_install_runs_the_operator_and_the_samples(k8s, tmp_path):
+    if not getattr(k8s, "local", False):
+        pytest.skip("the rig runs the chart's operator pod with the local kvgate")
+    if not GATEWAY_API.is_dir():
+        pytest.skip(f"upstream Gateway API CRDs not found at {GATEWAY_API}")
+    client = k8s.client
+    t0 = time.monotonic()
+
+    def mark(what: str) -> None:
+        print(f"[helm-e2e] {time.monotonic() - t0:6.1f}s {what}", flush=True)
+
+    crds.install(client, sorted((CHART / "crds").glob("*.yaml")) + sorted(GATEWAY_API.glob("*.crd.yaml")))
+    chart = shutil.copytree(CHART, tmp_path / "kvgate", ignore=shutil.ignore_patterns("crds"))
+    suffix = secrets.token_hex(2)
+    release, ns, class_name = "kvgate", f"e2e-helm-{suffix}", f"kvgate-helm-{suffix}"
+    values = {
+        "image": {"repository": "ghcr.io/kvgate/kvgate", "tag": "latest"},
+        "operator": {"eppAddressMode": "pod-ip", "resyncSeconds": 10},
+        "gatewayClass": {"name": class_name},
+        "logLevel": "info",
+    }
+    config = helm.Config(kubeconfig_path=str(k8s.kubeconfig), namespace=ns)
+    pool_res = client.resource_for("inference.networking.k8s.io/v1", "InferencePool", wait_s=30)
+    gw_res = client.resource_for("gateway.networking.k8s.io/v1", "Gateway", wait_s=30)
+    gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
+    installed = False
+    try:
+        release_info = config.install(str(chart), release, values, namespace=ns, create_namespace=True, timeout=120)
+        installed = True
+        mark(f"helm install: release {release} in {ns} ({len(str(release_info.get('manifest', '')))} bytes of manifest)")
+
+        def pods(selector: str) -> list[dict]:
+            return client.list(CORE["Pod"], ns, labelSelector=selector)["items"]
+
+        operator_selector = "app.kubernetes.io/component=operator"
+        wait_for(lambda: any(is_ready(p) for p in pods(operator_selector)), timeout_s=90,
+                 what="the operator pod Ready (kopf liveness endpoint answering)")
+        mark("operator pod Ready")
+        wait_for(lambda: condition_status((client.get(gc_res, class_name).get("status") or {}).get("conditions"),
+                                          "Accepted") == "True", timeout_s=60,
+                 what="the chart's GatewayClass Accepted by the operator in its pod")
+        mark("GatewayClass Accepted")
+
+        for f in sorted((REPO / "crds" / "samples").glob("*.yaml")):
+            for doc in load_documents(f.read_text()):
+                if doc["kind"] == "GatewayClass":
+                    continue  # the chart made one
+                doc["metadata"]["namespace"] = ns
+                if doc["kind"] == "Gateway":
+                    doc["spec"]["gatewayClassName"] = class_name
+                client.apply(doc)
+        mark("samples applied")
+
+        wait_for(lambda: sum(is_ready(p) for p in pods("app=demo-llm")) == 2, timeout_s=120,
+                 what="2 engine pods Ready")
+        for name in ("demo-pool-epp", "inference-gateway-envoy"):
+            wait_for(lambda: ((client.get_or_none(DEPLOYMENT, name, ns) or {}).get("status") or {})
+                     .get("readyReplicas", 0) >= 1, timeout_s=90, what=f"Deployment {name} Ready")
+        mark("engine pods, EPP and Envoy Ready")
+
+        def gateway_address() -> str | None:
+            gw = client.get(gw_res, "inference-gateway", ns)
+            addresses = (gw.get("status") or {}).get("addresses") or []
+            return addresses[0]["value"] if addresses else None
+        address = wait_for(gateway_address, timeout_s=60, what="the Gateway's address")
+        engine_ips = {p["status"]["podIP"] for p in pods("app=demo-llm") if is_ready(p)}
+        served = []
+
+        def completion_served() -> bool:
+            try:
+                r = httpx.post(f"http://{address}:8080/v1/completions", timeout=10,
+                               json={"model": "demo", "prompt": "Hello", "max_tokens": 4})
+            except httpx.HTTPError:
+                return False
+            if r.status_code == 200 and "x-kvgate-endpoint" in r.headers:
+                served.append(r.headers["x-kvgate-endpoint"])
+                return True
+            return False
+        wait_for(completion_served, timeout_s=60, interval_s=1, what="a completion through the Gateway address")
+        assert served[-1].rsplit(":", 1)[0] in engine_ips
+        mark(f"completion served through {address}:8080 by {served[-1]}")
+
+        def pool_parent_ok() -> bool:
+            parents = (client.get(pool_res, "demo-pool", ns).get("status") or {}).get("parents") or []
+            entry = next((p for p in parents if p["parentRef"]["name"] == "inference-gateway"), None)
+            return bool(entry) and all(condition_status(entry["conditions"], t) == "True"
+                                       for t in ("Accepted", "ResolvedRefs"))
+        wait_for(pool_parent_ok, timeout_s=30, what="InferencePool Accepted and ResolvedRefs for the Gateway")
+        mark("pool status Accepted + ResolvedRefs")
+
+        # The chart's RBAC was enough for everything the operator did: its log has no refusal.
+        if getattr(k8s, "dir", None):
+            logs = list((Path(k8s.dir) / "runner" / "pods").glob(f"{ns}_{release}-*/operator.log"))
+            assert logs, "operator container log not found"
+            text = "\n".join(p.read_text(errors="replace") for p in logs)
+            assert "403" not in text and "Forbidden" not in text and "forbidden" not in text, text[-3000:]
+
+        config.uninstall(release, timeout=60)
+        installed = False
+        wait_for(lambda: not pods(operator_selector), timeout_s=60, what="the operator pod gone after helm uninstall")
+        assert not client.list(DEPLOYMENT, ns, labelSelector=operator_selector)["items"]
+        assert client.get_or_none(gc_res, class_name) is None
+        mark("helm uninstall removed the operator")
+    finally:
+        if installed:
+            config.uninstall(release, timeout=60, ignore_not_found=True)
+        config.close()
+        client.delete(gc_res, class_name)
+        delete_namespace(client, ns, timeout_s=120)
