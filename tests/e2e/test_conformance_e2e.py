@@ -11,21 +11,15 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
-from k8srig import crds
 from k8srig.kube import CORE, delete_namespace
+from operator_run import GATEWAY_API, KVGATE, install_crds, print_log_tail, start_operator, stop_operator
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[2]
-GATEWAY_API = REPO.parent / "shared" / "reference" / "gateway-api"
-KVGATE = str(Path(sys.executable).parent / "kvgate")
 SUITE_TIMEOUT_S = 900
 
 
@@ -35,7 +29,7 @@ def test_conformance_suite_passes_on_the_rig(k8s, tmp_path):
     if not GATEWAY_API.is_dir():
         pytest.skip(f"upstream Gateway API CRDs not found at {GATEWAY_API}")
     client = k8s.client
-    crds.install(client, sorted((REPO / "crds").glob("*.yaml")) + sorted(GATEWAY_API.glob("*.crd.yaml")))
+    install_crds(client)
     gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
     class_name = f"kvgate-conformance-{secrets.token_hex(2)}"
     env = dict(os.environ, KUBECONFIG=str(k8s.kubeconfig), PYTHONUNBUFFERED="1")
@@ -43,9 +37,7 @@ def test_conformance_suite_passes_on_the_rig(k8s, tmp_path):
     operator = None
     t0 = time.monotonic()
     try:
-        with open(operator_log, "wb") as log:
-            operator = subprocess.Popen([KVGATE, "operator", "--epp-address-mode", "pod-ip", "--resync-seconds", "10"],
-                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        operator = start_operator(k8s.kubeconfig, operator_log)
         client.apply({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
                       "metadata": {"name": class_name},
                       "spec": {"controllerName": "kvgate.dev/gateway-controller"}})
@@ -68,17 +60,10 @@ def test_conformance_suite_passes_on_the_rig(k8s, tmp_path):
         assert suite.returncode == 0
         assert operator.poll() is None, "the operator exited"
     except BaseException:
-        if operator_log.exists():
-            print("--- operator log (tail):\n" + operator_log.read_text()[-6000:])
+        print_log_tail(operator_log)
         raise
     finally:
-        if operator is not None and operator.poll() is None:
-            os.killpg(operator.pid, signal.SIGTERM)
-            try:
-                operator.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(operator.pid, signal.SIGKILL)
-                operator.wait(timeout=5)
+        stop_operator(operator)
         client.delete(gc_res, class_name)
         for ns in ("inference-conformance-infra", "inference-conformance-app-backend"):
             if client.get_or_none(CORE["Namespace"], ns) is not None:

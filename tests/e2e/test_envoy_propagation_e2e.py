@@ -19,32 +19,21 @@ failed, and no config update rejected.
 from __future__ import annotations
 
 import copy
-import os
 import secrets
-import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from k8srig import crds, objects
-from k8srig.kube import CORE, DEPLOYMENT, load_documents, wait_default_service_account, wait_for
+from k8srig import objects
+from k8srig.kube import CORE, DEPLOYMENT, wait_default_service_account, wait_for
+from operator_run import GATEWAY_API, install_crds, is_ready, print_log_tail, start_operator, stop_operator
+from operator_run import samples as sample_docs
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[2]
-GATEWAY_API = REPO.parent / "shared" / "reference" / "gateway-api"
-KVGATE = str(Path(sys.executable).parent / "kvgate")
 ENVOY_SELECTOR = "app.kubernetes.io/name=kvgate-gateway,app.kubernetes.io/instance=inference-gateway"
 ADMIN_PORT = 19000  # kvgate.operator.gateway.ADMIN_PORT: on the rig, the pod's own address
 UNRESOLVED_PATH = "/kvgate-e2e/unresolved"
-
-
-def is_ready(pod: dict) -> bool:
-    return (not pod["metadata"].get("deletionTimestamp") and bool(pod.get("status", {}).get("podIP"))
-            and any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or []))
 
 
 def propagation_s(since: float, check, written=lambda: True, timeout_s: float = 60.0,
@@ -69,16 +58,11 @@ def test_route_and_pool_changes_reach_envoy_in_place(k8s, tmp_path):
     if not GATEWAY_API.is_dir():
         pytest.skip(f"upstream Gateway API CRDs not found at {GATEWAY_API}")
     client = k8s.client
-    crds.install(client, sorted((REPO / "crds").glob("*.yaml")) + sorted(GATEWAY_API.glob("*.crd.yaml")))
+    install_crds(client)
     ns = f"e2e-envoy-prop-{secrets.token_hex(2)}"
     client.create(CORE["Namespace"], objects.namespace(ns))
-    samples = {}
-    for f in sorted((REPO / "crds" / "samples").glob("*.yaml")):
-        for doc in load_documents(f.read_text()):
-            samples[doc["kind"]] = doc
-    gatewayclass = samples.pop("GatewayClass")
-    gatewayclass["metadata"]["name"] = class_name = f"kvgate-{ns}"  # cluster-scoped: unique to this test
-    samples["Gateway"]["spec"]["gatewayClassName"] = class_name
+    class_name = f"kvgate-{ns}"
+    samples = sample_docs(ns, class_name)
     gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
     route_res = client.resource_for("gateway.networking.k8s.io/v1", "HTTPRoute", wait_s=30)
     pool_res = client.resource_for("inference.networking.k8s.io/v1", "InferencePool", wait_s=30)
@@ -88,14 +72,8 @@ def test_route_and_pool_changes_reach_envoy_in_place(k8s, tmp_path):
     stop_load = threading.Event()
     try:
         wait_default_service_account(client, ns, token=True)
-        with open(log_path, "wb") as log:
-            operator = subprocess.Popen(
-                [KVGATE, "operator", "--epp-address-mode", "pod-ip", "--resync-seconds", "10"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env=dict(os.environ, KUBECONFIG=str(k8s.kubeconfig), PYTHONUNBUFFERED="1"))
-        client.apply(gatewayclass)
-        for kind in ("InferencePool", "ModelServer", "Gateway", "HTTPRoute"):
-            samples[kind]["metadata"]["namespace"] = ns
+        operator = start_operator(k8s.kubeconfig, log_path)
+        for kind in ("GatewayClass", "InferencePool", "ModelServer", "Gateway", "HTTPRoute"):
             client.apply(samples[kind])
 
         def pods(selector: str) -> list[dict]:
@@ -223,16 +201,10 @@ def test_route_and_pool_changes_reach_envoy_in_place(k8s, tmp_path):
                           for what, (s, w) in times.items()), flush=True)
         assert operator.poll() is None, "the operator exited"
     except BaseException:
-        print(f"--- operator log ({log_path}):\n" + log_path.read_text()[-6000:] if log_path.exists() else "")
+        print_log_tail(log_path)
         raise
     finally:
         stop_load.set()
-        if operator is not None and operator.poll() is None:
-            os.killpg(operator.pid, signal.SIGTERM)
-            try:
-                operator.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(operator.pid, signal.SIGKILL)
-                operator.wait(timeout=5)
+        stop_operator(operator)
         client.delete(gc_res, class_name)
         client.delete(CORE["Namespace"], ns)

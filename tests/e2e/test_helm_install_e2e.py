@@ -21,23 +21,13 @@ from pathlib import Path
 import httpx
 import pytest
 from k8srig import crds
-from k8srig.kube import CORE, DEPLOYMENT, delete_namespace, load_documents, wait_for
+from k8srig.kube import CORE, DEPLOYMENT, delete_namespace, wait_for
+from operator_run import GATEWAY_API, REPO, condition_status, is_ready, samples
 
 pytestmark = pytest.mark.e2e
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed")
 
-REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvgate"
-GATEWAY_API = REPO.parent / "shared" / "reference" / "gateway-api"
-
-
-def is_ready(pod: dict) -> bool:
-    return (not pod["metadata"].get("deletionTimestamp") and bool(pod.get("status", {}).get("podIP"))
-            and any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or []))
-
-
-def condition_status(conditions: list[dict] | None, type_: str) -> str | None:
-    return next((c["status"] for c in conditions or [] if c["type"] == type_), None)
 
 
 def test_helm_install_runs_the_operator_and_the_samples(k8s, tmp_path):
@@ -83,13 +73,8 @@ def test_helm_install_runs_the_operator_and_the_samples(k8s, tmp_path):
                  what="the chart's GatewayClass Accepted by the operator in its pod")
         mark("GatewayClass Accepted")
 
-        for f in sorted((REPO / "crds" / "samples").glob("*.yaml")):
-            for doc in load_documents(f.read_text()):
-                if doc["kind"] == "GatewayClass":
-                    continue  # the chart made one
-                doc["metadata"]["namespace"] = ns
-                if doc["kind"] == "Gateway":
-                    doc["spec"]["gatewayClassName"] = class_name
+        for kind, doc in samples(ns, class_name).items():
+            if kind != "GatewayClass":  # the chart made one
                 client.apply(doc)
         mark("samples applied")
 

@@ -8,36 +8,21 @@ no kube-proxy, so Envoy must reach the EPP by its pod IP rather than its Service
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import pytest
-from k8srig import crds, objects
-from k8srig.kube import CORE, DEPLOYMENT, ApiError, load_documents, wait_default_service_account, wait_for
+from k8srig import objects
+from k8srig.kube import CORE, DEPLOYMENT, ApiError, wait_default_service_account, wait_for
+from operator_run import (GATEWAY_API, condition_status, install_crds, is_ready, print_log_tail, samples,
+                          start_operator, stop_operator)
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[2]
-GATEWAY_API = REPO.parent / "shared" / "reference" / "gateway-api"
-KVGATE = str(Path(sys.executable).parent / "kvgate")
 MANAGED = "app.kubernetes.io/managed-by=kvgate-operator"
-
-
-def is_ready(pod: dict) -> bool:
-    return (not pod["metadata"].get("deletionTimestamp") and bool(pod.get("status", {}).get("podIP"))
-            and any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or []))
-
-
-def condition_status(conditions: list[dict] | None, type_: str) -> str | None:
-    return next((c["status"] for c in conditions or [] if c["type"] == type_), None)
 
 
 def test_operator_runs_the_samples(k8s, tmp_path):
@@ -53,17 +38,12 @@ def test_operator_runs_the_samples(k8s, tmp_path):
         timings[what] = time.monotonic() - t0
         print(f"[operator-e2e] {timings[what]:6.1f}s {what}", flush=True)
 
-    crds.install(client, sorted((REPO / "crds").glob("*.yaml")) + sorted(GATEWAY_API.glob("*.crd.yaml")))
+    install_crds(client)
     mark("CRDs installed")
     ns = f"e2e-operator-{secrets.token_hex(2)}"
     client.create(CORE["Namespace"], objects.namespace(ns))
-    samples = {}
-    for f in sorted((REPO / "crds" / "samples").glob("*.yaml")):
-        for doc in load_documents(f.read_text()):
-            samples[doc["kind"]] = doc
-    gatewayclass = samples.pop("GatewayClass")
-    gatewayclass["metadata"]["name"] = class_name = f"kvgate-{ns}"  # cluster-scoped: unique to this test
-    samples["Gateway"]["spec"]["gatewayClassName"] = class_name
+    class_name = f"kvgate-{ns}"
+    docs = samples(ns, class_name)
     ms_res = client.resource_for("kvgate.dev/v1alpha1", "ModelServer", wait_s=30)
     pool_res = client.resource_for("inference.networking.k8s.io/v1", "InferencePool", wait_s=30)
     gw_res = client.resource_for("gateway.networking.k8s.io/v1", "Gateway", wait_s=30)
@@ -77,17 +57,10 @@ def test_operator_runs_the_samples(k8s, tmp_path):
     operator = None
     try:
         wait_default_service_account(client, ns, token=True)
-        with open(log_path, "wb") as log:
-            operator = subprocess.Popen(
-                [KVGATE, "operator", "--epp-address-mode", "pod-ip", "--resync-seconds", "10"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env=dict(os.environ, KUBECONFIG=str(k8s.kubeconfig), PYTHONUNBUFFERED="1"))
-        client.apply(gatewayclass)
-        for kind in ("InferencePool", "ModelServer", "InferenceObjective", "InferenceModelRewrite", "Gateway",
-                     "HTTPRoute"):
-            doc = samples[kind]
-            doc["metadata"]["namespace"] = ns
-            client.apply(doc)
+        operator = start_operator(k8s.kubeconfig, log_path)
+        for kind in ("GatewayClass", "InferencePool", "ModelServer", "InferenceObjective", "InferenceModelRewrite",
+                     "Gateway", "HTTPRoute"):
+            client.apply(docs[kind])
         mark("operator started, samples applied")
 
         def pods(selector: str) -> list[dict]:
@@ -321,16 +294,10 @@ def test_operator_runs_the_samples(k8s, tmp_path):
         mark("everything the operator made is gone")
         assert operator.poll() is None, "the operator exited"
     except BaseException:
-        print(f"--- operator log ({log_path}):\n" + log_path.read_text()[-6000:] if log_path.exists() else "")
+        print_log_tail(log_path)
         raise
     finally:
-        if operator is not None and operator.poll() is None:
-            os.killpg(operator.pid, signal.SIGTERM)
-            try:
-                operator.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(operator.pid, signal.SIGKILL)
-                operator.wait(timeout=5)
+        stop_operator(operator)
         client.delete(gc_res, class_name)
         client.delete(CORE["Namespace"], ns)
     print(f"[operator-e2e] operator log: {log_path}; timings: "

@@ -1,0 +1,72 @@
+"""What the operator's e2e tests share: the CRDs, the samples, and `kvgate operator` as a local process.
+
+The operator runs next to the rig with the rig's kubeconfig and `--epp-address-mode pod-ip` (the rig has no
+Service DNS, so Envoy reaches a pool's EPP by its pod IP).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from k8srig import crds
+from k8srig.kube import load_documents
+
+REPO = Path(__file__).resolve().parents[2]
+GATEWAY_API = REPO.parent / "shared" / "reference" / "gateway-api"
+KVGATE = str(Path(sys.executable).parent / "kvgate")
+
+
+def is_ready(pod: dict) -> bool:
+    return (not pod["metadata"].get("deletionTimestamp") and bool(pod.get("status", {}).get("podIP"))
+            and any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or []))
+
+
+def condition_status(conditions: list[dict] | None, type_: str) -> str | None:
+    return next((c["status"] for c in conditions or [] if c["type"] == type_), None)
+
+
+def install_crds(client, ours: Path = REPO / "crds") -> None:
+    """Our CRDs and the upstream Gateway API CRDs, as the rig's 1.20 takes them."""
+    crds.install(client, sorted(ours.glob("*.yaml")) + sorted(GATEWAY_API.glob("*.crd.yaml")))
+
+
+def samples(namespace: str, class_name: str) -> dict[str, dict]:
+    """crds/samples/ by kind, in `namespace`, the GatewayClass named `class_name` (cluster-scoped: unique to
+    a test) and the Gateway of that class."""
+    docs = {}
+    for f in sorted((REPO / "crds" / "samples").glob("*.yaml")):
+        for doc in load_documents(f.read_text()):
+            docs[doc["kind"]] = doc
+    for kind, doc in docs.items():
+        if kind == "GatewayClass":
+            doc["metadata"]["name"] = class_name
+        else:
+            doc["metadata"]["namespace"] = namespace
+    docs["Gateway"]["spec"]["gatewayClassName"] = class_name
+    return docs
+
+
+def start_operator(kubeconfig: Path, log_path: Path, *extra_args: str) -> subprocess.Popen:
+    with open(log_path, "wb") as log:
+        return subprocess.Popen([KVGATE, "operator", "--epp-address-mode", "pod-ip", "--resync-seconds", "10",
+                                 *extra_args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1"))
+
+
+def stop_operator(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+
+
+def print_log_tail(log_path: Path, chars: int = 6000) -> None:
+    if log_path.exists():
+        print(f"--- operator log ({log_path}):\n" + log_path.read_text(errors="replace")[-chars:])
