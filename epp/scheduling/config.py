@@ -126,12 +126,14 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
     if not isinstance(doc, Mapping):
         raise ConfigError(f"{source}: expected a mapping (an EndpointPickerConfig), got {type(doc).__name__}")
     _check_header(doc, source)
-    response_plugins = [p for p in doc.get("plugins") or [] if isinstance(p, Mapping)
-                        and p.get("type") in RESPONSE_PLUGIN_TYPES]
+    specs, response_plugins = doc.get("plugins"), []
+    if isinstance(specs, list):
+        is_response = [isinstance(p, Mapping) and p.get("type") in RESPONSE_PLUGIN_TYPES for p in specs]
+        response_plugins = [p for p, r in zip(specs, is_response) if r]
+        specs = [p for p, r in zip(specs, is_response) if not r]
     for spec in response_plugins:
         _check_fields(spec, {"type", "name", "parameters"}, f"{source}: plugins ({spec['type']})")
-    plugins = _build_plugins([p for p in doc.get("plugins") or [] if not any(p is r for r in response_plugins)]
-                             if response_plugins else doc.get("plugins"), source)
+    plugins = _build_plugins(specs, source)
     profiles = _build_profiles(doc.get("schedulingProfiles"), plugins, source)
     saturation = _saturation(doc.get("saturationDetector"), source)
     return EppConfig(scheduler=SchedulerConfig(profiles=profiles, plugins=plugins), saturation=saturation,

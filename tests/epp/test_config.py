@@ -63,6 +63,21 @@ def test_default_config():
     assert (s.queue_depth_threshold, s.kv_cache_util_threshold, s.metrics_staleness_threshold) == (5, 0.8, None)
 
 
+def test_served_endpoint_verifier_is_a_response_plugin():
+    assert default_config().report_served_endpoint  # the conformance hook, as the header filter
+    without = parse_config(HEADER + "plugins:\n- type: queue-scorer\n")
+    assert not without.report_served_endpoint
+    with_it = parse_config(HEADER + "plugins:\n- type: destination-endpoint-served-verifier\n- type: queue-scorer\n")
+    assert with_it.report_served_endpoint and profile_summary(with_it)[1] == [("queue-scorer", 1.0)]
+    with pytest.raises(ConfigError, match="unknown field"):
+        parse_config(HEADER + "plugins:\n- type: destination-endpoint-served-verifier\n  weight: 2\n"
+                              "- type: queue-scorer\n")
+    with pytest.raises(ConfigError, match="names no plugin"):  # it is no scheduling plugin
+        parse_config(HEADER + "plugins:\n- type: destination-endpoint-served-verifier\n- type: queue-scorer\n"
+                              "schedulingProfiles:\n- name: p\n  plugins:\n"
+                              "  - pluginRef: destination-endpoint-served-verifier\n")
+
+
 def test_full_upstream_style_file(tmp_path):
     path = tmp_path / "epp.yaml"
     path.write_text(FULL)
