@@ -111,6 +111,14 @@ def test_bad_probe_type_fails_render():
         render({"probes": {"type": "grpc"}})
 
 
+def test_sample_pool_outside_the_watched_namespaces_fails_render():
+    """Namespaced mode: a sample pool in an unwatched release namespace would never be reconciled."""
+    with pytest.raises(helm.HelmRenderError, match="watchNamespaces"):
+        render({"samplePool": {"enabled": True}, "watchNamespaces": ["team-a"]})
+    objects = render({"samplePool": {"enabled": True}, "watchNamespaces": ["team-a", NAMESPACE]})
+    assert kinds(objects)["InferencePool"] == 1 and kinds(objects)["Deployment"] == 2
+
+
 # --- validity of every object ------------------------------------------------------------------------------
 
 
