@@ -17,19 +17,15 @@ import time
 import pytest
 import yaml
 from k8srig.kube import CORE, delete_namespace
-from operator_run import GATEWAY_API, KVGATE, install_crds, print_log_tail, start_operator, stop_operator
+from operator_run import KVGATE, install_crds, print_log_tail, start_operator, stop_operator
 
 pytestmark = pytest.mark.e2e
 SUITE_TIMEOUT_S = 900
 
 
 def test_conformance_suite_passes_on_the_rig(k8s, tmp_path):
-    if not getattr(k8s, "local", False):
-        pytest.skip("runs the operator as a local process next to the rig")
-    if not GATEWAY_API.is_dir():
-        pytest.skip(f"upstream Gateway API CRDs not found at {GATEWAY_API}")
     client = k8s.client
-    install_crds(client)
+    install_crds(k8s)
     gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
     class_name = f"kvgate-conformance-{secrets.token_hex(2)}"
     env = dict(os.environ, KUBECONFIG=str(k8s.kubeconfig), PYTHONUNBUFFERED="1")

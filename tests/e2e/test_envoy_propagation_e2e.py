@@ -27,7 +27,7 @@ import httpx
 import pytest
 from k8srig import objects
 from k8srig.kube import CORE, DEPLOYMENT, wait_default_service_account, wait_for
-from operator_run import GATEWAY_API, install_crds, is_ready, print_log_tail, start_operator, stop_operator
+from operator_run import install_crds, is_ready, print_log_tail, start_operator, stop_operator
 from operator_run import samples as sample_docs
 
 pytestmark = pytest.mark.e2e
@@ -53,12 +53,8 @@ def propagation_s(since: float, check, written=lambda: True, timeout_s: float = 
 
 
 def test_route_and_pool_changes_reach_envoy_in_place(k8s, tmp_path):
-    if not getattr(k8s, "local", False):
-        pytest.skip("runs the operator as a local process next to the rig")
-    if not GATEWAY_API.is_dir():
-        pytest.skip(f"upstream Gateway API CRDs not found at {GATEWAY_API}")
     client = k8s.client
-    install_crds(client)
+    install_crds(k8s)
     ns = f"e2e-envoy-prop-{secrets.token_hex(2)}"
     client.create(CORE["Namespace"], objects.namespace(ns))
     class_name = f"kvgate-{ns}"

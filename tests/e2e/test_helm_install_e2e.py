@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from k8srig import crds, objects
+from k8srig import objects
 from k8srig.kube import CORE, DEPLOYMENT, delete_namespace, wait_default_service_account, wait_for
-from operator_run import GATEWAY_API, REPO, condition_status, is_ready, samples
+from operator_run import REPO, condition_status, install_crds, is_ready, samples
 
 pytestmark = pytest.mark.e2e
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed")
@@ -37,17 +37,13 @@ RELEASE = "kvgate"
 
 @pytest.mark.parametrize("mode", ["all-namespaces", "namespaced"])
 def test_helm_install_runs_the_operator_and_the_samples(k8s, tmp_path, mode):
-    if not getattr(k8s, "local", False):
-        pytest.skip("the rig runs the chart's operator pod with the local kvgate")
-    if not GATEWAY_API.is_dir():
-        pytest.skip(f"upstream Gateway API CRDs not found at {GATEWAY_API}")
     client = k8s.client
     t0 = time.monotonic()
 
     def mark(what: str) -> None:
         print(f"[helm-e2e {mode}] {time.monotonic() - t0:6.1f}s {what}", flush=True)
 
-    crds.install(client, sorted((CHART / "crds").glob("*.yaml")) + sorted(GATEWAY_API.glob("*.crd.yaml")))
+    install_crds(k8s, CHART / "crds")
     chart = shutil.copytree(CHART, tmp_path / "kvgate", ignore=shutil.ignore_patterns("crds"))  # --skip-crds
     suffix = secrets.token_hex(2)
     release_ns, class_name = f"e2e-helm-{suffix}", f"kvgate-helm-{suffix}"  # a GatewayClass is cluster-scoped
