@@ -19,9 +19,10 @@ from kvgate.conformance.checks import (expect, pods_with_labels, pool_must_be_ac
 from kvgate.conformance.cluster import ConformanceError, wait_until
 from kvgate.conformance.suite import Context, conformance_test
 from kvgate.conformance.traffic import TEST_ENDPOINT_SELECTION, Request, completion
+from kvgate.epp.protocol import SERVED_TEST_HEADER
 
 NS = res.APP_BACKEND_NS
-SERVED_HEADER = "x-conformance-test-served-endpoint"
+SERVED_HEADER = SERVED_TEST_HEADER
 MODEL_SERVER_REPLICAS = 3  # upstream's resources.ModelServerPodReplicas
 PROMPT_GMO = "Answer with no disclaimers: What are the advantages and disadvantages of genetically modified food?"
 PROMPT_SF = "Write as if you were a critic: San Francisco"

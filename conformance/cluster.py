@@ -19,6 +19,7 @@ from typing import Callable
 
 import yaml
 
+from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
 from kvgate.operator.apply import KINDS, ApiError, Kind, Kube, kind_for
 
 FIELD_MANAGER = "kvgate-conformance"
@@ -67,7 +68,7 @@ def prepare(doc: dict, gateway_class: str, epp_image: str | None, grpc_probes: b
             c["image"] = epp_image
             c["command"] = ["kvgate", "epp"]
             # Upstream's EPP listens on every interface by default; ours on loopback unless told.
-            c["args"] = [*(c.get("args") or []), "--grpc-host", "0.0.0.0"]
+            c["args"] = [*(c.get("args") or []), "--grpc-host", "0.0.0.0", "--config-text", CONFORMANCE_EPP_CONFIG]
             c.pop("imagePullPolicy", None)
         if not grpc_probes:
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):

@@ -15,9 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvgate.conformance.cluster import ConformanceError
-
-# Headers the EPP is steered by in the conformance suite (upstream's names).
-TEST_ENDPOINT_SELECTION = "test-epp-endpoint-selection"
+from kvgate.epp.protocol import TEST_ENDPOINT_SELECTION_HEADER as TEST_ENDPOINT_SELECTION
 
 
 @dataclass(frozen=True)

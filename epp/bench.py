@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from kvgate.epp.protocol import DESTINATION_HEADER
 from kvgate.processes import free_port, start_group, stop_group, wait_http_ok
 
 
@@ -78,7 +79,7 @@ def measure_added_latency(n: int, rate: float) -> dict:
         wait_http_ok(f"http://127.0.0.1:{direct_admin}/ready", 120)
         time.sleep(0.5)  # first scrapes
         warm = 20
-        direct_header = {"x-gateway-destination-endpoint": endpoint}
+        direct_header = {DESTINATION_HEADER: endpoint}
         asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", warm, rate, {}, "warm-epp"))
         asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", warm, rate, direct_header, "warm-direct"))
         via_epp = asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", n, rate, {}, "epp"))

@@ -6,9 +6,8 @@ import random
 import time
 from dataclasses import dataclass
 
+from kvgate.epp.protocol import OBJECTIVE_HEADER
 from kvgate.epp.types import EndpointState, LLMRequest
-
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
 
 class RoutingError(Exception):

@@ -24,19 +24,13 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvgate.epp.director import Director, RoutingError
+from kvgate.epp.protocol import (DESTINATION_HEADER, DESTINATION_NAMESPACE as LB_NAMESPACE, SERVED_KEY, SERVED_MISSING,
+                                 SERVED_TEST_HEADER, SUBSET_KEY, SUBSET_NAMESPACE)
 from kvgate.epp.request_parsing import BadRequest, parse_request
 from kvgate.epp.types import LLMRequest
 
 log = logging.getLogger(__name__)
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-LB_NAMESPACE = "envoy.lb"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
-SERVED_TEST_HEADER = "x-conformance-test-served-endpoint"
-# What upstream's test EPP reports when the gateway sent no served-endpoint metadata (the test then fails).
-SERVED_MISSING = "fail: missing destination endpoint served metadata"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _TAIL_BYTES = 64 * 1024  # enough of a response to find its usage
 

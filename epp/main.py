@@ -36,7 +36,9 @@ def add_epp_parser(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=9002)
     p.add_argument("--grpc-health-port", type=int, default=9003)
     p.add_argument("--metrics-port", type=int, default=9090)
-    p.add_argument("--config-file", help="EndpointPickerConfig YAML (plugins and scheduling profiles)")
+    p.add_argument("--config-file", help="EndpointPickerConfig YAML (plugins and scheduling profiles); default: "
+                                         "upstream's (queue 2, kv-cache 2, prefix 3, max-score picker, one endpoint)")
+    p.add_argument("--config-text", help="the EndpointPickerConfig YAML itself, instead of --config-file")
     p.add_argument("--refresh-metrics-interval", type=parse_duration, default=0.05)
     p.add_argument("--metrics-staleness-threshold", type=parse_duration, default=2.0)
     p.add_argument("--saturation-queue-depth", type=int, default=None,
@@ -69,7 +71,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     from kvgate.epp.scheduling.config import load_config
     from kvgate.epp.scheduling.framework import Scheduler
 
-    config = load_config(args.config_file)
+    config = load_config(args.config_file, args.config_text)
     saturation = config.saturation
     datastore = Datastore()
     datalayer = Datalayer(interval=args.refresh_metrics_interval, timeout=1.0,
@@ -159,7 +161,9 @@ def run_epp(args: argparse.Namespace) -> int:
     from kvgate.epp.scheduling.config import ConfigError, load_config
 
     try:
-        load_config(args.config_file)  # fail fast, before any port is opened
+        if args.config_file and args.config_text:
+            raise ConfigError("give --config-file or --config-text, not both")
+        load_config(args.config_file, args.config_text)  # fail fast, before any port is opened
     except ConfigError as exc:
         raise SystemExit(f"kvgate epp: {exc}") from exc
     if bool(args.pool_name) == bool(args.endpoints or args.endpoints_file):

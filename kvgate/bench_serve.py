@@ -42,7 +42,7 @@ class RequestResult:
     ttft: float = 0.0
     itls: list[float] = field(default_factory=list)
     latency: float = 0.0
-    served_by: str = ""  # the x-kvgate-endpoint / x-gateway-destination-endpoint-served header, if any
+    served_by: str = ""  # the engine's x-kvgate-endpoint response header, if any
 
 
 def random_text(rng: random.Random, n: int) -> str:
@@ -88,8 +88,7 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRe
     try:
         async with client.stream("POST", url, json=body, headers=extra_headers) as resp:
             result.status = resp.status_code
-            result.served_by = resp.headers.get("x-kvgate-endpoint", "") or resp.headers.get(
-                "x-gateway-destination-endpoint-served", "")
+            result.served_by = resp.headers.get("x-kvgate-endpoint", "")
             if resp.status_code != 200:
                 result.error = (await resp.aread()).decode(errors="replace")[:300]
                 return result

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
+from kvgate.epp.protocol import DESTINATION_HEADER, DESTINATION_NAMESPACE as LB_NAMESPACE, SERVED_KEY
+
 PRIMARY_HEADER = "x-kvgate-destination-primary"
 UPSTREAM_HOST_HEADER = "x-kvgate-upstream-host"  # internal: set by the route, removed before the EPP sees it
-LB_NAMESPACE = "envoy.lb"
 H2C = "kubernetes.io/h2c"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
 
 _STRIP_LUA = f"""
 function envoy_on_request(h)

@@ -78,20 +78,20 @@ class EppConfig:
     report_served_endpoint: bool = False  # a destination-endpoint-served-verifier is configured
 
 
+# Upstream's default: queue 2, kv-cache 2, prefix 3, and a max-score picker returning one endpoint — all that a
+# stock ORIGINAL_DST cluster can follow. No conformance plugins: a client cannot steer its request, and responses
+# carry nothing but what the model server sent (the conformance suite passes its own config).
 DEFAULT_CONFIG_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
-- type: header-based-testing-filter
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: prefix-cache-scorer
 - type: max-score-picker
-- type: destination-endpoint-served-verifier
 schedulingProfiles:
 - name: default
   plugins:
-  - pluginRef: header-based-testing-filter
   - pluginRef: queue-scorer
     weight: 2
   - pluginRef: kv-cache-utilization-scorer
@@ -103,12 +103,14 @@ schedulingProfiles:
 
 
 def default_config() -> EppConfig:
-    """The header filter (a no-op without its header), queue 2, kv-cache 2, prefix 3, max-score picker."""
+    """Upstream's default: queue 2, kv-cache 2, prefix 3, max-score picker returning one endpoint."""
     return parse_config(DEFAULT_CONFIG_YAML)
 
 
-def load_config(path: str | Path | None) -> EppConfig:
-    """The config in `path`, or the default when no path is given."""
+def load_config(path: str | Path | None, text: str | None = None) -> EppConfig:
+    """The config in `path` (`--config-file`), else `text` (`--config-text`), else the default."""
+    if text:
+        return parse_config(text, source="--config-text")
     if path is None or str(path) == "":
         return default_config()
     try:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
 from kvgate.epp.scheduling.config import ConfigError, default_config, load_config, parse_config, parse_duration
 from kvgate.epp.scheduling.framework import Scheduler
 
@@ -55,16 +56,20 @@ def profile_summary(config):
 def test_default_config():
     config = default_config()
     assert profile_summary(config) == (
-        ["header-based-testing-filter"],
-        [("queue-scorer", 2.0), ("kv-cache-utilization-scorer", 2.0), ("prefix-cache-scorer", 3.0)],
+        [], [("queue-scorer", 2.0), ("kv-cache-utilization-scorer", 2.0), ("prefix-cache-scorer", 3.0)],
         "max-score-picker")
+    # Upstream's default: one endpoint (all a stock ORIGINAL_DST cluster can parse), no conformance plugins.
+    assert config.scheduler.profiles[0].picker.max_endpoints == 1
+    assert not config.report_served_endpoint
+    assert "header-based-testing-filter" not in config.scheduler.plugins
     assert load_config(None).scheduler.profiles[0].name == "default"
     s = config.saturation
     assert (s.queue_depth_threshold, s.kv_cache_util_threshold, s.metrics_staleness_threshold) == (5, 0.8, None)
 
 
 def test_served_endpoint_verifier_is_a_response_plugin():
-    assert default_config().report_served_endpoint  # the conformance hook, as the header filter
+    assert not default_config().report_served_endpoint  # a conformance hook: only in configs that name it
+    assert parse_config(CONFORMANCE_EPP_CONFIG).report_served_endpoint
     without = parse_config(HEADER + "plugins:\n- type: queue-scorer\n")
     assert not without.report_served_endpoint
     with_it = parse_config(HEADER + "plugins:\n- type: destination-endpoint-served-verifier\n- type: queue-scorer\n")
@@ -177,3 +182,27 @@ def test_parse_duration(value, seconds):
 def test_parse_duration_rejects(value):
     with pytest.raises(ValueError):
         parse_duration(value)
+
+
+def test_conformance_config_adds_only_the_test_plugins():
+    conformance, default = parse_config(CONFORMANCE_EPP_CONFIG), default_config()
+    filters, scorers, picker = profile_summary(conformance)
+    assert filters == ["header-based-testing-filter"]
+    assert (scorers, picker) == profile_summary(default)[1:]
+    assert conformance.report_served_endpoint
+
+
+def test_config_text_is_used_and_wins_over_nothing(tmp_path):
+    text = HEADER + "plugins:\n- type: queue-scorer\n"
+    assert profile_summary(load_config(None, text))[1] == [("queue-scorer", 1.0)]
+    with pytest.raises(ConfigError, match="--config-text"):
+        load_config(None, "kind: Nope\n")
+
+
+def test_max_num_of_endpoints_defaults_to_one_and_must_be_positive():
+    picker = parse_config(HEADER + "plugins:\n- type: random-picker\n").scheduler.profiles[0].picker
+    assert picker.max_endpoints == 1
+    three = parse_config(HEADER + "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}\n")
+    assert three.scheduler.profiles[0].picker.max_endpoints == 3
+    with pytest.raises(ConfigError, match="maxNumOfEndpoints"):
+        parse_config(HEADER + "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 0}\n")

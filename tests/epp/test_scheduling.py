@@ -4,7 +4,8 @@ import collections
 
 import pytest
 
-from kvgate.epp.scheduling.config import default_config
+from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
+from kvgate.epp.scheduling.config import default_config, parse_config
 from kvgate.epp.scheduling.framework import (
     Filter,
     Scheduler,
@@ -90,11 +91,19 @@ def test_filters_run_in_order_and_empty_result_means_no_endpoint():
 def test_default_config_prefers_short_queue_and_free_kv():
     s = Scheduler(default_config().scheduler)
     endpoints = [state(A, queue=4, kv=0.9), state(B, queue=0, kv=0.1), state(C, queue=2, kv=0.5)]
-    assert addresses(s.schedule(request(), endpoints)) == [B, C, A]
+    assert addresses(s.schedule(request(), endpoints)) == [B]  # one endpoint, as upstream's default
 
 
-def test_default_config_header_selection_overrides_scores():
+def test_default_config_ignores_the_test_selection_header():
     s = Scheduler(default_config().scheduler)
+    endpoints = [state(A, queue=9, kv=0.9), state(B), state(C, queue=9, kv=0.9)]
+    steered = request(headers={"test-epp-endpoint-selection": f"{A},{C}"})
+    assert addresses(s.schedule(steered, endpoints)) == [B]
+    assert addresses(s.schedule(request(headers={"test-epp-endpoint-selection": "10.9.9.9"}), endpoints)) == [B]
+
+
+def test_conformance_config_header_selection_overrides_scores():
+    s = Scheduler(parse_config(CONFORMANCE_EPP_CONFIG).scheduler)
     endpoints = [state(A, queue=9, kv=0.9), state(B), state(C)]
     selected = request(headers={"test-epp-endpoint-selection": f"{A},{C}"})
     assert addresses(s.schedule(selected, endpoints)) == [A, C]
@@ -123,7 +132,7 @@ def test_prefix_affinity_yields_to_a_long_queue():
     s.schedule(first, [state(A)])
     # A: queue 2·0 + kv 2·0.05 + prefix 3·1 = 3.1;  B: 2·1 + 2·0.9 + 0 = 3.8.
     endpoints = [state(A, queue=8, kv=0.95), state(B, queue=0, kv=0.1)]
-    assert addresses(s.schedule(request(PROMPT, request_id="2"), endpoints)) == [B, A]
+    assert addresses(s.schedule(request(PROMPT, request_id="2"), endpoints)) == [B]
 
 
 def test_ties_spread_across_equal_endpoints():

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import random
 
+from kvgate.epp.protocol import TEST_ENDPOINT_SELECTION_HEADER
 from kvgate.epp.scheduling.framework import Filter, PinnedOrder
 from kvgate.epp.scheduling.plugins._params import check_keys
 from kvgate.epp.types import EndpointState, LLMRequest
 
-HEADER = "test-epp-endpoint-selection"
+HEADER = TEST_ENDPOINT_SELECTION_HEADER
 
 
 def split_host_port(item: str) -> tuple[str, str]:

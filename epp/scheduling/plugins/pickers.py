@@ -7,7 +7,8 @@ weighted-random-picker weighted sampling without replacement, P(first = e) = sco
                        (Efraimidis–Spirakis: sort by u^(1/score), u ~ U(0,1)); zero scores go last in random
                        order; all zero → uniform
 
-`maxNumOfEndpoints` (upstream's parameter) caps the list; default 0 = return every candidate.
+`maxNumOfEndpoints` (upstream's parameter) caps the list; default 1, as upstream: one endpoint is all a stock
+ORIGINAL_DST cluster can parse. More (primary, then fallbacks) only for gateways that retry on the list.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class SingleProfileHandler(ProfileHandler):
 def _picker_factory(cls):
     def factory(parameters: dict | None) -> Picker:
         params = check_keys(parameters, {"maxNumOfEndpoints"}, cls.type_name)
-        return cls(max_endpoints=int_param(params, "maxNumOfEndpoints", 0, cls.type_name))
+        return cls(max_endpoints=int_param(params, "maxNumOfEndpoints", 1, cls.type_name, minimum=1))
     return factory
 
 

@@ -1,0 +1,28 @@
+"""The Endpoint Picker Protocol's names, in one place (upstream keeps them in pkg/epp/metadata/consts.go).
+
+Every part of kvgate that speaks the protocol — the EPP's ext-proc server, the Envoy configs kvgate renders, the
+conformance port, the benchmarks — imports these rather than spelling the strings again.
+"""
+
+from __future__ import annotations
+
+# EPP → gateway: the chosen endpoint(s), "ip:port" or a comma list (primary first, then fallbacks), as a request
+# header and, with the same value, as dynamic metadata under DESTINATION_NAMESPACE.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+DESTINATION_NAMESPACE = "envoy.lb"
+DESTINATION_KEY = DESTINATION_HEADER
+
+# Gateway → EPP (response path): the endpoint that really served the request, in metadata under envoy.lb.
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+
+# Gateway → EPP (request path): the endpoints the gateway allows for this request (a subset of the pool).
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+
+# Client → EPP: the InferenceObjective whose priority applies (< 0: sheddable).
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+
+# Conformance-only names: used by plugins that run only in configs that name them.
+TEST_ENDPOINT_SELECTION_HEADER = "test-epp-endpoint-selection"  # header-based-testing-filter
+SERVED_TEST_HEADER = "x-conformance-test-served-endpoint"  # destination-endpoint-served-verifier
+SERVED_MISSING = "fail: missing destination endpoint served metadata"  # what upstream's test EPP reports then
