@@ -34,13 +34,22 @@ class Director:
         self.rng = random.Random(seed)
         self.in_flight: dict[str, InFlight] = {}
 
+    def states(self) -> list[EndpointState]:
+        """Every endpoint of the pool with its metrics and this EPP's in-flight counts (stale ones included)."""
+        return self.datalayer.states({a: (f.requests, f.tokens) for a, f in self.in_flight.items()})
+
     def candidates(self, subset: list[str] | None) -> list[EndpointState]:
-        counts = {a: (f.requests, f.tokens) for a, f in self.in_flight.items()}
-        states = self.datalayer.states(counts)
+        """The endpoints a request may go to: the subset hint's, and of those the fresh ones when any is fresh.
+
+        Stale metrics (older than the staleness threshold, or never scraped) describe an endpoint that may be
+        gone or overloaded: it is picked only when every candidate is stale, so routing degrades rather than stops.
+        """
+        states = self.states()
         if subset is not None:
             allowed = set(subset)
             states = [s for s in states if s.address in allowed]
-        return states
+        fresh = [s for s in states if not s.stale]
+        return fresh if fresh else states
 
     def pick(self, request: LLMRequest, subset: list[str] | None = None) -> list[EndpointState]:
         """Ordered endpoints for the request (primary first); raises RoutingError (503 / 429)."""

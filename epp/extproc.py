@@ -1,11 +1,14 @@
 """The Envoy ext-proc server: one gRPC stream per HTTP request, the Endpoint Picker Protocol on top.
 
-Request path: headers -> body chunks -> (end of body) decision. In FULL_DUPLEX_STREAMED mode Envoy holds
+Request path: headers -> body chunks -> (end of body, or trailers) decision. In FULL_DUPLEX_STREAMED mode Envoy holds
 the request until the headers response, so the EPP answers the headers only after the whole body has
 arrived: the headers response carries `x-gateway-destination-endpoint` (primary first, then fallbacks)
 and clear_route_cache, the same value goes into dynamic metadata `envoy.lb`, and the buffered body is
 streamed back unchanged (or with the model rewritten). In BUFFERED mode the headers are answered at once
-and the decision rides on the body response. Requests without a body are decided at header time.
+and the decision rides on the body response. Requests without a body are decided at header time, as upstream
+does. The body is held only until the decision (then freed) and never beyond `max_body_bytes`: a larger one is
+answered 413 at once, without waiting for the rest. Every refusal is an ImmediateResponse with an OpenAI-shaped
+JSON body (400 malformed, 413 too large, 429 shed, 503 no eligible endpoint), never a broken stream.
 Response path: every body chunk is echoed straight back (SSE tokens keep flowing), `usage` is read from
 the tail of the stream, and the in-flight accounting is released when the stream ends or breaks.
 """
@@ -33,6 +36,9 @@ log = logging.getLogger(__name__)
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _TAIL_BYTES = 64 * 1024  # enough of a response to find its usage
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # --max-request-body-bytes: generous for long prompts, finite
+_ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                500: "internal_error"}
 
 
 def _headers(http_headers) -> dict[str, str]:
@@ -68,7 +74,7 @@ def _destination(value: str, rewritten_body: bytes | None, *, buffered_body: boo
 
 
 def _immediate(status: int, message: str) -> pb.ProcessingResponse:
-    kind = {400: "invalid_request_error", 429: "rate_limit_error"}.get(status, "service_unavailable")
+    kind = _ERROR_TYPES.get(status, "service_unavailable")
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
     headers = pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))])
@@ -97,10 +103,13 @@ def find_usage(tail: bytes) -> tuple[int, int] | None:
 class _RequestStream:
     """State of one HTTP request as it passes through Envoy."""
 
-    def __init__(self, director: Director, metrics, report_served: bool = False) -> None:
+    def __init__(self, director: Director, metrics, report_served: bool = False,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.director = director
         self.metrics = metrics
         self.report_served = report_served
+        self.max_body_bytes = max_body_bytes
+        self.decided = False  # a decision (or refusal) went out: later request messages pass through
         self.request_full_duplex = False
         self.response_full_duplex = False
         self.headers: dict[str, str] = {}
@@ -126,12 +135,20 @@ class _RequestStream:
                 return []  # answered once the body is complete
             return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
         if kind == "request_body":
-            self.body += msg.request_body.body
-            if not msg.request_body.end_of_stream:
+            if self.decided:  # after a refusal Envoy stops the stream; nothing more to buffer
                 return []
-            return self._decide_on_body()
+            if len(self.body) + len(msg.request_body.body) > self.max_body_bytes:
+                return [self._refuse(413, f"the request body is larger than {self.max_body_bytes} bytes")]
+            self.body += msg.request_body.body
+            if msg.request_body.end_of_stream or not self.request_full_duplex:  # BUFFERED: one message, answer it
+                return self._decide_on_body(end_of_stream=msg.request_body.end_of_stream)
+            return []
         if kind == "request_trailers":
-            return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+            # The body ended with trailers, not with an end_of_stream chunk: decide now, or Envoy waits forever.
+            decided = [] if self.decided else self._decide_on_body(end_of_stream=False)
+            if decided and decided[0].HasField("immediate_response"):
+                return decided
+            return [*decided, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
             served = _metadata_value(msg.metadata_context, LB_NAMESPACE, SERVED_KEY)
             self.served = served[0] if served else self.picked
@@ -162,20 +179,26 @@ class _RequestStream:
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 
-    def _decide_on_body(self) -> list[pb.ProcessingResponse]:
+    def _refuse(self, status: int, message: str) -> pb.ProcessingResponse:
+        self.decided = True
+        self.request = None
+        self.body = bytearray()
+        self._count(status)
+        return _immediate(status, message)
+
+    def _decide_on_body(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         rid = self.headers.get("x-request-id") or uuid.uuid4().hex
+        raw, self.body = bytes(self.body), bytearray()  # held no longer than the decision
         try:
-            self.request, body = parse_request(rid, bytes(self.body), self.headers)
+            self.request, body = parse_request(rid, raw, self.headers)
         except BadRequest as exc:
-            self._count(400)
-            return [_immediate(400, str(exc))]
+            return [self._refuse(400, str(exc))]
         rewritten = None
         try:
             ordered = self.director.pick(self.request, self.subset)
         except RoutingError as exc:
-            self._count(exc.status)
-            self.request = None
-            return [_immediate(exc.status, str(exc))]
+            return [self._refuse(exc.status, str(exc))]
+        self.decided = True
         if self.request.target_model and self.request.target_model != self.request.model:
             body["model"] = self.request.target_model
             rewritten = json.dumps(body).encode()
@@ -184,12 +207,12 @@ class _RequestStream:
         self._count(200)
         if self.request_full_duplex:
             common, metadata = _destination(value, None, buffered_body=False)
-            out_body = rewritten if rewritten is not None else bytes(self.body)
+            out_body = rewritten if rewritten is not None else raw
             return [
                 pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata),
                 pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
                     body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                        body=out_body, end_of_stream=True))))),
+                        body=out_body, end_of_stream=end_of_stream))))),
             ]
         common, metadata = _destination(value, rewritten, buffered_body=True)
         return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)]
@@ -200,9 +223,8 @@ class _RequestStream:
         try:
             ordered = self.director.pick(self.request, self.subset)
         except RoutingError as exc:
-            self._count(exc.status)
-            self.request = None
-            return _immediate(exc.status, str(exc))
+            return self._refuse(exc.status, str(exc))
+        self.decided = True
         self.picked = ordered[0].address
         self._count(200)
         common, metadata = _destination(",".join(s.address for s in ordered), None, buffered_body=False)
@@ -221,16 +243,25 @@ class _RequestStream:
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, director: Director, metrics=None, report_served: bool = False) -> None:
+    def __init__(self, director: Director, metrics=None, report_served: bool = False,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.director = director
         self.metrics = metrics
         self.report_served = report_served
+        self.max_body_bytes = max_body_bytes
 
     async def Process(self, request_iterator, context):  # noqa: N802 - gRPC method name
-        stream = _RequestStream(self.director, self.metrics, self.report_served)
+        stream = _RequestStream(self.director, self.metrics, self.report_served, self.max_body_bytes)
         try:
             async for msg in request_iterator:
-                for response in stream.handle(msg):
+                try:
+                    responses = stream.handle(msg)
+                except Exception:  # a bug must cost one request a clean 500, not the stream or the process
+                    log.exception("ext-proc message failed")
+                    if stream.decided:
+                        raise
+                    responses = [stream._refuse(500, "the endpoint picker failed on this request")]
+                for response in responses:
                     yield response
         finally:
             stream.release()  # the stream ended or broke: never leak in-flight accounting

@@ -39,6 +39,8 @@ def add_epp_parser(sub) -> None:
     p.add_argument("--config-file", help="EndpointPickerConfig YAML (plugins and scheduling profiles); default: "
                                          "upstream's (queue 2, kv-cache 2, prefix 3, max-score picker, one endpoint)")
     p.add_argument("--config-text", help="the EndpointPickerConfig YAML itself, instead of --config-file")
+    p.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
+                   help="larger request bodies are answered 413 without being buffered (default 16 MiB)")
     p.add_argument("--refresh-metrics-interval", type=parse_duration, default=0.05)
     p.add_argument("--metrics-staleness-threshold", type=parse_duration, default=2.0)
     p.add_argument("--saturation-queue-depth", type=int, default=None,
@@ -107,7 +109,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(director, metrics, config.report_served_endpoint), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(director, metrics, config.report_served_endpoint,
+                                                              args.max_request_body_bytes), server)
     server.add_insecure_port(f"{args.grpc_host}:{args.grpc_port}")
     health_server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
@@ -166,6 +169,8 @@ def run_epp(args: argparse.Namespace) -> int:
         load_config(args.config_file, args.config_text)  # fail fast, before any port is opened
     except ConfigError as exc:
         raise SystemExit(f"kvgate epp: {exc}") from exc
+    if args.max_request_body_bytes <= 0:
+        raise SystemExit("kvgate epp: --max-request-body-bytes must be positive")
     if bool(args.pool_name) == bool(args.endpoints or args.endpoints_file):
         raise SystemExit("kvgate epp: give either --pool-name (Kubernetes mode) or --endpoints/--endpoints-file")
     if args.endpoints:

@@ -27,7 +27,7 @@ class EndpointGauges:
         flight = GaugeMetricFamily("kvgate_epp_endpoint_in_flight_requests", "Requests routed, not finished.",
                                    labels=["endpoint"])
         now = time.monotonic()
-        for s in self.director.candidates(None):
+        for s in self.director.states():
             labels = [s.address]
             queue.add_metric(labels, s.metrics.waiting_queue_size)
             kv.add_metric(labels, s.metrics.kv_cache_usage)

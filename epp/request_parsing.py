@@ -27,6 +27,13 @@ def prompt_text(body: Mapping) -> str:
                 content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
             parts.append(f"<|{m.get('role', '')}|>{content or ''}")
         return "".join(parts)
+    if "input" in body and "prompt" not in body:  # embeddings and the Responses API
+        value = body["input"]
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            return json.dumps(value, separators=(",", ":"), ensure_ascii=False)[:1 << 20]
+        raise BadRequest("'input' must be a string or a list")
     if "prompt" in body:
         prompt = body["prompt"]
         if isinstance(prompt, str):
@@ -39,7 +46,7 @@ def prompt_text(body: Mapping) -> str:
             if all(isinstance(x, list) for x in prompt):
                 return " ".join(" ".join(map(str, p)) for p in prompt)
         raise BadRequest("'prompt' must be a string, a list of strings or token ids")
-    raise BadRequest("the body has neither 'prompt' nor 'messages'")
+    raise BadRequest("the body has none of 'prompt', 'messages' or 'input'")
 
 
 def parse_request(request_id: str, raw: bytes, headers: Mapping[str, str]) -> tuple[LLMRequest, dict]:
@@ -48,6 +55,8 @@ def parse_request(request_id: str, raw: bytes, headers: Mapping[str, str]) -> tu
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc.msg if hasattr(exc, 'msg') else exc}") from exc
+    except RecursionError:  # nesting deeper than the parser's stack: hostile, not an inference request
+        raise BadRequest("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")

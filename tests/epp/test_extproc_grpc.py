@@ -13,11 +13,12 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.gateway import EPP
-from tests.procs import KvgateServe
+from tests.procs import KvgateServe, free_port
 
 FULL = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 DEST = "x-gateway-destination-endpoint"
+BODY_LIMIT = 64 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def pool(tmp_path_factory):
         for e in engines:
             e.wait_ready()
         addresses = [f"127.0.0.1:{e.port}" for e in engines]
-        epp = EPP(tmp, addresses, extra=["--manifests", str(manifests)])
+        epp = EPP(tmp, addresses, extra=["--manifests", str(manifests), "--max-request-body-bytes", str(BODY_LIMIT)])
         channel = grpc.insecure_channel(f"127.0.0.1:{epp.grpc_port}")
         deadline = time.monotonic() + 20
         while "kvgate_epp_endpoint_stale{endpoint=" not in epp.metrics() and time.monotonic() < deadline:
@@ -159,3 +160,78 @@ def test_health_services(pool):
         for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
             status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
             assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def immediate(resp: pb.ProcessingResponse) -> tuple[int, dict]:
+    assert resp.HasField("immediate_response"), resp
+    ir = resp.immediate_response
+    headers = {h.header.key: h.header.raw_value for h in ir.headers.set_headers}
+    assert headers["content-type"] == b"application/json"
+    return ir.status.code, json.loads(ir.body)["error"]
+
+
+def test_body_over_the_limit_is_413_without_waiting_for_the_rest(pool):
+    _, stub, epp = pool
+    chunk = b"x" * (BODY_LIMIT // 2)
+    msgs = [headers_msg({})] + [pb.ProcessingRequest(request_body=pb.HttpBody(body=chunk)) for _ in range(3)]
+    out = run(stub, msgs)  # the stream never ends its body: the refusal must not wait for it
+    assert len(out) == 1
+    status, error = immediate(out[0])
+    assert status == 413 and str(BODY_LIMIT) in error["message"]
+    assert 'kvgate_epp_requests_total{code="413"}' in epp.metrics()
+
+
+def test_hostile_json_is_400_and_the_stream_stays_clean(pool):
+    addresses, stub, _ = pool
+    deep = b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    for body in (deep, b"\xff\xfe{}", b'{"prompt": "a", "prompt": 5}', b"[1, 2]", b'{"messages": "hi"}',
+                 b'{"prompt": 1e999999}', b'{"model": ["x"], "prompt": "a"}'):
+        out = run(stub, [headers_msg({}), *body_msgs(body, 4)])
+        status, error = immediate(out[0])
+        assert status == 400 and error["type"] == "invalid_request_error", (body[:40], error)
+    out = run(stub, [headers_msg({}), *body_msgs(completion())])  # the EPP is unharmed
+    assert destination(out[0]) in addresses
+
+
+def test_body_ending_with_trailers_is_decided(pool):
+    addresses, stub, _ = pool
+    body = completion("trailers")
+    msgs = [headers_msg({}), pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=False)),
+            pb.ProcessingRequest(request_trailers=pb.HttpTrailers())]
+    out = run(stub, msgs)
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body", "request_trailers"]
+    assert destination(out[0]) in addresses
+    streamed = out[1].request_body.response.body_mutation.streamed_response
+    assert streamed.body == body and not streamed.end_of_stream  # the trailers end the stream
+
+
+def test_embeddings_and_responses_bodies_are_routed(pool):
+    addresses, stub, _ = pool
+    for body in ({"model": "sim-model", "input": "embed me"}, {"model": "sim-model", "input": ["a", "b"]},
+                 {"model": "sim-model", "input": [{"role": "user", "content": "hi"}]}):
+        out = run(stub, [headers_msg({}), *body_msgs(json.dumps(body).encode())])
+        assert destination(out[0]) in addresses
+
+
+def test_stale_endpoint_is_not_picked_while_a_fresh_one_exists(tmp_path):
+    """An endpoint never scraped (nothing listens there) has all-zero metrics: it would win every score."""
+    engine = KvgateServe("sim-model", "--backend", "sim", cache_dir=tmp_path)
+    epp = None
+    try:
+        engine.wait_ready()
+        live, dead = f"127.0.0.1:{engine.port}", f"127.0.0.1:{free_port()}"
+        epp = EPP(tmp_path, [dead, live])
+        deadline = time.monotonic() + 20
+        while f'kvgate_epp_endpoint_stale{{endpoint="{live}"}} 0.0' not in epp.metrics():
+            assert time.monotonic() < deadline, epp.log()
+            time.sleep(0.1)
+        with grpc.insecure_channel(f"127.0.0.1:{epp.grpc_port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            picked = {destination(run(stub, [headers_msg({}), *body_msgs(completion(f"p{i}"))])[0])
+                      for i in range(30)}
+        assert picked == {live}
+        assert f'kvgate_epp_endpoint_stale{{endpoint="{dead}"}} 1.0' in epp.metrics()  # still visible
+    finally:
+        if epp:
+            epp.stop()
+        engine.stop()
