@@ -8,6 +8,8 @@ import pytest
 import yaml
 
 from kvgate.conformance import resources as res
+from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
+from kvgate.epp.scheduling.config import load_config
 from kvgate.conformance.cluster import ConformanceError, load_manifest, parent_entry, prepare
 from kvgate.conformance.checks import response_check
 from kvgate.conformance.suite import TESTS, Options, Result, report, selected
@@ -54,7 +56,9 @@ def test_prepare_substitutes_class_and_epp_image_and_probes():
     ours = prepare(epp, "kvgate-x", "ghcr.io/kvgate/kvgate:latest", grpc_probes=False)
     c = ours["spec"]["template"]["spec"]["containers"][0]
     assert c["image"] == "ghcr.io/kvgate/kvgate:latest" and c["command"] == ["kvgate", "epp"]
-    assert c["args"][:2] == ["--pool-name", "primary-inference-pool"] and c["args"][-2:] == ["--grpc-host", "0.0.0.0"]
+    assert c["args"][:2] == ["--pool-name", "primary-inference-pool"]
+    # Our EPP on every interface, as upstream's is, and with the conformance plugins its default config lacks.
+    assert c["args"][-4:] == ["--grpc-host", "0.0.0.0", "--config-text", CONFORMANCE_EPP_CONFIG]
     assert c["readinessProbe"]["tcpSocket"] == {"port": 9003} and "grpc" not in c["readinessProbe"]
     echo = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == res.PRIMARY_BACKEND)
     assert prepare(echo, "kvgate-x", "ghcr.io/kvgate/kvgate:latest", False)["spec"]["template"]["spec"][
@@ -70,6 +74,7 @@ def test_our_epp_accepts_the_upstream_epp_arguments():
     args = build_parser().parse_args(c["command"][1:] + c["args"])
     assert (args.pool_name, args.pool_namespace, args.grpc_port, args.grpc_health_port, args.grpc_host) == (
         "primary-inference-pool", res.APP_BACKEND_NS, 9002, 9003, "0.0.0.0")
+    assert load_config(args.config_file, args.config_text).report_served_endpoint
 
 
 def test_selection_by_name_and_feature():
