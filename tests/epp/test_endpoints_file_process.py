@@ -1,6 +1,8 @@
 """`kvgate epp --endpoints-file` as a real process behind the real Envoy: bad edits of the file are logged and
 skipped, and the EPP keeps serving the last good set through them."""
 
+import re
+import subprocess
 import time
 
 import httpx
@@ -8,7 +10,7 @@ import pytest
 
 from kvgate.envoy_config import PoolBackend, Route, render_gateway
 from tests.gateway import EPP, Envoy
-from tests.procs import KvgateServe, free_port
+from tests.procs import KVGATE, KvgateServe, free_port
 
 SERVED_BY = "x-kvgate-endpoint"
 
@@ -48,13 +50,18 @@ def wait_served_by(url: str, want: set[str], epp: EPP, timeout: float = 15.0) ->
         time.sleep(0.2)
 
 
+def epp_endpoints(epp: EPP) -> set[str]:
+    """The endpoints the EPP holds, from its per-endpoint metrics."""
+    return set(re.findall(r'kvgate_epp_endpoint_stale\{endpoint="([^"]+)"\}', epp.metrics()))
+
+
 def hold(url: str, want: set[str], epp: EPP, seconds: float = 1.5) -> None:
-    """For a few polls of the file (every 0.5 s): the EPP stays up and keeps serving exactly `want`."""
+    """For a few polls of the file (every 0.5 s): the EPP stays up, holds `want` and serves from it."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         assert epp.alive(), f"the EPP died:\n{epp.log()}"
         assert served_by(url, 4) <= want
-    assert served_by(url, 12) == want
+        assert epp_endpoints(epp) == want
 
 
 def test_the_epp_keeps_serving_through_bad_edits(tmp_path, engines):
@@ -73,7 +80,7 @@ def test_the_epp_keeps_serving_through_bad_edits(tmp_path, engines):
         # a trailing comment is fine; a malformed line is reported (file:line) and skipped
         f.write_text(f"{a}  # replica a\n{b}\nnot-an-endpoint\n")
         wait_served_by(url, {a, b}, epp)
-        assert f"{f}:3: endpoint 'not-an-endpoint' is not ip:port; line skipped" in epp.log()
+        assert f"{f}:3: endpoint 'not-an-endpoint' is not ip:port; line skipped" in epp.log_path.read_text()
 
         # unreadable in several ways: the last good set keeps serving, each problem logged once
         f.write_bytes(f"{a}\n\xff\n".encode("latin-1"))
@@ -82,7 +89,7 @@ def test_the_epp_keeps_serving_through_bad_edits(tmp_path, engines):
         hold(url, {a, b}, epp)
         f.mkdir()
         hold(url, {a, b}, epp)
-        log = epp.log()
+        log = epp.log_path.read_text()
         assert log.count("not UTF-8 text") == 1 and log.count("No such file or directory") == 1
         assert log.count("not a regular file") == 1 and "keeping the last good set of 2 endpoints" in log
 
@@ -94,3 +101,9 @@ def test_the_epp_keeps_serving_through_bad_edits(tmp_path, engines):
         if envoy is not None:
             envoy.stop()
         epp.stop()
+
+
+def test_endpoints_on_the_command_line_stay_strict():
+    out = subprocess.run([KVGATE, "epp", "--endpoints", "127.0.0.1:1,localhost:2"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "kvgate epp: endpoint 'localhost:2': 'localhost' is not an IP address" in out.stderr
