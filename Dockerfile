@@ -13,12 +13,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # torch first and pinned, from the chosen wheel index, so the package install below does not replace it.
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
+# Every folder pyproject.toml's package-dir names (tests/test_packaging.py builds exactly this set).
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvgate ./kvgate
 COPY engine ./engine
 COPY epp ./epp
 COPY operator ./operator
+COPY conformance ./conformance
 RUN pip install --no-cache-dir . && rm -rf /src
 
 # Non-root; the engine writes only to its cache (an emptyDir in the pods the operator makes).

@@ -7,8 +7,12 @@ watch of the InferencePool and its pods (k8s_watch.py). The translation from API
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
 import random
+import stat
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,25 +21,56 @@ import yaml
 
 from kvgate.epp.types import Endpoint
 
+log = logging.getLogger(__name__)
+
 ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
 
 
+def parse_endpoint(item: str) -> Endpoint:
+    """One `ip:port` (`[v6]:port`) -> an endpoint; raises ValueError naming what is wrong."""
+    host, sep, port = item.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"endpoint {item!r} is not ip:port")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError as exc:
+        raise ValueError(f"endpoint {item!r}: {host!r} is not an IP address") from exc
+    return Endpoint(address=item, name=item)
+
+
 def parse_endpoints(text: str) -> list[Endpoint]:
-    """`ip:port,ip:port` (or one per line) -> endpoints; raises ValueError on a bad entry."""
+    """`ip:port,ip:port` (or one per line) -> endpoints; raises ValueError on a bad entry (`--endpoints`)."""
     endpoints = []
     for item in text.replace("\n", ",").split(","):
         item = item.strip()
         if not item or item.startswith("#"):
             continue
-        host, sep, port = item.rpartition(":")
-        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"endpoint {item!r} is not ip:port")
-        try:
-            ipaddress.ip_address(host.strip("[]"))
-        except ValueError as exc:
-            raise ValueError(f"endpoint {item!r}: {host!r} is not an IP address") from exc
-        endpoints.append(Endpoint(address=item, name=item))
+        endpoints.append(parse_endpoint(item))
     return endpoints
+
+
+def parse_endpoints_lines(text: str) -> tuple[list[Endpoint], list[tuple[int, str]]]:
+    """An endpoints file -> (endpoints, [(line number, problem)]): one or more `ip:port` per line (comma
+    separated), `#` starts a comment (also after an entry); a bad or repeated entry is a problem, not an error."""
+    endpoints: list[Endpoint] = []
+    seen: set[str] = set()
+    problems: list[tuple[int, str]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        for item in line.split("#", 1)[0].split(","):
+            item = item.strip()
+            if not item:
+                continue
+            try:
+                endpoint = parse_endpoint(item)
+            except ValueError as exc:
+                problems.append((number, str(exc)))
+                continue
+            if endpoint.address in seen:
+                problems.append((number, f"endpoint {item!r} is listed twice"))
+                continue
+            seen.add(endpoint.address)
+            endpoints.append(endpoint)
+    return endpoints, problems
 
 
 def _pod_ready(pod: Mapping) -> bool:
@@ -153,18 +188,88 @@ def load_manifests(path: str | Path) -> list[dict]:
 
 
 class EndpointsFile:
-    """Standalone mode's hot reload: re-read the endpoints file when its mtime changes."""
+    """Standalone mode's hot reload of `--endpoints-file`, polled by the EPP's main loop.
 
-    def __init__(self, path: str | Path, datastore: Datastore) -> None:
+    The file is read whole at every poll (it is small: MAX_BYTES at most) and a new content is installed only
+    when it is complete: it did not change while being read (fstat before and after), and either it was last
+    modified at least `settle` seconds ago or the previous poll read the same bytes. That covers both ways of
+    writing it: an atomic rename (`mv`, a ConfigMap volume's symlink swap) is complete at once, and an editor
+    or `>` rewriting the file in place is done within milliseconds. A bad line is logged (`file:line: why`) and
+    skipped; a file that cannot be read (gone, a directory, no permission, not UTF-8, too large) or whose every
+    entry is bad leaves the last good set serving. Each problem is logged once, until the file changes.
+    """
+
+    MAX_BYTES = 1 << 20  # ~40,000 entries; more is a mistake, not a pool
+
+    def __init__(self, path: str | Path, datastore: Datastore, settle: float = 0.25,
+                 clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
         self.datastore = datastore
-        self._mtime = -1.0
+        self.settle = settle
+        self._clock = clock  # wall clock: it is compared with the file's mtime
+        self._done: bytes | None = None  # the last content acted on (installed or rejected)
+        self._pending: bytes | None = None  # read at the previous poll while too fresh to trust alone
+        self._reported: tuple | None = None  # the last problem logged, to log it once
 
-    def poll(self) -> None:
+    def poll(self) -> bool:
+        """Re-read the file; True when a new endpoint set was installed. Never raises for the file's sake."""
         try:
-            mtime = self.path.stat().st_mtime
-        except FileNotFoundError:
+            read = self._read()
+        except OSError as exc:
+            self._report(("unreadable", type(exc), exc.errno), "cannot read it (%s)", exc.strerror or exc)
+            return False
+        except ValueError as exc:  # not a regular file, too large
+            self._report(("invalid", str(exc)), "%s", exc)
+            return False
+        if read is None:  # changed while being read: a writer is at work, look again at the next poll
+            return False
+        data, mtime = read
+        if self._reported is not None and self._reported[0] in ("unreadable", "invalid"):
+            log.info("endpoints file %s: readable again", self.path)
+            self._reported = None
+        if data == self._done:
+            self._pending = None
+            return False
+        if self._clock() - mtime < self.settle and data != self._pending:
+            self._pending = data  # maybe half-written: trust it once it settles or reads the same next poll
+            return False
+        self._pending, self._done = None, data
+        return self._install(data)
+
+    def _read(self) -> tuple[bytes, float] | None:
+        if not stat.S_ISREG(os.stat(self.path).st_mode):  # before open(): opening a FIFO would block
+            raise ValueError("not a regular file")
+        with open(self.path, "rb") as f:
+            before = os.fstat(f.fileno())
+            data = f.read(self.MAX_BYTES + 1)
+            after = os.fstat(f.fileno())
+        if len(data) > self.MAX_BYTES:
+            raise ValueError(f"larger than {self.MAX_BYTES} bytes")
+        signature = (before.st_size, before.st_mtime_ns, before.st_ctime_ns)
+        if signature != (after.st_size, after.st_mtime_ns, after.st_ctime_ns) or len(data) != after.st_size:
+            return None
+        return data, after.st_mtime
+
+    def _install(self, data: bytes) -> bool:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self._report(("utf-8", data), "not UTF-8 text (byte %d)", exc.start)
+            return False
+        endpoints, problems = parse_endpoints_lines(text)
+        for number, problem in problems:
+            log.warning("%s:%d: %s; line skipped", self.path, number, problem)
+        if problems and not endpoints:
+            self._report(("no entries", data), "no valid entry")
+            return False
+        self._reported = None
+        self.datastore.set_endpoints(endpoints)
+        return True
+
+    def _report(self, key: tuple, message: str, *args) -> None:
+        if key == self._reported:
             return
-        if mtime != self._mtime:
-            self._mtime = mtime
-            self.datastore.set_endpoints(parse_endpoints(self.path.read_text()))
+        self._reported = key
+        kept = f"keeping the last good set of {len(self.datastore.endpoints)} endpoints" if self.datastore.synced \
+            else "no endpoints yet (not ready)"
+        log.warning("endpoints file %s: " + message + "; %s", self.path, *args, kept)

@@ -30,7 +30,12 @@ def add_epp_parser(sub) -> None:
     mode.add_argument("--pool-name", help="InferencePool to serve (Kubernetes mode)")
     mode.add_argument("--pool-namespace", default="default")
     mode.add_argument("--endpoints", help="standalone: ip:port,ip:port,... of the engines")
-    mode.add_argument("--endpoints-file", help="standalone: a file of ip:port entries, reloaded when it changes")
+    mode.add_argument("--endpoints-file",
+                      help="standalone: a file of ip:port entries (one or more a line, '#' comments), re-read "
+                           "every 0.5 s; a change is used once the file was left alone for 0.25 s (or reads the "
+                           "same twice) and did not change while read, so in-place rewrites and atomic renames "
+                           "both work; bad lines are logged and skipped, and an unreadable file keeps the last "
+                           "good set")
     mode.add_argument("--manifests", help="standalone: YAML with InferenceObjective / InferenceModelRewrite objects")
     p.add_argument("--grpc-host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     p.add_argument("--grpc-port", type=int, default=9002)
