@@ -309,11 +309,12 @@ class Reconciler:
             problems += self._network_policy(pool)
         objects = desired_epp_objects(pool, self.config.epp_image, choice.config_yaml) \
             if choice.config_yaml is not None else []
-        if problems:
-            log.warning("%s: %s", describe(pool), "; ".join(p["message"] for p in problems))
         for obj in objects:
             self.kube.apply(obj)
-        self.kube.patch_status(pool, epp_pool_status(pool, problems, running_note(choice, bool(objects))))
+        status = epp_pool_status(pool, problems, running_note(choice, bool(objects)))
+        if problems and status["parents"] != (pool.get("status") or {}).get("parents"):  # once, not every resync
+            log.warning("%s: %s", describe(pool), "; ".join(p["message"] for p in problems))
+        self.kube.patch_status(pool, status)
 
     def _network_policy(self, pool: dict) -> list[dict]:
         """Apply (or, for an opted-out pool, delete) the EPP's NetworkPolicy; its problems."""

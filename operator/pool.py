@@ -324,8 +324,10 @@ def epp_pool_status(pool: dict, problems: list[dict], running: str, now: str | N
                            "namespace": naming.namespace_of(pool)},
              "controllerName": EPP_CONTROLLER_NAME,
              "conditions": stamp([accepted, resolved], old.get("conditions"), now)}
+    # First, where pool_status (the Gateways' writer, which keeps other entries in their order) leaves it too:
+    # two writers that ordered the list differently would rewrite it back and forth forever.
     others = [p for p in previous if p.get("controllerName") != EPP_CONTROLLER_NAME]
-    return {"parents": others + [entry]}
+    return {"parents": [entry] + others}
 
 
 def without_epp_status(pool: dict) -> dict | None:

@@ -247,7 +247,7 @@ def test_epp_status_entry_when_all_is_well(samples):
     pool["status"] = {"parents": [gateway_entry]}
     choice = p.choose_epp_config(pool, None, None)
     status = p.epp_pool_status(pool, [], p.running_note(choice, True), now=NOW)
-    assert status["parents"][0] == gateway_entry  # the Gateways' entries are kept
+    assert status["parents"][1] == gateway_entry  # the Gateways' entries are kept
     entry, conds = _entry(status)
     assert entry["parentRef"] == {"group": "apps", "kind": "Deployment", "name": "demo-pool-epp",
                                   "namespace": "default"}
@@ -287,3 +287,35 @@ def test_epp_status_entry_is_dropped_when_the_pool_is_no_longer_managed(samples)
     pool["status"] = {"parents": [foreign]}
     pool["status"] = p.epp_pool_status(pool, [], "ok", now=NOW)
     assert p.without_epp_status(pool) == {"parents": [foreign]}
+
+
+def test_the_two_status_writers_agree_on_the_order(samples):
+    """The EPP's entry and the Gateways' entries are written by two reconciles; each keeps the other's entries.
+    Were their orders different, each would rewrite the list (a watch event each time) forever."""
+    for gateways_first in (True, False):
+        pool = copy.deepcopy(samples["InferencePool"])
+        writers = [lambda: p.pool_status(pool, [_gateway("b"), _gateway("a")], None, now=NOW),
+                   lambda: p.epp_pool_status(pool, [], "ok", now=NOW)]
+        if not gateways_first:
+            writers.reverse()
+        seen = []
+        for _ in range(3):
+            for write in writers:
+                pool["status"] = write()
+                seen.append(pool["status"])
+        assert seen[-1] == seen[-2] == seen[-3] == seen[-4]
+        assert [e["parentRef"]["name"] for e in seen[-1]["parents"]] == ["demo-pool-epp", "a", "b"]
+
+
+def test_epp_status_entry_is_valid_for_the_pool_crd(samples):
+    """Our InferencePool CRD and upstream's both accept the status with the EPP's entry (problems included)."""
+    from tests.test_crds import UPSTREAM_POOL_CRD, our_schema, upstream_pool_schema
+
+    pool = _annotated(samples["InferencePool"], "tuned")
+    pool["status"] = p.pool_status(pool, [_gateway()], None, now=NOW)
+    missing = p.choose_epp_config(pool, None, None)
+    pool["status"] = p.epp_pool_status(pool, [missing.problem], p.running_note(missing, False), now=NOW)
+    assert [e["controllerName"] for e in pool["status"]["parents"]] == [p.EPP_CONTROLLER_NAME, naming.CONTROLLER_NAME]
+    assert our_schema("InferencePool").errors(pool) == []
+    if UPSTREAM_POOL_CRD.is_file():
+        assert upstream_pool_schema().errors(pool) == []
