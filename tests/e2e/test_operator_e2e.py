@@ -291,8 +291,12 @@ def test_operator_runs_the_samples(k8s, tmp_path):
         wait_for(lambda: epp_digest() != default_digest, timeout_s=30, what="the EPP's pods to roll to the new config")
         wait_for(lambda: "ConfigMap 'tuned'" in epp_entry().get("message", "") and epp_entry()["status"] == "True",
                  timeout_s=30, what="the pool's EPP entry to report the ConfigMap's config")
-        wait_for(lambda: deployment_ready("demo-pool-epp") and not client.get(DEPLOYMENT, "demo-pool-epp", ns)
-                 ["status"].get("unavailableReplicas"), timeout_s=60, what="the rolled EPP Ready")
+        def epp_rolled() -> bool:  # the new pod Ready and the old one gone
+            dep = client.get(DEPLOYMENT, "demo-pool-epp", ns)
+            st = dep.get("status") or {}
+            return (st.get("observedGeneration") == dep["metadata"]["generation"]
+                    and st.get("updatedReplicas") == st.get("replicas") == st.get("readyReplicas") == 1)
+        wait_for(epp_rolled, timeout_s=60, what="the rolled EPP Ready, the old pod gone")
         tuned_digest = epp_digest()
         served.clear()
         wait_for(completion_served, timeout_s=60, interval_s=1, what="a completion served by the rolled EPP")
