@@ -51,6 +51,7 @@ def _kinds() -> dict[tuple[str, str], Kind]:
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+        Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind("kvgate.dev/v1alpha1", "ModelServer", "modelservers"),
         Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
         Kind("gateway.networking.k8s.io/v1", "GatewayClass", "gatewayclasses", False),

@@ -12,7 +12,9 @@ collector removes what the operator made through the owner references on every o
 
 Keys (deduplicated while queued; a failing key is retried with exponential backoff, 1 s to 60 s):
     ("ModelServer", ns, name)    the engine Deployment and the ModelServer's status
-    ("InferencePool", ns, name)  the pool's EPP objects when the operator manages them
+    ("InferencePool", ns, name)  the pool's EPP objects when the operator manages them: its config (re-read
+                                 from the referenced ConfigMap each time), its NetworkPolicy, its status entry
+    ("ConfigUsers", ns, name)    the pools whose kvgate.dev/epp-config names this ConfigMap
     ("PoolMembers", ns, name)    the ModelServers of a pool (their Deployment follows the pool's selector)
     ("Gateways",)                GatewayClass statuses; per Gateway of ours the Envoy objects and status;
                                  HTTPRoute and InferencePool status.parents (they need all Gateways at once)
@@ -36,8 +38,11 @@ from kvgate.operator.envoy_routes import WeightedBackend
 from kvgate.operator.gateway import (GatewayRouting, desired_envoy_objects, gateway_status, gatewayclass_status,
                                      httproute_status, is_our_class, render_config, routes_for_gateway)
 from kvgate.operator.modelserver import desired_engine_deployment, modelserver_status, needs_recreate
-from kvgate.operator.pool import (desired_epp_objects, epp_problems, epp_ref, is_fail_open, manages_epp,
-                                  pool_status)
+from kvgate.operator.network_policy import (desired_network_policy, gateways_routing_to, policy_enabled,
+                                            route_refs)
+from kvgate.operator.pool import (choose_epp_config, desired_epp_objects, epp_pool_status, epp_problems, epp_ref,
+                                  is_fail_open, manages_epp, pool_status, referenced_config_name, running_note,
+                                  without_epp_status)
 
 log = logging.getLogger("kvgate.operator")
 
@@ -52,8 +57,21 @@ SERVICE = KINDS[("v1", "Service")]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 POD = KINDS[("v1", "Pod")]
 NAMESPACE = KINDS[("v1", "Namespace")]
+NETWORKPOLICY = KINDS[("networking.k8s.io/v1", "NetworkPolicy")]
 
 GATEWAYS_KEY = ("Gateways",)
+# Label this on a ConfigMap named by a pool's kvgate.dev/epp-config and a change to it rolls out at once; an
+# unlabelled one is picked up at the next reconcile of its pools (every resync).
+CONFIG_LABEL = "kvgate.dev/epp-config"
+_MANAGED_SELECTOR = f"{naming.MANAGED_BY_KEY}={naming.MANAGED_BY}"
+# Filters the API server applies to kopf's watches (the handlers' label filters alone run in the operator,
+# after every object of the kind was sent to it): only the operator's own objects and labelled ConfigMaps.
+SERVER_SIDE_SELECTORS = {
+    ("apps", "v1", "deployments"): _MANAGED_SELECTOR,
+    ("", "v1", "services"): _MANAGED_SELECTOR,
+    ("networking.k8s.io", "v1", "networkpolicies"): _MANAGED_SELECTOR,
+    ("", "v1", "configmaps"): CONFIG_LABEL,
+}
 EPP_ADDRESS_MODES = ("service", "pod-ip")
 
 
@@ -68,6 +86,9 @@ class OperatorConfig:
     epp_address_mode: str = "service"
     envoy_service_type: str = "ClusterIP"
     resync_s: float = 15.0
+    # A NetworkPolicy per managed pool's EPP (network_policy.py); the peers that may scrape every EPP's metrics.
+    network_policy: bool = True
+    epp_metrics_from: tuple = ()
 
 
 # --- the work queue ------------------------------------------------------------------------------------------
@@ -227,6 +248,10 @@ class Reconciler:
             for ms in self.kube.list(MODELSERVER, key[1]):
                 if ((ms.get("spec") or {}).get("poolRef") or {}).get("name") == key[2]:
                     self.reconcile_modelserver(*naming.key_of(ms))
+        elif kind == "ConfigUsers":
+            for pool in self.kube.list(POOL, key[1]):
+                if referenced_config_name(pool) == key[2]:
+                    self.reconcile_pool(*naming.key_of(pool))
         elif kind == "Gateways":
             self.reconcile_gateways()
         else:
@@ -271,13 +296,55 @@ class Reconciler:
         ref = epp_ref(pool)
         service = self.kube.get(SERVICE, ref["name"], ns) if ref.get("name") else None
         if not manages_epp(pool, service, self.kube.list(MODELSERVER, ns)):
+            if (status := without_epp_status(pool)) is not None:  # no longer ours: drop our status entry
+                self.kube.patch_status(pool, status)
             return
-        objects = desired_epp_objects(pool, self.config.epp_image)
-        if not objects:
-            log.warning("%s: no EPP made: %s", describe(pool),
-                        "; ".join(p["message"] for p in epp_problems(pool, None)))
+        # The config is re-read from its ConfigMap at each reconcile (every resync at the latest); a ConfigMap
+        # labelled kvgate.dev/epp-config also wakes its pools at once (the label-selected watch in register).
+        config_name = referenced_config_name(pool)
+        choice = choose_epp_config(pool, self.kube.get(CONFIGMAP, config_name, ns) if config_name else None,
+                                   self.kube.get(CONFIGMAP, naming.epp_name(pool), ns))
+        problems = epp_problems(pool, None) + ([choice.problem] if choice.problem else [])
+        if self.config.network_policy:  # before the EPP's pods: they never run unprotected
+            problems += self._network_policy(pool)
+        objects = desired_epp_objects(pool, self.config.epp_image, choice.config_yaml) \
+            if choice.config_yaml is not None else []
         for obj in objects:
             self.kube.apply(obj)
+        status = epp_pool_status(pool, problems, running_note(choice, bool(objects)))
+        if problems and status["parents"] != (pool.get("status") or {}).get("parents"):  # once, not every resync
+            log.warning("%s: %s", describe(pool), "; ".join(p["message"] for p in problems))
+        self.kube.patch_status(pool, status)
+
+    def _network_policy(self, pool: dict) -> list[dict]:
+        """Apply (or, for an opted-out pool, delete) the EPP's NetworkPolicy; its problems."""
+        ns = naming.namespace_of(pool)
+        if not policy_enabled(pool):
+            existing = self.kube.get(NETWORKPOLICY, naming.epp_name(pool), ns)
+            if naming.is_managed(existing) and naming.is_owned_by(existing, pool):
+                self.kube.delete(existing)
+            return []
+        scope = self.config.namespace
+        classes = {naming.name_of(gc) for gc in self.kube.list(GATEWAYCLASS) if is_our_class(gc)}
+        gateways = [g for g in self.kube.list(GATEWAY, scope)
+                    if (g.get("spec") or {}).get("gatewayClassName") in classes and not _deleting(g)]
+        routes = self.kube.list(HTTPROUTE, scope)
+        grants = self.kube.list(REFERENCEGRANT, ns) if any(
+            naming.namespace_of(r) != ns for r in routes) else []
+        using = gateways_routing_to(pool, routes, gateways, grants)
+        policy, problems = desired_network_policy(pool, using, self.config.epp_metrics_from)
+        try:
+            self.kube.apply(policy)
+        except ApiError as exc:
+            if exc.status not in (400, 422):
+                raise
+            # The API server refused a peer of the pool's annotations: the policy without them (the Gateways'
+            # and the operator's peers only) still protects the EPP; the status says what was refused.
+            self.kube.apply(desired_network_policy(pool, using, self.config.epp_metrics_from,
+                                                   trust_annotations=False)[0])
+            problems.append({"reason": "NetworkPolicyRejected",
+                             "message": f"the NetworkPolicy with the pool's peer annotations was refused: {exc}"})
+        return problems
 
     # --- Gateways, routes, pool parents ---------------------------------------------------------------------
     def reconcile_gateways(self) -> None:
@@ -381,6 +448,29 @@ class _PodCache:
 
 # --- kopf registration ---------------------------------------------------------------------------------------
 
+class RouteIndex:
+    """What each HTTPRoute referenced when last seen: the pools and Gateways of its refs. A route event then
+    wakes the pools it references and the ones it stopped referencing (their NetworkPolicies follow), and a
+    Gateway event the pools behind that Gateway's routes. Only keys, a few per route."""
+
+    def __init__(self) -> None:
+        self._refs: dict[tuple[str, str], tuple[set, set]] = {}
+        self._lock = threading.Lock()
+
+    def update(self, key: tuple[str, str], route: dict | None) -> set[tuple[str, str]]:
+        """Record `route` (None: deleted); the pools it references now or did before."""
+        with self._lock:
+            before = self._refs.pop(key, (set(), set()))[0]
+            if route is None:
+                return before
+            self._refs[key] = route_refs(route)
+            return before | self._refs[key][0]
+
+    def pools_behind(self, gateway_key: tuple[str, str]) -> set[tuple[str, str]]:
+        with self._lock:
+            return {pool for pools, gateways in self._refs.values() if gateway_key in gateways for pool in pools}
+
+
 def _owner_kinds(body) -> list[str]:
     return [ref.get("kind", "") for ref in (body.get("metadata") or {}).get("ownerReferences") or []]
 
@@ -391,6 +481,7 @@ def register(registry, reconciler: Reconciler):
 
     q = reconciler.queue
     managed = {naming.MANAGED_BY_KEY: naming.MANAGED_BY}
+    routes = RouteIndex()
 
     @kopf.on.event("kvgate.dev", "v1alpha1", "modelservers", registry=registry)
     def modelserver_event(body, namespace, name, **_):
@@ -405,9 +496,19 @@ def register(registry, reconciler: Reconciler):
         q.add(("PoolMembers", namespace, name))
         q.add(GATEWAYS_KEY)
 
+    @kopf.on.event("gateway.networking.k8s.io", "v1", "httproutes", registry=registry)
+    def httproute_event(event, body, namespace, name, **_):
+        q.add(GATEWAYS_KEY)
+        for pool_key in routes.update((namespace, name), None if event.get("type") == "DELETED" else body):
+            q.add(("InferencePool", *pool_key))  # the EPP's NetworkPolicy admits the route's Gateways
+
+    @kopf.on.event("gateway.networking.k8s.io", "v1", "gateways", registry=registry)
+    def gateway_event(namespace, name, **_):
+        q.add(GATEWAYS_KEY)
+        for pool_key in routes.pools_behind((namespace, name)):
+            q.add(("InferencePool", *pool_key))
+
     for group, version, plural in (("gateway.networking.k8s.io", "v1", "gatewayclasses"),
-                                   ("gateway.networking.k8s.io", "v1", "gateways"),
-                                   ("gateway.networking.k8s.io", "v1", "httproutes"),
                                    ("gateway.networking.k8s.io", "v1beta1", "referencegrants")):
         @kopf.on.event(group, version, plural, registry=registry, id=f"{plural}_event")
         def gateway_api_event(**_):
@@ -426,6 +527,14 @@ def register(registry, reconciler: Reconciler):
 
     kopf.on.event("apps", "v1", "deployments", labels=managed, registry=registry, id="deployments_event")(owned_event)
     kopf.on.event(group="", version="v1", plural="services", labels=managed, registry=registry, id="services_event")(owned_event)
+    if reconciler.config.network_policy:
+        kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=managed, registry=registry,
+                      id="networkpolicies_event")(owned_event)
+
+    @kopf.on.event(group="", version="v1", plural="configmaps", labels={CONFIG_LABEL: kopf.PRESENT},
+                   registry=registry, id="configmaps_event")
+    def config_event(namespace, name, **_):
+        q.add(("ConfigUsers", namespace, name))
 
     @kopf.on.login(registry=registry)
     def login(**kwargs):  # a registry of our own gets no default login handler: use the kubernetes client's
@@ -434,6 +543,8 @@ def register(registry, reconciler: Reconciler):
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_):
         settings.posting.level = logging.WARNING  # Kubernetes Events only for problems
+        for resource, selector in SERVER_SIDE_SELECTORS.items():
+            settings.watching.label_selectors[resource] = selector
         settings.watching.server_timeout = 300  # re-list now and then, as a belt to the resync's braces
         settings.watching.client_timeout = 330
         reconciler.start()

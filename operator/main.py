@@ -32,6 +32,14 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
                    help="how Envoy reaches a pool's EPP: 'service' (default) by the EPP Service's DNS name; "
                         "'pod-ip' by a ready EPP pod's IP, for clusters without Service routing (e.g. the "
                         "e2e rig, which has no kube-proxy); the Envoy config then follows the EPP pod")
+    p.add_argument("--epp-network-policy", default="enabled", choices=["enabled", "disabled"],
+                   help="write a NetworkPolicy per managed pool's EPP admitting ext-proc and health traffic only "
+                        "from the pool's Gateways and metrics scrapes only from --epp-metrics-from (default "
+                        "%(default)s; 'disabled' leaves policies already written in place)")
+    p.add_argument("--epp-metrics-from", type=_metrics_peers, default=(), metavar="PEERS",
+                   help="NetworkPolicy peers (a YAML or JSON list) allowed to scrape every EPP's metrics port, e.g. "
+                        "'[{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}}]' "
+                        "(default: none)")
     p.add_argument("--resync-seconds", type=float, default=15.0,
                    help="reconcile everything again this often (default %(default)s)")
     p.add_argument("--liveness-port", type=int, default=None,
@@ -40,6 +48,15 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
                    help="address of the liveness endpoint (default %(default)s: every interface of the pod)")
     p.set_defaults(func=run_operator)
     return p
+
+
+def _metrics_peers(text: str) -> tuple[dict, ...]:
+    from kvgate.operator.network_policy import parse_peers
+
+    try:
+        return tuple(parse_peers(text, "--epp-metrics-from"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run_operator(args: argparse.Namespace) -> int:
@@ -52,7 +69,9 @@ def run_operator(args: argparse.Namespace) -> int:
         logging.getLogger("kvgate.operator").setLevel(logging.INFO)
     config = OperatorConfig(engine_image=args.engine_image, epp_image=args.epp_image, envoy_image=args.envoy_image,
                             namespace=args.namespace, epp_address_mode=args.epp_address_mode,
-                            envoy_service_type=args.envoy_service_type, resync_s=args.resync_seconds)
+                            envoy_service_type=args.envoy_service_type, resync_s=args.resync_seconds,
+                            network_policy=args.epp_network_policy == "enabled",
+                            epp_metrics_from=args.epp_metrics_from)
     reconciler = Reconciler(Kube(), config)
     registry = register(kopf.OperatorRegistry(), reconciler)
     liveness = f"http://{args.liveness_host}:{args.liveness_port}/healthz" if args.liveness_port else None

@@ -7,16 +7,35 @@ A Service that exists without those marks is the user's, and a pool nobody marke
 alone even when its Service is missing — a pool may name an EPP the user has not deployed yet, and the
 operator must not step in front of it (upstream conformance reports such a pool as InvalidExtensionRef).
 The annotation `kvgate.dev/endpoint-picker: external` opts a pool with ModelServers out.
+
+A managed pool's EndpointPickerConfig: the default, or the one its annotation `kvgate.dev/epp-config:
+<configmap>[/<key>]` names (a ConfigMap in the pool's namespace, key `epp.yaml` unless named; the annotation,
+not a field, because the InferencePool schema is upstream's). The operator parses it with the EPP's own
+parser before rolling it out and copies it into the EPP's ConfigMap; the pod template carries its digest, so a
+new config rolls the EPP (one new pod, ready before the old one goes). The EPP reads its config once, so a
+roll is how a change arrives whole: no pod ever runs half of one. A missing or invalid config never reaches
+the EPP: the operator keeps the config in the EPP's ConfigMap (the last good one) and says why in the pool's
+status, in the `status.parents` entry of controller `kvgate.dev/endpoint-picker` (parentRef: the EPP
+Deployment), which every managed pool carries whether or not a Gateway routes to it.
 """
 
 from __future__ import annotations
 
-from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML
+import hashlib
+import re
+from typing import NamedTuple
+
+from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, ConfigError, parse_config
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 
 EPP_ANNOTATION = "kvgate.dev/endpoint-picker"
-CONFIG_FILE = "/config/epp.yaml"
+CONFIG_ANNOTATION = "kvgate.dev/epp-config"  # <configmap>[/<key>] in the pool's namespace
+CONFIG_KEY = "epp.yaml"  # the key of the EPP's own ConfigMap, and of a referenced one unless named
+CONFIG_FILE = f"/config/{CONFIG_KEY}"
+EPP_CONTROLLER_NAME = "kvgate.dev/endpoint-picker"  # writes the EPP's entry in the pool's status.parents
+# Problems with a reference (the EPP Service, the config's ConfigMap): the entry's ResolvedRefs says them too.
+REF_REASONS = {"InvalidExtensionRef", "InvalidConfigRef", "ConfigMapNotFound", "ConfigKeyNotFound"}
 
 # The EPP's own default (header filter for conformance, queue 2, kv-cache 2, prefix 3, max-score), written
 # into the ConfigMap so that it always holds the config the EPP runs.
@@ -88,7 +107,7 @@ def _role_binding(pool: dict) -> dict:
 def _config_map(pool: dict, config_yaml: str) -> dict:
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": naming.object_meta(naming.epp_name(pool), pool, _epp_labels(pool)),
-            "data": {"epp.yaml": config_yaml}}
+            "data": {CONFIG_KEY: config_yaml}}
 
 
 def epp_command(pool: dict) -> list[str]:
@@ -119,9 +138,7 @@ def _epp_container(pool: dict, image: str) -> dict:
     }
 
 
-def _config_digest(config_yaml: str) -> str:
-    import hashlib
-
+def config_digest(config_yaml: str) -> str:
     return hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
 
 
@@ -129,13 +146,15 @@ def _deployment(pool: dict, image: str, config_yaml: str) -> dict:
     name = naming.epp_name(pool)
     selector = naming.selector_labels("epp", naming.name_of(pool))
     # The EPP reads its config file once: a changed config must roll the pods, hence its digest on the template.
-    pod_annotations = {"kvgate.dev/config-digest": _config_digest(config_yaml),
+    pod_annotations = {"kvgate.dev/config-digest": config_digest(config_yaml),
                        "prometheus.io/scrape": "true", "prometheus.io/port": str(naming.EPP_METRICS_PORT)}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": naming.object_meta(name, pool, _epp_labels(pool)),
         "spec": {
             "replicas": 1,  # the EPP keeps per-endpoint state (prefix index): one replica per pool
+            # A config change starts the new pod first and removes the old one once the new one is ready.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {"labels": _epp_labels(pool), "annotations": pod_annotations},
@@ -181,8 +200,6 @@ def epp_problems(pool: dict, config_yaml: str | None) -> list[dict]:
                          "message": f"endpointPickerRef port {epp_service_port(pool)} collides with the EPP's "
                                     f"health ({naming.EPP_HEALTH_PORT}) or metrics ({naming.EPP_METRICS_PORT}) port"})
     if config_yaml is not None:
-        from kvgate.epp.scheduling.config import ConfigError, parse_config
-
         try:
             parse_config(config_yaml, source="EndpointPickerConfig")
         except ConfigError as exc:
@@ -198,6 +215,126 @@ def desired_epp_objects(pool: dict, image: str, config_yaml: str | None = None) 
     config_yaml = config_yaml if config_yaml is not None else DEFAULT_EPP_CONFIG
     return [_service_account(pool), _role(pool), _role_binding(pool), _config_map(pool, config_yaml),
             _deployment(pool, image, config_yaml), _service(pool)]
+
+
+# --- the EPP's config ---------------------------------------------------------------------------------------
+
+# A ConfigMap's name is a DNS subdomain; its keys are [-._a-zA-Z0-9]+ (both at most 253 characters).
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_CONFIG_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+
+
+def config_ref(pool: dict) -> tuple[str, str] | None:
+    """(ConfigMap name, key) named by the pool's `kvgate.dev/epp-config` annotation; None without one.
+    ValueError saying what is wrong when the annotation is malformed."""
+    value = ((pool.get("metadata") or {}).get("annotations") or {}).get(CONFIG_ANNOTATION)
+    if value is None:
+        return None
+    name, _, key = value.strip().partition("/")
+    key = key or CONFIG_KEY
+    if not (len(name) <= 253 and _DNS_SUBDOMAIN.fullmatch(name)):
+        raise ValueError(f"annotation {CONFIG_ANNOTATION}={value!r}: {name!r} is not a ConfigMap name "
+                         "(expected <configmap>[/<key>], the ConfigMap in the pool's namespace)")
+    if not (len(key) <= 253 and _CONFIG_KEY.fullmatch(key)):
+        raise ValueError(f"annotation {CONFIG_ANNOTATION}={value!r}: {key!r} is not a ConfigMap key")
+    return name, key
+
+
+def referenced_config_name(pool: dict) -> str | None:
+    """The ConfigMap the reconciler reads for the pool's config; None without a (well-formed) reference."""
+    try:
+        ref = config_ref(pool)
+    except ValueError:
+        return None
+    return ref[0] if ref else None
+
+
+class ConfigChoice(NamedTuple):
+    config_yaml: str | None  # what the EPP is to run; None: nothing usable, so no EPP is made or changed
+    source: str  # where it comes from, for the status
+    problem: dict | None  # {reason, message} when the pool's config reference or its config is unusable
+
+
+def _last_good(pool: dict, current: dict | None) -> str | None:
+    """The config in the EPP's own ConfigMap (the last one rolled out) when it is the operator's and parses."""
+    if not (naming.is_managed(current) and naming.is_owned_by(current, pool)):
+        return None
+    text = (current.get("data") or {}).get(CONFIG_KEY)
+    try:
+        parse_config(text or "", source="the EPP's ConfigMap")
+    except ConfigError:
+        return None
+    return text
+
+
+def choose_epp_config(pool: dict, referenced: dict | None, current: dict | None) -> ConfigChoice:
+    """The config to roll out to the pool's EPP: the default without a `kvgate.dev/epp-config` annotation,
+    else the referenced ConfigMap's key once it parses. When the reference or the config is unusable: the
+    last good config (`current`, the EPP's own ConfigMap) with the problem, so the EPP never gets a config
+    it would refuse, nor silently the default in place of the one asked for."""
+    try:
+        ref = config_ref(pool)
+    except ValueError as exc:
+        return _keep(pool, current, "InvalidConfigRef", str(exc))
+    if ref is None:
+        return ConfigChoice(DEFAULT_EPP_CONFIG, "the default EndpointPickerConfig", None)
+    name, key = ref
+    if referenced is None:
+        return _keep(pool, current, "ConfigMapNotFound",
+                     f"ConfigMap {name!r} (annotation {CONFIG_ANNOTATION}) not found in namespace "
+                     f"{naming.namespace_of(pool)!r}")
+    data = referenced.get("data") or {}
+    if key not in data:
+        return _keep(pool, current, "ConfigKeyNotFound",
+                     f"ConfigMap {name!r} has no key {key!r} (keys: {', '.join(sorted(data)) or 'none'})")
+    source = f"ConfigMap {name!r} key {key!r}"
+    try:
+        parse_config(data[key], source=source)
+    except ConfigError as exc:
+        return _keep(pool, current, "InvalidConfig", str(exc))
+    return ConfigChoice(data[key], f"the EndpointPickerConfig of {source}", None)
+
+
+def _keep(pool: dict, current: dict | None, reason: str, message: str) -> ConfigChoice:
+    return ConfigChoice(_last_good(pool, current), "its last good config", {"reason": reason, "message": message})
+
+
+def running_note(choice: ConfigChoice, rolled_out: bool) -> str:
+    """What the EPP runs, for the status: the config's source and digest, or that nothing was rolled out."""
+    if not rolled_out or choice.config_yaml is None:
+        return "The EPP is not created or updated until this is fixed."
+    verb = "keeps" if choice.problem else "runs"
+    return f"The EPP {verb} {choice.source} (config digest {config_digest(choice.config_yaml)})."
+
+
+def epp_pool_status(pool: dict, problems: list[dict], running: str, now: str | None = None) -> dict:
+    """The pool's status.parents with the EPP's entry (controller kvgate.dev/endpoint-picker, parentRef the EPP
+    Deployment) set: ResolvedRefs (the EPP Service and config references), Accepted (everything asked of the
+    EPP is rolled out); `running` says what the EPP runs. Other entries are kept as they are."""
+    gen = (pool.get("metadata") or {}).get("generation")
+    previous = (pool.get("status") or {}).get("parents") or []
+    old = next((p for p in previous if p.get("controllerName") == EPP_CONTROLLER_NAME), {})
+    refs = [p for p in problems if p["reason"] in REF_REASONS]
+    resolved = (condition("ResolvedRefs", False, refs[0]["reason"], "; ".join(p["message"] for p in refs), gen)
+                if refs else condition("ResolvedRefs", True, "ResolvedRefs", "the EPP's references resolve", gen))
+    accepted = (condition("Accepted", False, problems[0]["reason"],
+                          "; ".join(p["message"].rstrip(". ") for p in problems) + f". {running}", gen)
+                if problems else condition("Accepted", True, "Accepted", running, gen))
+    entry = {"parentRef": {"group": "apps", "kind": "Deployment", "name": naming.epp_name(pool),
+                           "namespace": naming.namespace_of(pool)},
+             "controllerName": EPP_CONTROLLER_NAME,
+             "conditions": stamp([accepted, resolved], old.get("conditions"), now)}
+    # First, where pool_status (the Gateways' writer, which keeps other entries in their order) leaves it too:
+    # two writers that ordered the list differently would rewrite it back and forth forever.
+    others = [p for p in previous if p.get("controllerName") != EPP_CONTROLLER_NAME]
+    return {"parents": [entry] + others}
+
+
+def without_epp_status(pool: dict) -> dict | None:
+    """The pool's status.parents without the EPP's entry; None when it has none (nothing to write)."""
+    previous = (pool.get("status") or {}).get("parents") or []
+    kept = [p for p in previous if p.get("controllerName") != EPP_CONTROLLER_NAME]
+    return None if len(kept) == len(previous) else {"parents": kept}
 
 
 # --- status.parents ------------------------------------------------------------------------------------------

@@ -75,6 +75,13 @@ VARIANTS = {
                                "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
                                "podAnnotations": {"example.com/a": "b"}},
                               BASE + Counter({"GatewayClass": 1})),
+    "metrics-from": ({"networkPolicy": {"metricsFrom": [
+                         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                          "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]}},
+                     BASE + Counter({"GatewayClass": 1})),
+    "no-network-policy": ({"networkPolicy": {"enabled": False}, "watchNamespaces": ["team-a"]},
+                          Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1,
+                                   "RoleBinding": 1, "Deployment": 1, "GatewayClass": 1})),
 }
 
 
@@ -172,6 +179,17 @@ def test_default_operator_args():
     assert (args.namespace, args.engine_image, args.epp_image, args.envoy_image) == (
         None, image, image, "envoyproxy/envoy:v1.36-latest")
     assert (args.envoy_service_type, args.epp_address_mode, args.resync_seconds) == ("ClusterIP", "service", 15.0)
+    assert (args.epp_network_policy, args.epp_metrics_from) == ("enabled", ())  # on, and no metrics scraper
+
+
+def test_network_policy_values_reach_the_operator():
+    values = VARIANTS["metrics-from"][0]
+    (pod,) = _operators(render(values))
+    args = _operator_args(pod)  # the real CLI parser validates the peers
+    assert args.epp_network_policy == "enabled"
+    assert list(args.epp_metrics_from) == values["networkPolicy"]["metricsFrom"]
+    (pod,) = _operators(render(VARIANTS["no-network-policy"][0]))
+    assert _operator_args(pod).epp_network_policy == "disabled"
 
 
 def test_custom_images():
@@ -231,12 +249,13 @@ APPLY = {"get", "create", "patch"}  # server-side apply: get first, PATCH author
 NAMESPACED_RULES = {
     ("", "pods"): READ,
     ("", "services"): READ | APPLY,
-    ("", "configmaps"): APPLY,
+    ("", "configmaps"): READ | APPLY,  # list/watch: the label-selected watch of pools' EndpointPickerConfigs
     ("", "serviceaccounts"): APPLY,
     ("", "events"): {"create"},
     ("apps", "deployments"): READ | APPLY | {"delete"},
     ("rbac.authorization.k8s.io", "roles"): APPLY,
     ("rbac.authorization.k8s.io", "rolebindings"): APPLY,
+    ("networking.k8s.io", "networkpolicies"): READ | APPLY | {"delete"},  # the EPPs' (networkPolicy.enabled)
     ("kvgate.dev", "modelservers"): READ,
     ("kvgate.dev", "modelservers/status"): {"patch"},
     ("inference.networking.k8s.io", "inferencepools"): READ,
@@ -294,6 +313,16 @@ def test_namespaced_rbac_is_exactly_what_the_operator_uses():
         (binding,) = [o for o in objects if o["kind"] == "RoleBinding" and o["metadata"]["namespace"] == ns]
         assert grants(role) == NAMESPACED_RULES
         _subject_ok(binding, objects, "Role", role["metadata"]["name"])
+
+
+def test_no_network_policy_rbac_when_policies_are_off():
+    for values in ({"networkPolicy": {"enabled": False}}, VARIANTS["no-network-policy"][0]):
+        objects = render(values)
+        held = {}
+        for role in (o for o in objects if o["kind"] in ("Role", "ClusterRole")):
+            held.update(grants(role))
+        without = {k: v for k, v in NAMESPACED_RULES.items() if k != ("networking.k8s.io", "networkpolicies")}
+        assert held == {**without, **CLUSTER_RULES}
 
 
 def test_operator_holds_what_the_epp_role_grants():

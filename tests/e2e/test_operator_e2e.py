@@ -1,6 +1,7 @@
 """`kvgate operator` against the rig: crds/samples/ become engine pods, an EPP and an Envoy that serve a
-completion; scaling the ModelServer grows the EPP's endpoints; deleting the resources garbage-collects
-everything the operator made.
+completion; scaling the ModelServer grows the EPP's endpoints; the EPP's NetworkPolicy admits the Gateway's
+Envoy pods; a pool's own EndpointPickerConfig rolls the EPP, an invalid one is a status condition while the EPP
+keeps its last good config; deleting the resources garbage-collects everything the operator made.
 
 The operator runs as a local process with the rig's kubeconfig and `--epp-address-mode pod-ip` (the rig has
 no kube-proxy, so Envoy must reach the EPP by its pod IP rather than its Service name).
@@ -23,6 +24,23 @@ from operator_run import (condition_status, install_crds, is_ready, print_log_ta
 
 pytestmark = pytest.mark.e2e
 MANAGED = "app.kubernetes.io/managed-by=kvgate-operator"
+DIGEST = "kvgate.dev/config-digest"
+TUNED_EPP_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 1
+  - pluginRef: prefix-cache-scorer
+    weight: 5
+  - pluginRef: max-score-picker
+"""
 
 
 def test_operator_runs_the_samples(k8s, tmp_path):
@@ -45,9 +63,10 @@ def test_operator_runs_the_samples(k8s, tmp_path):
     gw_res = client.resource_for("gateway.networking.k8s.io/v1", "Gateway", wait_s=30)
     route_res = client.resource_for("gateway.networking.k8s.io/v1", "HTTPRoute", wait_s=30)
     gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
+    netpol_res = client.resource_for("networking.k8s.io/v1", "NetworkPolicy")
     made = [DEPLOYMENT, CORE["Service"], CORE["ConfigMap"], CORE["ServiceAccount"],
             client.resource_for("rbac.authorization.k8s.io/v1", "Role"),
-            client.resource_for("rbac.authorization.k8s.io/v1", "RoleBinding")]
+            client.resource_for("rbac.authorization.k8s.io/v1", "RoleBinding"), netpol_res]
 
     log_path = tmp_path / "operator.log"
     operator = None
@@ -121,6 +140,18 @@ def test_operator_runs_the_samples(k8s, tmp_path):
                                           .get("conditions"), "Ready") == "True",
                  timeout_s=30, what="ModelServer Ready")
         mark("statuses: pool, route, class, gateway, modelserver")
+
+        # The EPP's NetworkPolicy: its pods, ext-proc and health from the Gateway's Envoy pods only, no metrics
+        # peer (the operator ran without --epp-metrics-from). The rig enforces no policy; the shape is the check.
+        policy = client.get(netpol_res, "demo-pool-epp", ns)
+        assert policy["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/instance": "demo-pool",
+                                                                 "app.kubernetes.io/name": "kvgate-epp"}}
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert policy["spec"]["ingress"] == [{
+            "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "inference-gateway",
+                                                      "app.kubernetes.io/name": "kvgate-gateway"}}}],
+            "ports": [{"protocol": "TCP", "port": 9002}, {"protocol": "TCP", "port": 9003}]}]
+        assert policy["metadata"]["ownerReferences"][0]["kind"] == "InferencePool"
 
         # Scale as `kubectl scale modelserver demo-llm --replicas 4` does: through the scale subresource.
         epp_ip = next(iter(ready_ips("app.kubernetes.io/name=kvgate-epp,app.kubernetes.io/instance=demo-pool")))
@@ -238,6 +269,46 @@ def test_operator_runs_the_samples(k8s, tmp_path):
         wait_for(completion_served, timeout_s=30, interval_s=1, what="a completion still served through Envoy")
         client.delete(ms_res, "two-sources", ns)
         mark("invalid ModelServer reported by a condition; the pool still serves")
+
+        # The pool's own EndpointPickerConfig: a labelled ConfigMap named by kvgate.dev/epp-config rolls the EPP.
+        def epp_digest() -> str:
+            return client.get(DEPLOYMENT, "demo-pool-epp", ns)["spec"]["template"]["metadata"]["annotations"][DIGEST]
+
+        def epp_entry() -> dict:
+            parents = (client.get(pool_res, "demo-pool", ns).get("status") or {}).get("parents") or []
+            entry = next((p for p in parents if p["controllerName"] == "kvgate.dev/endpoint-picker"), {})
+            return next((c for c in entry.get("conditions") or [] if c["type"] == "Accepted"), {})
+
+        default_digest = epp_digest()
+        wait_for(lambda: epp_entry().get("status") == "True", timeout_s=30,
+                 what="the pool's EPP entry Accepted=True (the default config)")
+        tuned_yaml = TUNED_EPP_CONFIG
+        client.create(CORE["ConfigMap"], {"apiVersion": "v1", "kind": "ConfigMap",
+                                          "metadata": {"name": "tuned", "namespace": ns,
+                                                       "labels": {"kvgate.dev/epp-config": "true"}},
+                                          "data": {"epp.yaml": tuned_yaml}}, ns)
+        client.patch(pool_res, "demo-pool", {"metadata": {"annotations": {"kvgate.dev/epp-config": "tuned"}}}, ns)
+        wait_for(lambda: epp_digest() != default_digest, timeout_s=30, what="the EPP's pods to roll to the new config")
+        wait_for(lambda: "ConfigMap 'tuned'" in epp_entry().get("message", "") and epp_entry()["status"] == "True",
+                 timeout_s=30, what="the pool's EPP entry to report the ConfigMap's config")
+        def epp_rolled() -> bool:  # the new pod Ready and the old one gone
+            dep = client.get(DEPLOYMENT, "demo-pool-epp", ns)
+            st = dep.get("status") or {}
+            return (st.get("observedGeneration") == dep["metadata"]["generation"]
+                    and st.get("updatedReplicas") == st.get("replicas") == st.get("readyReplicas") == 1)
+        wait_for(epp_rolled, timeout_s=60, what="the rolled EPP Ready, the old pod gone")
+        tuned_digest = epp_digest()
+        served.clear()
+        wait_for(completion_served, timeout_s=60, interval_s=1, what="a completion served by the rolled EPP")
+        # An invalid config is a condition; the EPP keeps the last good one (no roll, still serving).
+        client.patch(CORE["ConfigMap"], "tuned", {"data": {"epp.yaml": tuned_yaml.replace("queue-scorer", "nope")}}, ns)
+        wait_for(lambda: epp_entry().get("reason") == "InvalidConfig", timeout_s=30,
+                 what="the pool's EPP entry Accepted=False InvalidConfig")
+        assert "nope" in epp_entry()["message"] and "last good config" in epp_entry()["message"], epp_entry()
+        assert epp_digest() == tuned_digest
+        served.clear()
+        wait_for(completion_served, timeout_s=30, interval_s=1, what="a completion still served")
+        mark("per-pool EndpointPickerConfig rolled out; an invalid one reported, the last good one kept")
 
         # Delete the pool while requests flow through the Gateway's address (its Service's cluster IP): every
         # request gets an answer — served, then the Gateway API's 500 for a route whose backend is gone — and

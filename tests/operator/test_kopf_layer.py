@@ -63,3 +63,91 @@ def test_api_paths_and_status_helpers():
     assert fixed["conditions"][0]["message"] == "Accepted"
     assert summarize_status({"conditions": [{"type": "Ready", "status": "True"}], "readyReplicas": 2,
                              "replicas": 2}) == "Ready=True; ready 2/2"
+
+
+# --- what wakes a pool: routes, Gateways, labelled ConfigMaps, the operator's own objects ---------------------
+
+def _route(name, pools, gateways, ns="default"):
+    return {"metadata": {"name": name, "namespace": ns},
+            "spec": {"parentRefs": [{"name": gw} for gw in gateways],
+                     "rules": [{"backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                                 "name": pool} for pool in pools]}]}}
+
+
+def test_route_index_wakes_pools_a_route_references_or_stopped_referencing():
+    from kvgate.operator.handlers import RouteIndex
+
+    index = RouteIndex()
+    assert index.update(("default", "r"), _route("r", ["a"], ["gw"])) == {("default", "a")}
+    # the route moves from pool a to pool b: both pools' policies change
+    assert index.update(("default", "r"), _route("r", ["b"], ["gw"])) == {("default", "a"), ("default", "b")}
+    index.update(("default", "s"), _route("s", ["c"], ["gw", "other"]))
+    assert index.pools_behind(("default", "gw")) == {("default", "b"), ("default", "c")}
+    assert index.pools_behind(("default", "other")) == {("default", "c")}
+    assert index.update(("default", "s"), None) == {("default", "c")}  # deleted: its pool loses the Gateways
+    assert index.pools_behind(("default", "other")) == set()
+
+
+def _registered(network_policy=True):
+    import kopf
+
+    from kvgate.operator.handlers import OperatorConfig, Reconciler, register
+
+    reconciler = Reconciler(kube=None, config=OperatorConfig("e", "p", "v", network_policy=network_policy))
+    registry = register(kopf.OperatorRegistry(), reconciler)
+    handlers = {h.selector.plural or h.selector.any_name: h for h in registry._watching.get_all_handlers()}
+    return reconciler.queue, handlers
+
+
+def _drain(q):
+    q.add(("end",))
+    out = []
+    while (key := q.get()) != ("end",):
+        out.append(key)
+    return out
+
+
+def test_handlers_enqueue_the_pools_behind_routes_gateways_and_configmaps():
+    q, handlers = _registered()
+    route = _route("r", ["pool-a"], ["gw"])
+    handlers["httproutes"].fn(event={"type": "ADDED"}, body=route, namespace="default", name="r")
+    assert _drain(q) == [("Gateways",), ("InferencePool", "default", "pool-a")]
+    handlers["gateways"].fn(namespace="default", name="gw")
+    assert _drain(q) == [("Gateways",), ("InferencePool", "default", "pool-a")]
+    handlers["httproutes"].fn(event={"type": "DELETED"}, body=route, namespace="default", name="r")
+    assert _drain(q) == [("Gateways",), ("InferencePool", "default", "pool-a")]
+    handlers["gateways"].fn(namespace="default", name="gw")
+    assert _drain(q) == [("Gateways",)]
+    handlers["configmaps"].fn(namespace="default", name="tuned")
+    assert _drain(q) == [("ConfigUsers", "default", "tuned")]
+    policy = {"metadata": {"ownerReferences": [{"kind": "InferencePool", "name": "pool-a"}]}}
+    handlers["networkpolicies"].fn(body=policy, namespace="default")
+    assert _drain(q) == [("InferencePool", "default", "pool-a"), ("Gateways",)]
+
+
+def test_watches_of_other_peoples_objects_are_filtered_by_the_api_server():
+    """kopf's handler label filters run in the operator after the object was sent; these go to the API server."""
+    import kopf
+    from kopf._cogs.structs.references import Resource
+
+    from kvgate.operator.handlers import SERVER_SIDE_SELECTORS
+
+    _, handlers = _registered()
+    settings = kopf.OperatorSettings()
+    for resource, selector in SERVER_SIDE_SELECTORS.items():
+        settings.watching.label_selectors[resource] = selector
+    for plural, group, kind in (("deployments", "apps", "Deployment"), ("services", "", "Service"),
+                                ("networkpolicies", "networking.k8s.io", "NetworkPolicy"),
+                                ("configmaps", "", "ConfigMap")):
+        (label,) = handlers[plural].labels  # the handler's own filter ...
+        resource = Resource(group=group, version="v1", plural=plural, kind=kind, namespaced=True)
+        (selector,) = settings.watching.label_selectors.collect(resource)
+        assert selector.split("=")[0] == label  # ... is the one the API server applies
+    for plural, group in (("pods", ""), ("secrets", "")):
+        resource = Resource(group=group, version="v1", plural=plural, kind="X", namespaced=True)
+        assert settings.watching.label_selectors.collect(resource) == []
+
+
+def test_no_network_policy_watch_when_policies_are_off():
+    _, handlers = _registered(network_policy=False)
+    assert "networkpolicies" not in handlers and "configmaps" in handlers

@@ -140,3 +140,182 @@ def test_epp_resolution_checks_port_and_type(samples):
     no_ref = copy.deepcopy(pool)
     del no_ref["spec"]["endpointPickerRef"]
     assert p.epp_resolution(no_ref, svc) == (False, "endpointPickerRef is not set")
+
+
+# --- per-pool EndpointPickerConfig (annotation kvgate.dev/epp-config) ------------------------------------------
+
+TUNED = p.DEFAULT_EPP_CONFIG.replace("weight: 3", "weight: 7")
+
+
+def _annotated(pool, value):
+    pool = copy.deepcopy(pool)
+    pool["metadata"].setdefault("annotations", {})[p.CONFIG_ANNOTATION] = value
+    return pool
+
+
+def _user_cm(name="tuned", data=None):
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": "default"},
+            "data": {"epp.yaml": TUNED} if data is None else data}
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("tuned", ("tuned", "epp.yaml")), ("tuned/scorers.yaml", ("tuned", "scorers.yaml")),
+    (" tuned.v2/k ", ("tuned.v2", "k")),
+])
+def test_config_ref_parses_configmap_and_key(samples, value, expected):
+    assert p.config_ref(samples["InferencePool"]) is None
+    assert p.config_ref(_annotated(samples["InferencePool"], value)) == expected
+
+
+@pytest.mark.parametrize("value", ["", "Tuned", "tuned/bad key", "a/b/c", "/epp.yaml", "x" * 254])
+def test_malformed_config_ref_is_invalid_config_ref(samples, value):
+    pool = _annotated(samples["InferencePool"], value)
+    with pytest.raises(ValueError, match="kvgate.dev/epp-config"):
+        p.config_ref(pool)
+    assert p.referenced_config_name(pool) is None
+    choice = p.choose_epp_config(pool, None, None)
+    assert choice.problem["reason"] == "InvalidConfigRef" and choice.config_yaml is None
+
+
+def test_no_annotation_runs_the_default_config(samples):
+    choice = p.choose_epp_config(samples["InferencePool"], None, None)
+    assert choice == p.ConfigChoice(p.DEFAULT_EPP_CONFIG, "the default EndpointPickerConfig", None)
+
+
+def test_referenced_config_rolls_out_and_rolls_the_pods(samples):
+    pool = _annotated(samples["InferencePool"], "tuned")
+    choice = p.choose_epp_config(pool, _user_cm(), None)
+    assert choice.problem is None and choice.config_yaml == TUNED
+    assert "ConfigMap 'tuned' key 'epp.yaml'" in choice.source
+    tuned = _by_kind(p.desired_epp_objects(pool, IMAGE, choice.config_yaml))
+    default = _by_kind(p.desired_epp_objects(pool, IMAGE))
+    assert tuned["ConfigMap"]["data"] == {"epp.yaml": TUNED}
+    digest = "kvgate.dev/config-digest"
+    assert (tuned["Deployment"]["spec"]["template"]["metadata"]["annotations"][digest]
+            == p.config_digest(TUNED) != default["Deployment"]["spec"]["template"]["metadata"]["annotations"][digest])
+    # one replica: the new pod starts and becomes ready before the old one is removed
+    assert tuned["Deployment"]["spec"]["strategy"] == {"type": "RollingUpdate",
+                                                       "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    named_key = p.choose_epp_config(_annotated(pool, "tuned/other.yaml"), _user_cm(data={"other.yaml": TUNED}), None)
+    assert named_key.config_yaml == TUNED and named_key.problem is None
+
+
+def _rolled_out(pool, config_yaml):
+    """The EPP's own ConfigMap as the operator wrote it for `config_yaml`."""
+    return _by_kind(p.desired_epp_objects(pool, IMAGE, config_yaml))["ConfigMap"]
+
+
+@pytest.mark.parametrize("referenced,reason,says", [
+    (None, "ConfigMapNotFound", "ConfigMap 'tuned'"),
+    (_user_cm(data={"other.yaml": "x"}), "ConfigKeyNotFound", "no key 'epp.yaml' (keys: other.yaml)"),
+    (_user_cm(data={"epp.yaml": "plugins: ["}), "InvalidConfig", "not valid YAML"),
+    (_user_cm(data={"epp.yaml": TUNED.replace("queue-scorer", "no-such-scorer")}), "InvalidConfig", "no-such-scorer"),
+])
+def test_bad_reference_or_config_keeps_the_last_good_config(samples, referenced, reason, says):
+    pool = _annotated(samples["InferencePool"], "tuned")
+    first = p.desired_epp_objects(pool, IMAGE, p.choose_epp_config(pool, _user_cm(), None).config_yaml)
+    choice = p.choose_epp_config(pool, referenced, _by_kind(first)["ConfigMap"])
+    assert choice.problem["reason"] == reason and says in choice.problem["message"], choice.problem
+    assert choice.config_yaml == TUNED and choice.source == "its last good config"
+    # what the operator applies is exactly what runs: the EPP's pods do not roll, they keep the good config
+    assert p.desired_epp_objects(pool, IMAGE, choice.config_yaml) == first
+    assert p.running_note(choice, True) == f"The EPP keeps its last good config (config digest {p.config_digest(TUNED)})."
+
+
+def test_bad_config_without_a_last_good_one_makes_no_epp(samples):
+    pool = _annotated(samples["InferencePool"], "tuned")
+    choice = p.choose_epp_config(pool, None, None)
+    assert choice.config_yaml is None and choice.problem["reason"] == "ConfigMapNotFound"
+    assert p.running_note(choice, False) == "The EPP is not created or updated until this is fixed."
+    # a ConfigMap of that name that is not the operator's (no owner reference to the pool) is no last good config
+    foreign = _rolled_out(pool, TUNED)
+    foreign["metadata"]["ownerReferences"] = []
+    assert p.choose_epp_config(pool, None, foreign).config_yaml is None
+    broken = _rolled_out(pool, TUNED)
+    broken["data"]["epp.yaml"] = "kind: Nope\n"
+    assert p.choose_epp_config(pool, None, broken).config_yaml is None
+
+
+def _entry(status):
+    (entry,) = [e for e in status["parents"] if e["controllerName"] == p.EPP_CONTROLLER_NAME]
+    return entry, {c["type"]: c for c in entry["conditions"]}
+
+
+def test_epp_status_entry_when_all_is_well(samples):
+    pool = copy.deepcopy(samples["InferencePool"])
+    gateway_entry = {"parentRef": {"name": "g"}, "controllerName": naming.CONTROLLER_NAME, "conditions": []}
+    pool["status"] = {"parents": [gateway_entry]}
+    choice = p.choose_epp_config(pool, None, None)
+    status = p.epp_pool_status(pool, [], p.running_note(choice, True), now=NOW)
+    assert status["parents"][1] == gateway_entry  # the Gateways' entries are kept
+    entry, conds = _entry(status)
+    assert entry["parentRef"] == {"group": "apps", "kind": "Deployment", "name": "demo-pool-epp",
+                                  "namespace": "default"}
+    assert (conds["Accepted"]["status"], conds["Accepted"]["reason"]) == ("True", "Accepted")
+    assert conds["Accepted"]["message"] == (f"The EPP runs the default EndpointPickerConfig (config digest "
+                                            f"{p.config_digest(p.DEFAULT_EPP_CONFIG)}).")
+    assert (conds["ResolvedRefs"]["status"], conds["ResolvedRefs"]["reason"]) == ("True", "ResolvedRefs")
+    assert all(c["lastTransitionTime"] == NOW and c["observedGeneration"] == 1 for c in conds.values())
+    # a resync that changes nothing writes the same status
+    pool["status"] = status
+    assert p.epp_pool_status(pool, [], p.running_note(choice, True), now="2030-01-01T00:00:00Z") == status
+    # and the operator's own gateway status keeps the EPP's entry
+    assert _entry(p.pool_status(pool, [_gateway()], None, now=NOW))[0] == entry
+
+
+def test_epp_status_entry_names_the_problem(samples):
+    pool = _annotated(samples["InferencePool"], "tuned")
+    bad = _user_cm(data={"epp.yaml": TUNED.replace("queue-scorer", "no-such-scorer")})
+    choice = p.choose_epp_config(pool, bad, _rolled_out(pool, TUNED))
+    _, conds = _entry(p.epp_pool_status(pool, [choice.problem], p.running_note(choice, True), now=NOW))
+    assert (conds["Accepted"]["status"], conds["Accepted"]["reason"]) == ("False", "InvalidConfig")
+    assert "no-such-scorer" in conds["Accepted"]["message"]
+    assert conds["Accepted"]["message"].endswith(f"The EPP keeps its last good config (config digest "
+                                                 f"{p.config_digest(TUNED)}).")
+    assert conds["ResolvedRefs"]["status"] == "True"  # the reference resolves; its content is the problem
+    missing = p.choose_epp_config(pool, None, None)
+    _, conds = _entry(p.epp_pool_status(pool, [missing.problem], p.running_note(missing, False), now=NOW))
+    for type_ in ("Accepted", "ResolvedRefs"):
+        assert (conds[type_]["status"], conds[type_]["reason"]) == ("False", "ConfigMapNotFound")
+    assert "ConfigMap 'tuned'" in conds["ResolvedRefs"]["message"]
+
+
+def test_epp_status_entry_is_dropped_when_the_pool_is_no_longer_managed(samples):
+    pool = copy.deepcopy(samples["InferencePool"])
+    assert p.without_epp_status(pool) is None  # nothing to write
+    foreign = {"parentRef": {"name": "x"}, "controllerName": "other.dev/c", "conditions": []}
+    pool["status"] = {"parents": [foreign]}
+    pool["status"] = p.epp_pool_status(pool, [], "ok", now=NOW)
+    assert p.without_epp_status(pool) == {"parents": [foreign]}
+
+
+def test_the_two_status_writers_agree_on_the_order(samples):
+    """The EPP's entry and the Gateways' entries are written by two reconciles; each keeps the other's entries.
+    Were their orders different, each would rewrite the list (a watch event each time) forever."""
+    for gateways_first in (True, False):
+        pool = copy.deepcopy(samples["InferencePool"])
+        writers = [lambda: p.pool_status(pool, [_gateway("b"), _gateway("a")], None, now=NOW),
+                   lambda: p.epp_pool_status(pool, [], "ok", now=NOW)]
+        if not gateways_first:
+            writers.reverse()
+        seen = []
+        for _ in range(3):
+            for write in writers:
+                pool["status"] = write()
+                seen.append(pool["status"])
+        assert seen[-1] == seen[-2] == seen[-3] == seen[-4]
+        assert [e["parentRef"]["name"] for e in seen[-1]["parents"]] == ["demo-pool-epp", "a", "b"]
+
+
+def test_epp_status_entry_is_valid_for_the_pool_crd(samples):
+    """Our InferencePool CRD and upstream's both accept the status with the EPP's entry (problems included)."""
+    from tests.test_crds import UPSTREAM_POOL_CRD, our_schema, upstream_pool_schema
+
+    pool = _annotated(samples["InferencePool"], "tuned")
+    pool["status"] = p.pool_status(pool, [_gateway()], None, now=NOW)
+    missing = p.choose_epp_config(pool, None, None)
+    pool["status"] = p.epp_pool_status(pool, [missing.problem], p.running_note(missing, False), now=NOW)
+    assert [e["controllerName"] for e in pool["status"]["parents"]] == [p.EPP_CONTROLLER_NAME, naming.CONTROLLER_NAME]
+    assert our_schema("InferencePool").errors(pool) == []
+    if UPSTREAM_POOL_CRD.is_file():
+        assert upstream_pool_schema().errors(pool) == []

@@ -61,6 +61,9 @@ operator/apply.py (server-side apply is authorized as get + patch, and as create
 plus kopf's watches and Events. Pods, inferencepools, inferenceobjectives and inferencemodelrewrites
 get/list/watch are also what the EPP Role it creates grants (operator/pool.py EPP_RBAC_RULES): Kubernetes
 only lets it create that Role if it holds those permissions itself (RBAC escalation prevention).
+ConfigMaps: list/watch for the watch of ConfigMaps labelled kvgate.dev/epp-config (a pool's EndpointPickerConfig;
+get already reads any ConfigMap, so they show it nothing new). NetworkPolicies (networkPolicy.enabled): the
+EPPs' policies, watched to put back one a user changed, deleted for a pool that opts out.
 */}}
 {{- define "kvgate.namespacedRules" -}}
 - apiGroups: [""]
@@ -70,7 +73,10 @@ only lets it create that Role if it holds those permissions itself (RBAC escalat
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
-  resources: ["configmaps", "serviceaccounts"]
+  resources: ["configmaps"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
   verbs: ["get", "create", "patch"]
 - apiGroups: [""]
   resources: ["events"]
@@ -81,6 +87,11 @@ only lets it create that Role if it holds those permissions itself (RBAC escalat
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "create", "patch"]
+{{- if .Values.networkPolicy.enabled }}
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+{{- end }}
 - apiGroups: ["kvgate.dev"]
   resources: ["modelservers"]
   verbs: ["get", "list", "watch"]
