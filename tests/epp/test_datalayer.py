@@ -217,7 +217,7 @@ def test_collectors_are_added_and_removed_cleanly():
             layer.set_endpoints([Endpoint(b.address)])
             assert [s.address for s in layer.states()] == [b.address]
             assert (a.address, None) in changes
-            await wait_until(lambda: collector_a.task.done())
+            assert collector_a.removed and not collector_a.connection.connected
             scraped = a.requests
             await asyncio.sleep(0.1)
             assert a.requests == scraped  # no scrapes after removal
