@@ -259,6 +259,14 @@ def test_against_a_real_kvgate_sim_engine(tmp_path):
             await wait_until(lambda: not layer.states()[0].stale, timeout=5.0)
             m = layer.states()[0].metrics
             assert m.kv_block_size == 16 and m.num_kv_blocks and m.max_lora == 0
+            assert layer._collectors[address].filtered  # the engine took the name[] filter
+            async with httpx.AsyncClient(timeout=10) as client:
+                whole = (await client.get(url + "/metrics")).text
+                page = (await client.get(url + DIALECTS["vllm"].metrics_path())).text
+            samples = {line.split("{")[0].split(" ")[0] for line in page.splitlines() if not line.startswith("#")}
+            assert samples == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                               "vllm:lora_requests_info", "vllm:cache_config_info"}
+            assert "vllm:prefix_cache_queries_total" in whole and len(page) < len(whole) / 2
             busy = []
             async with httpx.AsyncClient(timeout=60) as client:
                 body = {"model": "sim-8b", "prompt": "hello " * 200, "max_tokens": 64, "ignore_eos": True}
