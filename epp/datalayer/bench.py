@@ -38,6 +38,8 @@ def add_bench_scrape_parser(sub) -> None:
                    help="serve byte-identical bodies (as an idle engine without a timestamped gauge would)")
     p.add_argument("--datalayer-class", default="kvgate.epp.datalayer:Datalayer",
                    help="module:Class of the implementation to measure (for before/after comparisons)")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="event loop of the scraping process (uvloop: optional, if installed)")
     p.add_argument("--result-file", default=None)
     p.set_defaults(func=run_bench_scrape)
 
@@ -180,7 +182,12 @@ def measure(count: int, args, cls, page: bytes, whole_page: bool, tick) -> dict:
         if not parent_conn.poll(60):
             raise TimeoutError("the metrics servers did not start within 60 s")
         ports = parent_conn.recv()
-        return asyncio.run(_measure(cls, ports, args.interval, args.seconds, whole_page, tick))
+        coro = _measure(cls, ports, args.interval, args.seconds, whole_page, tick)
+        if args.loop == "uvloop":
+            import uvloop  # optional: pip install uvloop
+
+            return uvloop.run(coro)
+        return asyncio.run(coro)
     finally:
         parent_conn.send("stop")
         child.join(10)
@@ -197,7 +204,7 @@ def run_bench_scrape(args: argparse.Namespace) -> int:
     page = metrics_page()
     counts = [int(x) for x in args.endpoint_counts.split(",")]
     modes = [False] + ([True] if args.baseline == "whole-page" else [])
-    print(f"page: {len(page)} bytes (whole), implementation {args.datalayer_class}, interval "
+    print(f"page: {len(page)} bytes (whole), implementation {args.datalayer_class}, {args.loop} loop, interval "
           f"{args.interval * 1000:g} ms, {args.seconds:g} s per run", flush=True)
     results = []
     with tqdm(total=len(counts) * len(modes) * args.seconds, unit="s", leave=False,
@@ -231,7 +238,7 @@ def run_bench_scrape(args: argparse.Namespace) -> int:
                 print(f"CPU per scrape at {r['endpoints']} vs {base['endpoints']} endpoints: "
                       f"{r['cpu_us_per_scrape'] / base['cpu_us_per_scrape']:.2f}x")
     if args.result_file:
-        Path(args.result_file).write_text(json.dumps({"implementation": args.datalayer_class,
+        Path(args.result_file).write_text(json.dumps({"implementation": args.datalayer_class, "loop": args.loop,
                                                       "interval_s": args.interval, "page_bytes": len(page),
                                                       "runs": results}, indent=2))
     return 0
