@@ -4,8 +4,8 @@ Modelled on upstream's datalayer (a collector per endpoint, a data source, an ex
 - one Ticker wakes the Datalayer every `interval`; each round, every idle EndpointCollector writes one GET
   on its keep-alive MetricsConnection (the source), and the answer is parsed in the connection's callback
   by the dialect's extractor (`parse_metrics`). One wakeup per round, not one sleeping task per endpoint.
-- a request unanswered after `timeout` fails at the next round and drops its connection; the next round
-  reconnects. An endpoint is never asked twice at once: a slow one is scraped as often as it answers.
+- a request unanswered after `timeout` fails at the first round past it (so the timeout is precise to one
+  interval) and drops its connection; the next round reconnects. An endpoint is never asked twice at once: a slow one is scraped as often as it answers.
 - prometheus_client servers are asked for only the dialect's families (`?name[]=`); an engine that answers
   the filtered URL with an error or a page without them is scraped unfiltered from then on.
 - a body byte-identical to the last one is not parsed again (its numbers are the same).
@@ -79,7 +79,9 @@ class EndpointCollector:
         if self.sent_at is not None:
             if now - self.sent_at >= self._layer.timeout:
                 if self.connecting is not None:
-                    self.connecting.cancel()  # its failure is recorded as it unwinds
+                    task, self.connecting = self.connecting, None
+                    task.cancel()
+                    self.on_answer(0, b"", TimeoutError(f"no connection in {self._layer.timeout}s"))
                 else:
                     self.connection.abort(TimeoutError(f"no answer in {self._layer.timeout}s"))
             return
@@ -94,16 +96,17 @@ class EndpointCollector:
                 self._connect_and_send(), name=f"metrics connect {self.endpoint.address}")
 
     async def _connect_and_send(self) -> None:
+        me = asyncio.current_task()
         try:
             await self.connection.connect()
         except asyncio.CancelledError:
-            self.connecting = None
-            if not self.removed:  # cancelled by the timeout, not by removal or stop
-                self.on_answer(0, b"", TimeoutError(f"no connection in {self._layer.timeout}s"))
-            raise
+            raise  # by the timeout (which recorded the failure), by removal or by stop
         except Exception as e:  # noqa: BLE001 - refused, unreachable...: a failed scrape
-            self.connecting = None
-            self.on_answer(0, b"", e)
+            if self.connecting is me:
+                self.connecting = None
+                self.on_answer(0, b"", e)
+            return
+        if self.connecting is not me:
             return
         self.connecting = None
         if self.removed:
@@ -114,9 +117,9 @@ class EndpointCollector:
     def on_answer(self, status: int, body: bytes, exc: BaseException | None) -> None:
         """The connection's callback: parse, record, notify. Never raises into the event loop."""
         self.sent_at = None
-        if self.removed:
-            return
         layer = self._layer
+        if self.removed or not layer.running:  # removed, or the connection closed by stop(): not a failure
+            return
         try:
             if exc is not None:
                 raise exc
@@ -197,7 +200,9 @@ class Datalayer:
             if c.connecting is not None:
                 pending.append(c.connecting)
                 c.connecting.cancel()
+                c.connecting = None
             c.connection.close()
+            c.sent_at = None
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
 
@@ -256,7 +261,12 @@ class Datalayer:
         async for now in self.ticker.ticks():
             for c in self._order:
                 if not c.removed:
-                    c.scrape(now)
+                    try:
+                        c.scrape(now)
+                    except Exception:  # one endpoint's surprise must not stop the pool's scraping
+                        log.exception("scraping %s failed unexpectedly", c.endpoint.metrics_url)
+                        c.connection.abort(ScrapeError("unexpected failure"))
+                        c.sent_at = None
             for listener in self.round_listeners:
                 try:
                     listener()
