@@ -104,6 +104,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
                 scheduler.remove_endpoint(gone)
             known.clear()
             known.update(current)
+            metrics.gauges.publish(force=True)  # the exporter shows a pool change at once, not a round later
             log.info("pool endpoints: %s", ", ".join(sorted(current)) or "(none)")
         loop.call_soon_threadsafe(apply)
 

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgate.engine.cli_args import add_engine_args
     from kvgate.engine.server.cli import add_serve_parser
     from kvgate.epp.bench import add_bench_epp_parser
+    from kvgate.epp.datalayer.bench import add_bench_scrape_parser
     from kvgate.epp.main import add_epp_parser
     from kvgate.operator.main import add_operator_parser
     from kvgate.up import add_up_parser
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_parser(bench_sub)
     add_bench_engine_loop_parser(bench_sub)
     add_bench_epp_parser(bench_sub)
+    add_bench_scrape_parser(bench_sub)
     return parser
 
 

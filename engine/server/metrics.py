@@ -29,6 +29,15 @@ class EngineStatsCollector:
         self.llm = async_llm
         self.model_name = model_name
 
+    def describe(self):
+        """The families collect() yields, without samples: a registry restricted by ?name[]= finds this
+        collector by these names (prometheus_client skips collectors it cannot name)."""
+        return [GaugeMetricFamily(name, name) for name in (
+                    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                    "vllm:cache_config_info", "vllm:lora_requests_info")] + \
+               [CounterMetricFamily(name, name) for name in (
+                   "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")]
+
     def collect(self):
         stats, info = self.llm.stats, self.llm.info
         labels = ["model_name"]

@@ -8,7 +8,9 @@ import time
 import httpx
 import pytest
 
-from kvgate.epp.datalayer import DIALECTS, Datalayer, MetricsParseError, iter_samples, parse_labels, parse_metrics
+from kvgate.epp.datalayer import (DIALECTS, Datalayer, MetricsConnection, MetricsParseError, iter_samples,
+                                  parse_labels, parse_metrics)
+from kvgate.epp.datalayer import collector as collector_module
 from kvgate.epp.types import Endpoint
 from tests.procs import KvgateServe
 
@@ -36,6 +38,8 @@ class FakeEngine:
         self.status = 200
         self.chunked = False
         self.silent = False  # accept requests but never answer
+        self.reject_query = False  # answer 404 to /metrics?... (a server without the name[] filter may)
+        self.paths: list[str] = []
         self.connections = 0
         self.requests = 0
         self._writers: set[asyncio.StreamWriter] = set()
@@ -62,12 +66,15 @@ class FakeEngine:
         self._writers.add(writer)
         try:
             while True:
-                await reader.readuntil(b"\r\n\r\n")
+                request = await reader.readuntil(b"\r\n\r\n")
                 self.requests += 1
+                path = request.split(b" ", 2)[1].decode()
+                self.paths.append(path)
                 if self.silent:
                     continue
                 body = self.text.encode()
-                head = f"HTTP/1.1 {self.status} X\r\nContent-Type: text/plain\r\n"
+                status = 404 if self.reject_query and "?" in path else self.status
+                head = f"HTTP/1.1 {status} X\r\nContent-Type: text/plain\r\n"
                 if self.chunked:
                     half = len(body) // 2
                     chunks = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (body[:half], body[half:]) if c)
@@ -217,7 +224,7 @@ def test_collectors_are_added_and_removed_cleanly():
             layer.set_endpoints([Endpoint(b.address)])
             assert [s.address for s in layer.states()] == [b.address]
             assert (a.address, None) in changes
-            await wait_until(lambda: collector_a.task.done())
+            assert collector_a.removed and not collector_a.connection.connected
             scraped = a.requests
             await asyncio.sleep(0.1)
             assert a.requests == scraped  # no scrapes after removal
@@ -250,6 +257,114 @@ def test_set_endpoints_before_start_and_stop_is_idempotent():
     run(main())
 
 
+class ManualTicker:
+    """An injected ticker: a round runs when the test says so."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def tick(self) -> None:
+        self.queue.put_nowait(None)
+
+    async def ticks(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.queue.get()
+            yield loop.time()
+
+
+def test_one_injected_ticker_drives_every_collector():
+    async def main():
+        engines = [await FakeEngine(vllm_page(waiting=i)).start() for i in range(5)]
+        ticker = ManualTicker()
+        layer = Datalayer(interval=0.02, ticker=ticker)
+        try:
+            layer.set_endpoints([Endpoint(e.address) for e in engines])
+            await layer.start()
+            await asyncio.sleep(0.1)
+            assert all(e.requests == 0 for e in engines)  # no round, no scrape
+            for round_ in range(1, 4):
+                ticker.tick()
+                await wait_until(lambda: all(e.requests == round_ for e in engines))
+            assert [layer.metrics(e.address).waiting_queue_size for e in engines] == [0, 1, 2, 3, 4]
+            await asyncio.sleep(0.1)
+            assert all(e.requests == 3 for e in engines)  # exactly one request per endpoint per round
+            names = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("metrics")]
+            assert names == ["metrics ticker"]  # one task for the whole pool once connected
+        finally:
+            await layer.stop()
+            for e in engines:
+                await e.stop()
+
+    run(main())
+
+
+def test_only_the_dialects_families_are_asked_for_and_a_server_that_refuses_gets_the_whole_page():
+    async def main():
+        taking = await FakeEngine(vllm_page(waiting=2)).start()
+        refusing = await FakeEngine(vllm_page(waiting=3)).start()
+        refusing.reject_query = True
+        layer = Datalayer(interval=0.02)
+        try:
+            layer.set_endpoints([Endpoint(taking.address), Endpoint(refusing.address)])
+            await layer.start()
+            await wait_until(lambda: layer.metrics(refusing.address).waiting_queue_size == 3)
+            assert layer.metrics(taking.address).waiting_queue_size == 2
+            assert set(taking.paths) == {DIALECTS["vllm"].metrics_path()}
+            assert "name%5B%5D=vllm%3Anum_requests_waiting" in taking.paths[0]
+            assert refusing.paths[0] == DIALECTS["vllm"].metrics_path() and refusing.paths[-1] == "/metrics"
+            # TRT-LLM's server has no filter: always the plain path
+            assert DIALECTS["trtllm"].metrics_path() == "/metrics"
+        finally:
+            await layer.stop()
+            await taking.stop()
+            await refusing.stop()
+
+    run(main())
+
+
+def test_a_byte_identical_body_is_not_parsed_again_but_counts_as_fresh(monkeypatch):
+    parsed = []
+    real = collector_module.parse_metrics
+    monkeypatch.setattr(collector_module, "parse_metrics", lambda *a: parsed.append(1) or real(*a))
+
+    async def main():
+        engine = await FakeEngine(vllm_page(waiting=4)).start()
+        layer = Datalayer(interval=0.02, staleness=0.2)
+        try:
+            layer.set_endpoints([Endpoint(engine.address)])
+            await layer.start()
+            await wait_until(lambda: engine.requests >= 20, timeout=3.0)
+            assert len(parsed) == 1 and layer.metrics(engine.address).waiting_queue_size == 4
+            assert not layer.states()[0].stale and layer.stats()["scrapes"] >= 19
+            engine.text = vllm_page(waiting=6)
+            await wait_until(lambda: layer.metrics(engine.address).waiting_queue_size == 6)
+            assert len(parsed) == 2
+        finally:
+            await layer.stop()
+            await engine.stop()
+
+    run(main())
+
+
+def test_metrics_connection_get_reads_one_answer_and_times_out():
+    async def main():
+        engine = await FakeEngine(vllm_page(waiting=1)).start()
+        connection = MetricsConnection(engine.address, timeout=0.2)
+        try:
+            status, body = await connection.get()
+            assert status == 200 and b"vllm:num_requests_waiting" in body
+            engine.silent = True
+            with pytest.raises(TimeoutError):
+                await connection.get()
+            assert not connection.connected  # a late answer must not be read as the next one's
+        finally:
+            connection.close()
+            await engine.stop()
+
+    run(main())
+
+
 def test_against_a_real_kvgate_sim_engine(tmp_path):
     async def main(url: str, address: str):
         layer = Datalayer(interval=0.05)
@@ -259,6 +374,14 @@ def test_against_a_real_kvgate_sim_engine(tmp_path):
             await wait_until(lambda: not layer.states()[0].stale, timeout=5.0)
             m = layer.states()[0].metrics
             assert m.kv_block_size == 16 and m.num_kv_blocks and m.max_lora == 0
+            assert layer._collectors[address].filtered  # the engine took the name[] filter
+            async with httpx.AsyncClient(timeout=10) as client:
+                whole = (await client.get(url + "/metrics")).text
+                page = (await client.get(url + DIALECTS["vllm"].metrics_path())).text
+            samples = {line.split("{")[0].split(" ")[0] for line in page.splitlines() if not line.startswith("#")}
+            assert samples == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                               "vllm:lora_requests_info", "vllm:cache_config_info"}
+            assert "vllm:prefix_cache_queries_total" in whole and len(page) < len(whole) / 2
             busy = []
             async with httpx.AsyncClient(timeout=60) as client:
                 body = {"model": "sim-8b", "prompt": "hello " * 200, "max_tokens": 64, "ignore_eos": True}

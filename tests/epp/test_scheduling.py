@@ -63,9 +63,9 @@ class Recorder(Scorer):
         self.calls.append(("removed", address))
 
 
-def scheduler(filters=(), scorers=(), picker="max-score-picker"):
+def scheduler(filters=(), scorers=(), picker="max-score-picker", max_endpoints=3):
     profile = SchedulingProfile("p", list(filters), [WeightedScorer(s, w) for s, w in scorers],
-                                create_plugin(picker))
+                                create_plugin(picker, {"maxNumOfEndpoints": max_endpoints}))
     return Scheduler(SchedulerConfig([profile]))
 
 

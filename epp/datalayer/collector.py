@@ -1,0 +1,274 @@
+"""The datalayer: scrape each endpoint's Prometheus /metrics every `interval` and keep the latest numbers.
+
+Modelled on upstream's datalayer (a collector per endpoint, a data source, an extractor, an injected ticker):
+- one Ticker wakes the Datalayer every `interval`; each round, every idle EndpointCollector writes one GET
+  on its keep-alive MetricsConnection (the source), and the answer is parsed in the connection's callback
+  by the dialect's extractor (`parse_metrics`). One wakeup per round, not one sleeping task per endpoint.
+- a request unanswered after `timeout` fails at the first round past it (so the timeout is precise to one
+  interval) and drops its connection; the next round reconnects. An endpoint is never asked twice at once: a slow one is scraped as often as it answers.
+- prometheus_client servers are asked for only the dialect's families (`?name[]=`); an engine that answers
+  the filtered URL with an error or a page without them is scraped unfiltered from then on.
+- a body byte-identical to the last one is not parsed again (its numbers are the same).
+- a failed scrape keeps the previous numbers; they turn stale once older than `staleness` seconds, which
+  the saturation detector and plugins can see.
+After each round the Datalayer calls its round listeners on the event loop: the EPP's Prometheus exporter
+publishes its snapshot there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+
+from kvgate.epp.datalayer.dialects import dialect_for
+from kvgate.epp.datalayer.exposition import MetricsParseError, comparable, parse_metrics
+from kvgate.epp.datalayer.http_client import MetricsConnection, ScrapeError
+from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState
+
+log = logging.getLogger("kvgate.epp.datalayer")
+
+OnChange = Callable[[str, EndpointMetrics | None], None]
+
+
+class Ticker:
+    """Yields once per `interval`; when a round overran (a busy loop), the cadence restarts instead of bursting."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+
+    async def ticks(self) -> AsyncIterator[float]:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            yield loop.time()
+            next_at += self.interval
+            delay = next_at - loop.time()
+            if delay < 0:
+                next_at, delay = loop.time(), 0.0
+            await asyncio.sleep(delay)
+
+
+class EndpointCollector:
+    """One endpoint's scraping: its connection, the latest metrics and the counters."""
+
+    __slots__ = ("endpoint", "metrics", "connection", "scrapes", "failures", "failing", "sent_at", "filtered",
+                 "last_body", "connecting", "removed", "_layer")
+
+    def __init__(self, endpoint: Endpoint, layer: "Datalayer") -> None:
+        self.endpoint = endpoint  # replaced in place when the pod's metadata changes
+        self.metrics = EndpointMetrics()  # updated_at 0: never scraped, so stale
+        self.connection = MetricsConnection(endpoint.address, timeout=layer.timeout)
+        self.scrapes = 0
+        self.failures = 0
+        self.failing = False
+        self.sent_at: float | None = None  # loop time of the request in flight (or of the connect)
+        self.filtered = layer.filter_families  # ask for only the dialect's families
+        self.last_body = b""
+        self.connecting: asyncio.Task | None = None
+        self.removed = False
+        self._layer = layer
+
+    def path(self) -> str:
+        return dialect_for(self.endpoint.engine_type).metrics_path(self.filtered)
+
+    def scrape(self, now: float) -> None:
+        """Start one scrape unless one is in flight; fail the one in flight once past the timeout."""
+        if self.sent_at is not None:
+            if now - self.sent_at >= self._layer.timeout:
+                if self.connecting is not None:
+                    task, self.connecting = self.connecting, None
+                    task.cancel()
+                    self.on_answer(0, b"", TimeoutError(f"no connection in {self._layer.timeout}s"))
+                else:
+                    self.connection.abort(TimeoutError(f"no answer in {self._layer.timeout}s"))
+            return
+        self.sent_at = now
+        path = self.path()
+        if path != self.connection.path:
+            self.connection.set_path(path)
+        if self.connection.connected:
+            self.connection.send(self.on_answer)
+        else:
+            self.connecting = asyncio.get_running_loop().create_task(
+                self._connect_and_send(), name=f"metrics connect {self.endpoint.address}")
+
+    async def _connect_and_send(self) -> None:
+        me = asyncio.current_task()
+        try:
+            await self.connection.connect()
+        except asyncio.CancelledError:
+            raise  # by the timeout (which recorded the failure), by removal or by stop
+        except Exception as e:  # noqa: BLE001 - refused, unreachable...: a failed scrape
+            if self.connecting is me:
+                self.connecting = None
+                self.on_answer(0, b"", e)
+            return
+        if self.connecting is not me:
+            return
+        self.connecting = None
+        if self.removed:
+            self.connection.close()
+        else:
+            self.connection.send(self.on_answer)
+
+    def on_answer(self, status: int, body: bytes, exc: BaseException | None) -> None:
+        """The connection's callback: parse, record, notify. Never raises into the event loop."""
+        self.sent_at = None
+        layer = self._layer
+        if self.removed or not layer.running:  # removed, or the connection closed by stop(): not a failure
+            return
+        try:
+            if exc is not None:
+                raise exc
+            if status != 200:
+                raise ScrapeError(f"HTTP {status}")
+            if body == self.last_body:  # byte-identical: same numbers, only fresher
+                metrics = dataclasses.replace(self.metrics, updated_at=time.monotonic())
+            else:
+                metrics = parse_metrics(body.decode("utf-8", "replace"), dialect_for(self.endpoint.engine_type),
+                                        time.monotonic())
+                self.last_body = body
+        except Exception as e:  # noqa: BLE001 - any failure keeps the old numbers; staleness reports it
+            self.last_body = b""
+            if self.filtered and (isinstance(e, MetricsParseError) or 400 <= status < 500):
+                self.filtered = False  # the engine does not take the name[] filter: read its whole page
+                log.info("scraping %s: the filtered page failed (%s); reading the whole page from now on",
+                         self.endpoint.metrics_url, str(e) or type(e).__name__)
+            self.failures += 1
+            if not self.failing:
+                self.failing = True
+                log.warning("scraping %s failed: %s", self.endpoint.metrics_url, str(e) or type(e).__name__)
+            return
+        self.scrapes += 1
+        if self.failing:
+            self.failing = False
+            log.info("scraping %s recovered", self.endpoint.metrics_url)
+        changed = comparable(metrics) != comparable(self.metrics)
+        self.metrics = metrics
+        if changed:
+            layer._notify(self.endpoint.address, metrics)
+
+    def close(self) -> None:
+        self.removed = True
+        if self.connecting is not None:
+            self.connecting.cancel()
+        self.connection.close()
+
+
+class Datalayer:
+    """Metrics of the pool's endpoints. Call every method from the event loop that ran start()."""
+
+    def __init__(self, interval: float = 0.05, timeout: float = 1.0, staleness: float = 2.0,
+                 on_change: OnChange | None = None, *, ticker: Ticker | None = None,
+                 filter_families: bool = True) -> None:
+        if interval <= 0 or timeout <= 0 or staleness <= 0:
+            raise ValueError("interval, timeout and staleness must be positive")
+        self.interval = interval
+        self.timeout = timeout
+        self.staleness = staleness
+        self.on_change = on_change  # (address, new metrics) on a changed scrape; (address, None) on removal
+        self.filter_families = filter_families
+        self.ticker = ticker or Ticker(interval)
+        self.round_listeners: list[Callable[[], None]] = []  # called on the loop after each round
+        self._collectors: dict[str, EndpointCollector] = {}
+        self._order: tuple[EndpointCollector, ...] = ()  # what a round walks; rebuilt on change
+        self._task: asyncio.Task | None = None
+        self._started = False
+
+    @property
+    def running(self) -> bool:
+        return self._started
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="metrics ticker")
+
+    async def stop(self) -> None:
+        """Stops the ticker and closes every connection (the metrics stay)."""
+        self._started = False
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        pending = []
+        for c in self._collectors.values():
+            if c.connecting is not None:
+                pending.append(c.connecting)
+                c.connecting.cancel()
+                c.connecting = None
+            c.connection.close()
+            c.sent_at = None
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        """Make the collected set exactly `endpoints` (by address); idempotent, keeps metrics of kept ones."""
+        wanted = {e.address: e for e in endpoints}
+        changed = False
+        for address in [a for a in self._collectors if a not in wanted]:
+            self._collectors.pop(address).close()
+            changed = True
+            self._notify(address, None)
+        for address, endpoint in wanted.items():
+            c = self._collectors.get(address)
+            if c is None:
+                self._collectors[address] = EndpointCollector(endpoint, self)
+                changed = True
+            else:
+                c.endpoint = endpoint  # new pod name or engine type: the next scrape reads it
+        if changed:
+            self._order = tuple(self._collectors.values())
+
+    def endpoints(self) -> list[Endpoint]:
+        return [c.endpoint for c in self._collectors.values()]
+
+    def metrics(self, address: str) -> EndpointMetrics | None:
+        c = self._collectors.get(address)
+        return c.metrics if c is not None else None
+
+    def states(self, in_flight: Mapping[str, tuple[int, int]] | None = None) -> list[EndpointState]:
+        """A snapshot for scheduling; `in_flight` maps address → (requests, tokens) this EPP has routed there."""
+        now = time.monotonic()
+        limit = self.staleness
+        in_flight = in_flight or {}
+        out = []
+        for address, c in self._collectors.items():
+            m = c.metrics
+            requests, tokens = in_flight.get(address, (0, 0))
+            out.append(EndpointState(c.endpoint, m, m.updated_at == 0.0 or now - m.updated_at > limit,
+                                     requests, tokens))
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return {"endpoints": len(self._collectors),
+                "scrapes": sum(c.scrapes for c in self._collectors.values()),
+                "failures": sum(c.failures for c in self._collectors.values())}
+
+    def _notify(self, address: str, metrics: EndpointMetrics | None) -> None:
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(address, metrics)
+        except Exception:  # a listener's bug must not stop the collector
+            log.exception("datalayer on_change listener failed for %s", address)
+
+    async def _run(self) -> None:
+        async for now in self.ticker.ticks():
+            for c in self._order:
+                if not c.removed:
+                    try:
+                        c.scrape(now)
+                    except Exception:  # one endpoint's surprise must not stop the pool's scraping
+                        log.exception("scraping %s failed unexpectedly", c.endpoint.metrics_url)
+                        c.connection.abort(ScrapeError("unexpected failure"))
+                        c.sent_at = None
+            for listener in self.round_listeners:
+                try:
+                    listener()
+                except Exception:  # a listener's bug must not stop scraping
+                    log.exception("datalayer round listener failed")
