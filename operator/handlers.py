@@ -46,10 +46,10 @@ from kvgate.operator.modelserver import (desired_engine_deployment, modelserver_
                                          validate_modelserver)
 from kvgate.operator.network_policy import (desired_network_policy, gateways_routing_to, policy_enabled,
                                             route_refs)
-from kvgate.operator.tenancy import TenantPolicy, privileged_uses
 from kvgate.operator.pool import (choose_epp_config, desired_epp_objects, epp_pool_status, epp_problems, epp_ref,
                                   is_fail_open, manages_epp, pool_status, referenced_config_name, running_note,
                                   without_epp_status)
+from kvgate.operator.tenancy import TenantPolicy, privileged_uses
 
 log = logging.getLogger("kvgate.operator")
 
