@@ -8,6 +8,13 @@ line; 404 on get is None, not an error.
 Writes are server-side apply with field manager `kvgate-operator` and force=true: the operator owns the
 fields it sets and nothing else, so a user's (or an HPA's) changes to other fields survive, and re-applying an
 unchanged object is a no-op on the server (no new resourceVersion, no watch event).
+
+Force would also take over an object that is not the operator's: a user's ConfigMap or Deployment that happens
+to have the name the operator wants. So `apply` first reads the object and refuses (NameConflict) unless it is
+absent or the operator's own for the same owner (naming.takeover_refusal: managed-by label and owner
+reference); `delete` refuses objects without the managed-by label. Callers turn NameConflict into a status
+condition. (An object created in the milliseconds between the read and the apply is not caught: Kubernetes
+has no "create only" form of apply.)
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import random
 import time
 from dataclasses import dataclass
 from urllib.parse import quote
+
+from kvgate.operator import naming
 
 log = logging.getLogger("kvgate.operator.apply")
 
@@ -85,6 +94,16 @@ class ApiError(Exception):
         except (ValueError, AttributeError):
             pass
         super().__init__(f"{method} {path}: HTTP {status}: {str(message)[:500]}")
+
+
+class NameConflict(Exception):
+    """An object of the name the operator wants exists and is not the operator's: nothing was written."""
+
+    reason = "NameConflict"
+
+    def __init__(self, obj: dict, why: str):
+        self.obj, self.why = obj, why
+        super().__init__(f"{describe(obj)}: {why}; the operator leaves it alone (rename or delete it)")
 
 
 def describe(obj: dict) -> str:
@@ -182,10 +201,15 @@ class Kube:
         return items
 
     def apply(self, obj: dict) -> dict:
-        """Server-side apply `obj` (our field manager, force): create or update, idempotently."""
+        """Server-side apply `obj` (our field manager, force): create or update, idempotently. NameConflict when
+        an object of that name exists and is not the operator's for `obj`'s owner (nothing is written)."""
         kind = kind_for(obj)
         meta = obj["metadata"]
         before = self.get(kind, meta["name"], meta.get("namespace"))
+        if before is not None:
+            before.setdefault("kind", kind.kind)
+            if (why := naming.takeover_refusal(before, obj)) is not None:
+                raise NameConflict(obj, why)
         out = self.request("PATCH", kind.path(meta.get("namespace"), meta["name"]), obj,
                            query={"fieldManager": self.field_manager, "force": "true"},
                            content_type="application/apply-patch+yaml")
@@ -214,6 +238,10 @@ class Kube:
         return out
 
     def delete(self, obj: dict, *, propagation: str = "Background") -> None:
+        """Delete `obj` (as read: its uid is a precondition); NameConflict for an object that is not the
+        operator's (no managed-by label)."""
+        if not naming.is_managed(obj):
+            raise NameConflict(obj, "it is not the operator's, so the operator does not delete it")
         kind = kind_for(obj)
         meta = obj["metadata"]
         body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation}

@@ -15,9 +15,14 @@ Keys (deduplicated while queued; a failing key is retried with exponential backo
     ("InferencePool", ns, name)  the pool's EPP objects when the operator manages them: its config (re-read
                                  from the referenced ConfigMap each time), its NetworkPolicy, its status entry
     ("ConfigUsers", ns, name)    the pools whose kvgate.dev/epp-config names this ConfigMap
-    ("PoolMembers", ns, name)    the ModelServers of a pool (their Deployment follows the pool's selector)
+    ("PoolMembers", ns, name)    the ModelServers of a pool's namespace: its members' Deployments follow its
+                                 selector, and no other's pods may match it (tenancy.py, JoinsOtherPool)
     ("Gateways",)                GatewayClass statuses; per Gateway of ours the Envoy objects and status;
                                  HTTPRoute and InferencePool status.parents (they need all Gateways at once)
+
+A name the operator wants that is taken by an object not its own (apply.py's NameConflict) is permanent until a
+user acts, so it is a condition — the ModelServer's Ready, the pool's EPP entry, the Gateway's Programmed
+(reason NameConflict, naming the object) — and not a retry loop; the next resync looks again.
 """
 
 from __future__ import annotations
@@ -32,17 +37,19 @@ from dataclasses import dataclass
 
 from kvgate.envoy_config import PoolBackend
 from kvgate.operator import naming
-from kvgate.operator.apply import KINDS, ApiError, Kube, describe
+from kvgate.operator.apply import KINDS, ApiError, Kube, NameConflict, describe
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.envoy_routes import WeightedBackend
 from kvgate.operator.gateway import (GatewayRouting, desired_envoy_objects, gateway_status, gatewayclass_status,
                                      httproute_status, is_our_class, render_config, routes_for_gateway)
-from kvgate.operator.modelserver import desired_engine_deployment, modelserver_status, needs_recreate
+from kvgate.operator.modelserver import (desired_engine_deployment, modelserver_status, needs_recreate,
+                                         validate_modelserver)
 from kvgate.operator.network_policy import (desired_network_policy, gateways_routing_to, policy_enabled,
                                             route_refs)
 from kvgate.operator.pool import (choose_epp_config, desired_epp_objects, epp_pool_status, epp_problems, epp_ref,
                                   is_fail_open, manages_epp, pool_status, referenced_config_name, running_note,
                                   without_epp_status)
+from kvgate.operator.tenancy import TenantPolicy, privileged_uses
 
 log = logging.getLogger("kvgate.operator")
 
@@ -89,6 +96,8 @@ class OperatorConfig:
     # A NetworkPolicy per managed pool's EPP (network_policy.py); the peers that may scrape every EPP's metrics.
     network_policy: bool = True
     epp_metrics_from: tuple = ()
+    # What ModelServers may use beyond the default (tenancy.py): --allow-host-path, --allow-image-prefix.
+    tenant_policy: TenantPolicy = TenantPolicy()
 
 
 # --- the work queue ------------------------------------------------------------------------------------------
@@ -196,6 +205,7 @@ class Reconciler:
         self._failures: dict[tuple, int] = defaultdict(int)
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
+        self._uses_logged: dict[tuple[str, str], tuple] = {}  # ModelServer -> (generation, uses) last logged
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -244,10 +254,9 @@ class Reconciler:
             self.reconcile_modelserver(key[1], key[2])
         elif kind == "InferencePool":
             self.reconcile_pool(key[1], key[2])
-        elif kind == "PoolMembers":
+        elif kind == "PoolMembers":  # every ModelServer of the namespace: a new selector may match any
             for ms in self.kube.list(MODELSERVER, key[1]):
-                if ((ms.get("spec") or {}).get("poolRef") or {}).get("name") == key[2]:
-                    self.reconcile_modelserver(*naming.key_of(ms))
+                self.reconcile_modelserver(*naming.key_of(ms))
         elif kind == "ConfigUsers":
             for pool in self.kube.list(POOL, key[1]):
                 if referenced_config_name(pool) == key[2]:
@@ -263,30 +272,49 @@ class Reconciler:
         if ms is None or _deleting(ms):
             return
         pool_name = ((ms.get("spec") or {}).get("poolRef") or {}).get("name")
-        pool = self.kube.get(POOL, pool_name, ns) if pool_name else None
-        desired = desired_engine_deployment(ms, pool, self.config.engine_image)
+        pools = [p for p in self.kube.list(POOL, ns) if not _deleting(p)]  # its pool, and the others' selectors
+        pool = next((p for p in pools if naming.name_of(p) == pool_name), None)
+        policy, image = self.config.tenant_policy, self.config.engine_image
+        problems = validate_modelserver(ms, pool, policy, pools, image)
+        desired = None if problems else desired_engine_deployment(ms, pool, image, policy, pools)
         existing = self.kube.get(DEPLOYMENT, naming.engine_deployment_name(ms), ns)
         blocker = None
-        if existing is not None and not naming.is_owned_by(existing, ms):
-            blocker = condition("Ready", False, "DeploymentConflict",
-                                f"Deployment {naming.name_of(existing)!r} exists and is not this ModelServer's")
+        if desired is None:
+            if existing is not None and naming.takeover_refusal(existing, _deployment_of(ms)):
+                existing = None  # someone else's: its counts are not this ModelServer's
+        elif (why := naming.takeover_refusal(existing, desired)) is not None:
+            # Checked here too (apply checks again) because the recreate below deletes.
+            blocker = condition("Ready", False, NameConflict.reason, str(NameConflict(desired, why)))
             existing = None
-        elif desired is not None:
+        else:
+            self._log_privileged_uses(ms)
             if needs_recreate(existing, desired):
                 log.info("%s: the pool's selector changed; recreating its Deployment", describe(ms))
                 self.kube.delete(existing)
             try:
                 existing = self.kube.apply(desired)
+            except NameConflict as exc:  # created by someone else since the read above
+                blocker, existing = condition("Ready", False, exc.reason, str(exc)), None
             except ApiError as exc:
                 if exc.status not in (400, 422):
                     raise
                 blocker = condition("Ready", False, "DeploymentRejected", str(exc)[:1000])
-        status = modelserver_status(ms, existing, pool)
+        status = modelserver_status(ms, existing, pool, problems=problems)
         if blocker is not None:
             blocker["observedGeneration"] = (ms.get("metadata") or {}).get("generation")
             others = [c for c in status["conditions"] if c["type"] != "Ready"]
             status["conditions"] = stamp([blocker], (ms.get("status") or {}).get("conditions")) + others
         self.kube.patch_status(ms, status)
+
+    def _log_privileged_uses(self, ms: dict) -> None:
+        """Log what an allowed ModelServer uses beyond the default (hostPath, another image): once per
+        generation, so that each use is on record without a line every resync."""
+        uses = privileged_uses(ms, self.config.engine_image)
+        key = naming.key_of(ms)
+        seen = ((ms.get("metadata") or {}).get("generation"), tuple(uses))
+        if uses and self._uses_logged.get(key) != seen:
+            log.warning("%s uses %s (allowed by the operator's flags)", describe(ms), ", ".join(uses))
+        self._uses_logged[key] = seen
 
     # --- InferencePool: the EPP -----------------------------------------------------------------------------
     def reconcile_pool(self, ns: str, name: str) -> None:
@@ -308,9 +336,13 @@ class Reconciler:
         if self.config.network_policy:  # before the EPP's pods: they never run unprotected
             problems += self._network_policy(pool)
         objects = desired_epp_objects(pool, self.config.epp_image, choice.config_yaml) \
-            if choice.config_yaml is not None else []
-        for obj in objects:
-            self.kube.apply(obj)
+            if choice.config_yaml is not None and not _conflicts(problems) else []
+        for obj in objects:  # in order; a name taken by someone else stops the rest (the EPP needs them all)
+            try:
+                self.kube.apply(obj)
+            except NameConflict as exc:
+                problems.append({"reason": exc.reason, "message": str(exc)})
+                break
         status = epp_pool_status(pool, problems, running_note(choice, bool(objects)))
         if problems and status["parents"] != (pool.get("status") or {}).get("parents"):  # once, not every resync
             log.warning("%s: %s", describe(pool), "; ".join(p["message"] for p in problems))
@@ -335,6 +367,8 @@ class Reconciler:
         policy, problems = desired_network_policy(pool, using, self.config.epp_metrics_from)
         try:
             self.kube.apply(policy)
+        except NameConflict as exc:  # no EPP pods then: they would run without their policy
+            return problems + [{"reason": exc.reason, "message": str(exc)}]
         except ApiError as exc:
             if exc.status not in (400, 422):
                 raise
@@ -384,6 +418,10 @@ class Reconciler:
                 deployment = next(o for o in applied if o.get("kind") == "Deployment")
                 service = next(o for o in applied if o.get("kind") == "Service")
                 self.kube.patch_status(gw, gateway_status(gw, deployment, service, routing))
+            except NameConflict as exc:  # permanent until the user acts: a condition, no retry loop
+                log.warning("%s: %s", describe(gw), exc)
+                self.kube.patch_status(gw, _not_programmed(gateway_status(gw, None, None, routing), gw, exc))
+                continue
             except Exception as exc:
                 failed.append(f"{describe(gw)}: {exc}")
                 log.warning("%s: reconcile failed: %s", describe(gw), exc)
@@ -432,6 +470,24 @@ class Reconciler:
         rules = [dataclasses.replace(r, backends=[WeightedBackend(swap(w.backend), w.weight) for w in r.backends])
                  for r in routing.rules]
         return routing._replace(rules=rules)
+
+
+def _conflicts(problems: list[dict]) -> bool:
+    return any(p["reason"] == NameConflict.reason for p in problems)
+
+
+def _deployment_of(ms: dict) -> dict:
+    """The identity (kind, name, owner) of a ModelServer's engine Deployment, for ownership checks."""
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": naming.object_meta(naming.engine_deployment_name(ms), ms, {})}
+
+
+def _not_programmed(status: dict, gateway: dict, exc: NameConflict) -> dict:
+    """A Gateway status whose Programmed condition says which of its objects' names is taken."""
+    gen = (gateway.get("metadata") or {}).get("generation")
+    programmed = condition("Programmed", False, exc.reason, str(exc), gen)
+    conds = [c for c in status["conditions"] if c["type"] != "Programmed"]
+    return {**status, "conditions": conds + stamp([programmed], (gateway.get("status") or {}).get("conditions"))}
 
 
 class _PodCache:

@@ -40,6 +40,13 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
                    help="NetworkPolicy peers (a YAML or JSON list) allowed to scrape every EPP's metrics port, e.g. "
                         "'[{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}}]' "
                         "(default: none)")
+    p.add_argument("--allow-host-path", action="store_true",
+                   help="let ModelServers mount node directories (model.hostPath); off by default, as anyone who "
+                        "may create a ModelServer could then read any node path, '/' included; each use is logged")
+    p.add_argument("--allow-image-prefix", action="append", default=[], metavar="PREFIX",
+                   help="let ModelServers run spec.image values under PREFIX (repeatable; matched at a '/', ':' or "
+                        "'@' boundary, e.g. registry.example/kvgate; '*' allows any image); by default only "
+                        "--engine-image runs; each use is logged")
     p.add_argument("--resync-seconds", type=float, default=15.0,
                    help="reconcile everything again this often (default %(default)s)")
     p.add_argument("--liveness-port", type=int, default=None,
@@ -64,6 +71,7 @@ def run_operator(args: argparse.Namespace) -> int:
 
     from kvgate.operator.apply import Kube
     from kvgate.operator.handlers import OperatorConfig, Reconciler, register
+    from kvgate.operator.tenancy import TenantPolicy
 
     if getattr(args, "log_level", "warning") == "warning":  # the CLI's quiet default: an operator says what it does
         logging.getLogger("kvgate.operator").setLevel(logging.INFO)
@@ -71,7 +79,13 @@ def run_operator(args: argparse.Namespace) -> int:
                             namespace=args.namespace, epp_address_mode=args.epp_address_mode,
                             envoy_service_type=args.envoy_service_type, resync_s=args.resync_seconds,
                             network_policy=args.epp_network_policy == "enabled",
-                            epp_metrics_from=args.epp_metrics_from)
+                            epp_metrics_from=args.epp_metrics_from,
+                            tenant_policy=TenantPolicy(allow_host_path=args.allow_host_path,
+                                                       image_prefixes=tuple(args.allow_image_prefix)))
+    if args.allow_host_path or args.allow_image_prefix:
+        logging.getLogger("kvgate.operator").warning(
+            "ModelServers may use: %s", ", ".join((["hostPath volumes"] if args.allow_host_path else [])
+                                                  + [f"images under {p!r}" for p in args.allow_image_prefix]))
     reconciler = Reconciler(Kube(), config)
     registry = register(kopf.OperatorRegistry(), reconciler)
     liveness = f"http://{args.liveness_host}:{args.liveness_port}/healthz" if args.liveness_port else None

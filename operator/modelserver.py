@@ -3,6 +3,19 @@
 The pods carry the pool's selector labels and serve on the pool's first target port, so the pool (and its
 EPP) picks them up with no further wiring. The root filesystem is read-only: the engine writes only to its
 cache dir (the demo model, compiled kernels) and /tmp, both emptyDirs.
+
+Security: the pods run as the image's own non-root user (uid 10001, the Dockerfile's USER; set explicitly so
+that an allowed override image whose USER is root cannot run as root), with no privilege escalation, every
+capability dropped, the RuntimeDefault seccomp profile and no service-account token; what a tenant may add
+(host mounts, other images, labels) is ruled by tenancy.py.
+
+Drain (a rolling update or scale-down): the kubelet runs the preStop hook (a short sleep) first, while the pod
+still serves: by then its deletion has reached the EPP's pod watch (and the Gateways' FailOpen fallback
+lists), so no new request is routed to it when the engine gets SIGTERM. The engine then turns /health 503,
+admits nothing new and finishes its streams within `--shutdown-grace-period` (spec.engine.
+shutdownGracePeriodSeconds); terminationGracePeriodSeconds covers the sleep, that grace and a margin to exit.
+Liveness is /health too (503 once the engine loop died); the kubelet stops liveness probes once a pod is being
+deleted, so a draining engine is never restarted.
 """
 
 from __future__ import annotations
@@ -11,11 +24,19 @@ import re
 
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, find, stamp
+from kvgate.operator.tenancy import TenantPolicy, escalation_problems, label_problems
 
 CACHE_DIR = "/var/cache/kvgate"
 CONTAINER = "engine"
 DEFAULT_MODEL = "demo"
-RUN_AS = 65532  # the conventional "nonroot" uid; the image needs no particular user
+RUN_AS = 10001  # the kvgate image's USER (Dockerfile): files the image gives its user stay readable
+DEFAULT_SHUTDOWN_GRACE_S = 30  # the engine's --shutdown-grace-period unless spec.engine says otherwise
+# preStop sleep before SIGTERM: a pod watch event reaches the EPP in well under a second, an operator-rendered
+# FailOpen fallback list within a reconcile; 5 s covers both with room, and is short against the drain grace.
+PRE_STOP_SLEEP_S = 5
+EXIT_MARGIN_S = 5  # after the drain grace, for the process to exit before the kubelet's SIGKILL
+# Flags the operator sets itself; extraArgs may not set them again (argparse's last one would win).
+OPERATOR_FLAGS = ("--host", "--port", "--shutdown-grace-period")
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti)?$")
 
@@ -64,15 +85,28 @@ def _spec_problems(ms: dict) -> list[dict]:
             problems.append({"reason": "InvalidSpec", "message": f"engine.kvCacheMemory: {exc}"})
     if not isinstance(spec.get("extraArgs", []), list):
         problems.append({"reason": "InvalidSpec", "message": "extraArgs must be a list of strings"})
+    else:
+        taken = sorted({str(a).split("=", 1)[0] for a in spec.get("extraArgs") or []} & set(OPERATOR_FLAGS))
+        if taken:
+            problems.append({"reason": "InvalidSpec",
+                             "message": f"extraArgs may not set {', '.join(taken)}: the operator sets them (the "
+                                        "pool's port; spec.engine.shutdownGracePeriodSeconds)"})
     return problems
 
 
-def validate_modelserver(ms: dict, pool: dict | None) -> list[dict]:
+def validate_modelserver(ms: dict, pool: dict | None, policy: TenantPolicy = TenantPolicy(),
+                         other_pools: list[dict] = (), operator_image: str | None = None) -> list[dict]:
     """Problems ({reason, message}) the schema cannot catch; empty when a Deployment can be made.
 
     Some of these the CRD's CEL rules also reject — they are checked again for clusters too old to run CEL
-    (the e2e rig is Kubernetes 1.20)."""
-    return _pool_problems(ms, pool) + _spec_problems(ms)
+    (the e2e rig is Kubernetes 1.20). `policy`, `other_pools` (the namespace's other InferencePools) and
+    `operator_image` (the engine image the operator runs by default) feed tenancy.py's rules."""
+    problems = _pool_problems(ms, pool) + _spec_problems(ms) + escalation_problems(ms, policy, operator_image)
+    if not problems:
+        own = naming.key_of(pool)
+        others = [p for p in other_pools if naming.key_of(p) != own]
+        problems += label_problems(ms, _operator_pod_labels(ms, pool), engine_pod_labels(ms, pool), others)
+    return problems
 
 
 # --- the Deployment ------------------------------------------------------------------------------------------
@@ -101,12 +135,24 @@ def engine_flags(engine: dict) -> list[str]:
     return flags
 
 
+def shutdown_grace_s(spec: dict) -> int:
+    value = (spec.get("engine") or {}).get("shutdownGracePeriodSeconds")
+    return DEFAULT_SHUTDOWN_GRACE_S if value is None else int(value)
+
+
+def termination_grace_s(spec: dict) -> int:
+    """The pod's terminationGracePeriodSeconds: the preStop sleep, the engine's drain grace, a margin to exit."""
+    return PRE_STOP_SLEEP_S + shutdown_grace_s(spec) + EXIT_MARGIN_S
+
+
 def serve_command(spec: dict, port: int) -> list[str]:
     model = spec.get("model") or {}
     path = model.get("path") or DEFAULT_MODEL
     command = ["kvgate", "serve", path, "--host", "0.0.0.0", "--port", str(port),
                "--served-model-name", model.get("servedModelName") or path]
-    return command + engine_flags(spec.get("engine") or {}) + [str(a) for a in spec.get("extraArgs") or []]
+    return (command + engine_flags(spec.get("engine") or {})
+            + ["--shutdown-grace-period", str(shutdown_grace_s(spec))]
+            + [str(a) for a in spec.get("extraArgs") or []])
 
 
 def _model_volume(model: dict) -> dict | None:
@@ -134,17 +180,30 @@ def _volumes(model: dict) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
+STARTUP_LIMIT_S = 1800  # the longest a model may take to load before the container is restarted
+
+
 def _probes(port_name: str) -> dict:
-    # Readiness is /health (503 until the model is loaded); liveness only checks the socket, so a long model
-    # load is never mistaken for a hang. No gRPC probes: the e2e rig runs Kubernetes 1.20. Readiness is probed
-    # every second (a /health answer costs microseconds): a new replica joins the pool as soon as it is up,
-    # rather than up to a probe period later (scale-up 2 -> 4 on the e2e rig: 11.0 s with 5 s probes).
+    # All three are GET /health: 503 until the model is loaded, 200 while the engine serves, 503 once the
+    # engine loop died or a drain began. The startup probe holds liveness off during a model load (up to
+    # STARTUP_LIMIT_S), probed every second so a new replica is checked for readiness as soon as it is up.
+    # Readiness every second (a /health answer costs microseconds): a replica joins the pool as soon as it is
+    # up (scale-up 2 -> 4 on the e2e rig: 11.0 s with 5 s probes) and leaves it within ~3 s of turning 503.
+    # Liveness restarts a container whose engine loop died within ~30 s (6 failures, 5 s apart) and tolerates
+    # /health being slow or failing for ~25 s (a slow step starving the server). No gRPC probes: the e2e rig
+    # runs Kubernetes 1.20.
+    health = {"httpGet": {"path": "/health", "port": port_name}}
     return {
-        "readinessProbe": {"httpGet": {"path": "/health", "port": port_name}, "periodSeconds": 1,
-                           "timeoutSeconds": 2, "failureThreshold": 3},
-        "livenessProbe": {"tcpSocket": {"port": port_name}, "initialDelaySeconds": 10, "periodSeconds": 10,
-                          "timeoutSeconds": 2, "failureThreshold": 6},
+        "startupProbe": {**health, "periodSeconds": 1, "timeoutSeconds": 2, "failureThreshold": STARTUP_LIMIT_S},
+        "readinessProbe": {**health, "periodSeconds": 1, "timeoutSeconds": 2, "failureThreshold": 3},
+        "livenessProbe": {**health, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 6},
     }
+
+
+def _only(mapping: dict, keys: tuple[str, ...]) -> dict:
+    """The named fields of a user-supplied structure: the pod spec never carries a field the operator did not
+    choose to pass (the API server prunes unknown fields too; this holds where a schema is looser)."""
+    return {k: mapping[k] for k in keys if k in mapping}
 
 
 def _container(spec: dict, image: str, port: int) -> dict:
@@ -158,13 +217,15 @@ def _container(spec: dict, image: str, port: int) -> dict:
                 {"name": "PYTHONUNBUFFERED", "value": "1"}],
         "volumeMounts": volumes_mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+                            "runAsNonRoot": True, "privileged": False, "capabilities": {"drop": ["ALL"]}},
+        # Exec, not the `sleep` lifecycle action: that needs Kubernetes 1.30 (the e2e rig runs 1.20).
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SLEEP_S)]}}},
         **_probes("http"),
     }
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
     if spec.get("resources"):
-        container["resources"] = spec["resources"]
+        container["resources"] = _only(spec["resources"], ("limits", "requests", "claims"))
     return container
 
 
@@ -176,26 +237,40 @@ def _pod_spec(spec: dict, image: str, port: int) -> dict:
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "automountServiceAccountToken": False,  # engines never talk to the API server
         "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": termination_grace_s(spec),
     }
     if spec.get("nodeSelector"):
         pod["nodeSelector"] = dict(sorted(spec["nodeSelector"].items()))
     if spec.get("tolerations"):
-        pod["tolerations"] = spec["tolerations"]
+        pod["tolerations"] = [_only(t, ("key", "operator", "value", "effect", "tolerationSeconds"))
+                              for t in spec["tolerations"]]
     return pod
 
 
-def desired_engine_deployment(modelserver: dict, pool: dict | None, image: str) -> dict | None:
-    """The engine Deployment for `modelserver`, or None when `validate_modelserver` finds problems.
+def _operator_pod_labels(ms: dict, pool: dict) -> dict[str, str]:
+    """The labels the operator sets on the engine pods itself: its own and the pool's selector."""
+    return {**naming.component_labels("engine", naming.engine_deployment_name(ms)), **pool_labels(pool)}
+
+
+def engine_pod_labels(ms: dict, pool: dict) -> dict[str, str]:
+    """The engine pods' labels: `podLabels`, then the operator's (which win; tenancy.py refuses a change)."""
+    return dict(sorted({**((ms.get("spec") or {}).get("podLabels") or {}), **_operator_pod_labels(ms, pool)}.items()))
+
+
+def desired_engine_deployment(modelserver: dict, pool: dict | None, image: str,
+                              policy: TenantPolicy = TenantPolicy(), other_pools: list[dict] = ()) -> dict | None:
+    """The engine Deployment for `modelserver`, or None when `validate_modelserver` finds problems (with
+    `image`, the operator's engine image, as the one image that needs no --allow-image-prefix).
 
     The Deployment's selector is exactly the pool's selector, so every pod it makes is a pool member.
     (Kubernetes makes a Deployment's selector immutable: see `needs_recreate`.)"""
-    if validate_modelserver(modelserver, pool):
+    if validate_modelserver(modelserver, pool, policy, other_pools, image):
         return None
     spec = modelserver.get("spec") or {}
     name = naming.engine_deployment_name(modelserver)
     port = pool_port(pool)
     selector = pool_labels(pool)
-    pod_labels = {**(spec.get("podLabels") or {}), **naming.component_labels("engine", name), **selector}
+    pod_labels = engine_pod_labels(modelserver, pool)
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
     return {
         "apiVersion": "apps/v1",
@@ -245,9 +320,11 @@ def _pool_condition(ms: dict, pool: dict | None, problems: list[dict]) -> dict:
     return condition("PoolFound", True, "PoolFound", f"InferencePool {naming.name_of(pool)!r}", gen)
 
 
-def modelserver_status(ms: dict, deployment: dict | None, pool: dict | None, now: str | None = None) -> dict:
-    """ModelServer.status: counts from the Deployment, the scale subresource's selector, conditions."""
-    problems = validate_modelserver(ms, pool)
+def modelserver_status(ms: dict, deployment: dict | None, pool: dict | None, now: str | None = None,
+                       problems: list[dict] | None = None) -> dict:
+    """ModelServer.status: counts from the Deployment, the scale subresource's selector, conditions.
+    `problems`: validate_modelserver's (with the operator's policy); by default, with the default policy."""
+    problems = validate_modelserver(ms, pool) if problems is None else problems
     dep_status = (deployment or {}).get("status") or {}
     status = {
         "replicas": int(dep_status.get("replicas") or 0),

@@ -112,6 +112,27 @@ def is_owned_by(obj: dict | None, owner: dict) -> bool:
     return False
 
 
+def takeover_refusal(existing: dict | None, desired: dict) -> str | None:
+    """Why the operator must not write `desired` over `existing` (an object of that kind and name that is
+    already there); None when `existing` is absent or the operator's own for the same owner: it carries the
+    managed-by label and an owner reference to `desired`'s owner. Server-side apply with force would otherwise
+    silently take over a user's object of the same name (or another resource's: the EPP Deployment `x-epp`
+    of pool `x` and the engine Deployment of a ModelServer named `x-epp`)."""
+    if not existing:
+        return None
+    what = f"{existing.get('kind') or desired.get('kind', '?')} {name_of(desired)!r}"
+    if not is_managed(existing):
+        return f"{what} exists and is not the operator's (no label {MANAGED_BY_KEY}={MANAGED_BY})"
+    for ref in (desired.get("metadata") or {}).get("ownerReferences") or []:
+        owner = {"kind": ref.get("kind"), "metadata": {"name": ref.get("name"), "uid": ref.get("uid")}}
+        if not is_owned_by(existing, owner):
+            theirs = ", ".join(f"{r.get('kind')} {r.get('name')!r}"
+                               for r in (existing.get("metadata") or {}).get("ownerReferences") or []) or "none"
+            return (f"{what} exists and belongs to another resource (owner {theirs}, not "
+                    f"{ref.get('kind')} {ref.get('name')!r})")
+    return None
+
+
 def selector_string(match_labels: dict[str, str]) -> str:
     """`a=1,b=2`: the label-selector form of the scale subresource's status.selector."""
     return ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))

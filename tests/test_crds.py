@@ -465,6 +465,7 @@ MODEL_SERVER_CASES = [
     ("kv-fraction", model_server(engine={"kvCacheMemory": "1.5Gi"}), True),
     ("block-size-1024", model_server(engine={"blockSize": 1024}), True),
     ("device-cpu", model_server(engine={"device": "cpu"}), True),
+    ("shutdown-grace-600", model_server(engine={"shutdownGracePeriodSeconds": 600}), True),
     ("status", {**model_server(), "status": {"replicas": 2, "readyReplicas": 1, "selector": "app=demo-llm",
                                              "observedGeneration": 1, "conditions": [CONDITION]}}, True),
     ("negative-replicas", model_server(replicas=-1), False),
@@ -505,6 +506,13 @@ MODEL_SERVER_CASES = [
     ("pod-label-too-long", model_server(podLabels={"a": "x" * 64}), False),
     ("extra-args-not-strings", model_server(extraArgs=[1]), False),
     ("unknown-spec-field", model_server(port=8000), False),
+    ("shutdown-grace-0", model_server(engine={"shutdownGracePeriodSeconds": 0}), False),
+    ("shutdown-grace-over-an-hour", model_server(engine={"shutdownGracePeriodSeconds": 3601}), False),
+    ("shutdown-grace-string", model_server(engine={"shutdownGracePeriodSeconds": "30s"}), False),
+    # No way to ask for node access or privilege: the schema has no such fields (the API server prunes them).
+    ("host-network-is-no-field", model_server(hostNetwork=True), False),
+    ("security-context-is-no-field", model_server(securityContext={"privileged": True}), False),
+    ("volumes-is-no-field", model_server(volumes=[{"name": "root", "hostPath": {"path": "/"}}]), False),
     ("negative-status-replicas", {**model_server(), "status": {"replicas": -1}}, False),
 ]
 

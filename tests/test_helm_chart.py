@@ -55,10 +55,18 @@ def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
     return obj
 
 
-BASE = Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Deployment": 1})
+# The default: the release namespace only (a Role there, a small ClusterRole for what is cluster-scoped).
+BASE = Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1, "RoleBinding": 1,
+                "Deployment": 1})
 SAMPLE = Counter({"InferencePool": 1, "ModelServer": 1, "Gateway": 1, "HTTPRoute": 1})
 VARIANTS = {
     "default": ({}, BASE + Counter({"GatewayClass": 1})),
+    "all-namespaces": ({"allNamespaces": True},
+                       Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Deployment": 1,
+                                "GatewayClass": 1})),
+    "tenant-allowances": ({"operator": {"allowHostPath": True,
+                                        "allowedImagePrefixes": ["registry.example/kvgate", "mirror.example/ml/"]}},
+                          BASE + Counter({"GatewayClass": 1})),
     "namespaced": ({"watchNamespaces": ["team-a", "team-b"]},
                    Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 2,
                             "RoleBinding": 2, "Deployment": 2, "GatewayClass": 1})),
@@ -177,9 +185,24 @@ def test_default_operator_args():
     image = "ghcr.io/kvgate/kvgate:0.1.0"
     assert pod["containers"][0]["image"] == image
     assert (args.namespace, args.engine_image, args.epp_image, args.envoy_image) == (
-        None, image, image, "envoyproxy/envoy:v1.36-latest")
+        NAMESPACE, image, image, "envoyproxy/envoy:v1.36-latest")  # the release namespace only
+    assert (args.allow_host_path, args.allow_image_prefix) == (False, [])  # tenants get no node or foreign image
     assert (args.envoy_service_type, args.epp_address_mode, args.resync_seconds) == ("ClusterIP", "service", 15.0)
     assert (args.epp_network_policy, args.epp_metrics_from) == ("enabled", ())  # on, and no metrics scraper
+
+
+def test_tenant_allowances_reach_the_operator():
+    (pod,) = _operators(render(VARIANTS["tenant-allowances"][0]))
+    args = _operator_args(pod)
+    assert args.allow_host_path is True
+    assert args.allow_image_prefix == ["registry.example/kvgate", "mirror.example/ml/"]
+
+
+def test_all_namespaces_and_watch_namespaces_exclude_each_other():
+    with pytest.raises(helm.HelmRenderError, match="allNamespaces and watchNamespaces"):
+        render({"allNamespaces": True, "watchNamespaces": ["team-a"]})
+    (pod,) = _operators(render({"allNamespaces": True}))
+    assert _operator_args(pod).namespace is None
 
 
 def test_network_policy_values_reach_the_operator():
@@ -296,8 +319,23 @@ def _subject_ok(binding: dict, objects: list[dict], role_kind: str, role_name: s
     assert sa["namespace"] == NAMESPACE
 
 
-def test_cluster_rbac_is_exactly_what_the_operator_uses():
+def test_default_rbac_is_namespaced():
+    """By default the operator may write only in its release namespace; cluster-wide it holds reads, and the
+    status of GatewayClasses (cluster-scoped: there is no namespaced way to hold it)."""
     objects = render()
+    cluster_role = one(objects, "ClusterRole")
+    assert grants(cluster_role) == CLUSTER_RULES
+    writes = {k: v - READ for k, v in grants(cluster_role).items() if v - READ}
+    assert writes == {("gateway.networking.k8s.io", "gatewayclasses/status"): {"patch"}}
+    _subject_ok(one(objects, "ClusterRoleBinding"), objects, "ClusterRole", cluster_role["metadata"]["name"])
+    role, binding = one(objects, "Role"), one(objects, "RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NAMESPACE
+    assert grants(role) == NAMESPACED_RULES
+    _subject_ok(binding, objects, "Role", role["metadata"]["name"])
+
+
+def test_cluster_rbac_is_exactly_what_the_operator_uses():
+    objects = render({"allNamespaces": True})
     role = one(objects, "ClusterRole")
     assert grants(role) == {**NAMESPACED_RULES, **CLUSTER_RULES}
     _subject_ok(one(objects, "ClusterRoleBinding"), objects, "ClusterRole", role["metadata"]["name"])

@@ -4,7 +4,9 @@ ServiceAccount and least-privilege RBAC against an API server that enforces RBAC
 as with the operator run by hand: engine pods, EPP and Envoy Ready, a completion through the Gateway's address,
 the pool Accepted and ResolvedRefs. `helm uninstall` removes the operator and its RBAC.
 
-  all-namespaces  one operator, a ClusterRole; the samples in the release namespace
+  default         the release namespace only: one operator, a Role there and a small ClusterRole; the samples
+                  in the release namespace
+  all-namespaces  allNamespaces: one operator, a ClusterRole; the samples in the release namespace
   namespaced      watchNamespaces: one operator per watched namespace, a Role there and a small ClusterRole;
                   the samples in the watched namespace (which exists before the install: the Role goes there)
 
@@ -35,7 +37,7 @@ CHART = REPO / "charts" / "kvgate"
 RELEASE = "kvgate"
 
 
-@pytest.mark.parametrize("mode", ["all-namespaces", "namespaced"])
+@pytest.mark.parametrize("mode", ["default", "all-namespaces", "namespaced"])
 def test_helm_install_runs_the_operator_and_the_samples(k8s, tmp_path, mode):
     client = k8s.client
     t0 = time.monotonic()
@@ -60,8 +62,11 @@ def test_helm_install_runs_the_operator_and_the_samples(k8s, tmp_path, mode):
         operator_name, cluster_role = f"{RELEASE}-{app_ns}", f"{RELEASE}-cluster"
         client.create(CORE["Namespace"], objects.namespace(app_ns))
         wait_default_service_account(client, app_ns, token=True)
-    else:
+    elif mode == "all-namespaces":
+        values["allNamespaces"] = True
         app_ns, operator_name, cluster_role = release_ns, RELEASE, RELEASE
+    else:
+        app_ns, operator_name, cluster_role = release_ns, RELEASE, f"{RELEASE}-cluster"
     pool_res = client.resource_for("inference.networking.k8s.io/v1", "InferencePool", wait_s=30)
     gw_res = client.resource_for("gateway.networking.k8s.io/v1", "Gateway", wait_s=30)
     gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
@@ -74,8 +79,8 @@ def test_helm_install_runs_the_operator_and_the_samples(k8s, tmp_path, mode):
         installed = True
         mark(f"helm install: release {RELEASE} in {release_ns} ({len(str(info.get('manifest', '')))} bytes)")
         assert client.get_or_none(crole_res, cluster_role) is not None
-        if namespaced:
-            assert client.get_or_none(role_res, RELEASE, app_ns) is not None, "the Role in the watched namespace"
+        if mode != "all-namespaces":
+            assert client.get_or_none(role_res, RELEASE, app_ns) is not None, "the Role in the served namespace"
 
         def pods(ns: str, selector: str) -> list[dict]:
             return client.list(CORE["Pod"], ns, labelSelector=selector)["items"]
@@ -141,7 +146,7 @@ def test_helm_install_runs_the_operator_and_the_samples(k8s, tmp_path, mode):
         assert client.get_or_none(DEPLOYMENT, operator_name, release_ns) is None
         assert client.get_or_none(crole_res, cluster_role) is None
         assert client.get_or_none(gc_res, class_name) is None
-        if namespaced:
+        if mode != "all-namespaces":
             assert client.get_or_none(role_res, RELEASE, app_ns) is None
         mark("helm uninstall removed the operator and its RBAC")
     finally:

@@ -1,9 +1,11 @@
 import copy
+from pathlib import Path
 
 import pytest
 
 from kvgate.engine.cli_args import parse_bytes
 from kvgate.operator import modelserver as m
+from kvgate.operator.tenancy import TenantPolicy
 from tests.operator.conftest import NOW
 
 IMAGE = "kvgate:test"
@@ -26,9 +28,9 @@ def test_sample_becomes_a_pool_member_deployment(samples):
                                 "--served-model-name"]
     assert ["--backend", "sim"] == c["command"][c["command"].index("--backend"):][:2]
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
-    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert "tcpSocket" in c["livenessProbe"]
-    assert not any("grpc" in probe for probe in (c["readinessProbe"], c["livenessProbe"]))
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe  # 503 once the loop died
+        assert "grpc" not in c[probe] and "tcpSocket" not in c[probe]
     assert c["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
     mounts = {v["mountPath"] for v in c["volumeMounts"]}
     assert {m.CACHE_DIR, "/tmp"} <= mounts
@@ -53,6 +55,7 @@ def test_engine_flags_parse_with_the_engine_parser(samples):
     parser.add_argument("model")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
+    parser.add_argument("--shutdown-grace-period", type=int)  # serve's own (test_serve_command_parses_...)
     add_engine_args(parser)
     args = parser.parse_args(command[2:])
     assert (args.block_size, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len) == (32, 8, 512, 1024)
@@ -66,7 +69,8 @@ def test_engine_flags_parse_with_the_engine_parser(samples):
 def test_model_volume_mounted_read_only(samples, source, volume_key):
     ms = copy.deepcopy(samples["ModelServer"])
     ms["spec"]["model"] = {"path": "/models/q", "servedModelName": "q", **source}
-    pod = m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE)["spec"]["template"]["spec"]
+    policy = TenantPolicy(allow_host_path=True)  # hostPath needs the operator's --allow-host-path
+    pod = m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE, policy)["spec"]["template"]["spec"]
     (vol,) = [v for v in pod["volumes"] if v["name"] == "model"]
     assert volume_key in vol
     (mount,) = [v for v in pod["containers"][0]["volumeMounts"] if v["name"] == "model"]
@@ -74,12 +78,12 @@ def test_model_volume_mounted_read_only(samples, source, volume_key):
     assert pod["containers"][0]["command"][2] == "/models/q"
 
 
-def test_pod_options_and_pool_labels_win(samples):
+def test_pod_options(samples):
     ms = copy.deepcopy(samples["ModelServer"])
-    ms["spec"].update(podLabels={"app": "mine", "team": "a"}, nodeSelector={"gpu": "h100"},
+    ms["spec"].update(podLabels={"app": "demo-llm", "team": "a"}, nodeSelector={"gpu": "h100"},
                       tolerations=[{"key": "gpu", "operator": "Exists"}], image="custom:1",
                       resources={"limits": {"nvidia.com/gpu": 1}})
-    dep = m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE)
+    dep = m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE, TenantPolicy(image_prefixes=("custom",)))
     tpl = dep["spec"]["template"]
     assert tpl["metadata"]["labels"]["app"] == "demo-llm" and tpl["metadata"]["labels"]["team"] == "a"
     assert tpl["spec"]["nodeSelector"] == {"gpu": "h100"}
@@ -144,3 +148,76 @@ def test_kv_cache_bytes():
     assert m.kv_cache_bytes(1024) == 1024 and m.kv_cache_bytes("2Gi") == 2 * 1024 ** 3
     with pytest.raises(ValueError):
         m.kv_cache_bytes("2GB")
+
+
+def test_engine_pods_are_locked_down(samples):
+    """Non-root as the image's USER, no escalation, no capabilities, RuntimeDefault seccomp, no API token, no
+    host namespaces, and only the operator's own volumes (emptyDirs) for the sample."""
+    dep = m.desired_engine_deployment(samples["ModelServer"], samples["InferencePool"], IMAGE)
+    pod = dep["spec"]["template"]["spec"]
+    dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
+    assert f"USER {m.RUN_AS}" in dockerfile  # the pods run as the image's own user
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": m.RUN_AS, "runAsGroup": m.RUN_AS,
+                                      "fsGroup": m.RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}}
+    (c,) = pod["containers"]
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "runAsNonRoot": True, "privileged": False, "capabilities": {"drop": ["ALL"]}}
+    assert pod["automountServiceAccountToken"] is False
+    assert not {"hostNetwork", "hostPID", "hostIPC", "serviceAccountName"} & set(pod)
+    assert all(set(v) == {"name", "emptyDir"} for v in pod["volumes"])
+
+
+def test_user_structures_pass_only_known_fields(samples):
+    """resources and tolerations are copied field by field: nothing the operator did not choose reaches the pod."""
+    ms = copy.deepcopy(samples["ModelServer"])
+    ms["spec"].update(resources={"limits": {"cpu": "1"}, "hostPath": "/"},
+                      tolerations=[{"key": "k", "operator": "Exists", "privileged": True}])
+    pod = m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE)["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"] == {"limits": {"cpu": "1"}}
+    assert pod["tolerations"] == [{"key": "k", "operator": "Exists"}]
+
+
+def test_drain_grace_prestop_and_rollout(samples):
+    ms = copy.deepcopy(samples["ModelServer"])
+    dep = m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE)
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    pod = dep["spec"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    assert command[command.index("--shutdown-grace-period") + 1] == "30"  # the default
+    assert pod["terminationGracePeriodSeconds"] == 40  # grace + 10: the preStop sleep and a margin to exit
+    assert pod["containers"][0]["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "5"]}}}
+    ms["spec"]["engine"]["shutdownGracePeriodSeconds"] = 120
+    pod = m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE)["spec"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    assert command[command.index("--shutdown-grace-period") + 1] == "120"
+    assert pod["terminationGracePeriodSeconds"] == 130
+    # Liveness tolerates ~25 s of failing /health (a slow step) before a restart; the model load is the
+    # startup probe's (liveness does not run before it succeeded).
+    live = pod["containers"][0]["livenessProbe"]
+    assert (live["failureThreshold"] - 1) * live["periodSeconds"] >= 25
+    start = pod["containers"][0]["startupProbe"]
+    assert start["failureThreshold"] * start["periodSeconds"] >= 1800
+
+
+def test_serve_command_parses_with_the_real_kvgate_cli(samples):
+    """The whole command, operator-set flags included, through `kvgate serve`'s own parser."""
+    from kvgate.cli import build_parser
+
+    ms = copy.deepcopy(samples["ModelServer"])
+    ms["spec"]["engine"]["shutdownGracePeriodSeconds"] = 45
+    command = _serve_args(m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE))
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    if not any("--shutdown-grace-period" in a.option_strings for a in serve._actions):
+        pytest.skip("`kvgate serve --shutdown-grace-period` is not in this tree yet (the engine's drain change)")
+    args = parser.parse_args(command[1:])
+    assert (args.port, args.host, args.shutdown_grace_period) == (8000, "0.0.0.0", 45)
+
+
+@pytest.mark.parametrize("extra", [["--port", "9"], ["--host=127.0.0.1"], ["--shutdown-grace-period", "999"]])
+def test_extra_args_may_not_set_the_operators_flags(samples, extra):
+    ms = copy.deepcopy(samples["ModelServer"])
+    ms["spec"]["extraArgs"] = ["--seed", "1", *extra]
+    (problem,) = m.validate_modelserver(ms, samples["InferencePool"])
+    assert problem["reason"] == "InvalidSpec" and extra[0].split("=")[0] in problem["message"]
+    assert m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE) is None

@@ -51,6 +51,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{/*
+The namespaces the operator serves, as a JSON list: [""] for all namespaces (allNamespaces), watchNamespaces,
+or by default the release namespace alone.
+*/}}
+{{- define "kvgate.watchedNamespaces" -}}
+{{- if .Values.allNamespaces }}
+{{- if .Values.watchNamespaces }}
+{{- fail "allNamespaces and watchNamespaces exclude each other: set one" }}
+{{- end }}
+{{- list "" | toJson }}
+{{- else }}
+{{- .Values.watchNamespaces | default (list .Release.Namespace) | toJson }}
+{{- end }}
+{{- end }}
+
 {{- define "kvgate.envoyImage" -}}
 {{- printf "%s:%s" .Values.envoyImage.repository .Values.envoyImage.tag }}
 {{- end }}
