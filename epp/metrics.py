@@ -31,6 +31,7 @@ class EndpointRow(NamedTuple):
     kv_cache_usage: float
     updated_at: float  # time.monotonic() of the last successful scrape; 0 = never
     in_flight_requests: int
+    stale: bool  # when published: old numbers or failing scrapes (age is re-checked at scrape time)
 
 
 class Snapshot(NamedTuple):
@@ -81,7 +82,7 @@ class EndpointGauges:
         self._published_at = now
         states = self.director.states()  # every endpoint, stale ones included
         rows = tuple(EndpointRow(s.address, s.metrics.waiting_queue_size, s.metrics.running_requests,
-                                 s.metrics.kv_cache_usage, s.metrics.updated_at, s.in_flight_requests)
+                                 s.metrics.kv_cache_usage, s.metrics.updated_at, s.in_flight_requests, s.stale)
                      for s in states)
         prefix: tuple[tuple[str, float], ...] = ()
         stats = getattr(self.director.scheduler, "prefix_stats", None)
@@ -113,7 +114,7 @@ class EndpointGauges:
             kv.add_metric(labels, row.kv_cache_usage)
             running.add_metric(labels, row.running)
             seconds = now - row.updated_at if row.updated_at else float("inf")
-            stale.add_metric(labels, 1.0 if seconds > snapshot.staleness else 0.0)
+            stale.add_metric(labels, 1.0 if row.stale or seconds > snapshot.staleness else 0.0)
             age.add_metric(labels, seconds)
             flight.add_metric(labels, row.in_flight_requests)
         yield from (queue, kv, running, stale, age, flight)

@@ -10,7 +10,10 @@ Modelled on upstream's datalayer (a collector per endpoint, a data source, an ex
   the filtered URL with an error or a page without them is scraped unfiltered from then on.
 - a body byte-identical to the last one is not parsed again (its numbers are the same).
 - a failed scrape keeps the previous numbers; they turn stale once older than `staleness` seconds, which
-  the saturation detector and plugins can see.
+  the saturation detector and plugins can see — or at once after FAILURES_OUT_OF_ROTATION consecutive failed
+  scrapes: a dead engine (connection refused, HTTP 503 from a dead engine loop) leaves rotation within about
+  two intervals (~100 ms), not after the staleness threshold; one that hangs leaves at its first timeout
+  past that count. The first successful scrape brings it back.
 After each round the Datalayer calls its round listeners on the event loop: the EPP's Prometheus exporter
 publishes its snapshot there.
 """
@@ -27,6 +30,10 @@ from kvgate.epp.datalayer.dialects import dialect_for
 from kvgate.epp.datalayer.exposition import MetricsParseError, comparable, parse_metrics
 from kvgate.epp.datalayer.http_client import MetricsConnection, ScrapeError
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState
+
+# Consecutive failed scrapes that count an endpoint as stale whatever the age of its numbers: 2, so that one
+# lost scrape (a GC pause, a dropped keep-alive connection) does not flap it, and a dead one goes in ~2 rounds.
+FAILURES_OUT_OF_ROTATION = 2
 
 log = logging.getLogger("kvgate.epp.datalayer")
 
@@ -54,7 +61,7 @@ class Ticker:
 class EndpointCollector:
     """One endpoint's scraping: its connection, the latest metrics and the counters."""
 
-    __slots__ = ("endpoint", "metrics", "connection", "scrapes", "failures", "failing", "sent_at", "filtered",
+    __slots__ = ("endpoint", "metrics", "connection", "scrapes", "failures", "consecutive_failures", "failing", "sent_at", "filtered",
                  "last_body", "connecting", "removed", "_layer")
 
     def __init__(self, endpoint: Endpoint, layer: "Datalayer") -> None:
@@ -63,6 +70,7 @@ class EndpointCollector:
         self.connection = MetricsConnection(endpoint.address, timeout=layer.timeout)
         self.scrapes = 0
         self.failures = 0
+        self.consecutive_failures = 0
         self.failing = False
         self.sent_at: float | None = None  # loop time of the request in flight (or of the connect)
         self.filtered = layer.filter_families  # ask for only the dialect's families
@@ -138,11 +146,13 @@ class EndpointCollector:
                 log.info("scraping %s: the filtered page failed (%s); reading the whole page from now on",
                          self.endpoint.metrics_url, str(e) or type(e).__name__)
             self.failures += 1
+            self.consecutive_failures += 1
             if not self.failing:
                 self.failing = True
                 log.warning("scraping %s failed: %s", self.endpoint.metrics_url, str(e) or type(e).__name__)
             return
         self.scrapes += 1
+        self.consecutive_failures = 0
         if self.failing:
             self.failing = False
             log.info("scraping %s recovered", self.endpoint.metrics_url)
@@ -240,8 +250,9 @@ class Datalayer:
         for address, c in self._collectors.items():
             m = c.metrics
             requests, tokens = in_flight.get(address, (0, 0))
-            out.append(EndpointState(c.endpoint, m, m.updated_at == 0.0 or now - m.updated_at > limit,
-                                     requests, tokens))
+            stale = (m.updated_at == 0.0 or now - m.updated_at > limit
+                     or c.consecutive_failures >= FAILURES_OUT_OF_ROTATION)
+            out.append(EndpointState(c.endpoint, m, stale, requests, tokens))
         return out
 
     def stats(self) -> dict[str, int]:

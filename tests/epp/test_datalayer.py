@@ -145,7 +145,8 @@ def test_metrics_go_stale_when_the_server_stops_answering_and_recover():
             await engine.stop()
             stopped = time.monotonic()
             await wait_until(lambda: layer.states()[0].stale, timeout=2.0)
-            assert time.monotonic() - stopped >= 0.2  # stale only once older than the threshold
+            # Out of rotation after two refused scrapes (~2 intervals), not after the 0.3 s staleness threshold.
+            assert time.monotonic() - stopped < 0.2
             assert layer.states()[0].metrics.waiting_queue_size == 2  # failed scrapes keep the old numbers
             assert layer.stats()["failures"] > 0
             engine.text = vllm_page(waiting=5)
@@ -295,6 +296,36 @@ def test_one_injected_ticker_drives_every_collector():
             await layer.stop()
             for e in engines:
                 await e.stop()
+
+    run(main())
+
+
+def test_one_failed_scrape_keeps_an_endpoint_in_rotation_two_take_it_out():
+    async def main():
+        engine = await FakeEngine(vllm_page(waiting=1)).start()
+        ticker = ManualTicker()
+        layer = Datalayer(interval=0.02, staleness=60.0, ticker=ticker)
+
+        async def round_(n):
+            ticker.tick()
+            await wait_until(lambda: layer.stats()["scrapes"] + layer.stats()["failures"] == n)
+
+        try:
+            layer.set_endpoints([Endpoint(engine.address)])
+            await layer.start()
+            await round_(1)
+            assert not layer.states()[0].stale
+            engine.status = 503  # e.g. an engine whose loop died answers /metrics with 503
+            await round_(2)
+            assert not layer.states()[0].stale  # one failure: a blip, not a verdict
+            await round_(3)
+            assert layer.states()[0].stale  # two in a row: out of rotation, long before the 60 s threshold
+            engine.status = 200
+            await round_(4)
+            assert not layer.states()[0].stale  # the first good scrape brings it back
+        finally:
+            await layer.stop()
+            await engine.stop()
 
     run(main())
 

@@ -235,3 +235,42 @@ def test_stale_endpoint_is_not_picked_while_a_fresh_one_exists(tmp_path):
         if epp:
             epp.stop()
         engine.stop()
+
+
+def test_a_killed_engine_leaves_rotation_within_a_second_and_returns(tmp_path):
+    engines = [KvgateServe("sim-model", "--backend", "sim", cache_dir=tmp_path) for _ in range(2)]
+    epp = None
+    try:
+        for e in engines:
+            e.wait_ready()
+        victim, survivor = (f"127.0.0.1:{e.port}" for e in engines)
+        epp = EPP(tmp_path, [victim, survivor])
+        deadline = time.monotonic() + 20
+        while epp.metrics().count("kvgate_epp_endpoint_stale{") != 2 or " 1.0" in "".join(
+                l for l in epp.metrics().splitlines() if l.startswith("kvgate_epp_endpoint_stale{")):
+            assert time.monotonic() < deadline, epp.log()
+            time.sleep(0.1)
+        with grpc.insecure_channel(f"127.0.0.1:{epp.grpc_port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+
+            def picks(n):
+                return [destination(run(stub, [headers_msg({}), *body_msgs(completion(f"k{time.monotonic()}"))])[0])
+                        for _ in range(n)]
+
+            assert set(picks(40)) == {victim, survivor}  # both in rotation (ties spread)
+            engines[0].proc.kill()
+            killed = time.monotonic()
+            while victim in picks(5):
+                assert time.monotonic() - killed < 1.0, "the dead engine is still picked after 1 s"
+            assert set(picks(40)) == {survivor}
+            # The same port comes back (a restarted pod): the first good scrape returns it to rotation.
+            engines[0] = KvgateServe("sim-model", "--backend", "sim", cache_dir=tmp_path,
+                                     port=int(victim.rsplit(":", 1)[1])).wait_ready()
+            deadline = time.monotonic() + 10
+            while victim not in picks(10):
+                assert time.monotonic() < deadline, epp.log()
+    finally:
+        if epp:
+            epp.stop()
+        for e in engines:
+            e.stop()
