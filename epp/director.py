@@ -25,13 +25,18 @@ class InFlight:
 
 
 class Director:
-    def __init__(self, datastore, datalayer, scheduler, admission, metrics=None, seed: int | None = None) -> None:
+    def __init__(self, datastore, datalayer, scheduler, admission, metrics=None, seed: int | None = None,
+                 trust_pool_readiness: bool = False) -> None:
         self.datastore = datastore
         self.datalayer = datalayer
         self.scheduler = scheduler
         self.admission = admission
         self.metrics = metrics
         self.rng = random.Random(seed)
+        # Kubernetes mode: the pool's endpoints are pods Kubernetes calls Ready (their readiness probe passed), so
+        # when none has answered a scrape (servers without a metrics endpoint, like the conformance suite's
+        # echo backends) they are still routable. Standalone endpoints have no such gate: unscraped means unknown.
+        self.trust_pool_readiness = trust_pool_readiness
         self.in_flight: dict[str, InFlight] = {}
 
     def states(self) -> list[EndpointState]:
@@ -39,17 +44,21 @@ class Director:
         return self.datalayer.states({a: (f.requests, f.tokens) for a, f in self.in_flight.items()})
 
     def candidates(self, subset: list[str] | None) -> list[EndpointState]:
-        """The endpoints a request may go to: the subset hint's, and of those the fresh ones when any is fresh.
-
-        Stale metrics (older than the staleness threshold, or never scraped) describe an endpoint that may be
-        gone or overloaded: it is picked only when every candidate is stale, so routing degrades rather than stops.
+        """The endpoints a request may go to: within the subset hint, the available ones (scraped at least once,
+        scrapes not failing: an engine that is not up yet, or has died, gets no request), and of those the fresh
+        ones when any is fresh. Metrics older than the staleness threshold describe an endpoint that may be
+        overloaded: it is picked only when every available candidate is stale, so routing degrades rather than
+        stops. With `trust_pool_readiness`, a pool with no available endpoint falls back to all its endpoints.
         """
         states = self.states()
         if subset is not None:
             allowed = set(subset)
             states = [s for s in states if s.address in allowed]
-        fresh = [s for s in states if not s.stale]
-        return fresh if fresh else states
+        usable = [s for s in states if s.available]
+        if not usable and self.trust_pool_readiness:
+            usable = states
+        fresh = [s for s in usable if not s.stale]
+        return fresh if fresh else usable
 
     def pick(self, request: LLMRequest, subset: list[str] | None = None) -> list[EndpointState]:
         """Ordered endpoints for the request (primary first); raises RoutingError (503 / 429)."""
@@ -59,7 +68,8 @@ class Director:
             request.target_model = self.datastore.rewrite(request.model, self.rng)
         states = self.candidates(subset)
         if not states:
-            why = "the subset hint matches no endpoint of the pool" if subset is not None else "the pool has no ready endpoints"
+            why = ("the subset hint matches no ready endpoint of the pool" if subset is not None
+                   else "the pool has no ready endpoints (none answers its metrics scrape)")
             raise RoutingError(503, f"no eligible endpoint: {why}")
         if not self.admission.admit(request, states):
             raise RoutingError(429, "the pool is saturated and this request is sheddable (priority < 0)")

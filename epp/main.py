@@ -90,7 +90,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         else saturation.queue_depth_threshold,
         kv_cache_threshold=args.saturation_kv_cache if args.saturation_kv_cache is not None
         else saturation.kv_cache_util_threshold)
-    director = Director(datastore, datalayer, scheduler, admission, metrics)
+    director = Director(datastore, datalayer, scheduler, admission, metrics,
+                        trust_pool_readiness=bool(args.pool_name))
     metrics.watch(director)
 
     loop = asyncio.get_running_loop()

@@ -43,9 +43,10 @@ class EndpointState:
 
     endpoint: Endpoint
     metrics: EndpointMetrics
-    stale: bool  # metrics older than the staleness threshold (or never scraped)
+    stale: bool  # metrics older than the staleness threshold, never scraped, or its scrapes are failing
     in_flight_requests: int = 0  # routed by this EPP and not finished yet
     in_flight_tokens: int = 0  # their estimated prompt + output tokens
+    available: bool = True  # scraped at least once and its scrapes are not failing: the engine is up
 
     @property
     def address(self) -> str:

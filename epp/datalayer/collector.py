@@ -250,9 +250,9 @@ class Datalayer:
         for address, c in self._collectors.items():
             m = c.metrics
             requests, tokens = in_flight.get(address, (0, 0))
-            stale = (m.updated_at == 0.0 or now - m.updated_at > limit
-                     or c.consecutive_failures >= FAILURES_OUT_OF_ROTATION)
-            out.append(EndpointState(c.endpoint, m, stale, requests, tokens))
+            failing = c.consecutive_failures >= FAILURES_OUT_OF_ROTATION
+            stale = m.updated_at == 0.0 or now - m.updated_at > limit or failing
+            out.append(EndpointState(c.endpoint, m, stale, requests, tokens, available=c.scrapes > 0 and not failing))
         return out
 
     def stats(self) -> dict[str, int]:
