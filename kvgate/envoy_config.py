@@ -39,6 +39,7 @@ Limits, all finite and overridable (defaults sized for LLM traffic, documented i
   whole request (long generations), optional per-try timeout, and an optional idle-timeout override per pool.
 - Circuit breakers per pool cluster: 100 000 requests, pending requests and connections, 1 000 concurrent
   retries (Envoy's defaults, 1024 / 1024 / 1024 / 3, would silently cap a pool of a few large engines).
+- At most 100 000 client connections per Envoy (overload manager).
 - The EPP's health check: 1 s interval, 2 s timeout, unhealthy after 3 failures in a row (one slow check does
   not flip the pool; a dead EPP is known within ~3 s), healthy after 1.
 """
@@ -298,8 +299,20 @@ def dns_cluster(name: str, host: str, port: int) -> dict:
 
 # --- whole static bootstraps (kvgate up, tests, benchmarks) -----------------------------------------------------
 
+MAX_DOWNSTREAM_CONNECTIONS = 100_000
+
+
+def overload_manager() -> dict:
+    """A bound on client connections for the whole Envoy (unset, Envoy accepts without limit and warns)."""
+    return {"resource_monitors": [_typed(
+        "envoy.resource_monitors.global_downstream_max_connections",
+        "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+        max_active_downstream_connections=MAX_DOWNSTREAM_CONNECTIONS)]}
+
+
 def _bootstrap(listeners: list[dict], clusters: list[dict], admin_port: int | None, admin_host: str) -> dict:
-    config = {"static_resources": {"listeners": listeners, "clusters": clusters}}
+    config = {"static_resources": {"listeners": listeners, "clusters": clusters},
+              "overload_manager": overload_manager()}
     if admin_port is not None:
         config["admin"] = {"address": _address(admin_host, admin_port)}
     return config

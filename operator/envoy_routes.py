@@ -54,8 +54,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from kvgate.envoy_config import (PoolBackend, RouteTimeouts, cluster_route, dns_cluster, listener, pool_clusters,
-                                 pool_route)
+from kvgate.envoy_config import (PoolBackend, RouteTimeouts, cluster_route, dns_cluster, listener, overload_manager,
+                                 pool_clusters, pool_route)
 
 FRACTION_DENOMINATOR = 1_000_000
 
@@ -187,6 +187,7 @@ def render_gateway_files(rules: list[RouteRule], listen_ports: list[int], admin_
         "node": {"id": node_id, "cluster": node_cluster},
         "dynamic_resources": {"cds_config": _file_source(CDS_FILE)},
         "static_resources": {"listeners": [_listener(port, listen_host) for port in ports]},
+        "overload_manager": overload_manager(),
     }
     if admin_port is not None:
         bootstrap["admin"] = {"address": {"socket_address": {"address": admin_host, "port_value": admin_port}}}

@@ -160,3 +160,28 @@ def test_gateway_files_share_kvgate_up_s_data_plane():
     assert sorted(clusters) == ["epp-closed", "epp-open", "pool-closed", "pool-open", "svc-ns-web-80"]
     assert "override_host" in json.dumps(clusters["pool-open"]["load_balancing_policy"])
     assert clusters["epp-open"]["health_checks"]
+
+
+def test_kvgate_up_limit_flags():
+    """`kvgate up`'s Envoy flags reach the config it renders; zero or negative values are refused."""
+    import argparse
+
+    from kvgate.up import add_up_parser, envoy_limits
+
+    parser = argparse.ArgumentParser()
+    add_up_parser(parser.add_subparsers())
+    route, listener, breakers = envoy_limits(parser.parse_args(["up"]))
+    assert (route, listener, breakers) == (RouteTimeouts(), ListenerTimeouts(), CircuitBreakers())
+    args = parser.parse_args(["up", "--request-timeout", "1800", "--stream-idle-timeout", "120",
+                              "--request-headers-timeout", "5", "--max-requests", "4096", "--max-retries", "10"])
+    route, listener, breakers = envoy_limits(args)
+    config = render_gateway([Route(PoolBackend("local", "127.0.0.1", 1, ["127.0.0.1:2"], circuit_breakers=breakers),
+                                   timeouts=route)], "127.0.0.1", 3, timeouts=listener)
+    assert_safe(config)
+    hcm = _hcm(config)
+    assert (hcm["request_headers_timeout"], hcm["stream_idle_timeout"]) == ("5s", "120s")
+    assert hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["timeout"] == "1800s"
+    (pool,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "pool-local"]
+    assert pool["circuit_breakers"]["thresholds"][0]["max_requests"] == 4096
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--request-timeout", "0"])

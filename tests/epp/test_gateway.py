@@ -279,3 +279,34 @@ def test_failure_mode_with_the_epp_down(tmp_path, cache, fail_open):
             assert r.status_code == 200 and r.headers[SERVED_BY] in gw.endpoints
         else:
             assert r.status_code >= 500
+
+
+LIST_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: max-score-picker
+  parameters: {maxNumOfEndpoints: 3}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+  - pluginRef: max-score-picker
+"""
+
+
+def test_retries_walk_the_epps_list_when_the_primary_is_dead(tmp_path, cache):
+    """With fallbacks configured (maxNumOfEndpoints 3), a request whose primary refuses connections is retried
+    by kvgate's Envoy on the next endpoint of the EPP's list (override_host): every request is served."""
+    with Gateway(tmp_path, cache, [["--backend", "sim"]] * 3,
+                 epp_args=["--config-text", LIST_CONFIG, "--metrics-staleness-threshold", "60"]) as gw:
+        dead = gw.endpoints[0]
+        gw.engines[0].stop()  # the EPP still sees its last metrics (fresh for 60 s) and keeps picking it
+        served = Counter()
+        for i in range(24):
+            r = complete(gw.url, f"distinct prompt {i}")
+            assert r.status_code == 200, r.text
+            served[r.headers[SERVED_BY]] += 1
+        assert dead not in served and sum(served.values()) == 24
+        assert gw.envoy_stat("cluster.pool-test.upstream_rq_retry") > 0  # the dead primary was picked, and retried
