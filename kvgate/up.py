@@ -15,7 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvgate.envoy_config import PoolBackend, Route, envoy_binary, render_gateway
+from kvgate.envoy_config import (CircuitBreakers, ListenerTimeouts, PoolBackend, Route, RouteTimeouts, envoy_binary,
+                                 render_gateway)
 from kvgate.processes import free_port, start_group, stop_group, wait_http_ok
 
 
@@ -30,7 +31,39 @@ def add_up_parser(sub) -> None:
     p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--engine-arg", action="append", default=[], help="extra flag for every `kvgate serve`")
+    add_envoy_limit_flags(p)
     p.set_defaults(func=run_up)
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def add_envoy_limit_flags(p) -> None:
+    """Envoy's timeouts and circuit breakers (defaults: kvgate.envoy_config's, sized for LLM traffic)."""
+    timeouts, listener, breakers = RouteTimeouts(), ListenerTimeouts(), CircuitBreakers()
+    g = p.add_argument_group("Envoy limits")
+    g.add_argument("--request-timeout", type=_positive(float), default=timeouts.request_s, metavar="SECONDS",
+                   help=f"whole-request limit, long generations included (default {timeouts.request_s:g})")
+    g.add_argument("--stream-idle-timeout", type=_positive(float), default=listener.stream_idle_s, metavar="SECONDS",
+                   help=f"a stream with no byte either way this long is reset (default {listener.stream_idle_s:g})")
+    g.add_argument("--request-headers-timeout", type=_positive(float), default=listener.request_headers_s,
+                   metavar="SECONDS", help="time a client has to send its request headers "
+                                           f"(default {listener.request_headers_s:g})")
+    for name in ("max_requests", "max_pending_requests", "max_connections", "max_retries"):
+        g.add_argument(f"--{name.replace('_', '-')}", type=_positive(int), default=getattr(breakers, name),
+                       help=f"circuit breaker of the engines' cluster (default {getattr(breakers, name)})")
+
+
+def envoy_limits(args: argparse.Namespace) -> tuple[RouteTimeouts, ListenerTimeouts, CircuitBreakers]:
+    return (RouteTimeouts(request_s=args.request_timeout),
+            ListenerTimeouts(request_headers_s=args.request_headers_timeout, stream_idle_s=args.stream_idle_timeout),
+            CircuitBreakers(args.max_requests, args.max_pending_requests, args.max_connections, args.max_retries))
 
 
 class Stack:
@@ -88,9 +121,11 @@ def run_up(args: argparse.Namespace) -> int:
         if args.config_file:
             epp_cmd += ["--config-file", args.config_file]
         stack.start("epp", epp_cmd)
+        route_timeouts, listener_timeouts, breakers = envoy_limits(args)
         pool = PoolBackend("local", "127.0.0.1", grpc_port, endpoints, args.failure_mode == "FailOpen",
-                           epp_health_port=health_port)
-        config = render_gateway([Route(pool)], args.host, args.port, admin_port)
+                           epp_health_port=health_port, circuit_breakers=breakers)
+        config = render_gateway([Route(pool, timeouts=route_timeouts)], args.host, args.port, admin_port,
+                                timeouts=listener_timeouts)
         (workdir / "envoy.json").write_text(json.dumps(config, indent=2))
         stack.start("envoy", [envoy_binary(), "-c", str(workdir / "envoy.json"), "--log-level", "warn",
                               "--base-id", str(os.getpid() % 60000 + 1)])

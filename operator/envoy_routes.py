@@ -39,8 +39,14 @@ health check of a new EPP cluster. Closing that gap needs two ConfigMap writes (
 The paths in the bootstrap are relative to Envoy's working directory, which the Deployment sets to the mount:
 the config then works wherever the files are (a test's temporary folder, a pod runner's volume folder).
 
-The Lua filters and the per-pool clusters come from `kvgate.envoy_config`, so both renderers stay in step;
-`static_bootstrap` folds a file set into one static bootstrap (what `envoy --mode validate` can check whole).
+Every Envoy structure — listener, filters, a pool's route and clusters, a Service's cluster — comes from
+`kvgate.envoy_config` (the one data-plane module, shared with `kvgate up`); this module only arranges them into
+Gateway API semantics and files. `static_bootstrap` folds a file set into one static bootstrap (what
+`envoy --mode validate` can check whole).
+
+Timeouts per rule come from the HTTPRoute rule's `timeouts` (Gateway API: `request` bounds the whole request,
+`backendRequest` each try to a backend; "0s" disables one, as the Gateway API says), else the defaults of
+`kvgate.envoy_config.RouteTimeouts` (600 s per request, no per-try limit).
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from kvgate.envoy_config import (DESTINATION_HEADER, PoolBackend, gateway_http_filters, pool_clusters,
-                                 report_upstream_host, shared_ext_proc_filter, shared_ext_proc_route_config)
+from kvgate.envoy_config import (PoolBackend, RouteTimeouts, cluster_route, dns_cluster, listener, overload_manager,
+                                 pool_clusters, pool_route)
 
 FRACTION_DENOMINATOR = 1_000_000
 
@@ -76,6 +82,7 @@ class RouteRule:
     path_type: str = "PathPrefix"  # PathPrefix or Exact
     path_value: str = "/"
     order: int = 0  # tie-breaker after path precedence (the caller's route order)
+    timeouts: RouteTimeouts = field(default_factory=RouteTimeouts)
 
 
 def _path_match(rule: RouteRule) -> dict:
@@ -91,30 +98,21 @@ def _fraction(numerator: int, rule: RouteRule, index: int) -> dict:
             "runtime_key": f"kvgate.weights.{rule.name.replace('/', '.')}.{index}"}
 
 
-_NO_TIMEOUT = {"timeout": "0s", "idle_timeout": "0s"}  # streamed generations may run for minutes
-
-
-def _backend_routes(backend: PoolBackend | ServiceBackend | None, match: dict, name: str) -> list[dict]:
+def _backend_routes(backend: PoolBackend | ServiceBackend | None, match: dict, name: str,
+                    timeouts: RouteTimeouts) -> list[dict]:
     if backend is None:
         return [{"name": f"{name}-unresolved", "match": match,
                  "direct_response": {"status": 500, "body": {"inline_string": "backend not resolved\n"}}}]
     if isinstance(backend, ServiceBackend):
-        return [{"name": f"{name}-service", "match": match,
-                 "route": {"cluster": f"svc-{backend.name}", **_NO_TIMEOUT}}]
-    picked = {**match, "headers": [{"name": DESTINATION_HEADER, "present_match": True}]}
-    enable = shared_ext_proc_route_config(backend)
-    return [{"name": f"{name}-picked", "match": picked, "route": {"cluster": f"pool-{backend.name}", **_NO_TIMEOUT},
-             "response_headers_to_add": report_upstream_host(), "typed_per_filter_config": enable},
-            {"name": f"{name}-fallback", "match": match,
-             "route": {"cluster": f"pool-{backend.name}-fallback", **_NO_TIMEOUT},
-             "response_headers_to_add": report_upstream_host(), "typed_per_filter_config": enable}]
+        return [cluster_route(f"{name}-service", match, f"svc-{backend.name}", timeouts)]
+    return [pool_route(f"{name}-pool", match, backend, timeouts)]
 
 
 def rule_routes(rule: RouteRule) -> list[dict]:
     """The Envoy routes of one Gateway API rule, its weighted split included."""
     live = [b for b in rule.backends if b.weight > 0]
     if not live:  # no backendRefs, or all weights 0: the Gateway API answers 500
-        return _backend_routes(None, _path_match(rule), rule.name)
+        return _backend_routes(None, _path_match(rule), rule.name, rule.timeouts)
     total = sum(b.weight for b in live)
     routes, cumulative = [], 0
     for i, weighted in enumerate(live):
@@ -122,7 +120,7 @@ def rule_routes(rule: RouteRule) -> list[dict]:
         match = _path_match(rule)
         if i < len(live) - 1:
             match["runtime_fraction"] = _fraction(round(cumulative * FRACTION_DENOMINATOR / total), rule, i)
-        routes += _backend_routes(weighted.backend, match, f"{rule.name}/{i}")
+        routes += _backend_routes(weighted.backend, match, f"{rule.name}/{i}", rule.timeouts)
     return routes
 
 
@@ -148,14 +146,6 @@ def virtual_hosts(rules: list[RouteRule]) -> list[dict]:
     return hosts
 
 
-def _service_cluster(backend: ServiceBackend) -> dict:
-    return {"name": f"svc-{backend.name}", "type": "STRICT_DNS", "lb_policy": "LEAST_REQUEST",
-            "connect_timeout": "2s",
-            "load_assignment": {"cluster_name": f"svc-{backend.name}", "endpoints": [{"lb_endpoints": [
-                {"endpoint": {"address": {"socket_address": {"address": backend.host,
-                                                             "port_value": backend.port}}}}]}]}}
-
-
 def _backends(rules: list[RouteRule], kind: type) -> list:
     seen: dict[str, object] = {}
     for rule in rules:
@@ -169,7 +159,6 @@ BOOTSTRAP_FILE = "envoy.yaml"
 CDS_FILE = "cds.yaml"
 _CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 _ROUTE_CONFIG_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
-_HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 
 
 def rds_file(port: int) -> str:
@@ -184,20 +173,8 @@ def _file_source(name: str) -> dict:
 
 
 def _listener(port: int, listen_host: str) -> dict:
-    return {
-        "name": f"gateway-{port}",
-        "address": {"socket_address": {"address": listen_host, "port_value": port}},
-        "filter_chains": [{"filters": [{
-            "name": "envoy.filters.network.http_connection_manager",
-            "typed_config": {
-                "@type": _HCM_TYPE,
-                "stat_prefix": f"gateway_{port}",
-                "stream_idle_timeout": "0s",
-                "strip_any_host_port": True,  # Host "a.example.com:8080" matches hostname a.example.com
-                "rds": {"route_config_name": f"gateway-{port}", "config_source": _file_source(rds_file(port))},
-                "http_filters": gateway_http_filters([shared_ext_proc_filter()]),
-            }}]}],
-    }
+    rds = {"rds": {"route_config_name": f"gateway-{port}", "config_source": _file_source(rds_file(port))}}
+    return listener(f"gateway-{port}", listen_host, port, rds)
 
 
 def render_gateway_files(rules: list[RouteRule], listen_ports: list[int], admin_port: int | None = None,
@@ -210,6 +187,7 @@ def render_gateway_files(rules: list[RouteRule], listen_ports: list[int], admin_
         "node": {"id": node_id, "cluster": node_cluster},
         "dynamic_resources": {"cds_config": _file_source(CDS_FILE)},
         "static_resources": {"listeners": [_listener(port, listen_host) for port in ports]},
+        "overload_manager": overload_manager(),
     }
     if admin_port is not None:
         bootstrap["admin"] = {"address": {"socket_address": {"address": admin_host, "port_value": admin_port}}}
@@ -219,7 +197,7 @@ def render_gateway_files(rules: list[RouteRule], listen_ports: list[int], admin_
                         "virtual_hosts": virtual_hosts([r for r in rules if r.listen_port == port])}
         files[rds_file(port)] = {"resources": [route_config]}
     clusters = [c for p in _backends(rules, PoolBackend) for c in pool_clusters(p)]
-    clusters += [_service_cluster(s) for s in _backends(rules, ServiceBackend)]
+    clusters += [dns_cluster(f"svc-{s.name}", s.host, s.port) for s in _backends(rules, ServiceBackend)]
     files[CDS_FILE] = {"resources": [{"@type": _CLUSTER_TYPE, **c} for c in clusters]}
     return files
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from typing import NamedTuple
 
-from kvgate.envoy_config import PoolBackend
+from kvgate.envoy_config import CircuitBreakers, PoolBackend, RouteTimeouts
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.envoy_routes import RouteRule, ServiceBackend, WeightedBackend, hostname_covers
@@ -137,8 +138,25 @@ class Lookups(NamedTuple):
     pool_endpoints: dict[tuple[str, str], list[str]]
 
 
+# Per-pool Envoy limits, as annotations on the InferencePool (its schema is upstream's): unset or invalid values
+# keep the defaults of kvgate.envoy_config (CircuitBreakers; the listener's 300 s stream-idle timeout).
+BREAKER_ANNOTATIONS = {f"kvgate.dev/{name.replace('_', '-')}": name
+                       for name in ("max_requests", "max_pending_requests", "max_connections", "max_retries")}
+STREAM_IDLE_ANNOTATION = "kvgate.dev/stream-idle-timeout"  # a Gateway API duration, e.g. "15m"
+
+
+def _pool_limits(pool: dict) -> tuple[CircuitBreakers, float | None]:
+    annotations = (pool.get("metadata") or {}).get("annotations") or {}
+    breakers = {}
+    for key, name in BREAKER_ANNOTATIONS.items():
+        value = str(annotations.get(key, ""))
+        if value.isdigit() and int(value) > 0:
+            breakers[name] = int(value)
+    return CircuitBreakers(**breakers), parse_duration(annotations.get(STREAM_IDLE_ANNOTATION))
+
+
 def pool_backend(pool: dict, services: dict[tuple[str, str], dict], endpoints: list[str]) -> PoolBackend:
-    """The Envoy view of a pool: its EPP Service's DNS name, FailOpen fallback endpoints, EPP health port."""
+    """The Envoy view of a pool: its EPP Service's DNS name, its endpoints, EPP health port, Envoy limits."""
     ns = naming.namespace_of(pool)
     svc_name = epp_ref(pool).get("name", "")
     svc = services.get((ns, svc_name)) or {}
@@ -146,10 +164,33 @@ def pool_backend(pool: dict, services: dict[tuple[str, str], dict], endpoints: l
     # Health-check over gRPC only where the Service exposes the EPP's health port (ours does; a user's EPP
     # Service may expose only the ext-proc port, and Envoy then checks that port's TCP socket).
     health = naming.EPP_HEALTH_PORT if naming.EPP_HEALTH_PORT in svc_ports else None
+    breakers, stream_idle_s = _pool_limits(pool)
     return PoolBackend(name=f"{ns}-{naming.name_of(pool)}", epp_host=f"{svc_name}.{ns}.svc.cluster.local",
                        epp_port=epp_service_port(pool), endpoints=sorted(endpoints),
                        failure_mode_allow=is_fail_open(pool), epp_health_port=health,
-                       app_protocol=(pool.get("spec") or {}).get("appProtocol") or "http")
+                       app_protocol=(pool.get("spec") or {}).get("appProtocol") or "http",
+                       circuit_breakers=breakers, stream_idle_s=stream_idle_s)
+
+
+_DURATION = re.compile(r"^(?:[0-9]{1,5}(?:h|m|s|ms)){1,4}$")  # the Gateway API's Duration (GEP-2257)
+_DURATION_PART = re.compile(r"([0-9]+)(h|ms|m|s)")
+_UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def parse_duration(value) -> float | None:
+    """A Gateway API duration ("10s", "1h30m", "500ms") in seconds; None when unset or not one."""
+    if not isinstance(value, str) or not _DURATION.match(value):
+        return None
+    return sum(int(n) * _UNIT_S[unit] for n, unit in _DURATION_PART.findall(value))
+
+
+def rule_timeouts(rule: dict) -> RouteTimeouts:
+    """An HTTPRoute rule's `timeouts` (request, backendRequest), else kvgate's defaults (RouteTimeouts)."""
+    timeouts = rule.get("timeouts") or {}
+    request, backend = parse_duration(timeouts.get("request")), parse_duration(timeouts.get("backendRequest"))
+    default = RouteTimeouts()
+    return RouteTimeouts(request_s=default.request_s if request is None else request,
+                         backend_request_s=backend if backend else None)  # "0s": no per-try limit
 
 
 def resolve_backend(ref: dict, route: dict, look: Lookups) -> tuple[PoolBackend | ServiceBackend | None, dict | None]:
@@ -174,8 +215,9 @@ def resolve_backend(ref: dict, route: dict, look: Lookups) -> tuple[PoolBackend 
     return ServiceBackend(f"{ns}-{name}-{port}", f"{name}.{ns}.svc.cluster.local", int(port)), None
 
 
-def _route_rules(route: dict, look: Lookups) -> tuple[list[tuple[list[WeightedBackend], list[dict]]], dict, set]:
-    """Per rule: (weighted backends, matches); the ResolvedRefs condition; the pools the route uses."""
+def _route_rules(route: dict, look: Lookups) -> tuple[list[tuple[list[WeightedBackend], list[dict], RouteTimeouts]],
+                                                      dict, set]:
+    """Per rule: (weighted backends, matches, timeouts); the ResolvedRefs condition; the pools the route uses."""
     failures, rules, pools = [], [], set()
     for rule in (route.get("spec") or {}).get("rules") or []:
         backends = []
@@ -186,7 +228,7 @@ def _route_rules(route: dict, look: Lookups) -> tuple[list[tuple[list[WeightedBa
             elif isinstance(backend, PoolBackend):
                 pools.add((ref.get("namespace", naming.namespace_of(route)), ref["name"]))
             backends.append(WeightedBackend(backend, int(ref.get("weight", 1))))
-        rules.append((backends, rule.get("matches") or [{}]))
+        rules.append((backends, rule.get("matches") or [{}], rule_timeouts(rule)))
     resolved = failures[0] if failures else condition("ResolvedRefs", True, "ResolvedRefs", "all backendRefs resolve")
     return rules, resolved, pools
 
@@ -225,7 +267,7 @@ def routes_for_gateway(gateway: dict, httproutes: list[dict], pools: list[dict],
             route_rules, resolved, route_pools = _route_rules(route, look)
             if rejected:
                 conds = [{**rejected, "observedGeneration": gen} if gen is not None else rejected, resolved]
-            elif any(_unsupported_match(m) for _, ms in route_rules for m in ms):
+            elif any(_unsupported_match(m) for _, ms, _ in route_rules for m in ms):
                 conds = [condition("Accepted", False, "UnsupportedValue",
                                    "only PathPrefix and Exact path matches are supported", gen), resolved]
             else:
@@ -243,12 +285,12 @@ def _rules_for(route: dict, route_rules: list, listeners: list[tuple[dict, list[
     out = []
     ns, name = naming.key_of(route)
     for listener, hostnames in listeners:
-        for i, (backends, matches) in enumerate(route_rules):
+        for i, (backends, matches, timeouts) in enumerate(route_rules):
             for j, match in enumerate(matches):
                 path_type, path_value = _path(match)
                 out.append(RouteRule(name=f"{ns}/{name}/{i}/{j}", listen_port=container_port(listener["port"]),
                                      backends=backends, hostnames=hostnames, path_type=path_type,
-                                     path_value=path_value, order=order))
+                                     path_value=path_value, order=order, timeouts=timeouts))
     return out
 
 

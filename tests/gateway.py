@@ -7,6 +7,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -68,7 +69,9 @@ class Gateway:
     """N engines, an EPP over them, an Envoy in front: `url` is what clients call."""
 
     def __init__(self, logdir: Path, cache_dir: Path, engine_args: list[list[str]], *, failure_mode_allow=False,
-                 epp_args: list[str] = (), model: str = "sim-model") -> None:
+                 epp_args: list[str] = (), model: str = "sim-model",
+                 envoy_config: Callable[[PoolBackend, int, int], dict] | None = None) -> None:
+        """`envoy_config(pool, port, admin_port)` renders Envoy's config (default: kvgate's, `render_gateway`)."""
         self.logdir = logdir
         self.engines: list[KvgateServe] = []
         self.epp = self.envoy = None
@@ -82,8 +85,8 @@ class Gateway:
             self.port, self.admin_port = free_port(), free_port()
             pool = PoolBackend("test", "127.0.0.1", self.epp.grpc_port, self.endpoints, failure_mode_allow,
                                epp_health_port=self.epp.health_port)
-            self.envoy = Envoy(logdir, render_gateway([Route(pool)], "127.0.0.1", self.port, self.admin_port),
-                               self.admin_port)
+            render = envoy_config or (lambda p, port, admin: render_gateway([Route(p)], "127.0.0.1", port, admin))
+            self.envoy = Envoy(logdir, render(pool, self.port, self.admin_port), self.admin_port)
             self.url = f"http://127.0.0.1:{self.port}"
             self._wait_epp_sees_metrics()
         except BaseException:

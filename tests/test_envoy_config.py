@@ -1,11 +1,14 @@
-"""Every Envoy config the project renders passes the real binary's `--mode validate`."""
+"""Every Envoy config the project renders passes the real binary's `--mode validate`, has only finite timeouts
+and explicit limits, and uses stock filters only."""
 
 import json
 import subprocess
 
 import pytest
 
-from kvgate.envoy_config import PoolBackend, Route, envoy_binary, render_direct, render_gateway
+from kvgate.envoy_config import (CircuitBreakers, ListenerTimeouts, PoolBackend, Route, RouteTimeouts, envoy_binary,
+                                 render_direct, render_gateway)
+from kvgate.epp.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
 
 CONFIGS = {
     "one-pool-failclose": render_gateway([Route(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000"],
@@ -14,14 +17,40 @@ CONFIGS = {
                                                   failure_mode_allow=True))], "127.0.0.1", 8080),
     "two-pools-hosts-paths": render_gateway([
         Route(PoolBackend("a", "epp-a.ns.svc", 9002, []), path_prefix="/a", hostnames=["a.example.com"]),
-        Route(PoolBackend("b", "127.0.0.1", 9012, ["127.0.0.3:8000"]), path_prefix="/"),
+        Route(PoolBackend("b", "127.0.0.1", 9012, ["127.0.0.3:8000", "[::1]:8000"]), path_prefix="/"),
     ], "0.0.0.0", 8080),
+    "tuned": render_gateway([Route(PoolBackend("t", "127.0.0.1", 9002, ["127.0.0.1:8000"], stream_idle_s=900,
+                                               circuit_breakers=CircuitBreakers(max_requests=5000)),
+                                   timeouts=RouteTimeouts(request_s=3600, backend_request_s=120))],
+                            "127.0.0.1", 8080, timeouts=ListenerTimeouts(request_headers_s=5, stream_idle_s=60)),
     "direct": render_direct("127.0.0.1", 8081, 9902),
 }
 
 
+def _walk(doc, path=""):
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _walk(v, f"{path}.{k}")
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _walk(v, f"{path}[{i}]")
+    else:
+        yield path, doc
+
+
+def assert_safe(config: dict) -> None:
+    """No disabled ("0s") timeout, no Lua, and every upstream cluster of endpoints has explicit circuit breakers."""
+    zero = [p for p, v in _walk(config) if isinstance(v, str) and v in ("0s", "0.0s", "0.000s")]
+    assert not zero, zero
+    assert "lua" not in json.dumps(config).lower()
+    for cluster in config["static_resources"]["clusters"]:
+        if not cluster["name"].startswith("epp-"):
+            assert cluster["circuit_breakers"]["thresholds"][0]["max_requests"] > 1024, cluster["name"]
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_config_validates(tmp_path, name):
+def test_config_validates_and_is_safe(tmp_path, name):
+    assert_safe(CONFIGS[name])
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(CONFIGS[name]))
     r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
@@ -29,18 +58,56 @@ def test_config_validates(tmp_path, name):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_ext_proc_settings():
+def _hcm(config):
+    return config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def test_defaults_are_finite_and_documented():
+    hcm = _hcm(CONFIGS["one-pool-failclose"])
+    assert (hcm["request_headers_timeout"], hcm["stream_idle_timeout"]) == ("10s", "300s")
+    (route,) = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert route["route"]["timeout"] == "600s" and "idle_timeout" not in route["route"]
+    clusters = {c["name"]: c for c in CONFIGS["one-pool-failclose"]["static_resources"]["clusters"]}
+    assert clusters["pool-p"]["circuit_breakers"]["thresholds"] == [{
+        "priority": "DEFAULT", "max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000,
+        "max_retries": 1000}]
+    check = clusters["epp-p"]["health_checks"][0]
+    assert (check["unhealthy_threshold"], check["timeout"], check["interval"]) == (3, "2s", "1s")
+
+
+def test_tuned_limits_reach_the_config():
+    hcm = _hcm(CONFIGS["tuned"])
+    assert (hcm["request_headers_timeout"], hcm["stream_idle_timeout"]) == ("5s", "60s")
+    (route,) = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert (route["route"]["timeout"], route["route"]["idle_timeout"]) == ("3600s", "900s")
+    assert route["route"]["retry_policy"]["per_try_timeout"] == "120s"
+    (pool,) = [c for c in CONFIGS["tuned"]["static_resources"]["clusters"] if c["name"] == "pool-t"]
+    assert pool["circuit_breakers"]["thresholds"][0]["max_requests"] == 5000
+
+
+def test_stock_filters_and_the_pool_cluster():
+    """ext_proc (disabled, switched on per route), the served-endpoint rule after it, the router; the pool's
+    cluster follows the EPP's metadata (never a client's header), with retries over its list."""
     config = CONFIGS["failopen"]
-    filters = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
-        "http_filters"]
-    (ext_proc,) = [f for f in filters if f["name"].startswith("envoy.filters.http.ext_proc")]
-    cfg = ext_proc["typed_config"]
-    assert cfg["failure_mode_allow"] is True
-    assert cfg["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
-    assert cfg["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
-    names = [f["name"] for f in filters]
-    # client-supplied destination headers are stripped before the EPP runs; the router comes last
-    assert names[0] == "kvgate.strip-destination" and names[-1] == "envoy.filters.http.router"
+    filters = _hcm(config)["http_filters"]
+    assert [f["name"] for f in filters] == ["envoy.filters.http.ext_proc", "envoy.filters.http.header_to_metadata",
+                                            "envoy.filters.http.router"]
+    ext_proc = filters[0]["typed_config"]
+    assert filters[0]["disabled"] is True
+    assert ext_proc["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert ext_proc["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert ext_proc["metadata_options"]["forwarding_namespaces"] == {"untyped": [DESTINATION_NAMESPACE]}
+    (route,) = _hcm(config)["route_config"]["virtual_hosts"][0]["routes"]
+    overrides = route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["config"]["overrides"]
+    assert overrides["failure_mode_allow"] is True and overrides["grpc_service"]["envoy_grpc"]["cluster_name"] == "epp-p"
+    assert route["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream,reset"
+    (pool,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "pool-p"]
+    (policy,) = pool["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]["typed_config"]
+    assert override["override_host_sources"] == [{"metadata": {"key": DESTINATION_NAMESPACE,
+                                                               "path": [{"key": DESTINATION_KEY}]}}]
+    assert "least_request" in json.dumps(override["fallback_policy"])
+    assert len(pool["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
 
 
 def _gateway_files():
@@ -65,33 +132,56 @@ def test_gateway_files_validate(tmp_path):
     assert sorted(files) == ["cds.yaml", "envoy.yaml", "rds-8080.yaml", "rds-9090.yaml"]
     for name, doc in files.items():
         (tmp_path / name).write_text(json.dumps(doc))
-    (tmp_path / "static.json").write_text(json.dumps(static_bootstrap(files)))
+    static = static_bootstrap(files)
+    assert_safe(static)
+    (tmp_path / "static.json").write_text(json.dumps(static))
     for config in ("envoy.yaml", "static.json"):
         r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", config], cwd=tmp_path, capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_gateway_files_share_one_ext_proc_filter():
-    """Pools come and go without touching the listeners: one disabled ext_proc filter, switched on per route
-    with the pool's EPP cluster and failure mode."""
+def test_gateway_files_share_kvgate_up_s_data_plane():
+    """The operator's listeners carry the same filters as `kvgate up`'s (one renderer); pools come and go without
+    touching them: one disabled ext_proc filter, switched on per route with the pool's EPP and failure mode."""
     files = _gateway_files()
     listeners = files["envoy.yaml"]["static_resources"]["listeners"]
     assert [l["name"] for l in listeners] == ["gateway-8080", "gateway-9090"]
     for listener in listeners:
-        filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-        assert [f["name"] for f in filters] == ["kvgate.strip-destination", "envoy.filters.http.ext_proc",
-                                                "kvgate.primary-destination", "envoy.filters.http.router"]
-        assert filters[1]["disabled"] is True
-        assert filters[1]["typed_config"]["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        assert hcm["http_filters"] == _hcm(CONFIGS["one-pool-failclose"])["http_filters"]
     (route_config,) = files["rds-8080.yaml"]["resources"]
     overrides = {r["name"]: r["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["config"]["overrides"]
                  for vh in route_config["virtual_hosts"] for r in vh["routes"] if "typed_per_filter_config" in r}
     assert {name: (o["grpc_service"]["envoy_grpc"]["cluster_name"], o["failure_mode_allow"])
-            for name, o in overrides.items()} == {
-        "ns/r/0/0-picked": ("epp-open", True), "ns/r/0/0-fallback": ("epp-open", True),
-        "ns/r/0/1-picked": ("epp-closed", False), "ns/r/0/1-fallback": ("epp-closed", False)}
+            for name, o in overrides.items()} == {"ns/r/0/0-pool": ("epp-open", True),
+                                                  "ns/r/0/1-pool": ("epp-closed", False)}
     clusters = {c["name"]: c for c in files["cds.yaml"]["resources"]}
-    assert sorted(clusters) == ["epp-closed", "epp-open", "pool-closed", "pool-closed-fallback", "pool-open",
-                                "pool-open-fallback", "svc-ns-web-80"]
-    assert clusters["pool-open"]["type"] == "ORIGINAL_DST" and clusters["epp-open"]["health_checks"]
+    assert sorted(clusters) == ["epp-closed", "epp-open", "pool-closed", "pool-open", "svc-ns-web-80"]
+    assert "override_host" in json.dumps(clusters["pool-open"]["load_balancing_policy"])
+    assert clusters["epp-open"]["health_checks"]
+
+
+def test_kvgate_up_limit_flags():
+    """`kvgate up`'s Envoy flags reach the config it renders; zero or negative values are refused."""
+    import argparse
+
+    from kvgate.up import add_up_parser, envoy_limits
+
+    parser = argparse.ArgumentParser()
+    add_up_parser(parser.add_subparsers())
+    route, listener, breakers = envoy_limits(parser.parse_args(["up"]))
+    assert (route, listener, breakers) == (RouteTimeouts(), ListenerTimeouts(), CircuitBreakers())
+    args = parser.parse_args(["up", "--request-timeout", "1800", "--stream-idle-timeout", "120",
+                              "--request-headers-timeout", "5", "--max-requests", "4096", "--max-retries", "10"])
+    route, listener, breakers = envoy_limits(args)
+    config = render_gateway([Route(PoolBackend("local", "127.0.0.1", 1, ["127.0.0.1:2"], circuit_breakers=breakers),
+                                   timeouts=route)], "127.0.0.1", 3, timeouts=listener)
+    assert_safe(config)
+    hcm = _hcm(config)
+    assert (hcm["request_headers_timeout"], hcm["stream_idle_timeout"]) == ("5s", "120s")
+    assert hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["timeout"] == "1800s"
+    (pool,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "pool-local"]
+    assert pool["circuit_breakers"]["thresholds"][0]["max_requests"] == 4096
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--request-timeout", "0"])

@@ -10,8 +10,10 @@ import httpx
 import pytest
 
 from tests.gateway import EPP, Envoy, Gateway
-from tests.procs import free_port
-from kvgate.envoy_config import PoolBackend, Route, render_gateway
+from tests.procs import KvgateServe, free_port
+from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
+from kvgate.envoy_config import UPSTREAM_HOST_HEADER, PoolBackend, Route, render_gateway
+from kvgate.epp.protocol import DESTINATION_HEADER, SERVED_TEST_HEADER, TEST_ENDPOINT_SELECTION_HEADER
 
 SERVED_BY = "x-kvgate-endpoint"
 
@@ -23,7 +25,16 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory, cache):
+    """Three engines behind kvgate's Envoy, the EPP on its default config."""
     with Gateway(tmp_path_factory.mktemp("gw3"), cache, [["--backend", "sim"]] * 3) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def conformance(tmp_path_factory, cache):
+    """Three engines behind kvgate's Envoy, the EPP on the conformance suite's config (its test plugins on)."""
+    with Gateway(tmp_path_factory.mktemp("gw3c"), cache, [["--backend", "sim"]] * 3,
+                 epp_args=["--config-text", CONFORMANCE_EPP_CONFIG]) as gw:
         yield gw
 
 
@@ -34,11 +45,11 @@ def complete(url, prompt="hello", max_tokens=4, headers=None, **extra):
 
 
 @pytest.mark.parametrize("count", [1, 2, 3])
-def test_conformance_header_selects_endpoints(three, count):
-    chosen = three.endpoints[:count]
+def test_conformance_header_selects_endpoints(conformance, count):
+    chosen = conformance.endpoints[:count]
     served = Counter()
     for i in range(12):
-        r = complete(three.url, f"prompt {i}", headers={"test-epp-endpoint-selection": ",".join(chosen)})
+        r = complete(conformance.url, f"prompt {i}", headers={TEST_ENDPOINT_SELECTION_HEADER: ",".join(chosen)})
         assert r.status_code == 200, r.text
         served[r.headers[SERVED_BY]] += 1
     assert set(served) <= set(chosen)
@@ -46,27 +57,83 @@ def test_conformance_header_selects_endpoints(three, count):
         assert served[chosen[0]] == 12
 
 
-def test_gateway_reports_the_served_endpoint(three):
-    """Envoy reports the upstream host as `envoy.lb` response metadata; the EPP's served-endpoint verifier
-    (default config) copies it into x-conformance-test-served-endpoint (upstream's conformance hook)."""
-    for endpoint in three.endpoints:
-        for r in (complete(three.url, headers={"test-epp-endpoint-selection": endpoint}),
-                  httpx.get(three.url + "/v1/models", headers={"test-epp-endpoint-selection": endpoint}, timeout=10)):
+def test_gateway_reports_the_served_endpoint(conformance):
+    """Envoy reports the upstream host as `envoy.lb` response metadata (route header → header_to_metadata,
+    no Lua) and ext_proc forwards it; the conformance config's served-endpoint verifier echoes it in
+    x-conformance-test-served-endpoint (upstream's conformance hook). Streaming and body-less requests too."""
+    for endpoint in conformance.endpoints:
+        selected = {TEST_ENDPOINT_SELECTION_HEADER: endpoint}
+        with httpx.stream("POST", conformance.url + "/v1/completions", headers=selected, timeout=30, json={
+                "model": "sim-model", "prompt": "stream", "max_tokens": 4, "stream": True}) as streamed:
+            streamed.read()
+        for r in (complete(conformance.url, headers=selected), streamed,
+                  httpx.get(conformance.url + "/v1/models", headers=selected, timeout=10)):
             assert r.status_code == 200, r.text
             assert r.headers[SERVED_BY] == endpoint
-            assert r.headers["x-conformance-test-served-endpoint"] == endpoint
-            assert "x-kvgate-upstream-host" not in r.headers  # the internal header never leaves Envoy
+            assert r.headers[SERVED_TEST_HEADER] == endpoint
+            assert UPSTREAM_HOST_HEADER not in r.headers  # the internal header never leaves Envoy
 
 
-def test_selection_header_keeps_only_this_pools_endpoints(three):
+def test_default_config_ignores_the_selection_header_and_reports_nothing(three):
+    """Under the default config a client cannot pick its pod, and no response carries a pod address."""
+    served = Counter()
+    for i in range(12):  # distinct short prompts on an idle pool: the scorers tie and the picker spreads them
+        r = complete(three.url, f"prompt {i}", headers={TEST_ENDPOINT_SELECTION_HEADER: three.endpoints[0]})
+        assert r.status_code == 200, r.text
+        assert SERVED_TEST_HEADER not in r.headers and UPSTREAM_HOST_HEADER not in r.headers
+        served[r.headers[SERVED_BY]] += 1
+    assert len(served) > 1, served  # honoured, the header would have pinned all 12 to endpoints[0]
+    r = complete(three.url, headers={TEST_ENDPOINT_SELECTION_HEADER: "127.0.0.1:1"})
+    assert r.status_code == 200, r.text  # the conformance config answers 503 here
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+def test_client_destination_header_never_steers(tmp_path, cache, fail_open):
+    """A client-set x-gateway-destination-endpoint picks nothing: kvgate's Envoy routes by the EPP's metadata,
+    which a client cannot set — also with the EPP down under FailOpen, where the fallback balances instead."""
+    with Gateway(tmp_path, cache, [["--backend", "sim"]] * 2, failure_mode_allow=fail_open) as gw:
+        target = gw.endpoints[1]
+        outsider = KvgateServe("sim-model", "--backend", "sim", cache_dir=cache).wait_ready()
+        try:
+            forged = {DESTINATION_HEADER: f"127.0.0.1:{outsider.port}"}
+            for i in range(6):
+                r = complete(gw.url, f"p{i}", headers=forged)
+                assert r.status_code == 200 and r.headers[SERVED_BY] in gw.endpoints
+            gw.epp.stop()
+            _wait_epp_unhealthy(gw)
+            for i in range(6):
+                r = complete(gw.url, f"q{i}", headers={DESTINATION_HEADER: f"127.0.0.1:{outsider.port},{target}"})
+                if fail_open:
+                    assert r.status_code == 200 and r.headers[SERVED_BY] in gw.endpoints
+                else:
+                    assert r.status_code >= 500
+            assert _served_total(outsider) == 0
+        finally:
+            outsider.stop()
+
+
+def _served_total(engine) -> float:
+    text = httpx.get(engine.url + "/metrics", timeout=5).text
+    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("vllm:request_success_total"))
+
+
+def _wait_epp_unhealthy(gw, timeout: float = 15.0) -> None:
+    # "the EPP is down" as Envoy sees it: its health check marked the EPP unhealthy (3 failures, 1 s apart)
+    deadline = time.monotonic() + timeout
+    while gw.envoy_stat("cluster.epp-test.membership_healthy") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not gw.envoy_stat("cluster.epp-test.membership_healthy")
+
+
+def test_selection_header_keeps_only_this_pools_endpoints(conformance):
     """Upstream's weighted-pools conformance test lists endpoints of two pools: each EPP keeps its own."""
-    mine = three.endpoints[1]
-    r = complete(three.url, headers={"test-epp-endpoint-selection": f"127.0.0.1:1,{mine},127.0.0.1:2"})
+    mine = conformance.endpoints[1]
+    r = complete(conformance.url, headers={TEST_ENDPOINT_SELECTION_HEADER: f"127.0.0.1:1,{mine},127.0.0.1:2"})
     assert r.status_code == 200 and r.headers[SERVED_BY] == mine
 
 
-def test_unknown_endpoint_in_selection_header_is_503(three):
-    r = complete(three.url, headers={"test-epp-endpoint-selection": "127.0.0.1:1"})
+def test_unknown_endpoint_in_selection_header_is_503(conformance):
+    r = complete(conformance.url, headers={TEST_ENDPOINT_SELECTION_HEADER: "127.0.0.1:1"})
     assert r.status_code == 503 and r.json()["error"]["code"] == 503
 
 
@@ -206,12 +273,40 @@ def test_failure_mode_with_the_epp_down(tmp_path, cache, fail_open):
     with Gateway(tmp_path, cache, [["--backend", "sim"]] * 2, failure_mode_allow=fail_open) as gw:
         assert complete(gw.url).status_code == 200
         gw.epp.stop()
-        # "the EPP is down" as Envoy sees it: its health check has marked the EPP unhealthy (1 s interval)
-        deadline = time.monotonic() + 10
-        while gw.envoy_stat("cluster.epp-test.membership_healthy") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_epp_unhealthy(gw)
         r = complete(gw.url)
         if fail_open:
             assert r.status_code == 200 and r.headers[SERVED_BY] in gw.endpoints
         else:
             assert r.status_code >= 500
+
+
+LIST_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: max-score-picker
+  parameters: {maxNumOfEndpoints: 3}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+  - pluginRef: max-score-picker
+"""
+
+
+def test_retries_walk_the_epps_list_when_the_primary_is_dead(tmp_path, cache):
+    """With fallbacks configured (maxNumOfEndpoints 3), a request whose primary refuses connections is retried
+    by kvgate's Envoy on the next endpoint of the EPP's list (override_host): every request is served."""
+    with Gateway(tmp_path, cache, [["--backend", "sim"]] * 3,
+                 epp_args=["--config-text", LIST_CONFIG, "--metrics-staleness-threshold", "60"]) as gw:
+        dead = gw.endpoints[0]
+        gw.engines[0].stop()  # the EPP still sees its last metrics (fresh for 60 s) and keeps picking it
+        served = Counter()
+        for i in range(24):
+            r = complete(gw.url, f"distinct prompt {i}")
+            assert r.status_code == 200, r.text
+            served[r.headers[SERVED_BY]] += 1
+        assert dead not in served and sum(served.values()) == 24
+        assert gw.envoy_stat("cluster.pool-test.upstream_rq_retry") > 0  # the dead primary was picked, and retried

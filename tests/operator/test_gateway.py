@@ -9,7 +9,8 @@ from urllib.parse import parse_qs
 import httpx
 import pytest
 
-from kvgate.envoy_config import DESTINATION_HEADER, PoolBackend, envoy_binary
+from kvgate.envoy_config import PoolBackend, envoy_binary
+from kvgate.epp.protocol import DESTINATION_HEADER
 from kvgate.operator.envoy_routes import RouteRule, ServiceBackend, WeightedBackend, render_gateway_files
 from kvgate.processes import free_port, stop_group, wait_http_ok
 from kvgate.operator import gateway as g
@@ -17,6 +18,7 @@ from kvgate.operator import pool as p
 from kvgate.operator.envoy_routes import BOOTSTRAP_FILE, CDS_FILE, listeners_of, rds_file, static_bootstrap
 from tests.e2e.k8srig.podrunner import write_atomic_volume  # the kubelet's way of publishing a ConfigMap
 from tests.operator.conftest import NOW, round_trips
+from tests.test_envoy_config import assert_safe
 
 IMAGE = "kvgate:test"
 
@@ -73,6 +75,7 @@ def test_samples_render_valid_envoy_and_objects(samples, tmp_path):
     assert _cond(entry, "Accepted") == ("True", "Accepted") and _cond(entry, "ResolvedRefs")[0] == "True"
     config = g.render_config(samples["Gateway"], routing)
     _validate(config, tmp_path)
+    assert_safe(static_bootstrap(config))  # finite timeouts, explicit circuit breakers, no Lua
     objs = g.desired_envoy_objects(samples["Gateway"], config, IMAGE)
     assert [o["kind"] for o in objs] == ["ConfigMap", "Deployment", "Service"]
     for obj in objs:
@@ -190,17 +193,14 @@ def test_weighted_two_pools(conformance, tmp_path):
     routes = vh["routes"]
     assert [r["route"]["cluster"] for r in routes] == [
         "pool-inference-conformance-app-backend-primary-inference-pool",
-        "pool-inference-conformance-app-backend-primary-inference-pool-fallback",
-        "pool-inference-conformance-app-backend-secondary-inference-pool",
-        "pool-inference-conformance-app-backend-secondary-inference-pool-fallback"]
+        "pool-inference-conformance-app-backend-secondary-inference-pool"]
     fractions = [r["match"].get("runtime_fraction", {}).get("default_value") for r in routes]
-    assert fractions[:2] == [{"numerator": 700000, "denominator": "MILLION"}] * 2
-    assert fractions[2:] == [None, None]
+    assert fractions == [{"numerator": 700000, "denominator": "MILLION"}, None]
     # Each pool's routes switch on the one ext_proc filter, naming that pool's EPP.
     assert [r["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["config"]["overrides"]["grpc_service"]
             ["envoy_grpc"]["cluster_name"] for r in routes] == [
-        "epp-inference-conformance-app-backend-primary-inference-pool"] * 2 + [
-        "epp-inference-conformance-app-backend-secondary-inference-pool"] * 2
+        "epp-inference-conformance-app-backend-primary-inference-pool",
+        "epp-inference-conformance-app-backend-secondary-inference-pool"]
 
 
 def test_cross_namespace_needs_reference_grant_and_kinds(samples):
@@ -234,6 +234,41 @@ def test_service_backend_and_unresolved_share(samples, tmp_path):
     _validate(config, tmp_path)
     routes = _routes_of(config)["virtual_hosts"][0]["routes"]
     assert routes[0]["route"]["cluster"] == "svc-default-web-80" and routes[1]["direct_response"]["status"] == 500
+
+
+def _pool_routes_and_cluster(samples, route, pool):
+    routing = g.routes_for_gateway(samples["Gateway"], [route], [pool], [], [])
+    config = g.render_config(samples["Gateway"], routing)
+    routes = _routes_of(config)["virtual_hosts"][0]["routes"]
+    (cluster,) = [c for c in config[CDS_FILE]["resources"] if c["name"].startswith("pool-")]
+    return config, routes, cluster
+
+
+def test_httproute_timeouts_and_pool_limits(samples, tmp_path):
+    """HTTPRoute rules[].timeouts (request, backendRequest) set the route's timeout and per-try timeout; the
+    pool's kvgate.dev annotations set its circuit breakers and stream-idle timeout; without them, the defaults."""
+    route, pool = copy.deepcopy(samples["HTTPRoute"]), copy.deepcopy(samples["InferencePool"])
+    config, (default_route,), cluster = _pool_routes_and_cluster(samples, route, pool)
+    assert default_route["route"]["timeout"] == "600s" and "idle_timeout" not in default_route["route"]
+    assert "per_try_timeout" not in default_route["route"]["retry_policy"]
+    assert cluster["circuit_breakers"]["thresholds"][0]["max_requests"] == 100000
+
+    route["spec"]["rules"][0]["timeouts"] = {"request": "1h30m", "backendRequest": "90s"}
+    pool["metadata"]["annotations"] = {"kvgate.dev/max-requests": "2048", "kvgate.dev/max-retries": "50",
+                                       "kvgate.dev/max-connections": "-1",  # invalid: the default stays
+                                       "kvgate.dev/stream-idle-timeout": "15m"}
+    config, (tuned,), cluster = _pool_routes_and_cluster(samples, route, pool)
+    _validate(config, tmp_path)
+    assert (tuned["route"]["timeout"], tuned["route"]["idle_timeout"]) == ("5400s", "900s")
+    assert tuned["route"]["retry_policy"]["per_try_timeout"] == "90s"
+    (breakers,) = cluster["circuit_breakers"]["thresholds"]
+    assert (breakers["max_requests"], breakers["max_retries"], breakers["max_connections"]) == (2048, 50, 100000)
+
+
+def test_gateway_api_durations():
+    assert [g.parse_duration(v) for v in ("10s", "1h30m", "500ms", "1h2m3s4ms", "0s")] == [
+        10.0, 5400.0, 0.5, 3723.004, 0.0]
+    assert [g.parse_duration(v) for v in (None, "", "10", "1d", "-1s", 5)] == [None] * 6
 
 
 @pytest.mark.parametrize("parent_update,reason", [({"sectionName": "nope"}, "NoMatchingParent"),
@@ -310,7 +345,7 @@ def test_route_and_pool_changes_do_not_roll_envoy(samples):
     assert container["command"][:3] == ["envoy", "-c", "/etc/envoy/envoy.yaml"]
     assert container["volumeMounts"][0]["mountPath"] == "/etc/envoy"
     assert [c["name"] for c in json.loads(base_cm["data"][CDS_FILE])["resources"]] == [
-        "epp-default-demo-pool", "pool-default-demo-pool", "pool-default-demo-pool-fallback"]
+        "epp-default-demo-pool", "pool-default-demo-pool"]
 
     # A second pool and a Service rule added at once, and then no routes at all: new route tables and clusters,
     # the same bootstrap, so the same Deployment.
@@ -328,7 +363,7 @@ def test_route_and_pool_changes_do_not_roll_envoy(samples):
         assert cm["data"][BOOTSTRAP_FILE] == base_cm["data"][BOOTSTRAP_FILE] and dep == base_dep
         assert cm["data"]["rds-8080.yaml"] != base_cm["data"]["rds-8080.yaml"]
         assert cm["data"][CDS_FILE] != base_cm["data"][CDS_FILE]
-    assert len(json.loads(more_cm["data"][CDS_FILE])["resources"]) == 7
+    assert len(json.loads(more_cm["data"][CDS_FILE])["resources"]) == 5
     assert json.loads(none_cm["data"][CDS_FILE]) == {"resources": []}
 
     # A listener port change is a bootstrap change: the pods roll.
@@ -483,7 +518,7 @@ def test_live_envoy_applies_route_and_pool_changes_in_place(tmp_path):
             primary = r.headers.get("x-seen-destination", "").split(",")[0]
             return r.status_code == 200 and names.get(primary) == r.headers["x-upstream"]
         times["pools and their routes added at once"] = _propagation_s(began, picked_by_epp)
-        # The EPP's choice reached the ORIGINAL_DST cluster, which served it. The shared ext_proc filter honours
+        # The EPP's choice reached the pool's cluster, which served it. The shared ext_proc filter honours
         # each pool's failure mode: with its EPP down, FailOpen falls back to the pool's endpoints, FailClose fails.
         _propagation_s(time.monotonic(), lambda: probe.get("/open/x").headers.get("x-upstream") == "b", 5)
         assert probe.get("/open/x").headers["x-seen-destination"] == ""
