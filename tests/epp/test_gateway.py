@@ -1,6 +1,10 @@
 """The Endpoint Picker through the real Envoy binary, in front of real sim engines."""
 
 import asyncio
+import threading
+import struct
+import socket
+import http.server
 import json
 import random
 import time
@@ -296,17 +300,87 @@ schedulingProfiles:
 """
 
 
-def test_retries_walk_the_epps_list_when_the_primary_is_dead(tmp_path, cache):
-    """With fallbacks configured (maxNumOfEndpoints 3), a request whose primary refuses connections is retried
-    by kvgate's Envoy on the next endpoint of the EPP's list (override_host): every request is served."""
-    with Gateway(tmp_path, cache, [["--backend", "sim"]] * 3,
-                 epp_args=["--config-text", LIST_CONFIG, "--metrics-staleness-threshold", "60"]) as gw:
-        dead = gw.endpoints[0]
-        gw.engines[0].stop()  # the EPP still sees its last metrics (fresh for 60 s) and keeps picking it
+class ResettingEngine:
+    """An endpoint whose /metrics looks healthy (so the EPP keeps it in rotation) but which resets every other
+    connection before answering: what a server that dies mid-request looks like to Envoy."""
+
+    PAGE = b"vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n"
+
+    def __init__(self) -> None:
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                if self.path.startswith("/metrics"):
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(outer.PAGE)))
+                    self.end_headers()
+                    self.wfile.write(outer.PAGE)
+                else:
+                    self.reset()
+
+            def do_POST(self):  # noqa: N802
+                outer.resets += 1
+                self.reset()
+
+            def reset(self):
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
+                self.close_connection = True
+
+            def log_message(self, *args):
+                pass
+
+        self.resets = 0
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+PINNED_LIST_CONFIG = LIST_CONFIG.replace("plugins:\n- type: queue-scorer", "plugins:\n- type: header-based-testing-filter\n"
+                                         "- type: queue-scorer", 1).replace(
+    "  plugins:\n  - pluginRef: queue-scorer", "  plugins:\n  - pluginRef: header-based-testing-filter\n"
+    "  - pluginRef: queue-scorer", 1)
+
+
+def test_retries_walk_the_epps_list_when_the_primary_resets(tmp_path, cache):
+    """With fallbacks configured (maxNumOfEndpoints > 1), a request whose primary resets the connection before
+    answering is retried by kvgate's Envoy on the next endpoint of the EPP's list (override_host): all served.
+    The primary is pinned first with the conformance header filter, so every request meets the broken one."""
+    broken = ResettingEngine()
+    engine = KvgateServe("sim-model", "--backend", "sim", cache_dir=cache)
+    epp = envoy = None
+    try:
+        engine.wait_ready()
+        live = f"127.0.0.1:{engine.port}"
+        epp = EPP(tmp_path, [broken.address, live], extra=["--config-text", PINNED_LIST_CONFIG])
+        port, admin = free_port(), free_port()
+        pool = PoolBackend("test", "127.0.0.1", epp.grpc_port, [broken.address, live],
+                           epp_health_port=epp.health_port)
+        envoy = Envoy(tmp_path, render_gateway([Route(pool)], "127.0.0.1", port, admin), admin)
+        deadline = time.monotonic() + 20
+        while epp.metrics().count(" 0.0\n") < 2 or "kvgate_epp_endpoint_stale" not in epp.metrics():
+            assert time.monotonic() < deadline, epp.log()
+            time.sleep(0.1)
         served = Counter()
         for i in range(24):
-            r = complete(gw.url, f"distinct prompt {i}")
+            r = complete(f"http://127.0.0.1:{port}", f"distinct prompt {i}",
+                         headers={"test-epp-endpoint-selection": f"{broken.address},{live}"})
             assert r.status_code == 200, r.text
             served[r.headers[SERVED_BY]] += 1
-        assert dead not in served and sum(served.values()) == 24
-        assert gw.envoy_stat("cluster.pool-test.upstream_rq_retry") > 0  # the dead primary was picked, and retried
+        assert served == {live: 24}
+        assert broken.resets >= 24  # every request met the broken primary first, and was retried
+        stats = httpx.get(f"http://127.0.0.1:{admin}/stats?filter=^cluster.pool-test.upstream_rq_retry$",
+                          timeout=5).text
+        assert int(stats.split(":")[1]) >= 24
+    finally:
+        for p in (envoy, epp):
+            if p is not None:
+                p.stop()
+        engine.stop()
+        broken.stop()
