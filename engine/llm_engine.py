@@ -170,7 +170,14 @@ class LLMEngine:
                 "(max_model_len), which leaves no room to generate"
             )
         params.validate()
-        params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
+        # Ids past the vocabulary would index out of the logits inside a step (killing the loop for everyone).
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise InvalidRequestError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                      param="stop_token_ids")
+        # A top_k past the vocabulary keeps every token: the same as off (and never overflows a tensor).
+        top_k = 0 if params.top_k >= self.vocab_size else params.top_k
+        params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids, top_k=top_k)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         # Build every child (and its seeded generator) before registering any: a failure here leaves nothing
