@@ -98,6 +98,7 @@ def _check_in_flight_failed_cleanly(result: dict) -> float:
     assert body["type"] == "server_error" and "engine stopped" in body["message"]
     latency = max(streamed["error_at"], result["answered_at"]) - died_at
     assert latency < DEATH_BUDGET, f"in-flight requests failed {latency:.3f} s after the engine died"
+    print(f"\nin-flight requests failed {latency * 1000:.0f} ms after the engine died")
     return died_at
 
 
@@ -126,6 +127,7 @@ def test_engine_death_fails_requests_and_the_server_exits(kvgate_cache, engine_l
         status = _health(server.url)
         assert status in (503, None) and time.monotonic() - died_at < DEATH_BUDGET, status
         assert _wait_exit(server, 10) == 1
+        print(f"server exited {time.monotonic() - died_at:.2f} s after the engine died")
         assert _health(server.url) is None
         log = server.log()
         assert "engine" in log and ("SIGKILL" in log if fault == "sigkill" else "simulated engine fault" in log), log
