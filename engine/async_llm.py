@@ -4,6 +4,12 @@ The engine loop runs apart from the asyncio server — in a thread of the server
 of its own (`--engine-loop thread|process`) — and feeds per-request asyncio queues. Messages are plain
 picklable objects, so both modes share one loop (`EngineLoop`) and one front (`AsyncLLM`). A request
 whose consumer goes away (client disconnect, cancellation) is aborted in the engine, freeing its blocks.
+
+A loop that dies — an exception in the thread, or the engine process exiting for any reason (an exception,
+SIGKILL, the OOM killer) — is noticed at once: an exception is reported over the pipe before the process
+exits, and any end of the pipe that `shutdown()` did not ask for is a death, whatever the exit code says
+(a process that is killed closes its end before it can be reaped, so its exit code may still read None).
+Every waiting request then gets an EngineDeadError and `on_dead` is called (the server turns unhealthy).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.errors import EngineError
+from kvgate.engine.errors import EngineDeadError, EngineError
 from kvgate.engine.llm_engine import EngineStats, LLMEngine
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
@@ -56,6 +62,13 @@ class EngineInfo:
     num_blocks: int
     eos_token_ids: tuple[int, ...]
     tokenizer_path: str
+
+
+@dataclass
+class LoopDied:
+    """The engine process's last message when its loop raised: the error as text (it may not pickle)."""
+
+    error: str
 
 
 @dataclass
@@ -132,11 +145,33 @@ def _process_main(config: EngineConfig, conn) -> None:
                 return Shutdown()
         return None
 
-    EngineLoop(engine, receive, conn.send).run()
+    try:
+        EngineLoop(engine, receive, conn.send).run()
+    except BaseException as exc:  # noqa: BLE001 - told to the server, then this process exits with 1
+        logging.getLogger(__name__).exception("engine loop failed")
+        try:
+            conn.send(LoopDied(f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        raise SystemExit(1) from None
+
+
+def _exit_description(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "closed its pipe"
+    if exitcode < 0:
+        import signal
+
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, engine_loop: str = "thread") -> None:
+    def __init__(self, config: EngineConfig, engine_loop: str = "thread",
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
         if engine_loop not in ("thread", "process"):
             raise ValueError(f"engine_loop must be thread or process, got {engine_loop!r}")
         self.config = config
@@ -145,6 +180,8 @@ class AsyncLLM:
         self.tokenizer = None
         self.stats: EngineStats | None = None
         self.error: BaseException | None = None  # the engine loop died
+        self.on_dead = on_dead  # called once, on the event loop, when the engine loop dies
+        self._stopping = False  # shutdown() asked the loop to stop: the end of the pipe is expected
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue | None = None
@@ -218,9 +255,14 @@ class AsyncLLM:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
-                if self._process is not None and self._process.exitcode not in (None, 0):
-                    raise RuntimeError(f"engine process exited with code {self._process.exitcode}")
-                return
+                if self._stopping:
+                    return
+                # A killed process closes the pipe before it is reaped: wait briefly for its exit code, only
+                # to name the cause (the death is certain either way).
+                self._process.join(0.2)
+                raise RuntimeError(f"the engine process {_exit_description(self._process.exitcode)}") from None
+            if isinstance(message, LoopDied):
+                raise RuntimeError(f"the engine loop failed: {message.error}")
             self._post(message)
 
     def _post(self, result: StepResult) -> None:
@@ -238,22 +280,37 @@ class AsyncLLM:
                 q.put_nowait(out)
 
     def _fail_all(self, exc: BaseException) -> None:
+        if self.error is not None or self._stopping:
+            return
         self.error = exc
+        log.error("the engine loop died (%s): failing %d in-flight requests", exc, len(self._queues))
         for q in self._queues.values():
-            q.put_nowait(EngineError(f"the engine stopped: {exc}"))
+            q.put_nowait(EngineDeadError(f"the engine stopped: {exc}"))
+        if self.on_dead is not None:
+            self.on_dead(exc)
+
+    def abort_all(self, reason: str) -> int:
+        """Fail every waiting request with EngineError(reason) (their streams abort them in the engine)."""
+        for q in self._queues.values():
+            q.put_nowait(EngineError(reason))
+        return len(self._queues)
 
     def _send(self, command) -> None:
-        if self.mode == "thread":
-            self._commands.put(command)
-        else:
-            self._conn.send(command)
+        try:
+            if self.mode == "thread":
+                self._commands.put(command)
+            else:
+                self._conn.send(command)
+        except OSError as exc:  # the engine process is gone; the reader thread reports why
+            raise EngineDeadError(f"the engine stopped: {exc}") from exc
 
     async def shutdown(self) -> None:
         if self.info is None and self._process is None:
             return
+        self._stopping = True
         try:
             self._send(Shutdown())
-        except (OSError, BrokenPipeError):
+        except EngineError:
             pass
         for thread in self._threads:
             await asyncio.to_thread(thread.join, 5.0)
@@ -291,5 +348,8 @@ class AsyncLLM:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if not finished and self.error is None:
-                self._send(AbortRequest(request_id))
+            if not finished and self.error is None and not self._stopping:
+                try:
+                    self._send(AbortRequest(request_id))
+                except EngineError:
+                    pass  # the engine is gone: nothing left to abort

@@ -5,6 +5,10 @@ class EngineError(Exception):
     """Base class of the engine's own errors."""
 
 
+class EngineDeadError(EngineError):
+    """The engine loop died (an exception, or its process was killed): nothing can be served any more."""
+
+
 class InvalidRequestError(EngineError, ValueError):
     """A request (prompt or sampling parameters) the engine cannot serve; other requests are unaffected."""
 

@@ -170,21 +170,36 @@ class LLMEngine:
                 "(max_model_len), which leaves no room to generate"
             )
         params.validate()
-        params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
+        # Ids past the vocabulary would index out of the logits inside a step (killing the loop for everyone).
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise InvalidRequestError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                      param="stop_token_ids")
+        # A top_k past the vocabulary keeps every token: the same as off (and never overflows a tensor).
+        top_k = 0 if params.top_k >= self.vocab_size else params.top_k
+        params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids, top_k=top_k)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        self._parents[request_id] = _Parent(text, token_ids, child_ids)
+        # Build every child (and its seeded generator) before registering any: a failure here leaves nothing
+        # behind — no parent, no sibling generating for nobody.
+        children = []
         for index, child_id in enumerate(child_ids):
             child_params = params
             if params.n > 1:
                 child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
             request = Request(child_id, token_ids, child_params, arrival_time=arrival, priority=priority,
                               cache_salt=cache_salt, max_model_len=self.max_model_len, sample_index=index)
+            gen = None
             if child_params.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(child_params.seed)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, child_params, token_ids)
+            children.append((child_id, index, request, gen, detokenizer))
+        self._parents[request_id] = _Parent(text, token_ids, child_ids)
+        for child_id, index, request, gen, detokenizer in children:
+            if gen is not None:
                 self._generators[child_id] = gen
-            self._children[child_id] = _Child(request_id, index, IncrementalDetokenizer(self.tokenizer, child_params, token_ids))
+            self._children[child_id] = _Child(request_id, index, detokenizer)
             self.scheduler.add_request(request)
         return token_ids
 

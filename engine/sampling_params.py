@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvgate.engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Seeds are torch generator seeds (int64, vLLM's bound too); child i of an n > 1 request uses seed + i.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass
@@ -47,6 +51,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        for name in _FLOATS:  # NaN passes every comparison below, and an infinity poisons the sampler
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -69,8 +77,11 @@ class SamplingParams:
             raise bad("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
+            raise bad("seed", f"must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] (a 64-bit seed; "
+                              f"n={self.n} samples use seed .. seed + {self.n - 1}), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

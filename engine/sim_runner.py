@@ -41,6 +41,9 @@ class SimProfile:
     kv_cache_memory: int = 56 * 2**30  # 80 GB x 0.9 minus 16 GB of weights
     max_model_len: int = 32768
     slowdown: float = 1.0  # multiplies every cost: a slower (or busier) replica
+    # Fault injection for chaos tests (`kvgate bench chaos`, tests/server/test_engine_death.py): the engine loop
+    # raises SimulatedEngineFault on this step (counting steps that ran a batch). 0 (default) never fails.
+    fail_after_steps: int = 0
 
     @classmethod
     def load(cls, path: str | Path | None, **overrides) -> "SimProfile":
@@ -79,6 +82,10 @@ def sim_hf_config(profile: SimProfile, tokenizer):
                            eos_token_id=tokenizer.eos_token_id, architectures=["Simulated"])
 
 
+class SimulatedEngineFault(RuntimeError):
+    """Raised by the sim engine loop when its profile's `fail_after_steps` is reached: a loop that dies."""
+
+
 class SimModelRunner:
     """Drop-in for ModelRunner: same KV sizing and execute() contract, no weights."""
 
@@ -95,6 +102,7 @@ class SimModelRunner:
         self.num_blocks = 0
         self._rngs: dict[str, random.Random] = {}
         self.busy_seconds = 0.0  # modelled time, for checks and metrics
+        self.num_steps = 0
 
     def determine_num_blocks(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
@@ -121,6 +129,10 @@ class SimModelRunner:
 
     def execute(self, out: SchedulerOutput, generators):
         started = time.monotonic()
+        self.num_steps += 1
+        if self.profile.fail_after_steps and self.num_steps >= self.profile.fail_after_steps:
+            raise SimulatedEngineFault(f"simulated engine fault at step {self.num_steps} (sim profile "
+                                       f"fail_after_steps={self.profile.fail_after_steps})")
         prefill_tokens = decode_seqs = context_tokens = 0
         tokens: dict[str, int] = {}
         logprobs: dict[str, dict[int, Logprob]] = {}

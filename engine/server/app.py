@@ -1,4 +1,14 @@
-"""The HTTP server: routes, OpenAI-shaped errors, /health, /metrics; `kvgate serve` runs it with uvicorn."""
+"""The HTTP server: routes, OpenAI-shaped errors, /health, /live, /metrics; `kvgate serve` runs it with uvicorn.
+
+Health has three answers, for three readers:
+- `/health` (readiness; what the EPP and a readiness probe ask): 200 only while the engine is ready and the
+  server is not draining. 503 while loading, after SIGTERM (draining) and once the engine loop has died.
+- `/live` (liveness): 200 unless the engine loop has died — loading and draining are alive — so a liveness
+  probe restarts a server whose engine is gone but never one that is busy loading or finishing its streams.
+- `/metrics`: the Prometheus text always, with status 503 whenever `/health` is 503 for a reason other than
+  loading (draining, engine dead): a scraper that checks the status (the EPP) counts a failed scrape and
+  stops routing there, instead of reading gauges that no longer move.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +17,7 @@ import contextlib
 import functools
 import ipaddress
 import logging
+import time
 import weakref
 from collections.abc import Callable
 
@@ -14,11 +25,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.errors import EngineError, InvalidRequestError
+from kvgate.engine.server.guards import RequestBodyLimit, StalledClientGuard
+from kvgate.engine.server.limits import RequestLimits
 from kvgate.engine.server.metrics import ServerMetrics
-from kvgate.engine.server.openai_serving import ModelNotFound, OpenAIServing, Overloaded, Prepared
+from kvgate.engine.server.openai_serving import (ModelNotFound, OpenAIServing, Overloaded, Prepared,
+                                                 ShuttingDown)
 from kvgate.engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            TokenizeRequest, error_body)
 
@@ -55,10 +70,21 @@ async def _unless_disconnected(request: Request, coro, prep: Prepared):
         prep.tracker.close()  # no-op when the handler closed it
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its generator however the response ends (a send that failed or stalled included), so the
+    generator's `finally` aborts its requests in the engine now, not whenever it is garbage-collected."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def _stream(body, prep: Prepared) -> StreamingResponse:
     # A response dropped before its body is iterated never runs the generator's `finally`: release then.
     weakref.finalize(body, prep.tracker.close)
-    return StreamingResponse(body, media_type="text/event-stream")
+    return ClosingStreamingResponse(body, media_type="text/event-stream")
 
 
 SERVER_ID_HEADER = "x-kvgate-endpoint"
@@ -101,10 +127,13 @@ class ServerIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int | None = None,
+def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | None = None,
                on_fatal: Callable[[BaseException], None] | None = None, server_id: str | None = None) -> FastAPI:
+    """`on_fatal(exc)`: the engine failed to start, or its loop died later (the caller decides to exit)."""
+    limits = limits or RequestLimits()
     metrics = ServerMetrics(llm, served_model_name)
-    serving = OpenAIServing(llm, served_model_name, metrics, max_queued_requests)
+    serving = OpenAIServing(llm, served_model_name, metrics, limits)
+    llm.on_dead = on_fatal
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -118,6 +147,7 @@ def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int |
                     on_fatal(exc)
 
         app.state.startup_error = None
+        app.state.loop = asyncio.get_running_loop()
         starter = asyncio.create_task(start())
         try:
             yield
@@ -125,13 +155,17 @@ def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int |
             starter.cancel()
             await asyncio.gather(starter, return_exceptions=True)
             await llm.shutdown()
+            serving.close()
 
     app = FastAPI(title="kvgate engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.metrics = metrics
 
+    # Outermost last: the body limit answers before anything else reads the body.
+    app.add_middleware(StalledClientGuard, timeout=limits.client_stall_timeout)
     if server_id:
         app.add_middleware(ServerIdMiddleware, server_id=server_id)
+    app.add_middleware(RequestBodyLimit, max_bytes=limits.max_request_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError):
@@ -156,6 +190,18 @@ def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int |
     async def overloaded(_: Request, exc: Overloaded):
         return _error(503, str(exc), "overloaded_error")
 
+    @app.exception_handler(ShuttingDown)
+    async def shutting_down(_: Request, exc: ShuttingDown):
+        return _error(503, str(exc), "server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        # Framework errors (unknown path, wrong method, a body that cannot be parsed) in OpenAI's shape too.
+        err_type = "not_found_error" if exc.status_code == 404 else (
+            "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return JSONResponse(error_body(str(exc.detail), err_type, exc.status_code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
     @app.exception_handler(EngineError)
     async def engine_error(_: Request, exc: EngineError):
         return _error(503, str(exc), "server_error")
@@ -168,13 +214,29 @@ def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int |
     def require_ready() -> None:
         if not llm.ready:
             raise EngineError("the engine is not ready yet" if llm.error is None else f"the engine stopped: {llm.error}")
+        serving.check_accepting()
+
+    def not_serving_reason() -> str | None:
+        """Why /health is 503 (None: healthy)."""
+        if llm.error is not None:
+            return f"engine not ready: the engine stopped: {llm.error}"
+        if serving.shutting_down:
+            return serving.shutting_down
+        if not llm.ready:
+            why = app.state.startup_error
+            return f"engine not ready: {why}" if why else "engine is starting"
+        return None
 
     @app.get("/health")
     async def health():
-        if llm.ready:
-            return Response(status_code=200)
-        why = app.state.startup_error or llm.error
-        return _error(503, f"engine not ready: {why}" if why else "engine is starting", "server_error")
+        why = not_serving_reason()
+        return Response(status_code=200) if why is None else _error(503, why, "server_error")
+
+    @app.get("/live")
+    async def live():
+        if llm.error is not None:
+            return _error(503, f"the engine stopped: {llm.error}", "server_error")
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def prometheus_metrics(request: Request):
@@ -182,7 +244,10 @@ def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int |
         # some vLLM versions'): the EPP asks for only the families it reads, every 50 ms.
         names = request.query_params.getlist("name[]")
         registry = metrics.registry.restricted_registry(names) if names else metrics.registry
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        # 503 while the engine is starting, draining or dead: the EPP counts that as a failed scrape, so an engine
+        # gets requests only while it can serve them (vLLM's server does not answer at all until it is ready).
+        status = 200 if not_serving_reason() is None else 503
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST, status_code=status)
 
     @app.get("/v1/models")
     async def models():
@@ -196,10 +261,12 @@ def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int |
         require_ready()
         serving.check_model(req.model)
         if req.messages is not None:
-            ids = serving.chat_prompt(ChatCompletionRequest(messages=req.messages,
-                                                            add_generation_prompt=req.add_generation_prompt))
+            chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+            kwargs = serving.template_kwargs(req.chat_template, req.chat_template_kwargs)
+            ids = await serving.off_loop(serving.chat_prompt, chat, kwargs, param="messages")
         elif req.prompt is not None:
-            ids = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await serving.off_loop(functools.partial(llm.tokenizer.encode, req.prompt,
+                                                           add_special_tokens=req.add_special_tokens))
         else:
             raise InvalidRequestError("give prompt or messages", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.info.max_model_len}
@@ -210,12 +277,12 @@ def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int |
         serving.check_model(req.model)
         if any(not 0 <= t < llm.info.vocab_size for t in req.tokens):
             raise InvalidRequestError("tokens must be token ids of this model", param="tokens")
-        return {"prompt": llm.tokenizer.decode(req.tokens)}
+        return {"prompt": await serving.off_loop(llm.tokenizer.decode, req.tokens, param="tokens")}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         require_ready()
-        prep = serving.prepare_completion(req)
+        prep = await serving.prepare_completion(req)
         if req.stream:
             return _stream(serving.completion_stream(req, prep), prep)
         return await _unless_disconnected(raw, serving.completion(req, prep), prep)
@@ -223,9 +290,33 @@ def create_app(llm: AsyncLLM, served_model_name: str, max_queued_requests: int |
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         require_ready()
-        prep = serving.prepare_chat(req)
+        prep = await serving.prepare_chat(req)
         if req.stream:
             return _stream(serving.chat_stream(req, prep), prep)
         return await _unless_disconnected(raw, serving.chat(req, prep), prep)
 
+    def drain(shutdown_timeout: float, then: Callable[[], None]) -> None:
+        """SIGTERM: refuse new requests (503) and fail /health at once; let running requests finish for up to
+        `shutdown_timeout` s, fail what is left with a clean error, then call `then` (the server exits).
+        Safe to call from a signal handler."""
+
+        async def run():
+            serving.shutting_down = "the server is shutting down"
+            open_now = serving.open_requests
+            log.info("draining: %d requests running, up to %g s (--shutdown-timeout)", open_now, shutdown_timeout)
+            deadline = time.monotonic() + shutdown_timeout
+            while serving.open_requests and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if serving.open_requests:
+                cut = llm.abort_all(f"the server is shutting down: the request did not finish within "
+                                    f"{shutdown_timeout:g} s (--shutdown-timeout)")
+                log.warning("drain: %d requests did not finish in %g s; failed them", cut, shutdown_timeout)
+                await asyncio.sleep(0.1)  # let their error events be written
+            else:
+                log.info("drained: every running request finished")
+            then()
+
+        app.state.loop.call_soon_threadsafe(lambda: app.state.__setattr__("drain_task", asyncio.ensure_future(run())))
+
+    app.state.drain = drain
     return app

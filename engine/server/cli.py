@@ -9,6 +9,7 @@ import sys
 
 def add_serve_parser(sub) -> None:
     from kvgate.engine.cli_args import add_engine_args
+    from kvgate.engine.server.limits import add_limit_args
 
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API")
     p.add_argument("model", metavar="MODEL", help="a local HF model folder, or 'demo' (any name with --backend sim)")
@@ -18,9 +19,14 @@ def add_serve_parser(sub) -> None:
                    help="run the engine loop in its own process or in a thread of the server; auto (default): "
                         "process for --backend torch (measured: equal or better throughput and lower tail "
                         "latency, see `kvgate bench engine-loop`), thread for sim (its loop mostly sleeps)")
-    p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="answer 503 when this many requests are already queued (default: no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests may take to finish (new ones get 503, /health "
+                        "503) before they are failed and the server exits; 0: at once (vLLM's flag; default 30)")
+    p.add_argument("--keep-alive-on-engine-death", action="store_true",
+                   help="stay up (every answer 503, /live 503) when the engine loop dies, instead of exiting "
+                        "with status 1 (vLLM: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)")
     p.add_argument("--uvicorn-log-level", default="warning")
+    add_limit_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -32,6 +38,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvgate.engine.cli_args import engine_config_from_args
     from kvgate.engine.llm import resolve_model_path
     from kvgate.engine.server.app import create_app
+    from kvgate.engine.server.lifecycle import FINAL_GRACE_SECONDS, DrainingServer
+    from kvgate.engine.server.limits import limits_from_args
 
     model_path = args.model if args.backend == "sim" else resolve_model_path(args.model)
     config = engine_config_from_args(model_path, args)
@@ -41,17 +49,22 @@ def run_serve(args: argparse.Namespace) -> int:
     if engine_loop == "auto":
         engine_loop = "process" if args.backend == "torch" else "thread"
     llm = AsyncLLM(config, engine_loop)
+    if args.shutdown_timeout < 0:
+        print("kvgate serve: error: --shutdown-timeout must be >= 0", file=sys.stderr)
+        return 2
     fatal: list[BaseException] = []
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
 
     def on_fatal(exc: BaseException) -> None:
+        """The engine failed to start, or its loop died: every in-flight request has had its error."""
         fatal.append(exc)
-        if server is not None:
+        if server is not None and not (args.keep_alive_on_engine_death and llm.info is not None):
             server.should_exit = True
 
-    app = create_app(llm, served, args.max_queued_requests, on_fatal, server_id=f"{args.host}:{args.port}")
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                           timeout_graceful_shutdown=5, access_log=False))
+    app = create_app(llm, served, limits_from_args(args), on_fatal, server_id=f"{args.host}:{args.port}")
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                           timeout_graceful_shutdown=FINAL_GRACE_SECONDS, access_log=False),
+                            args.shutdown_timeout, app.state.drain)
     logging.getLogger("kvgate").info("serving %s on http://%s:%d", served, args.host, args.port)
     server.run()
     if fatal:

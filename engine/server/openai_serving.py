@@ -1,18 +1,30 @@
-"""OpenAI completions and chat completions over AsyncLLM: validation, prompts, responses and SSE streams."""
+"""OpenAI completions and chat completions over AsyncLLM: validation, prompts, responses and SSE streams.
+
+Every request is checked against the server's RequestLimits before anything reaches the engine, and its
+prompts are tokenized (chat: rendered) in a small thread pool under a time bound, so neither a large prompt
+nor a slow template stalls the event loop that serves every other stream. Chat templates come from the
+model only: a template in the request (`chat_template`, or inside `chat_template_kwargs`) is refused unless
+the server trusts request templates (vLLM's `--trust-request-chat-template`), and only the keyword
+arguments the model's template actually reads are passed on (as vLLM does).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvgate.engine.async_llm import AsyncLLM
-from kvgate.engine.errors import InvalidRequestError
+from kvgate.engine.errors import EngineDeadError, EngineError, InvalidRequestError
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.server.limits import RequestLimits
 from kvgate.engine.server.metrics import RequestTracker, ServerMetrics
 from kvgate.engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -23,6 +35,35 @@ class ModelNotFound(Exception):
 
 class Overloaded(Exception):
     pass
+
+
+class ShuttingDown(Exception):
+    """The server is draining (SIGTERM): running requests finish, new ones are refused with 503."""
+
+
+# chat_template_kwargs a request may never set: they would replace the template or change the call itself.
+_FORBIDDEN_TEMPLATE_KWARGS = ("chat_template", "tokenize")
+# Names the server itself passes to the template.
+_SERVER_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt"})
+
+
+@functools.lru_cache(maxsize=8)
+def _template_variables(template: str) -> frozenset[str]:
+    """The variables a Jinja template reads (parsed once per template; never rendered here)."""
+    import jinja2
+    import jinja2.meta
+
+    return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+
+
+def stream_error(exc: Exception) -> dict:
+    """The SSE error event for an error met after a stream's headers were sent (OpenAI's error shape)."""
+    if isinstance(exc, InvalidRequestError):
+        return {"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": 400}}
+    if isinstance(exc, EngineError):  # the engine died, or the server is shutting down: retry elsewhere
+        return {"error": {"message": str(exc), "type": "server_error", "param": None, "code": 503}}
+    return {"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error", "param": None,
+                      "code": 500}}
 
 
 def sse(data: dict | str) -> str:
@@ -40,13 +81,42 @@ class Prepared:
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_name: str, metrics: ServerMetrics,
-                 max_queued_requests: int | None = None) -> None:
+                 limits: RequestLimits | None = None) -> None:
         self.llm = llm
         self.model_name = served_model_name
         self.metrics = metrics
-        self.max_queued_requests = max_queued_requests
+        self.limits = limits or RequestLimits()
         self.in_flight = 0  # engine requests (prompts x n) admitted and not yet done
+        self.open_requests = 0  # API requests admitted and not yet answered (what a drain waits for)
+        self.shutting_down: str | None = None  # why new requests are refused (set by the drain)
         self._token_text: dict[int, str] = {}
+        # Tokenization and template rendering run here, not on the event loop. A few threads: the Rust
+        # tokenizer is fast, and a bounded pool bounds the CPU a burst of large prompts can take.
+        self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                        thread_name_prefix="kvgate-tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable, *args, param: str = "prompt"):
+        """Run a tokenizer call in the pool, bounded by --tokenize-timeout. A call that ran too long is the
+        request's fault (400); one that never got a thread in that time means the server is too busy (503)."""
+        started: list[float] = []
+
+        def run():
+            started.append(time.monotonic())
+            return fn(*args)
+
+        future = asyncio.get_running_loop().run_in_executor(self._pool, run)
+        limit = self.limits.tokenize_timeout
+        try:
+            return await asyncio.wait_for(future, limit)
+        except asyncio.TimeoutError:
+            if started:
+                raise InvalidRequestError(f"the prompt took more than {limit:g} s to tokenize "
+                                          "(--tokenize-timeout)", param=param) from None
+            raise Overloaded(f"The server is overloaded: no tokenizer thread was free for {limit:g} s. "
+                             "Retry later.") from None
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -54,29 +124,70 @@ class OpenAIServing:
         if name is not None and name != self.model_name:
             raise ModelNotFound(f"The model `{name}` does not exist; this server serves `{self.model_name}`.")
 
-    def check_capacity(self) -> None:
-        if self.max_queued_requests is None:
-            return
+    def check_accepting(self) -> None:
+        if self.shutting_down:
+            raise ShuttingDown(self.shutting_down)
+        if self.llm.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.llm.error}")
+
+    def check_capacity(self, samples: int) -> None:
+        limit = self.limits.max_queued_requests
         stats = self.llm.stats
         running = stats.num_running if stats else 0
         queued = self.in_flight - running
-        if queued >= self.max_queued_requests:
-            raise Overloaded(f"The server is overloaded: {queued} requests are queued "
-                             f"(limit {self.max_queued_requests}). Retry later.")
+        if queued + samples > limit:
+            raise Overloaded(f"The server is overloaded: {queued} requests are queued and this one adds "
+                             f"{samples} (limit {limit}, --max-queued-requests). Retry later.")
+
+    def check_request(self, req: SamplingFields, num_prompts: int = 1) -> None:
+        """The request's own size against the limits (before any tokenization)."""
+        lim = self.limits
+        for name, value in (("n", req.n), ("best_of", req.best_of)):
+            if value is not None and not 1 <= value <= lim.max_n:
+                raise InvalidRequestError(f"{name} must be in [1, {lim.max_n}] (--max-n), got {value}", param=name)
+        if req.best_of is not None and req.best_of != req.n:
+            raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+        if num_prompts > lim.max_prompts_per_request:
+            raise InvalidRequestError(f"{num_prompts} prompts in one request; at most "
+                                      f"{lim.max_prompts_per_request} (--max-prompts-per-request)", param="prompt")
+        samples = num_prompts * req.n
+        if samples > lim.max_queued_requests:
+            raise InvalidRequestError(f"this request makes {samples} engine requests (prompts x n), more than the "
+                                      f"server ever queues ({lim.max_queued_requests}, --max-queued-requests)",
+                                      param="n")
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stops) > lim.max_stop_sequences:
+            raise InvalidRequestError(f"at most {lim.max_stop_sequences} stop sequences (--max-stop-sequences), "
+                                      f"got {len(stops)}", param="stop")
+        if any(len(x) > lim.max_stop_sequence_chars for x in stops):
+            raise InvalidRequestError(f"a stop sequence is longer than {lim.max_stop_sequence_chars} characters "
+                                      "(--max-stop-sequence-chars)", param="stop")
+        if len(req.stop_token_ids or ()) > lim.max_stop_sequences:
+            raise InvalidRequestError(f"at most {lim.max_stop_sequences} stop_token_ids (--max-stop-sequences)",
+                                      param="stop_token_ids")
+
+    def check_logprobs(self, value: int | None, param: str) -> None:
+        if value is not None and value > self.limits.max_logprobs:
+            raise InvalidRequestError(f"{param} must be in [0, {self.limits.max_logprobs}] (--max-logprobs), "
+                                      f"got {value}", param=param)
 
     def _admit(self, prompts: list[list[int]], params: list[SamplingParams], n: int) -> Prepared:
-        self.check_capacity()
+        self.check_accepting()
         samples = len(prompts) * n
+        self.check_capacity(samples)
         self.in_flight += samples
+        self.open_requests += 1
 
         def release() -> None:
             self.in_flight -= samples
+            self.open_requests -= 1
 
         return Prepared(prompts, params, self.metrics.track(sum(map(len, prompts)), samples, on_close=release))
 
     # -- prompts and parameters -------------------------------------------------------------------
 
-    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+    @staticmethod
+    def completion_prompt_list(req: CompletionRequest) -> list:
         p = req.prompt
         if isinstance(p, str):
             prompts = [p]
@@ -86,13 +197,54 @@ class OpenAIServing:
             prompts = list(p)
         if not prompts:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
-        tok = self.llm.tokenizer
-        return [tok.encode(x) if isinstance(x, str) else list(x) for x in prompts]
+        return prompts
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def encode_prompts(self, prompts: list) -> list[list[int]]:
+        """Texts to token ids (in the pool); token ids are checked against the vocabulary."""
+        tok, vocab = self.llm.tokenizer, self.llm.info.vocab_size
+        out = []
+        for x in prompts:
+            ids = tok.encode(x) if isinstance(x, str) else list(x)
+            if not ids:
+                raise InvalidRequestError("a prompt is empty", param="prompt")
+            if not isinstance(x, str) and any(not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            out.append(ids)
+        return out
+
+    def template_kwargs(self, chat_template: str | None, kwargs: dict | None) -> dict:
+        """What a request may pass to the chat template (checked on the event loop: cheap)."""
+        kwargs = dict(kwargs or {})
+        if "tokenize" in kwargs:
+            raise InvalidRequestError("chat_template_kwargs may not set tokenize", param="chat_template_kwargs")
+        template = chat_template if chat_template is not None else kwargs.pop("chat_template", None)
+        from_request = template is not None
+        if from_request and not self.limits.trust_request_chat_template:
+            raise InvalidRequestError("a chat template was passed with the request, but this server does not "
+                                      "run request templates (--trust-request-chat-template is not set)",
+                                      param="chat_template")
+        kwargs.pop("chat_template", None)
         tok = self.llm.tokenizer
-        if not getattr(tok, "chat_template", None):
+        if template is None:
+            template = getattr(tok, "chat_template", None)
+            if isinstance(template, dict):  # named templates: the default one
+                template = template.get("default")
+        if not isinstance(template, str) or not template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            reads = _template_variables(template)
+        except Exception as exc:  # noqa: BLE001 - only a trusted request template can be malformed
+            raise InvalidRequestError(f"cannot parse the chat template: {exc}", param="chat_template") from exc
+        passed = {k: v for k, v in kwargs.items() if k in reads and k not in _SERVER_TEMPLATE_VARS}
+        if from_request or template is not getattr(tok, "chat_template", None):
+            passed["chat_template"] = template  # a trusted request template, or the default of named ones
+        return passed
+
+    def chat_prompt(self, req: ChatCompletionRequest, template_kwargs: dict | None = None) -> list[int]:
+        """Render and tokenize the conversation (in the pool)."""
+        tok = self.llm.tokenizer
+        if template_kwargs is None:
+            template_kwargs = self.template_kwargs(req.chat_template, req.chat_template_kwargs)
         messages = []
         for m in req.messages:
             content = m.content
@@ -107,11 +259,13 @@ class OpenAIServing:
             messages.append({"role": m.role, "content": content or ""})
         try:
             ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt,
-                                          **(req.chat_template_kwargs or {}))
+                                          **template_kwargs)
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
+        if not ids:
+            raise InvalidRequestError("the conversation renders to an empty prompt", param="messages")
         return list(ids)
 
     def sampling_params(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
@@ -196,11 +350,15 @@ class OpenAIServing:
 
     # -- completions ------------------------------------------------------------------------------
 
-    def prepare_completion(self, req: CompletionRequest):
+    async def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        self.check_accepting()
         self.check_model(req.model)
         if req.echo:
             raise InvalidRequestError("echo is not supported", param="echo")
-        prompts = self.completion_prompts(req)
+        texts = self.completion_prompt_list(req)
+        self.check_request(req, len(texts))
+        self.check_logprobs(req.logprobs, "logprobs")
+        prompts = await self.off_loop(self.encode_prompts, texts)
         params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids in prompts]
         return self._admit(prompts, params, req.n)
 
@@ -278,24 +436,24 @@ class OpenAIServing:
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                            "choices": [], "usage": self._usage(prompts, completion_tokens, cached)})
-        except InvalidRequestError as exc:
-            yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param,
-                                 "code": 400}})
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-            yield sse({"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
-                                 "param": None, "code": 500}})
+            yield sse(stream_error(exc))
         finally:
             tracker.close()
         yield sse("[DONE]")
 
     # -- chat -------------------------------------------------------------------------------------
 
-    def prepare_chat(self, req: ChatCompletionRequest):
+    async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        self.check_accepting()
         self.check_model(req.model)
-        ids = self.chat_prompt(req)
+        self.check_request(req)
+        self.check_logprobs(req.top_logprobs, "top_logprobs")
         top = req.top_logprobs if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        kwargs = self.template_kwargs(req.chat_template, req.chat_template_kwargs)
+        ids = await self.off_loop(self.chat_prompt, req, kwargs, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None)
         return self._admit([ids], [params], req.n)
@@ -354,12 +512,8 @@ class OpenAIServing:
                                   "finish_reason": c.finish_reason}])
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage=self._usage(prompts, completion_tokens, cached))
-        except InvalidRequestError as exc:
-            yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param,
-                                 "code": 400}})
-        except Exception as exc:  # noqa: BLE001
-            yield sse({"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
-                                 "param": None, "code": 500}})
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+            yield sse(stream_error(exc))
         finally:
             tracker.close()
         yield sse("[DONE]")

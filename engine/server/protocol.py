@@ -24,6 +24,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     n: int = 1
+    best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -43,7 +44,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs
     echo: bool = False
 
 
@@ -58,8 +59,9 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -68,9 +70,11 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -80,7 +84,8 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-ErrorType = Literal["invalid_request_error", "not_found_error", "server_error", "overloaded_error"]
+ErrorType = Literal["invalid_request_error", "not_found_error", "server_error", "overloaded_error",
+                    "request_too_large"]
 
 
 def error_body(message: str, err_type: ErrorType, code: int, param: str | None = None) -> dict:

@@ -100,3 +100,35 @@ def test_missing_folder_and_bad_engine_args(tiny_model_dir, tmp_path):
         LLM(str(folder), max_model_len=256, num_gpu_blocks_override=4)
     with pytest.raises(ConfigError, match="block_size"):
         LLM(str(folder), block_size=12)
+
+
+def test_out_of_range_seed_is_refused_before_anything_is_registered(llm):
+    engine = llm.engine
+    params = SamplingParams(n=2, seed=0, max_tokens=4)
+    params.seed = 2**64 - 1  # torch takes it for the first child, not for seed + 1 of the second
+    with pytest.raises(InvalidRequestError, match="seed"):
+        engine.add_request("seeded", [1, 2, 3], params)
+    # before: the request was registered and its first child kept generating for nobody
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(InvalidRequestError, match="seed"):
+        SamplingParams(seed=2**63)
+    assert SamplingParams(n=3, seed=2**63 - 3).seed == 2**63 - 3
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                   "frequency_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_sampling_numbers_are_refused(field, value):
+    # NaN passed every range check before (all comparisons are false) and reached the sampler
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_ids_and_top_k_past_the_vocabulary_cannot_break_a_step(llm):
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match="stop token id"):
+        engine.add_request("stop-ids", [1, 2], SamplingParams(stop_token_ids=[10**12], min_tokens=2, max_tokens=4))
+    assert not engine.has_unfinished_requests()
+    # a top_k too large for a tensor keeps every token, like top_k off
+    out = llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(top_k=10**30, max_tokens=3, seed=1))
+    assert len(out[0].outputs[0].token_ids) == 3

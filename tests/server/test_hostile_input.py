@@ -1,0 +1,156 @@
+"""Every request bound is enforced with a clear 400 (413 for the body) before anything reaches the engine; no
+request-supplied chat templates; tokenization runs off the event loop under a time bound."""
+
+import asyncio
+import json
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.procs import KVGATE, KvgateServe, scrape
+
+
+@pytest.fixture(scope="module")
+def server(kvgate_cache):
+    with KvgateServe("sim", "--backend", "sim", "--sim-max-model-len", "4096", "--max-request-body-bytes",
+                     str(1 << 20), "--tokenize-timeout", "0.5", cache_dir=kvgate_cache) as s:
+        yield s
+
+
+def _post(server, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=30, **kw)
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None = None, says: str | None = None) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    if param is not None:
+        assert err["param"] == param, err
+    if says is not None:
+        assert says in err["message"], err
+    return err
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"prompt": "x", "n": 100000}, "n", "--max-n"),
+    ({"prompt": "x", "n": 0}, "n", None),
+    ({"prompt": "x", "best_of": 1000}, "best_of", "--max-n"),
+    ({"prompt": "x", "best_of": 3, "n": 2}, "best_of", "not supported"),
+    ({"prompt": ["p"] * 300}, "prompt", "--max-prompts-per-request"),
+    ({"prompt": ["p"] * 100, "n": 20}, "n", "--max-queued-requests"),
+    ({"prompt": "x", "max_tokens": 10**30}, "max_tokens", "context length"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens", None),
+    ({"prompt": "x", "stop": ["s"] * 65}, "stop", "--max-stop-sequences"),
+    ({"prompt": "x", "stop": "s" * 1025}, "stop", "--max-stop-sequence-chars"),
+    ({"prompt": "x", "stop_token_ids": [1] * 65}, "stop_token_ids", "--max-stop-sequences"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "--max-logprobs"),
+    ({"prompt": "x", "seed": 2**64 - 1}, "seed", "64-bit"),
+    ({"prompt": "x", "seed": 2**63 - 1, "n": 2}, "seed", None),
+    ({"prompt": [[1, 2], [10**9]]}, "prompt", "[0,"),
+    ({"prompt": ""}, "prompt", "empty"),
+])
+def test_completion_limits(server, body, param, says):
+    _assert_error(_post(server, "/v1/completions", body), 400, param, says)
+
+
+def test_nan_and_infinity_are_refused(server):
+    for text in ('{"prompt": "x", "temperature": NaN}', '{"prompt": "x", "top_p": Infinity}',
+                 '{"prompt": "x", "frequency_penalty": -Infinity}'):
+        r = httpx.post(server.url + "/v1/completions", content=text, headers={"content-type": "application/json"})
+        _assert_error(r, 400)
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"chat_template": "{{ 7 * 7 }}"}, "chat_template", "--trust-request-chat-template"),
+    ({"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template", "--trust-request-chat-template"),
+    ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs", "tokenize"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "--max-logprobs"),
+    ({"n": 129}, "n", "--max-n"),
+])
+def test_chat_limits_and_no_request_templates(server, body, param, says):
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body})
+    _assert_error(r, 400, param, says)
+    tokenize = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}], **body})
+    if "chat_template" in body or "chat_template_kwargs" in body:
+        _assert_error(tokenize, 400, param, says)
+
+
+def test_template_kwargs_reach_only_variables_the_template_reads(server):
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = _post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
+    # an unknown kwarg is dropped (as vLLM does); one the server sets itself cannot be overridden
+    extra = _post(server, "/tokenize", {"messages": msgs, "chat_template_kwargs": {
+        "foo": "bar", "messages": [{"role": "x", "content": "y"}], "add_generation_prompt": False}}).json()["tokens"]
+    assert extra == plain
+    # one the template reads is passed (the sim's template prints bos_token)
+    bos = _post(server, "/tokenize", {"messages": msgs, "chat_template_kwargs": {"bos_token": "BOS!"}}).json()
+    assert bos["tokens"] != plain
+
+
+def test_body_limit_is_413_for_declared_and_chunked_bodies(server):
+    big = {"prompt": "a" * (1 << 20)}
+    _assert_error(_post(server, "/v1/completions", big), 413)
+
+    def chunks():
+        for _ in range(40):
+            yield b" " * 65536  # 2.5 MiB of whitespace, never a Content-Length
+    r = httpx.post(server.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=30)
+    _assert_error(r, 413)
+    assert _post(server, "/v1/completions", {"prompt": "still fine", "max_tokens": 2}).status_code == 200
+
+
+def test_tokenization_is_off_the_event_loop_and_time_bounded(server):
+    """A prompt that takes longer than --tokenize-timeout (0.5 s here) to tokenize is a 400, and while it is
+    being tokenized the server keeps answering (measured: ~0.9 s for this 900 KiB prompt)."""
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            slow = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a b " * 230000}))
+            await asyncio.sleep(0.05)
+            worst = 0.0
+            while not slow.done():
+                start = time.monotonic()
+                assert (await client.get("/health")).status_code == 200
+                worst = max(worst, time.monotonic() - start)
+                await asyncio.sleep(0.02)
+            return await slow, worst
+
+    r, worst = asyncio.run(main())
+    _assert_error(r, 400, "prompt", "--tokenize-timeout")
+    assert worst < 0.25, f"/health took {worst:.3f} s while a prompt was being tokenized"
+
+
+def test_a_refused_request_leaves_nothing_in_the_engine(server):
+    for body in ({"prompt": "x", "n": 4, "seed": 2**63 - 2, "max_tokens": 50},
+                 {"prompt": ["a", "b"], "seed": 2**64, "max_tokens": 50}):
+        assert _post(server, "/v1/completions", body).status_code == 400
+    m = scrape(server.url)
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+
+
+def test_the_default_queue_limit_is_finite():
+    from kvgate.engine.server.limits import RequestLimits
+
+    assert RequestLimits().max_queued_requests == 1024
+    r = subprocess.run([KVGATE, "serve", "sim", "--backend", "sim", "--max-queued-requests", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--max-queued-requests" in r.stderr and "must be >= 1" in r.stderr
+
+
+def test_raw_garbage_gets_a_json_error(server):
+    for raw in (b'{"prompt": "x", "n": 1', b'{"prompt": "\xff\xfe"}', b"[" * 100000 + b"]" * 100000,
+                b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", b"\x00\x01\x02"):
+        with socket.create_connection((server.host, server.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(raw) + raw)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        status = int(head.split()[1])
+        assert 400 <= status < 500, (raw[:40], head)
+        assert json.loads(body)["error"]["code"] == status
