@@ -12,10 +12,11 @@ capability dropped, the RuntimeDefault seccomp profile and no service-account to
 Drain (a rolling update or scale-down): the kubelet runs the preStop hook (a short sleep) first, while the pod
 still serves: by then its deletion has reached the EPP's pod watch (and the Gateways' FailOpen fallback
 lists), so no new request is routed to it when the engine gets SIGTERM. The engine then turns /health 503,
-admits nothing new and finishes its streams within `--shutdown-grace-period` (spec.engine.
+admits nothing new and finishes its streams within `--shutdown-timeout` (vLLM's flag; spec.engine.
 shutdownGracePeriodSeconds); terminationGracePeriodSeconds covers the sleep, that grace and a margin to exit.
-Liveness is /health too (503 once the engine loop died); the kubelet stops liveness probes once a pod is being
-deleted, so a draining engine is never restarted.
+Liveness is /live: 200 while the model loads and while it drains, 503 only once the engine loop died (and by
+default the server then exits, so the container restarts at once); the kubelet also stops liveness probes once
+a pod is being deleted, so a draining engine is never restarted.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ CACHE_DIR = "/var/cache/kvgate"
 CONTAINER = "engine"
 DEFAULT_MODEL = "demo"
 RUN_AS = 10001  # the kvgate image's USER (Dockerfile): files the image gives its user stay readable
-DEFAULT_SHUTDOWN_GRACE_S = 30  # the engine's --shutdown-grace-period unless spec.engine says otherwise
+DEFAULT_SHUTDOWN_GRACE_S = 30  # the engine's --shutdown-timeout unless spec.engine says otherwise
 # preStop sleep before SIGTERM: a pod watch event reaches the EPP in well under a second, an operator-rendered
 # FailOpen fallback list within a reconcile; 5 s covers both with room, and is short against the drain grace.
 PRE_STOP_SLEEP_S = 5
 EXIT_MARGIN_S = 5  # after the drain grace, for the process to exit before the kubelet's SIGKILL
 # Flags the operator sets itself; extraArgs may not set them again (argparse's last one would win).
-OPERATOR_FLAGS = ("--host", "--port", "--shutdown-grace-period")
+OPERATOR_FLAGS = ("--host", "--port", "--shutdown-timeout")
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti)?$")
 
@@ -151,7 +152,7 @@ def serve_command(spec: dict, port: int) -> list[str]:
     command = ["kvgate", "serve", path, "--host", "0.0.0.0", "--port", str(port),
                "--served-model-name", model.get("servedModelName") or path]
     return (command + engine_flags(spec.get("engine") or {})
-            + ["--shutdown-grace-period", str(shutdown_grace_s(spec))]
+            + ["--shutdown-timeout", str(shutdown_grace_s(spec))]
             + [str(a) for a in spec.get("extraArgs") or []])
 
 
@@ -184,19 +185,20 @@ STARTUP_LIMIT_S = 1800  # the longest a model may take to load before the contai
 
 
 def _probes(port_name: str) -> dict:
-    # All three are GET /health: 503 until the model is loaded, 200 while the engine serves, 503 once the
-    # engine loop died or a drain began. The startup probe holds liveness off during a model load (up to
+    # Startup and readiness are GET /health: 503 until the model is loaded, 200 while the engine serves, 503
+    # once the engine loop died or a drain began. Liveness is GET /live, 503 only once the loop died. The startup probe holds liveness off during a model load (up to
     # STARTUP_LIMIT_S), probed every second so a new replica is checked for readiness as soon as it is up.
     # Readiness every second (a /health answer costs microseconds): a replica joins the pool as soon as it is
     # up (scale-up 2 -> 4 on the e2e rig: 11.0 s with 5 s probes) and leaves it within ~3 s of turning 503.
-    # Liveness restarts a container whose engine loop died within ~30 s (6 failures, 5 s apart) and tolerates
-    # /health being slow or failing for ~25 s (a slow step starving the server). No gRPC probes: the e2e rig
+    # Liveness restarts a container whose engine loop died (and which was told to stay up) within ~30 s (6
+    # failures, 5 s apart) and tolerates /live being slow for ~25 s (a slow step starving the server). No gRPC probes: the e2e rig
     # runs Kubernetes 1.20.
     health = {"httpGet": {"path": "/health", "port": port_name}}
     return {
         "startupProbe": {**health, "periodSeconds": 1, "timeoutSeconds": 2, "failureThreshold": STARTUP_LIMIT_S},
         "readinessProbe": {**health, "periodSeconds": 1, "timeoutSeconds": 2, "failureThreshold": 3},
-        "livenessProbe": {**health, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 6},
+        "livenessProbe": {"httpGet": {"path": "/live", "port": port_name}, "periodSeconds": 5, "timeoutSeconds": 5,
+                          "failureThreshold": 6},
     }
 
 

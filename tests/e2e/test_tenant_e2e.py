@@ -145,7 +145,7 @@ def test_tenant_cannot_escalate_through_modelservers(k8s, tmp_path):
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
         assert pod["terminationGracePeriodSeconds"] == 30  # 20 s drain + preStop 5 s + 5 s to exit
-        assert c["command"][c["command"].index("--shutdown-grace-period") + 1] == "20"
+        assert c["command"][c["command"].index("--shutdown-timeout") + 1] == "20"
         assert c["livenessProbe"]["httpGet"]["path"] == "/health"
         print(f"[tenant-e2e] {time.monotonic() - t0:6.1f}s the valid ModelServer is Ready")
 

@@ -28,8 +28,10 @@ def test_sample_becomes_a_pool_member_deployment(samples):
                                 "--served-model-name"]
     assert ["--backend", "sim"] == c["command"][c["command"].index("--backend"):][:2]
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe  # 503 unless serving
+    assert c["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}  # 503 only once the loop died
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe  # 503 once the loop died
         assert "grpc" not in c[probe] and "tcpSocket" not in c[probe]
     assert c["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
     mounts = {v["mountPath"] for v in c["volumeMounts"]}
@@ -55,7 +57,7 @@ def test_engine_flags_parse_with_the_engine_parser(samples):
     parser.add_argument("model")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
-    parser.add_argument("--shutdown-grace-period", type=int)  # serve's own (test_serve_command_parses_...)
+    parser.add_argument("--shutdown-timeout", type=int)  # serve's own (test_serve_command_parses_...)
     add_engine_args(parser)
     args = parser.parse_args(command[2:])
     assert (args.block_size, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len) == (32, 8, 512, 1024)
@@ -183,13 +185,13 @@ def test_drain_grace_prestop_and_rollout(samples):
     assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
     pod = dep["spec"]["template"]["spec"]
     command = pod["containers"][0]["command"]
-    assert command[command.index("--shutdown-grace-period") + 1] == "30"  # the default
+    assert command[command.index("--shutdown-timeout") + 1] == "30"  # the default
     assert pod["terminationGracePeriodSeconds"] == 40  # grace + 10: the preStop sleep and a margin to exit
     assert pod["containers"][0]["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "5"]}}}
     ms["spec"]["engine"]["shutdownGracePeriodSeconds"] = 120
     pod = m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE)["spec"]["template"]["spec"]
     command = pod["containers"][0]["command"]
-    assert command[command.index("--shutdown-grace-period") + 1] == "120"
+    assert command[command.index("--shutdown-timeout") + 1] == "120"
     assert pod["terminationGracePeriodSeconds"] == 130
     # Liveness tolerates ~25 s of failing /health (a slow step) before a restart; the model load is the
     # startup probe's (liveness does not run before it succeeded).
@@ -207,14 +209,11 @@ def test_serve_command_parses_with_the_real_kvgate_cli(samples):
     ms["spec"]["engine"]["shutdownGracePeriodSeconds"] = 45
     command = _serve_args(m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE))
     parser = build_parser()
-    serve = parser._subparsers._group_actions[0].choices["serve"]
-    if not any("--shutdown-grace-period" in a.option_strings for a in serve._actions):
-        pytest.skip("`kvgate serve --shutdown-grace-period` is not in this tree yet (the engine's drain change)")
     args = parser.parse_args(command[1:])
-    assert (args.port, args.host, args.shutdown_grace_period) == (8000, "0.0.0.0", 45)
+    assert (args.port, args.host, args.shutdown_timeout) == (8000, "0.0.0.0", 45)
 
 
-@pytest.mark.parametrize("extra", [["--port", "9"], ["--host=127.0.0.1"], ["--shutdown-grace-period", "999"]])
+@pytest.mark.parametrize("extra", [["--port", "9"], ["--host=127.0.0.1"], ["--shutdown-timeout", "999"]])
 def test_extra_args_may_not_set_the_operators_flags(samples, extra):
     ms = copy.deepcopy(samples["ModelServer"])
     ms["spec"]["extraArgs"] = ["--seed", "1", *extra]
