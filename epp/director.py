@@ -6,6 +6,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from kvgate.epp.scheduling.framework import CycleState
 from kvgate.epp.types import EndpointState, LLMRequest
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
@@ -55,11 +56,12 @@ class Director:
             raise RoutingError(503, f"no eligible endpoint: {why}")
         if not self.admission.admit(request, states):
             raise RoutingError(429, "the pool is saturated and this request is sheddable (priority < 0)")
-        ordered = self.scheduler.schedule(request, states)
+        cycle = CycleState()  # this decision's plugin state, from scoring to the pick hook
+        ordered = self.scheduler.schedule(request, states, cycle)
         if not ordered:
             raise RoutingError(503, "no eligible endpoint: every endpoint was filtered out")
         primary = ordered[0]
-        self.scheduler.on_picked(request, primary)
+        self.scheduler.on_picked(request, primary, cycle)
         flight = self.in_flight.setdefault(primary.address, InFlight())
         flight.requests += 1
         flight.tokens += request.estimated_prompt_tokens + (request.max_tokens or 0)

@@ -1,7 +1,9 @@
 """EPP micro-benchmarks (wired into `kvgate bench epp`): scheduling latency, and scrape CPU per endpoint.
 
-bench_scheduling   Scheduler.schedule + on_picked per request with the default config, over synthetic endpoints
-                   with random metrics and 2-8 KB prompts that share a few long prefixes (system prompts).
+bench_scheduling   Scheduler.schedule + on_picked per request with upstream's default scorers, over synthetic
+                   endpoints with random metrics, every one holding a hot 4 KB prompt prefix (the prefix index's
+                   worst case); per-plugin times from the framework's timers.
+bench_prefix_match PrefixIndex.match_runs over a grid of endpoint counts × prompt blocks.
 bench_scrape_cpu   this process's CPU time while the Datalayer scrapes N local fake engines every 50 ms; the
                    fake engines run in a child process so their CPU is not counted.
 """
@@ -53,32 +55,122 @@ def synthetic_prompts(num_requests: int, rng: random.Random, num_prefixes: int =
     return [rng.choice(prefixes) + "\nUser: " + text(rng.randint(500, 2000)) for _ in range(num_requests)]
 
 
+# The scheduling the lead's default config runs (upstream's): queue 2, kv-cache 2, prefix 3, one endpoint picked.
+BENCH_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: max-score-picker
+  parameters: {maxNumOfEndpoints: 1}
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+  - {pluginRef: prefix-cache-scorer, weight: 3}
+  - {pluginRef: max-score-picker}
+"""
+HOT_PREFIX_CHARS = 4096  # 64 index blocks of 64 characters (16-token KV blocks × 4)
+
+
+def _summary(samples_us: list[float]) -> dict:
+    samples_us = sorted(samples_us)
+    return {"p50_us": _percentile(samples_us, 0.50), "p99_us": _percentile(samples_us, 0.99),
+            "mean_us": statistics.fmean(samples_us)}
+
+
 def bench_scheduling(num_endpoints: int, num_requests: int, seed: int = 0) -> dict:
-    """Per-request latency of schedule() + on_picked() with the default config, in microseconds."""
-    from kvgate.epp.scheduling.config import default_config
-    from kvgate.epp.scheduling.framework import Scheduler
+    """Decision time (schedule + on_picked, one CycleState) with a hot shared prefix every endpoint holds.
+
+    The worst case for the prefix index: every request's first 64 blocks are held by all endpoints, the rest
+    (500-2000 characters) by none. Reported, in microseconds:
+      p50/p99/mean         the decision over one endpoint snapshot reused across requests (a scrape round)
+      untimed_p50_us       the same with plugin timing off: the cost of the framework's per-plugin timers
+      fresh_states_p50_us  new EndpointState objects every request (today's datalayer.states() per request):
+                           the per-snapshot caches miss, every column is recomputed
+      plugins              per-plugin p50 (µs) by extension point
+    """
+    from kvgate.epp.scheduling.config import parse_config
+    from kvgate.epp.scheduling.framework import CycleState, Scheduler
 
     rng = random.Random(seed)
-    scheduler = Scheduler(default_config().scheduler)
+    scheduler = Scheduler(parse_config(BENCH_CONFIG_YAML).scheduler)
     endpoints = synthetic_endpoints(num_endpoints, rng)
-    prompts = synthetic_prompts(num_requests, rng)
-    samples = []
-    for i, prompt in enumerate(prompts):
-        request = LLMRequest(request_id=f"bench-{i}", model="demo", target_model="demo", prompt=prompt)
-        t0 = time.perf_counter_ns()
-        ordered = scheduler.schedule(request, endpoints)
-        scheduler.on_picked(request, ordered[0])
-        samples.append((time.perf_counter_ns() - t0) / 1000)
-    samples.sort()
-    prefix = scheduler.plugins_of_type("prefix-cache-scorer")
+    hot = synthetic_prompts(1, rng, num_prefixes=1)[0][:HOT_PREFIX_CHARS]
+    for i, e in enumerate(endpoints):  # every endpoint holds the hot prefix
+        scheduler.on_picked(LLMRequest(f"warm-{i}", "demo", "demo", hot), e)
+    questions = [p[-rng.randint(500, 2000):] for p in synthetic_prompts(num_requests, rng, num_prefixes=1)]
+
+    def decide(tag: str, states_for) -> list[float]:
+        samples = []
+        for i, question in enumerate(questions):
+            request = LLMRequest(request_id=f"{tag}-{i}", model="demo", target_model="demo", prompt=hot + question)
+            states = states_for()
+            t0 = time.perf_counter_ns()
+            cycle = CycleState()
+            ordered = scheduler.schedule(request, states, cycle)
+            scheduler.on_picked(request, ordered[0], cycle)
+            samples.append((time.perf_counter_ns() - t0) / 1000)
+        return samples
+
+    scheduler.timings.reset()
+    timed = _summary(decide("timed", lambda: endpoints))
+    plugin_means = {f"{point}/{name}": 1e6 * seconds / calls
+                    for (point, _, name), (calls, seconds) in scheduler.plugin_timings().items()}
+    scheduler.timings.enabled = False
+    untimed = _summary(decide("untimed", lambda: endpoints))
+    fresh = _summary(decide("fresh", lambda: [EndpointState(e.endpoint, e.metrics, e.stale, e.in_flight_requests,
+                                                            e.in_flight_tokens) for e in endpoints]))
+    scheduler.timings.enabled = True
+    per_plugin: dict[str, list[float]] = {}
+    scheduler.timings.observer = lambda point, _type, name, s: per_plugin.setdefault(f"{point}/{name}",
+                                                                                      []).append(s * 1e6)
+    decide("observed", lambda: endpoints)
+    scheduler.timings.observer = None
+    prefix = scheduler.plugins_of_type("prefix-cache-scorer")[0]
     return {
         "num_endpoints": num_endpoints,
         "num_requests": num_requests,
-        "p50_us": _percentile(samples, 0.50),
-        "p99_us": _percentile(samples, 0.99),
-        "mean_us": statistics.fmean(samples),
-        "prefix_hit_ratio": prefix[0].stats()["hit_ratio"] if prefix else None,
+        **timed,
+        "untimed_p50_us": untimed["p50_us"],
+        "fresh_states_p50_us": fresh["p50_us"],
+        "fresh_states_p99_us": fresh["p99_us"],
+        "plugins_p50_us": {k: _percentile(sorted(v), 0.5) for k, v in per_plugin.items()},
+        "plugins_mean_us": plugin_means,
+        "prefix_hit_ratio": prefix.stats()["hit_ratio"],
     }
+
+
+def bench_prefix_match(endpoint_counts=(10, 100, 1000), block_counts=(16, 64, 256), repeats: int = 300) -> dict:
+    """PrefixIndex.match_runs time (µs, best of 3 × `repeats`) when every endpoint holds the whole prompt:
+    the worst case for a per-block holder-set walk. Flat across endpoint counts = no blocks × endpoints term."""
+    from kvgate.epp.scheduling.plugins.prefix_cache_scorer import PrefixIndex, hash_prompt
+
+    rng = random.Random(1)
+    prompt = synthetic_prompts(1, rng, num_prefixes=1)[0] * 8
+    grid: dict[str, float] = {}
+    for blocks in block_counts:
+        hashes = hash_prompt(prompt, "demo", None, 64, blocks)
+        assert len(hashes) == blocks, "the synthetic prompt is too short"
+        for count in endpoint_counts:
+            index = PrefixIndex(capacity_per_server=10 * blocks)
+            for i in range(count):
+                index.add(hashes, f"10.0.{i // 256}.{i % 256}:8000")
+            # The request: the shared prompt plus 16 unique blocks no endpoint holds.
+            request_hashes = hashes + [rng.getrandbits(64) for _ in range(16)]
+            best = min(timeit_ns(lambda: index.match_runs(request_hashes), repeats) for _ in range(3))
+            grid[f"{count}x{blocks}"] = best / 1000
+    return grid
+
+
+def timeit_ns(fn, repeats: int) -> float:
+    t0 = time.perf_counter_ns()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter_ns() - t0) / repeats
 
 
 # ------------------------------------------------------------------------------------------ scrape CPU

@@ -27,7 +27,7 @@ class FixedScorer(Scorer):
         super().__init__()
         self.scores = scores
 
-    def score(self, request, endpoints):
+    def score(self, request, endpoints, cycle=None):
         return {e.address: self.scores[e.address] for e in endpoints if e.address in self.scores}
 
 
@@ -38,7 +38,7 @@ class DropFilter(Filter):
         super().__init__()
         self.drop = drop
 
-    def filter(self, request, endpoints):
+    def filter(self, request, endpoints, cycle=None):
         return [e for e in endpoints if e.address not in self.drop]
 
 
@@ -49,10 +49,10 @@ class Recorder(Scorer):
         super().__init__()
         self.calls = []
 
-    def score(self, request, endpoints):
+    def score(self, request, endpoints, cycle=None):
         return {}
 
-    def pre_request(self, request, endpoint):
+    def pre_request(self, request, endpoint, cycle=None):
         self.calls.append(("picked", request.request_id, endpoint.address))
 
     def response_complete(self, request, endpoint_address, prompt_tokens, completion_tokens):
