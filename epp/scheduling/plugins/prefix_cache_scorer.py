@@ -23,9 +23,10 @@ Bounded work per request. The index keeps every endpoint's blocks prefix-closed 
 h_0..h_i-1): `add` touches a prompt's blocks deepest first, so a parent is always used more recently than its
 children and every LRU eviction takes a leaf. Then an endpoint's match is the deepest block it holds, and
 `match_runs` walks the prompt from its deepest block up, stopping once every holder of h_0 is placed: O(prompt
-blocks) dict lookups plus one pass over the matching endpoints — with a prefix every one of 1000 endpoints
-holds, one set, not 1000 × blocks set operations (`kvgate bench epp` prints the match time grid that shows it).
-The scoring work (hashes, matches) stays in the cycle state for `pre_request`.
+blocks) dict lookups and bitset operations (holders are int bitsets of endpoint ids) — a prefix all of 1000
+endpoints hold costs one bitset, not 1000 × blocks set work (`kvgate bench epp` prints a match-time grid over
+endpoints × blocks that shows it). The scoring work (hashes, matches) stays in the cycle state for
+`pre_request`, which adds the picked endpoint's blocks without hashing the prompt again.
 """
 
 from __future__ import annotations
@@ -49,11 +50,15 @@ DEFAULT_BLOCK_SIZE = 64  # characters: 16 tokens × ~4 characters per token
 DEFAULT_MAX_PREFIX_BLOCKS = 256
 DEFAULT_LRU_CAPACITY_PER_SERVER = 31250  # upstream's sizing: ~500K cached tokens / 16 per block
 CHARS_PER_TOKEN = 4
-# The whole index's memory budget. 256 MiB holds ~0.9M entries when every block has its own holder (the worst
-# case) and ~1.6M when endpoints share prefixes: ~30 engines' worth of upstream's 31250 blocks each.
+# The whole index's memory budget: 256 MiB holds ~0.55M (endpoint, block) entries at 1000 endpoints and ~0.85M
+# at 10: 28 engines' worth of upstream's 31250 blocks each (a 16-token block: ~14M prompt tokens remembered).
 DEFAULT_INDEX_MAX_BYTES = 256 * 1024 * 1024
-# Bytes one index entry costs at most, measured with tracemalloc (tests/epp/test_prefix_index.py checks it):
-# ~250 B when every block is held by one endpoint (a set per block), ~150 B when all endpoints share blocks.
+MIN_INDEX_BYTES = 64 * 1024
+# Bytes one index entry (endpoint, block) costs at most: BYTES_PER_ENTRY + ids / 6, since a block's holder
+# bitset grows with the endpoint ids in use. Measured with tracemalloc after 3 rounds of churn under the budget,
+# every block held by one endpoint (the worst case), including the hash ints and the dicts' spare slots:
+# 237 B/entry at 100 endpoints, 413 at 1000, 726 at 3000 (all sharing blocks: ~130 at 1000).
+# tests/epp/test_prefix_index.py holds 1000 endpoints to the budget with tracemalloc.
 BYTES_PER_ENTRY = 300
 
 
@@ -85,7 +90,7 @@ class PrefixIndex:
         self.capacity = capacity_per_server
         self.set_max_bytes(max_bytes)
         self._holders: dict[int, int] = {}
-        self._lru: dict[int, OrderedDict[int, int]] = {}  # id → {hash: tick}, least recently used first
+        self._lru: dict[int, OrderedDict[int, int]] = {}  # id → {hash: add tick}, least recently used first
         self._ids: dict[str, int] = {}
         self._addresses: list[str | None] = []  # id → address
         self._free_ids: list[int] = []
@@ -97,12 +102,16 @@ class PrefixIndex:
         self.evictions = 0  # entries dropped to keep the whole index under max_bytes
 
     def set_max_bytes(self, max_bytes: int) -> None:
-        if max_bytes < BYTES_PER_ENTRY:
-            raise ValueError(f"prefix index budget must be at least {BYTES_PER_ENTRY} bytes, got {max_bytes}")
+        if max_bytes < MIN_INDEX_BYTES:
+            raise ValueError(f"prefix index budget must be at least {MIN_INDEX_BYTES} bytes, got {max_bytes}")
         self.max_bytes = max_bytes
-        self.max_entries = max_bytes // BYTES_PER_ENTRY
-        while getattr(self, "_entries", 0) > self.max_entries:
-            self._evict_oldest()
+        self._resize_budget()
+
+    def _resize_budget(self) -> None:
+        ids = len(getattr(self, "_addresses", ()))
+        self.max_entries = self.max_bytes // (BYTES_PER_ENTRY + (ids + 64) // 6)  # ids until the next resize
+        if getattr(self, "_entries", 0) > self.max_entries:
+            self._evict_oldest(self._entries - self.max_entries)
 
     @property
     def id_count(self) -> int:
@@ -124,10 +133,11 @@ class PrefixIndex:
             heapq.heappush(self._heap, (self._tick + 1, eid, lru))
         holders = self._holders
         bit = 1 << eid
-        tick = self._tick
+        # One tick per add, shared by its entries (no int object per entry); the order within an add is the
+        # LRU's own order.
+        tick = self._tick = self._tick + 1
         added = 0
         for h in reversed(hashes):  # deepest first: a parent ends up more recent than all its children
-            tick += 1
             if h in lru:
                 lru[h] = tick
                 lru.move_to_end(h)
@@ -135,15 +145,14 @@ class PrefixIndex:
                 lru[h] = tick
                 holders[h] = holders.get(h, 0) | bit
                 added += 1
-        self._tick = tick
         self._entries += added
         limit = capacity or self.capacity
         while len(lru) > limit:
             evicted, _ = lru.popitem(last=False)
             self._forget(evicted, bit)
             self._entries -= 1
-        while self._entries > self.max_entries:
-            self._evict_oldest()
+        if self._entries > self.max_entries:
+            self._evict_oldest(self._entries - self.max_entries)
 
     def match_runs(self, hashes: list[int]) -> Runs:
         """Which endpoints hold how many leading blocks of `hashes`, as (id bitmask, blocks), deepest first."""
@@ -196,30 +205,38 @@ class PrefixIndex:
             self._addresses.append(address)
         self._ids[address] = eid
         self.id_epoch += 1
+        if eid % 64 == 0:  # the holder bitsets grow with the ids: entries now cost a little more
+            self._resize_budget()
         return eid
 
-    def _evict_oldest(self) -> None:
-        """Drop the least recently used entry of the whole index (an endpoint's oldest: a leaf, see above)."""
+    def _evict_oldest(self, count: int) -> None:
+        """Drop the `count` least recently used entries of the whole index (an endpoint's oldest entries are
+        leaves, see above). The entries of one add share a tick: they go together, one heap step per add."""
         heap = self._heap
-        while heap:
+        while count > 0 and heap:
             bound, eid, lru = heap[0]
             if self._lru.get(eid) is not lru:  # the endpoint was removed (its id may be reused)
                 heapq.heappop(heap)
                 continue
-            oldest, tick = next(iter(lru.items()))
+            tick = next(iter(lru.values()))
             if tick != bound:  # touched or trimmed since: requeue at its real age
                 heapq.heapreplace(heap, (tick, eid, lru))
                 continue
-            lru.popitem(last=False)
-            self._forget(oldest, 1 << eid)
-            self._entries -= 1
-            self.evictions += 1
+            bit = 1 << eid
+            while count > 0 and lru:
+                oldest, t = next(iter(lru.items()))
+                if t != tick:  # the next add's entries wait for their turn on the heap
+                    break
+                del lru[oldest]
+                self._forget(oldest, bit)
+                self._entries -= 1
+                self.evictions += 1
+                count -= 1
             if lru:
                 heapq.heapreplace(heap, (next(iter(lru.values())), eid, lru))
             else:
                 heapq.heappop(heap)
                 del self._lru[eid]
-            return
 
     def _forget(self, h: int, bit: int) -> None:
         held_by = self._holders.get(h, 0) & ~bit
@@ -347,5 +364,5 @@ def factory(parameters: dict | None) -> PrefixCacheScorer:
                                           minimum=1),
         # An explicit block size means the operator chose it: do not override it from metrics unless asked.
         auto_tune=bool_param(params, "autoTune", not explicit_size, t),
-        index_max_bytes=int_param(params, "indexMaxBytes", DEFAULT_INDEX_MAX_BYTES, t, minimum=BYTES_PER_ENTRY),
+        index_max_bytes=int_param(params, "indexMaxBytes", DEFAULT_INDEX_MAX_BYTES, t, minimum=MIN_INDEX_BYTES),
     )
