@@ -368,6 +368,11 @@ class Scheduler:
     def plugins_of_type(self, type_name: str) -> list[Plugin]:
         return [p for p in self.plugins if p.type_name == type_name]
 
+    def set_prefix_index_max_bytes(self, max_bytes: int) -> None:
+        """The memory budget of every prefix-cache scorer's index (`kvgate epp --prefix-index-max-bytes`)."""
+        for p in self.plugins_of_type("prefix-cache-scorer"):
+            p.index.set_max_bytes(max_bytes)
+
     def plugin_timings(self) -> dict[tuple[str, str, str], tuple[int, float]]:
         """(extension point, plugin type, plugin name) → (calls, total seconds) since start (or reset)."""
         return self.timings.totals()
