@@ -36,13 +36,20 @@ class Director:
         self.rng = random.Random(seed)
         self.in_flight: dict[str, InFlight] = {}
 
-    def candidates(self, subset: list[str] | None) -> list[EndpointState]:
-        counts = {a: (f.requests, f.tokens) for a, f in self.in_flight.items()}
-        states = self.datalayer.states(counts)
+    def candidates(self, subset: list[str] | None, round_snapshot: bool = False) -> list[EndpointState]:
+        """The pool's states (in `subset`); `round_snapshot`: the datalayer's per-scrape-round snapshot, reused
+        across requests (decisions), else built now (metrics gauges: in-flight counts exact)."""
+        if round_snapshot:
+            states = self.datalayer.snapshot(self._in_flight_counts)
+        else:
+            states = self.datalayer.states(self._in_flight_counts())
         if subset is not None:
             allowed = set(subset)
             states = [s for s in states if s.address in allowed]
         return states
+
+    def _in_flight_counts(self) -> dict[str, tuple[int, int]]:
+        return {a: (f.requests, f.tokens) for a, f in self.in_flight.items()}
 
     def pick(self, request: LLMRequest, subset: list[str] | None = None) -> list[EndpointState]:
         """Ordered endpoints for the request (primary first); raises RoutingError (503 / 429)."""
@@ -50,7 +57,7 @@ class Director:
         request.priority = self.datastore.priority(request.headers.get(OBJECTIVE_HEADER))
         if request.model:
             request.target_model = self.datastore.rewrite(request.model, self.rng)
-        states = self.candidates(subset)
+        states = self.candidates(subset, round_snapshot=True)
         if not states:
             why = "the subset hint matches no endpoint of the pool" if subset is not None else "the pool has no ready endpoints"
             raise RoutingError(503, f"no eligible endpoint: {why}")
