@@ -294,6 +294,10 @@ class SchedulingProfile:
             raw = scorer.score(request, endpoints, cycle)
             if timed:
                 timings.add(timings.record_for("scorer", scorer), "scorer", scorer, _perf_ns() - t0)
+            last = snap.memo.get(id(ws))
+            if last is not None and last[0] is raw:  # the scorer's per-snapshot answer: clamped and weighed once
+                totals += last[1]
+                continue
             if type(raw) is np.ndarray:
                 scores = raw
             else:
@@ -301,7 +305,10 @@ class SchedulingProfile:
             if scores.shape != (n,):
                 log.error("scorer %s returned %s scores for %d endpoints: ignored", scorer.name, scores.shape, n)
                 continue
-            totals += ws.weight * clamp_scores(scores)
+            weighted = ws.weight * clamp_scores(scores)
+            if scores is raw:
+                snap.memo[id(ws)] = (raw, weighted)
+            totals += weighted
         t0 = _perf_ns() if timed else 0
         picked = self.picker.pick(request, endpoints, totals, cycle)
         if timed:

@@ -296,3 +296,20 @@ def test_registry_names_match_upstream():
         "random-picker", "weighted-random-picker", "single-profile-handler"}
     for type_name in REGISTRY:
         assert create_plugin(type_name).type_name == type_name
+
+
+def test_prompt_hasher_memo_matches_hash_prompt():
+    import random
+
+    from kvgate.epp.scheduling.plugins.prefix_cache_scorer import PromptHasher
+
+    rng = random.Random(3)
+    hasher = PromptHasher(capacity=4)  # small: evictions happen too
+    system = [PROMPT * k for k in (1, 2, 5)]
+    prompts = [rng.choice(system)[: rng.randint(0, 3000)] + f"question {i} " * rng.randint(0, 40)
+               for i in range(200)] + ["x" * 63, "é" * 100, PROMPT * 20]
+    for prompt in prompts:
+        for block_size, max_blocks in ((64, 256), (64, 10), (32, 256)):
+            for model, salt in (("m", None), ("m", "s"), ("n", None)):
+                assert hasher.hashes(prompt, model, salt, block_size, max_blocks) == \
+                    hash_prompt(prompt, model, salt, block_size, max_blocks)

@@ -3,8 +3,9 @@
     score(e) = (max_t - t(e)) / (max_t - min_t)     t = estimated prompt + output tokens routed, not finished
     all equal → every score is 1.0
 
-Unlike the queue scorer it reacts between scrapes: the EPP's own in-flight accounting moves at once, so it is
-computed per request, not cached per metrics snapshot.
+It reads the EPP's own in-flight accounting as the director's round snapshot carries it (refreshed every
+`--refresh-metrics-interval`, like the scraped metrics), and is computed per request, not cached per snapshot,
+so callers that build states per request (EndpointState.in_flight_*) see every change at once.
 """
 
 from __future__ import annotations
