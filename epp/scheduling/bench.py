@@ -89,8 +89,9 @@ def bench_scheduling(num_endpoints: int, num_requests: int, seed: int = 0) -> di
     (500-2000 characters) by none. Reported, in microseconds:
       p50/p99/mean         the decision over one endpoint snapshot reused across requests (a scrape round)
       untimed_p50_us       the same with plugin timing off: the cost of the framework's per-plugin timers
-      fresh_states_p50_us  new EndpointState objects every request (today's datalayer.states() per request):
-                           the per-snapshot caches miss, every column is recomputed
+      fresh_states_p50_us  new EndpointState objects every request (datalayer.states() per request): the
+                           per-snapshot caches miss, every column is recomputed
+      full_index_p50_us    after filling the prefix index to its default memory budget
       plugins              per-plugin p50 (µs) by extension point
     """
     from kvgate.epp.scheduling.config import parse_config
@@ -131,6 +132,14 @@ def bench_scheduling(num_endpoints: int, num_requests: int, seed: int = 0) -> di
     decide("observed", lambda: endpoints)
     scheduler.timings.observer = None
     prefix = scheduler.plugins_of_type("prefix-cache-scorer")[0]
+    # Then with the index full (its default 256 MiB budget reached with 64-block chains spread over all
+    # endpoints): the same work on dicts far larger than the CPU caches, plus eviction on every pick.
+    index = prefix.index
+    room = min(index.max_entries, sum(prefix.capacity_for(e) for e in endpoints)) - index.size()
+    for i in range(max(0, room) // 64):  # bounded: one 64-block chain per step, round robin
+        e = endpoints[i % num_endpoints]
+        index.add([rng.getrandbits(64) for _ in range(64)], e.address, prefix.capacity_for(e))
+    full = _summary(decide("full", lambda: endpoints))
     return {
         "num_endpoints": num_endpoints,
         "num_requests": num_requests,
@@ -138,6 +147,9 @@ def bench_scheduling(num_endpoints: int, num_requests: int, seed: int = 0) -> di
         "untimed_p50_us": untimed["p50_us"],
         "fresh_states_p50_us": fresh["p50_us"],
         "fresh_states_p99_us": fresh["p99_us"],
+        "full_index_p50_us": full["p50_us"],
+        "full_index_p99_us": full["p99_us"],
+        "full_index_entries": index.size(),
         "plugins_p50_us": {k: _percentile(sorted(v), 0.5) for k, v in per_plugin.items()},
         "plugins_mean_us": plugin_means,
         "prefix_hit_ratio": prefix.stats()["hit_ratio"],

@@ -40,7 +40,6 @@ import numpy as np
 import xxhash
 
 from kvgate.epp.scheduling.framework import CycleState, Scorer
-from kvgate.epp.scheduling.plugins._normalize import per_snapshot
 from kvgate.epp.scheduling.plugins._params import bool_param, check_keys, int_param
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -356,13 +355,24 @@ class PrefixCacheScorer(Scorer):
             cycle[self] = (hashes, runs)
         if not runs:
             return np.zeros(len(endpoints))
-        ids = per_snapshot((self, self.index.id_epoch), cycle, endpoints, self._ids_by_position)
+        ids = self._snapshot_ids(cycle, endpoints)
         count = self.index.id_count
         by_id = np.zeros(count + 1)  # the last slot: candidates the index does not know (score 0)
         total = len(hashes)
         for mask, n in runs:
             by_id[:count][mask_to_bools(mask, count)] = n / total
         return by_id[ids]
+
+    def _snapshot_ids(self, cycle: CycleState | None, endpoints: list[EndpointState]) -> np.ndarray:
+        """_ids_by_position, cached in the cycle's snapshot until the index's ids change (one entry, replaced)."""
+        snap = cycle.snapshot if cycle is not None else None
+        if snap is None or snap.endpoints is not endpoints:
+            return self._ids_by_position(endpoints)
+        epoch = self.index.id_epoch
+        cached = snap.memo.get(self)
+        if cached is None or cached[0] != epoch:
+            cached = snap.memo[self] = (epoch, self._ids_by_position(endpoints))
+        return cached[1]
 
     def _ids_by_position(self, endpoints: list[EndpointState]) -> np.ndarray:
         """Position in `endpoints` → index id (id_count: unknown to the index)."""
