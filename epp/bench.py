@@ -25,6 +25,8 @@ def add_bench_epp_parser(sub) -> None:
     p.add_argument("--request-rate", type=float, default=25.0, help="requests/s for the latency comparison")
     p.add_argument("--scrape-endpoints", type=int, default=20)
     p.add_argument("--scrape-seconds", type=float, default=5.0)
+    p.add_argument("--parts", default="scheduling,latency,scrape",
+                   help="comma-separated: scheduling (decision time), latency (Envoy + EPP), scrape (CPU)")
     p.add_argument("--result-file", default=None)
     p.set_defaults(func=run_bench_epp)
 
@@ -98,24 +100,44 @@ def measure_added_latency(n: int, rate: float) -> dict:
 
 
 def run_bench_epp(args: argparse.Namespace) -> int:
-    from kvgate.epp.scheduling.bench import bench_scheduling, bench_scrape_cpu
+    from kvgate.epp.scheduling.bench import bench_prefix_match, bench_scheduling, bench_scrape_cpu
 
-    results: dict = {"scheduling": {}, "latency": None, "scrape": None}
-    print(f"{'endpoints':>10}{'decision p50 (us)':>20}{'decision p99 (us)':>20}")
-    for count in [int(x) for x in args.endpoint_counts.split(",")]:
-        r = bench_scheduling(count, args.decisions)
-        results["scheduling"][count] = r
-        print(f"{count:>10}{r['p50_us']:>20.1f}{r['p99_us']:>20.1f}", flush=True)
-    lat = measure_added_latency(args.latency_requests, args.request_rate)
-    results["latency"] = lat
-    print(f"\nlatency at {args.request_rate:g} req/s, {args.latency_requests} requests (1 output token):")
-    print(f"  Envoy + EPP      p50 {lat['envoy_epp']['p50_ms']:.2f} ms  p99 {lat['envoy_epp']['p99_ms']:.2f} ms")
-    print(f"  Envoy direct     p50 {lat['envoy_direct']['p50_ms']:.2f} ms  p99 {lat['envoy_direct']['p99_ms']:.2f} ms")
-    print(f"  added by the EPP p50 {lat['added_p50_ms']:+.2f} ms ({lat['ratio_p50']:.2f}x)  "
-          f"p99 {lat['added_p99_ms']:+.2f} ms ({lat['ratio_p99']:.2f}x)", flush=True)
-    scrape = bench_scrape_cpu(args.scrape_endpoints, args.scrape_seconds)
-    results["scrape"] = scrape
-    print(f"\nscraping {args.scrape_endpoints} endpoints every 50 ms: {json.dumps(scrape)}")
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    unknown = parts - {"scheduling", "latency", "scrape"}
+    if unknown:
+        raise SystemExit(f"kvgate bench epp: unknown part(s) {', '.join(sorted(unknown))}")
+    results: dict = {"scheduling": {}, "prefix_match_us": None, "latency": None, "scrape": None}
+    if "scheduling" in parts:
+        print("decision = schedule + on_picked, queue 2 / kv-cache 2 / prefix 3 / max-score picker (1 endpoint), "
+              "every endpoint holding a hot 4 KB prefix; µs")
+        print(f"{'endpoints':>10}{'p50':>9}{'p99':>10}{'x p50@10':>10}{'untimed p50':>13}{'new-states p50':>16}"
+              f"{'full-index p50':>16}{'p99':>9}")
+        base = None
+        for count in [int(x) for x in args.endpoint_counts.split(",")]:
+            r = bench_scheduling(count, args.decisions)
+            results["scheduling"][count] = r
+            base = base or r["p50_us"]
+            print(f"{count:>10}{r['p50_us']:>9.1f}{r['p99_us']:>10.1f}{r['p50_us'] / base:>10.2f}"
+                  f"{r['untimed_p50_us']:>13.1f}{r['fresh_states_p50_us']:>16.1f}{r['full_index_p50_us']:>16.1f}"
+                  f"{r['full_index_p99_us']:>9.1f}", flush=True)
+            print(" " * 10 + "  per plugin p50: " + ", ".join(f"{k} {v:.1f}" for k, v in r["plugins_p50_us"].items()))
+        grid = results["prefix_match_us"] = bench_prefix_match()
+        print("\nprefix index match, every endpoint holding the prompt: µs (endpoints x blocks), "
+              "and the per-block set intersection it replaced, run here as the baseline")
+        for key, r in grid.items():
+            print(f"  {key:>9}  {r['match_us']:7.2f}  baseline {r['set_intersection_us']:9.2f}  "
+                  f"({r['set_intersection_us'] / r['match_us']:.0f}x faster)")
+    if "latency" in parts:
+        lat = results["latency"] = measure_added_latency(args.latency_requests, args.request_rate)
+        print(f"\nlatency at {args.request_rate:g} req/s, {args.latency_requests} requests (1 output token):")
+        print(f"  Envoy + EPP      p50 {lat['envoy_epp']['p50_ms']:.2f} ms  p99 {lat['envoy_epp']['p99_ms']:.2f} ms")
+        print(f"  Envoy direct     p50 {lat['envoy_direct']['p50_ms']:.2f} ms  "
+              f"p99 {lat['envoy_direct']['p99_ms']:.2f} ms")
+        print(f"  added by the EPP p50 {lat['added_p50_ms']:+.2f} ms ({lat['ratio_p50']:.2f}x)  "
+              f"p99 {lat['added_p99_ms']:+.2f} ms ({lat['ratio_p99']:.2f}x)", flush=True)
+    if "scrape" in parts:
+        scrape = results["scrape"] = bench_scrape_cpu(args.scrape_endpoints, args.scrape_seconds)
+        print(f"\nscraping {args.scrape_endpoints} endpoints every 50 ms: {json.dumps(scrape)}")
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(results, indent=2))
     return 0

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from kvgate.epp.protocol import OBJECTIVE_HEADER
+from kvgate.epp.scheduling.framework import CycleState
 from kvgate.epp.types import EndpointState, LLMRequest
 
 
@@ -38,19 +39,36 @@ class Director:
         # echo backends) they are still routable. Standalone endpoints have no such gate: unscraped means unknown.
         self.trust_pool_readiness = trust_pool_readiness
         self.in_flight: dict[str, InFlight] = {}
+        self._selected_from: list[EndpointState] | None = None  # the snapshot `_selected` was chosen from
+        self._selected: list[EndpointState] = []
 
     def states(self) -> list[EndpointState]:
-        """Every endpoint of the pool with its metrics and this EPP's in-flight counts (stale ones included)."""
-        return self.datalayer.states({a: (f.requests, f.tokens) for a, f in self.in_flight.items()})
+        """Every endpoint of the pool with its metrics and this EPP's exact in-flight counts (stale ones
+        included): what the metrics gauges show."""
+        return self.datalayer.states(self._in_flight_counts())
 
-    def candidates(self, subset: list[str] | None) -> list[EndpointState]:
+    def candidates(self, subset: list[str] | None, round_snapshot: bool = False) -> list[EndpointState]:
         """The endpoints a request may go to: within the subset hint, the available ones (scraped at least once,
         scrapes not failing: an engine that is not up yet, or has died, gets no request), and of those the fresh
         ones when any is fresh. Metrics older than the staleness threshold describe an endpoint that may be
         overloaded: it is picked only when every available candidate is stale, so routing degrades rather than
         stops. With `trust_pool_readiness`, a pool with no available endpoint falls back to all its endpoints.
+
+        `round_snapshot`: the datalayer's per-scrape-round snapshot, reused across decisions (the scheduler's
+        per-snapshot caches hold, and without a subset hint so does this selection), else states built now.
         """
-        states = self.states()
+        if round_snapshot:
+            states = self.datalayer.snapshot(self._in_flight_counts)
+            if subset is None and states is self._selected_from:
+                return self._selected
+        else:
+            states = self.datalayer.states(self._in_flight_counts())
+        selected = self._select(states, subset)
+        if round_snapshot and subset is None:
+            self._selected_from, self._selected = states, selected
+        return selected
+
+    def _select(self, states: list[EndpointState], subset: list[str] | None) -> list[EndpointState]:
         if subset is not None:
             allowed = set(subset)
             states = [s for s in states if s.address in allowed]
@@ -60,24 +78,28 @@ class Director:
         fresh = [s for s in usable if not s.stale]
         return fresh if fresh else usable
 
+    def _in_flight_counts(self) -> dict[str, tuple[int, int]]:
+        return {a: (f.requests, f.tokens) for a, f in self.in_flight.items()}
+
     def pick(self, request: LLMRequest, subset: list[str] | None = None) -> list[EndpointState]:
         """Ordered endpoints for the request (primary first); raises RoutingError (503 / 429)."""
         started = time.perf_counter()
         request.priority = self.datastore.priority(request.headers.get(OBJECTIVE_HEADER))
         if request.model:
             request.target_model = self.datastore.rewrite(request.model, self.rng)
-        states = self.candidates(subset)
+        states = self.candidates(subset, round_snapshot=True)
         if not states:
             why = ("the subset hint matches no ready endpoint of the pool" if subset is not None
                    else "the pool has no ready endpoints (none answers its metrics scrape)")
             raise RoutingError(503, f"no eligible endpoint: {why}")
         if not self.admission.admit(request, states):
             raise RoutingError(429, "the pool is saturated and this request is sheddable (priority < 0)")
-        ordered = self.scheduler.schedule(request, states)
+        cycle = CycleState()  # this decision's plugin state, from scoring to the pick hook
+        ordered = self.scheduler.schedule(request, states, cycle)
         if not ordered:
             raise RoutingError(503, "no eligible endpoint: every endpoint was filtered out")
         primary = ordered[0]
-        self.scheduler.on_picked(request, primary)
+        self.scheduler.on_picked(request, primary, cycle)
         flight = self.in_flight.setdefault(primary.address, InFlight())
         flight.requests += 1
         flight.tokens += request.estimated_prompt_tokens + (request.max_tokens or 0)

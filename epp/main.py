@@ -24,6 +24,15 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
 
 
+def index_bytes(text: str) -> int:
+    from kvgate.epp.scheduling.plugins.prefix_cache_scorer import MIN_INDEX_BYTES
+
+    value = int(text)
+    if value < MIN_INDEX_BYTES:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_INDEX_BYTES} bytes, got {value}")
+    return value
+
+
 def add_epp_parser(sub) -> None:
     p = sub.add_parser("epp", help="run the Endpoint Picker (Envoy ext-proc server)")
     mode = p.add_argument_group("pool (Kubernetes mode or standalone)")
@@ -53,6 +62,9 @@ def add_epp_parser(sub) -> None:
                         "(default: the config file's saturationDetector, else 5)")
     p.add_argument("--saturation-kv-cache", type=float, default=None,
                    help="an endpoint with this KV-cache usage counts as saturated (default: config, else 0.8)")
+    p.add_argument("--prefix-index-max-bytes", type=index_bytes, default=None,
+                   help="memory budget of the prefix-cache scorer's index over all endpoints; least recently used "
+                        "blocks go first past it (default: the plugin's indexMaxBytes, else 256 MiB)")
     # Upstream EPP flags that change nothing here, accepted so that upstream manifests (e.g. the conformance
     # suite's EPP Deployments) run this EPP unchanged: logging format/level are ours (--log-level).
     compat = p.add_argument_group("accepted for compatibility with the upstream EPP (no effect)")
@@ -84,6 +96,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     datalayer = Datalayer(interval=args.refresh_metrics_interval, timeout=1.0,
                           staleness=saturation.metrics_staleness_threshold or args.metrics_staleness_threshold)
     scheduler = Scheduler(config.scheduler)
+    if args.prefix_index_max_bytes is not None:
+        scheduler.set_prefix_index_max_bytes(args.prefix_index_max_bytes)
     metrics = EppMetrics()
     admission = Admission(
         queue_depth_threshold=args.saturation_queue_depth if args.saturation_queue_depth is not None

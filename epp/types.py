@@ -37,9 +37,13 @@ class EndpointMetrics:
     updated_at: float = 0.0  # time.monotonic() of the last successful scrape; 0 = never
 
 
-@dataclass
+@dataclass(eq=False)
 class EndpointState:
-    """What scheduling plugins see of an endpoint at decision time."""
+    """What scheduling plugins see of an endpoint at decision time.
+
+    Compared by identity: the scheduler reuses what it derived from a list of states while the same objects
+    come back (epp/scheduling/framework.py Snapshot), so a state is a snapshot, replaced rather than mutated.
+    """
 
     endpoint: Endpoint
     metrics: EndpointMetrics

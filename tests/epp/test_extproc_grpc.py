@@ -148,9 +148,16 @@ def test_response_chunks_echoed_and_usage_accounted(pool):
     echoed = [r.response_body.response.body_mutation.streamed_response.body for r in out if r.HasField("response_body")]
     assert echoed == sse
     picked = destination(out[0]).split(",")[0]
-    metrics = epp.metrics()
+    # The exporter shows what the event loop published last (at most a scrape round old): wait a little.
+    deadline = time.monotonic() + 2
+    while True:
+        metrics = epp.metrics()
+        released = f'kvgate_epp_endpoint_in_flight_requests{{endpoint="{picked}"}} 0.0' in metrics
+        if released or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert f'kvgate_epp_tokens_total{{endpoint="{picked}",kind="completion"}}' in metrics
-    assert f'kvgate_epp_endpoint_in_flight_requests{{endpoint="{picked}"}} 0.0' in metrics
+    assert released, metrics
 
 
 def test_health_services(pool):

@@ -4,7 +4,7 @@ import collections
 
 import pytest
 
-from kvgate.epp.scheduling.framework import PinnedOrder
+from kvgate.epp.scheduling.framework import CycleState, PinnedOrder, score_map
 from kvgate.epp.scheduling.plugins import REGISTRY, create_plugin
 from kvgate.epp.scheduling.plugins.header_filter import HeaderBasedTestingFilter, split_host_port
 from kvgate.epp.scheduling.plugins.kv_cache_utilization_scorer import KVCacheUtilizationScorer
@@ -19,31 +19,41 @@ from tests.epp.helpers import addresses, request, state
 A, B, C, D = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.1:8002"
 
 
+def scored(plugin, req, endpoints):
+    """{address: score} of a scorer's answer (dense arrays or sparse mappings alike)."""
+    return score_map(plugin.score(req, endpoints), endpoints)
+
+
+def hits(plugin, req, endpoints):
+    """The endpoints a scorer scores above 0: the prefix scorer's matches."""
+    return {a: v for a, v in scored(plugin, req, endpoints).items() if v}
+
+
 # ------------------------------------------------------------------------------------------- load scorers
 
 def test_queue_scorer_min_max():
-    scores = QueueScorer().score(request(), [state(A, queue=0), state(B, queue=5), state(C, queue=10)])
+    scores = scored(QueueScorer(), request(), [state(A, queue=0), state(B, queue=5), state(C, queue=10)])
     assert scores == {A: 1.0, B: 0.5, C: 0.0}
 
 
 def test_queue_scorer_all_equal_is_all_one():
-    assert QueueScorer().score(request(), [state(A, queue=3), state(B, queue=3)]) == {A: 1.0, B: 1.0}
-    assert QueueScorer().score(request(), [state(A, queue=7)]) == {A: 1.0}
+    assert scored(QueueScorer(), request(), [state(A, queue=3), state(B, queue=3)]) == {A: 1.0, B: 1.0}
+    assert scored(QueueScorer(), request(), [state(A, queue=7)]) == {A: 1.0}
 
 
 def test_running_requests_scorer_min_max():
-    scores = RunningRequestsScorer().score(request(), [state(A, running=2), state(B, running=6), state(C, running=4)])
+    scores = scored(RunningRequestsScorer(), request(), [state(A, running=2), state(B, running=6), state(C, running=4)])
     assert scores == {A: 1.0, B: 0.0, C: 0.5}
 
 
 def test_token_load_scorer_uses_in_flight_tokens():
-    scores = TokenLoadScorer().score(request(), [state(A, tokens=100), state(B, tokens=300), state(C, tokens=200)])
+    scores = scored(TokenLoadScorer(), request(), [state(A, tokens=100), state(B, tokens=300), state(C, tokens=200)])
     assert scores == {A: 1.0, B: 0.0, C: 0.5}
-    assert TokenLoadScorer().score(request(), [state(A), state(B)]) == {A: 1.0, B: 1.0}
+    assert scored(TokenLoadScorer(), request(), [state(A), state(B)]) == {A: 1.0, B: 1.0}
 
 
 def test_kv_cache_scorer_is_free_fraction():
-    scores = KVCacheUtilizationScorer().score(request(), [state(A, kv=0.0), state(B, kv=0.25), state(C, kv=1.5)])
+    scores = scored(KVCacheUtilizationScorer(), request(), [state(A, kv=0.0), state(B, kv=0.25), state(C, kv=1.5)])
     assert scores == {A: 1.0, B: 0.75, C: 0.0}
 
 
@@ -56,11 +66,11 @@ def test_lora_affinity_levels():
         state(C, max_lora=2, running_loras={"x"}),  # a free slot
         state(D, max_lora=2, running_loras={"x", "y"}),  # full
     ]
-    assert LoraAffinityScorer().score(request(model="sql"), endpoints) == {A: 1.0, B: 0.8, C: 0.6, D: 0.0}
+    assert scored(LoraAffinityScorer(), request(model="sql"), endpoints) == {A: 1.0, B: 0.8, C: 0.6, D: 0.0}
 
 
 def test_lora_affinity_without_adapters_is_neutral():
-    scores = LoraAffinityScorer().score(request(model="base"), [state(A), state(B)])
+    scores = scored(LoraAffinityScorer(), request(model="base"), [state(A), state(B)])
     assert scores == {A: 1.0, B: 1.0}
 
 
@@ -194,27 +204,27 @@ def test_prefix_same_prompt_goes_to_same_endpoint_after_pick():
     s = scorer()
     endpoints = [state(A), state(B)]
     first = request(PROMPT, request_id="1")
-    assert s.score(first, endpoints) == {}
+    assert hits(s, first, endpoints) == {}
     s.pre_request(first, endpoints[1])
     again = request(PROMPT + " and a different question", request_id="2")
-    assert s.score(again, endpoints) == {B: pytest.approx(18 / len(hash_prompt(again.prompt, "m", None, 64, 256)))}
-    assert s.score(request(PROMPT, request_id="3"), endpoints) == {B: 1.0}
+    assert hits(s, again, endpoints) == {B: pytest.approx(18 / len(hash_prompt(again.prompt, "m", None, 64, 256)))}
+    assert hits(s, request(PROMPT, request_id="3"), endpoints) == {B: 1.0}
 
 
 def test_prefix_partial_match_counts_leading_blocks_only():
     s = scorer()
     s.pre_request(request(PROMPT[:640], request_id="1"), state(A))  # 10 blocks
-    assert s.score(request(PROMPT, request_id="2"), [state(A)]) == {A: pytest.approx(10 / 18)}
+    assert hits(s, request(PROMPT, request_id="2"), [state(A)]) == {A: pytest.approx(10 / 18)}
     changed_start = "X" + PROMPT[1:]
-    assert s.score(request(changed_start, request_id="3"), [state(A)]) == {}
+    assert hits(s, request(changed_start, request_id="3"), [state(A)]) == {}
 
 
 def test_prefix_different_model_or_salt_misses():
     s = scorer()
     s.pre_request(request(PROMPT, model="m1", request_id="1"), state(A))
-    assert s.score(request(PROMPT, model="m2", request_id="2"), [state(A)]) == {}
-    assert s.score(request(PROMPT, model="m1", cache_salt="tenant", request_id="3"), [state(A)]) == {}
-    assert s.score(request(PROMPT, model="m1", request_id="4"), [state(A)]) == {A: 1.0}
+    assert hits(s, request(PROMPT, model="m2", request_id="2"), [state(A)]) == {}
+    assert hits(s, request(PROMPT, model="m1", cache_salt="tenant", request_id="3"), [state(A)]) == {}
+    assert hits(s, request(PROMPT, model="m1", request_id="4"), [state(A)]) == {A: 1.0}
 
 
 def test_prefix_lru_evicts_oldest_blocks_per_endpoint():
@@ -223,8 +233,8 @@ def test_prefix_lru_evicts_oldest_blocks_per_endpoint():
     s.pre_request(request(old, request_id="1"), state(A))
     s.pre_request(request(old, request_id="2"), state(B))
     s.pre_request(request(new, request_id="3"), state(A))  # pushes every block of `old` out of A only
-    assert s.score(request(old, request_id="4"), [state(A), state(B)]) == {B: 1.0}
-    assert s.score(request(new, request_id="5"), [state(A), state(B)]) == {A: 1.0}
+    assert hits(s, request(old, request_id="4"), [state(A), state(B)]) == {B: 1.0}
+    assert hits(s, request(new, request_id="5"), [state(A), state(B)]) == {A: 1.0}
     assert s.stats()["index_size"] == 36
 
 
@@ -233,7 +243,7 @@ def test_prefix_remove_endpoint_drops_its_index():
     s.pre_request(request(PROMPT, request_id="1"), state(A))
     s.pre_request(request(PROMPT, request_id="2"), state(B))
     s.remove_endpoint(A)
-    assert s.score(request(PROMPT, request_id="3"), [state(A), state(B)]) == {B: 1.0}
+    assert hits(s, request(PROMPT, request_id="3"), [state(A), state(B)]) == {B: 1.0}
     assert s.index.endpoints() == [B]
     s.remove_endpoint(B)
     assert s.stats()["index_size"] == 0 and s.index._holders == {}
@@ -243,8 +253,9 @@ def test_prefix_stats_hit_ratio():
     s = scorer()
     for i, endpoint in enumerate([state(A), state(A)]):
         req = request(PROMPT, request_id=str(i))
-        s.score(req, [endpoint])
-        s.pre_request(req, endpoint)
+        cycle = CycleState()
+        s.score(req, [endpoint], cycle)
+        s.pre_request(req, endpoint, cycle)
     stats = s.stats()
     assert stats["total_blocks"] == 36 and stats["hit_blocks"] == 18 and stats["hit_ratio"] == 0.5
     assert stats["indexed_endpoints"] == 1
@@ -285,3 +296,20 @@ def test_registry_names_match_upstream():
         "random-picker", "weighted-random-picker", "single-profile-handler"}
     for type_name in REGISTRY:
         assert create_plugin(type_name).type_name == type_name
+
+
+def test_prompt_hasher_memo_matches_hash_prompt():
+    import random
+
+    from kvgate.epp.scheduling.plugins.prefix_cache_scorer import PromptHasher
+
+    rng = random.Random(3)
+    hasher = PromptHasher(capacity=4)  # small: evictions happen too
+    system = [PROMPT * k for k in (1, 2, 5)]
+    prompts = [rng.choice(system)[: rng.randint(0, 3000)] + f"question {i} " * rng.randint(0, 40)
+               for i in range(200)] + ["x" * 63, "é" * 100, PROMPT * 20]
+    for prompt in prompts:
+        for block_size, max_blocks in ((64, 256), (64, 10), (32, 256)):
+            for model, salt in (("m", None), ("m", "s"), ("n", None)):
+                assert hasher.hashes(prompt, model, salt, block_size, max_blocks) == \
+                    hash_prompt(prompt, model, salt, block_size, max_blocks)

@@ -2,7 +2,14 @@
 
 Envoy sends the EPP the body without end_of_stream and then the trailers; the EPP must decide on the trailers
 message, or Envoy holds the request until its ext_proc message timeout. Sent through the real Envoy over HTTP/2
-with prior knowledge (Envoy's listener accepts h2c), with the h2 library doing the framing.
+with prior knowledge (Envoy's listener accepts h2c), with the h2 library doing the framing, behind the stock
+upstream-shaped gateway config (tests/fixtures/upstream-envoy.yaml).
+
+Behind kvgate's own config the body reaches the engine twice: Envoy 1.40 duplicates a FULL_DUPLEX_STREAMED
+ext_proc body that ends in trailers when the route has a retry policy (envoyproxy/envoy#45470; fix under review
+in #46095). kvgate's routes keep their retries (a dying replica's resets are far more common than request
+trailers in OpenAI traffic) and the engine answers such a body with a JSON 400; the strict xfail below turns
+red when an Envoy wheel with the fix arrives, so the note can go.
 """
 
 import json
@@ -14,13 +21,23 @@ import h2.connection
 import h2.events
 import pytest
 
+from tests.epp.test_stock_envoy import stock_envoy
 from tests.gateway import Gateway
+
+BODY = json.dumps({"model": "sim-model", "prompt": "trailers at the end", "max_tokens": 3}).encode()
+HEADERS = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "http"), (":authority", "gateway"),
+           ("content-type", "application/json")]
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("kvgate-cache")
-    with Gateway(tmp_path_factory.mktemp("gw-trailers"), cache, [["--backend", "sim"]] * 2) as gw:
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kvgate-cache")
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, cache):
+    with Gateway(tmp_path_factory.mktemp("gw-trailers"), cache, [["--backend", "sim"]] * 2,
+                 envoy_config=stock_envoy) as gw:
         yield gw
 
 
@@ -55,13 +72,18 @@ def h2_request(port: int, headers: list[tuple[str, str]], body: bytes, trailers:
 
 
 def test_body_ending_with_trailers_is_routed_and_served(gateway):
-    body = json.dumps({"model": "sim-model", "prompt": "trailers at the end", "max_tokens": 3}).encode()
-    headers = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "http"),
-               (":authority", "gateway"), ("content-type", "application/json")]
-    status, data, seconds = h2_request(gateway.port, headers, body, trailers=[("x-checksum", "abc")])
+    status, data, seconds = h2_request(gateway.port, HEADERS, BODY, trailers=[("x-checksum", "abc")])
     assert status == 200, data
     assert json.loads(data)["usage"]["completion_tokens"] == 3
     assert seconds < 5  # decided on the trailers, not after Envoy's ext_proc message timeout
     # The same body without trailers, for comparison, and the gateway keeps serving.
-    status, data, _ = h2_request(gateway.port, headers, body, trailers=None)
+    status, data, _ = h2_request(gateway.port, HEADERS, BODY, trailers=None)
     assert status == 200, data
+
+
+@pytest.mark.xfail(strict=True, reason="envoyproxy/envoy#45470: with a route retry policy, a FULL_DUPLEX_STREAMED "
+                                       "ext_proc body ending in trailers reaches the upstream twice")
+def test_trailers_behind_kvgates_own_config_with_retries(tmp_path, cache):
+    with Gateway(tmp_path, cache, [["--backend", "sim"]]) as gw:
+        status, data, _ = h2_request(gw.port, HEADERS, BODY, trailers=[("x-checksum", "abc")])
+        assert status == 200, data

@@ -2,11 +2,13 @@
 
 import collections
 
+import numpy as np
 import pytest
 
 from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
 from kvgate.epp.scheduling.config import default_config, parse_config
 from kvgate.epp.scheduling.framework import (
+    CycleState,
     Filter,
     Scheduler,
     SchedulerConfig,
@@ -28,7 +30,7 @@ class FixedScorer(Scorer):
         super().__init__()
         self.scores = scores
 
-    def score(self, request, endpoints):
+    def score(self, request, endpoints, cycle=None):
         return {e.address: self.scores[e.address] for e in endpoints if e.address in self.scores}
 
 
@@ -39,7 +41,7 @@ class DropFilter(Filter):
         super().__init__()
         self.drop = drop
 
-    def filter(self, request, endpoints):
+    def filter(self, request, endpoints, cycle=None):
         return [e for e in endpoints if e.address not in self.drop]
 
 
@@ -50,10 +52,10 @@ class Recorder(Scorer):
         super().__init__()
         self.calls = []
 
-    def score(self, request, endpoints):
+    def score(self, request, endpoints, cycle=None):
         return {}
 
-    def pre_request(self, request, endpoint):
+    def pre_request(self, request, endpoint, cycle=None):
         self.calls.append(("picked", request.request_id, endpoint.address))
 
     def response_complete(self, request, endpoint_address, prompt_tokens, completion_tokens):
@@ -166,3 +168,117 @@ def test_remove_endpoint_reaches_prefix_scorer():
 def test_scheduler_needs_a_profile():
     with pytest.raises(ValueError):
         Scheduler(SchedulerConfig([]))
+
+
+# ------------------------------------------------------------------------------------------- framework bounds
+
+class ConstantScorer(Scorer):
+    """A scorer answering the same raw values (any range, NaN included) for every request: a buggy plugin."""
+
+    type_name = "constant"
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = values
+
+    def score(self, request, endpoints, cycle=None):
+        return np.array([self.values[e.address] for e in endpoints], dtype=float)
+
+
+def test_scores_are_clamped_so_a_buggy_scorer_cannot_dominate():
+    buggy = ConstantScorer({A: 1000.0, B: float("nan"), C: -50.0})
+    honest = FixedScorer({A: 0.0, B: 1.0, C: 1.0})
+    s = scheduler(scorers=[(buggy, 1.0), (honest, 2.0)])
+    # clamped: A = 1 + 0 = 1, B = 0 + 2 = 2, C = 0 + 2 = 2: the honest scorer's preference wins.
+    assert addresses(s.schedule(request(), [state(A), state(B), state(C)]))[-1] == A
+
+
+def test_dense_and_sparse_answers_weigh_the_same():
+    endpoints = [state(A), state(B), state(C)]
+    sparse = scheduler(scorers=[(FixedScorer({B: 0.25, C: 0.75}), 1.0)])
+    dense = scheduler(scorers=[(ConstantScorer({A: 0.0, B: 0.25, C: 0.75}), 1.0)])
+    assert addresses(sparse.schedule(request(), endpoints)) == addresses(dense.schedule(request(), endpoints)) \
+        == [C, B, A]
+
+
+def test_scorer_answer_of_the_wrong_length_is_ignored(caplog):
+    class Short(Scorer):
+        type_name = "short"
+
+        def score(self, request, endpoints, cycle=None):
+            return np.ones(len(endpoints) - 1)
+
+    s = scheduler(scorers=[(Short(), 5.0), (FixedScorer({C: 1.0}), 1.0)])
+    assert addresses(s.schedule(request(), [state(A), state(B), state(C)]))[0] == C
+    assert "returned" in caplog.text
+
+
+def test_every_plugin_call_is_timed_and_observable():
+    s = scheduler(filters=[DropFilter(set())], scorers=[(create_plugin("queue-scorer"), 2.0),
+                                                         (create_plugin("kv-cache-utilization-scorer"), 2.0),
+                                                         (create_plugin("prefix-cache-scorer"), 3.0)])
+    seen = []
+    s.timings.observer = lambda point, type_name, name, seconds: seen.append((point, name, seconds))
+    r = request(PROMPT, request_id="t")
+    cycle = CycleState()
+    primary = s.schedule(r, [state(A), state(B)], cycle)[0]
+    s.on_picked(r, primary, cycle)
+    totals = s.plugin_timings()
+    for key in [("scorer", "queue-scorer", "queue-scorer"), ("scorer", "prefix-cache-scorer", "prefix-cache-scorer"),
+                ("picker", "max-score-picker", "max-score-picker"),
+                ("pre_request", "prefix-cache-scorer", "prefix-cache-scorer")]:
+        calls, seconds = totals[key]
+        assert calls == 1 and 0 < seconds < 1
+    assert {(p, n) for p, n, _ in seen} >= {("scorer", "kv-cache-utilization-scorer"), ("filter", "drop")}
+    assert all(0 < sec < 1 for _, _, sec in seen)
+
+
+def test_cycle_state_flows_from_scoring_to_pre_request():
+    class Remembering(Scorer):
+        type_name = "remembering"
+
+        def __init__(self):
+            super().__init__()
+            self.picked = []
+
+        def score(self, request, endpoints, cycle=None):
+            cycle[self] = f"scored {len(endpoints)} for {request.request_id}"
+            return {}
+
+        def pre_request(self, request, endpoint, cycle=None):
+            self.picked.append((endpoint.address, cycle.get(self) if cycle is not None else None))
+
+    plugin = Remembering()
+    s = scheduler(scorers=[(plugin, 1.0)])
+    for rid in ("a", "b"):
+        cycle = CycleState()
+        primary = s.schedule(request(request_id=rid), [state(A), state(B)], cycle)[0]
+        s.on_picked(request(request_id=rid), primary, cycle)
+    s.on_picked(request(request_id="c"), state(A))  # no cycle: nothing carried over from "b"
+    assert [note for _, note in plugin.picked] == ["scored 2 for a", "scored 2 for b", None]
+
+
+def test_metric_columns_are_reused_for_one_snapshot_and_recomputed_for_new_states():
+    s = Scheduler(default_config().scheduler)
+    snapshot = [state(A, queue=5), state(B, queue=0)]
+    assert addresses(s.schedule(request(request_id="1"), snapshot))[0] == B
+    memo = s.primary._snapshot.memo
+    assert addresses(s.schedule(request(request_id="2"), snapshot))[0] == B
+    assert s.primary._snapshot.memo is memo  # same states: the cached scores served
+    fresh = [state(A, queue=0), state(B, queue=5)]  # a new scrape round: new objects, new numbers
+    assert addresses(s.schedule(request(request_id="3"), fresh))[0] == A
+
+
+def test_max_score_picker_single_pick_agrees_with_the_full_order():
+    endpoints = [state(f"10.0.1.{i}:8000") for i in range(7)]
+    totals = np.array([0.5, 2.0, 1.0, 2.0, 0.0, 2.0, 1.5])
+    one = create_plugin("max-score-picker", {"maxNumOfEndpoints": 1})
+    every = create_plugin("max-score-picker")
+    firsts = collections.Counter()
+    for i in range(300):
+        r = request(request_id=f"r{i}")
+        picked = one.pick(r, endpoints, totals)
+        assert addresses(picked) == addresses(every.pick(r, endpoints, totals)[:1])
+        firsts[picked[0].address] += 1
+    assert set(firsts) == {endpoints[1].address, endpoints[3].address, endpoints[5].address}
+    assert min(firsts.values()) > 60

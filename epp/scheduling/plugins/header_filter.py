@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from kvgate.epp.protocol import TEST_ENDPOINT_SELECTION_HEADER
-from kvgate.epp.scheduling.framework import Filter, PinnedOrder
+from kvgate.epp.scheduling.framework import CycleState, Filter, PinnedOrder
 from kvgate.epp.scheduling.plugins._params import check_keys
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -42,7 +42,8 @@ def header_value(headers, key: str) -> str | None:
 class HeaderBasedTestingFilter(Filter):
     type_name = "header-based-testing-filter"
 
-    def filter(self, request: LLMRequest, endpoints: list[EndpointState]) -> list[EndpointState]:
+    def filter(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
+               ) -> list[EndpointState]:
         value = header_value(request.headers, HEADER)
         if value is None or not value.strip():
             return endpoints

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from kvgate.epp.scheduling.framework import Scorer
+from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._params import check_keys
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -21,7 +21,8 @@ RUNNING, WAITING, FREE_SLOT, FULL = 1.0, 0.8, 0.6, 0.0
 class LoraAffinityScorer(Scorer):
     type_name = "lora-affinity-scorer"
 
-    def score(self, request: LLMRequest, endpoints: list[EndpointState]) -> dict[str, float]:
+    def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
+              ) -> dict[str, float]:
         if all(e.metrics.max_lora <= 0 for e in endpoints):
             return {e.address: 1.0 for e in endpoints}
         target = request.target_model

@@ -3,13 +3,17 @@
     score(e) = (max_t - t(e)) / (max_t - min_t)     t = estimated prompt + output tokens routed, not finished
     all equal → every score is 1.0
 
-Unlike the queue scorer it reacts between scrapes: the EPP's own in-flight accounting moves at once.
+It reads the EPP's own in-flight accounting as the director's round snapshot carries it (refreshed every
+`--refresh-metrics-interval`, like the scraped metrics), and is computed per request, not cached per snapshot,
+so callers that build states per request (EndpointState.in_flight_*) see every change at once.
 """
 
 from __future__ import annotations
 
-from kvgate.epp.scheduling.framework import Scorer
-from kvgate.epp.scheduling.plugins._normalize import lower_is_better
+import numpy as np
+
+from kvgate.epp.scheduling.framework import CycleState, Scorer
+from kvgate.epp.scheduling.plugins._normalize import column, lower_is_better
 from kvgate.epp.scheduling.plugins._params import check_keys
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -17,8 +21,9 @@ from kvgate.epp.types import EndpointState, LLMRequest
 class TokenLoadScorer(Scorer):
     type_name = "token-load-scorer"
 
-    def score(self, request: LLMRequest, endpoints: list[EndpointState]) -> dict[str, float]:
-        return lower_is_better([e.endpoint.address for e in endpoints], [e.in_flight_tokens for e in endpoints])
+    def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
+              ) -> np.ndarray:
+        return lower_is_better(column(endpoints, "in_flight_tokens"))
 
 
 def factory(parameters: dict | None) -> TokenLoadScorer:
