@@ -6,28 +6,31 @@ Stock Envoy filters only — no Lua. A request to a pool's route goes:
   listener → HCM (request-headers and stream-idle timeouts) → ext_proc (the pool's EPP, switched on per route)
            → header_to_metadata (response path only) → router → the pool's cluster
 
-Primary pick and fallbacks: the pool's cluster is a STATIC cluster of the pool's endpoints whose load-balancing
-policy is `envoy.load_balancing_policies.override_host`, reading the EPP's answer from the dynamic metadata
-`envoy.lb` / `x-gateway-destination-endpoint` ("ip:port" or "ip:port,ip:port,..."). The first attempt goes to
-the primary; the route's retry policy (connect failure, refused stream, reset — Envoy cannot retry once response
-headers went downstream) makes the next attempt take the next endpoint of the list; with no EPP answer (FailOpen
-and the EPP down) or the list used up, the policy's fallback, least-request over the pool's endpoints, picks.
+Primary pick: the pool's "picked" route matches when the EPP has answered, i.e. when the dynamic metadata
+`envoy.lb` / `x-gateway-destination-endpoint` is set, and sends the request to an ORIGINAL_DST cluster that reads
+its destination from that metadata. So:
+- the EPP's pick is followed whatever it is: a pod that turned ready a moment ago needs no config change (the
+  operator's files reach Envoy through the kubelet's ConfigMap sync, up to a minute on a real cluster);
+- a client cannot steer its request: metadata cannot be set from outside, and nothing reads the
+  `x-gateway-destination-endpoint` header (with FailOpen and the EPP down a client-set header would otherwise
+  pick the pod), so there is nothing to strip;
+- with no EPP answer (FailOpen, the EPP down) the metadata is absent and the pool's FailOpen route takes the
+  request: least-request over the pool's endpoints as last rendered.
+No retries on these routes: ORIGINAL_DST would retry the same address, and a dead endpoint leaves the EPP's
+rotation within ~100 ms (two failed scrapes). (A retry policy also makes Envoy 1.40 send a FULL_DUPLEX_STREAMED
+body that ends in trailers twice: envoyproxy/envoy#45470.)
 
-Why override_host rather than an ORIGINAL_DST cluster reading the header (what upstream's sample Envoy does,
-kept in tests/fixtures/upstream-envoy.yaml and tested there):
-- ORIGINAL_DST takes exactly one address: a list (maxNumOfEndpoints > 1) fails every request (503), so
-  fallbacks could only be used with a script that cuts the list; override_host walks the list on retries.
-- Metadata cannot be forged by a client; a header can, and with FailOpen and the EPP down a client-set
-  `x-gateway-destination-endpoint` would pick the pod. Nothing here reads that header, so there is nothing to strip.
-- One cluster does primary, fallbacks and FailOpen: one route per pool instead of a "picked" route matching
-  the header and a fallback route.
-- Same cost within noise: `measure_added_latency` of epp/bench.py (300 requests at 25/s, one sim engine, 2 cores
-  shared with other work), this config against the same with an ORIGINAL_DST cluster reading the same metadata,
-  alternated: added p50 over header-routed Envoy 4.5 / 0.4 ms (override_host) vs 3.2 / 3.8 ms (ORIGINAL_DST).
-The price: the pool's endpoints must be in the cluster. `kvgate up` knows them; the operator renders the pool's
-ready pods, so for the seconds between a new pod turning ready (the EPP may pick it at once) and Envoy loading
-the new cluster file, requests the EPP sends there are load-balanced over the known pods instead (served, but
-not where the EPP wanted); a removed pod lingers in the cluster until then, but the EPP no longer picks it.
+Fallbacks (`PoolBackend.fallbacks`, for an EPP whose picker returns a list: maxNumOfEndpoints > 1): one route
+per pool to a STATIC cluster of the pool's endpoints whose load-balancing policy is
+`envoy.load_balancing_policies.override_host`, reading the same metadata ("ip:port,ip:port,..."). The first
+attempt goes to the primary; the route's retry policy (connect failure, refused stream, reset — Envoy cannot
+retry once response headers went downstream) takes the next endpoint of the list; with no EPP answer or the
+list used up, least-request over the pool's endpoints picks. ORIGINAL_DST cannot parse a list, and
+override_host needs the endpoints in the cluster — which is why it is not the default: an endpoint not yet in
+the rendered cluster is not reachable through it (its requests go to the known ones instead).
+Cost, measured with `measure_added_latency` of epp/bench.py (300 requests at 25/s, one sim engine, 2 cores
+shared with other work), alternated runs: added p50 over header-routed Envoy 4.5 / 0.4 ms (override_host) vs
+3.2 / 3.8 ms (ORIGINAL_DST reading the metadata) — the same within noise.
 
 Served endpoint (the protocol's response path): each pool route adds `%UPSTREAM_HOST%` as an internal response
 header; the header_to_metadata filter, after ext_proc in the chain and so before it on the response path, moves
@@ -114,7 +117,10 @@ class PoolBackend:
     # the model servers).
     app_protocol: str = "http"
     circuit_breakers: CircuitBreakers = field(default_factory=CircuitBreakers)
-    retries: int = 2  # further tries after a connect failure or reset: the EPP's fallbacks, then least-request
+    # The EPP answers with a list (its picker's maxNumOfEndpoints > 1): route through override_host, retrying
+    # over the list (see the module doc); else ORIGINAL_DST on the EPP's single pick.
+    fallbacks: bool = False
+    retries: int = 2  # with fallbacks: further tries after a connect failure or reset, next in the EPP's list
     stream_idle_s: float | None = None  # this pool's routes override the listener's stream-idle timeout
 
 
@@ -229,17 +235,31 @@ def _retry_policy(pool: PoolBackend, timeouts: RouteTimeouts) -> dict:
     return policy
 
 
-def pool_route(name: str, match: dict, pool: PoolBackend, timeouts: RouteTimeouts = RouteTimeouts()) -> dict:
-    """The route sending `match` to `pool`: its EPP on, its cluster, retries over the EPP's list, the served
-    endpoint reported (see the module doc)."""
+def _picked(match: dict) -> dict:
+    """`match`, narrowed to requests the EPP has answered (its pick is in the dynamic metadata)."""
+    return {**match, "dynamic_metadata": [{"filter": DESTINATION_NAMESPACE, "path": [{"key": DESTINATION_KEY}],
+                                           "value": {"present_match": True}}]}
+
+
+def pool_routes(name: str, match: dict, pool: PoolBackend, timeouts: RouteTimeouts = RouteTimeouts()) -> list[dict]:
+    """The routes sending `match` to `pool`: its EPP on, the served endpoint reported, and either the EPP's pick
+    (ORIGINAL_DST) then the FailOpen route, or (fallbacks) one route retrying over the EPP's list."""
     if pool.stream_idle_s is not None and timeouts.idle_s is None:
         timeouts = RouteTimeouts(timeouts.request_s, timeouts.backend_request_s, pool.stream_idle_s)
-    return {"name": name, "match": match,
-            "route": {"cluster": f"pool-{pool.name}", **timeouts.envoy(),
-                      "retry_policy": _retry_policy(pool, timeouts)},
-            "response_headers_to_add": [{"header": {"key": UPSTREAM_HOST_HEADER, "value": "%UPSTREAM_HOST%"},
-                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
-            "typed_per_filter_config": ext_proc_route_config(pool)}
+    common = {"response_headers_to_add": [{"header": {"key": UPSTREAM_HOST_HEADER, "value": "%UPSTREAM_HOST%"},
+                                           "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+              "typed_per_filter_config": ext_proc_route_config(pool)}
+    if pool.fallbacks:
+        return [{"name": name, "match": match, **common,
+                 "route": {"cluster": f"pool-{pool.name}", **timeouts.envoy(),
+                           "retry_policy": _retry_policy(pool, timeouts)}}]
+    if timeouts.backend_request_s:  # one try: the per-try bound (Gateway API backendRequest) bounds the request
+        timeouts = RouteTimeouts(min(timeouts.request_s or timeouts.backend_request_s, timeouts.backend_request_s),
+                                 None, timeouts.idle_s)
+    return [{"name": f"{name}-picked", "match": _picked(match), **common,
+             "route": {"cluster": f"pool-{pool.name}", **timeouts.envoy()}},
+            {"name": f"{name}-failopen", "match": match, **common,
+             "route": {"cluster": f"pool-{pool.name}-failopen", **timeouts.envoy()}}]
 
 
 def cluster_route(name: str, match: dict, cluster: str, timeouts: RouteTimeouts = RouteTimeouts()) -> dict:
@@ -271,23 +291,32 @@ def _override_host_policy() -> dict:
 
 
 def pool_clusters(pool: PoolBackend) -> list[dict]:
-    """The pool's EPP cluster (health-checked) and its endpoints' cluster (override_host, circuit breakers)."""
+    """The pool's EPP cluster (health-checked) and its endpoints' cluster(s): ORIGINAL_DST on the EPP's pick and
+    the FailOpen cluster of the pool's endpoints, or (fallbacks) one override_host cluster of them."""
     upstream_protocol = {"typed_extension_protocol_options": _http2_options()} if pool.app_protocol == H2C else {}
-    return [
-        {"name": f"epp-{pool.name}", "type": "STRICT_DNS", "connect_timeout": "2s",
-         "typed_extension_protocol_options": _http2_options(),
-         "health_checks": [_epp_health_check(pool)],
-         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},  # never send to a failed EPP
-         "load_assignment": {"cluster_name": f"epp-{pool.name}", "endpoints": [{"lb_endpoints": [
-             {"endpoint": {"address": _address(pool.epp_host, pool.epp_port),
-                           **({"health_check_config": {"port_value": pool.epp_health_port}}
-                              if pool.epp_health_port else {})}}]}]}},
-        {"name": f"pool-{pool.name}", "type": "STATIC", "connect_timeout": "2s", **upstream_protocol,
-         "load_balancing_policy": _override_host_policy(),
-         "circuit_breakers": pool.circuit_breakers.envoy(),
-         "load_assignment": {"cluster_name": f"pool-{pool.name}", "endpoints": [{"lb_endpoints": [
-             {"endpoint": {"address": endpoint_address(ep)}} for ep in pool.endpoints]}]}},
-    ]
+    endpoints = {"endpoints": [{"lb_endpoints": [{"endpoint": {"address": endpoint_address(ep)}}
+                                                 for ep in pool.endpoints]}]}
+    epp = {"name": f"epp-{pool.name}", "type": "STRICT_DNS", "connect_timeout": "2s",
+           "typed_extension_protocol_options": _http2_options(),
+           "health_checks": [_epp_health_check(pool)],
+           "common_lb_config": {"healthy_panic_threshold": {"value": 0}},  # never send to a failed EPP
+           "load_assignment": {"cluster_name": f"epp-{pool.name}", "endpoints": [{"lb_endpoints": [
+               {"endpoint": {"address": _address(pool.epp_host, pool.epp_port),
+                             **({"health_check_config": {"port_value": pool.epp_health_port}}
+                                if pool.epp_health_port else {})}}]}]}}
+    if pool.fallbacks:
+        return [epp, {"name": f"pool-{pool.name}", "type": "STATIC", "connect_timeout": "2s", **upstream_protocol,
+                      "load_balancing_policy": _override_host_policy(),
+                      "circuit_breakers": pool.circuit_breakers.envoy(),
+                      "load_assignment": {"cluster_name": f"pool-{pool.name}", **endpoints}}]
+    return [epp,
+            {"name": f"pool-{pool.name}", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
+             "connect_timeout": "2s", **upstream_protocol, "circuit_breakers": pool.circuit_breakers.envoy(),
+             "original_dst_lb_config": {"metadata_key": {"key": DESTINATION_NAMESPACE,
+                                                         "path": [{"key": DESTINATION_KEY}]}}},
+            {"name": f"pool-{pool.name}-failopen", "type": "STATIC", "lb_policy": "LEAST_REQUEST",
+             "connect_timeout": "2s", **upstream_protocol, "circuit_breakers": pool.circuit_breakers.envoy(),
+             "load_assignment": {"cluster_name": f"pool-{pool.name}-failopen", **endpoints}}]
 
 
 def dns_cluster(name: str, host: str, port: int) -> dict:
@@ -327,8 +356,8 @@ def render_gateway(routes: list[Route], listen_host: str, listen_port: int, admi
         pools.setdefault(r.pool.name, r.pool)
     hosts: dict[tuple, list[dict]] = {}
     for r in routes:
-        hosts.setdefault(tuple(r.hostnames), []).append(
-            pool_route(r.pool.name, {"prefix": r.path_prefix}, r.pool, r.timeouts))
+        hosts.setdefault(tuple(r.hostnames), []).extend(
+            pool_routes(r.pool.name, {"prefix": r.path_prefix}, r.pool, r.timeouts))
     virtual_hosts = [{"name": f"vh-{i}", "domains": list(domains), "routes": rs}
                      for i, (domains, rs) in enumerate(hosts.items())]
     route_config = {"route_config": {"name": "gateway", "virtual_hosts": virtual_hosts}}

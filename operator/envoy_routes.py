@@ -55,7 +55,7 @@ import copy
 from dataclasses import dataclass, field
 
 from kvgate.envoy_config import (PoolBackend, RouteTimeouts, cluster_route, dns_cluster, listener, overload_manager,
-                                 pool_clusters, pool_route)
+                                 pool_clusters, pool_routes)
 
 FRACTION_DENOMINATOR = 1_000_000
 
@@ -105,7 +105,7 @@ def _backend_routes(backend: PoolBackend | ServiceBackend | None, match: dict, n
                  "direct_response": {"status": 500, "body": {"inline_string": "backend not resolved\n"}}}]
     if isinstance(backend, ServiceBackend):
         return [cluster_route(f"{name}-service", match, f"svc-{backend.name}", timeouts)]
-    return [pool_route(f"{name}-pool", match, backend, timeouts)]
+    return pool_routes(f"{name}-pool", match, backend, timeouts)
 
 
 def rule_routes(rule: RouteRule) -> list[dict]:

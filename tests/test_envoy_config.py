@@ -19,8 +19,10 @@ CONFIGS = {
         Route(PoolBackend("a", "epp-a.ns.svc", 9002, []), path_prefix="/a", hostnames=["a.example.com"]),
         Route(PoolBackend("b", "127.0.0.1", 9012, ["127.0.0.3:8000", "[::1]:8000"]), path_prefix="/"),
     ], "0.0.0.0", 8080),
+    "fallbacks": render_gateway([Route(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000", "127.0.0.2:8000"],
+                                                   failure_mode_allow=True, fallbacks=True))], "127.0.0.1", 8080),
     "tuned": render_gateway([Route(PoolBackend("t", "127.0.0.1", 9002, ["127.0.0.1:8000"], stream_idle_s=900,
-                                               circuit_breakers=CircuitBreakers(max_requests=5000)),
+                                               circuit_breakers=CircuitBreakers(max_requests=5000), fallbacks=True),
                                    timeouts=RouteTimeouts(request_s=3600, backend_request_s=120))],
                             "127.0.0.1", 8080, timeouts=ListenerTimeouts(request_headers_s=5, stream_idle_s=60)),
     "direct": render_direct("127.0.0.1", 8081, 9902),
@@ -65,8 +67,9 @@ def _hcm(config):
 def test_defaults_are_finite_and_documented():
     hcm = _hcm(CONFIGS["one-pool-failclose"])
     assert (hcm["request_headers_timeout"], hcm["stream_idle_timeout"]) == ("10s", "300s")
-    (route,) = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    assert route["route"]["timeout"] == "600s" and "idle_timeout" not in route["route"]
+    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:  # the EPP's pick, and FailOpen
+        assert route["route"]["timeout"] == "600s" and "idle_timeout" not in route["route"]
+        assert "retry_policy" not in route["route"]  # ORIGINAL_DST would retry the same address
     clusters = {c["name"]: c for c in CONFIGS["one-pool-failclose"]["static_resources"]["clusters"]}
     assert clusters["pool-p"]["circuit_breakers"]["thresholds"] == [{
         "priority": "DEFAULT", "max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000,
@@ -85,9 +88,10 @@ def test_tuned_limits_reach_the_config():
     assert pool["circuit_breakers"]["thresholds"][0]["max_requests"] == 5000
 
 
-def test_stock_filters_and_the_pool_cluster():
-    """ext_proc (disabled, switched on per route), the served-endpoint rule after it, the router; the pool's
-    cluster follows the EPP's metadata (never a client's header), with retries over its list."""
+def test_stock_filters_and_the_pool_clusters():
+    """ext_proc (disabled, switched on per route), the served-endpoint rule after it, the router. A pool's
+    "picked" route matches once the EPP's pick is in the metadata (never a client's header) and goes to an
+    ORIGINAL_DST cluster reading that metadata; without it (FailOpen, the EPP down) least-request over the pool."""
     config = CONFIGS["failopen"]
     filters = _hcm(config)["http_filters"]
     assert [f["name"] for f in filters] == ["envoy.filters.http.ext_proc", "envoy.filters.http.header_to_metadata",
@@ -97,9 +101,28 @@ def test_stock_filters_and_the_pool_cluster():
     assert ext_proc["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert ext_proc["processing_mode"]["response_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert ext_proc["metadata_options"]["forwarding_namespaces"] == {"untyped": [DESTINATION_NAMESPACE]}
+    assert ext_proc["metadata_options"]["receiving_namespaces"] == {"untyped": [DESTINATION_NAMESPACE]}
+    picked, failopen = _hcm(config)["route_config"]["virtual_hosts"][0]["routes"]
+    for route in (picked, failopen):
+        overrides = route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["config"]["overrides"]
+        assert overrides["failure_mode_allow"] is True
+        assert overrides["grpc_service"]["envoy_grpc"]["cluster_name"] == "epp-p"
+    assert picked["match"]["dynamic_metadata"] == [{"filter": DESTINATION_NAMESPACE, "path": [{"key": DESTINATION_KEY}],
+                                                    "value": {"present_match": True}}]
+    assert "headers" not in picked["match"] and "dynamic_metadata" not in failopen["match"]
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    assert picked["route"]["cluster"] == "pool-p" and failopen["route"]["cluster"] == "pool-p-failopen"
+    assert clusters["pool-p"]["type"] == "ORIGINAL_DST"
+    assert clusters["pool-p"]["original_dst_lb_config"] == {"metadata_key": {"key": DESTINATION_NAMESPACE,
+                                                                             "path": [{"key": DESTINATION_KEY}]}}
+    assert clusters["pool-p-failopen"]["lb_policy"] == "LEAST_REQUEST"
+    assert len(clusters["pool-p-failopen"]["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
+
+
+def test_fallbacks_route_through_override_host_with_retries():
+    """An EPP that answers with a list: one route per pool whose retries walk the list (override_host)."""
+    config = CONFIGS["fallbacks"]
     (route,) = _hcm(config)["route_config"]["virtual_hosts"][0]["routes"]
-    overrides = route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["config"]["overrides"]
-    assert overrides["failure_mode_allow"] is True and overrides["grpc_service"]["envoy_grpc"]["cluster_name"] == "epp-p"
     assert route["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream,reset"
     (pool,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "pool-p"]
     (policy,) = pool["load_balancing_policy"]["policies"]
@@ -154,11 +177,14 @@ def test_gateway_files_share_kvgate_up_s_data_plane():
     overrides = {r["name"]: r["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["config"]["overrides"]
                  for vh in route_config["virtual_hosts"] for r in vh["routes"] if "typed_per_filter_config" in r}
     assert {name: (o["grpc_service"]["envoy_grpc"]["cluster_name"], o["failure_mode_allow"])
-            for name, o in overrides.items()} == {"ns/r/0/0-pool": ("epp-open", True),
-                                                  "ns/r/0/1-pool": ("epp-closed", False)}
+            for name, o in overrides.items()} == {"ns/r/0/0-pool-picked": ("epp-open", True),
+                                                  "ns/r/0/0-pool-failopen": ("epp-open", True),
+                                                  "ns/r/0/1-pool-picked": ("epp-closed", False),
+                                                  "ns/r/0/1-pool-failopen": ("epp-closed", False)}
     clusters = {c["name"]: c for c in files["cds.yaml"]["resources"]}
-    assert sorted(clusters) == ["epp-closed", "epp-open", "pool-closed", "pool-open", "svc-ns-web-80"]
-    assert "override_host" in json.dumps(clusters["pool-open"]["load_balancing_policy"])
+    assert sorted(clusters) == ["epp-closed", "epp-open", "pool-closed", "pool-closed-failopen", "pool-open",
+                                "pool-open-failopen", "svc-ns-web-80"]
+    assert clusters["pool-open"]["type"] == "ORIGINAL_DST"
     assert clusters["epp-open"]["health_checks"]
 
 

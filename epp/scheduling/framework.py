@@ -279,8 +279,9 @@ class SchedulingProfile:
             pinned = pinned or isinstance(endpoints, PinnedOrder)
             if not endpoints:
                 return []
-        if pinned:
-            return list(endpoints)
+        if pinned:  # the filter's order is the answer, as long as the picker would give (a stock gateway parses one)
+            cap = self.picker.max_endpoints if self.picker is not None else 0
+            return list(endpoints[:cap] if cap > 0 else endpoints)
         if self.picker is None:
             raise RuntimeError(f"scheduling profile {self.name!r} has no picker")
         snap = cycle.snapshot = self.snapshot(endpoints)

@@ -361,7 +361,7 @@ def test_retries_walk_the_epps_list_when_the_primary_resets(tmp_path, cache):
         epp = EPP(tmp_path, [broken.address, live], extra=["--config-text", PINNED_LIST_CONFIG])
         port, admin = free_port(), free_port()
         pool = PoolBackend("test", "127.0.0.1", epp.grpc_port, [broken.address, live],
-                           epp_health_port=epp.health_port)
+                           epp_health_port=epp.health_port, fallbacks=True)
         envoy = Envoy(tmp_path, render_gateway([Route(pool)], "127.0.0.1", port, admin), admin)
         deadline = time.monotonic() + 20
         while epp.metrics().count(" 0.0\n") < 2 or "kvgate_epp_endpoint_stale" not in epp.metrics():

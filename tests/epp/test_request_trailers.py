@@ -3,13 +3,12 @@
 Envoy sends the EPP the body without end_of_stream and then the trailers; the EPP must decide on the trailers
 message, or Envoy holds the request until its ext_proc message timeout. Sent through the real Envoy over HTTP/2
 with prior knowledge (Envoy's listener accepts h2c), with the h2 library doing the framing, behind the stock
-upstream-shaped gateway config (tests/fixtures/upstream-envoy.yaml).
+upstream-shaped gateway config (tests/fixtures/upstream-envoy.yaml) and kvgate's own.
 
-Behind kvgate's own config the body reaches the engine twice: Envoy 1.40 duplicates a FULL_DUPLEX_STREAMED
-ext_proc body that ends in trailers when the route has a retry policy (envoyproxy/envoy#45470; fix under review
-in #46095). kvgate's routes keep their retries (a dying replica's resets are far more common than request
-trailers in OpenAI traffic) and the engine answers such a body with a JSON 400; the strict xfail below turns
-red when an Envoy wheel with the fix arrives, so the note can go.
+With fallbacks configured (override_host routes with retries) the body reaches the engine twice: Envoy 1.40
+duplicates a FULL_DUPLEX_STREAMED ext_proc body that ends in trailers when the route has a retry policy
+(envoyproxy/envoy#45470; fix under review in #46095), and the engine answers with a JSON 400; the strict xfail
+below turns red when an Envoy wheel with the fix arrives, so the note in envoy/README.md can go.
 """
 
 import json
@@ -21,6 +20,7 @@ import h2.connection
 import h2.events
 import pytest
 
+from kvgate.envoy_config import Route, render_gateway
 from tests.epp.test_stock_envoy import stock_envoy
 from tests.gateway import Gateway
 
@@ -81,9 +81,20 @@ def test_body_ending_with_trailers_is_routed_and_served(gateway):
     assert status == 200, data
 
 
+def test_trailers_behind_kvgates_own_config(tmp_path, cache):
+    with Gateway(tmp_path, cache, [["--backend", "sim"]]) as gw:
+        status, data, _ = h2_request(gw.port, HEADERS, BODY, trailers=[("x-checksum", "abc")])
+        assert status == 200, data
+
+
+def _with_fallbacks(pool, port, admin):
+    pool.fallbacks = True
+    return render_gateway([Route(pool)], "127.0.0.1", port, admin)
+
+
 @pytest.mark.xfail(strict=True, reason="envoyproxy/envoy#45470: with a route retry policy, a FULL_DUPLEX_STREAMED "
                                        "ext_proc body ending in trailers reaches the upstream twice")
-def test_trailers_behind_kvgates_own_config_with_retries(tmp_path, cache):
-    with Gateway(tmp_path, cache, [["--backend", "sim"]]) as gw:
+def test_trailers_behind_kvgates_config_with_fallbacks_and_retries(tmp_path, cache):
+    with Gateway(tmp_path, cache, [["--backend", "sim"]], envoy_config=_with_fallbacks) as gw:
         status, data, _ = h2_request(gw.port, HEADERS, BODY, trailers=[("x-checksum", "abc")])
         assert status == 200, data

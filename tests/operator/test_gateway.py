@@ -191,16 +191,19 @@ def test_weighted_two_pools(conformance, tmp_path):
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     (vh,) = [v for v in hcm["route_config"]["virtual_hosts"] if v["domains"] == ["primary.example.com"]]
     routes = vh["routes"]
-    assert [r["route"]["cluster"] for r in routes] == [
-        "pool-inference-conformance-app-backend-primary-inference-pool",
-        "pool-inference-conformance-app-backend-secondary-inference-pool"]
+    # Per pool: the EPP's pick (ORIGINAL_DST), then FailOpen; the split is decided by the match itself, so the
+    # re-match after the EPP answered (its pick now in the metadata) lands on the same pool's picked route.
+    primary, secondary = ("pool-inference-conformance-app-backend-primary-inference-pool",
+                          "pool-inference-conformance-app-backend-secondary-inference-pool")
+    assert [r["route"]["cluster"] for r in routes] == [primary, primary + "-failopen", secondary,
+                                                       secondary + "-failopen"]
     fractions = [r["match"].get("runtime_fraction", {}).get("default_value") for r in routes]
-    assert fractions == [{"numerator": 700000, "denominator": "MILLION"}, None]
+    assert fractions == [{"numerator": 700000, "denominator": "MILLION"}] * 2 + [None, None]
     # Each pool's routes switch on the one ext_proc filter, naming that pool's EPP.
     assert [r["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["config"]["overrides"]["grpc_service"]
             ["envoy_grpc"]["cluster_name"] for r in routes] == [
-        "epp-inference-conformance-app-backend-primary-inference-pool",
-        "epp-inference-conformance-app-backend-secondary-inference-pool"]
+        "epp-inference-conformance-app-backend-primary-inference-pool"] * 2 + [
+        "epp-inference-conformance-app-backend-secondary-inference-pool"] * 2
 
 
 def test_cross_namespace_needs_reference_grant_and_kinds(samples):
@@ -240,7 +243,8 @@ def _pool_routes_and_cluster(samples, route, pool):
     routing = g.routes_for_gateway(samples["Gateway"], [route], [pool], [], [])
     config = g.render_config(samples["Gateway"], routing)
     routes = _routes_of(config)["virtual_hosts"][0]["routes"]
-    (cluster,) = [c for c in config[CDS_FILE]["resources"] if c["name"].startswith("pool-")]
+    (cluster,) = [c for c in config[CDS_FILE]["resources"] if c["name"].startswith("pool-")
+                  and not c["name"].endswith("-failopen")]
     return config, routes, cluster
 
 
@@ -248,19 +252,18 @@ def test_httproute_timeouts_and_pool_limits(samples, tmp_path):
     """HTTPRoute rules[].timeouts (request, backendRequest) set the route's timeout and per-try timeout; the
     pool's kvgate.dev annotations set its circuit breakers and stream-idle timeout; without them, the defaults."""
     route, pool = copy.deepcopy(samples["HTTPRoute"]), copy.deepcopy(samples["InferencePool"])
-    config, (default_route,), cluster = _pool_routes_and_cluster(samples, route, pool)
+    config, (default_route, _), cluster = _pool_routes_and_cluster(samples, route, pool)
     assert default_route["route"]["timeout"] == "600s" and "idle_timeout" not in default_route["route"]
-    assert "per_try_timeout" not in default_route["route"]["retry_policy"]
     assert cluster["circuit_breakers"]["thresholds"][0]["max_requests"] == 100000
 
     route["spec"]["rules"][0]["timeouts"] = {"request": "1h30m", "backendRequest": "90s"}
     pool["metadata"]["annotations"] = {"kvgate.dev/max-requests": "2048", "kvgate.dev/max-retries": "50",
                                        "kvgate.dev/max-connections": "-1",  # invalid: the default stays
                                        "kvgate.dev/stream-idle-timeout": "15m"}
-    config, (tuned,), cluster = _pool_routes_and_cluster(samples, route, pool)
+    config, (tuned, _), cluster = _pool_routes_and_cluster(samples, route, pool)
     _validate(config, tmp_path)
-    assert (tuned["route"]["timeout"], tuned["route"]["idle_timeout"]) == ("5400s", "900s")
-    assert tuned["route"]["retry_policy"]["per_try_timeout"] == "90s"
+    # One try per request (ORIGINAL_DST on the EPP's pick): backendRequest bounds it together with request.
+    assert (tuned["route"]["timeout"], tuned["route"]["idle_timeout"]) == ("90s", "900s")
     (breakers,) = cluster["circuit_breakers"]["thresholds"]
     assert (breakers["max_requests"], breakers["max_retries"], breakers["max_connections"]) == (2048, 50, 100000)
 
@@ -345,7 +348,7 @@ def test_route_and_pool_changes_do_not_roll_envoy(samples):
     assert container["command"][:3] == ["envoy", "-c", "/etc/envoy/envoy.yaml"]
     assert container["volumeMounts"][0]["mountPath"] == "/etc/envoy"
     assert [c["name"] for c in json.loads(base_cm["data"][CDS_FILE])["resources"]] == [
-        "epp-default-demo-pool", "pool-default-demo-pool"]
+        "epp-default-demo-pool", "pool-default-demo-pool", "pool-default-demo-pool-failopen"]
 
     # A second pool and a Service rule added at once, and then no routes at all: new route tables and clusters,
     # the same bootstrap, so the same Deployment.
@@ -363,7 +366,7 @@ def test_route_and_pool_changes_do_not_roll_envoy(samples):
         assert cm["data"][BOOTSTRAP_FILE] == base_cm["data"][BOOTSTRAP_FILE] and dep == base_dep
         assert cm["data"]["rds-8080.yaml"] != base_cm["data"]["rds-8080.yaml"]
         assert cm["data"][CDS_FILE] != base_cm["data"][CDS_FILE]
-    assert len(json.loads(more_cm["data"][CDS_FILE])["resources"]) == 5
+    assert len(json.loads(more_cm["data"][CDS_FILE])["resources"]) == 7
     assert json.loads(none_cm["data"][CDS_FILE]) == {"resources": []}
 
     # A listener port change is a bootstrap change: the pods roll.
