@@ -97,7 +97,8 @@ class Cluster:
             except config.ConfigException:
                 config.load_kube_config()
             api = client.ApiClient()
-        return cls(Kube(api, field_manager=FIELD_MANAGER, attempts=4), gateway_class, epp_image)
+        # The suite owns what it applies (upstream's manifests, by its own field manager): no operator ownership guard.
+        return cls(Kube(api, field_manager=FIELD_MANAGER, attempts=4, guard_ownership=False), gateway_class, epp_image)
 
     # --- manifests ------------------------------------------------------------------------------------------
     def documents(self, manifest: str) -> list[dict]:

@@ -18,15 +18,13 @@ from kvgate.processes import free_port, start_group, stop_group, wait_http_ok
 
 
 def add_bench_epp_parser(sub) -> None:
-    p = sub.add_parser("epp", help="EPP decision time, added gateway latency, scrape CPU per endpoint")
+    p = sub.add_parser("epp", help="EPP decision time and added gateway latency (scrape cost: kvgate bench scrape)")
     p.add_argument("--endpoint-counts", default="10,100,1000")
     p.add_argument("--decisions", type=int, default=2000, help="scheduling decisions per endpoint count")
     p.add_argument("--latency-requests", type=int, default=300)
     p.add_argument("--request-rate", type=float, default=25.0, help="requests/s for the latency comparison")
-    p.add_argument("--scrape-endpoints", type=int, default=20)
-    p.add_argument("--scrape-seconds", type=float, default=5.0)
-    p.add_argument("--parts", default="scheduling,latency,scrape",
-                   help="comma-separated: scheduling (decision time), latency (Envoy + EPP), scrape (CPU)")
+    p.add_argument("--parts", default="scheduling,latency",
+                   help="comma-separated: scheduling (decision time), latency (Envoy + EPP)")
     p.add_argument("--result-file", default=None)
     p.set_defaults(func=run_bench_epp)
 
@@ -100,13 +98,13 @@ def measure_added_latency(n: int, rate: float) -> dict:
 
 
 def run_bench_epp(args: argparse.Namespace) -> int:
-    from kvgate.epp.scheduling.bench import bench_prefix_match, bench_scheduling, bench_scrape_cpu
+    from kvgate.epp.scheduling.bench import bench_prefix_match, bench_scheduling
 
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    unknown = parts - {"scheduling", "latency", "scrape"}
+    unknown = parts - {"scheduling", "latency"}
     if unknown:
         raise SystemExit(f"kvgate bench epp: unknown part(s) {', '.join(sorted(unknown))}")
-    results: dict = {"scheduling": {}, "prefix_match_us": None, "latency": None, "scrape": None}
+    results: dict = {"scheduling": {}, "prefix_match_us": None, "latency": None}
     if "scheduling" in parts:
         print("decision = schedule + on_picked, queue 2 / kv-cache 2 / prefix 3 / max-score picker (1 endpoint), "
               "every endpoint holding a hot 4 KB prefix; µs")
@@ -135,9 +133,6 @@ def run_bench_epp(args: argparse.Namespace) -> int:
               f"p99 {lat['envoy_direct']['p99_ms']:.2f} ms")
         print(f"  added by the EPP p50 {lat['added_p50_ms']:+.2f} ms ({lat['ratio_p50']:.2f}x)  "
               f"p99 {lat['added_p99_ms']:+.2f} ms ({lat['ratio_p99']:.2f}x)", flush=True)
-    if "scrape" in parts:
-        scrape = results["scrape"] = bench_scrape_cpu(args.scrape_endpoints, args.scrape_seconds)
-        print(f"\nscraping {args.scrape_endpoints} endpoints every 50 ms: {json.dumps(scrape)}")
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(results, indent=2))
     return 0

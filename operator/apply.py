@@ -13,7 +13,9 @@ Force would also take over an object that is not the operator's: a user's Config
 to have the name the operator wants. So `apply` first reads the object and refuses (NameConflict) unless it is
 absent or the operator's own for the same owner (naming.takeover_refusal: managed-by label and owner
 reference); `delete` refuses objects without the managed-by label. Callers turn NameConflict into a status
-condition. (An object created in the milliseconds between the read and the apply is not caught: Kubernetes
+condition. That guard is the operator's: another client of this layer that owns what it writes by its own field
+manager (the conformance suite, which applies and deletes upstream's manifests) turns it off
+(`guard_ownership=False`). (An object created in the milliseconds between the read and the apply is not caught: Kubernetes
 has no "create only" form of apply.)
 """
 
@@ -127,9 +129,10 @@ class Kube:
     """Dict-in, dict-out API calls with retries. Thread-safe as the ApiClient's connection pool is."""
 
     def __init__(self, api_client=None, *, attempts: int = 5, base_delay_s: float = 0.5, max_delay_s: float = 8.0,
-                 timeout_s: float = 30.0, field_manager: str = FIELD_MANAGER):
+                 timeout_s: float = 30.0, field_manager: str = FIELD_MANAGER, guard_ownership: bool = True):
         self.api = api_client if api_client is not None else load_config()
         self.field_manager = field_manager
+        self.guard_ownership = guard_ownership  # refuse to take over or delete objects not the operator's
         self.attempts, self.base_delay_s, self.max_delay_s, self.timeout_s = attempts, base_delay_s, max_delay_s, timeout_s
 
     # --- transport ------------------------------------------------------------------------------------------
@@ -206,7 +209,7 @@ class Kube:
         kind = kind_for(obj)
         meta = obj["metadata"]
         before = self.get(kind, meta["name"], meta.get("namespace"))
-        if before is not None:
+        if before is not None and self.guard_ownership:
             before.setdefault("kind", kind.kind)
             if (why := naming.takeover_refusal(before, obj)) is not None:
                 raise NameConflict(obj, why)
@@ -240,7 +243,7 @@ class Kube:
     def delete(self, obj: dict, *, propagation: str = "Background") -> None:
         """Delete `obj` (as read: its uid is a precondition); NameConflict for an object that is not the
         operator's (no managed-by label)."""
-        if not naming.is_managed(obj):
+        if self.guard_ownership and not naming.is_managed(obj):
             raise NameConflict(obj, "it is not the operator's, so the operator does not delete it")
         kind = kind_for(obj)
         meta = obj["metadata"]

@@ -19,10 +19,13 @@ import importlib
 import inspect
 import json
 import multiprocessing
+import random
 import resource
 import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvgate.epp.types import Endpoint
 
@@ -48,9 +51,42 @@ def add_bench_scrape_parser(sub) -> None:
 
 def metrics_page() -> bytes:
     """The page `kvgate serve` answers after some traffic (vLLM's names and shape), as prometheus_client writes it."""
-    from kvgate.epp.scheduling.bench import vllm_metrics_payload
-
     return vllm_metrics_payload()
+
+
+def vllm_metrics_payload(model: str = "demo") -> bytes:
+    """A /metrics page shaped like `kvgate serve`'s (and vLLM's): gauges, counters and four histograms."""
+    r = CollectorRegistry()
+    labels = ["model_name"]
+    for name, value in (("vllm:num_requests_running", 12), ("vllm:num_requests_waiting", 3),
+                        ("vllm:kv_cache_usage_perc", 0.42)):
+        Gauge(name, name, labels, registry=r).labels(model).set(value)
+    for name, value in (("vllm:prefix_cache_queries", 912345), ("vllm:prefix_cache_hits", 512345),
+                        ("vllm:num_preemptions", 3), ("vllm:prompt_tokens", 912345),
+                        ("vllm:generation_tokens", 123456)):
+        Counter(name, name, labels, registry=r).labels(model).inc(value)
+    Gauge("vllm:cache_config_info", "KV cache configuration", ["block_size", "num_gpu_blocks", "model_name"],
+          registry=r).labels("16", "28672", model).set(1)
+    Gauge("vllm:lora_requests_info", "LoRA", ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+          registry=r).labels("0", "", "").set(time.time())
+    success = Counter("vllm:request_success", "finished", labels + ["finished_reason"], registry=r)
+    success.labels(model, "length").inc(1000)
+    success.labels(model, "stop").inc(200)
+    rng = random.Random(1)
+    for name, buckets in (
+        ("vllm:time_to_first_token_seconds", (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                                              1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)),
+        ("vllm:inter_token_latency_seconds", (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                                              0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)),
+        ("vllm:e2e_request_latency_seconds", (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0,
+                                              15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)),
+        ("vllm:request_queue_time_seconds", (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0,
+                                             15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)),
+    ):
+        h = Histogram(name, name, labels, buckets=buckets, registry=r).labels(model)
+        for _ in range(200):
+            h.observe(rng.expovariate(5.0))
+    return generate_latest(r)
 
 
 _LORA = b"vllm:lora_requests_info{"

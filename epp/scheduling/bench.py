@@ -1,23 +1,16 @@
-"""EPP micro-benchmarks (wired into `kvgate bench epp`): scheduling latency, and scrape CPU per endpoint.
+"""EPP micro-benchmarks (wired into `kvgate bench epp`): scheduling latency (scrape cost: `kvgate bench scrape`).
 
 bench_scheduling   Scheduler.schedule + on_picked per request with upstream's default scorers, over synthetic
                    endpoints with random metrics, every one holding a hot 4 KB prompt prefix (the prefix index's
                    worst case); per-plugin times from the framework's timers.
 bench_prefix_match PrefixIndex.match_runs over a grid of endpoint counts × prompt blocks.
-bench_scrape_cpu   this process's CPU time while the Datalayer scrapes N local fake engines every 50 ms; the
-                   fake engines run in a child process so their CPU is not counted.
 """
 
 from __future__ import annotations
 
-import asyncio
-import multiprocessing
 import random
-import resource
 import statistics
 import time
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 
@@ -55,24 +48,6 @@ def synthetic_prompts(num_requests: int, rng: random.Random, num_prefixes: int =
     return [rng.choice(prefixes) + "\nUser: " + text(rng.randint(500, 2000)) for _ in range(num_requests)]
 
 
-# The scheduling the lead's default config runs (upstream's): queue 2, kv-cache 2, prefix 3, one endpoint picked.
-BENCH_CONFIG_YAML = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: max-score-picker
-  parameters: {maxNumOfEndpoints: 1}
-schedulingProfiles:
-- name: default
-  plugins:
-  - {pluginRef: queue-scorer, weight: 2}
-  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
-  - {pluginRef: prefix-cache-scorer, weight: 3}
-  - {pluginRef: max-score-picker}
-"""
 HOT_PREFIX_CHARS = 4096  # 64 index blocks of 64 characters (16-token KV blocks × 4)
 
 
@@ -94,11 +69,11 @@ def bench_scheduling(num_endpoints: int, num_requests: int, seed: int = 0) -> di
       full_index_p50_us    after filling the prefix index to its default memory budget
       plugins              per-plugin p50 (µs) by extension point
     """
-    from kvgate.epp.scheduling.config import parse_config
+    from kvgate.epp.scheduling.config import default_config
     from kvgate.epp.scheduling.framework import CycleState, Scheduler
 
     rng = random.Random(seed)
-    scheduler = Scheduler(parse_config(BENCH_CONFIG_YAML).scheduler)
+    scheduler = Scheduler(default_config().scheduler)  # upstream's: queue 2, kv-cache 2, prefix 3, one endpoint
     endpoints = synthetic_endpoints(num_endpoints, rng)
     hot = synthetic_prompts(1, rng, num_prefixes=1)[0][:HOT_PREFIX_CHARS]
     for i, e in enumerate(endpoints):  # every endpoint holds the hot prefix
@@ -214,123 +189,3 @@ def timeit_ns(fn, repeats: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------ scrape CPU
-
-def vllm_metrics_payload(model: str = "demo") -> bytes:
-    """A /metrics page shaped like `kvgate serve`'s (and vLLM's): gauges, counters and four histograms."""
-    r = CollectorRegistry()
-    labels = ["model_name"]
-    for name, value in (("vllm:num_requests_running", 12), ("vllm:num_requests_waiting", 3),
-                        ("vllm:kv_cache_usage_perc", 0.42)):
-        Gauge(name, name, labels, registry=r).labels(model).set(value)
-    for name, value in (("vllm:prefix_cache_queries", 912345), ("vllm:prefix_cache_hits", 512345),
-                        ("vllm:num_preemptions", 3), ("vllm:prompt_tokens", 912345),
-                        ("vllm:generation_tokens", 123456)):
-        Counter(name, name, labels, registry=r).labels(model).inc(value)
-    Gauge("vllm:cache_config_info", "KV cache configuration", ["block_size", "num_gpu_blocks", "model_name"],
-          registry=r).labels("16", "28672", model).set(1)
-    Gauge("vllm:lora_requests_info", "LoRA", ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-          registry=r).labels("0", "", "").set(time.time())
-    success = Counter("vllm:request_success", "finished", labels + ["finished_reason"], registry=r)
-    success.labels(model, "length").inc(1000)
-    success.labels(model, "stop").inc(200)
-    rng = random.Random(1)
-    for name, buckets in (
-        ("vllm:time_to_first_token_seconds", (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-                                              1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)),
-        ("vllm:inter_token_latency_seconds", (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-                                              0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)),
-        ("vllm:e2e_request_latency_seconds", (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0,
-                                              15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)),
-        ("vllm:request_queue_time_seconds", (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0,
-                                             15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)),
-    ):
-        h = Histogram(name, name, labels, buckets=buckets, registry=r).labels(model)
-        for _ in range(200):
-            h.observe(rng.expovariate(5.0))
-    return generate_latest(r)
-
-
-def _raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def serve_fake_metrics(num_servers: int, payload: bytes, conn) -> None:
-    """Child process: `num_servers` keep-alive HTTP servers answering every request with `payload`."""
-    _raise_fd_limit()
-    response = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-                b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-
-    class MetricsProtocol(asyncio.Protocol):
-        def connection_made(self, transport):
-            self.transport, self.buffer = transport, b""
-
-        def data_received(self, data):
-            self.buffer += data
-            while b"\r\n\r\n" in self.buffer:
-                _, _, self.buffer = self.buffer.partition(b"\r\n\r\n")
-                self.transport.write(response)
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        servers = [await loop.create_server(MetricsProtocol, "127.0.0.1", 0, backlog=512)
-                   for _ in range(num_servers)]
-        conn.send([s.sockets[0].getsockname()[1] for s in servers])
-        await loop.run_in_executor(None, conn.recv)  # the parent says when to stop
-        for s in servers:
-            s.close()
-
-    asyncio.run(main())
-
-
-def bench_scrape_cpu(num_endpoints: int, seconds: float = 5.0, interval: float = 0.05) -> dict:
-    """CPU seconds this process spends per endpoint per second of scraping at `interval`, plus achieved rate."""
-    from kvgate.epp.datalayer import Datalayer
-
-    _raise_fd_limit()
-    payload = vllm_metrics_payload()
-    ctx = multiprocessing.get_context("spawn")
-    parent_conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=serve_fake_metrics, args=(num_endpoints, payload, child_conn), daemon=True)
-    child.start()
-    try:
-        if not parent_conn.poll(60):
-            raise TimeoutError("fake metrics servers did not start")
-        ports = parent_conn.recv()
-
-        async def run() -> tuple[float, float, dict]:
-            layer = Datalayer(interval=interval)
-            layer.set_endpoints([Endpoint(f"127.0.0.1:{p}") for p in ports])
-            await layer.start()
-            await asyncio.sleep(min(1.0, seconds / 4))  # connect and warm up before measuring
-            before, cpu0, wall0 = layer.stats(), time.process_time(), time.perf_counter()
-            await asyncio.sleep(seconds)
-            after, cpu1, wall1 = layer.stats(), time.process_time(), time.perf_counter()
-            fresh = sum(not s.stale for s in layer.states())
-            await layer.stop()
-            scrapes = after["scrapes"] - before["scrapes"]
-            return cpu1 - cpu0, wall1 - wall0, {"scrapes": scrapes, "failures": after["failures"] - before["failures"],
-                                                "fresh_endpoints": fresh}
-
-        cpu, wall, counts = asyncio.run(run())
-    finally:
-        parent_conn.send("stop")
-        child.join(10)
-        if child.is_alive():
-            child.kill()
-            child.join(5)
-    scrapes = max(counts["scrapes"], 1)
-    return {
-        "num_endpoints": num_endpoints,
-        "seconds": round(wall, 3),
-        "payload_bytes": len(payload),
-        "target_scrapes_per_endpoint_s": 1.0 / interval,
-        "achieved_scrapes_per_endpoint_s": counts["scrapes"] / wall / num_endpoints,
-        "cpu_ms_per_endpoint_s": 1000.0 * cpu / wall / num_endpoints,
-        "cpu_us_per_scrape": 1e6 * cpu / scrapes,
-        "process_cpu_cores": cpu / wall,
-        "failures": counts["failures"],
-        "fresh_endpoints": counts["fresh_endpoints"],
-    }
-

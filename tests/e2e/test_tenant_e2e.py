@@ -146,7 +146,7 @@ def test_tenant_cannot_escalate_through_modelservers(k8s, tmp_path):
         assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
         assert pod["terminationGracePeriodSeconds"] == 30  # 20 s drain + preStop 5 s + 5 s to exit
         assert c["command"][c["command"].index("--shutdown-timeout") + 1] == "20"
-        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/live"  # 503 only once the engine loop died
         print(f"[tenant-e2e] {time.monotonic() - t0:6.1f}s the valid ModelServer is Ready")
 
         # Fixing a refused ModelServer lets it through: the refusal was the spec's, not a stuck state.

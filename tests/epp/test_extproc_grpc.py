@@ -267,7 +267,7 @@ def test_a_killed_engine_leaves_rotation_within_a_second_and_returns(tmp_path):
             assert set(picks(40)) == {victim, survivor}  # both in rotation (ties spread)
             engines[0].proc.kill()
             killed = time.monotonic()
-            while victim in picks(5):
+            while victim in picks(20):  # 20 picks all avoiding it by chance (ties): ~1e-6
                 assert time.monotonic() - killed < 1.0, "the dead engine is still picked after 1 s"
             assert set(picks(40)) == {survivor}
             # The same port comes back (a restarted pod): the first good scrape returns it to rotation.

@@ -108,8 +108,12 @@ def test_conformance_config_header_selection_overrides_scores():
     s = Scheduler(parse_config(CONFORMANCE_EPP_CONFIG).scheduler)
     endpoints = [state(A, queue=9, kv=0.9), state(B), state(C)]
     selected = request(headers={"test-epp-endpoint-selection": f"{A},{C}"})
-    assert addresses(s.schedule(selected, endpoints)) == [A, C]
+    # The listed order wins over scores, as long as the picker gives: one endpoint (a stock gateway parses one).
+    assert addresses(s.schedule(selected, endpoints)) == [A]
     assert s.schedule(request(headers={"test-epp-endpoint-selection": "10.9.9.9"}), endpoints) == []
+    listing = Scheduler(parse_config(CONFORMANCE_EPP_CONFIG.replace(
+        "- type: max-score-picker", "- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}")).scheduler)
+    assert addresses(listing.schedule(selected, endpoints)) == [A, C]
 
 
 def test_default_config_prefix_affinity_after_on_picked():

@@ -68,6 +68,18 @@ def test_delete_refuses_objects_the_operator_did_not_make():
     assert kube.stored("Deployment", "d") is not None
 
 
+def test_the_guard_is_the_operators_a_client_owning_its_objects_turns_it_off():
+    """The conformance suite applies and deletes upstream's manifests (its own, by its field manager) through the
+    same layer: without the guard it may; the operator's Kube keeps refusing."""
+    kube = MemoryKube()
+    kube.guard_ownership = False
+    users = kube.put({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": "default"}})
+    kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": "default"},
+                "spec": {"replicas": 2}})
+    kube.delete(kube.stored("Deployment", "d") or users)
+    assert kube.stored("Deployment", "d") is None
+
+
 # --- the reconciler ----------------------------------------------------------------------------------------
 
 def _reconciler(kube, policy=TenantPolicy()):
