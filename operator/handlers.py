@@ -47,8 +47,8 @@ from kvgate.operator.modelserver import (desired_engine_deployment, modelserver_
 from kvgate.operator.network_policy import (desired_network_policy, gateways_routing_to, policy_enabled,
                                             route_refs)
 from kvgate.operator.pool import (choose_epp_config, desired_epp_objects, epp_pool_status, epp_problems, epp_ref,
-                                  is_fail_open, manages_epp, pool_status, referenced_config_name, running_note,
-                                  without_epp_status)
+                                  is_fail_open, manages_epp, pool_status, referenced_config_name, returns_lists,
+                                  running_note, without_epp_status)
 from kvgate.operator.tenancy import TenantPolicy, privileged_uses
 
 log = logging.getLogger("kvgate.operator")
@@ -395,9 +395,14 @@ class Reconciler:
         grants = self.kube.list(REFERENCEGRANT, ns)
         namespaces = self._namespace_labels()
         pods = _PodCache(self.kube)
+        # Pools whose EPP (the operator's) answers with lists get override_host routes retrying over the list.
+        epp_configs = {naming.key_of(cm): cm for cm in self.kube.list(
+            CONFIGMAP, ns, label_selector=f"app.kubernetes.io/component=epp,{naming.MANAGED_BY_KEY}={naming.MANAGED_BY}")}
+        fallback_pools = frozenset(naming.key_of(pool) for pool in pools if returns_lists(
+            epp_configs.get((naming.namespace_of(pool), naming.epp_name(pool))), pool))
         endpoints = {}
-        for pool in pools:  # the FailOpen fallback only (other pools never use theirs)
-            if is_fail_open(pool):
+        for pool in pools:  # FailOpen's cluster, and an override_host cluster's hosts (other pools use none)
+            if is_fail_open(pool) or naming.key_of(pool) in fallback_pools:
                 from kvgate.epp.datastore import pool_endpoints
 
                 endpoints[naming.key_of(pool)] = [e.address for e in pool_endpoints(pool, pods.of(naming.namespace_of(pool)))]
@@ -407,7 +412,8 @@ class Reconciler:
         failed = []
         for gw in gateways:
             try:
-                routing = routes_for_gateway(gw, routes, pools, services, grants, endpoints, namespaces)
+                routing = routes_for_gateway(gw, routes, pools, services, grants, endpoints, namespaces,
+                                             fallback_pools)
                 if self.config.epp_address_mode == "pod-ip":
                     routing = self._epp_via_pods(routing, services, pods)
                 previous = self.kube.get(CONFIGMAP, naming.envoy_name(gw), naming.namespace_of(gw))
@@ -574,7 +580,7 @@ def register(registry, reconciler: Reconciler):
         for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
             if ref.get("kind") == "ModelServer":
                 q.add(("ModelServer", namespace, ref.get("name")))
-                q.add(GATEWAYS_KEY)  # FailOpen fallback endpoints follow the engine pods
+                q.add(GATEWAYS_KEY)  # FailOpen (and override_host) clusters' endpoints follow the engine pods
             elif ref.get("kind") == "InferencePool":
                 q.add(("InferencePool", namespace, ref.get("name")))  # put back what a user deleted
                 q.add(GATEWAYS_KEY)  # the pool's ResolvedRefs; with pod-ip, the EPP's address

@@ -267,6 +267,18 @@ def _last_good(pool: dict, current: dict | None) -> str | None:
     return text
 
 
+def returns_lists(epp_config_map: dict | None, pool: dict) -> bool:
+    """Whether the pool's EPP (the operator's, running the config in its ConfigMap) answers with a list of
+    endpoints (its primary picker's maxNumOfEndpoints > 1): the Gateways then route the pool through
+    override_host, whose retries walk the list. False for an EPP that is not the operator's (its config is not
+    known here: upstream's default answers one endpoint)."""
+    text = _last_good(pool, epp_config_map)
+    if text is None:
+        return False
+    picker = parse_config(text).scheduler.profiles[0].picker
+    return picker is not None and picker.max_endpoints != 1
+
+
 def choose_epp_config(pool: dict, referenced: dict | None, current: dict | None) -> ConfigChoice:
     """The config to roll out to the pool's EPP: the default without a `kvgate.dev/epp-config` annotation,
     else the referenced ConfigMap's key once it parses. When the reference or the config is unusable: the

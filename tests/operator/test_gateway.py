@@ -566,3 +566,23 @@ def test_live_envoy_applies_route_and_pool_changes_in_place(tmp_path):
             epp.stop()
         a.stop()
         b.stop()
+
+
+def test_a_pool_whose_epp_returns_lists_gets_retries_over_the_list(samples, tmp_path):
+    """pool.returns_lists → the Gateway routes that pool through override_host (hosts: its ready pods) with
+    retries; the other pools keep ORIGINAL_DST on the EPP's pick."""
+    route, pool = samples["HTTPRoute"], samples["InferencePool"]
+    key = (pool["metadata"]["namespace"], pool["metadata"]["name"])
+    routing = g.routes_for_gateway(samples["Gateway"], [route], [pool], [], [],
+                                   pool_endpoints={key: ["10.0.0.1:8000", "10.0.0.2:8000"]},
+                                   fallback_pools=frozenset({key}))
+    config = g.render_config(samples["Gateway"], routing)
+    _validate(config, tmp_path)
+    (listed,) = _routes_of(config)["virtual_hosts"][0]["routes"]
+    assert listed["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream,reset"
+    (cluster,) = [c for c in config[CDS_FILE]["resources"] if c["name"].startswith("pool-")]
+    assert "override_host" in json.dumps(cluster["load_balancing_policy"])
+    assert len(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
+    plain = g.render_config(samples["Gateway"], g.routes_for_gateway(samples["Gateway"], [route], [pool], [], []))
+    assert [r["name"].rsplit("-", 1)[-1] for r in _routes_of(plain)["virtual_hosts"][0]["routes"]] == [
+        "picked", "failopen"]

@@ -319,3 +319,27 @@ def test_epp_status_entry_is_valid_for_the_pool_crd(samples):
     assert our_schema("InferencePool").errors(pool) == []
     if UPSTREAM_POOL_CRD.is_file():
         assert upstream_pool_schema().errors(pool) == []
+
+
+LIST_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: max-score-picker
+  parameters: {maxNumOfEndpoints: 3}
+"""
+
+
+def test_returns_lists_reads_the_operators_epp_config(samples):
+    """Gateways route a pool through override_host (retries over the list) only when the operator's EPP for it
+    answers with lists; the default config, no ConfigMap, or one that is not the operator's: one endpoint."""
+    pool = samples["InferencePool"]
+    default_cm = _by_kind(p.desired_epp_objects(pool, IMAGE))["ConfigMap"]
+    lists_cm = _by_kind(p.desired_epp_objects(pool, IMAGE, LIST_CONFIG))["ConfigMap"]
+    assert not p.returns_lists(default_cm, pool)
+    assert p.returns_lists(lists_cm, pool)
+    assert not p.returns_lists(None, pool)
+    users = copy.deepcopy(lists_cm)
+    users["metadata"]["labels"] = {}
+    assert not p.returns_lists(users, pool)
