@@ -25,3 +25,19 @@ def request(prompt: str = "hello", *, model: str = "m", request_id: str = "r1", 
 
 def addresses(states) -> list[str]:
     return [s.address for s in states]
+
+
+# An EndpointPickerConfig whose picker answers with a list (primary, then fallbacks).
+LIST_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: max-score-picker
+  parameters: {maxNumOfEndpoints: 3}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+  - pluginRef: max-score-picker
+"""

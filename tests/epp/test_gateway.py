@@ -13,6 +13,7 @@ from collections import Counter
 import httpx
 import pytest
 
+from tests.epp.helpers import LIST_CONFIG
 from tests.gateway import EPP, Envoy, Gateway
 from tests.procs import KvgateServe, free_port
 from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
@@ -283,21 +284,6 @@ def test_failure_mode_with_the_epp_down(tmp_path, cache, fail_open):
             assert r.status_code == 200 and r.headers[SERVED_BY] in gw.endpoints
         else:
             assert r.status_code >= 500
-
-
-LIST_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: max-score-picker
-  parameters: {maxNumOfEndpoints: 3}
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-  - pluginRef: max-score-picker
-"""
 
 
 class ResettingEngine:

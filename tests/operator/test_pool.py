@@ -5,6 +5,7 @@ import pytest
 from kvgate.epp.scheduling.config import parse_config
 from kvgate.operator import naming
 from kvgate.operator import pool as p
+from tests.epp.helpers import LIST_CONFIG
 from tests.operator.conftest import NOW, round_trips
 
 IMAGE = "kvgate:test"
@@ -319,16 +320,6 @@ def test_epp_status_entry_is_valid_for_the_pool_crd(samples):
     assert our_schema("InferencePool").errors(pool) == []
     if UPSTREAM_POOL_CRD.is_file():
         assert upstream_pool_schema().errors(pool) == []
-
-
-LIST_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: max-score-picker
-  parameters: {maxNumOfEndpoints: 3}
-"""
 
 
 def test_returns_lists_reads_the_operators_epp_config(samples):
