@@ -22,9 +22,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def start_group(cmd: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
-    """Start `cmd` in its own process group, stdout and stderr to `log_path`."""
-    with open(log_path, "wb") as log:
+def start_group(cmd: list[str], log_path: Path, env: dict | None = None, append: bool = False) -> subprocess.Popen:
+    """Start `cmd` in its own process group, stdout and stderr to `log_path` (appended to with `append`)."""
+    with open(log_path, "ab" if append else "wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
 

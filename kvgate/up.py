@@ -1,6 +1,10 @@
 """`kvgate up`: the whole stack on one machine — N engines, the EPP (standalone) and Envoy, on loopback.
 
-Every child runs in its own process group; Ctrl-C, SIGTERM or the death of any child stops them all.
+Every child runs in its own process group. A child that dies during start-up fails `kvgate up` (its log says
+why). Once the stack is up, a child that dies — a replica killed, an engine loop that died, the EPP or Envoy —
+is restarted with the same command and ports, after a backoff that doubles from 1 s up to 30 s (and resets once
+it has stayed up for a minute), each restart logged; meanwhile the EPP keeps requests off a dead replica (two
+failed scrapes). Only Ctrl-C or SIGTERM stops the stack, and then every child.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvgate.envoy_config import (CircuitBreakers, ListenerTimeouts, PoolBackend, Route, RouteTimeouts, envoy_binary,
@@ -66,25 +71,62 @@ def envoy_limits(args: argparse.Namespace) -> tuple[RouteTimeouts, ListenerTimeo
             CircuitBreakers(args.max_requests, args.max_pending_requests, args.max_connections, args.max_retries))
 
 
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    env: dict | None
+    proc: subprocess.Popen
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0  # in a row: reset once the child has stayed up for STABLE_S
+    restart_at: float | None = None  # when a dead child is started again
+
+
 class Stack:
+    RESTART_BASE_S = 1.0
+    RESTART_CAP_S = 30.0
+    STABLE_S = 60.0
+
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.children: list[Child] = []
 
     def start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         proc = start_group(cmd, self.workdir / f"{name}.log", env)
-        self.procs.append((name, proc))
+        self.children.append(Child(name, cmd, env, proc))
         return proc
 
+    def _exit(self, c: Child) -> str:
+        return f"{c.name} exited with code {c.proc.returncode} (log: {self.workdir / (c.name + '.log')})"
+
     def dead(self) -> str | None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                return f"{name} exited with code {proc.returncode} (log: {self.workdir / (name + '.log')})"
+        for c in self.children:
+            if c.proc.poll() is not None:
+                return self._exit(c)
         return None
 
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Restart dead children after their backoff; what happened, as log lines."""
+        now = time.monotonic() if now is None else now
+        said = []
+        for c in self.children:
+            if c.restart_at is not None:
+                if now >= c.restart_at:
+                    c.proc = start_group(c.cmd, self.workdir / f"{c.name}.log", c.env, append=True)
+                    c.started_at, c.restart_at = now, None
+                    said.append(f"{c.name} restarted (restart {c.restarts})")
+            elif c.proc.poll() is not None:
+                if now - c.started_at >= self.STABLE_S:
+                    c.restarts = 0
+                delay = min(self.RESTART_CAP_S, self.RESTART_BASE_S * 2 ** c.restarts)
+                c.restarts += 1
+                c.restart_at = now + delay
+                said.append(f"{self._exit(c)}; restarting in {delay:g} s")
+        return said
+
     def stop(self) -> None:
-        for _, proc in reversed(self.procs):
-            stop_group(proc)
+        for c in reversed(self.children):
+            stop_group(c.proc)
 
     def wait_http(self, url: str, deadline: float, what: str) -> None:
         wait_http_ok(url, max(deadline - time.monotonic(), 0.1), self.dead, what)
@@ -142,10 +184,8 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"  EPP metrics: http://127.0.0.1:{metrics_port}/metrics   logs: {workdir}")
         print("Ctrl-C stops everything.", flush=True)
         while not stopping:
-            problem = stack.dead()
-            if problem:
-                print(f"kvgate up: {problem}; stopping", file=sys.stderr)
-                return 1
+            for line in stack.supervise():
+                print(f"kvgate up: {line}", file=sys.stderr, flush=True)
             time.sleep(0.2)
         return 0
     except (RuntimeError, TimeoutError) as exc:

@@ -4,6 +4,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
@@ -71,26 +72,66 @@ def test_up_serves_and_stops(tmp_path, backend):
             proc.wait(timeout=10)
 
 
-def test_up_stops_everything_when_a_child_dies(tmp_path):
+def test_up_restarts_a_dead_replica_and_keeps_serving(tmp_path):
+    """A replica SIGKILLed under `kvgate up`: requests keep being served by the other one (the EPP takes the dead
+    one out), the replica is restarted on its port (logged), serves again, and the stack stops only on SIGTERM."""
     port = free_port()
     env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([KVGATE, "up", "--replicas", "1", "--backend", "sim", "--port", str(port)],
+    proc = subprocess.Popen([KVGATE, "up", "--replicas", "2", "--backend", "sim", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    def complete(i):
+        r = httpx.post(url, json={"model": "demo", "prompt": f"p{i}", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.headers["x-kvgate-endpoint"]
+
     try:
         for _ in range(200):
             line = proc.stdout.readline()
             if not line or "Ctrl-C" in line:
                 break
-        children = descendants(proc.pid)
-        engine = [pid for pid in children if "serve" in open(f"/proc/{pid}/cmdline").read()][0]
-        os.kill(engine, signal.SIGKILL)
+        engines = [pid for pid in descendants(proc.pid) if "serve" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(engines) == 2
+        victim = engines[0]
+        victim_port = re.search(r"--port\x00(\d+)", open(f"/proc/{victim}/cmdline").read()).group(1)
+        assert len({complete(i) for i in range(20)}) == 2
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(0.5)  # two failed scrapes take it out of the EPP's rotation
+        served = {complete(i) for i in range(100, 120)}
+        assert served and all(not s.endswith(":" + victim_port) for s in served)
+        assert proc.poll() is None  # the stack keeps running
+        deadline = time.monotonic() + 30
+        while not any(s.endswith(":" + victim_port) for s in {complete(i) for i in range(200, 210)}):
+            assert time.monotonic() < deadline, "the restarted replica never served again"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=60)[0]
-        assert proc.returncode == 1 and re.search(r"engine-0 exited", rest), rest
-        time.sleep(0.5)
-        assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")
-                    and open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+        assert re.search(r"engine-\d exited with code -9 .*; restarting in 1 s", rest), rest
+        assert re.search(r"engine-\d restarted \(restart 1\)", rest), rest
+        assert proc.returncode == 0 and "stopped" in rest
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def test_supervise_backs_off_and_resets_after_a_stable_run(tmp_path):
+    from kvgate.up import Stack
+
+    stack = Stack(tmp_path)
+    stack.start("crasher", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    stack.children[0].proc.wait(timeout=10)
+    t = stack.children[0].started_at
+    delays = []
+    for _ in range(7):  # each death doubles the wait, up to the cap
+        (line,) = stack.supervise(t)
+        delays.append(float(re.search(r"restarting in ([\d.]+) s", line).group(1)))
+        t = stack.children[0].restart_at
+        assert stack.supervise(t) == [f"crasher restarted (restart {len(delays)})"]
+        stack.children[0].proc.wait(timeout=10)
+    assert delays == [1, 2, 4, 8, 16, 30, 30]
+    (line,) = stack.supervise(t + Stack.STABLE_S)  # it had stayed up a minute: back to the first delay
+    assert "restarting in 1 s" in line and "code 3" in line
+    stack.stop()
