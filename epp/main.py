@@ -33,6 +33,18 @@ def index_bytes(text: str) -> int:
     return value
 
 
+# Readiness waits for an endpoint it can route to (a first good scrape), at most this long after the pool's
+# endpoints are known: a restarted EPP is not sent traffic it would answer 503, and a pool whose servers export
+# no metrics (Kubernetes mode routes to their Ready pods) still gets an EPP.
+READY_WITHOUT_SCRAPE_S = 2.0
+
+
+def can_route(director, datastore, seconds_since_sync: float) -> bool:
+    """Whether the EPP may report ready: an empty pool (503 until pods come), an available endpoint, or the bound."""
+    return (not datastore.endpoints or seconds_since_sync >= READY_WITHOUT_SCRAPE_S
+            or any(s.available for s in director.states()))
+
+
 def add_epp_parser(sub) -> None:
     p = sub.add_parser("epp", help="run the Endpoint Picker (Envoy ext-proc server)")
     mode = p.add_argument_group("pool (Kubernetes mode or standalone)")
@@ -159,17 +171,20 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             datastore.set_endpoints(parse_endpoints(args.endpoints or ""))
     log.info("EPP listening: ext-proc %s:%d, health %d, metrics %d", args.grpc_host, args.grpc_port,
              args.grpc_health_port, args.metrics_port)
-    ready = False
+    ready, synced_at = False, None
     try:
         while not stop.is_set():
             if endpoints_file is not None:
                 endpoints_file.poll()
             if datastore.synced and not ready:
-                ready = True
-                for name in READINESS_SERVICES:
-                    await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+                synced_at = synced_at or loop.time()
+                if can_route(director, datastore, loop.time() - synced_at):
+                    ready = True
+                    log.info("ready %.2f s after the pool's endpoints were known", loop.time() - synced_at)
+                    for name in READINESS_SERVICES:
+                        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             try:
-                await asyncio.wait_for(stop.wait(), timeout=0.5)
+                await asyncio.wait_for(stop.wait(), timeout=0.5 if ready else 0.05)
             except asyncio.TimeoutError:
                 pass
     finally:

@@ -281,3 +281,40 @@ def test_a_killed_engine_leaves_rotation_within_a_second_and_returns(tmp_path):
             epp.stop()
         for e in engines:
             e.stop()
+
+
+def _serving(epp, service="readiness") -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{epp.health_port}") as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+    return status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_ready_once_it_can_route_and_within_two_seconds(tmp_path):
+    """Readiness waits for a first good scrape, so a (re)started EPP is not sent requests it would answer 503 —
+    and is bounded: with no endpoint answering, it turns ready 2 s after the pool's endpoints are known."""
+    engine = KvgateServe("sim-model", "--backend", "sim", cache_dir=tmp_path)
+    epps = []
+    try:
+        engine.wait_ready()
+        live = EPP(tmp_path, [f"127.0.0.1:{engine.port}"])
+        epps.append(live)
+        started = time.monotonic()
+        while not _serving(live):
+            assert time.monotonic() - started < 2.0, live.log()
+            time.sleep(0.02)
+        with grpc.insecure_channel(f"127.0.0.1:{live.grpc_port}") as channel:
+            out = run(pb_grpc.ExternalProcessorStub(channel), [headers_msg({}), *body_msgs(completion())])
+        assert destination(out[0]) == f"127.0.0.1:{engine.port}"  # ready means routable, not 503
+        dead = EPP(tmp_path, [f"127.0.0.1:{free_port()}"])
+        epps.append(dead)
+        started = time.monotonic()
+        assert not _serving(dead)
+        while not _serving(dead):
+            assert time.monotonic() - started < 5.0, dead.log()
+            time.sleep(0.05)
+        assert time.monotonic() - started > 1.0  # it waited for a scrape that never came, then gave up waiting
+        assert _serving(dead, "liveness")
+    finally:
+        for e in epps:
+            e.stop()
+        engine.stop()
