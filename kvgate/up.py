@@ -131,6 +131,28 @@ class Stack:
     def wait_http(self, url: str, deadline: float, what: str) -> None:
         wait_http_ok(url, max(deadline - time.monotonic(), 0.1), self.dead, what)
 
+    def wait_until(self, ready, deadline: float, what: str) -> None:
+        """Poll `ready()` until true; RuntimeError if a child dies, TimeoutError past `deadline`."""
+        while not ready():
+            problem = self.dead()
+            if problem:
+                raise RuntimeError(f"{problem} while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}")
+            time.sleep(0.1)
+
+
+def epp_healthy_in_envoy(admin_port: int, cluster: str) -> bool:
+    """Whether Envoy's health check has found the EPP serving (its /clusters lists the host as healthy)."""
+    import httpx
+
+    try:
+        text = httpx.get(f"http://127.0.0.1:{admin_port}/clusters", timeout=2).text
+    except httpx.HTTPError:
+        return False
+    return any(line.startswith(f"{cluster}::") and line.endswith("::health_flags::healthy")
+               for line in text.splitlines())
+
 
 def run_up(args: argparse.Namespace) -> int:
     if args.replicas < 1:
@@ -176,6 +198,9 @@ def run_up(args: argparse.Namespace) -> int:
             stack.wait_http(f"http://127.0.0.1:{port}/health", deadline, "engine")
         stack.wait_http(f"http://127.0.0.1:{metrics_port}/metrics", deadline, "EPP")
         stack.wait_http(f"http://127.0.0.1:{admin_port}/ready", deadline, "Envoy")
+        # The EPP turns ready once it can route; until Envoy's health check has seen that, FailClose answers 500.
+        stack.wait_until(lambda: epp_healthy_in_envoy(admin_port, f"epp-{pool.name}"), deadline,
+                         "Envoy to find the EPP ready")
         url = f"http://{args.host}:{args.port}"
         model = args.model
         print(f"kvgate is up: {url}  ({args.replicas} x {args.backend} engine of {model!r}, EPP, Envoy)")

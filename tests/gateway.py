@@ -43,14 +43,38 @@ def wait_http(url: str, proc: Proc | None, timeout: float = 60.0) -> None:
 
 
 class EPP(Proc):
+    """`kvgate epp`, returned once it reports ready (as a Deployment's readiness gate and Envoy's health check
+    would wait: the EPP turns ready once it can route, at most 2 s after its endpoints are known)."""
+
     def __init__(self, logdir: Path, endpoints: list[str] | None = None, endpoints_file: Path | None = None,
-                 extra: list[str] = ()) -> None:
+                 extra: list[str] = (), wait_ready: bool = True) -> None:
         self.grpc_port, self.health_port, self.metrics_port = free_port(), free_port(), free_port()
         cmd = [KVGATE, "epp", "--grpc-port", str(self.grpc_port), "--grpc-health-port", str(self.health_port),
                "--metrics-port", str(self.metrics_port), *extra]
         cmd += ["--endpoints-file", str(endpoints_file)] if endpoints_file else ["--endpoints", ",".join(endpoints)]
         super().__init__("epp", cmd, logdir)
         wait_http(f"http://127.0.0.1:{self.metrics_port}/metrics", self)
+        if wait_ready:
+            self.wait_ready()
+
+    def ready(self) -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{self.health_port}") as channel:
+            try:
+                status = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="readiness"), timeout=2).status
+            except grpc.RpcError:
+                return False
+        return status == health_pb2.HealthCheckResponse.SERVING
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if not self.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the EPP never turned ready:\n{self.log()}")
+            time.sleep(0.05)
 
     def metrics(self) -> str:
         return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text

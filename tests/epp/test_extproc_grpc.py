@@ -296,7 +296,7 @@ def test_ready_once_it_can_route_and_within_two_seconds(tmp_path):
     epps = []
     try:
         engine.wait_ready()
-        live = EPP(tmp_path, [f"127.0.0.1:{engine.port}"])
+        live = EPP(tmp_path, [f"127.0.0.1:{engine.port}"], wait_ready=False)
         epps.append(live)
         started = time.monotonic()
         while not _serving(live):
@@ -305,7 +305,7 @@ def test_ready_once_it_can_route_and_within_two_seconds(tmp_path):
         with grpc.insecure_channel(f"127.0.0.1:{live.grpc_port}") as channel:
             out = run(pb_grpc.ExternalProcessorStub(channel), [headers_msg({}), *body_msgs(completion())])
         assert destination(out[0]) == f"127.0.0.1:{engine.port}"  # ready means routable, not 503
-        dead = EPP(tmp_path, [f"127.0.0.1:{free_port()}"])
+        dead = EPP(tmp_path, [f"127.0.0.1:{free_port()}"], wait_ready=False)
         epps.append(dead)
         started = time.monotonic()
         assert not _serving(dead)
