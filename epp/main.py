@@ -37,12 +37,25 @@ def index_bytes(text: str) -> int:
 # endpoints are known: a restarted EPP is not sent traffic it would answer 503, and a pool whose servers export
 # no metrics (Kubernetes mode routes to their Ready pods) still gets an EPP.
 READY_WITHOUT_SCRAPE_S = 2.0
+# On SIGTERM the streams in flight get this long to finish (a rollout's old pod lingers for them; the operator's
+# terminationGracePeriodSeconds covers it): long generations finish, a stuck stream cannot hold the pod forever.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 60.0
+# The lame-duck phase of a drain (see drain()): Envoy's health check needs 3 failed checks 1 s apart to mark the
+# EPP unhealthy, a Service's endpoints a moment to drop the pod.
+LAME_DUCK_QUIET_S = 1.0
+LAME_DUCK_MAX_S = 5.0
 
 
 def can_route(director, datastore, seconds_since_sync: float) -> bool:
-    """Whether the EPP may report ready: an empty pool (503 until pods come), an available endpoint, or the bound."""
-    return (not datastore.endpoints or seconds_since_sync >= READY_WITHOUT_SCRAPE_S
-            or any(s.available for s in director.states()))
+    """Whether the EPP may report ready: an empty pool (503 until pods come), an available endpoint, or the bound —
+    which in standalone mode (no Ready pods to fall back on) also waits for every endpoint's first scrape to
+    end: on a loaded machine a first scrape can take longer than the bound, and an EPP that turned ready before
+    it would answer 503 for a pool that is fine."""
+    if not datastore.endpoints or any(s.available for s in director.states()):
+        return True
+    if seconds_since_sync < READY_WITHOUT_SCRAPE_S:
+        return False
+    return director.trust_pool_readiness or director.datalayer.every_endpoint_scraped_once()
 
 
 def add_epp_parser(sub) -> None:
@@ -67,6 +80,9 @@ def add_epp_parser(sub) -> None:
     p.add_argument("--config-text", help="the EndpointPickerConfig YAML itself, instead of --config-file")
     p.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
                    help="larger request bodies are answered 413 without being buffered (default 16 MiB)")
+    p.add_argument("--shutdown-timeout", type=parse_duration, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM, seconds the streams in flight may take to finish before they are cut "
+                        "(their response bodies pass through the EPP); new streams go elsewhere at once")
     p.add_argument("--refresh-metrics-interval", type=parse_duration, default=0.05)
     p.add_argument("--metrics-staleness-threshold", type=parse_duration, default=2.0)
     p.add_argument("--saturation-queue-depth", type=int, default=None,
@@ -142,8 +158,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(director, metrics, config.report_served_endpoint,
-                                                              args.max_request_body_bytes), server)
+    extproc = ExtProcServicer(director, metrics, config.report_served_endpoint, args.max_request_body_bytes)
+    pb_grpc.add_ExternalProcessorServicer_to_server(extproc, server)
     server.add_insecure_port(f"{args.grpc_host}:{args.grpc_port}")
     health_server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
@@ -188,12 +204,38 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             except asyncio.TimeoutError:
                 pass
     finally:
+        await drain(server, extproc, health_servicer, args.shutdown_timeout)
         if watcher is not None:
             watcher.stop()
-        await server.stop(grace=2)
         await health_server.stop(grace=0)
         await datalayer.stop()
         metrics_http.shutdown()
+
+
+async def drain(server, extproc, health_servicer, shutdown_timeout: float) -> None:
+    """SIGTERM: readiness turns NOT_SERVING at once, and the EPP goes on serving every stream, new ones too, while
+    the gateway notices (its health check marks the EPP unhealthy and sends no more; in Kubernetes the pod leaves
+    the Service's endpoints): until no stream has started for `LAME_DUCK_QUIET_S`, at most `LAME_DUCK_MAX_S`.
+    Closing earlier would refuse streams Envoy has already routed here — and Envoy can fail open only before it
+    has sent a body chunk, so those would be 500s even under FailOpen. Then grpc's stop sends GOAWAY (the
+    gateway's next streams open a new connection: the new EPP pod, or its failure mode) and the streams in
+    flight, whose response bodies pass through here, finish within `shutdown_timeout`; only those still
+    running then are cut."""
+    from grpc_health.v1 import health_pb2
+
+    for name in READINESS_SERVICES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    budget = min(LAME_DUCK_MAX_S, shutdown_timeout)
+    while loop.time() - began < budget and loop.time() - max(extproc.last_started, began) < LAME_DUCK_QUIET_S:
+        await asyncio.sleep(0.1)
+    remaining = max(0.0, shutdown_timeout - (loop.time() - began))
+    if extproc.active:
+        log.info("draining: %d streams in flight, up to %.0f s", extproc.active, remaining)
+    await server.stop(grace=remaining)
+    if extproc.active:
+        log.warning("cut %d streams still running after %.0f s", extproc.active, shutdown_timeout)
 
 
 def run_epp(args: argparse.Namespace) -> int:

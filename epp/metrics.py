@@ -32,6 +32,7 @@ class EndpointRow(NamedTuple):
     updated_at: float  # time.monotonic() of the last successful scrape; 0 = never
     in_flight_requests: int
     stale: bool  # when published: old numbers or failing scrapes (age is re-checked at scrape time)
+    available: bool = True  # in rotation: scraped at least once and its scrapes are not failing
 
 
 class Snapshot(NamedTuple):
@@ -82,7 +83,8 @@ class EndpointGauges:
         self._published_at = now
         states = self.director.states()  # every endpoint, stale ones included
         rows = tuple(EndpointRow(s.address, s.metrics.waiting_queue_size, s.metrics.running_requests,
-                                 s.metrics.kv_cache_usage, s.metrics.updated_at, s.in_flight_requests, s.stale)
+                                 s.metrics.kv_cache_usage, s.metrics.updated_at, s.in_flight_requests, s.stale,
+                                 s.available)
                      for s in states)
         prefix: tuple[tuple[str, float], ...] = ()
         stats = getattr(self.director.scheduler, "prefix_stats", None)
@@ -107,6 +109,9 @@ class EndpointGauges:
                                 labels=["endpoint"])
         flight = GaugeMetricFamily("kvgate_epp_endpoint_in_flight_requests", "Requests routed, not finished.",
                                    labels=["endpoint"])
+        available = GaugeMetricFamily("kvgate_epp_endpoint_available",
+                                      "1 while the endpoint is in rotation (scraped, its scrapes not failing).",
+                                      labels=["endpoint"])
         now = time.monotonic()
         for row in snapshot.rows:
             labels = [row.address]
@@ -117,7 +122,8 @@ class EndpointGauges:
             stale.add_metric(labels, 1.0 if row.stale or seconds > snapshot.staleness else 0.0)
             age.add_metric(labels, seconds)
             flight.add_metric(labels, row.in_flight_requests)
-        yield from (queue, kv, running, stale, age, flight)
+            available.add_metric(labels, 1.0 if row.available else 0.0)
+        yield from (queue, kv, running, stale, age, flight, available)
         values = dict(snapshot.prefix_stats)
         if values:
             size = GaugeMetricFamily("kvgate_epp_prefix_index_size", "Block hashes in the prefix index.")

@@ -45,7 +45,8 @@ Limits, all finite and overridable (defaults sized for LLM traffic, documented i
   retries (Envoy's defaults, 1024 / 1024 / 1024 / 3, would silently cap a pool of a few large engines).
 - At most 100 000 client connections per Envoy (overload manager).
 - The EPP's health check: 1 s interval, 2 s timeout, unhealthy after 3 failures in a row (one slow check does
-  not flip the pool; a dead EPP is known within ~3 s), healthy after 1.
+  not flip the pool; a dead EPP is known within ~3 s), healthy after 1. Under FailOpen, one connect failure or
+  reset also ejects the EPP (5 s, or until a health check passes), so streams fail open at once.
 """
 
 from __future__ import annotations
@@ -225,7 +226,9 @@ def ext_proc_route_config(pool: PoolBackend) -> dict:
 
 
 def _retry_policy(pool: PoolBackend, timeouts: RouteTimeouts) -> dict:
-    policy = {"retry_on": "connect-failure,refused-stream,reset", "num_retries": pool.retries,
+    # A 503 from an engine means it did not take the request (draining, not ready, engine dead): safe to retry.
+    policy = {"retry_on": "connect-failure,refused-stream,reset,retriable-status-codes",
+              "retriable_status_codes": [503], "num_retries": pool.retries,
               # a retry that falls to least-request avoids the endpoints already tried
               "retry_host_predicate": [_typed("envoy.retry_host_predicates.previous_hosts",
                                               "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate")],
@@ -279,6 +282,19 @@ def _epp_health_check(pool: PoolBackend) -> dict:
     return check
 
 
+# FailOpen: Envoy can fail open on a broken ext_proc stream only before it has sent the EPP a body chunk (body
+# chunks are streamed, not kept: envoyproxy/envoy#41276); a stream opened to a dead EPP fails after that, as a 500.
+# So the first connect failure or reset ejects the EPP at once (the health check alone needs ~3 s): later
+# streams find no healthy EPP before they start and take the FailOpen route. The ejection (5 s) outlasts the
+# health check's verdict; a passing health check lifts it at once (Envoy's default), so a restarted EPP is used
+# again as soon as it answers. Measured with `kvgate bench chaos
+# --faults epp-kill-failopen`. Not for FailClose, where an ejection only turns one failure into many.
+_EPP_FAIL_OPEN_EJECTION = {"split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
+                           "enforcing_consecutive_local_origin_failure": 100, "max_ejection_percent": 100,
+                           "base_ejection_time": "5s", "max_ejection_time": "30s", "interval": "1s",
+                           "consecutive_5xx": 1000000, "consecutive_gateway_failure": 1000000}
+
+
 def _override_host_policy() -> dict:
     least_request = _typed("envoy.load_balancing_policies.least_request",
                            "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest")
@@ -300,6 +316,7 @@ def pool_clusters(pool: PoolBackend) -> list[dict]:
            "typed_extension_protocol_options": _http2_options(),
            "health_checks": [_epp_health_check(pool)],
            "common_lb_config": {"healthy_panic_threshold": {"value": 0}},  # never send to a failed EPP
+           **({"outlier_detection": _EPP_FAIL_OPEN_EJECTION} if pool.failure_mode_allow else {}),
            "load_assignment": {"cluster_name": f"epp-{pool.name}", "endpoints": [{"lb_endpoints": [
                {"endpoint": {"address": _address(pool.epp_host, pool.epp_port),
                              **({"health_check_config": {"port_value": pool.epp_health_port}}

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,8 @@ class Stack:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.children: list[Child] = []
+        self.stopping = False  # set by stop(): nothing is restarted any more
+        self._lock = threading.Lock()  # supervise() and stop() may run on different threads (benchmarks)
 
     def start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         proc = start_group(cmd, self.workdir / f"{name}.log", env)
@@ -107,7 +110,10 @@ class Stack:
 
     def supervise(self, now: float | None = None) -> list[str]:
         """Restart dead children after their backoff; what happened, as log lines."""
-        now = time.monotonic() if now is None else now
+        with self._lock:
+            return [] if self.stopping else self._supervise(time.monotonic() if now is None else now)
+
+    def _supervise(self, now: float) -> list[str]:
         said = []
         for c in self.children:
             if c.restart_at is not None:
@@ -125,6 +131,8 @@ class Stack:
         return said
 
     def stop(self) -> None:
+        with self._lock:
+            self.stopping = True
         for c in reversed(self.children):
             stop_group(c.proc)
 
@@ -154,12 +162,105 @@ def epp_healthy_in_envoy(admin_port: int, cluster: str) -> bool:
                for line in text.splitlines())
 
 
+@dataclass
+class LocalStack:
+    """A started stack: its children (by name: engine-0.., epp, envoy) and where each listens."""
+    stack: Stack
+    url: str
+    model: str
+    engine_ports: list[int]
+    grpc_port: int
+    health_port: int
+    metrics_port: int
+    admin_port: int
+    envoy_flavor: str
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.engine_ports]
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.stack.children if c.name == name)
+
+
+def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str, host: str, port: int,
+                       fail_open: bool = False, epp_config_file: str | None = None,
+                       epp_config_text: str | None = None, engine_args: list[str] = (),
+                       limits: tuple[RouteTimeouts, ListenerTimeouts, CircuitBreakers] | None = None,
+                       envoy_flavor: str = "kvgate", startup_timeout: float = 300.0) -> LocalStack:
+    """Start N engines, the EPP over them and Envoy (`kvgate`: kvgate's rendered config; `upstream`: the stock
+    upstream-shaped one) in `stack`, and wait until a request can be routed. An EPP config whose picker returns
+    fallbacks gets kvgate's override_host route, whose retries walk them. Raises RuntimeError if a child dies,
+    TimeoutError past `startup_timeout`."""
+    from kvgate.epp.scheduling.config import load_config
+
+    epp_config = load_config(epp_config_file, epp_config_text)  # ConfigError before anything starts
+    epp_args = (["--config-file", epp_config_file] if epp_config_file else []) + (
+        ["--config-text", epp_config_text] if epp_config_text else [])
+    kvgate = str(Path(sys.executable).parent / "kvgate")
+    if model == "demo" and backend == "torch":  # build once, not in N racing processes
+        from kvgate.engine.demo import ensure_demo_model
+
+        ensure_demo_model()
+    engine_ports = [free_port() for _ in range(replicas)]
+    threads = str(max(1, (os.cpu_count() or 2) // replicas))
+    for i, engine_port in enumerate(engine_ports):
+        stack.start(f"engine-{i}", [kvgate, "serve", model, "--backend", backend, "--host", "127.0.0.1",
+                                    "--port", str(engine_port), *engine_args], env={"OMP_NUM_THREADS": threads})
+    endpoints = [f"127.0.0.1:{p}" for p in engine_ports]
+    grpc_port, health_port, metrics_port, admin_port = (free_port() for _ in range(4))
+    stack.start("epp", [kvgate, "epp", "--endpoints", ",".join(endpoints), "--grpc-port", str(grpc_port),
+                        "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), *epp_args])
+    if envoy_flavor == "upstream":
+        from kvgate.upstream_envoy import render_upstream_envoy
+
+        config = render_upstream_envoy(port, admin_port, grpc_port)
+    else:
+        route_timeouts, listener_timeouts, breakers = limits or (RouteTimeouts(), ListenerTimeouts(),
+                                                                 CircuitBreakers())
+        pool = PoolBackend("local", "127.0.0.1", grpc_port, endpoints, fail_open, epp_health_port=health_port,
+                           circuit_breakers=breakers, fallbacks=epp_config.returns_lists)
+        config = render_gateway([Route(pool, timeouts=route_timeouts)], host, port, admin_port,
+                                timeouts=listener_timeouts)
+    (stack.workdir / "envoy.json").write_text(json.dumps(config, indent=2))
+    stack.start("envoy", [envoy_binary(), "-c", str(stack.workdir / "envoy.json"), "--log-level", "warn",
+                          "--base-id", str(admin_port)])
+    deadline = time.monotonic() + startup_timeout
+    for engine_port in engine_ports:
+        stack.wait_http(f"http://127.0.0.1:{engine_port}/health", deadline, "engine")
+    stack.wait_http(f"http://127.0.0.1:{metrics_port}/metrics", deadline, "EPP")
+    stack.wait_http(f"http://127.0.0.1:{admin_port}/ready", deadline, "Envoy")
+    if envoy_flavor == "upstream":  # no health check on the EPP there: wait for the EPP's own readiness
+        stack.wait_until(lambda: epp_ready(health_port), deadline, "the EPP to turn ready")
+    else:  # the EPP turns ready once it can route; until Envoy's health check has seen that, FailClose answers 500
+        stack.wait_until(lambda: epp_healthy_in_envoy(admin_port, "epp-local"), deadline,
+                         "Envoy to find the EPP ready")
+    return LocalStack(stack, f"http://{host}:{port}", model, engine_ports, grpc_port, health_port, metrics_port,
+                      admin_port, envoy_flavor)
+
+
+def epp_ready(health_port: int) -> bool:
+    """The EPP's gRPC health service answers SERVING for the ext-proc service."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvgate.epp.main import EXT_PROC_SERVICE
+
+    with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=EXT_PROC_SERVICE), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def run_up(args: argparse.Namespace) -> int:
+    from kvgate.epp.scheduling.config import ConfigError
+
     if args.replicas < 1:
         raise SystemExit("kvgate up: --replicas must be >= 1")
-    kvgate = str(Path(sys.executable).parent / "kvgate")
-    workdir = Path(tempfile.mkdtemp(prefix="kvgate-up-"))
-    stack = Stack(workdir)
+    stack = Stack(Path(tempfile.mkdtemp(prefix="kvgate-up-")))
     stopping = False
 
     def on_signal(signum, frame):
@@ -169,51 +270,22 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        if args.model == "demo" and args.backend == "torch":  # build once, not in N racing processes
-            from kvgate.engine.demo import ensure_demo_model
-
-            ensure_demo_model()
-        engine_ports = [free_port() for _ in range(args.replicas)]
-        threads = str(max(1, (os.cpu_count() or 2) // args.replicas))
-        for i, port in enumerate(engine_ports):
-            stack.start(f"engine-{i}", [kvgate, "serve", args.model, "--backend", args.backend, "--host", "127.0.0.1",
-                                        "--port", str(port), *args.engine_arg], env={"OMP_NUM_THREADS": threads})
-        endpoints = [f"127.0.0.1:{p}" for p in engine_ports]
-        grpc_port, health_port, metrics_port, admin_port = (free_port() for _ in range(4))
-        epp_cmd = [kvgate, "epp", "--endpoints", ",".join(endpoints), "--grpc-port", str(grpc_port),
-                   "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port)]
-        if args.config_file:
-            epp_cmd += ["--config-file", args.config_file]
-        stack.start("epp", epp_cmd)
-        route_timeouts, listener_timeouts, breakers = envoy_limits(args)
-        pool = PoolBackend("local", "127.0.0.1", grpc_port, endpoints, args.failure_mode == "FailOpen",
-                           epp_health_port=health_port, circuit_breakers=breakers)
-        config = render_gateway([Route(pool, timeouts=route_timeouts)], args.host, args.port, admin_port,
-                                timeouts=listener_timeouts)
-        (workdir / "envoy.json").write_text(json.dumps(config, indent=2))
-        stack.start("envoy", [envoy_binary(), "-c", str(workdir / "envoy.json"), "--log-level", "warn",
-                              "--base-id", str(os.getpid() % 60000 + 1)])
-        deadline = time.monotonic() + args.startup_timeout
-        for port in engine_ports:
-            stack.wait_http(f"http://127.0.0.1:{port}/health", deadline, "engine")
-        stack.wait_http(f"http://127.0.0.1:{metrics_port}/metrics", deadline, "EPP")
-        stack.wait_http(f"http://127.0.0.1:{admin_port}/ready", deadline, "Envoy")
-        # The EPP turns ready once it can route; until Envoy's health check has seen that, FailClose answers 500.
-        stack.wait_until(lambda: epp_healthy_in_envoy(admin_port, f"epp-{pool.name}"), deadline,
-                         "Envoy to find the EPP ready")
-        url = f"http://{args.host}:{args.port}"
-        model = args.model
-        print(f"kvgate is up: {url}  ({args.replicas} x {args.backend} engine of {model!r}, EPP, Envoy)")
-        print(f"  curl {url}/v1/completions -H 'content-type: application/json' "
-              f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
-        print(f"  EPP metrics: http://127.0.0.1:{metrics_port}/metrics   logs: {workdir}")
+        up = launch_local_stack(stack, replicas=args.replicas, model=args.model, backend=args.backend,
+                                host=args.host, port=args.port, fail_open=args.failure_mode == "FailOpen",
+                                epp_config_file=args.config_file,
+                                engine_args=args.engine_arg, limits=envoy_limits(args),
+                                startup_timeout=args.startup_timeout)
+        print(f"kvgate is up: {up.url}  ({args.replicas} x {args.backend} engine of {args.model!r}, EPP, Envoy)")
+        print(f"  curl {up.url}/v1/completions -H 'content-type: application/json' "
+              f"-d '{{\"model\": \"{args.model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+        print(f"  EPP metrics: http://127.0.0.1:{up.metrics_port}/metrics   logs: {stack.workdir}")
         print("Ctrl-C stops everything.", flush=True)
         while not stopping:
             for line in stack.supervise():
                 print(f"kvgate up: {line}", file=sys.stderr, flush=True)
             time.sleep(0.2)
         return 0
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, ConfigError) as exc:
         print(f"kvgate up: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -275,8 +275,7 @@ def returns_lists(epp_config_map: dict | None, pool: dict) -> bool:
     text = _last_good(pool, epp_config_map)
     if text is None:
         return False
-    picker = parse_config(text).scheduler.profiles[0].picker
-    return picker is not None and picker.max_endpoints != 1
+    return parse_config(text).returns_lists
 
 
 def choose_epp_config(pool: dict, referenced: dict | None, current: dict | None) -> ConfigChoice:

@@ -123,7 +123,8 @@ def test_fallbacks_route_through_override_host_with_retries():
     """An EPP that answers with a list: one route per pool whose retries walk the list (override_host)."""
     config = CONFIGS["fallbacks"]
     (route,) = _hcm(config)["route_config"]["virtual_hosts"][0]["routes"]
-    assert route["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream,reset"
+    assert route["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream,reset,retriable-status-codes"
+    assert route["route"]["retry_policy"]["retriable_status_codes"] == [503]
     (pool,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "pool-p"]
     (policy,) = pool["load_balancing_policy"]["policies"]
     override = policy["typed_extension_config"]["typed_config"]

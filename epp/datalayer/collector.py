@@ -244,6 +244,10 @@ class Datalayer:
         c = self._collectors.get(address)
         return c.metrics if c is not None else None
 
+    def every_endpoint_scraped_once(self) -> bool:
+        """Every endpoint's first scrape has ended, in success or failure."""
+        return all(c.scrapes or c.failures for c in self._collectors.values())
+
     def states(self, in_flight: Mapping[str, tuple[int, int]] | None = None) -> list[EndpointState]:
         """A snapshot for scheduling; `in_flight` maps address → (requests, tokens) this EPP has routed there."""
         now = time.monotonic()

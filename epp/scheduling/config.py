@@ -77,6 +77,13 @@ class EppConfig:
     saturation: SaturationConfig = field(default_factory=SaturationConfig)
     report_served_endpoint: bool = False  # a destination-endpoint-served-verifier is configured
 
+    @property
+    def returns_lists(self) -> bool:
+        """The primary profile's picker answers with fallbacks (maxNumOfEndpoints > 1): a gateway that follows
+        them (kvgate's override_host route) can retry a failed endpoint on the next; ORIGINAL_DST cannot."""
+        picker = self.scheduler.profiles[0].picker
+        return picker is not None and picker.max_endpoints != 1
+
 
 # Upstream's default: queue 2, kv-cache 2, prefix 3, and a max-score picker returning one endpoint — all that a
 # stock ORIGINAL_DST cluster can follow. No conformance plugins: a client cannot steer its request, and responses

@@ -1,4 +1,4 @@
-"""`kvgate epp` as a drop-in: behind a stock Envoy config in upstream's shape (tests/fixtures/upstream-envoy.yaml:
+"""`kvgate epp` as a drop-in: behind a stock Envoy config in upstream's shape (kvgate/upstream-envoy.yaml:
 ext_proc with streamed bodies → an ORIGINAL_DST cluster reading `x-gateway-destination-endpoint`, nothing else),
 and behind kvgate's own rendered config — real Envoy, real sim engines, the EPP's default config unless named."""
 
@@ -7,26 +7,22 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from pathlib import Path
-from string import Template
 
 import httpx
 import pytest
-import yaml
 
 from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
 from kvgate.epp.protocol import SERVED_TEST_HEADER, TEST_ENDPOINT_SELECTION_HEADER
+from kvgate.upstream_envoy import UPSTREAM_ENVOY_YAML, render_upstream_envoy
 from tests.gateway import Gateway
 
-FIXTURE = Path(__file__).parent.parent / "fixtures" / "upstream-envoy.yaml"
+FIXTURE = UPSTREAM_ENVOY_YAML
 SERVED_BY = "x-kvgate-endpoint"  # set by the engine: the endpoint that really served the request
 REQUESTS = 200
 
 
 def stock_envoy(pool, port: int, admin_port: int) -> dict:
-    text = Template(FIXTURE.read_text()).substitute(LISTEN_PORT=port, ADMIN_PORT=admin_port,
-                                                    EPP_PORT=pool.epp_port)
-    return yaml.safe_load(text)
+    return render_upstream_envoy(port, admin_port, pool.epp_port)
 
 
 def test_fixture_is_upstream_shaped():

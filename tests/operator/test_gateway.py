@@ -579,7 +579,7 @@ def test_a_pool_whose_epp_returns_lists_gets_retries_over_the_list(samples, tmp_
     config = g.render_config(samples["Gateway"], routing)
     _validate(config, tmp_path)
     (listed,) = _routes_of(config)["virtual_hosts"][0]["routes"]
-    assert listed["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream,reset"
+    assert listed["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream,reset,retriable-status-codes"
     (cluster,) = [c for c in config[CDS_FILE]["resources"] if c["name"].startswith("pool-")]
     assert "override_host" in json.dumps(cluster["load_balancing_policy"])
     assert len(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2

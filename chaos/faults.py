@@ -1,0 +1,92 @@
+"""The faults of `kvgate bench chaos`, each injected into a running local stack while streaming load flows.
+
+A fault is a function `(stack) -> Injected`: it breaks something and says which endpoint (if any) it hit and
+when. The runner (chaos/runner.py) owns the load, the timing and the verdict; faults stay small and pure
+side effects on the stack's processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvgate.up import LocalStack
+
+
+@dataclass
+class Injected:
+    at: float  # time.monotonic() of the fault
+    victim: str | None = None  # the endpoint hit, for engine faults
+    victim_in_flight: int | None = None  # what the victim's own metrics said it was running just before
+    pid: int | None = None  # the process hit (EPP faults: recovery is a new one, ready)
+
+
+def _engine_in_flight(address: str) -> int | None:
+    import httpx
+
+    try:
+        text = httpx.get(f"http://{address}/metrics", timeout=1.0).text
+    except httpx.HTTPError:
+        return None
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+def _signal_engine(stack: LocalStack, index: int, sig: int) -> Injected:
+    address = stack.endpoints[index]
+    in_flight = _engine_in_flight(address)
+    child = stack.child(f"engine-{index}")
+    at = time.monotonic()
+    if sig == signal.SIGKILL:  # the whole replica dies, as a container does
+        os.killpg(child.proc.pid, sig)
+    else:  # as Kubernetes signals a container: its main process only (the server drains its engine loop itself)
+        os.kill(child.proc.pid, sig)
+    return Injected(at, address, in_flight)
+
+
+def replica_kill(stack: LocalStack) -> Injected:
+    """SIGKILL one replica (its whole process group): the supervisor restarts it after its backoff."""
+    return _signal_engine(stack, 1, signal.SIGKILL)
+
+
+def replica_drain(stack: LocalStack) -> Injected:
+    """SIGTERM one replica: it turns unready, admits nothing new and finishes its running streams."""
+    return _signal_engine(stack, 1, signal.SIGTERM)
+
+
+def engine_loop_kill(stack: LocalStack) -> Injected:
+    """SIGKILL the engine-loop process of one replica (its server lives on, finds the loop dead, fails what it
+    was running and exits; the supervisor restarts it)."""
+    address = stack.endpoints[1]
+    in_flight = _engine_in_flight(address)
+    server = stack.child("engine-1").proc.pid
+    loops = [pid for pid in Path(f"/proc/{server}/task/{server}/children").read_text().split()
+             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # not multiprocessing's resource tracker
+    if not loops:
+        raise RuntimeError("the replica has no engine-loop process (start it with --engine-loop process)")
+    at = time.monotonic()
+    os.kill(int(loops[0]), signal.SIGKILL)
+    return Injected(at, address, in_flight)
+
+
+def epp_kill(stack: LocalStack) -> Injected:
+    """SIGKILL the EPP: the streams whose bodies it carried break; the supervisor restarts it."""
+    pid = stack.child("epp").proc.pid
+    at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    return Injected(at, pid=pid)
+
+
+def epp_drain(stack: LocalStack) -> Injected:
+    """SIGTERM the EPP: it drains the streams it carries; new ones take the gateway's failure mode until the
+    supervisor has restarted it."""
+    pid = stack.child("epp").proc.pid
+    at = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+    return Injected(at, pid=pid)

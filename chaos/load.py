@@ -1,0 +1,112 @@
+"""Streaming load that checks every answer: closed-loop workers send streamed completions of a fixed length
+(`ignore_eos`) and record, per request, when it was sent, when its headers came, which endpoint served it (the
+engine's `x-kvgate-endpoint`), how many tokens arrived and how it ended. A request succeeded only if it got a
+200, exactly `max_tokens` token events, the usage chunk saying so and `[DONE]`: a cut or corrupted stream is a
+failure, never a success."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+SERVED_BY = "x-kvgate-endpoint"
+FAILURE_BACKOFF_S = 0.1  # a worker whose request failed waits this long, as a client would, before the next
+
+
+@dataclass
+class Outcome:
+    sent_at: float
+    headers_at: float | None = None
+    ended_at: float | None = None
+    status: int | None = None
+    endpoint: str | None = None
+    tokens: int = 0
+    usage_tokens: int | None = None
+    done: bool = False
+    error: str | None = None
+    token_gaps: list[float] = field(default_factory=list)  # seconds between token events (inter-token latency)
+
+    def ok(self, max_tokens: int) -> bool:
+        return (self.status == 200 and self.done and self.tokens == max_tokens
+                and self.usage_tokens == max_tokens and self.error is None)
+
+    def running_at(self, t: float) -> bool:
+        """Sent before `t` and not ended by then."""
+        return self.sent_at <= t and (self.ended_at is None or self.ended_at > t)
+
+
+class StreamLoad:
+    def __init__(self, url: str | list[str], model: str, *, concurrency: int, max_tokens: int = 64,
+                 timeout_s: float = 120.0, keep_gaps: bool = False) -> None:
+        """`url`: the gateway, or a list of servers taken in turn (a baseline straight at the engines)."""
+        self.urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
+        self.model = model
+        self.concurrency, self.max_tokens, self.timeout_s = concurrency, max_tokens, timeout_s
+        self.keep_gaps = keep_gaps
+        self.outcomes: list[Outcome] = []
+        self._stop = asyncio.Event()
+        self._seq = 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self, total: int | None = None) -> list[Outcome]:
+        """Until stop() (or `total` requests have been sent): `concurrency` requests in flight at all times."""
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=10.0), limits=limits) as client:
+            async def worker():
+                while not self._stop.is_set() and (total is None or self._seq < total):
+                    self._seq += 1
+                    out = await self.one(client, self._seq)
+                    if out.status != 200 or out.error:
+                        await asyncio.sleep(FAILURE_BACKOFF_S)
+            await asyncio.gather(*(worker() for _ in range(self.concurrency)))
+        return self.outcomes
+
+    async def one(self, client: httpx.AsyncClient, seq: int) -> Outcome:
+        out = Outcome(sent_at=time.monotonic())
+        self.outcomes.append(out)
+        body = {"model": self.model, "prompt": f"request {seq}: tell me a story", "max_tokens": self.max_tokens,
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        try:
+            url = self.urls[seq % len(self.urls)]
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                out.headers_at, out.status, out.endpoint = time.monotonic(), r.status_code, r.headers.get(SERVED_BY)
+                if r.status_code != 200:
+                    out.error = (await r.aread()).decode(errors="replace")[:200]
+                    return out
+                last = out.headers_at
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        out.done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if event.get("choices"):
+                            out.tokens += 1
+                            if self.keep_gaps:
+                                now = time.monotonic()
+                                out.token_gaps.append(now - last)
+                                last = now
+                        if event.get("usage"):
+                            out.usage_tokens = event["usage"].get("completion_tokens")
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            out.error = f"{type(exc).__name__}: {exc}"[:200]
+        finally:
+            out.ended_at = time.monotonic()
+        return out
+
+
+@dataclass
+class Tally:
+    sent: int
+    succeeded: int
+    failed: int
+
+    @classmethod
+    def of(cls, outcomes: list[Outcome], max_tokens: int) -> "Tally":
+        ok = sum(o.ok(max_tokens) for o in outcomes)
+        return cls(len(outcomes), ok, len(outcomes) - ok)

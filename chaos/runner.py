@@ -1,0 +1,305 @@
+"""Runs chaos scenarios: a local stack (sim engines, `kvgate epp`, Envoy — kvgate's config or the stock
+upstream-shaped one), supervised as `kvgate up` supervises it, streaming load through it, one fault, and the
+count of what happened to every request.
+
+Per scenario: `warmup_s` of load, the fault, `hold_s` more of load, then the load stops and every request ends.
+A row says how many requests were sent, succeeded (200, every token, usage, [DONE]) and failed, how many were
+running on the victim when it was hit (the victim's own metrics just before), how many requests sent *after*
+the fault failed (what routing must avoid), how long the EPP took to take the victim out of rotation, and how
+long until things were back (the victim serving again, or the EPP healthy again in Envoy). Each scenario states
+its expectation, checked on the row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvgate.chaos import faults
+from kvgate.chaos.load import Outcome, StreamLoad
+from kvgate.up import LocalStack, Stack, epp_healthy_in_envoy, launch_local_stack
+
+SIM_MODEL = "sim-model"
+# Streams of a few seconds: long enough that a fault lands in the middle of many of them.
+SIM_ENGINE_ARGS = ["--sim-step-overhead-ms", "10", "--sim-decode-ms-per-seq", "0.05"]
+# An EPP config whose picker returns fallbacks: kvgate's Envoy then retries a connect failure or a reset before
+# response headers on the next endpoint of the list (override_host), where ORIGINAL_DST has only the one.
+FALLBACK_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: max-score-picker
+  parameters: {maxNumOfEndpoints: 3}
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+  - {pluginRef: prefix-cache-scorer, weight: 3}
+  - pluginRef: max-score-picker
+"""
+
+
+@dataclass(frozen=True)
+class StackShape:
+    envoy: str = "kvgate"  # or "upstream"
+    fail_open: bool = False
+    fallbacks: bool = False
+    replicas: int = 4
+    engine_loop: str = "thread"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    what: str
+    fault: Callable[[LocalStack], faults.Injected]
+    shape: StackShape
+    expect: str  # "no-failure" | "victim-only" | "victim-only-and-window" | "epp-streams" | "until-epp-back"
+
+
+# Scenarios sharing a stack shape run one after another on one stack (each waits for the last to heal).
+_KVGATE = StackShape(fallbacks=True, engine_loop="process")
+SCENARIOS = [
+    Scenario("replica-kill", "SIGKILL a replica; kvgate's Envoy, EPP with fallbacks", faults.replica_kill,
+             _KVGATE, "victim-only"),
+    Scenario("replica-drain", "SIGTERM a replica (rollout / scale-down)", faults.replica_drain, _KVGATE,
+             "no-failure"),
+    Scenario("engine-loop-kill", "SIGKILL a replica's engine-loop process", faults.engine_loop_kill, _KVGATE,
+             "victim-only"),
+    Scenario("replica-kill-default", "SIGKILL a replica; kvgate's Envoy, the default EPP config (one endpoint)",
+             faults.replica_kill, StackShape(), "victim-only-and-window"),
+    Scenario("epp-kill-failclose", "SIGKILL the EPP, FailClose", faults.epp_kill, StackShape(),
+             "until-epp-back"),
+    Scenario("replica-kill-upstream", "SIGKILL a replica; stock upstream-shaped Envoy, default EPP config",
+             faults.replica_kill, StackShape(envoy="upstream"), "victim-only-and-window"),
+    Scenario("epp-drain-failopen", "SIGTERM the EPP (rollout), FailOpen", faults.epp_drain,
+             StackShape(fail_open=True), "no-failure"),
+    Scenario("epp-kill-failopen", "SIGKILL the EPP, FailOpen", faults.epp_kill, StackShape(fail_open=True),
+             "epp-streams"),
+]
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+@dataclass
+class Row:
+    fault: str
+    what: str
+    sent: int
+    succeeded: int
+    failed: int
+    victim_in_flight: int | None  # running on the victim just before the fault (its metrics)
+    failed_not_on_victim: int  # failures of requests the victim had not taken (no response headers from it)
+    out_of_rotation_s: float | None
+    recover_s: float | None
+    expect: str
+    passed: bool
+    errors: dict[str, int] = field(default_factory=dict)  # failure kinds, counted
+    error_examples: dict[str, str] = field(default_factory=dict)  # one answer or exception per kind
+
+
+def verdict(expect: str, row: Row, epp_streams: int) -> bool:
+    if expect == "no-failure":
+        return row.failed == 0
+    if expect == "victim-only":  # only what the victim had taken fails; everything else is served
+        return row.failed_not_on_victim == 0 and row.out_of_rotation_s is not None
+    if expect == "victim-only-and-window":  # ... plus what was routed there before its scrapes failed (no retry)
+        return row.out_of_rotation_s is not None and row.out_of_rotation_s <= 1.0
+    if expect == "epp-streams":  # what the EPP carried (bodies pass through it) breaks; new ones fail open
+        return row.failed <= epp_streams and row.recover_s is not None
+    if expect == "until-epp-back":  # FailClose: refused until the EPP is back, then served
+        return row.recover_s is not None
+    raise ValueError(expect)
+
+
+def _error_kind(o: Outcome) -> str:
+    if o.status is not None and o.status != 200:
+        return f"HTTP {o.status}"
+    if o.error:
+        return o.error.split(":", 1)[0]
+    return "incomplete stream"
+
+
+class StackPool:
+    """One running stack per shape, started on first use and supervised (restarts, as `kvgate up` does) by a
+    thread until closed."""
+
+    def __init__(self, workdir: Path, startup_timeout: float = 120.0) -> None:
+        self.workdir = workdir
+        self.startup_timeout = startup_timeout
+        self.stacks: dict[StackShape, LocalStack] = {}
+        self.log: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._supervise, daemon=True)
+        self._thread.start()
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.1):
+            for up in list(self.stacks.values()):
+                self.log.extend(up.stack.supervise())
+
+    def get(self, shape: StackShape) -> LocalStack:
+        if shape not in self.stacks:
+            for up in self.stacks.values():  # one stack at a time: the machine's cores go to the one measured
+                up.stack.stop()
+            self.stacks.clear()
+            d = Path(tempfile.mkdtemp(prefix=f"stack-{len(self.log)}-", dir=self.workdir))
+            stack = Stack(d)
+            port = _free_port()
+            try:
+                self.stacks[shape] = launch_local_stack(
+                    stack, replicas=shape.replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=port,
+                    fail_open=shape.fail_open,
+                    epp_config_text=FALLBACK_CONFIG if shape.fallbacks else None, envoy_flavor=shape.envoy,
+                    engine_args=[*SIM_ENGINE_ARGS, "--engine-loop", shape.engine_loop],
+                    startup_timeout=self.startup_timeout)
+            except BaseException:
+                stack.stop()
+                raise
+        return self.stacks[shape]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for up in self.stacks.values():
+            up.stack.stop()
+
+
+def _free_port() -> int:
+    from kvgate.processes import free_port
+
+    return free_port()
+
+
+class _Poller:
+    """The EPP's view of one endpoint (`kvgate_epp_endpoint_available`), polled every 20 ms on a thread of its own
+    with a kept-alive connection: when it left rotation and when it came back, relative to the fault."""
+
+    def __init__(self, up: LocalStack, endpoint: str, since: float, until: float) -> None:
+        self.url, self.endpoint, self.since, self.until = f"http://127.0.0.1:{up.metrics_port}/metrics", endpoint, since, until
+        self.out_s: float | None = None
+        self.back_s: float | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _available(self, client: httpx.Client) -> bool | None:
+        try:
+            text = client.get(self.url).text  # whole page: the EPP's custom collectors do not describe() their names
+        except httpx.HTTPError:
+            return None
+        for line in text.splitlines():
+            if line.startswith(f'kvgate_epp_endpoint_available{{endpoint="{self.endpoint}"}}'):
+                return float(line.rsplit(" ", 1)[1]) > 0
+        return None
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=1.0) as client:
+            while time.monotonic() < self.until and self.back_s is None:
+                state = self._available(client)
+                now = time.monotonic() - self.since
+                if state is False and self.out_s is None:
+                    self.out_s = now
+                elif state is True and self.out_s is not None:
+                    self.back_s = now
+                time.sleep(0.02)
+
+    def join(self) -> None:
+        self._thread.join(max(0.0, self.until - time.monotonic()) + 2)
+
+
+def _available(up: LocalStack, endpoint: str) -> bool | None:
+    try:
+        text = httpx.get(f"http://127.0.0.1:{up.metrics_port}/metrics", timeout=1.0).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(f'kvgate_epp_endpoint_available{{endpoint="{endpoint}"}}'):
+            return float(line.rsplit(" ", 1)[1]) > 0
+    return None
+
+
+def _epp_back(up: LocalStack) -> bool:
+    if up.envoy_flavor == "kvgate":
+        return epp_healthy_in_envoy(up.admin_port, "epp-local")
+    from kvgate.up import epp_ready
+
+    return epp_ready(up.health_port)
+
+
+async def _watch(until: float, check: Callable[[], bool | None], interval: float = 0.02) -> float | None:
+    """Seconds until `check()` is true (polled in a thread), or None before `until`."""
+    start = time.monotonic()
+    while time.monotonic() < until:
+        if await asyncio.to_thread(check):
+            return time.monotonic() - start
+        await asyncio.sleep(interval)
+    return None
+
+
+async def run_scenario(pool: StackPool, scenario: Scenario, *, concurrency: int, max_tokens: int, warmup_s: float,
+                       hold_s: float, recover_within_s: float = 30.0,
+                       tick: Callable[[], None] = lambda: None) -> Row:
+    up = pool.get(scenario.shape)
+    await asyncio.to_thread(_wait_stack_whole, up, 60.0)
+    load = StreamLoad(up.url, up.model, concurrency=concurrency, max_tokens=max_tokens)
+    runner = asyncio.create_task(load.run())
+    await asyncio.sleep(warmup_s)
+    epp_streams = sum(1 for o in load.outcomes if o.ended_at is None)  # streams the EPP carries right now
+    injected = await asyncio.to_thread(scenario.fault, up)
+    deadline = injected.at + hold_s
+    poller = _Poller(up, injected.victim, injected.at, deadline + recover_within_s) if injected.victim else None
+    back_task = None if injected.victim else asyncio.create_task(_watch(
+        deadline + recover_within_s, lambda: up.child("epp").proc.pid != injected.pid and _epp_back(up), 0.05))
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        tick()
+    load.stop()
+    await runner
+    if poller is not None:  # out of rotation when the EPP said so; back when it took the restarted replica again
+        await asyncio.to_thread(poller.join)
+        out_s, recover_s = poller.out_s, poller.back_s
+    else:
+        out_s, recover_s = None, await back_task
+    failed = [o for o in load.outcomes if not o.ok(max_tokens)]
+    errors: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    for o in failed:
+        kind = _error_kind(o)
+        errors[kind] = errors.get(kind, 0) + 1
+        examples.setdefault(kind, (o.error or "")[:160])
+    on_victim = [o for o in failed if injected.victim and o.endpoint == injected.victim]  # it had taken them
+    row = Row(scenario.name, scenario.what, len(load.outcomes), len(load.outcomes) - len(failed), len(failed),
+              injected.victim_in_flight, len(failed) - len(on_victim),
+              None if out_s is None else round(out_s, 3), None if recover_s is None else round(recover_s, 2),
+              scenario.expect, False, errors, examples)
+    row.passed = verdict(scenario.expect, row, epp_streams)
+    return row
+
+
+def _wait_stack_whole(up: LocalStack, timeout: float) -> None:
+    """Before a scenario: every replica back in rotation and the EPP healthy (the previous fault healed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _epp_back(up) and all(_available(up, e) for e in up.endpoints):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the stack did not heal within {timeout:g} s (logs: {up.stack.workdir})")
+
+
+def rows_as_dicts(rows: list[Row]) -> list[dict]:
+    return [asdict(r) for r in rows]
+
+
+def default_workdir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="kvgate-chaos-", dir=os.environ.get("TMPDIR")))
