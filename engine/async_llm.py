@@ -10,6 +10,13 @@ SIGKILL, the OOM killer) — is noticed at once: an exception is reported over t
 exits, and any end of the pipe that `shutdown()` did not ask for is a death, whatever the exit code says
 (a process that is killed closes its end before it can be reaped, so its exit code may still read None).
 Every waiting request then gets an EngineDeadError and `on_dead` is called (the server turns unhealthy).
+
+A loop that hangs — stuck in one step, as in a deadlocked kernel — raises nothing and closes nothing, so a
+watchdog on the event loop takes its place (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S): while requests wait, the
+loop reports every step (a step without outputs at most every HEARTBEAT_S), and when none has been reported
+for `step_timeout` seconds the engine is declared dead the same way — errors, `on_dead` — and an engine
+process is killed (it holds the accelerator; an engine thread cannot be killed, and the server exits anyway
+unless kept alive to be inspected).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import logging
 import multiprocessing
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -29,6 +37,13 @@ from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+# A busy loop whose steps produce no output (a long chunked prefill) still reports this often, so the
+# watchdog sees it is alive; a step that does produce output is reported at once anyway.
+HEARTBEAT_S = 0.25
+# vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S default: far above any sane step (a full 2048-token batch of a large
+# model on a slow accelerator takes seconds), far below a client's patience.
+DEFAULT_STEP_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -95,6 +110,7 @@ class EngineLoop:
 
     def run(self) -> None:
         engine = self.engine
+        reported_at = time.monotonic()
         while True:
             failures: list[RequestFailed] = []
             # Idle: wait for a command. Busy: take what has arrived and step.
@@ -114,9 +130,12 @@ class EngineLoop:
                 elif isinstance(command, AbortRequest):
                     engine.abort_request(command.request_id)
                 command = self.receive(0.0)
-            outputs = engine.step() if engine.has_unfinished_requests() else []
-            if outputs or failures or changed:
+            stepped = engine.has_unfinished_requests()
+            outputs = engine.step() if stepped else []
+            now = time.monotonic()
+            if outputs or failures or changed or (stepped and now - reported_at >= HEARTBEAT_S):
                 self.send(StepResult(outputs, failures, engine.stats()))
+                reported_at = now
 
 
 def _tokenizer_path(engine: LLMEngine) -> str:
@@ -171,9 +190,12 @@ def _exit_description(exitcode: int | None) -> str:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, engine_loop: str = "thread",
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 step_timeout: float = DEFAULT_STEP_TIMEOUT_S) -> None:
         if engine_loop not in ("thread", "process"):
             raise ValueError(f"engine_loop must be thread or process, got {engine_loop!r}")
+        if not step_timeout > 0:
+            raise ValueError(f"step_timeout must be > 0, got {step_timeout}")
         self.config = config
         self.mode = engine_loop
         self.info: EngineInfo | None = None
@@ -188,6 +210,11 @@ class AsyncLLM:
         self._conn = None
         self._process = None
         self._threads: list[threading.Thread] = []
+        self.step_timeout = step_timeout
+        self._reported_at = 0.0  # when the loop last reported a step (monotonic; written by the loop's side)
+        self._waiting_since = 0.0  # when requests started waiting after none were (a report's clock starts)
+        self._hung = False
+        self._watchdog: asyncio.Task | None = None
 
     @property
     def ready(self) -> bool:
@@ -230,6 +257,7 @@ class AsyncLLM:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, info.tokenizer_path)
             self._start_thread(self._pipe_reader, "kvgate-engine-reader")
         self.info = info
+        self._watchdog = asyncio.create_task(self._watch_steps())
         log.info("engine loop started (%s): %s, %d KV blocks", self.mode, info.model_name, info.num_blocks)
 
     def _receive_first(self) -> EngineInfo:
@@ -255,7 +283,7 @@ class AsyncLLM:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
-                if self._stopping:
+                if self._stopping or self._hung:  # asked for, or the watchdog killed a hung process
                     return
                 # A killed process closes the pipe before it is reaped: wait briefly for its exit code, only
                 # to name the cause (the death is certain either way).
@@ -266,7 +294,26 @@ class AsyncLLM:
             self._post(message)
 
     def _post(self, result: StepResult) -> None:
+        # stamped here, on the loop's side, not in _dispatch: a busy event loop must not look like a hung engine
+        self._reported_at = time.monotonic()
         self._loop.call_soon_threadsafe(self._dispatch, result)
+
+    async def _watch_steps(self) -> None:
+        """Declare the engine dead when requests wait and no step has been reported for `step_timeout` s."""
+        interval = min(1.0, self.step_timeout / 4)
+        while self.error is None and not self._stopping:
+            await asyncio.sleep(interval)
+            if not self._queues:
+                continue
+            silent = time.monotonic() - max(self._reported_at, self._waiting_since)
+            if silent > self.step_timeout:
+                self._hung = True
+                self._fail_all(RuntimeError(
+                    f"the engine loop is hung: no step completed in {silent:.1f} s while {len(self._queues)} "
+                    f"requests waited (--engine-step-timeout {self.step_timeout:g})"))
+                if self._process is not None:
+                    self._process.kill()  # it holds the accelerator; the pipe reader then sees it gone
+                return
 
     def _dispatch(self, result: StepResult) -> None:
         self.stats = result.stats
@@ -308,12 +355,15 @@ class AsyncLLM:
         if self.info is None and self._process is None:
             return
         self._stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         try:
             self._send(Shutdown())
         except EngineError:
             pass
         for thread in self._threads:
-            await asyncio.to_thread(thread.join, 5.0)
+            if not (self._hung and self.mode == "thread"):  # a hung engine thread never returns
+                await asyncio.to_thread(thread.join, 5.0)
         if self._process is not None:
             await asyncio.to_thread(self._process.join, 5.0)
             if self._process.is_alive():
@@ -333,6 +383,8 @@ class AsyncLLM:
         if request_id in self._queues:
             raise EngineError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
+        if not self._queues:
+            self._waiting_since = time.monotonic()
         self._queues[request_id] = q
         finished = False
         try:

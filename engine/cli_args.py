@@ -48,6 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--sim-fail-after-steps", type=int, default=None,
                      help="fault injection for chaos tests: the engine loop dies of an exception at this step "
                           "(default 0: never)")
+    sim.add_argument("--sim-hang-after-steps", type=int, default=None,
+                     help="fault injection for chaos tests: the engine loop hangs for good at this step, as in a "
+                          "deadlocked kernel, for `kvgate serve --engine-step-timeout` to catch (default 0: never)")
 
 
 def engine_config_from_args(model_path: str, args: argparse.Namespace) -> EngineConfig:
@@ -59,7 +62,8 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
             args.sim_profile, step_overhead_ms=args.sim_step_overhead_ms,
             prefill_ms_per_token=args.sim_prefill_ms_per_token, decode_ms_per_seq=args.sim_decode_ms_per_seq,
             ms_per_context_token=args.sim_ms_per_context_token, slowdown=args.sim_slowdown,
-            max_model_len=args.sim_max_model_len, fail_after_steps=args.sim_fail_after_steps)
+            max_model_len=args.sim_max_model_len, fail_after_steps=args.sim_fail_after_steps,
+            hang_after_steps=args.sim_hang_after_steps)
     return EngineConfig(
         model=model_path,
         backend=args.backend,

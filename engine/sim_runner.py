@@ -13,7 +13,9 @@ deterministic, decode to printable text and never hit EOS.
 from __future__ import annotations
 
 import json
+import logging
 import random
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -25,6 +27,8 @@ from kvgate.engine.config import EngineConfig
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.request import Logprob, Request
 from kvgate.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 _PRINTABLE = list(range(32, 127))
 
@@ -44,6 +48,9 @@ class SimProfile:
     # Fault injection for chaos tests (`kvgate bench chaos`, tests/server/test_engine_death.py): the engine loop
     # raises SimulatedEngineFault on this step (counting steps that ran a batch). 0 (default) never fails.
     fail_after_steps: int = 0
+    # ... and on this step the loop hangs for good instead (a deadlocked kernel): what the server's
+    # --engine-step-timeout watchdog must catch (tests/server/test_engine_death.py). 0 (default) never hangs.
+    hang_after_steps: int = 0
 
     @classmethod
     def load(cls, path: str | Path | None, **overrides) -> "SimProfile":
@@ -133,6 +140,10 @@ class SimModelRunner:
         if self.profile.fail_after_steps and self.num_steps >= self.profile.fail_after_steps:
             raise SimulatedEngineFault(f"simulated engine fault at step {self.num_steps} (sim profile "
                                        f"fail_after_steps={self.profile.fail_after_steps})")
+        if self.profile.hang_after_steps and self.num_steps >= self.profile.hang_after_steps:
+            log.warning("simulated engine hang at step %d (sim profile hang_after_steps=%d)", self.num_steps,
+                        self.profile.hang_after_steps)
+            threading.Event().wait()  # never set: this step never ends (the GIL is released, as CUDA waits do)
         prefill_tokens = decode_seqs = context_tokens = 0
         tokens: dict[str, int] = {}
         logprobs: dict[str, dict[int, Logprob]] = {}

@@ -8,8 +8,9 @@ import sys
 
 
 def add_serve_parser(sub) -> None:
+    from kvgate.engine.async_llm import DEFAULT_STEP_TIMEOUT_S
     from kvgate.engine.cli_args import add_engine_args
-    from kvgate.engine.server.limits import add_limit_args
+    from kvgate.engine.server.limits import _positive_float, add_limit_args
 
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API")
     p.add_argument("model", metavar="MODEL", help="a local HF model folder, or 'demo' (any name with --backend sim)")
@@ -25,6 +26,11 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--keep-alive-on-engine-death", action="store_true",
                    help="stay up (every answer 503, /live 503) when the engine loop dies, instead of exiting "
                         "with status 1 (vLLM: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)")
+    p.add_argument("--engine-step-timeout", type=_positive_float, default=DEFAULT_STEP_TIMEOUT_S, metavar="SECONDS",
+                   help="while requests wait, an engine loop that completes no step for this long is hung (a "
+                        "deadlocked kernel) and treated as dead: requests get 503, the server exits (or with "
+                        "--keep-alive-on-engine-death answers 503 everywhere) (vLLM: "
+                        f"VLLM_ENGINE_ITERATION_TIMEOUT_S; default {DEFAULT_STEP_TIMEOUT_S:g})")
     p.add_argument("--uvicorn-log-level", default="warning")
     add_limit_args(p)
     add_engine_args(p)
@@ -48,7 +54,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_loop = args.engine_loop
     if engine_loop == "auto":
         engine_loop = "process" if args.backend == "torch" else "thread"
-    llm = AsyncLLM(config, engine_loop)
+    llm = AsyncLLM(config, engine_loop, step_timeout=args.engine_step_timeout)
     if args.shutdown_timeout < 0:
         print("kvgate serve: error: --shutdown-timeout must be >= 0", file=sys.stderr)
         return 2

@@ -1,9 +1,10 @@
 """An engine loop that dies — SIGKILL of the engine process, or an exception in the loop, thread or process
 mode — fails every in-flight request with a clean error within 1 s, turns /health (and /live, /metrics) 503
-within 1 s, refuses new requests with 503, and (by default) makes the server exit with status 1.
+within 1 s, refuses new requests with 503, and (by default) makes the server exit with status 1. A loop that
+hangs in one step is the same death, --engine-step-timeout after its last step.
 
-The exception is injected with the sim backend's documented fault knob (`--sim-fail-after-steps`), so the
-default configuration carries no test hook.
+The exception and the hang are injected with the sim backend's documented fault knobs (`--sim-fail-after-steps`,
+`--sim-hang-after-steps`), so the default configuration carries no test hook.
 """
 
 import asyncio
@@ -86,7 +87,7 @@ def _run_death(server: KvgateServe, kill_child: bool) -> dict:
     return asyncio.run(main())
 
 
-def _check_in_flight_failed_cleanly(result: dict) -> float:
+def _check_in_flight_failed_cleanly(result: dict, budget: float = DEATH_BUDGET) -> float:
     streamed, response = result["stream"], result["response"]
     # The death happened after the last token the stream received (or at the SIGKILL): a conservative origin.
     died_at = result["killed_at"] or streamed["last_token"]
@@ -97,7 +98,7 @@ def _check_in_flight_failed_cleanly(result: dict) -> float:
     body = response.json()["error"]
     assert body["type"] == "server_error" and "engine stopped" in body["message"]
     latency = max(streamed["error_at"], result["answered_at"]) - died_at
-    assert latency < DEATH_BUDGET, f"in-flight requests failed {latency:.3f} s after the engine died"
+    assert latency < budget, f"in-flight requests failed {latency:.3f} s after the engine died"
     print(f"\nin-flight requests failed {latency * 1000:.0f} ms after the engine died")
     return died_at
 
@@ -164,3 +165,55 @@ def test_healthy_server_is_live_and_ready(sim_server):
     assert httpx.get(sim_server.url + "/health").status_code == 200
     assert httpx.get(sim_server.url + "/live").status_code == 200
     assert httpx.get(sim_server.url + "/metrics").status_code == 200
+
+
+STEP_TIMEOUT = 1.0  # --engine-step-timeout in these tests (default 60)
+
+
+@pytest.mark.parametrize("engine_loop, keep_alive", [("thread", False), ("process", False),
+                                                     ("thread", True), ("process", True)])
+def test_a_hung_engine_step_is_an_engine_death(kvgate_cache, engine_loop, keep_alive):
+    """The loop stuck in one step (a deadlocked kernel): --engine-step-timeout after its last step, in-flight
+    requests get 503s and the server exits 1 (or, kept alive, answers 503 on /health and /live)."""
+    args = ["--backend", "sim", "--engine-loop", engine_loop, "--sim-hang-after-steps", FAULT_STEP,
+            "--engine-step-timeout", str(STEP_TIMEOUT)]
+    if keep_alive:
+        args.append("--keep-alive-on-engine-death")
+    with KvgateServe("sim", *args, cache_dir=kvgate_cache) as server:
+        engine_pid = _engine_child(server) if engine_loop == "process" else None
+        result = _run_death(server, kill_child=False)
+        # the hang began right after the stream's last token: not cut before the bound, and soon after it
+        hung_at = _check_in_flight_failed_cleanly(result, budget=STEP_TIMEOUT + DEATH_BUDGET)
+        detected = result["stream"]["error_at"] - hung_at
+        assert detected >= STEP_TIMEOUT, f"declared hung {detected:.2f} s after the last step"
+        print(f"hung engine ({engine_loop}): in-flight requests failed {detected:.2f} s after its last step "
+              f"(--engine-step-timeout {STEP_TIMEOUT:g})")
+        assert "no step completed" in result["stream"]["error"]["message"]
+        if keep_alive:
+            assert _health(server.url) == 503
+            assert httpx.get(server.url + "/live").status_code == 503  # a liveness probe restarts the container
+            assert server.proc.poll() is None
+        else:
+            assert _health(server.url) in (503, None)
+            assert _wait_exit(server, 10) == 1
+            print(f"server exited {time.monotonic() - hung_at:.2f} s after the engine hung")
+        if engine_pid is not None:  # the hung engine process is killed, not left holding the accelerator
+            deadline = time.monotonic() + 5
+            while os.path.exists(f"/proc/{engine_pid}") and \
+                    open(f"/proc/{engine_pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                assert time.monotonic() < deadline, "the hung engine process is still running"
+                time.sleep(0.05)
+        assert "hung" in server.log()
+
+
+def test_slow_steps_and_idle_time_are_not_a_hang(kvgate_cache):
+    """The watchdog counts only time with requests waiting and no step: an engine idle for longer than the
+    timeout, then serving steps that each take half of it, is healthy."""
+    with KvgateServe("sim", "--backend", "sim", "--sim-step-overhead-ms", str(STEP_TIMEOUT * 500),
+                     "--engine-step-timeout", str(STEP_TIMEOUT), cache_dir=kvgate_cache) as server:
+        time.sleep(STEP_TIMEOUT * 1.5)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "slow", "max_tokens": 4, "ignore_eos": True},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(server.url + "/live").status_code == 200
