@@ -10,7 +10,7 @@ Only `@kopf.on.event` handlers: they keep no state on the objects (no kopf annot
 deleting a ModelServer, pool or Gateway is never blocked by the operator being down, and the garbage
 collector removes what the operator made through the owner references on every object.
 
-Keys (deduplicated while queued; a failing key is retried with exponential backoff, 1 s to 60 s):
+Keys (deduplicated while queued, and while waiting for a retry):
     ("ModelServer", ns, name)    the engine Deployment and the ModelServer's status
     ("InferencePool", ns, name)  the pool's EPP objects when the operator manages them: its config (re-read
                                  from the referenced ConfigMap each time), its NetworkPolicy, its status entry
@@ -20,9 +20,13 @@ Keys (deduplicated while queued; a failing key is retried with exponential backo
     ("Gateways",)                GatewayClass statuses; per Gateway of ours the Envoy objects and status;
                                  HTTPRoute and InferencePool status.parents (they need all Gateways at once)
 
-A name the operator wants that is taken by an object not its own (apply.py's NameConflict) is permanent until a
-user acts, so it is a condition — the ModelServer's Ready, the pool's EPP entry, the Gateway's Programmed
-(reason NameConflict, naming the object) — and not a retry loop; the next resync looks again.
+Failures are temporary or permanent (failures.py, kopf's TemporaryError / PermanentError). A temporary one (the
+API server unreachable, 409, 429, 5xx, timeouts) retries its key with exponential backoff, 1 s doubling to 60 s.
+A permanent one (the API server refused the request: 400, 403, 404, 422; or the reconcile raised on its own) is
+a condition on the object — the ModelServer's Ready, the pool's EPP entry, the Gateway's Programmed, reason
+ReconcileFailed with the message — logged once, and not retried: the next event or resync looks again. A name
+the operator wants that is taken by an object not its own (apply.py's NameConflict) is permanent until a user
+acts, so it is such a condition too (reason NameConflict, naming the object).
 """
 
 from __future__ import annotations
@@ -35,11 +39,14 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+import kopf
+
 from kvgate.envoy_config import PoolBackend
 from kvgate.operator import naming
 from kvgate.operator.apply import KINDS, ApiError, Kube, NameConflict, describe
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.envoy_routes import WeightedBackend
+from kvgate.operator.failures import REASON as FAILED, classify, is_refusal
 from kvgate.operator.gateway import (GatewayRouting, desired_envoy_objects, gateway_status, gatewayclass_status,
                                      httproute_status, is_our_class, render_config, routes_for_gateway)
 from kvgate.operator.modelserver import (desired_engine_deployment, modelserver_status, needs_recreate,
@@ -103,23 +110,35 @@ class OperatorConfig:
 # --- the work queue ------------------------------------------------------------------------------------------
 
 class WorkQueue:
-    """Keys to reconcile: deduplicated while waiting, delayed retries kept in a heap, one consumer."""
+    """Keys to reconcile: deduplicated while waiting, delayed retries kept in a heap (at most one per key: the
+    earliest), one consumer."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._ready: list[tuple] = []
         self._queued: set[tuple] = set()
         self._delayed: list[tuple[float, tuple]] = []
+        self._due: dict[tuple, float] = {}  # key -> when its one pending retry is due; heap entries not here are stale
         self._stopped = False
 
     def add(self, key: tuple, delay_s: float = 0.0) -> None:
         with self._cond:
             if delay_s > 0:
-                heapq.heappush(self._delayed, (time.monotonic() + delay_s, key))
+                due = time.monotonic() + delay_s
+                if self._due.get(key, float("inf")) <= due:
+                    return  # a retry is already due sooner
+                self._due[key] = due
+                heapq.heappush(self._delayed, (due, key))
             elif key not in self._queued:
                 self._queued.add(key)
                 self._ready.append(key)
             self._cond.notify()
+
+    def pending_retries(self) -> dict[tuple, float]:
+        """Keys waiting for a retry, and in how many seconds it is due."""
+        with self._cond:
+            now = time.monotonic()
+            return {key: due - now for key, due in self._due.items()}
 
     def get(self) -> tuple | None:
         """The next key (None once stopped); waits for one."""
@@ -127,7 +146,10 @@ class WorkQueue:
             while not self._stopped:
                 now = time.monotonic()
                 while self._delayed and self._delayed[0][0] <= now:
-                    key = heapq.heappop(self._delayed)[1]
+                    due, key = heapq.heappop(self._delayed)
+                    if self._due.get(key) != due:
+                        continue  # replaced by an earlier retry
+                    del self._due[key]
                     if key not in self._queued:
                         self._queued.add(key)
                         self._ready.append(key)
@@ -206,6 +228,7 @@ class Reconciler:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._uses_logged: dict[tuple[str, str], tuple] = {}  # ModelServer -> (generation, uses) last logged
+        self._permanent_logged: dict[tuple, str] = {}  # ("key", *key) or an object -> its permanent failure logged
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -222,16 +245,69 @@ class Reconciler:
 
     def _work(self) -> None:
         while (key := self.queue.get()) is not None:
-            try:
-                self.reconcile(key)
+            self.process(key)
+
+    def process(self, key: tuple) -> float | None:
+        """Reconcile `key`, never raising: a temporary failure queues a retry (its delay is returned), a
+        permanent one is logged once and not retried (None, as for a success)."""
+        try:
+            self.reconcile(key)
+        except Exception as exc:
+            failure = classify(exc)
+            if isinstance(failure, kopf.PermanentError):  # not an object's (those are conditions): a list, say
                 self._failures.pop(key, None)
-            except Exception as exc:  # never crash: log, back off, retry
-                self._failures[key] += 1
-                delay = min(60.0, 2.0 ** (self._failures[key] - 1))
-                level = logging.WARNING if isinstance(exc, ApiError) else logging.ERROR
-                log.log(level, "reconcile %s failed (attempt %d), retrying in %.0fs: %s", "/".join(key),
-                        self._failures[key], delay, exc, exc_info=not isinstance(exc, ApiError))
-                self.queue.add(key, delay)
+                self._log_permanent(key, failure, memo=("key", *key))
+                return None
+            self._failures[key] += 1
+            delay = failure.delay if failure.delay is not None else min(60.0, 2.0 ** (self._failures[key] - 1))
+            log.warning("reconcile %s failed (attempt %d), retrying in %.0fs: %s", "/".join(key),
+                        self._failures[key], delay, failure)
+            self.queue.add(key, delay)
+            return delay
+        self._failures.pop(key, None)
+        self._permanent_logged.pop(("key", *key), None)
+        return None
+
+    def _log_permanent(self, key: tuple, failure: kopf.PermanentError, memo: tuple | None = None) -> None:
+        """Once per key (or object: `memo`) and message, as a resync meets it again: a refusal by the API server
+        as a line, anything else with its traceback."""
+        memo = memo or key
+        if self._permanent_logged.get(memo) == str(failure):
+            return
+        self._permanent_logged[memo] = str(failure)
+        log.error("reconcile %s failed permanently, not retrying (the next change or resync looks again): %s",
+                  "/".join(key), failure, exc_info=None if is_refusal(failure) else (failure.__cause__ or failure))
+
+    def _guarded(self, kind: str, ns: str, name: str) -> None:
+        """Reconcile one ModelServer or InferencePool; a permanent failure becomes its ReconcileFailed condition
+        (temporary ones propagate: the key is retried)."""
+        try:
+            (self.reconcile_modelserver if kind == "ModelServer" else self.reconcile_pool)(ns, name)
+        except Exception as exc:
+            failure = classify(exc)
+            if isinstance(failure, kopf.TemporaryError):
+                raise failure from exc
+            self._log_permanent((kind, ns, name), failure)
+            self._report_failure(kind, ns, name, failure)
+        else:
+            self._permanent_logged.pop((kind, ns, name), None)
+
+    def _report_failure(self, kind: str, ns: str, name: str, failure: kopf.PermanentError) -> None:
+        message = f"the operator cannot reconcile it: {failure}"[:1000]
+        if kind == "ModelServer":
+            obj = self.kube.get(MODELSERVER, name, ns)
+            if obj is None:
+                return
+            previous = (obj.get("status") or {}).get("conditions") or []
+            failed = condition("Ready", False, FAILED, message, (obj.get("metadata") or {}).get("generation"))
+            status = {"conditions": stamp([failed], previous) + [c for c in previous if c.get("type") != "Ready"]}
+        else:
+            obj = self.kube.get(POOL, name, ns)
+            if obj is None:
+                return
+            status = epp_pool_status(obj, [{"reason": FAILED, "message": message}],
+                                     "The EPP keeps running what it ran.")
+        self.kube.patch_status(obj, status)
 
     def _resync(self) -> None:
         while not self._stop.wait(self.config.resync_s):
@@ -250,17 +326,15 @@ class Reconciler:
 
     def reconcile(self, key: tuple) -> None:
         kind = key[0]
-        if kind == "ModelServer":
-            self.reconcile_modelserver(key[1], key[2])
-        elif kind == "InferencePool":
-            self.reconcile_pool(key[1], key[2])
+        if kind in ("ModelServer", "InferencePool"):
+            self._guarded(kind, key[1], key[2])
         elif kind == "PoolMembers":  # every ModelServer of the namespace: a new selector may match any
             for ms in self.kube.list(MODELSERVER, key[1]):
-                self.reconcile_modelserver(*naming.key_of(ms))
+                self._guarded("ModelServer", *naming.key_of(ms))
         elif kind == "ConfigUsers":
             for pool in self.kube.list(POOL, key[1]):
                 if referenced_config_name(pool) == key[2]:
-                    self.reconcile_pool(*naming.key_of(pool))
+                    self._guarded("InferencePool", *naming.key_of(pool))
         elif kind == "Gateways":
             self.reconcile_gateways()
         else:
@@ -411,6 +485,7 @@ class Reconciler:
         pool_gateways: dict[tuple[str, str], list[dict]] = defaultdict(list)
         failed = []
         for gw in gateways:
+            routing = GatewayRouting([], {}, [], {})  # what the status shows if the routes cannot be computed
             try:
                 routing = routes_for_gateway(gw, routes, pools, services, grants, endpoints, namespaces,
                                              fallback_pools)
@@ -429,9 +504,15 @@ class Reconciler:
                 self.kube.patch_status(gw, _not_programmed(gateway_status(gw, None, None, routing), gw, exc))
                 continue
             except Exception as exc:
-                failed.append(f"{describe(gw)}: {exc}")
-                log.warning("%s: reconcile failed: %s", describe(gw), exc)
+                failure = classify(exc)
+                if isinstance(failure, kopf.TemporaryError):  # the other Gateways go on; then the key is retried
+                    failed.append(f"{describe(gw)}: {failure}")
+                    log.warning("%s: reconcile failed: %s", describe(gw), failure)
+                    continue
+                self._log_permanent(("Gateway", *naming.key_of(gw)), failure)
+                self.kube.patch_status(gw, _not_programmed(gateway_status(gw, None, None, routing), gw, failure))
                 continue
+            self._permanent_logged.pop(("Gateway", *naming.key_of(gw)), None)
             for key, entries in routing.route_parents.items():
                 route_parents[key] += entries
             for key in routing.pools_used:
@@ -448,7 +529,7 @@ class Reconciler:
                 svc = svc_by_key.get((naming.namespace_of(pool), epp_ref(pool).get("name", "")))
                 self.kube.patch_status(pool, pool_status(pool, using, svc))
         if failed:
-            raise RuntimeError("; ".join(failed))
+            raise kopf.TemporaryError("; ".join(failed), delay=None)
 
     def _namespace_labels(self) -> dict[str, dict]:
         try:
@@ -488,10 +569,13 @@ def _deployment_of(ms: dict) -> dict:
             "metadata": naming.object_meta(naming.engine_deployment_name(ms), ms, {})}
 
 
-def _not_programmed(status: dict, gateway: dict, exc: NameConflict) -> dict:
-    """A Gateway status whose Programmed condition says which of its objects' names is taken."""
+def _not_programmed(status: dict, gateway: dict, exc: Exception) -> dict:
+    """A Gateway status whose Programmed condition says why its objects are not (all) applied: which of their
+    names is taken (NameConflict), or the permanent failure (ReconcileFailed)."""
     gen = (gateway.get("metadata") or {}).get("generation")
-    programmed = condition("Programmed", False, exc.reason, str(exc), gen)
+    reason = exc.reason if isinstance(exc, NameConflict) else FAILED
+    message = str(exc) if isinstance(exc, NameConflict) else f"the operator cannot reconcile it: {exc}"[:1000]
+    programmed = condition("Programmed", False, reason, message, gen)
     conds = [c for c in status["conditions"] if c["type"] != "Programmed"]
     return {**status, "conditions": conds + stamp([programmed], (gateway.get("status") or {}).get("conditions"))}
 

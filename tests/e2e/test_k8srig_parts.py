@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from k8srig import BuildFailed, Unavailable, crds, echoserver, ensure_binaries
-from k8srig.kube import Kubeconfig, Resource, load_documents
-from k8srig.podrunner import write_atomic_volume
+from k8srig.kube import Client, Kubeconfig, Resource, load_documents
+from k8srig.podrunner import PodWorker, Runner, write_atomic_volume
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
 
@@ -146,6 +146,21 @@ def test_write_atomic_volume_swaps_data_like_the_kubelet(tmp_path):
     assert not write_atomic_volume(d, {"a.txt": b"1", "sub/b.txt": b"2"})     # unchanged: no swap
     assert write_atomic_volume(d, {"a.txt": b"3"})
     assert (d / "a.txt").read_bytes() == b"3" and not (d / "sub").exists() and not first.exists()
+
+
+def test_a_pod_keeps_its_volumes_while_the_api_server_is_unreachable(tmp_path):
+    """The kubelet keeps running pods when the API server is gone (Rig.stop_apiserver): a volume refresh that
+    cannot reach it keeps what is mounted. (It used to raise ConnectionRefusedError, and the pod's worker
+    stopped every container.)"""
+    client = Client(Kubeconfig(server=f"http://127.0.0.1:{_free_port()}", ca_pem=None))  # nobody listens there
+    runner = Runner(client, node_name="n", run_dir=tmp_path, pod_network="127.99", images=None,
+                    backoff_base_s=1, backoff_cap_s=1)
+    worker = PodWorker(runner, {"metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+                                "spec": {"containers": [{"name": "c", "image": "busybox"}],
+                                         "volumes": [{"name": "cfg", "configMap": {"name": "cfg"}}]}})
+    worker.mounts_ready = True  # mounted while the API server was up
+    worker.refresh_volumes(worker.pod)
+    assert worker.mounts_ready and "refused" in worker.volume_error.lower(), worker.volume_error
 
 
 def test_resource_paths_and_kubeconfig_round_trip(tmp_path):

@@ -217,3 +217,43 @@ def test_threads_follow_events_and_stop(fake):
             t.join(5)
     assert not any(t.is_alive() for t in watcher._threads)
     assert sum(1 for _, _, kw in core.calls if not kw.get("watch")) == 1  # listed once
+
+
+class GoneResponse(WatchResponse):
+    """The API server refusing the watch request itself with HTTP 410 (resourceVersion compacted away)."""
+
+    status = 410
+    reason = "Gone"
+    data = json.dumps({"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}).encode()
+
+    headers = {"content-type": "application/json"}
+
+    def __init__(self):
+        super().__init__([])
+
+    def getheader(self, name, default=None):
+        return self.headers.get(name.lower(), default)
+
+
+def test_a_watch_refused_with_410_relists_too(fake):
+    """The other shape of 410: not an ERROR event in the stream but the watch request's own HTTP status (the
+    kubernetes client raises ApiException(410)). Same outcome: the cache is dropped and listed again."""
+    watcher, core, custom, store = fake
+    watcher.sync_pool()
+    core.lists.append({"metadata": {"resourceVersion": "100"}, "items": [pod("a", "10.0.0.1", "90")]})
+    watcher.pod_watch_step()
+    orig = core.list_namespaced_pod
+
+    def gone_once(namespace, **kw):
+        if kw.get("watch"):
+            core.list_namespaced_pod = orig
+            core.calls.append(("pods", namespace, kw))
+            return GoneResponse()
+        return orig(namespace, **kw)
+
+    core.list_namespaced_pod = gone_once
+    watcher.pod_watch_step()  # HTTP 410: dropped, no exception out of the step (so no error backoff either)
+    core.lists.append({"metadata": {"resourceVersion": "300"}, "items": [pod("b", "10.0.0.2", "299")]})
+    watcher.pod_watch_step()
+    assert [bool(kw.get("watch")) for _, _, kw in core.calls] == [False, True, False]
+    assert addresses(store) == ["10.0.0.2:8000"]

@@ -117,6 +117,7 @@ class Rig:
     timings: dict[str, float] = field(default_factory=dict)
     local: bool = True                   # pods run on this machine (tests may inspect their processes)
     _procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    _apiserver_argv: list[str] = field(default_factory=list)
     _net_lock: int | None = None
     _net_lock_path: str = ""
 
@@ -194,7 +195,7 @@ class Rig:
         wait_for(etcd_healthy, timeout_s=30, what="etcd /health")
         self.timings["etcd_ready_s"] = time.monotonic() - t0
 
-        apiserver = self._start("kube-apiserver", [
+        self._apiserver_argv = [
             str(self.binaries.apiserver),
             f"--etcd-servers=http://127.0.0.1:{etcd_port}",
             "--bind-address=127.0.0.1", f"--secure-port={api_port}", "--advertise-address=127.0.0.1",
@@ -207,9 +208,8 @@ class Rig:
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-cluster-ip-range={service_cidr(self.pod_network)}", "--endpoint-reconciler-type=none",
-            "--profiling=false", "--v=1"])
-        wait_for(lambda: self._alive("kube-apiserver", apiserver) and self.client.raw_get("/readyz", timeout=3)[0] == 200,
-                 timeout_s=self.startup_timeout_s, interval_s=0.25, what="kube-apiserver /readyz")
+            "--profiling=false", "--v=1"]
+        self.start_apiserver()
         self.timings["apiserver_ready_s"] = time.monotonic() - t0
 
         kcm = self._start("kube-controller-manager", [
@@ -245,6 +245,35 @@ class Rig:
             return bool(sa and sa.get("secrets"))
         wait_for(default_sa_token, timeout_s=self.startup_timeout_s, what="default ServiceAccount token")
         self.timings["ready_s"] = time.monotonic() - t0
+
+    # --- an API server outage -------------------------------------------------------------------------------
+    def stop_apiserver(self, grace_s: float = 10.0) -> None:
+        """Stop kube-apiserver alone (SIGTERM, then SIGKILL after grace_s); etcd, the controller-manager, the
+        pod runner and the pods keep running, and every client sees connections refused until
+        start_apiserver()."""
+        proc = dict(self._procs).get("kube-apiserver")
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError("kube-apiserver is not running")
+        procs.stop_group(proc, grace_s)
+        self._procs.remove(("kube-apiserver", proc))
+
+    @property
+    def apiserver_stopped(self) -> bool:
+        """Whether stop_apiserver() stopped it and it was not started again."""
+        return bool(self._apiserver_argv) and "kube-apiserver" not in dict(self._procs)
+
+    def start_apiserver(self) -> float:
+        """Start kube-apiserver with the same flags, port, certificates and etcd (so every object, token and
+        resourceVersion survives) and wait for /readyz; returns the seconds that took."""
+        if not self._apiserver_argv:
+            raise RuntimeError("the rig was never started")
+        if (proc := dict(self._procs).get("kube-apiserver")) is not None and proc.poll() is None:
+            raise RuntimeError("kube-apiserver is already running")
+        t0 = time.monotonic()
+        apiserver = self._start("kube-apiserver", self._apiserver_argv)
+        wait_for(lambda: self._alive("kube-apiserver", apiserver) and self.client.raw_get("/readyz", timeout=3)[0] == 200,
+                 timeout_s=self.startup_timeout_s, interval_s=0.25, what="kube-apiserver /readyz")
+        return time.monotonic() - t0
 
     # --- stop -----------------------------------------------------------------------------------------------
     def stop(self) -> list[int]:

@@ -207,7 +207,7 @@ class PodWorker(threading.Thread):
                 errors.append(str(e))
                 ready = False
                 continue
-            except ApiError as e:
+            except (ApiError, OSError) as e:  # the API server unreachable too: keep what is mounted
                 errors.append(str(e))
                 ready = ready and self.mounts_ready
                 continue
@@ -258,7 +258,7 @@ class PodWorker(threading.Thread):
             slot.run.state, slot.run.reason, slot.run.message = "waiting", "ErrImagePull", str(e)
             slot.next_start = now + 5
             return
-        except (ps.ConfigError, ValueError, ApiError) as e:
+        except (ps.ConfigError, ValueError, ApiError, OSError) as e:
             slot.run.state, slot.run.reason, slot.run.message = "waiting", "CreateContainerConfigError", str(e)
             slot.next_start = now + 1
             return
@@ -417,8 +417,8 @@ class PodWorker(threading.Thread):
                 try:
                     self.runner.client.delete(CORE["Pod"], self.key[1], self.key[0], grace_period_s=0,
                                               uid=self.uid)
-                except ApiError as e:
-                    if e.status not in (404, 409):
+                except (ApiError, OSError) as e:
+                    if getattr(e, "status", None) not in (404, 409):
                         log.warning("%s/%s: final delete failed: %s", *self.key, e)
                         time.sleep(1)
                         continue
