@@ -56,6 +56,7 @@ from kvgate.operator.network_policy import (desired_network_policy, gateways_rou
 from kvgate.operator.pool import (choose_epp_config, desired_epp_objects, epp_pool_status, epp_problems, epp_ref,
                                   is_fail_open, manages_epp, pool_status, referenced_config_name, returns_lists,
                                   running_note, without_epp_status)
+from kvgate.operator.spec_shape import pool_problems, pool_ref_name
 from kvgate.operator.tenancy import TenantPolicy, privileged_uses
 
 log = logging.getLogger("kvgate.operator")
@@ -345,7 +346,7 @@ class Reconciler:
         ms = self.kube.get(MODELSERVER, name, ns)
         if ms is None or _deleting(ms):
             return
-        pool_name = ((ms.get("spec") or {}).get("poolRef") or {}).get("name")
+        pool_name = pool_ref_name(ms)
         pools = [p for p in self.kube.list(POOL, ns) if not _deleting(p)]  # its pool, and the others' selectors
         pool = next((p for p in pools if naming.name_of(p) == pool_name), None)
         policy, image = self.config.tenant_policy, self.config.engine_image
@@ -396,7 +397,7 @@ class Reconciler:
         if pool is None or _deleting(pool):
             return
         ref = epp_ref(pool)
-        service = self.kube.get(SERVICE, ref["name"], ns) if ref.get("name") else None
+        service = self.kube.get(SERVICE, ref["name"], ns) if isinstance(ref.get("name"), str) else None
         if not manages_epp(pool, service, self.kube.list(MODELSERVER, ns)):
             if (status := without_epp_status(pool)) is not None:  # no longer ours: drop our status entry
                 self.kube.patch_status(pool, status)
@@ -407,7 +408,9 @@ class Reconciler:
         choice = choose_epp_config(pool, self.kube.get(CONFIGMAP, config_name, ns) if config_name else None,
                                    self.kube.get(CONFIGMAP, naming.epp_name(pool), ns))
         problems = epp_problems(pool, None) + ([choice.problem] if choice.problem else [])
-        if self.config.network_policy:  # before the EPP's pods: they never run unprotected
+        if problems and problems[0]["reason"] == "InvalidSpec":  # nothing can be rendered from it
+            problems = problems[:1]
+        elif self.config.network_policy:  # before the EPP's pods: they never run unprotected
             problems += self._network_policy(pool)
         objects = desired_epp_objects(pool, self.config.epp_image, choice.config_yaml) \
             if choice.config_yaml is not None and not _conflicts(problems) else []
@@ -464,7 +467,7 @@ class Reconciler:
         gateways = [g for g in self.kube.list(GATEWAY, ns)
                     if (g.get("spec") or {}).get("gatewayClassName") in class_names and not _deleting(g)]
         routes = self.kube.list(HTTPROUTE, ns)
-        pools = self.kube.list(POOL, ns)
+        pools = [p for p in self.kube.list(POOL, ns) if not pool_problems(p)]  # a misshapen one: as if absent
         services = self.kube.list(SERVICE, ns)
         grants = self.kube.list(REFERENCEGRANT, ns)
         namespaces = self._namespace_labels()
@@ -632,7 +635,7 @@ def register(registry, reconciler: Reconciler):
     @kopf.on.event("kvgate.dev", "v1alpha1", "modelservers", registry=registry)
     def modelserver_event(body, namespace, name, **_):
         q.add(("ModelServer", namespace, name))
-        pool_name = ((body.get("spec") or {}).get("poolRef") or {}).get("name")
+        pool_name = pool_ref_name(body)
         if pool_name:
             q.add(("InferencePool", namespace, pool_name))
 

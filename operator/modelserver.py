@@ -25,6 +25,7 @@ import re
 
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, find, stamp
+from kvgate.operator.spec_shape import modelserver_problems, pool_problems, pool_ref_name
 from kvgate.operator.tenancy import TenantPolicy, escalation_problems, label_problems
 
 CACHE_DIR = "/var/cache/kvgate"
@@ -56,10 +57,13 @@ def kv_cache_bytes(quantity: int | str) -> int:
 # --- validation: what the CRD schema cannot say -------------------------------------------------------------
 
 def _pool_problems(ms: dict, pool: dict | None) -> list[dict]:
-    pool_name = ((ms.get("spec") or {}).get("poolRef") or {}).get("name", "")
+    pool_name = pool_ref_name(ms) or ""
     if pool is None:
         return [{"reason": "PoolNotFound",
                  "message": f"InferencePool {pool_name!r} not found in namespace {naming.namespace_of(ms)!r}"}]
+    shape = pool_problems(pool)
+    if shape:
+        return [{"reason": "PoolInvalid", "message": f"InferencePool {pool_name!r}: {'; '.join(shape)}"}]
     spec = pool.get("spec") or {}
     problems = []
     if not (spec.get("selector") or {}).get("matchLabels"):
@@ -102,10 +106,14 @@ def validate_modelserver(ms: dict, pool: dict | None, policy: TenantPolicy = Ten
     Some of these the CRD's CEL rules also reject — they are checked again for clusters too old to run CEL
     (the e2e rig is Kubernetes 1.20). `policy`, `other_pools` (the namespace's other InferencePools) and
     `operator_image` (the engine image the operator runs by default) feed tenancy.py's rules."""
+    shape = modelserver_problems(ms)
+    if shape:  # nothing else can be judged (or rendered) from a spec of the wrong shape
+        return [{"reason": "InvalidSpec", "message": "; ".join(shape)}] + _pool_problems(ms, pool)
     problems = _pool_problems(ms, pool) + _spec_problems(ms) + escalation_problems(ms, policy, operator_image)
     if not problems:
         own = naming.key_of(pool)
-        others = [p for p in other_pools if naming.key_of(p) != own]
+        # A misshapen pool selects nothing (its own reconcile reports it).
+        others = [p for p in other_pools if naming.key_of(p) != own and not pool_problems(p)]
         problems += label_problems(ms, _operator_pod_labels(ms, pool), engine_pod_labels(ms, pool), others)
     return problems
 
@@ -118,6 +126,12 @@ def pool_labels(pool: dict) -> dict[str, str]:
 
 def pool_port(pool: dict) -> int:
     return int((pool.get("spec") or {}).get("targetPorts")[0]["number"])
+
+
+def replicas_of(ms: dict) -> int:
+    """spec.replicas; 1 when unset or null (the CRD's default)."""
+    replicas = (ms.get("spec") or {}).get("replicas")
+    return 1 if replicas is None else int(replicas)
 
 
 def engine_flags(engine: dict) -> list[str]:
@@ -279,7 +293,7 @@ def desired_engine_deployment(modelserver: dict, pool: dict | None, image: str,
         "kind": "Deployment",
         "metadata": naming.object_meta(name, modelserver, naming.component_labels("engine", name)),
         "spec": {
-            "replicas": int(spec.get("replicas", 1)),
+            "replicas": replicas_of(modelserver),
             "selector": {"matchLabels": dict(sorted(selector.items()))},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
@@ -305,7 +319,7 @@ def _ready_condition(ms: dict, deployment: dict | None, problems: list[dict]) ->
         return condition("Ready", False, problems[0]["reason"], problems[0]["message"], gen)
     if deployment is None:
         return condition("Ready", False, "DeploymentPending", "the engine Deployment does not exist yet", gen)
-    want = int((ms.get("spec") or {}).get("replicas", 1))
+    want = replicas_of(ms)
     ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
     if want == 0:
         return condition("Ready", True, "ScaledToZero", "replicas is 0", gen)
@@ -334,7 +348,7 @@ def modelserver_status(ms: dict, deployment: dict | None, pool: dict | None, now
         "conditions": stamp([_ready_condition(ms, deployment, problems), _pool_condition(ms, pool, problems)],
                             (ms.get("status") or {}).get("conditions"), now),
     }
-    if pool is not None and pool_labels(pool):
+    if pool is not None and not pool_problems(pool) and pool_labels(pool):
         status["selector"] = naming.selector_string(pool_labels(pool))
     if (ms.get("metadata") or {}).get("generation") is not None:
         status["observedGeneration"] = ms["metadata"]["generation"]

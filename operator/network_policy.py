@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 
 import yaml
 
+from kvgate import bounded_yaml
 from kvgate.operator import naming
 from kvgate.operator.gateway import _grant_allows
 
@@ -49,7 +50,7 @@ def _check_selector(selector, where: str) -> None:
         raise ValueError(f"{where}.matchLabels: expected a mapping of strings to strings")
     for i, expr in enumerate(selector.get("matchExpressions") or []):
         if not isinstance(expr, Mapping) or not isinstance(expr.get("key"), str) \
-                or expr.get("operator") not in _SELECTOR_OPERATORS \
+                or not isinstance(expr.get("operator"), str) or expr["operator"] not in _SELECTOR_OPERATORS \
                 or not isinstance(expr.get("values", []), list):
             raise ValueError(f"{where}.matchExpressions[{i}]: expected key, operator "
                              f"({', '.join(sorted(_SELECTOR_OPERATORS))}) and a list of values")
@@ -60,9 +61,9 @@ def parse_peers(text: str | None, source: str) -> list[dict]:
     if text is None or not text.strip():
         return []
     try:
-        doc = yaml.safe_load(text)
+        doc = bounded_yaml.load(text)  # a tenant's annotation: bounded nesting, aliases and size
     except yaml.YAMLError as exc:
-        raise ValueError(f"{source}: not valid YAML: {exc}") from None
+        raise ValueError(f"{source}: not valid YAML: {' '.join(str(exc).split())[:500]}") from None
     if isinstance(doc, Mapping):
         doc = [doc]
     if not isinstance(doc, list):

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, ConfigError, parse_config
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
+from kvgate.operator.spec_shape import pool_problems, pool_ref_name
 
 EPP_ANNOTATION = "kvgate.dev/endpoint-picker"
 CONFIG_ANNOTATION = "kvgate.dev/epp-config"  # <configmap>[/<key>] in the pool's namespace
@@ -51,7 +53,10 @@ EPP_RBAC_RULES = [
 
 
 def epp_ref(pool: dict) -> dict:
-    return (pool.get("spec") or {}).get("endpointPickerRef") or {}
+    """spec.endpointPickerRef; {} when it is not a mapping (spec_shape.py reports that)."""
+    spec = pool.get("spec")
+    ref = spec.get("endpointPickerRef") if isinstance(spec, Mapping) else None
+    return ref if isinstance(ref, Mapping) else {}
 
 
 def epp_service_port(pool: dict) -> int:
@@ -70,7 +75,7 @@ def _refers_to_service(pool: dict) -> bool:
 def manages_epp(pool: dict, existing_service: dict | None, modelservers: list[dict]) -> bool:
     """Whether the operator runs this pool's EPP (see the module docstring for the rule)."""
     mode = ((pool.get("metadata") or {}).get("annotations") or {}).get(EPP_ANNOTATION)
-    joined = any(((ms.get("spec") or {}).get("poolRef") or {}).get("name") == naming.name_of(pool)
+    joined = any(pool_ref_name(ms) == naming.name_of(pool)
                  and naming.namespace_of(ms) == naming.namespace_of(pool) for ms in modelservers)
     if mode == "external" or not (mode == "managed" or joined) or not _refers_to_service(pool):
         return False
@@ -192,6 +197,9 @@ def _service(pool: dict) -> dict:
 
 def epp_problems(pool: dict, config_yaml: str | None) -> list[dict]:
     """Why no EPP can be made for `pool` ({reason, message}); empty when it can."""
+    shape = pool_problems(pool)
+    if shape:
+        return [{"reason": "InvalidSpec", "message": "; ".join(shape)}]
     problems = []
     if not _refers_to_service(pool):
         problems.append({"reason": "InvalidExtensionRef", "message": "endpointPickerRef is not a core Service"})

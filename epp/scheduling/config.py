@@ -20,11 +20,18 @@ Defaults as upstream fills them: no schedulingProfiles → one `default` profile
 a profile without a picker gets a max-score-picker. Other top-level sections upstream knows (featureGates,
 dataLayer, flowControl, parser, requestHandler) are accepted and ignored. Multiple profiles load, but only the
 first (primary) runs: kvgate has no multi-profile handler (e.g. prefill/decode) yet.
+
+Any text at all gives an EppConfig or a one-line ConfigError (the operator puts it in a status condition, `kvgate
+epp` prints it and exits 1): the YAML is read within kvgate.bounded_yaml's limits (1 Mi characters, 64 levels,
+10000 nodes with aliases expanded — a config from a tenant's ConfigMap cannot stall or bloat the operator), and
+values are quoted at most 80 characters long in messages. tests/epp/test_fuzz_config.py fuzzes it.
 """
 
 from __future__ import annotations
 
+import math
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from kvgate import bounded_yaml
 from kvgate.epp.scheduling.framework import (
     Filter,
     Picker,
@@ -56,12 +64,33 @@ KIND = "EndpointPickerConfig"
 # response header, so a test client can see where its request really went.
 SERVED_VERIFIER = "destination-endpoint-served-verifier"
 RESPONSE_PLUGIN_TYPES = {SERVED_VERIFIER}
+MAX_MESSAGE = 2000  # characters of a ConfigError (a Kubernetes condition message may have 32768)
+MAX_WEIGHT = 1_000_000  # scores are in [0, 1]: a larger weight only loses float precision for the others
 IGNORED_SECTIONS = {"featureGates", "dataLayer", "flowControl", "parser", "requestHandler", "data"}
 KNOWN_SECTIONS = {"apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector"} | IGNORED_SECTIONS
 
 
 class ConfigError(ValueError):
-    """An EndpointPickerConfig that cannot be used; the message names the problem and where it is."""
+    """An EndpointPickerConfig that cannot be used; the message (one line) names the problem and where it is."""
+
+    def __init__(self, message: str) -> None:
+        message = message.replace("\r", "\\r").replace("\n", "\\n")
+        super().__init__(message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 3] + "...")
+
+
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 80
+_short.maxlevel = 3
+
+
+def show(value: Any) -> str:
+    """`value` quoted for a message: its repr, cut short (a value may be a megabyte, or a thousand levels)."""
+    return _short.repr(value)
+
+
+def _names(keys: Any) -> str:
+    """Field names for a message, sorted as text (YAML keys may be numbers, booleans or null)."""
+    return ", ".join(sorted(k[:80] if isinstance(k, str) else show(k) for k in keys))
 
 
 @dataclass
@@ -121,23 +150,28 @@ def load_config(path: str | Path | None, text: str | None = None) -> EppConfig:
     if path is None or str(path) == "":
         return default_config()
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {e.reason} at byte {e.start}") from e
     return parse_config(text, source=str(path))
 
 
 def parse_config(text: str, source: str = "<config>") -> EppConfig:
+    if not isinstance(text, str):
+        raise ConfigError(f"{source}: expected YAML text, got {type(text).__name__}")
     try:
-        doc = yaml.safe_load(text)
+        doc = bounded_yaml.load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {e}") from e
+        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(e).split())[:500]}") from e
     if not isinstance(doc, Mapping):
         raise ConfigError(f"{source}: expected a mapping (an EndpointPickerConfig), got {type(doc).__name__}")
     _check_header(doc, source)
     specs, response_plugins = doc.get("plugins"), []
     if isinstance(specs, list):
-        is_response = [isinstance(p, Mapping) and p.get("type") in RESPONSE_PLUGIN_TYPES for p in specs]
+        is_response = [isinstance(p, Mapping) and isinstance(p.get("type"), str)
+                       and p["type"] in RESPONSE_PLUGIN_TYPES for p in specs]
         response_plugins = [p for p, r in zip(specs, is_response) if r]
         specs = [p for p, r in zip(specs, is_response) if not r]
     for spec in response_plugins:
@@ -151,13 +185,13 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
 
 def _check_header(doc: Mapping, source: str) -> None:
     if doc.get("kind") != KIND:
-        raise ConfigError(f"{source}: kind must be {KIND}, got {doc.get('kind')!r}")
-    if doc.get("apiVersion") not in API_VERSIONS:
-        raise ConfigError(f"{source}: unsupported apiVersion {doc.get('apiVersion')!r} "
+        raise ConfigError(f"{source}: kind must be {KIND}, got {show(doc.get('kind'))}")
+    if not isinstance(doc.get("apiVersion"), str) or doc["apiVersion"] not in API_VERSIONS:
+        raise ConfigError(f"{source}: unsupported apiVersion {show(doc.get('apiVersion'))} "
                           f"(supported: {', '.join(sorted(API_VERSIONS))})")
-    unknown = sorted(set(doc) - KNOWN_SECTIONS)
+    unknown = set(doc) - KNOWN_SECTIONS
     if unknown:
-        raise ConfigError(f"{source}: unknown top-level field(s) {', '.join(map(str, unknown))}")
+        raise ConfigError(f"{source}: unknown top-level field(s) {_names(unknown)}")
 
 
 def _build_plugins(specs: Any, source: str) -> dict[str, Plugin]:
@@ -171,12 +205,12 @@ def _build_plugins(specs: Any, source: str) -> dict[str, Plugin]:
         if not isinstance(type_name, str) or not type_name:
             raise ConfigError(f"{where}: type is required")
         if type_name not in REGISTRY:
-            raise ConfigError(f"{where}: unknown plugin type {type_name!r} (known: {', '.join(sorted({*REGISTRY, *RESPONSE_PLUGIN_TYPES}))})")
+            raise ConfigError(f"{where}: unknown plugin type {show(type_name)} (known: {', '.join(sorted({*REGISTRY, *RESPONSE_PLUGIN_TYPES}))})")
         name = spec.get("name") or type_name
         if not isinstance(name, str):
             raise ConfigError(f"{where}: name must be a string")
         if name in plugins:
-            raise ConfigError(f"{where}: duplicate plugin name {name!r}")
+            raise ConfigError(f"{where}: duplicate plugin name {show(name)}")
         parameters = spec.get("parameters")
         if parameters is not None and not isinstance(parameters, Mapping):
             raise ConfigError(f"{where} ({name}): parameters must be a mapping")
@@ -206,7 +240,7 @@ def _build_profiles(specs: Any, plugins: dict[str, Plugin], source: str) -> list
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}: name is required")
         if name in names:
-            raise ConfigError(f"{where}: duplicate profile name {name!r}")
+            raise ConfigError(f"{where}: duplicate profile name {show(name)}")
         names.add(name)
         profiles.append(_build_profile(name, spec.get("plugins"), plugins, f"{where} ({name})"))
     return profiles
@@ -220,20 +254,23 @@ def _build_profile(name: str, refs: Any, plugins: dict[str, Plugin], where: str)
         at = f"{where}: plugins[{j}]"
         if not isinstance(ref, Mapping) or "pluginRef" not in ref:
             raise ConfigError(f"{at}: expected a mapping with pluginRef")
-        extra = sorted(set(ref) - {"pluginRef", "weight"})
+        extra = set(ref) - {"pluginRef", "weight"}
         if extra:
-            raise ConfigError(f"{at}: unknown field(s) {', '.join(map(str, extra))}")
-        plugin = plugins.get(ref["pluginRef"])
+            raise ConfigError(f"{at}: unknown field(s) {_names(extra)}")
+        plugin_ref = ref["pluginRef"]
+        plugin = plugins.get(plugin_ref) if isinstance(plugin_ref, str) else None
         if plugin is None:
-            raise ConfigError(f"{at}: pluginRef {ref['pluginRef']!r} names no plugin "
+            raise ConfigError(f"{at}: pluginRef {show(plugin_ref)} names no plugin "
                               f"(defined: {', '.join(plugins)})")
         weight = ref.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise ConfigError(f"{at}: weight of {plugin.name!r} must be a number, got {weight!r}")
+            raise ConfigError(f"{at}: weight of {show(plugin.name)} must be a number, got {show(weight)}")
         if weight < 0:
-            raise ConfigError(f"{at}: weight of {plugin.name!r} must be >= 0, got {weight}")
+            raise ConfigError(f"{at}: weight of {show(plugin.name)} must be >= 0, got {show(weight)}")
+        if not weight <= MAX_WEIGHT:  # NaN and inf too; a YAML int may be too large for a float
+            raise ConfigError(f"{at}: weight of {show(plugin.name)} must be <= {MAX_WEIGHT}, got {show(weight)}")
         if isinstance(plugin, ProfileHandler):
-            raise ConfigError(f"{at}: {plugin.name!r} is a profile handler, not a scheduling plugin")
+            raise ConfigError(f"{at}: {show(plugin.name)} is a profile handler, not a scheduling plugin")
         placed = False
         if isinstance(plugin, Filter):
             profile.filters.append(plugin)
@@ -243,11 +280,11 @@ def _build_profile(name: str, refs: Any, plugins: dict[str, Plugin], where: str)
             placed = True
         if isinstance(plugin, Picker):
             if profile.picker is not None:
-                raise ConfigError(f"{at}: more than one picker ({profile.picker.name!r} and {plugin.name!r})")
+                raise ConfigError(f"{at}: more than one picker ({show(profile.picker.name)} and {show(plugin.name)})")
             profile.picker = plugin
             placed = True
         if not placed:
-            raise ConfigError(f"{at}: {plugin.name!r} is not a filter, scorer or picker")
+            raise ConfigError(f"{at}: {show(plugin.name)} is not a filter, scorer or picker")
     if profile.picker is None:
         profile.picker = create_plugin("max-score-picker")
     return profile
@@ -257,9 +294,9 @@ def _check_fields(spec: Any, allowed: set[str], where: str) -> None:
     """A mapping with no fields beyond `allowed`, else a ConfigError naming the place."""
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{where}: expected a mapping with {', '.join(sorted(allowed))}")
-    extra = sorted(set(spec) - allowed)
+    extra = set(spec) - allowed
     if extra:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(map(str, extra))}")
+        raise ConfigError(f"{where}: unknown field(s) {_names(extra)}")
 
 
 def _saturation(spec: Any, source: str) -> SaturationConfig:
@@ -271,12 +308,12 @@ def _saturation(spec: Any, source: str) -> SaturationConfig:
     if "queueDepthThreshold" in spec:
         q = spec["queueDepthThreshold"]
         if isinstance(q, bool) or not isinstance(q, int) or q <= 0:
-            raise ConfigError(f"{where}: queueDepthThreshold must be a positive integer, got {q!r}")
+            raise ConfigError(f"{where}: queueDepthThreshold must be a positive integer, got {show(q)}")
         config.queue_depth_threshold = q
     if "kvCacheUtilThreshold" in spec:
         kv = spec["kvCacheUtilThreshold"]
         if isinstance(kv, bool) or not isinstance(kv, (int, float)) or not 0 < kv <= 1:
-            raise ConfigError(f"{where}: kvCacheUtilThreshold must be a number in (0, 1], got {kv!r}")
+            raise ConfigError(f"{where}: kvCacheUtilThreshold must be a number in (0, 1], got {show(kv)}")
         config.kv_cache_util_threshold = float(kv)
     if "metricsStalenessThreshold" in spec:
         try:
@@ -286,6 +323,7 @@ def _saturation(spec: Any, source: str) -> SaturationConfig:
     return config
 
 
+MAX_DURATION_S = 365 * 24 * 3600.0  # a year: past it a duration is a typo (and asyncio's timeouts overflow)
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -293,9 +331,9 @@ _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m":
 def parse_duration(value: Any) -> float:
     """Go-style duration ("50ms", "2s", "1m30s") or a plain number of seconds → seconds (> 0)."""
     if isinstance(value, bool):
-        raise ValueError(f"not a duration: {value!r}")
+        raise ValueError(f"not a duration: {show(value)}")
     if isinstance(value, (int, float)):
-        seconds = float(value)
+        seconds = float(value) if abs(value) <= MAX_DURATION_S else math.inf
     elif isinstance(value, str) and value.strip():
         text, pos, seconds = value.strip(), 0, 0.0
         for m in _DURATION_PART.finditer(text):
@@ -307,9 +345,9 @@ def parse_duration(value: Any) -> float:
             try:
                 seconds, pos = float(text), len(text)
             except ValueError:
-                raise ValueError(f"not a duration: {value!r} (use e.g. 50ms, 2s)") from None
+                raise ValueError(f"not a duration: {show(value)} (use e.g. 50ms, 2s)") from None
     else:
-        raise ValueError(f"not a duration: {value!r}")
-    if seconds <= 0:
-        raise ValueError(f"duration must be positive, got {value!r}")
+        raise ValueError(f"not a duration: {show(value)}")
+    if not 0 < seconds <= MAX_DURATION_S:  # NaN and inf too
+        raise ValueError(f"duration must be positive and at most {MAX_DURATION_S:.0f} s, got {show(value)}")
     return seconds

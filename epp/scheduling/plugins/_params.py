@@ -5,12 +5,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+# Counts and sizes beyond any real pool (2^40 index bytes, blocks, endpoints): larger is a typo, and would
+# overflow the float and numpy arithmetic the plugins do with them.
+MAX_INT_PARAM = 1 << 40
+
+
+def _quote(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
 
 def check_keys(params: Mapping[str, Any] | None, allowed: set[str], plugin_type: str) -> Mapping[str, Any]:
     params = params or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"{plugin_type}: parameters must be a mapping, got {type(params).__name__}")
-    unknown = sorted(set(params) - allowed)
+    # YAML keys may be numbers, booleans or null: sorted as text
+    unknown = sorted(k[:80] if isinstance(k, str) else _quote(k) for k in set(params) - allowed)
     if unknown:
         known = ", ".join(sorted(allowed)) or "none"
         raise ValueError(f"{plugin_type}: unknown parameter(s) {', '.join(unknown)} (known: {known})")
@@ -20,14 +30,16 @@ def check_keys(params: Mapping[str, Any] | None, allowed: set[str], plugin_type:
 def int_param(params: Mapping[str, Any], key: str, default: int, plugin_type: str, minimum: int = 0) -> int:
     value = params.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{plugin_type}: parameter {key} must be an integer, got {value!r}")
+        raise ValueError(f"{plugin_type}: parameter {key} must be an integer, got {_quote(value)}")
     if value < minimum:
-        raise ValueError(f"{plugin_type}: parameter {key} must be >= {minimum}, got {value}")
+        raise ValueError(f"{plugin_type}: parameter {key} must be >= {minimum}, got {_quote(value)}")
+    if value > MAX_INT_PARAM:
+        raise ValueError(f"{plugin_type}: parameter {key} must be <= {MAX_INT_PARAM}, got {_quote(value)}")
     return value
 
 
 def bool_param(params: Mapping[str, Any], key: str, default: bool, plugin_type: str) -> bool:
     value = params.get(key, default)
     if not isinstance(value, bool):
-        raise ValueError(f"{plugin_type}: parameter {key} must be true or false, got {value!r}")
+        raise ValueError(f"{plugin_type}: parameter {key} must be true or false, got {_quote(value)}")
     return value
