@@ -115,11 +115,17 @@ def _config_map(pool: dict, config_yaml: str) -> dict:
             "data": {CONFIG_KEY: config_yaml}}
 
 
+# On SIGTERM the EPP drains (epp/main.py drain: a lame duck of at most 5 s, then the streams it carries finish
+# within --shutdown-timeout); the kubelet's SIGKILL comes after that and a margin to exit.
+EPP_SHUTDOWN_TIMEOUT_S = 60
+EPP_TERMINATION_GRACE_S = EPP_SHUTDOWN_TIMEOUT_S + 10
+
+
 def epp_command(pool: dict) -> list[str]:
     return ["kvgate", "epp", "--pool-name", naming.name_of(pool), "--pool-namespace", naming.namespace_of(pool),
             "--grpc-host", "0.0.0.0", "--grpc-port", str(naming.EPP_GRPC_PORT),
             "--grpc-health-port", str(naming.EPP_HEALTH_PORT), "--metrics-port", str(naming.EPP_METRICS_PORT),
-            "--config-file", CONFIG_FILE]
+            "--config-file", CONFIG_FILE, "--shutdown-timeout", str(EPP_SHUTDOWN_TIMEOUT_S)]
 
 
 def _epp_container(pool: dict, image: str) -> dict:
@@ -169,7 +175,7 @@ def _deployment(pool: dict, image: str, config_yaml: str) -> dict:
                     "volumes": [{"name": "config", "configMap": {"name": name}}, {"name": "tmp", "emptyDir": {}}],
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
                                         "seccompProfile": {"type": "RuntimeDefault"}},
-                    "terminationGracePeriodSeconds": 30,
+                    "terminationGracePeriodSeconds": EPP_TERMINATION_GRACE_S,
                 },
             },
         },

@@ -27,7 +27,8 @@ def test_sample_pool_epp_objects(samples):
     (c,) = k["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["kvgate", "epp", "--pool-name", "demo-pool", "--pool-namespace", "default",
                             "--grpc-host", "0.0.0.0", "--grpc-port", "9002", "--grpc-health-port", "9003",
-                            "--metrics-port", "9090", "--config-file", "/config/epp.yaml"]
+                            "--metrics-port", "9090", "--config-file", "/config/epp.yaml", "--shutdown-timeout", "60"]
+    assert k["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 70  # drain + margin
     assert "tcpSocket" in c["readinessProbe"] and "grpc" not in c["readinessProbe"]
     assert k["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == "demo-pool-epp"
     svc = k["Service"]
