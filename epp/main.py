@@ -233,9 +233,14 @@ async def drain(server, extproc, health_servicer, shutdown_timeout: float) -> No
     remaining = max(0.0, shutdown_timeout - (loop.time() - began))
     if extproc.active:
         log.info("draining: %d streams in flight, up to %.0f s", extproc.active, remaining)
-    await server.stop(grace=remaining)
-    if extproc.active:
-        log.warning("cut %d streams still running after %.0f s", extproc.active, shutdown_timeout)
+    stopping = asyncio.create_task(server.stop(grace=remaining))  # GOAWAY now; cancels what runs at the end
+    deadline = loop.time() + remaining
+    while extproc.active and loop.time() < deadline - 0.05:
+        await asyncio.sleep(0.05)
+    cut = extproc.active
+    await stopping
+    if cut:
+        log.warning("cut %d streams still running after %g s", cut, shutdown_timeout)
 
 
 def run_epp(args: argparse.Namespace) -> int:

@@ -1,0 +1,70 @@
+"""SIGTERM on the EPP (a rollout, `kubectl delete pod`) behind the real Envoy: the response bodies of running
+generations pass through the EPP, so it drains — the streams it carries finish whole — within a bounded time
+(`--shutdown-timeout`), after which what still runs is cut and the EPP exits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvgate.chaos.load import StreamLoad
+from tests.gateway import Gateway
+
+SLOW_SIM = ["--backend", "sim", "--sim-step-overhead-ms", "20"]  # ~50 tokens/s a stream
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kvgate-cache")
+
+
+def _streams_with_sigterm(gw: Gateway, count: int, max_tokens: int):
+    """`count` streams through the gateway; once every one has its first token, SIGTERM the EPP. Returns the
+    outcomes, when the signal went and when the EPP exited."""
+    load = StreamLoad(gw.url, "sim-model", concurrency=count, max_tokens=max_tokens)
+    marks = {}
+
+    def terminate_when_streaming():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if len(load.outcomes) == count and all(o.headers_at for o in load.outcomes):
+                break
+            time.sleep(0.02)
+        time.sleep(0.3)  # tokens are flowing through the EPP
+        marks["signal"] = time.monotonic()
+        os.kill(gw.epp.proc.pid, signal.SIGTERM)
+        gw.epp.proc.wait(timeout=90)
+        marks["exit"] = time.monotonic()
+
+    killer = threading.Thread(target=terminate_when_streaming)
+    killer.start()
+    outcomes = asyncio.run(load.run(total=count))
+    killer.join(100)
+    return outcomes, marks
+
+
+def test_sigterm_lets_the_streams_it_carries_finish_whole(tmp_path, cache):
+    with Gateway(tmp_path, cache, [SLOW_SIM] * 2) as gw:
+        outcomes, marks = _streams_with_sigterm(gw, count=6, max_tokens=120)
+        assert all(o.ok(120) for o in outcomes), [(o.status, o.tokens, o.error) for o in outcomes]
+        assert all(o.ended_at > marks["signal"] for o in outcomes)  # they were running when it came
+        assert gw.epp.proc.returncode == 0
+        assert marks["exit"] >= max(o.ended_at for o in outcomes) - 0.5  # it waited for them
+        assert "cut" not in gw.epp.log()
+
+
+def test_the_drain_is_bounded_by_the_shutdown_timeout(tmp_path, cache):
+    with Gateway(tmp_path, cache, [SLOW_SIM] * 2, epp_args=["--shutdown-timeout", "1"]) as gw:
+        outcomes, marks = _streams_with_sigterm(gw, count=3, max_tokens=2000)  # ~40 s each
+        assert marks["exit"] - marks["signal"] < 4.0  # 1 s, plus the process's own exit
+        assert not any(o.ok(2000) for o in outcomes)  # cut, each with a clean error rather than a hang
+        assert all(o.ended_at - marks["signal"] < 10 for o in outcomes)
+        assert "cut 3 streams still running after 1 s" in gw.epp.log()
+        with pytest.raises(httpx.HTTPError):  # and it is gone
+            httpx.get(f"http://127.0.0.1:{gw.epp.metrics_port}/metrics", timeout=1)

@@ -1,0 +1,52 @@
+"""The chaos suite, shortened, as a user runs it: `kvgate bench chaos --short` injects every fault into local sim
+stacks (kvgate's Envoy and the stock upstream-shaped one) under 32 streams, and each row must hold its
+expectation (chaos/runner.py `verdict`). The same command, full length, is what the closing numbers come from."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from kvgate.chaos.runner import SCENARIOS
+from tests.procs import KVGATE
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory):
+    result = tmp_path_factory.mktemp("chaos") / "chaos.json"
+    run = subprocess.run([KVGATE, "bench", "chaos", "--short", "--faults", ",".join(s.name for s in SCENARIOS),
+                          "--result-file", str(result)], capture_output=True, text=True, timeout=900)
+    rows = {r["fault"]: r for r in json.loads(result.read_text())["faults"]} if result.exists() else {}
+    return run, rows
+
+
+def test_every_fault_holds_its_expectation(chaos):
+    run, rows = chaos
+    assert set(rows) == {s.name for s in SCENARIOS}, run.stdout + run.stderr[-3000:]
+    broken = {name: r for name, r in rows.items() if not r["passed"]}
+    assert not broken and run.returncode == 0, run.stdout
+
+
+def test_a_dead_replica_costs_only_what_it_was_running(chaos):
+    _, rows = chaos
+    # Out of rotation within 1 s of the kill; after an engine-loop death the server first notices and exits.
+    for name, out_of_rotation_s in (("replica-kill", 1.0), ("engine-loop-kill", 2.0)):
+        r = rows[name]
+        assert r["failed_not_on_victim"] == 0, r  # nothing else lost: retried on the next endpoint
+        assert r["out_of_rotation_s"] is not None and r["out_of_rotation_s"] <= out_of_rotation_s, r
+        assert r["recover_s"] is not None, r  # restarted (as `kvgate up` does) and back in rotation
+    assert rows["replica-drain"]["failed"] == 0, rows["replica-drain"]  # SIGTERM: its streams finish
+    for name in ("replica-kill-default", "replica-kill-upstream"):  # one endpoint a decision: no retry, but
+        assert rows[name]["out_of_rotation_s"] <= 1.0, rows[name]  # out of rotation within a second
+
+
+def test_the_epp_going_away(chaos):
+    _, rows = chaos
+    assert rows["epp-drain-failopen"]["failed"] == 0, rows["epp-drain-failopen"]  # a rollout loses nothing
+    assert rows["epp-kill-failopen"]["recover_s"] is not None
+    assert rows["epp-kill-failopen"]["failed"] <= 32  # at most the streams it carried: new ones fail open
+    assert rows["epp-kill-failclose"]["recover_s"] is not None  # refused while it is away, served once back
