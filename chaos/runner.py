@@ -25,30 +25,12 @@ import httpx
 
 from kvgate.chaos import faults
 from kvgate.chaos.load import Outcome, StreamLoad
+from kvgate.epp.scheduling.config import FALLBACK_CONFIG_YAML
 from kvgate.up import LocalStack, Stack, epp_healthy_in_envoy, launch_local_stack
 
 SIM_MODEL = "sim-model"
 # Streams of a few seconds: long enough that a fault lands in the middle of many of them.
 SIM_ENGINE_ARGS = ["--sim-step-overhead-ms", "10", "--sim-decode-ms-per-seq", "0.05"]
-# An EPP config whose picker returns fallbacks: kvgate's Envoy then retries a connect failure or a reset before
-# response headers on the next endpoint of the list (override_host), where ORIGINAL_DST has only the one.
-FALLBACK_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: max-score-picker
-  parameters: {maxNumOfEndpoints: 3}
-schedulingProfiles:
-- name: default
-  plugins:
-  - {pluginRef: queue-scorer, weight: 2}
-  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
-  - {pluginRef: prefix-cache-scorer, weight: 3}
-  - pluginRef: max-score-picker
-"""
 
 
 @dataclass(frozen=True)
@@ -161,7 +143,7 @@ class StackPool:
                 self.stacks[shape] = launch_local_stack(
                     stack, replicas=shape.replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=port,
                     fail_open=shape.fail_open,
-                    epp_config_text=FALLBACK_CONFIG if shape.fallbacks else None, envoy_flavor=shape.envoy,
+                    epp_config_text=FALLBACK_CONFIG_YAML if shape.fallbacks else None, envoy_flavor=shape.envoy,
                     engine_args=[*SIM_ENGINE_ARGS, "--engine-loop", shape.engine_loop],
                     startup_timeout=self.startup_timeout)
             except BaseException:

@@ -34,7 +34,8 @@ def add_up_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--backend", choices=["torch", "sim"], default="torch")
     p.add_argument("--failure-mode", choices=["FailClose", "FailOpen"], default="FailClose")
-    p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP")
+    p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP (default: upstream's scorers with "
+                                         "two fallbacks per decision, which kvgate's Envoy retries on)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--engine-arg", action="append", default=[], help="extra flag for every `kvgate serve`")
     add_envoy_limit_flags(p)
@@ -256,7 +257,7 @@ def epp_ready(health_port: int) -> bool:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from kvgate.epp.scheduling.config import ConfigError
+    from kvgate.epp.scheduling.config import FALLBACK_CONFIG_YAML, ConfigError
 
     if args.replicas < 1:
         raise SystemExit("kvgate up: --replicas must be >= 1")
@@ -273,6 +274,7 @@ def run_up(args: argparse.Namespace) -> int:
         up = launch_local_stack(stack, replicas=args.replicas, model=args.model, backend=args.backend,
                                 host=args.host, port=args.port, fail_open=args.failure_mode == "FailOpen",
                                 epp_config_file=args.config_file,
+                                epp_config_text=None if args.config_file else FALLBACK_CONFIG_YAML,
                                 engine_args=args.engine_arg, limits=envoy_limits(args),
                                 startup_timeout=args.startup_timeout)
         print(f"kvgate is up: {up.url}  ({args.replicas} x {args.backend} engine of {args.model!r}, EPP, Envoy)")

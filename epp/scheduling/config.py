@@ -138,6 +138,13 @@ schedulingProfiles:
 """
 
 
+# The default's scorers with a picker that also returns two fallbacks: for a gateway that follows them (kvgate's
+# own Envoy: override_host with retries), a request the primary cannot take — it died, it is draining — is
+# retried on the next. `kvgate up` runs it (`kvgate bench chaos`: replica-kill vs replica-kill-default).
+FALLBACK_CONFIG_YAML = DEFAULT_CONFIG_YAML.replace("- type: max-score-picker\n",
+                                                   "- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}\n", 1)
+
+
 def default_config() -> EppConfig:
     """Upstream's default: queue 2, kv-cache 2, prefix 3, max-score picker returning one endpoint."""
     return parse_config(DEFAULT_CONFIG_YAML)
