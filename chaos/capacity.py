@@ -22,7 +22,8 @@ from pathlib import Path
 import httpx
 
 from kvgate.chaos.load import StreamLoad
-from kvgate.chaos.runner import SIM_MODEL, _free_port
+from kvgate.chaos.runner import SIM_MODEL
+from kvgate.processes import free_port
 from kvgate.up import Stack, launch_local_stack
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -131,7 +132,7 @@ def run_capacity(workdir: Path, *, streams: int = 1000, replicas: int = 8, max_t
     stack.workdir.mkdir(parents=True, exist_ok=True)
     try:
         up = launch_local_stack(stack, replicas=replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1",
-                                port=_free_port(), engine_args=["--sim-step-overhead-ms", "20",
+                                port=free_port(), engine_args=["--sim-step-overhead-ms", "20",
                                                                 "--max-num-seqs", str(max(128, streams))],
                                 startup_timeout=120)
         direct_urls = [f"http://{e}" for e in up.endpoints]

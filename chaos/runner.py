@@ -13,7 +13,6 @@ its expectation, checked on the row.
 from __future__ import annotations
 
 import asyncio
-import os
 import tempfile
 import threading
 import time
@@ -26,7 +25,8 @@ import httpx
 from kvgate.chaos import faults
 from kvgate.chaos.load import Outcome, StreamLoad
 from kvgate.epp.scheduling.config import FALLBACK_CONFIG_YAML
-from kvgate.up import LocalStack, Stack, epp_healthy_in_envoy, launch_local_stack
+from kvgate.processes import free_port
+from kvgate.up import LocalStack, Stack, epp_healthy_in_envoy, epp_ready, launch_local_stack
 
 SIM_MODEL = "sim-model"
 # Streams of a few seconds: long enough that a fault lands in the middle of many of them.
@@ -138,7 +138,7 @@ class StackPool:
             self.stacks.clear()
             d = Path(tempfile.mkdtemp(prefix=f"stack-{len(self.log)}-", dir=self.workdir))
             stack = Stack(d)
-            port = _free_port()
+            port = free_port()
             try:
                 self.stacks[shape] = launch_local_stack(
                     stack, replicas=shape.replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=port,
@@ -158,12 +158,6 @@ class StackPool:
             up.stack.stop()
 
 
-def _free_port() -> int:
-    from kvgate.processes import free_port
-
-    return free_port()
-
-
 class _Poller:
     """The EPP's view of one endpoint (`kvgate_epp_endpoint_available`), polled every 20 ms on a thread of its own
     with a kept-alive connection: when it left rotation and when it came back, relative to the fault."""
@@ -176,14 +170,7 @@ class _Poller:
         self._thread.start()
 
     def _available(self, client: httpx.Client) -> bool | None:
-        try:
-            text = client.get(self.url).text  # whole page: the EPP's custom collectors do not describe() their names
-        except httpx.HTTPError:
-            return None
-        for line in text.splitlines():
-            if line.startswith(f'kvgate_epp_endpoint_available{{endpoint="{self.endpoint}"}}'):
-                return float(line.rsplit(" ", 1)[1]) > 0
-        return None
+        return _available_on(client, self.url, self.endpoint)
 
     def _run(self) -> None:
         with httpx.Client(timeout=1.0) as client:
@@ -200,9 +187,10 @@ class _Poller:
         self._thread.join(max(0.0, self.until - time.monotonic()) + 2)
 
 
-def _available(up: LocalStack, endpoint: str) -> bool | None:
+def _available_on(client, url: str, endpoint: str) -> bool | None:
+    """The EPP's `kvgate_epp_endpoint_available` for `endpoint` (None: no answer or no such endpoint)."""
     try:
-        text = httpx.get(f"http://127.0.0.1:{up.metrics_port}/metrics", timeout=1.0).text
+        text = client.get(url, timeout=1.0).text  # whole page: the EPP's custom collectors do not describe() names
     except httpx.HTTPError:
         return None
     for line in text.splitlines():
@@ -211,11 +199,13 @@ def _available(up: LocalStack, endpoint: str) -> bool | None:
     return None
 
 
+def _available(up: LocalStack, endpoint: str) -> bool | None:
+    return _available_on(httpx, f"http://127.0.0.1:{up.metrics_port}/metrics", endpoint)
+
+
 def _epp_back(up: LocalStack) -> bool:
     if up.envoy_flavor == "kvgate":
         return epp_healthy_in_envoy(up.admin_port, "epp-local")
-    from kvgate.up import epp_ready
-
     return epp_ready(up.health_port)
 
 
@@ -284,4 +274,4 @@ def rows_as_dicts(rows: list[Row]) -> list[dict]:
 
 
 def default_workdir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="kvgate-chaos-", dir=os.environ.get("TMPDIR")))
+    return Path(tempfile.mkdtemp(prefix="kvgate-chaos-"))

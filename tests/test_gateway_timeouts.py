@@ -47,8 +47,9 @@ class KvgateUp:
             self.logdir = Path(re.search(r"logs: (\S+)", output).group(1))
             config = json.loads((self.logdir / "envoy.json").read_text())
             self.admin = f"http://127.0.0.1:{config['admin']['address']['socket_address']['port_value']}"
-            failopen = next(c for c in config["static_resources"]["clusters"] if c["name"].endswith("-failopen"))
-            address = failopen["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+            engines = next(c for c in config["static_resources"]["clusters"]  # the pool's endpoints' cluster
+                           if c["name"].startswith("pool-") and "load_assignment" in c)
+            address = engines["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
             self.engine_url = f"http://127.0.0.1:{address['socket_address']['port_value']}"
         except BaseException:
             self.stop()
