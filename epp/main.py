@@ -40,8 +40,9 @@ READY_WITHOUT_SCRAPE_S = 2.0
 # On SIGTERM the streams in flight get this long to finish (a rollout's old pod lingers for them; the operator's
 # terminationGracePeriodSeconds covers it): long generations finish, a stuck stream cannot hold the pod forever.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 60.0
-# The lame-duck phase of a drain (see drain()): Envoy's health check needs 3 failed checks 1 s apart to mark the
-# EPP unhealthy, a Service's endpoints a moment to drop the pod.
+# The lame-duck phase of a drain (see drain()): Envoy's gRPC health check drops a NOT_SERVING EPP at its next
+# check (1 s apart; only network failures wait for the unhealthy threshold of 3), a Service's endpoints take a
+# moment to drop the pod. (The operator's EPP pods also sleep 5 s in preStop, answering SERVING, before SIGTERM.)
 LAME_DUCK_QUIET_S = 1.0
 LAME_DUCK_MAX_S = 5.0
 

@@ -123,6 +123,9 @@ class PoolBackend:
     fallbacks: bool = False
     retries: int = 2  # with fallbacks: further tries after a connect failure or reset, next in the EPP's list
     stream_idle_s: float | None = None  # this pool's routes override the listener's stream-idle timeout
+    # The EPP's pods, (ip, ext-proc port, health port), where Envoy reaches them by pod IP (the operator's
+    # --epp-address-mode pod-ip); None: by `epp_host` (a Service's DNS name). See `pool_clusters`.
+    epp_pods: tuple[tuple[str, int, int | None], ...] | None = None
 
 
 @dataclass
@@ -306,21 +309,46 @@ def _override_host_policy() -> dict:
     return {"policies": [{"typed_extension_config": override}]}
 
 
-def pool_clusters(pool: PoolBackend) -> list[dict]:
+def _epp_endpoint(host: str, port: int, health_port: int | None) -> dict:
+    return {"endpoint": {"address": _address(host, port),
+                         **({"health_check_config": {"port_value": health_port}} if health_port else {})}}
+
+
+def epp_load_assignment(pool: PoolBackend) -> dict:
+    """The EPP cluster's hosts: its pods (pool.epp_pods), else the one `epp_host`."""
+    hosts = pool.epp_pods if pool.epp_pods is not None else [(pool.epp_host, pool.epp_port, pool.epp_health_port)]
+    return {"cluster_name": f"epp-{pool.name}", "endpoints": [{"lb_endpoints": [
+        _epp_endpoint(*host) for host in hosts]}]}
+
+
+def pool_clusters(pool: PoolBackend, epp_eds_config: dict | None = None) -> list[dict]:
     """The pool's EPP cluster (health-checked) and its endpoints' cluster(s): ORIGINAL_DST on the EPP's pick and
-    the FailOpen cluster of the pool's endpoints, or (fallbacks) one override_host cluster of them."""
+    the FailOpen cluster of the pool's endpoints, or (fallbacks) one override_host cluster of them.
+
+    The EPP cluster is a DNS name (STRICT_DNS: a Service; kube-proxy moves its connections to a new pod), or,
+    with `pool.epp_pods`, the pods themselves: fed by EDS where `epp_eds_config` says from where, else STATIC.
+    EDS because a changed cluster is a new cluster to Envoy: it would reset the ext-proc streams in flight on
+    the old one (their response bodies are still passing through the old EPP) and start with its host
+    unhealthy until a first health check passes (measured on the e2e rig, tests/e2e/test_rollout_e2e.py: one
+    stream cut and 76 of 342 requests answered 500 "no healthy upstream" in the second after an EPP rollout
+    swapped the address). An EDS update changes the hosts in place: a new pod takes streams once its health
+    check passes, and a removed pod stays while its health check passes (Envoy's default for removed hosts),
+    then its connections drain — so the old EPP's lame duck and drain (epp/main.py `drain`) do their job."""
     upstream_protocol = {"typed_extension_protocol_options": _http2_options()} if pool.app_protocol == H2C else {}
     endpoints = {"endpoints": [{"lb_endpoints": [{"endpoint": {"address": endpoint_address(ep)}}
                                                  for ep in pool.endpoints]}]}
-    epp = {"name": f"epp-{pool.name}", "type": "STRICT_DNS", "connect_timeout": "2s",
+    if pool.epp_pods is None:
+        discovery = {"type": "STRICT_DNS", "load_assignment": epp_load_assignment(pool)}
+    elif epp_eds_config is None:
+        discovery = {"type": "STATIC", "load_assignment": epp_load_assignment(pool)}
+    else:
+        discovery = {"type": "EDS", "eds_cluster_config": {"eds_config": epp_eds_config,
+                                                           "service_name": f"epp-{pool.name}"}}
+    epp = {"name": f"epp-{pool.name}", **discovery, "connect_timeout": "2s",
            "typed_extension_protocol_options": _http2_options(),
            "health_checks": [_epp_health_check(pool)],
            "common_lb_config": {"healthy_panic_threshold": {"value": 0}},  # never send to a failed EPP
-           **({"outlier_detection": _EPP_FAIL_OPEN_EJECTION} if pool.failure_mode_allow else {}),
-           "load_assignment": {"cluster_name": f"epp-{pool.name}", "endpoints": [{"lb_endpoints": [
-               {"endpoint": {"address": _address(pool.epp_host, pool.epp_port),
-                             **({"health_check_config": {"port_value": pool.epp_health_port}}
-                                if pool.epp_health_port else {})}}]}]}}
+           **({"outlier_detection": _EPP_FAIL_OPEN_EJECTION} if pool.failure_mode_allow else {})}
     if pool.fallbacks:
         return [epp, {"name": f"pool-{pool.name}", "type": "STATIC", "connect_timeout": "2s", **upstream_protocol,
                       "load_balancing_policy": _override_host_policy(),

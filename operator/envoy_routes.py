@@ -21,7 +21,8 @@ one ConfigMap mounted at /etc/envoy (`render_gateway_files`):
 - `envoy.yaml`, the bootstrap: admin, node, and one listener per port whose connection manager takes its
   route table from RDS, and `dynamic_resources.cds_config` for the clusters. Only this file changes the
   pods (its digest is their annotation), and only a listener port change (or a new renderer) changes it.
-- `rds-<port>.yaml`, each listener's RouteConfiguration, and `cds.yaml`, every cluster: file subscriptions
+- `rds-<port>.yaml`, each listener's RouteConfiguration, `cds.yaml`, every cluster, and (EPPs reached by pod
+  IP) `eds-<cluster>.yaml`, an EPP cluster's pods (see envoy_config.pool_clusters for why EDS): file subscriptions
   with `watched_directory` on the mount, so Envoy reloads them when the kubelet swaps the volume's `..data`
   symlink. An RDS update swaps the route table in place (connections are not drained); a CDS update warms
   new or changed clusters before they take traffic and leaves unchanged ones alone.
@@ -54,8 +55,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from kvgate.envoy_config import (PoolBackend, RouteTimeouts, cluster_route, dns_cluster, listener, overload_manager,
-                                 pool_clusters, pool_routes)
+from kvgate.envoy_config import (PoolBackend, RouteTimeouts, cluster_route, dns_cluster, epp_load_assignment, listener,
+                                 overload_manager, pool_clusters, pool_routes)
 
 FRACTION_DENOMINATOR = 1_000_000
 
@@ -159,10 +160,15 @@ BOOTSTRAP_FILE = "envoy.yaml"
 CDS_FILE = "cds.yaml"
 _CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 _ROUTE_CONFIG_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+_LOAD_ASSIGNMENT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 
 
 def rds_file(port: int) -> str:
     return f"rds-{port}.yaml"
+
+
+def eds_file(cluster: str) -> str:
+    return f"eds-{cluster}.yaml"
 
 
 def _file_source(name: str) -> dict:
@@ -196,7 +202,16 @@ def render_gateway_files(rules: list[RouteRule], listen_ports: list[int], admin_
         route_config = {"@type": _ROUTE_CONFIG_TYPE, "name": f"gateway-{port}",
                         "virtual_hosts": virtual_hosts([r for r in rules if r.listen_port == port])}
         files[rds_file(port)] = {"resources": [route_config]}
-    clusters = [c for p in _backends(rules, PoolBackend) for c in pool_clusters(p)]
+    clusters = []
+    for pool in _backends(rules, PoolBackend):
+        if pool.epp_pods is None:
+            clusters += pool_clusters(pool)
+            continue
+        # The EPP's pods by IP: their own file (EDS), so a new EPP pod changes hosts, not the cluster.
+        load_assignment = epp_load_assignment(pool)
+        files[eds_file(load_assignment["cluster_name"])] = {
+            "resources": [{"@type": _LOAD_ASSIGNMENT_TYPE, **load_assignment}]}
+        clusters += pool_clusters(pool, _file_source(eds_file(load_assignment["cluster_name"])))
     clusters += [dns_cluster(f"svc-{s.name}", s.host, s.port) for s in _backends(rules, ServiceBackend)]
     files[CDS_FILE] = {"resources": [{"@type": _CLUSTER_TYPE, **c} for c in clusters]}
     return files
@@ -218,8 +233,17 @@ def static_bootstrap(files: dict[str, dict]) -> dict:
         rds = hcm.pop("rds")
         (route_config,) = files[rds["config_source"]["path_config_source"]["path"].removeprefix("./")]["resources"]
         hcm["route_config"] = {**_untyped(route_config), "validate_clusters": True}
-    bootstrap["static_resources"]["clusters"] = [_untyped(c) for c in files[CDS_FILE]["resources"]]
+    bootstrap["static_resources"]["clusters"] = [_static_cluster(_untyped(c), files) for c in files[CDS_FILE]["resources"]]
     return bootstrap
+
+
+def _static_cluster(cluster: dict, files: dict[str, dict]) -> dict:
+    """An EDS cluster with its file's hosts inline (STATIC); other clusters as they are."""
+    if cluster.get("type") != "EDS":
+        return cluster
+    eds = cluster.pop("eds_cluster_config")
+    (assignment,) = files[eds["eds_config"]["path_config_source"]["path"].removeprefix("./")]["resources"]
+    return {**cluster, "type": "STATIC", "load_assignment": _untyped(assignment)}
 
 
 def listeners_of(files: dict[str, dict]) -> list[dict]:

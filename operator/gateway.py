@@ -381,7 +381,7 @@ def retain_retired_clusters(rendered_config: dict[str, dict], previous_config_ma
         return rendered_config, {}  # not ours to read: start afresh
     clusters = list(rendered_config[CDS_FILE].get("resources") or [])
     wanted = {c.get("name") for c in clusters}
-    retired = {}
+    retired, kept_files = {}, {}
     for cluster in previous:
         name = cluster.get("name")
         if name in wanted:
@@ -390,9 +390,20 @@ def retain_retired_clusters(rendered_config: dict[str, dict], previous_config_ma
         if deadline > now:
             retired[name] = deadline
             clusters.append(cluster)
+            eds = _eds_file_of(cluster)  # an EPP cluster fed by its own file keeps the file too
+            if eds and eds not in rendered_config:
+                try:
+                    kept_files[eds] = json.loads((previous_config_map.get("data") or {})[eds])
+                except (KeyError, ValueError):
+                    pass
     if not retired:
         return rendered_config, {}
-    return {**rendered_config, CDS_FILE: {**rendered_config[CDS_FILE], "resources": clusters}}, retired
+    return {**rendered_config, **kept_files, CDS_FILE: {**rendered_config[CDS_FILE], "resources": clusters}}, retired
+
+
+def _eds_file_of(cluster: dict) -> str | None:
+    path = (((cluster.get("eds_cluster_config") or {}).get("eds_config") or {}).get("path_config_source") or {}).get("path")
+    return path.removeprefix("./") if isinstance(path, str) else None
 
 
 def desired_envoy_objects(gateway: dict, rendered_config: dict[str, dict], image: str,

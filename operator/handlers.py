@@ -205,20 +205,22 @@ def _target_port(service: dict, port: int, pod: dict) -> int | None:
 
 
 def epp_backend_via_pod(backend: PoolBackend, service: dict | None, pods: list[dict]) -> PoolBackend:
-    """`backend` with the EPP address replaced by a ready EPP pod's IP and target ports (epp-address-mode
-    pod-ip); unchanged when the Service or a ready pod is missing."""
+    """`backend` reaching its EPP by the IPs and target ports of every ready pod behind the EPP's Service
+    (epp-address-mode pod-ip), none while none is ready; unchanged (the Service's DNS name) without the Service.
+
+    All of them, not one: during an EPP rollout the new pod joins once Ready (Envoy sends it streams once its
+    own health check passes) and the old one leaves once deleted (Envoy keeps it while its health check passes:
+    the old EPP's lame duck), and the cluster itself never changes (envoy_config.pool_clusters)."""
     if not service:
         return backend
-    ready = _ready_pods(pods, (service.get("spec") or {}).get("selector") or {})
-    if not ready:
-        return backend
-    pod = ready[0]
-    port = _target_port(service, backend.epp_port, pod)
-    if port is None:
-        return backend
-    health = _target_port(service, backend.epp_health_port, pod) if backend.epp_health_port else None
-    return dataclasses.replace(backend, epp_host=pod["status"]["podIP"], epp_port=port,
-                               epp_health_port=health or backend.epp_health_port)
+    hosts = []
+    for pod in _ready_pods(pods, (service.get("spec") or {}).get("selector") or {}):
+        port = _target_port(service, backend.epp_port, pod)
+        if port is None:
+            continue
+        health = _target_port(service, backend.epp_health_port, pod) if backend.epp_health_port else None
+        hosts.append((pod["status"]["podIP"], port, health or backend.epp_health_port))
+    return dataclasses.replace(backend, epp_pods=tuple(hosts))
 
 
 class Reconciler:

@@ -586,3 +586,44 @@ def test_a_pool_whose_epp_returns_lists_gets_retries_over_the_list(samples, tmp_
     plain = g.render_config(samples["Gateway"], g.routes_for_gateway(samples["Gateway"], [route], [pool], [], []))
     assert [r["name"].rsplit("-", 1)[-1] for r in _routes_of(plain)["virtual_hosts"][0]["routes"]] == [
         "picked", "failopen"]
+
+
+def test_epp_pods_by_ip_are_eds_hosts_so_an_epp_rollout_never_changes_the_cluster(samples, tmp_path):
+    """--epp-address-mode pod-ip: the EPP's pods are the hosts of an EDS cluster fed by its own file. An EPP
+    rollout (new pod joins, old pod leaves) changes only that file; cds.yaml stays byte-identical, so Envoy
+    keeps the cluster (a changed cluster would reset the ext-proc streams in flight on it and start unhealthy)."""
+    import dataclasses
+
+    docs = [samples[k] for k in ("Gateway", "HTTPRoute", "InferencePool")]
+    docs += p.desired_epp_objects(samples["InferencePool"], IMAGE)
+    gateway = samples["Gateway"]
+    routing = _route(docs, gateway)
+
+    def with_epp_pods(*hosts):
+        rules = [dataclasses.replace(r, backends=[g.WeightedBackend(dataclasses.replace(w.backend, epp_pods=hosts),
+                                                                    w.weight) for w in r.backends])
+                 for r in routing.rules]
+        return g.render_config(gateway, routing._replace(rules=rules))
+
+    old, both, new = (with_epp_pods(("10.0.0.5", 9002, 9003)),
+                      with_epp_pods(("10.0.0.5", 9002, 9003), ("10.0.0.6", 9002, 9003)),
+                      with_epp_pods(("10.0.0.6", 9002, 9003)))
+    eds = "eds-epp-default-demo-pool.yaml"
+    assert set(old) == {BOOTSTRAP_FILE, CDS_FILE, rds_file(8080), eds}
+    assert old[CDS_FILE] == both[CDS_FILE] == new[CDS_FILE] == with_epp_pods()[CDS_FILE]
+    assert old[rds_file(8080)] == new[rds_file(8080)]
+    (epp,) = [c for c in old[CDS_FILE]["resources"] if c["name"].startswith("epp-")]
+    assert epp["type"] == "EDS" and "load_assignment" not in epp
+    (assignment,) = both[eds]["resources"]
+    assert [(e["endpoint"]["address"]["socket_address"]["address"], e["endpoint"]["health_check_config"])
+            for e in assignment["endpoints"][0]["lb_endpoints"]] == [("10.0.0.5", {"port_value": 9003}),
+                                                                      ("10.0.0.6", {"port_value": 9003})]
+    _validate(both, tmp_path / "both")
+    _validate(with_epp_pods(), tmp_path / "none")  # no EPP pod ready: no host, still a valid config
+
+    # The cluster lingers after its pool goes (as every cluster does), its EDS file with it.
+    before = g.desired_envoy_objects(gateway, both, IMAGE, now=1000.0)[0]
+    gone = g.desired_envoy_objects(gateway, g.render_config(gateway, _route([gateway], gateway)), IMAGE,
+                                   previous_config_map=before, now=1001.0)[0]
+    assert "epp-default-demo-pool" in {c["name"] for c in json.loads(gone["data"][CDS_FILE])["resources"]}
+    assert gone["data"][eds] == before["data"][eds]

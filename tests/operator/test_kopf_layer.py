@@ -42,16 +42,21 @@ SERVICE = {"spec": {"selector": {"app": "epp"}, "ports": [
     {"name": "grpc", "port": 9002, "targetPort": "grpc"}, {"name": "health", "port": 9003, "targetPort": 9003}]}}
 
 
-def test_epp_backend_via_pod_uses_a_ready_pod_and_its_target_ports():
+def test_epp_backend_via_pod_uses_every_ready_pod_and_its_target_ports():
     backend = PoolBackend("ns-p", "p-epp.ns.svc.cluster.local", 9002, [], epp_health_port=9003)
+    deleting = pod("d", "127.1.0.4", {"app": "epp"}, ports=[("grpc", 19002)])
+    deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     pods = [pod("b", "127.1.0.2", {"app": "epp"}, ports=[("grpc", 19002)]),
             pod("a", "127.1.0.1", {"app": "epp"}, ready=False, ports=[("grpc", 19002)]),
-            pod("c", "127.1.0.3", {"app": "other"}, ports=[("grpc", 19002)])]
+            pod("c", "127.1.0.3", {"app": "other"}, ports=[("grpc", 19002)]),
+            pod("e", "127.1.0.5", {"app": "epp"}, ports=[("grpc", 19002)]), deleting]
     swapped = epp_backend_via_pod(backend, SERVICE, pods)
-    assert (swapped.epp_host, swapped.epp_port, swapped.epp_health_port) == ("127.1.0.2", 19002, 9003)
-    # no Service or no ready pod: the DNS name stays
+    # a rollout's old and new pods both (not one of them, by name): the cluster's hosts change, not the cluster
+    assert swapped.epp_pods == (("127.1.0.2", 19002, 9003), ("127.1.0.5", 19002, 9003))
+    assert (swapped.epp_host, swapped.epp_port) == (backend.epp_host, backend.epp_port)
+    # no Service: the DNS name stays; no ready pod: no host (not the DNS name, which would change the cluster)
     assert epp_backend_via_pod(backend, None, pods) == backend
-    assert epp_backend_via_pod(backend, SERVICE, pods[1:]) == backend
+    assert epp_backend_via_pod(backend, SERVICE, pods[1:3]).epp_pods == ()
 
 
 def test_api_paths_and_status_helpers():

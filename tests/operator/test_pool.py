@@ -28,7 +28,9 @@ def test_sample_pool_epp_objects(samples):
     assert c["command"] == ["kvgate", "epp", "--pool-name", "demo-pool", "--pool-namespace", "default",
                             "--grpc-host", "0.0.0.0", "--grpc-port", "9002", "--grpc-health-port", "9003",
                             "--metrics-port", "9090", "--config-file", "/config/epp.yaml", "--shutdown-timeout", "60"]
-    assert k["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 70  # drain + margin
+    # preStop 5 s (still SERVING while the Gateways learn of the new pod), drain 60 s, a margin to exit
+    assert c["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "5"]}}}
+    assert k["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 75
     assert "tcpSocket" in c["readinessProbe"] and "grpc" not in c["readinessProbe"]
     assert k["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == "demo-pool-epp"
     svc = k["Service"]

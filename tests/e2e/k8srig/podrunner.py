@@ -6,8 +6,9 @@ It registers the Node and keeps its status and Lease fresh; binds pending pods t
 and for each pod bound to it runs a worker that materialises ConfigMap/Secret/emptyDir/downwardAPI volumes
 (refreshed when they change, with the kubelet's ..data symlink swap), starts each container as a process
 group (see images.py for which program stands in for which image), runs readiness/liveness/startup probes,
-restarts containers per restartPolicy with CrashLoopBackOff, patches the pod status, and on deletion stops
-the processes and completes the deletion. SIGTERM stops every container it started and exits.
+restarts containers per restartPolicy with CrashLoopBackOff, patches the pod status, and on deletion runs the
+containers' preStop exec hooks, stops the processes (SIGTERM, the rest of the grace period, SIGKILL) and
+completes the deletion. SIGTERM stops every container it started and exits.
 
 Every process group it starts is recorded as a file under RUN_DIR/pgids/ until it is gone, so whoever started
 the runner can stop what is left, by process group id, even if the runner itself was killed.
@@ -41,6 +42,7 @@ TICK_S = 0.2                 # worker loop period (probe timing resolution)
 VOLUME_REFRESH_S = 1.0       # how often referenced ConfigMaps/Secrets are re-read
 HEARTBEAT_S = 5.0            # node lease renewal and status heartbeat
 STOP_GRACE_CAP_S = 30.0      # upper bound on any pod's termination grace period here
+PRE_STOP_MIN_TERM_S = 2.0    # the kubelet's extra grace for SIGTERM after preStop used up the period
 HOST_IP = "127.0.0.1"
 
 
@@ -369,6 +371,35 @@ class PodWorker(threading.Thread):
             return [] if r.state == "terminated" else [slot]      # a failed init container fails the pod
         return self.slots
 
+    def run_pre_stop_hooks(self, grace_s: float) -> float:
+        """The kubelet's first step of a deletion: each running container's `lifecycle.preStop` exec hook, all
+        at once, while the containers still serve; the hooks share the pod's grace period (a hook still running
+        when it is spent is abandoned). Returns the seconds they took. (httpGet hooks are not run here.)"""
+        began = time.monotonic()
+        hooks = []
+        for slot in self.slots:
+            command = ((slot.spec.get("lifecycle") or {}).get("preStop") or {}).get("exec", {}).get("command")
+            if slot.proc is not None and command:
+                hooks.append((slot, list(command)))
+        if not hooks:
+            return 0.0
+
+        def run(slot: ContainerSlot, command: list[str]) -> None:
+            try:
+                subprocess.run(command, env=slot.spec_env, cwd=slot.cwd, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=max(0.1, grace_s))
+            except (OSError, subprocess.TimeoutExpired) as e:
+                log.warning("%s/%s: preStop hook of %s: %s", *self.key, slot.run.name, e)
+
+        threads = [threading.Thread(target=run, args=hook, daemon=True) for hook in hooks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=max(0.0, grace_s - (time.monotonic() - began)))
+        took = time.monotonic() - began
+        log.info("%s/%s: preStop hooks done in %.1fs", *self.key, took)
+        return took
+
     def stop_all(self, grace_s: float) -> None:
         for slot in self.init_slots + self.slots:
             if slot.proc is not None:
@@ -410,7 +441,8 @@ class PodWorker(threading.Thread):
                 self.stop_all(1.0)
                 return
             if pod["metadata"].get("deletionTimestamp"):
-                self.stop_all(self.grace_s())
+                grace = self.grace_s()
+                self.stop_all(max(PRE_STOP_MIN_TERM_S, grace - self.run_pre_stop_hooks(grace)))
                 for s in self.init_slots + self.slots:
                     if s.run.state == "running":
                         s.run.state, s.run.reason = "terminated", "Completed"
