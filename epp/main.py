@@ -84,6 +84,9 @@ def add_epp_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=parse_duration, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="on SIGTERM, seconds the streams in flight may take to finish before they are cut "
                         "(their response bodies pass through the EPP); new streams go elsewhere at once")
+    p.add_argument("--drain-health", choices=("not-serving", "serving"), default="not-serving",
+                   help="what the health service answers while draining: not-serving (default) for gateways that "
+                        "address this EPP directly; serving behind a Service, whose one address must stay healthy")
     p.add_argument("--refresh-metrics-interval", type=parse_duration, default=0.05)
     p.add_argument("--metrics-staleness-threshold", type=parse_duration, default=2.0)
     p.add_argument("--saturation-queue-depth", type=int, default=None,
@@ -205,7 +208,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             except asyncio.TimeoutError:
                 pass
     finally:
-        await drain(server, extproc, health_servicer, args.shutdown_timeout)
+        await drain(server, extproc, health_servicer, args.shutdown_timeout, args.drain_health == "not-serving")
         if watcher is not None:
             watcher.stop()
         await health_server.stop(grace=0)
@@ -213,10 +216,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         metrics_http.shutdown()
 
 
-async def drain(server, extproc, health_servicer, shutdown_timeout: float) -> None:
-    """SIGTERM: readiness turns NOT_SERVING at once, and the EPP goes on serving every stream, new ones too, while
-    the gateway notices (its health check marks the EPP unhealthy and sends no more; in Kubernetes the pod leaves
-    the Service's endpoints): until no stream has started for `LAME_DUCK_QUIET_S`, at most `LAME_DUCK_MAX_S`.
+async def drain(server, extproc, health_servicer, shutdown_timeout: float, report_not_serving: bool = True) -> None:
+    """SIGTERM: readiness turns NOT_SERVING at once (`--drain-health not-serving`, for a gateway that addresses
+    this EPP itself: its health check takes it out and sends the next streams to another EPP or the failure mode;
+    behind a Service, `serving`: the gateway's one host is the Service, whose health must not flip while a new
+    pod serves), and the EPP goes on serving every stream, new ones too, while the gateway notices (or the pod
+    leaves the Service's endpoints): until no stream has started for `LAME_DUCK_QUIET_S`, at most `LAME_DUCK_MAX_S`.
     Closing earlier would refuse streams Envoy has already routed here — and Envoy can fail open only before it
     has sent a body chunk, so those would be 500s even under FailOpen. Then grpc's stop sends GOAWAY (the
     gateway's next streams open a new connection: the new EPP pod, or its failure mode) and the streams in
@@ -224,8 +229,9 @@ async def drain(server, extproc, health_servicer, shutdown_timeout: float) -> No
     running then are cut."""
     from grpc_health.v1 import health_pb2
 
-    for name in READINESS_SERVICES:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if report_not_serving:
+        for name in READINESS_SERVICES:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     loop = asyncio.get_running_loop()
     began = loop.time()
     budget = min(LAME_DUCK_MAX_S, shutdown_timeout)

@@ -414,7 +414,8 @@ class Reconciler:
             problems = problems[:1]
         elif self.config.network_policy:  # before the EPP's pods: they never run unprotected
             problems += self._network_policy(pool)
-        objects = desired_epp_objects(pool, self.config.epp_image, choice.config_yaml) \
+        objects = desired_epp_objects(pool, self.config.epp_image, choice.config_yaml,
+                                      behind_service=self.config.epp_address_mode == "service") \
             if choice.config_yaml is not None and not _conflicts(problems) else []
         for obj in objects:  # in order; a name taken by someone else stops the rest (the EPP needs them all)
             try:

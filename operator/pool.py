@@ -128,20 +128,25 @@ EPP_SHUTDOWN_TIMEOUT_S = 60
 EPP_TERMINATION_GRACE_S = EPP_PRE_STOP_SLEEP_S + EPP_SHUTDOWN_TIMEOUT_S + 10
 
 
-def epp_command(pool: dict) -> list[str]:
+def epp_command(pool: dict, behind_service: bool = True) -> list[str]:
+    """Behind its Service (the operator's default address mode) the draining EPP keeps answering SERVING: Envoy's
+    one host for it is the Service, kept on the old pod by its health-check connection, and NOT_SERVING there
+    would fail the whole pool over while the new pod serves. Addressed by pod IP, each pod is its own host and
+    NOT_SERVING takes just the old one out."""
     return ["kvgate", "epp", "--pool-name", naming.name_of(pool), "--pool-namespace", naming.namespace_of(pool),
             "--grpc-host", "0.0.0.0", "--grpc-port", str(naming.EPP_GRPC_PORT),
             "--grpc-health-port", str(naming.EPP_HEALTH_PORT), "--metrics-port", str(naming.EPP_METRICS_PORT),
-            "--config-file", CONFIG_FILE, "--shutdown-timeout", str(EPP_SHUTDOWN_TIMEOUT_S)]
+            "--config-file", CONFIG_FILE, "--shutdown-timeout", str(EPP_SHUTDOWN_TIMEOUT_S),
+            "--drain-health", "serving" if behind_service else "not-serving"]
 
 
-def _epp_container(pool: dict, image: str) -> dict:
+def _epp_container(pool: dict, image: str, behind_service: bool) -> dict:
     # Kubernetes 1.20 has no gRPC probes: the probes check the health port's socket. Envoy itself
     # health-checks the EPP over gRPC (envoy_config), so traffic never depends on these probes alone.
     return {
         "name": "epp",
         "image": image,
-        "command": epp_command(pool),
+        "command": epp_command(pool, behind_service),
         "ports": [{"name": "grpc", "containerPort": naming.EPP_GRPC_PORT, "protocol": "TCP"},
                   {"name": "grpc-health", "containerPort": naming.EPP_HEALTH_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": naming.EPP_METRICS_PORT, "protocol": "TCP"}],
@@ -162,7 +167,7 @@ def config_digest(config_yaml: str) -> str:
     return hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
 
 
-def _deployment(pool: dict, image: str, config_yaml: str) -> dict:
+def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool) -> dict:
     name = naming.epp_name(pool)
     selector = naming.selector_labels("epp", naming.name_of(pool))
     # The EPP reads its config file once: a changed config must roll the pods, hence its digest on the template.
@@ -180,7 +185,7 @@ def _deployment(pool: dict, image: str, config_yaml: str) -> dict:
                 "metadata": {"labels": _epp_labels(pool), "annotations": pod_annotations},
                 "spec": {
                     "serviceAccountName": name,
-                    "containers": [_epp_container(pool, image)],
+                    "containers": [_epp_container(pool, image, behind_service)],
                     "volumes": [{"name": "config", "configMap": {"name": name}}, {"name": "tmp", "emptyDir": {}}],
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
                                         "seccompProfile": {"type": "RuntimeDefault"}},
@@ -230,14 +235,16 @@ def epp_problems(pool: dict, config_yaml: str | None) -> list[dict]:
     return problems
 
 
-def desired_epp_objects(pool: dict, image: str, config_yaml: str | None = None) -> list[dict]:
+def desired_epp_objects(pool: dict, image: str, config_yaml: str | None = None, behind_service: bool = True
+                        ) -> list[dict]:
     """ServiceAccount, Role, RoleBinding, ConfigMap, Deployment and Service of the pool's EPP, in the order
-    they are best applied; [] when `epp_problems` finds the pool unusable (its status says why)."""
+    they are best applied; [] when `epp_problems` finds the pool unusable (its status says why). `behind_service`:
+    the Gateways reach the EPP through its Service (not by pod IP)."""
     if epp_problems(pool, config_yaml):
         return []
     config_yaml = config_yaml if config_yaml is not None else DEFAULT_EPP_CONFIG
     return [_service_account(pool), _role(pool), _role_binding(pool), _config_map(pool, config_yaml),
-            _deployment(pool, image, config_yaml), _service(pool)]
+            _deployment(pool, image, config_yaml, behind_service), _service(pool)]
 
 
 # --- the EPP's config ---------------------------------------------------------------------------------------

@@ -68,3 +68,32 @@ def test_the_drain_is_bounded_by_the_shutdown_timeout(tmp_path, cache):
         assert "cut 3 streams still running after 1 s" in gw.epp.log()
         with pytest.raises(httpx.HTTPError):  # and it is gone
             httpx.get(f"http://127.0.0.1:{gw.epp.metrics_port}/metrics", timeout=1)
+
+
+@pytest.mark.parametrize("drain_health", ["not-serving", "serving"])
+def test_what_a_draining_epp_tells_health_checks(tmp_path, cache, drain_health):
+    """A gateway that addresses the EPP itself is told NOT_SERVING at once; behind a Service (`serving`), whose
+    one address must stay healthy while a new pod serves, the draining EPP still says SERVING — both serve
+    every stream meanwhile."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvgate.epp.main import EXT_PROC_SERVICE
+
+    with Gateway(tmp_path, cache, [SLOW_SIM], epp_args=["--drain-health", drain_health]) as gw:
+        load = StreamLoad(gw.url, "sim-model", concurrency=1, max_tokens=40)
+        streaming = threading.Thread(target=lambda: asyncio.run(load.run(total=1)))
+        streaming.start()
+        deadline = time.monotonic() + 20
+        while not (load.outcomes and load.outcomes[0].headers_at) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(gw.epp.proc.pid, signal.SIGTERM)
+        time.sleep(0.3)  # inside the lame duck: the stream keeps it busy
+        with grpc.insecure_channel(f"127.0.0.1:{gw.epp.health_port}") as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=EXT_PROC_SERVICE), timeout=2).status
+        streaming.join(30)
+        expected = (health_pb2.HealthCheckResponse.NOT_SERVING if drain_health == "not-serving"
+                    else health_pb2.HealthCheckResponse.SERVING)
+        assert status == expected
+        assert load.outcomes[0].ok(40), load.outcomes[0]

@@ -27,7 +27,8 @@ def test_sample_pool_epp_objects(samples):
     (c,) = k["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["kvgate", "epp", "--pool-name", "demo-pool", "--pool-namespace", "default",
                             "--grpc-host", "0.0.0.0", "--grpc-port", "9002", "--grpc-health-port", "9003",
-                            "--metrics-port", "9090", "--config-file", "/config/epp.yaml", "--shutdown-timeout", "60"]
+                            "--metrics-port", "9090", "--config-file", "/config/epp.yaml", "--shutdown-timeout", "60",
+                            "--drain-health", "serving"]
     # preStop 5 s (still SERVING while the Gateways learn of the new pod), drain 60 s, a margin to exit
     assert c["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "5"]}}}
     assert k["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 75
@@ -337,3 +338,14 @@ def test_returns_lists_reads_the_operators_epp_config(samples):
     users = copy.deepcopy(lists_cm)
     users["metadata"]["labels"] = {}
     assert not p.returns_lists(users, pool)
+
+
+def test_the_draining_epp_reports_not_serving_only_when_gateways_address_its_pods(samples):
+    """Behind its Service the draining EPP answers SERVING (the Service is Envoy's one host; the old pod holds
+    its health-check connection); addressed by pod IP, NOT_SERVING takes the old pod out at once."""
+    pool = samples["InferencePool"]
+    for behind_service, health in ((True, "serving"), (False, "not-serving")):
+        (dep,) = [o for o in p.desired_epp_objects(pool, IMAGE, behind_service=behind_service)
+                  if o["kind"] == "Deployment"]
+        command = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert command[command.index("--drain-health") + 1] == health
