@@ -171,11 +171,25 @@ def eds_file(cluster: str) -> str:
     return f"eds-{cluster}.yaml"
 
 
-def _file_source(name: str) -> dict:
+# Where the kubelet's atomic writer keeps a ConfigMap volume's current files: it swaps this symlink first and
+# only then links a *new* key's name at the top of the volume. Envoy rejects a new cluster whose EDS path does not
+# exist yet ("paths must refer to an existing path") and does not look again until cds.yaml changes, so an EDS file
+# added with its cluster is named through here (measured: tests/e2e/test_envoy_propagation_e2e.py's second pool
+# was never routed). Files that exist from the start (cds.yaml, the route tables) keep their plain names.
+KUBELET_DATA_DIR = "..data"
+
+
+def _file_source(name: str, *, through_data_dir: bool = False) -> dict:
     # Relative paths: Envoy's working directory is the config folder. `watched_directory` makes Envoy re-read
     # the file when anything is moved into the folder, which is how the kubelet publishes a ConfigMap update.
+    path = f"./{KUBELET_DATA_DIR}/{name}" if through_data_dir else f"./{name}"
     return {"resource_api_version": "V3",
-            "path_config_source": {"path": f"./{name}", "watched_directory": {"path": "."}}}
+            "path_config_source": {"path": path, "watched_directory": {"path": "."}}}
+
+
+def file_name(path: str) -> str:
+    """The key in the file set of a path a config source names."""
+    return path.removeprefix("./").removeprefix(f"{KUBELET_DATA_DIR}/")
 
 
 def _listener(port: int, listen_host: str) -> dict:
@@ -211,7 +225,7 @@ def render_gateway_files(rules: list[RouteRule], listen_ports: list[int], admin_
         load_assignment = epp_load_assignment(pool)
         files[eds_file(load_assignment["cluster_name"])] = {
             "resources": [{"@type": _LOAD_ASSIGNMENT_TYPE, **load_assignment}]}
-        clusters += pool_clusters(pool, _file_source(eds_file(load_assignment["cluster_name"])))
+        clusters += pool_clusters(pool, _file_source(eds_file(load_assignment["cluster_name"]), through_data_dir=True))
     clusters += [dns_cluster(f"svc-{s.name}", s.host, s.port) for s in _backends(rules, ServiceBackend)]
     files[CDS_FILE] = {"resources": [{"@type": _CLUSTER_TYPE, **c} for c in clusters]}
     return files
@@ -231,7 +245,7 @@ def static_bootstrap(files: dict[str, dict]) -> dict:
     for listener in bootstrap["static_resources"]["listeners"]:
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
         rds = hcm.pop("rds")
-        (route_config,) = files[rds["config_source"]["path_config_source"]["path"].removeprefix("./")]["resources"]
+        (route_config,) = files[file_name(rds["config_source"]["path_config_source"]["path"])]["resources"]
         hcm["route_config"] = {**_untyped(route_config), "validate_clusters": True}
     bootstrap["static_resources"]["clusters"] = [_static_cluster(_untyped(c), files) for c in files[CDS_FILE]["resources"]]
     return bootstrap
@@ -242,7 +256,7 @@ def _static_cluster(cluster: dict, files: dict[str, dict]) -> dict:
     if cluster.get("type") != "EDS":
         return cluster
     eds = cluster.pop("eds_cluster_config")
-    (assignment,) = files[eds["eds_config"]["path_config_source"]["path"].removeprefix("./")]["resources"]
+    (assignment,) = files[file_name(eds["eds_config"]["path_config_source"]["path"])]["resources"]
     return {**cluster, "type": "STATIC", "load_assignment": _untyped(assignment)}
 
 

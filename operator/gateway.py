@@ -17,7 +17,7 @@ from kvgate.envoy_config import CircuitBreakers, PoolBackend, RouteTimeouts
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.envoy_routes import RouteRule, ServiceBackend, WeightedBackend, hostname_covers
-from kvgate.operator.envoy_routes import BOOTSTRAP_FILE, CDS_FILE, render_gateway_files
+from kvgate.operator.envoy_routes import BOOTSTRAP_FILE, CDS_FILE, file_name, render_gateway_files
 from kvgate.operator.pool import epp_ref, epp_service_port, is_fail_open
 
 ADMIN_PORT = 19000
@@ -403,7 +403,7 @@ def retain_retired_clusters(rendered_config: dict[str, dict], previous_config_ma
 
 def _eds_file_of(cluster: dict) -> str | None:
     path = (((cluster.get("eds_cluster_config") or {}).get("eds_config") or {}).get("path_config_source") or {}).get("path")
-    return path.removeprefix("./") if isinstance(path, str) else None
+    return file_name(path) if isinstance(path, str) else None
 
 
 def desired_envoy_objects(gateway: dict, rendered_config: dict[str, dict], image: str,

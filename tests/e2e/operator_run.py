@@ -17,6 +17,24 @@ from k8srig.kube import load_documents
 REPO = Path(__file__).resolve().parents[2]
 GATEWAY_API = REPO.parent / "shared" / "reference" / "gateway-api"
 KVGATE = str(Path(sys.executable).parent / "kvgate")
+# A pool's own EndpointPickerConfig (the `kvgate.dev/epp-config` annotation), different from the default: rolls
+# the pool's EPP when applied.
+TUNED_EPP_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 1
+  - pluginRef: prefix-cache-scorer
+    weight: 5
+  - pluginRef: max-score-picker
+"""
 
 
 def is_ready(pod: dict) -> bool:

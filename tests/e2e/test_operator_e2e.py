@@ -19,28 +19,12 @@ import httpx
 import pytest
 from k8srig import objects
 from k8srig.kube import CORE, DEPLOYMENT, ApiError, wait_default_service_account, wait_for
-from operator_run import (condition_status, install_crds, is_ready, print_log_tail, samples,
+from operator_run import (TUNED_EPP_CONFIG, condition_status, install_crds, is_ready, print_log_tail, samples,
                           start_operator, stop_operator)
 
 pytestmark = pytest.mark.e2e
 MANAGED = "app.kubernetes.io/managed-by=kvgate-operator"
 DIGEST = "kvgate.dev/config-digest"
-TUNED_EPP_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 1
-  - pluginRef: prefix-cache-scorer
-    weight: 5
-  - pluginRef: max-score-picker
-"""
 
 
 def test_operator_runs_the_samples(k8s, tmp_path):

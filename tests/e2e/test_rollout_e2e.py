@@ -28,7 +28,8 @@ import httpx
 import pytest
 from k8srig import objects
 from k8srig.kube import CORE, DEPLOYMENT, ApiError, wait_default_service_account, wait_for
-from operator_run import install_crds, is_ready, print_log_tail, samples, start_operator, stop_operator
+from operator_run import (TUNED_EPP_CONFIG, install_crds, is_ready, print_log_tail, samples, start_operator,
+                          stop_operator)
 
 from kvgate.chaos.load import StreamLoad, Tally
 
@@ -42,22 +43,6 @@ MAX_TOKENS = 32
 DELETION_NOTICE_S = 2.0
 # Our pod watch and the EPP's see a pod turn Ready at about the same moment; this much disagreement is allowed.
 WATCH_SKEW_S = 0.5
-TUNED_EPP_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 1
-  - pluginRef: prefix-cache-scorer
-    weight: 5
-  - pluginRef: max-score-picker
-"""
 
 
 @dataclass

@@ -614,6 +614,9 @@ def test_epp_pods_by_ip_are_eds_hosts_so_an_epp_rollout_never_changes_the_cluste
     assert old[rds_file(8080)] == new[rds_file(8080)]
     (epp,) = [c for c in old[CDS_FILE]["resources"] if c["name"].startswith("epp-")]
     assert epp["type"] == "EDS" and "load_assignment" not in epp
+    # Through the kubelet's `..data`: a pool added later brings its EDS file in the same ConfigMap update, and
+    # the top-level link to a new key appears only after the swap that makes Envoy read the new cds.yaml.
+    assert epp["eds_cluster_config"]["eds_config"]["path_config_source"]["path"] == f"./..data/{eds}"
     (assignment,) = both[eds]["resources"]
     assert [(e["endpoint"]["address"]["socket_address"]["address"], e["endpoint"]["health_check_config"])
             for e in assignment["endpoints"][0]["lb_endpoints"]] == [("10.0.0.5", {"port_value": 9003}),
