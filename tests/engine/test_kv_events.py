@@ -361,3 +361,17 @@ def test_events_are_off_by_default(kvgate_cache, monkeypatch):
         assert KVEventsConfig().publisher == "null" and not KVEventsConfig().enabled
     finally:
         engine.close()
+
+
+def test_publish_never_blocks_the_step_a_full_queue_drops_and_the_sequence_skips():
+    from kvgate.engine.kv_event_publisher import ZmqKVEventPublisher
+    from kvgate.engine.kv_events import AllBlocksCleared, KVEventBatch
+
+    publisher = ZmqKVEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://kv-full",
+                                                   max_queue_size=2))
+    publisher.shutdown()  # its thread is gone: nothing drains the queue any more
+    started = time.monotonic()
+    for _ in range(5):
+        publisher.publish(KVEventBatch([AllBlocksCleared()]))
+    assert time.monotonic() - started < 0.5
+    assert (publisher.num_dropped, publisher.next_seq) == (3, 5)  # subscribers see seq 2..4 missing
