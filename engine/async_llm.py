@@ -109,6 +109,12 @@ class EngineLoop:
         self.send = send
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.engine.close()
+
+    def _run(self) -> None:
         engine = self.engine
         reported_at = time.monotonic()
         while True:

@@ -2,6 +2,10 @@
 
 A freed block keeps its hash and stays findable by it until the pool hands it out again, so a finished
 request's prefix remains a cache hit for as long as memory allows (vLLM V1's design).
+
+With KV-cache events on (`kv_events` a list), the pool records every change to its hash table in order: a hash
+entering it (the manager records the `BlockStored`, it knows the tokens), a hash leaving it when its block is
+handed out again (`BlockRemoved`), and a reset (`AllBlocksCleared`). The engine takes the records once per step.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import struct
 from collections.abc import Iterable, Sequence
 
 import xxhash
+
+from kvgate.engine.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 
 class KVCacheBlock:
@@ -94,6 +100,14 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self.kv_events: list[KVCacheEvent] | None = None  # a list when KV-cache events are on
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -110,18 +124,24 @@ class BlockPool:
         if count > self.free_queue.num_free:
             raise RuntimeError(f"asked for {count} KV blocks, {self.free_queue.num_free} free")
         blocks = []
+        evicted: list[bytes] = []
         for _ in range(count):
             block = self.free_queue.popleft()
-            self._evict(block)
+            if self._evict(block):
+                evicted.append(block.block_hash)
+            block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
+        if evicted and self.kv_events is not None:
+            self.kv_events.append(BlockRemoved(evicted))
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash = None
+    def _evict(self, block: KVCacheBlock) -> bool:
+        """Drop the block's hash from the table if the block is its cached copy; True if it was."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+            return True
+        return False
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the eviction queue."""
@@ -138,12 +158,13 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Give a full block its hash; True if the hash is new to the table (an event-worthy store)."""
         if block.block_hash is not None:
-            return
+            return False
         block.block_hash = block_hash
         # If another request computed the same block concurrently, the first copy stays the cached one.
-        self.cached.setdefault(block_hash, block)
+        return self.cached.setdefault(block_hash, block) is block
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no request holds blocks."""
@@ -152,4 +173,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return True

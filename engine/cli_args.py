@@ -37,6 +37,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="reuse KV blocks of shared prompt prefixes (default: on)")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default: 0)")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV-cache events as vLLM does, for cache-aware routers (llm-d, Dynamo), e.g. "
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; vLLM\'s keys (buffer_steps, '
+                        "hwm, max_queue_size too). tcp://*:PORT listens on all interfaces; tcp://HOST:PORT connects "
+                        "to a collector (default: off)")
     sim = parser.add_argument_group("sim backend (defaults resemble an 8B model on one H100)")
     sim.add_argument("--sim-profile", default=None, help="YAML/JSON file with SimProfile fields")
     sim.add_argument("--sim-step-overhead-ms", type=float, default=None)
@@ -54,6 +60,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(model_path: str, args: argparse.Namespace) -> EngineConfig:
+    kv_events_config = None
+    if getattr(args, "kv_events_config", None) is not None:
+        from kvgate.engine.kv_events import KVEventsConfig
+
+        kv_events_config = KVEventsConfig.from_json(args.kv_events_config)
     sim_profile = None
     if args.backend == "sim":
         from kvgate.engine.sim_runner import SimProfile
@@ -79,4 +90,5 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
+        kv_events_config=kv_events_config,
     )

@@ -42,6 +42,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    kv_events_config: object | None = None  # KVEventsConfig (kv_events.py); None = no KV-cache events
 
     def __post_init__(self) -> None:
         if self.backend not in ("torch", "sim"):

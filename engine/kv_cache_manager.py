@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvgate.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens, root_block_hash
+from kvgate.engine.kv_events import BlockStored
 from kvgate.engine.request import Request
 
 
@@ -100,9 +101,27 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self.update_block_hashes(request)
+        events = self.pool.kv_events
+        run_start = None  # first block of the current run of hashes new to the table
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            stored = self.pool.cache_block(blocks[i], hashes[i])
+            if events is None:
+                continue
+            if stored and run_start is None:
+                run_start = i
+            elif not stored and run_start is not None:
+                events.append(self._stored_event(request, hashes, run_start, i))
+                run_start = None
+        if run_start is not None:
+            events.append(self._stored_event(request, hashes, run_start, num_full))
         self._num_cached_blocks[request.request_id] = num_full
+
+    def _stored_event(self, request: Request, hashes: list[bytes], first: int, end: int) -> BlockStored:
+        """Blocks [first, end) of the request, one event (a run is contiguous, so one parent covers it)."""
+        bs = self.block_size
+        return BlockStored(block_hashes=hashes[first:end], parent_block_hash=hashes[first - 1] if first else None,
+                           token_ids=request.all_token_ids[first * bs : end * bs], block_size=bs,
+                           cache_salt=request.cache_salt, first_block_index=first)
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, None)

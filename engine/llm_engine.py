@@ -18,6 +18,8 @@ from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import IncrementalDetokenizer
 from kvgate.engine.errors import ConfigError, InvalidRequestError
 from kvgate.engine.kv_cache_manager import KVCacheManager
+from kvgate.engine.kv_event_publisher import create_publisher
+from kvgate.engine.kv_events import KVEventBatch
 from kvgate.engine.loader import load_hf_config, load_tokenizer
 from kvgate.engine.model_runner import ModelRunner
 from kvgate.engine.outputs import CompletionOutput, RequestOutput
@@ -131,6 +133,12 @@ class LLMEngine:
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
         self._generators: dict[str, torch.Generator] = {}
+        # Last: it opens sockets, which nothing after it could close if it raised.
+        self.kv_event_publisher = create_publisher(config.kv_events_config)
+        if self.kv_event_publisher is not None:
+            self.kv_cache_manager.pool.kv_events = []
+            if not config.enable_prefix_caching:
+                log.warning("KV-cache events are on but prefix caching is off: no block will be announced")
         log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
                  self.model_name, self.device, self.dtype, num_blocks, config.block_size, self.max_model_len)
 
@@ -224,11 +232,20 @@ class LLMEngine:
         """Schedule and run one batch; returns an output for every request that got a token."""
         out = self.scheduler.schedule()
         if out.is_empty:
+            self._publish_kv_events()
             return []
         tokens, logprobs = self.runner.execute(out, self._generators)
         progressed = self.scheduler.update_from_output(out, tokens)
+        # After the step ran: the blocks it announces hold their KV now.
+        self._publish_kv_events()
         now = time.monotonic()
         return [self._make_output(r, logprobs.get(r.request_id), now) for r in progressed]
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_event_publisher is not None:
+            events = self.kv_cache_manager.pool.take_kv_events()
+            if events:
+                self.kv_event_publisher.publish(KVEventBatch(events))
 
     def _make_output(self, request: Request, logprobs, now: float) -> RequestOutput:
         child = self._children[request.request_id]
@@ -305,4 +322,12 @@ class LLMEngine:
         )
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        done = self.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
+    def close(self) -> None:
+        """Release what the engine holds outside its memory (the KV-event sockets)."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
+            self.kv_event_publisher = None
