@@ -22,6 +22,7 @@ unless kept alive to be inspected).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import multiprocessing
 import queue
@@ -97,6 +98,9 @@ class StepResult:
     outputs: list[RequestOutput]
     failures: list[RequestFailed]
     stats: EngineStats
+    # AddRequest commands the loop has taken so far: the front then knows which of the requests it sent are
+    # in these stats and which are still on their way (in the command queue or the pipe).
+    adds_received: int = 0
 
 
 class EngineLoop:
@@ -117,6 +121,8 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         reported_at = time.monotonic()
+        adds_received = 0
+        reported_pending = 0
         while True:
             failures: list[RequestFailed] = []
             # Idle: wait for a command. Busy: take what has arrived and step.
@@ -127,6 +133,7 @@ class EngineLoop:
                     return
                 changed = True
                 if isinstance(command, AddRequest):
+                    adds_received += 1
                     try:
                         engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                            priority=command.priority, cache_salt=command.cache_salt,
@@ -139,9 +146,14 @@ class EngineLoop:
             stepped = engine.has_unfinished_requests()
             outputs = engine.step() if stepped else []
             now = time.monotonic()
-            if outputs or failures or changed or (stepped and now - reported_at >= HEARTBEAT_S):
-                self.send(StepResult(outputs, failures, engine.stats()))
+            # A prefill chunk yields no output but moves the prefill backlog: reported too, so the
+            # kvgate:num_prefill_tokens_pending gauge follows every step.
+            pending = engine.scheduler.num_prefill_tokens_pending
+            if (outputs or failures or changed or pending != reported_pending
+                    or (stepped and now - reported_at >= HEARTBEAT_S)):
+                self.send(StepResult(outputs, failures, engine.stats(), adds_received))
                 reported_at = now
+                reported_pending = pending
 
 
 def _tokenizer_path(engine: LLMEngine) -> str:
@@ -221,6 +233,11 @@ class AsyncLLM:
         self._waiting_since = 0.0  # when requests started waiting after none were (a report's clock starts)
         self._hung = False
         self._watchdog: asyncio.Task | None = None
+        # Prompt tokens of requests sent to the loop that its last report did not yet include: (add number,
+        # prompt tokens x n). Only the event loop touches these.
+        self._adds_sent = 0
+        self._unreported_adds: collections.deque[tuple[int, int]] = collections.deque()
+        self._unreported_prefill_tokens = 0
 
     @property
     def ready(self) -> bool:
@@ -229,6 +246,13 @@ class AsyncLLM:
     @property
     def num_unfinished(self) -> int:
         return len(self._queues)
+
+    @property
+    def num_prefill_tokens_pending(self) -> int:
+        """The engine's prefill backlog at its last report, plus the prompts sent to it since (which it has not
+        seen yet: they wait in full)."""
+        engine = self.stats.num_prefill_tokens_pending if self.stats is not None else 0
+        return engine + self._unreported_prefill_tokens
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -323,6 +347,9 @@ class AsyncLLM:
 
     def _dispatch(self, result: StepResult) -> None:
         self.stats = result.stats
+        unreported = self._unreported_adds
+        while unreported and unreported[0][0] <= result.adds_received:
+            self._unreported_prefill_tokens -= unreported.popleft()[1]
         for failure in result.failures:
             q = self._queues.get(failure.request_id)
             if q is not None:
@@ -395,6 +422,10 @@ class AsyncLLM:
         finished = False
         try:
             self._send(AddRequest(request_id, prompt_token_ids, params, priority, cache_salt, arrival_time))
+            self._adds_sent += 1
+            tokens = len(prompt_token_ids) * params.n
+            self._unreported_adds.append((self._adds_sent, tokens))
+            self._unreported_prefill_tokens += tokens
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):

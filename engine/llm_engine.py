@@ -42,6 +42,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_prefill_tokens_pending: int = 0  # see scheduler.prefill_tokens_pending
 
 
 @dataclass(eq=False)
@@ -319,6 +320,7 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_stats.queries,
             prefix_cache_hits=kv.prefix_stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
+            num_prefill_tokens_pending=self.scheduler.num_prefill_tokens_pending,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -5,6 +5,12 @@ requests are admitted while the budget, `max_num_seqs` and free KV blocks allow.
 "phase": it simply has `num_tokens - num_computed_tokens` tokens left to compute, so decodes and
 prefill chunks share a batch. When a running request cannot get a block, the lowest-priority (newest)
 running request is preempted: its blocks are freed and it is recomputed later.
+
+The scheduler also keeps `num_prefill_tokens_pending` (exported as `kvgate:num_prefill_tokens_pending`, the
+prefill backlog a router weighs): the sum of `prefill_tokens_pending(r)` over every waiting and running
+request, kept exact by adjusting it wherever a request's computed tokens, tokens or queue change (O(1) per
+change: a recount over 1024 waiting + 128 running requests took 0.7 ms per step on this 2-core machine, over
+10% of a 6 ms sim step).
 """
 
 from __future__ import annotations
@@ -17,6 +23,18 @@ from dataclasses import dataclass, field
 
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.request import Request, RequestStatus
+
+
+def prefill_tokens_pending(request: Request) -> int:
+    """Tokens whose K/V the engine must still compute before this request decodes again.
+
+    A request that has produced no token yet: its prompt tokens not yet computed (after admission, tokens the
+    prefix cache supplied count as computed; while waiting the cache has not been asked, so all count). One that
+    has (a preempted request being recomputed): its prompt and output tokens not yet computed, less the last
+    output token, which is its next decode token. A request that is decoding has 0.
+    """
+    decode = 1 if request.output_token_ids else 0
+    return max(request.num_tokens - request.num_computed_tokens - decode, 0)
 
 
 @dataclass
@@ -105,6 +123,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_prefill_tokens_pending = 0  # sum of prefill_tokens_pending() over waiting + running
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -114,12 +133,14 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        self.num_prefill_tokens_pending += prefill_tokens_pending(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (stop string, abort) a request wherever it is; frees its blocks."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self.num_prefill_tokens_pending -= prefill_tokens_pending(request)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -150,7 +171,9 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
+        before = prefill_tokens_pending(victim)
         victim.num_computed_tokens = 0
+        self.num_prefill_tokens_pending += prefill_tokens_pending(victim) - before
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(victim, front=True)
@@ -196,7 +219,9 @@ class Scheduler:
             if request.num_preemptions == 0:
                 self.kv.record_prefix_query(request.num_tokens, num_hit)
                 request.num_cached_tokens = num_hit
+            before = prefill_tokens_pending(request)
             request.num_computed_tokens = num_hit
+            self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
             request.status = RequestStatus.RUNNING
             if request.scheduled_time is None:
                 request.scheduled_time = time.monotonic()
@@ -218,13 +243,17 @@ class Scheduler:
             request = s.request
             if request.status != RequestStatus.RUNNING:
                 continue
+            before = prefill_tokens_pending(request)
             request.num_computed_tokens += s.num_new_tokens
             token = sampled.get(request.request_id)
+            if token is not None:
+                request.append_output_token(token)
+            self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
             if token is None:
                 continue
-            request.append_output_token(token)
             progressed.append(request)
             if request.check_stop_token():
+                self.num_prefill_tokens_pending -= prefill_tokens_pending(request)  # 0: it just sampled
                 self.requests.pop(request.request_id, None)
                 self.running.remove(request)
                 self.kv.free(request)

@@ -36,6 +36,7 @@ from kvgate.engine.server.openai_serving import (ModelNotFound, OpenAIServing, O
                                                  ShuttingDown)
 from kvgate.engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            TokenizeRequest, error_body)
+from kvgate.engine.server.render import generate_request
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +279,18 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
         if any(not 0 <= t < llm.info.vocab_size for t in req.tokens):
             raise InvalidRequestError("tokens must be token ids of this model", param="tokens")
         return {"prompt": await serving.off_loop(llm.tokenizer.decode, req.tokens, param="tokens")}
+
+    @app.post("/v1/completions/render")
+    async def render_completions(req: CompletionRequest):
+        require_ready()
+        prompts, params = await serving.render_completion(req)
+        return [generate_request("cmpl", ids, p, req) for ids, p in zip(prompts, params)]
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat_completions(req: ChatCompletionRequest):
+        require_ready()
+        ids, params = await serving.render_chat(req)
+        return generate_request("chatcmpl", ids, params, req)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):

@@ -22,6 +22,12 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
                    50.0, 60.0, 120.0, 240.0)
 
 
+# kvgate's own gauge for routers (vLLM has none): prompt tokens still to prefill across waiting and running
+# requests — the exact prefill backlog, updated every engine step. Defined in scheduler.prefill_tokens_pending;
+# requests the server handed to the engine loop that it has not reported yet count in full.
+PREFILL_PENDING = "kvgate:num_prefill_tokens_pending"
+
+
 class EngineStatsCollector:
     """Reads AsyncLLM.stats/info when scraped."""
 
@@ -34,7 +40,7 @@ class EngineStatsCollector:
         collector by these names (prometheus_client skips collectors it cannot name)."""
         return [GaugeMetricFamily(name, name) for name in (
                     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                    "vllm:cache_config_info", "vllm:lora_requests_info")] + \
+                    "vllm:cache_config_info", "vllm:lora_requests_info", PREFILL_PENDING)] + \
                [CounterMetricFamily(name, name) for name in (
                    "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")]
 
@@ -53,6 +59,10 @@ class EngineStatsCollector:
         hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", labels=labels)
         preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemptions.",
                                           labels=labels)
+        pending = GaugeMetricFamily(PREFILL_PENDING, "Prompt tokens still to prefill (not yet computed or taken "
+                                    "from the prefix cache) across waiting and running requests.", labels=labels)
+        pending.add_metric(values, self.llm.num_prefill_tokens_pending)
+        yield pending
         if stats is not None:
             running.add_metric(values, stats.num_running)
             # Requests the server accepted that the engine has not picked up yet count as waiting too.

@@ -352,6 +352,12 @@ class OpenAIServing:
 
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self.check_accepting()
+        prompts, params = await self.render_completion(req)
+        return self._admit(prompts, params, req.n)
+
+    async def render_completion(self, req: CompletionRequest) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Every check of /v1/completions and its prompts' token ids and parameters, admitting nothing (what
+        /v1/completions/render returns)."""
         self.check_model(req.model)
         if req.echo:
             raise InvalidRequestError("echo is not supported", param="echo")
@@ -360,7 +366,7 @@ class OpenAIServing:
         self.check_logprobs(req.logprobs, "logprobs")
         prompts = await self.off_loop(self.encode_prompts, texts)
         params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids in prompts]
-        return self._admit(prompts, params, req.n)
+        return prompts, params
 
     def _completion_logprobs(self, c, start: int = 0, offset: int = 0) -> dict | None:
         if c.logprobs is None:
@@ -446,6 +452,12 @@ class OpenAIServing:
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_accepting()
+        ids, params = await self.render_chat(req)
+        return self._admit([ids], [params], req.n)
+
+    async def render_chat(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """Every check of /v1/chat/completions and the conversation's token ids and parameters, admitting
+        nothing (what /v1/chat/completions/render returns)."""
         self.check_model(req.model)
         self.check_request(req)
         self.check_logprobs(req.top_logprobs, "top_logprobs")
@@ -456,7 +468,7 @@ class OpenAIServing:
         ids = await self.off_loop(self.chat_prompt, req, kwargs, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None)
-        return self._admit([ids], [params], req.n)
+        return ids, params
 
     def _chat_logprobs(self, c, k: int, start: int = 0) -> dict | None:
         if c.logprobs is None:

@@ -14,7 +14,7 @@ METRIC_NAMES = [
     "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total", "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
     "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
-    "vllm:request_queue_time_seconds_count",
+    "vllm:request_queue_time_seconds_count", "kvgate:num_prefill_tokens_pending",
 ]
 
 
@@ -105,7 +105,7 @@ def test_metrics_names_values_and_movement(demo_server):
     assert "block_size=16" in cache_info[0] and "num_gpu_blocks=" in cache_info[0]
     assert 0.0 <= before["vllm:kv_cache_usage_perc"] <= 1.0
 
-    peak = {"usage": 0.0, "running": 0.0}
+    peak = {"usage": 0.0, "running": 0.0, "pending": 0.0}
 
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
@@ -114,6 +114,7 @@ def test_metrics_names_values_and_movement(demo_server):
                     m = await asyncio.to_thread(scrape, url)
                     peak["usage"] = max(peak["usage"], m["vllm:kv_cache_usage_perc"])
                     peak["running"] = max(peak["running"], m["vllm:num_requests_running"])
+                    peak["pending"] = max(peak["pending"], m["kvgate:num_prefill_tokens_pending"])
                     await asyncio.sleep(0.05)
 
             watcher = asyncio.create_task(watch())
@@ -126,6 +127,8 @@ def test_metrics_names_values_and_movement(demo_server):
     assert peak["usage"] > 0 and peak["running"] >= 2
     after = wait_until(lambda: (m := scrape(url))["vllm:kv_cache_usage_perc"] == 0 and m, 2.0)
     assert after and after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+    # the torch backend's prefill backlog: 16 prompts of ~210 tokens queued at once, then none
+    assert 0 < peak["pending"] <= 16 * 230 and after["kvgate:num_prefill_tokens_pending"] == 0
     assert after["vllm:prefix_cache_hits_total"] > before["vllm:prefix_cache_hits_total"]
     assert after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] >= 16 * 210
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 16 * 40

@@ -1,0 +1,113 @@
+"""The scheduler's prefill backlog (`kvgate:num_prefill_tokens_pending`): exact values through admission,
+chunked prefill, prefix-cache hits, preemption and abort, and equal to a full recount after every change."""
+
+import random
+
+from kvgate.engine.kv_cache_manager import KVCacheManager
+from kvgate.engine.request import Request, RequestStatus
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.scheduler import Scheduler, prefill_tokens_pending
+
+
+def make(num_blocks=64, block_size=4, **kw):
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=kw.pop("caching", True))
+    args = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256)
+    args.update(kw)
+    return Scheduler(kv, **args)
+
+
+def req(rid, tokens, max_tokens=100):
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), max_model_len=256)
+
+
+def step(s, token=7):
+    out = s.schedule()
+    s.update_from_output(out, {x.request.request_id: token for x in out.scheduled if x.samples})
+    return out
+
+
+def recount(s) -> int:
+    return sum(prefill_tokens_pending(r) for r in s.requests.values())
+
+
+def test_exact_values_through_chunked_prefill():
+    s = make(max_num_batched_tokens=32)
+    assert s.num_prefill_tokens_pending == 0
+    s.add_request(req("a", range(100, 150)))  # 50 prompt tokens
+    s.add_request(req("b", range(200, 210)))  # 10
+    assert s.num_prefill_tokens_pending == 60  # both waiting, in full
+    step(s)  # a's first chunk: 32 of 50
+    assert s.num_prefill_tokens_pending == 18 + 10
+    step(s)  # a's last 18 and all of b: both sampled their first token
+    assert s.num_prefill_tokens_pending == 0
+    step(s)  # decodes only
+    assert s.num_prefill_tokens_pending == 0
+
+
+def test_prefix_cache_hits_count_as_computed_at_admission():
+    s = make(block_size=4, max_num_batched_tokens=64)
+    prefix = list(range(500, 520))  # 5 full blocks
+    s.add_request(req("a", prefix + [1, 2]))
+    step(s)
+    assert s.num_prefill_tokens_pending == 0
+    s.add_request(req("b", prefix + [3, 4, 5]))
+    assert s.num_prefill_tokens_pending == 23  # waiting: the cache is asked only at admission
+    s.max_num_batched_tokens = 2  # admit b with a budget that leaves part of its prompt
+    out = s.schedule()
+    b = s.requests["b"]
+    assert b.num_cached_tokens == 20  # 5 blocks from a
+    s.update_from_output(out, {x.request.request_id: 7 for x in out.scheduled if x.samples})
+    # a decoded its 1; b got 20 from the cache and 1 computed: 2 of its 23 left
+    assert s.num_prefill_tokens_pending == 2 == recount(s)
+
+
+def test_preempted_request_counts_its_recompute_less_its_decode_token():
+    s = make(num_blocks=6, block_size=4, max_num_batched_tokens=64, caching=False)
+    s.add_request(req("a", range(10, 18)))  # 8 tokens: 2 blocks, then grows
+    s.add_request(req("b", range(30, 38)))
+    step(s)
+    assert s.num_prefill_tokens_pending == 0
+    for _ in range(12):  # decode until the 6-block pool preempts the newer request
+        step(s)
+        assert s.num_prefill_tokens_pending == recount(s)
+        if s.num_preemptions:
+            break
+    assert s.num_preemptions >= 1
+    victim = next(r for r in s.requests.values() if r.status == RequestStatus.PREEMPTED)
+    assert prefill_tokens_pending(victim) == victim.num_tokens - 1  # prompt + outputs, less the decode token
+    assert s.num_prefill_tokens_pending == recount(s) == victim.num_tokens - 1
+
+
+def test_abort_removes_what_is_left():
+    s = make(max_num_batched_tokens=16)
+    s.add_request(req("a", range(100, 140)))
+    s.add_request(req("b", range(200, 220)))
+    step(s)
+    assert s.num_prefill_tokens_pending == 24 + 20
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert s.num_prefill_tokens_pending == 20
+    s.finish_request("b", RequestStatus.FINISHED_ABORTED)
+    assert s.num_prefill_tokens_pending == 0
+
+
+def test_counter_equals_a_recount_under_a_random_workload():
+    rng = random.Random(14)
+    for policy in ("fcfs", "priority"):
+        s = make(num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, policy=policy)
+        prefixes = [list(range(p * 100, p * 100 + 12)) for p in range(3)]
+        next_id = 0
+        for _ in range(400):
+            if rng.random() < 0.3:
+                tail = [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 20))]
+                r = req(f"r{next_id}", rng.choice(prefixes) + tail, max_tokens=rng.randrange(1, 12))
+                r.priority = rng.randrange(3)
+                s.add_request(r)
+                next_id += 1
+            if s.requests and rng.random() < 0.05:
+                s.finish_request(rng.choice(list(s.requests)), RequestStatus.FINISHED_ABORTED)
+            step(s, token=rng.randrange(5, 50))
+            assert s.num_prefill_tokens_pending == recount(s)
+        assert s.num_preemptions > 0  # the pool was tight enough to exercise preemption
+        while s.requests:
+            s.finish_request(next(iter(s.requests)), RequestStatus.FINISHED_ABORTED)
+        assert s.num_prefill_tokens_pending == 0

@@ -1,0 +1,54 @@
+"""`kvgate:num_prefill_tokens_pending` on a real sim server, in both engine-loop modes: the values a scraper sees
+while known prompts are queued and prefilled are exactly the backlog's possible states, and it returns to 0."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.procs import KvgateServe, scrape
+
+PROMPT = 160  # tokens per prompt, prefilled in chunks of CHUNK; one request at a time (--max-num-seqs 1)
+CHUNK = 64
+NUM_PROMPTS = 3
+
+
+def possible_values() -> set[int]:
+    """Whole prompts still waiting (their tokens in full) plus the one being prefilled: 160, 96, 32 or 0 left."""
+    left_in_one = set(range(PROMPT, 0, -CHUNK)) | {0}
+    return {PROMPT * waiting + left for waiting in range(NUM_PROMPTS) for left in left_in_one}
+
+
+@pytest.mark.parametrize("engine_loop", ["thread", "process"])
+def test_gauge_follows_the_prefill_backlog_exactly(kvgate_cache, engine_loop):
+    # ~200 ms per 64-token chunk, so every state lasts several scrapes; no prefix cache, so nothing is skipped
+    with KvgateServe("sim-8b", "--backend", "sim", "--engine-loop", engine_loop, "--max-num-seqs", "1",
+                     "--max-num-batched-tokens", str(CHUNK), "--no-enable-prefix-caching",
+                     "--sim-prefill-ms-per-token", "3", cache_dir=kvgate_cache) as server:
+        assert scrape(server.url)["kvgate:num_prefill_tokens_pending"] == 0
+        seen: list[float] = []
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                async def watch():
+                    while True:
+                        r = await client.get("/metrics", params={"name[]": "kvgate:num_prefill_tokens_pending"})
+                        value = next(float(line.split()[-1]) for line in r.text.splitlines()
+                                     if line.startswith("kvgate:num_prefill_tokens_pending{"))
+                        seen.append(value)
+                        await asyncio.sleep(0.02)
+
+                watcher = asyncio.create_task(watch())
+                prompts = [[40 + i] + [65 + (j % 26) for j in range(PROMPT - 1)] for i in range(NUM_PROMPTS)]
+                replies = await asyncio.gather(*(client.post("/v1/completions", json={
+                    "prompt": p, "max_tokens": 2, "ignore_eos": True}) for p in prompts))
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+                return [r.status_code for r in replies]
+
+        assert asyncio.run(main()) == [200] * NUM_PROMPTS
+        observed = set(seen)
+        assert observed <= possible_values(), sorted(observed - possible_values())
+        # it moved through the states: with all three queued, then chunk by chunk
+        assert max(observed) >= PROMPT * 2 and len(observed - {0}) >= 7, sorted(observed)
+        assert scrape(server.url)["kvgate:num_prefill_tokens_pending"] == 0
