@@ -190,9 +190,13 @@ def test_operator_kill_and_api_server_outage(k8s, tmp_path):
             stop_load.set()
             for w in workers:
                 w.join(timeout=40)
-        results = Counter(c for _, c in outcomes)
-        mark(f"requests through the whole test: {dict(results)}")
-        assert set(results) == {200}, results
+        # From the first request served on: before it, Envoy may still be health-checking the EPP pod it has just
+        # been told of (with --epp-address-mode pod-ip a new sole EPP host is used after its first check, ~1 s).
+        first_ok = min(t for t, c in outcomes if c == 200)
+        results = Counter(c for t, c in outcomes if t >= first_ok)
+        mark(f"requests through the whole test from the first one served: {dict(results)} "
+             f"({sum(1 for t, _ in outcomes if t < first_ok)} before it)")
+        assert set(results) == {200}, (results, [(round(t - first_ok, 1), c) for t, c in outcomes if c != 200][:10])
         assert operator.poll() is None, "the operator exited"
         epp_now = next(p for p in pods(EPP) if p["metadata"]["uid"] == epp_pod["metadata"]["uid"])
         assert all(c["restartCount"] == 0 for c in epp_now["status"]["containerStatuses"]), "the EPP was restarted"
