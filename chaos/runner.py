@@ -4,10 +4,10 @@ count of what happened to every request.
 
 Per scenario: `warmup_s` of load, the fault, `hold_s` more of load, then the load stops and every request ends.
 A row says how many requests were sent, succeeded (200, every token, usage, [DONE]) and failed, how many were
-running on the victim when it was hit (the victim's own metrics just before), how many requests sent *after*
-the fault failed (what routing must avoid), how long the EPP took to take the victim out of rotation, and how
-long until things were back (the victim serving again, or the EPP healthy again in Envoy). Each scenario states
-its expectation, checked on the row.
+running on the victim when it was hit (the victim's own metrics just before), how many failed requests the
+victim had not taken (no response headers from it: what routing and retries must avoid), how long the EPP took
+to take the victim out of rotation, and how long until things were back (the restarted replica in rotation
+again, or a new EPP process healthy in Envoy). Each scenario states its expectation, checked on the row.
 """
 
 from __future__ import annotations
