@@ -6,13 +6,14 @@ Service DNS, so Envoy reaches a pool's EPP by its pod IP).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from k8srig import crds
-from k8srig.kube import load_documents
+from k8srig import crds, objects
+from k8srig.kube import CORE, load_documents
 
 REPO = Path(__file__).resolve().parents[2]
 GATEWAY_API = REPO.parent / "shared" / "reference" / "gateway-api"
@@ -40,6 +41,16 @@ schedulingProfiles:
 def is_ready(pod: dict) -> bool:
     return (not pod["metadata"].get("deletionTimestamp") and bool(pod.get("status", {}).get("podIP"))
             and any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or []))
+
+
+def sample_namespace(k8s, prefix: str) -> tuple[str, str, dict[str, dict]]:
+    """The CRDs installed, a fresh namespace `<prefix>-<4 hex>`, and the samples for it with a GatewayClass of its
+    own (`kvgate-<namespace>`, cluster-scoped): (namespace, class name, samples by kind)."""
+    install_crds(k8s)
+    ns = f"{prefix}-{secrets.token_hex(2)}"
+    k8s.client.create(CORE["Namespace"], objects.namespace(ns))
+    class_name = f"kvgate-{ns}"
+    return ns, class_name, samples(ns, class_name)
 
 
 def condition_status(conditions: list[dict] | None, type_: str) -> str | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import signal
 import threading
 import time
@@ -24,9 +23,8 @@ from collections import Counter
 
 import httpx
 import pytest
-from k8srig import objects
 from k8srig.kube import CORE, DEPLOYMENT, wait_default_service_account, wait_for
-from operator_run import install_crds, is_ready, print_log_tail, samples, start_operator, stop_operator
+from operator_run import is_ready, print_log_tail, sample_namespace, start_operator, stop_operator
 
 pytestmark = pytest.mark.e2e
 OUTAGE_S = float(os.environ.get("KVGATE_E2E_OUTAGE_S", "15"))
@@ -56,11 +54,7 @@ def test_operator_kill_and_api_server_outage(k8s, tmp_path):
     def mark(what: str) -> None:
         print(f"[cp-faults] {time.monotonic() - t0:6.1f}s {what}", flush=True)
 
-    install_crds(k8s)
-    ns = f"e2e-cpfaults-{secrets.token_hex(2)}"
-    client.create(CORE["Namespace"], objects.namespace(ns))
-    class_name = f"kvgate-{ns}"
-    docs = samples(ns, class_name)
+    ns, class_name, docs = sample_namespace(k8s, "e2e-cpfaults")
     ms_res = client.resource_for("kvgate.dev/v1alpha1", "ModelServer", wait_s=30)
     gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
     for version, kind in (("gateway.networking.k8s.io/v1", "Gateway"), ("gateway.networking.k8s.io/v1", "HTTPRoute"),

@@ -19,16 +19,13 @@ failed, and no config update rejected.
 from __future__ import annotations
 
 import copy
-import secrets
 import threading
 import time
 
 import httpx
 import pytest
-from k8srig import objects
 from k8srig.kube import CORE, DEPLOYMENT, wait_default_service_account, wait_for
-from operator_run import install_crds, is_ready, print_log_tail, start_operator, stop_operator
-from operator_run import samples as sample_docs
+from operator_run import is_ready, print_log_tail, sample_namespace, start_operator, stop_operator
 
 pytestmark = pytest.mark.e2e
 ENVOY_SELECTOR = "app.kubernetes.io/name=kvgate-gateway,app.kubernetes.io/instance=inference-gateway"
@@ -54,11 +51,7 @@ def propagation_s(since: float, check, written=lambda: True, timeout_s: float = 
 
 def test_route_and_pool_changes_reach_envoy_in_place(k8s, tmp_path):
     client = k8s.client
-    install_crds(k8s)
-    ns = f"e2e-envoy-prop-{secrets.token_hex(2)}"
-    client.create(CORE["Namespace"], objects.namespace(ns))
-    class_name = f"kvgate-{ns}"
-    samples = sample_docs(ns, class_name)
+    ns, class_name, samples = sample_namespace(k8s, "e2e-envoy-prop")
     gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
     route_res = client.resource_for("gateway.networking.k8s.io/v1", "HTTPRoute", wait_s=30)
     pool_res = client.resource_for("inference.networking.k8s.io/v1", "InferencePool", wait_s=30)

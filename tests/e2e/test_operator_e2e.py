@@ -10,16 +10,14 @@ no kube-proxy, so Envoy must reach the EPP by its pod IP rather than its Service
 from __future__ import annotations
 
 import re
-import secrets
 import threading
 import time
 from collections import Counter
 
 import httpx
 import pytest
-from k8srig import objects
 from k8srig.kube import CORE, DEPLOYMENT, ApiError, wait_default_service_account, wait_for
-from operator_run import (TUNED_EPP_CONFIG, condition_status, install_crds, is_ready, print_log_tail, samples,
+from operator_run import (TUNED_EPP_CONFIG, condition_status, is_ready, print_log_tail, sample_namespace,
                           start_operator, stop_operator)
 
 pytestmark = pytest.mark.e2e
@@ -36,12 +34,8 @@ def test_operator_runs_the_samples(k8s, tmp_path):
         timings[what] = time.monotonic() - t0
         print(f"[operator-e2e] {timings[what]:6.1f}s {what}", flush=True)
 
-    install_crds(k8s)
-    mark("CRDs installed")
-    ns = f"e2e-operator-{secrets.token_hex(2)}"
-    client.create(CORE["Namespace"], objects.namespace(ns))
-    class_name = f"kvgate-{ns}"
-    docs = samples(ns, class_name)
+    ns, class_name, docs = sample_namespace(k8s, "e2e-operator")
+    mark("CRDs installed, namespace created")
     ms_res = client.resource_for("kvgate.dev/v1alpha1", "ModelServer", wait_s=30)
     pool_res = client.resource_for("inference.networking.k8s.io/v1", "InferencePool", wait_s=30)
     gw_res = client.resource_for("gateway.networking.k8s.io/v1", "Gateway", wait_s=30)

@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import threading
 import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
-from k8srig import objects
 from k8srig.kube import CORE, DEPLOYMENT, ApiError, wait_default_service_account, wait_for
-from operator_run import (TUNED_EPP_CONFIG, install_crds, is_ready, print_log_tail, samples, start_operator,
-                          stop_operator)
+from operator_run import TUNED_EPP_CONFIG, is_ready, print_log_tail, sample_namespace, start_operator, stop_operator
 
 from kvgate.chaos.load import StreamLoad, Tally
 
@@ -113,11 +110,7 @@ def test_rollouts_under_streaming_load(k8s, tmp_path):
     def mark(what: str) -> None:
         print(f"[rollout] {time.monotonic() - t0:6.1f}s {what}", flush=True)
 
-    install_crds(k8s)
-    ns = f"e2e-rollout-{secrets.token_hex(2)}"
-    client.create(CORE["Namespace"], objects.namespace(ns))
-    class_name = f"kvgate-{ns}"
-    docs = samples(ns, class_name)
+    ns, class_name, docs = sample_namespace(k8s, "e2e-rollout")
     ms_res = client.resource_for("kvgate.dev/v1alpha1", "ModelServer", wait_s=30)
     pool_res = client.resource_for("inference.networking.k8s.io/v1", "InferencePool", wait_s=30)
     gw_res = client.resource_for("gateway.networking.k8s.io/v1", "Gateway", wait_s=30)
