@@ -175,7 +175,18 @@ def test_operator_kill_and_api_server_outage(k8s, tmp_path):
                     seen.setdefault("pods Ready", now)
                 return len(ips) == 3 and {e.rsplit(":", 1)[0] for e in epp_endpoints()} == ips
 
-            wait_for(followed, timeout_s=60, interval_s=0.2, what="the operator and the EPP to follow a scale to 3")
+            try:
+                # 120 s: the controller-manager's informers back off exponentially while the API server is
+                # away (client-go: 0.8 s doubling to 30 s, with up to 100% jitter), so its ReplicaSet controller
+                # may first look again ~30 s after the restart; on a loaded CI machine add the pod's start.
+                wait_for(followed, timeout_s=120, interval_s=0.2,
+                         what="the operator and the EPP to follow a scale to 3")
+            except TimeoutError:
+                mark(f"scale to 3 not followed: stages reached {seen}; Deployment "
+                     f"{client.get(DEPLOYMENT, 'demo-llm', ns)['spec']['replicas']} replicas, pods "
+                     f"{[(p['metadata']['name'], p['status'].get('phase'), p['spec'].get('nodeName')) for p in pods('app=demo-llm')]}, "
+                     f"EPP routes to {sorted(epp_endpoints())}")
+                raise
             seen["EPP"] = time.monotonic() - scaled_at
             mark(f"after the restart, scaled to 3: operator grew the Deployment in {seen['operator']:.1f}s, pods "
                  f"Ready at {seen['pods Ready']:.1f}s, EPP routes to 3 at {seen['EPP']:.1f}s "

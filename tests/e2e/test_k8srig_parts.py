@@ -174,6 +174,34 @@ def test_resource_paths_and_kubeconfig_round_trip(tmp_path):
     assert (again.server, again.ca_pem, again.token) == ("https://127.0.0.1:6443", b"PEM", "t")
 
 
+def test_a_watch_cut_mid_stream_raises_an_oserror_the_callers_retry_on():
+    """An API server killed during a watch ends the chunked answer mid-chunk: http.client's IncompleteRead is no
+    OSError, and the pod runner's watch loop (which retries on OSError) once died of it, stranding new pods."""
+    import threading
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def serve_one_event_then_die() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            event = json.dumps({"type": "ADDED", "object": {"metadata": {"name": "p"}}}).encode() + b"\n"
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         + f"{len(event):x}\r\n".encode() + event + b"\r\n" + b"40\r\n{\"type\":")  # cut inside a chunk
+    server = threading.Thread(target=serve_one_event_then_die, daemon=True)
+    server.start()
+    try:
+        client = Client(Kubeconfig(server=f"http://127.0.0.1:{port}", ca_pem=None))
+        events = []
+        with pytest.raises(OSError, match="cut"):
+            for ev in client.watch(Resource("v1", "Pod", "pods", True), timeout_s=5):
+                events.append(ev["object"]["metadata"]["name"])
+        assert events == ["p"]
+    finally:
+        server.join(timeout=5)
+        srv.close()
+
+
 # --- build outcomes ------------------------------------------------------------------------------------------
 
 def _script(tmp_path, body: str) -> Path:

@@ -8,6 +8,7 @@ Each request opens its own connection, so one Client is safe to share between th
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -31,6 +32,19 @@ class ApiError(Exception):
         self.status, self.body = status, body
         message = body.get("message") if isinstance(body, dict) else body
         super().__init__(f"{method} {path} -> {status}: {message}")
+
+
+@contextlib.contextmanager
+def _as_connection_error():
+    """A connection cut mid-answer (the API server killed during a watch or a read) raises http.client's
+    IncompleteRead or BadStatusLine, which are not OSErrors: re-raise them as ConnectionError, so every caller
+    that retries on a dropped connection (`except OSError`) retries on these too instead of dying."""
+    try:
+        yield
+    except http.client.HTTPException as exc:
+        if isinstance(exc, OSError):
+            raise
+        raise ConnectionError(f"connection to the API server cut: {exc!r}") from exc
 
 
 @dataclass
@@ -176,9 +190,10 @@ class Client:
         conn = self._connect(timeout or self.timeout_s)
         try:
             data = None if body is None else json.dumps(body).encode()
-            conn.request(method, path, body=data, headers=self._headers(content_type if data else None))
-            resp = conn.getresponse()
-            raw = resp.read()
+            with _as_connection_error():
+                conn.request(method, path, body=data, headers=self._headers(content_type if data else None))
+                resp = conn.getresponse()
+                raw = resp.read()
         finally:
             conn.close()
         try:
@@ -193,9 +208,10 @@ class Client:
         """GET a non-JSON endpoint such as /readyz: (status, body); connection errors propagate."""
         conn = self._connect(timeout or self.timeout_s)
         try:
-            conn.request("GET", path, headers=self._headers())
-            resp = conn.getresponse()
-            return resp.status, resp.read().decode(errors="replace")
+            with _as_connection_error():
+                conn.request("GET", path, headers=self._headers())
+                resp = conn.getresponse()
+                return resp.status, resp.read().decode(errors="replace")
         finally:
             conn.close()
 
@@ -252,12 +268,14 @@ class Client:
         path = f"{res.path(namespace)}?{urllib.parse.urlencode({k: v for k, v in q.items() if v is not None})}"
         conn = self._connect(timeout_s + 10)      # socket timeout bounds a silent server
         try:
-            conn.request("GET", path, headers=self._headers())
-            resp = conn.getresponse()
-            if resp.status >= 300:
-                raise ApiError("WATCH", path, resp.status, resp.read().decode(errors="replace"))
+            with _as_connection_error():
+                conn.request("GET", path, headers=self._headers())
+                resp = conn.getresponse()
+                if resp.status >= 300:
+                    raise ApiError("WATCH", path, resp.status, resp.read().decode(errors="replace"))
             while True:
-                line = resp.readline()
+                with _as_connection_error():
+                    line = resp.readline()
                 if not line:
                     return
                 yield json.loads(line)

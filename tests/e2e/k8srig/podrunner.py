@@ -641,6 +641,10 @@ class Runner:
                 log.warning("pod watch: %s; re-listing", e)
                 rv = None
                 self.stop_event.wait(1.0)
+            except Exception:  # noqa: BLE001 - a kubelet's pod loop never dies: a dead one strands every new pod
+                log.exception("pod watch crashed; re-listing")
+                rv = None
+                self.stop_event.wait(1.0)
 
     def run(self) -> None:
         self.register_node()
