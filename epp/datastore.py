@@ -38,6 +38,13 @@ def parse_endpoint(item: str) -> Endpoint:
     return Endpoint(address=item, name=item)
 
 
+def _kv_events_annotations(meta: Mapping) -> dict[str, str]:
+    from kvgate.epp.protocol import KV_EVENTS_ANNOTATIONS
+
+    annotations = meta.get("annotations") or {}
+    return {k: str(annotations[k]) for k in KV_EVENTS_ANNOTATIONS if k in annotations}
+
+
 def parse_endpoints(text: str) -> list[Endpoint]:
     """`ip:port,ip:port` (or one per line) -> endpoints; raises ValueError on a bad entry (`--endpoints`)."""
     endpoints = []
@@ -102,7 +109,8 @@ def pool_endpoints(pool: Mapping, pods: Iterable[Mapping]) -> list[Endpoint]:
         host = f"[{ip}]" if ":" in ip else ip
         for port in ports:
             out.append(Endpoint(address=f"{host}:{port}", name=meta.get("name", ""), namespace=namespace,
-                                labels=dict(labels), engine_type=labels.get(ENGINE_TYPE_LABEL, "vllm")))
+                                labels=dict(labels), engine_type=labels.get(ENGINE_TYPE_LABEL, "vllm"),
+                                annotations=_kv_events_annotations(meta)))
     return sorted(out, key=lambda e: e.address)
 
 

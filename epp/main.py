@@ -33,6 +33,12 @@ def index_bytes(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}")
+    return int(text)
+
+
 # Readiness waits for an endpoint it can route to (a first good scrape), at most this long after the pool's
 # endpoints are known: a restarted EPP is not sent traffic it would answer 503, and a pool whose servers export
 # no metrics (Kubernetes mode routes to their Ready pods) still gets an EPP.
@@ -97,6 +103,18 @@ def add_epp_parser(sub) -> None:
     p.add_argument("--prefix-index-max-bytes", type=index_bytes, default=None,
                    help="memory budget of the prefix-cache scorer's index over all endpoints; least recently used "
                         "blocks go first past it (default: the plugin's indexMaxBytes, else 256 MiB)")
+    events = p.add_argument_group("precise prefix routing (used only by a config with precise-prefix-cache-scorer)")
+    events.add_argument("--tokenizer", help="folder with the pool model's tokenizer files (the model folder): the "
+                                            "EPP tokenizes prompts as the engines do; default: the scorer's "
+                                            "tokenizer parameter, else the sim backend's byte tokenizer")
+    events.add_argument("--kv-events-port", type=port_number, default=None,
+                        help="each endpoint publishes KV-cache events on tcp://<endpoint ip>:PORT (its engine's "
+                             "--kv-events-config endpoint); a pod's kvgate.io/kv-events-port annotation overrides "
+                             "it; default: none (only annotated pods)")
+    events.add_argument("--kv-events-replay-port", type=port_number, default=None,
+                        help="the engines' replay (ROUTER) port, asked for missed batches; default: none (a gap "
+                             "drops that endpoint's blocks until new events rebuild them)")
+    events.add_argument("--kv-events-topic", default="", help="topic to subscribe to (default: every topic)")
     # Upstream EPP flags that change nothing here, accepted so that upstream manifests (e.g. the conformance
     # suite's EPP Deployments) run this EPP unchanged: logging format/level are ours (--log-level).
     compat = p.add_argument_group("accepted for compatibility with the upstream EPP (no effect)")
@@ -130,6 +148,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     scheduler = Scheduler(config.scheduler)
     if args.prefix_index_max_bytes is not None:
         scheduler.set_prefix_index_max_bytes(args.prefix_index_max_bytes)
+    precise = start_precise_prefix(scheduler, args)
     metrics = EppMetrics()
     admission = Admission(
         queue_depth_threshold=args.saturation_queue_depth if args.saturation_queue_depth is not None
@@ -149,6 +168,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             current = {e.address for e in endpoints}
             for gone in known - current:
                 scheduler.remove_endpoint(gone)
+            set_event_sources(precise, endpoints, args)
             known.clear()
             known.update(current)
             metrics.gauges.publish(force=True)  # the exporter shows a pool change at once, not a round later
@@ -213,7 +233,34 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             watcher.stop()
         await health_server.stop(grace=0)
         await datalayer.stop()
+        for plugin in precise:
+            plugin.stop_events()
         metrics_http.shutdown()
+
+
+def start_precise_prefix(scheduler, args: argparse.Namespace) -> list:
+    """The config's precise-prefix-cache-scorers: tokenizer loaded (a bad --tokenizer fails the start), the
+    KV-event subscriber thread started, its deltas applied on this loop. [] (nothing started) otherwise."""
+    plugins = scheduler.plugins_of_type("precise-prefix-cache-scorer")
+    loop = asyncio.get_running_loop()
+    for plugin in plugins:
+        plugin.load_tokenizer(args.tokenizer)
+        plugin.start_events(loop.call_soon_threadsafe)
+    if plugins and args.kv_events_port is None:
+        log.info("precise-prefix-cache-scorer: no --kv-events-port; only pods annotated kvgate.io/kv-events-port "
+                 "publish events to it")
+    return plugins
+
+
+def set_event_sources(plugins: list, endpoints, args: argparse.Namespace) -> None:
+    if not plugins:
+        return
+    from kvgate.epp.kv_events.subscriber import event_source
+
+    sources = [s for s in (event_source(e, args.kv_events_port, args.kv_events_replay_port, args.kv_events_topic)
+                           for e in endpoints) if s is not None]
+    for plugin in plugins:
+        plugin.set_sources(sources)
 
 
 async def drain(server, extproc, health_servicer, shutdown_timeout: float, report_not_serving: bool = True) -> None:
@@ -261,6 +308,14 @@ def run_epp(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvgate epp: {exc}") from exc
     if args.max_request_body_bytes <= 0:
         raise SystemExit("kvgate epp: --max-request-body-bytes must be positive")
+    if args.tokenizer:
+        from kvgate.engine.errors import ModelLoadError
+        from kvgate.epp.kv_events.tokenize import PromptTokenizer
+
+        try:
+            PromptTokenizer(args.tokenizer)
+        except ModelLoadError as exc:
+            raise SystemExit(f"kvgate epp: --tokenizer: {exc}") from exc
     if bool(args.pool_name) == bool(args.endpoints or args.endpoints_file):
         raise SystemExit("kvgate epp: give either --pool-name (Kubernetes mode) or --endpoints/--endpoints-file")
     if args.endpoints:

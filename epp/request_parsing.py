@@ -72,5 +72,6 @@ def parse_request(request_id: str, raw: bytes, headers: Mapping[str, str]) -> tu
         headers=headers,
         cache_salt=salt if isinstance(salt, str) else None,
         max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+        body=body,
     )
     return request, body

@@ -16,6 +16,8 @@ class Endpoint:
     namespace: str = ""
     labels: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
     engine_type: str = "vllm"  # metrics dialect: vllm | sglang | trtllm
+    # the pod's kvgate.io/kv-events-* annotations (epp/protocol.py), only those: where its KV events are published
+    annotations: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def metrics_url(self) -> str:
@@ -70,6 +72,9 @@ class LLMRequest:
     cache_salt: str | None = None
     max_tokens: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # the decoded JSON body, for plugins that need more than the flattened prompt (the precise prefix scorer
+    # tokenizes chat messages with the model's template)
+    body: Mapping | None = field(default=None, repr=False, compare=False)
 
     @property
     def estimated_prompt_tokens(self) -> int:

@@ -1,0 +1,239 @@
+"""The precise prefix index: which blocks each endpoint's engine caches, keyed by hashes the EPP computes itself.
+
+A block's key chains the token ids of the prompt up to it, in blocks of the engine's block size, rooted at the
+LoRA adapter and the cache salt (different adapters or salts never share a prefix):
+
+    root = xxh3_64("lora\\0salt")      h_i = xxh3_64(token ids of block i as int64 bytes, seed = h_{i-1})
+
+so any engine works whatever its own hash function (the events carry token ids; `EngineHashes` in
+subscriber.py maps the engine's hashes to these, for removals). A request's prompt, tokenized like the engine,
+hashes the same way (`chain`) and an endpoint's match is its leading run of held blocks.
+
+Two writers, one reader, all on the EPP's event loop (no locks): `apply` takes the subscriber thread's deltas
+(posted to the loop), `add_speculative` the scorer's picks (a block the engine will hold once it prefills the
+request: it counts for `ttl_s` seconds, so a burst to a fresh prefix sticks to one endpoint before the events
+arrive), `match` serves the scorer. Holders of a block are an int bitset of endpoint ids (see
+prefix_cache_scorer.py): a match is O(prompt blocks) dict lookups and bit operations.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+
+import xxhash
+
+_h = xxhash.xxh3_64_intdigest
+
+
+def root_hash(lora_name: str | None, cache_salt: str | None) -> int:
+    salt = "\x01" if cache_salt is None else "\x00" + cache_salt  # None and "" are different namespaces
+    return _h(f"{lora_name or ''}\x00{salt}".encode())
+
+
+def chain(token_ids, block_size: int, parent: int, max_blocks: int | None = None) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids` (at most max_blocks), continuing from `parent`."""
+    data = array("q", token_ids).tobytes()
+    step = 8 * block_size
+    count = len(token_ids) // block_size
+    if max_blocks is not None:
+        count = min(count, max_blocks)
+    out = []
+    for start in range(0, count * step, step):
+        parent = _h(data[start:start + step], parent)
+        out.append(parent)
+    return out
+
+
+@dataclass(slots=True)
+class Delta:
+    """What changed in one endpoint's cache (made by the subscriber thread, applied on the loop)."""
+
+    address: str
+    generation: int
+    added: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    cleared: bool = False  # before `added`: the endpoint's blocks are gone (restart, AllBlocksCleared, lost events)
+    block_size: int | None = None
+    loras: list[str] = field(default_factory=list)  # adapters named by the stored blocks
+
+
+class PreciseIndex:
+    def __init__(self, speculative_ttl_s: float = 2.0, max_speculative: int = 100_000, clock=time.monotonic) -> None:
+        self.speculative_ttl_s = speculative_ttl_s
+        self.max_speculative = max_speculative
+        self.clock = clock
+        self._holders: dict[int, int] = {}
+        self._blocks: dict[int, set[int]] = {}  # endpoint id → its confirmed blocks
+        self._ids: dict[str, int] = {}
+        self._addresses: list[str | None] = []
+        self._free_ids: list[int] = []
+        self._generation: dict[str, int] = {}  # address → the subscription generation whose deltas count
+        self.block_sizes: dict[str, int] = {}  # address → its engine's block size (from the events)
+        self.loras: set[str] = set()  # adapters seen in events (a request naming one hashes from its root)
+        # speculative: block → {endpoint id: expiry}; a FIFO of (expiry, block, id) for expiry, bounded
+        self._spec: dict[int, dict[int, float]] = {}
+        self._spec_fifo: deque[tuple[float, int, int]] = deque()
+        self.stale_deltas = 0
+
+    # -- endpoints ------------------------------------------------------------------------------------------------
+
+    def watch(self, address: str, generation: int) -> None:
+        """Deltas for `address` count from `generation` on (a new subscription); older ones are dropped."""
+        if self._generation.get(address) != generation:
+            self._drop_blocks(address)
+        self._generation[address] = generation
+
+    def remove(self, address: str) -> None:
+        """The endpoint left the pool: its blocks, speculative ones included, and its id go."""
+        self._generation.pop(address, None)
+        self.block_sizes.pop(address, None)
+        eid = self._ids.pop(address, None)
+        if eid is None:
+            return
+        self._drop_blocks_of(eid)
+        for holders in self._spec.values():
+            holders.pop(eid, None)
+        self._addresses[eid] = None
+        self._free_ids.append(eid)
+
+    def _id(self, address: str) -> int:
+        eid = self._ids.get(address)
+        if eid is None:
+            eid = self._free_ids.pop() if self._free_ids else len(self._addresses)
+            if eid == len(self._addresses):
+                self._addresses.append(address)
+            else:
+                self._addresses[eid] = address
+            self._ids[address] = eid
+        return eid
+
+    # -- confirmed blocks (events) --------------------------------------------------------------------------------
+
+    def apply(self, delta: Delta) -> None:
+        if self._generation.get(delta.address) != delta.generation:
+            self.stale_deltas += 1  # the endpoint left (or was resubscribed) after the thread made this
+            return
+        if delta.cleared:
+            self._drop_blocks(delta.address)
+        if delta.block_size:
+            self.block_sizes[delta.address] = delta.block_size
+        if delta.loras:
+            self.loras.update(delta.loras)
+        if not delta.added and not delta.removed:
+            return
+        eid = self._id(delta.address)
+        bit = 1 << eid
+        blocks = self._blocks.setdefault(eid, set())
+        holders = self._holders
+        for h in delta.removed:
+            if h in blocks:
+                blocks.discard(h)
+                self._forget(h, bit)
+        for h in delta.added:
+            if h not in blocks:
+                blocks.add(h)
+                holders[h] = holders.get(h, 0) | bit
+
+    def _drop_blocks(self, address: str) -> None:
+        eid = self._ids.get(address)
+        if eid is not None:
+            self._drop_blocks_of(eid)
+
+    def _drop_blocks_of(self, eid: int) -> None:
+        bit = 1 << eid
+        for h in self._blocks.pop(eid, ()):
+            self._forget(h, bit)
+
+    def _forget(self, h: int, bit: int) -> None:
+        rest = self._holders.get(h, 0) & ~bit
+        if rest:
+            self._holders[h] = rest
+        else:
+            self._holders.pop(h, None)
+
+    def blocks_of(self, address: str) -> set[int]:
+        """The endpoint's confirmed blocks (a copy; for tests and debugging)."""
+        eid = self._ids.get(address)
+        return set(self._blocks.get(eid, ())) if eid is not None else set()
+
+    def size(self) -> int:
+        return sum(map(len, self._blocks.values()))
+
+    # -- speculative blocks (picks) -------------------------------------------------------------------------------
+
+    def add_speculative(self, hashes: list[int], address: str) -> None:
+        if self.speculative_ttl_s <= 0 or not hashes:
+            return
+        eid = self._id(address)
+        now = self.clock()
+        self._expire(now)
+        expiry = now + self.speculative_ttl_s
+        confirmed = self._blocks.get(eid, ())
+        for h in hashes:
+            if h in confirmed:
+                continue
+            self._spec.setdefault(h, {})[eid] = expiry
+            self._spec_fifo.append((expiry, h, eid))
+        while len(self._spec_fifo) > self.max_speculative:  # bounded: the oldest go first
+            self._expire_one()
+
+    def _expire(self, now: float) -> None:
+        fifo = self._spec_fifo
+        while fifo and fifo[0][0] <= now:
+            self._expire_one()
+
+    def _expire_one(self) -> None:
+        expiry, h, eid = self._spec_fifo.popleft()
+        holders = self._spec.get(h)
+        if holders is not None and holders.get(eid) == expiry:
+            del holders[eid]
+            if not holders:
+                del self._spec[h]
+
+    def speculative_size(self) -> int:
+        return sum(map(len, self._spec.values()))
+
+    # -- matching -------------------------------------------------------------------------------------------------
+
+    def match(self, hashes: list[int]) -> dict[str, int]:
+        """{address: leading blocks of `hashes` it holds (confirmed or speculative)}, addresses with ≥ 1 only."""
+        if not hashes:
+            return {}
+        if self._spec:
+            self._expire(self.clock())
+        holders, spec = self._holders, self._spec
+        alive = holders.get(hashes[0], 0) | _spec_mask(spec.get(hashes[0]))
+        out: dict[str, int] = {}
+        for i in range(1, len(hashes)):
+            if not alive:
+                break
+            h = hashes[i]
+            here = alive & (holders.get(h, 0) | _spec_mask(spec.get(h)))
+            gone = alive & ~here
+            if gone:
+                self._settle(gone, i, out)
+            alive = here
+        if alive:
+            self._settle(alive, len(hashes), out)
+        return out
+
+    def _settle(self, mask: int, blocks: int, out: dict[str, int]) -> None:
+        addresses = self._addresses
+        while mask:
+            low = mask & -mask
+            address = addresses[low.bit_length() - 1]
+            if address is not None:
+                out[address] = blocks
+            mask ^= low
+
+
+def _spec_mask(holders: dict[int, float] | None) -> int:
+    if not holders:
+        return 0
+    mask = 0
+    for eid in holders:
+        mask |= 1 << eid
+    return mask
