@@ -108,7 +108,7 @@ class KVEventSubscriber:
         self._generation = 0
         self._blocks = 0
         self.stats = {"batches": 0, "gaps": 0, "replays_ok": 0, "replays_failed": 0, "restarts": 0,
-                      "bad_payloads": 0, "blocks_over_budget": 0, "orphan_blocks": 0}
+                      "bad_payloads": 0, "blocks_stored": 0, "blocks_removed": 0, "blocks_over_budget": 0, "orphan_blocks": 0}
         self._thread = threading.Thread(target=self._run, name="kvgate-epp-kv-events", daemon=True)
         self._stop = threading.Event()
         self._thread.start()
@@ -336,6 +336,7 @@ class KVEventSubscriber:
                     if ours is None:
                         continue
                     self._blocks -= 1
+                    self.stats["blocks_removed"] += 1
                     table.recent[engine_hash] = ours
                     if len(table.recent) > RECENTLY_REMOVED:
                         table.recent.popitem(last=False)
@@ -375,6 +376,7 @@ class KVEventSubscriber:
                 continue
             table.ours[engine_hash] = h
             self._blocks += 1
+            self.stats["blocks_stored"] += 1
             n = table.count.get(h, 0)
             table.count[h] = n + 1
             if not n:

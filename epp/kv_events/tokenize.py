@@ -53,12 +53,13 @@ class PromptTokenizer:
             if "messages" in body:
                 return self._chat(body)
             prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                return self.encode(prompt)
             if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
                 return prompt
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 return self.encode(prompt[0])
-            if not isinstance(prompt, str):
-                return None  # several prompts, or the embeddings/Responses shapes: no single prefix
+            return None  # several prompts, or the embeddings/Responses shapes: no single prefix
         return self.encode(request.prompt)
 
     def _chat(self, body: Mapping) -> list[int] | None:

@@ -328,7 +328,9 @@ def test_index_equals_each_engines_block_pool_after_evictions_and_preemptions(mo
             assert h.index.blocks_of(a) and len(h.index.blocks_of(a)) == len(engine.kv_cache_manager.pool.cached)
         stats = {a: e.stats() for a, e in engines.items()}
         assert all(s.num_preemptions > 0 for s in stats.values()), stats  # small KV: preemptions on both
-        assert h.scorer.subscriber.stats["orphan_blocks"] == 0 and checks == 20
+        sub_stats = h.scorer.subscriber.stats
+        assert sub_stats["orphan_blocks"] == 0 and checks == 20
+        assert sub_stats["blocks_removed"] > sub_stats["blocks_stored"] // 2 > 40, sub_stats  # LRU reuse, often
         # both engines got work, and the removals (evictions) reached the index
         assert all(len(e.kv_cache_manager.pool.cached) for e in engines.values())
     finally:
