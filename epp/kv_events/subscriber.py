@@ -17,7 +17,10 @@ Per endpoint (vLLM's transport, engine/kv_event_publisher.py):
     within `REPLAY_TIMEOUT_S` and covers the gap, the index stays exact; otherwise (no replay socket, the batches
     fell out of its buffer, no answer) the endpoint's blocks are dropped and rebuilt from the events that follow;
   - a sequence number at or below the last one applied means the engine restarted (its numbering begins at 0):
-    its blocks are dropped, as on AllBlocksCleared;
+    its blocks are dropped, as on AllBlocksCleared. A restarted engine can also have published past the old
+    number before the EPP reconnects, so a reconnection (ZeroMQ's socket monitor: connected again after a
+    disconnect) drops the endpoint's blocks too, and the history is read again as for a first batch (below):
+    a network blip costs a rebuild from the replay buffer, never a stale index;
   - the first batch seen: when it is not seq 0 and a replay socket exists, the history is asked for from 0 (the
     engine's replay buffer), so an EPP that starts after its engines still learns what they hold.
 An endpoint leaving the pool (`set_endpoints`) has its socket closed and its mapping dropped; the index side is
@@ -94,6 +97,8 @@ class _Stream:
     replay_deadline: float = 0.0
     replayed: dict[int, bytes] = field(default_factory=dict)
     held: list[tuple[int, bytes]] = field(default_factory=list)
+    monitor: object | None = None  # PAIR socket of ZeroMQ's monitor of `sub`: connects and disconnects
+    disconnected: bool = False
 
 
 class KVEventSubscriber:
@@ -108,7 +113,7 @@ class KVEventSubscriber:
         self._streams: dict[str, _Stream] = {}
         self._generation = 0
         self._blocks = 0
-        self.stats = {"batches": 0, "gaps": 0, "replays_ok": 0, "replays_failed": 0, "restarts": 0,
+        self.stats = {"batches": 0, "gaps": 0, "replays_ok": 0, "replays_failed": 0, "restarts": 0, "reconnects": 0,
                       "bad_payloads": 0, "blocks_stored": 0, "blocks_removed": 0, "blocks_over_budget": 0, "orphan_blocks": 0}
         self._thread = threading.Thread(target=self._run, name="kvgate-epp-kv-events", daemon=True)
         self._stop = threading.Event()
@@ -147,6 +152,8 @@ class KVEventSubscriber:
                 ready = dict(poller.poll(POLL_MS))
                 out: list[Delta] = []
                 for stream in list(self._streams.values()):
+                    if stream.monitor is not None and stream.monitor in ready:
+                        self._drain_monitor(stream, out)
                     if stream.sub in ready:
                         self._drain_sub(stream, out)
                     if stream.replay is not None and stream.replay in ready:
@@ -175,6 +182,7 @@ class KVEventSubscriber:
                 if stream is not None:
                     self._blocks -= len(stream.hashes.ours)
                     poller.unregister(stream.sub)
+                    poller.unregister(stream.monitor)
                     if stream.replay is not None:
                         poller.unregister(stream.replay)
                     self._close(stream)
@@ -183,12 +191,14 @@ class KVEventSubscriber:
                 if old is not None:
                     self._blocks -= len(old.hashes.ours)
                     poller.unregister(old.sub)
+                    poller.unregister(old.monitor)
                     if old.replay is not None:
                         poller.unregister(old.replay)
                     self._close(old)
                 stream = self._open(arg, generation)
                 self._streams[arg.address] = stream
                 poller.register(stream.sub, self._zmq.POLLIN)
+                poller.register(stream.monitor, self._zmq.POLLIN)
                 if stream.replay is not None:
                     poller.register(stream.replay, self._zmq.POLLIN)
 
@@ -208,16 +218,39 @@ class KVEventSubscriber:
         zmq = self._zmq
         sub = self._socket(zmq.SUB, source.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         replay = self._socket(zmq.DEALER, source.replay_endpoint) if source.replay_endpoint else None
         log.info("KV events of %s: SUB %s, replay %s", source.address, source.endpoint,
                  source.replay_endpoint or "off")
-        return _Stream(source, generation, sub, replay)
+        return _Stream(source, generation, sub, replay, monitor=monitor)
 
     @staticmethod
     def _close(stream: _Stream) -> None:
+        if stream.monitor is not None:
+            stream.sub.disable_monitor()
+            stream.monitor.close(linger=0)
         stream.sub.close(linger=0)
         if stream.replay is not None:
             stream.replay.close(linger=0)
+
+    def _drain_monitor(self, stream: _Stream, out: list[Delta]) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        zmq = self._zmq
+        for _ in range(100):
+            try:
+                event = recv_monitor_message(stream.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                stream.disconnected = True
+            elif event == zmq.EVENT_CONNECTED and stream.disconnected:
+                stream.disconnected = False
+                self.stats["reconnects"] += 1
+                log.info("KV events of %s: reconnected; its blocks are dropped and read again from the engine",
+                         stream.source.address)
+                stream.replay_until, stream.replayed, stream.held = None, {}, []
+                self._reset(stream, out)
 
     def _drain_sub(self, stream: _Stream, out: list[Delta]) -> None:
         zmq = self._zmq

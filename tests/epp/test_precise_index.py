@@ -337,3 +337,33 @@ def test_index_equals_each_engines_block_pool_after_evictions_and_preemptions(mo
         h.close()
         for engine in engines.values():
             engine.close()
+
+
+def test_an_engine_restarted_behind_the_address_is_read_again_even_past_the_old_sequence(zctx, harness):
+    """The new engine published more batches than the old one before the EPP reconnected: the sequence does
+    not go back, but the reconnection drops the old blocks and the history is read from the new replay buffer."""
+    pub = Publisher(zctx)
+    harness.subscribe(A, pub)
+    pub.send(0, batch([stored([1], None, TOKENS[:4], BS)]))
+    pub.send(1, batch([stored([2], 1, TOKENS[4:8], BS)]))
+    harness.pump(lambda: harness.applied(A, 1))
+    port, replay_port = pub.port, pub.replay_port
+    pub.close()
+    harness.publishers.remove(pub)
+    harness.pump(lambda: harness.scorer.subscriber._streams[A].disconnected)
+    new = Publisher.__new__(Publisher)  # the restarted engine: same ports, numbering from 0
+    new.topic, new.port, new.replay_port, new.buffer, new.replay_requests = b"kv", port, replay_port, {}, []
+    new.pub = zctx.socket(zmq.XPUB)
+    new.pub.setsockopt(zmq.LINGER, 0)
+    new.pub.bind(f"tcp://127.0.0.1:{port}")
+    new.router = zctx.socket(zmq.ROUTER)
+    new.router.setsockopt(zmq.LINGER, 0)
+    new.router.bind(f"tcp://127.0.0.1:{replay_port}")
+    harness.publishers.append(new)
+    for seq in range(3):
+        new.send(seq, batch([stored([50 + seq], None, [seq] * 4, BS)]), publish=False)
+    new.wait_subscribed(timeout=10)
+    new.send(3, batch([stored([60], None, [9] * 4, BS)]))
+    harness.pump(lambda: harness.applied(A, 3), timeout=10)
+    assert harness.index.blocks_of(A) == blocks([0] * 4) | blocks([1] * 4) | blocks([2] * 4) | blocks([9] * 4)
+    assert harness.scorer.subscriber.stats["reconnects"] == 1 and new.replay_requests == [0]
