@@ -102,7 +102,8 @@ def add_epp_parser(sub) -> None:
                    help="an endpoint with this KV-cache usage counts as saturated (default: config, else 0.8)")
     p.add_argument("--prefix-index-max-bytes", type=index_bytes, default=None,
                    help="memory budget of the prefix-cache scorer's index over all endpoints; least recently used "
-                        "blocks go first past it (default: the plugin's indexMaxBytes, else 256 MiB)")
+                        "blocks go first past it (default: the plugin's indexMaxBytes, else 256 MiB); also the "
+                        "precise-prefix-cache-scorer's, past which new blocks are not indexed")
     events = p.add_argument_group("precise prefix routing (used only by a config with precise-prefix-cache-scorer)")
     events.add_argument("--tokenizer", help="folder with the pool model's tokenizer files (the model folder): the "
                                             "EPP tokenizes prompts as the engines do; default: the scorer's "
@@ -244,6 +245,8 @@ def start_precise_prefix(scheduler, args: argparse.Namespace) -> list:
     plugins = scheduler.plugins_of_type("precise-prefix-cache-scorer")
     loop = asyncio.get_running_loop()
     for plugin in plugins:
+        if args.prefix_index_max_bytes is not None:
+            plugin.index_max_bytes = args.prefix_index_max_bytes
         plugin.load_tokenizer(args.tokenizer)
         plugin.start_events(loop.call_soon_threadsafe)
     if plugins and args.kv_events_port is None:

@@ -48,9 +48,12 @@ log = logging.getLogger(__name__)
 RCVHWM = 10_000  # batches queued per SUB socket before ZeroMQ drops (then a gap, then a replay)
 RECONNECT_MAX_S = 5.0
 REPLAY_TIMEOUT_S = 2.0
-MAX_HELD = 10_000  # live batches held while a replay is under way
+MAX_HELD = 1000  # live (or replayed) batches held per endpoint while a replay is under way
 POLL_MS = 50  # how often the thread looks at its command queue
-RECENTLY_REMOVED = 4096  # removed blocks still known as parents (a child stored after its parent's eviction)
+# Removed blocks still known as parents, per endpoint: a child stored just after its parent's cached copy was
+# evicted (another request's copy of the parent was still in use) is still keyed. Outside the budget: 256 ×
+# ~150 B per endpoint, 38 MB at 1000 endpoints.
+RECENTLY_REMOVED = 256
 BYTES_PER_BLOCK = 250
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 END_OF_REPLAY = (1 << 64) - 1  # -1 as a signed 8-byte number, read unsigned
