@@ -116,8 +116,9 @@ class KVEventSubscriber:
         self._streams: dict[str, _Stream] = {}
         self._generation = 0
         self._blocks = 0
-        self.stats = {"batches": 0, "gaps": 0, "replays_ok": 0, "replays_failed": 0, "restarts": 0, "reconnects": 0,
-                      "bad_payloads": 0, "blocks_stored": 0, "blocks_removed": 0, "blocks_over_budget": 0, "orphan_blocks": 0}
+        self.stats = {"batches": 0, "gaps": 0, "replays_ok": 0, "replays_failed": 0, "restarts": 0,
+                      "reconnects": 0, "bad_payloads": 0, "blocks_stored": 0, "blocks_removed": 0,
+                      "blocks_over_budget": 0, "orphan_blocks": 0}
         self._thread = threading.Thread(target=self._run, name="kvgate-epp-kv-events", daemon=True)
         self._stop = threading.Event()
         self._thread.start()

@@ -19,7 +19,7 @@ from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.sim_runner import SimProfile
 from kvgate.epp.kv_events.index import Delta, PreciseIndex, chain, root_hash
-from kvgate.epp.kv_events.subscriber import BYTES_PER_BLOCK, EngineHashes, KVEventSubscriber
+from kvgate.epp.kv_events.subscriber import BYTES_PER_BLOCK, EngineHashes
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from tests.epp.kv_events_helpers import Harness, Publisher, batch, cleared, removed, stored
 
