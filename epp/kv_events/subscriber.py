@@ -21,8 +21,9 @@ Per endpoint (vLLM's transport, engine/kv_event_publisher.py):
     number before the EPP reconnects, so a reconnection (ZeroMQ's socket monitor: connected again after a
     disconnect) drops the endpoint's blocks too, and the history is read again as for a first batch (below):
     a network blip costs a rebuild from the replay buffer, never a stale index;
-  - the first batch seen: when it is not seq 0 and a replay socket exists, the history is asked for from 0 (the
-    engine's replay buffer), so an EPP that starts after its engines still learns what they hold.
+  - on connecting (and on the first batch seen, when it is not seq 0) the history is asked for from 0, when a
+    replay socket exists: an EPP that starts after its engines learns what they hold at once, idle engines
+    included; a buffer that no longer reaches back to 0 gives what it still holds.
 An endpoint leaving the pool (`set_endpoints`) has its socket closed and its mapping dropped; the index side is
 told through a new generation (index.PreciseIndex.watch/remove).
 
@@ -56,6 +57,7 @@ POLL_MS = 50  # how often the thread looks at its command queue
 RECENTLY_REMOVED = 256
 BYTES_PER_BLOCK = 250
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+OPEN_END = 1 << 63  # a replay asked for on connecting: no live batch bounds it
 END_OF_REPLAY = (1 << 64) - 1  # -1 as a signed 8-byte number, read unsigned
 
 
@@ -255,6 +257,10 @@ class KVEventSubscriber:
                          stream.source.address)
                 stream.replay_until, stream.replayed, stream.held = None, {}, []
                 self._reset(stream, out)
+            if event == zmq.EVENT_CONNECTED and stream.last_seq is None and stream.replay is not None \
+                    and stream.replay_until is None:
+                # learn what the engine holds now, not at its next event (an idle engine may send none)
+                self._ask_replay(stream, 0, OPEN_END, [])
 
     def _drain_sub(self, stream: _Stream, out: list[Delta]) -> None:
         zmq = self._zmq
@@ -286,11 +292,7 @@ class KVEventSubscriber:
         expected = 0 if last is None else last + 1
         if seq > expected and stream.replay is not None:
             self.stats["gaps"] += 1
-            stream.replay_until = seq
-            stream.replay_deadline = time.monotonic() + REPLAY_TIMEOUT_S
-            stream.replayed = {}
-            stream.held = [(seq, payload)]
-            stream.replay.send_multipart([b"", expected.to_bytes(8, "big")])
+            self._ask_replay(stream, expected, seq, [(seq, payload)])
             return
         if seq > expected and last is not None:  # a gap nobody can fill
             self.stats["gaps"] += 1
@@ -316,24 +318,40 @@ class KVEventSubscriber:
             return
 
     def _finish_replay(self, stream: _Stream, out: list[Delta]) -> None:
-        start = 0 if stream.last_seq is None else stream.last_seq + 1
-        needed = range(start, stream.replay_until)
         first_time = stream.last_seq is None
-        if all(s in stream.replayed for s in needed):
+        replayed, held, upto = stream.replayed, stream.held, stream.replay_until
+        if upto == OPEN_END:  # asked on connecting: whatever the buffer holds
+            upto = max(replayed, default=-1) + 1
+        start = 0 if first_time else stream.last_seq + 1
+        if first_time and start not in replayed:  # history older than the buffer: learn what is left
+            start = min(replayed, default=upto)
+        needed = range(start, upto)
+        if all(s in replayed for s in needed):
             self.stats["replays_ok"] += 1
-        elif first_time:  # history older than the engine's buffer: learn what is left, from the oldest kept
-            needed = range(min(stream.replayed, default=stream.replay_until), stream.replay_until)
-            if not all(s in stream.replayed for s in needed):
-                needed = range(0)
+        elif first_time:  # a hole in what came back: apply the run from the oldest, the rest is a gap again
+            end = start
+            while end in replayed and end < upto:
+                end += 1
+            needed = range(start, end)
         else:
             self._replay_failed(stream, out, "the replay buffer no longer holds the missing batches")
             return
-        replayed, held = stream.replayed, stream.held
         stream.replay_until, stream.replayed, stream.held = None, {}, []
         for s in needed:
             self._apply(stream, s, replayed[s], out)
         for s, payload in held:
+            if stream.last_seq is not None and s <= stream.last_seq and s in replayed:
+                continue  # published while the replay was answered: already applied from it
             self._on_live(stream, s, payload, out)
+
+    def _ask_replay(self, stream: _Stream, start: int, upto: int, held: list[tuple[int, bytes]]) -> None:
+        """Ask the replay socket for batches from `start` on, holding `held` live batches until the answer;
+        `upto`: the first live batch (OPEN_END: none yet, everything the buffer holds is wanted)."""
+        stream.replay_until = upto
+        stream.replay_deadline = time.monotonic() + REPLAY_TIMEOUT_S
+        stream.replayed = {}
+        stream.held = held
+        stream.replay.send_multipart([b"", start.to_bytes(8, "big")])
 
     def _replay_failed(self, stream: _Stream, out: list[Delta], why: str) -> None:
         self.stats["replays_failed"] += 1
