@@ -110,7 +110,7 @@ def add_epp_parser(sub) -> None:
                                             "tokenizer parameter, else the sim backend's byte tokenizer")
     events.add_argument("--kv-events-port", type=port_number, default=None,
                         help="each endpoint publishes KV-cache events on tcp://<endpoint ip>:PORT (its engine's "
-                             "--kv-events-config endpoint); a pod's kvgate.io/kv-events-port annotation overrides "
+                             "--kv-events-config endpoint); a pod's kvgate.dev/kv-events-port annotation overrides "
                              "it; default: none (only annotated pods)")
     events.add_argument("--kv-events-replay-port", type=port_number, default=None,
                         help="the engines' replay (ROUTER) port, asked for missed batches; default: none (a gap "
@@ -250,7 +250,7 @@ def start_precise_prefix(scheduler, args: argparse.Namespace) -> list:
         plugin.load_tokenizer(args.tokenizer)
         plugin.start_events(loop.call_soon_threadsafe)
     if plugins and args.kv_events_port is None:
-        log.info("precise-prefix-cache-scorer: no --kv-events-port; only pods annotated kvgate.io/kv-events-port "
+        log.info("precise-prefix-cache-scorer: no --kv-events-port; only pods annotated kvgate.dev/kv-events-port "
                  "publish events to it")
     return plugins
 

@@ -31,7 +31,7 @@ SERVED_MISSING = "fail: missing destination endpoint served metadata"  # what up
 # --kv-events-config; used only when the EPP's config has a precise-prefix-cache-scorer): the PUB port, the
 # replay (ROUTER) port and the topic, on the pod's IP. They override `kvgate epp --kv-events-port`,
 # `--kv-events-replay-port` and `--kv-events-topic` for that pod; a pod with neither publishes no events.
-KV_EVENTS_PORT_ANNOTATION = "kvgate.io/kv-events-port"
-KV_EVENTS_REPLAY_PORT_ANNOTATION = "kvgate.io/kv-events-replay-port"
-KV_EVENTS_TOPIC_ANNOTATION = "kvgate.io/kv-events-topic"
+KV_EVENTS_PORT_ANNOTATION = "kvgate.dev/kv-events-port"
+KV_EVENTS_REPLAY_PORT_ANNOTATION = "kvgate.dev/kv-events-replay-port"
+KV_EVENTS_TOPIC_ANNOTATION = "kvgate.dev/kv-events-topic"
 KV_EVENTS_ANNOTATIONS = (KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION, KV_EVENTS_TOPIC_ANNOTATION)

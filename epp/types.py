@@ -16,7 +16,7 @@ class Endpoint:
     namespace: str = ""
     labels: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
     engine_type: str = "vllm"  # metrics dialect: vllm | sglang | trtllm
-    # the pod's kvgate.io/kv-events-* annotations (epp/protocol.py), only those: where its KV events are published
+    # the pod's kvgate.dev/kv-events-* annotations (epp/protocol.py), only those: where its KV events are published
     annotations: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     @property

@@ -443,7 +443,7 @@ class KVEventSubscriber:
 
 
 def event_source(endpoint, port: int | None, replay_port: int | None, topic: str) -> EventSource | None:
-    """Where `endpoint` (an epp.types.Endpoint) publishes: its pod's kvgate.io/kv-events-* annotations, else
+    """Where `endpoint` (an epp.types.Endpoint) publishes: its pod's kvgate.dev/kv-events-* annotations, else
     the flags' ports, on the endpoint's IP; None when neither names a port (or an annotation is not a port)."""
     from kvgate.epp.protocol import (KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION,
                                      KV_EVENTS_TOPIC_ANNOTATION)
