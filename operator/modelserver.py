@@ -21,8 +21,10 @@ a pod is being deleted, so a draining engine is never restarted.
 
 from __future__ import annotations
 
+import json
 import re
 
+from kvgate.epp.protocol import KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, find, stamp
 from kvgate.operator.spec_shape import modelserver_problems, pool_problems, pool_ref_name
@@ -99,6 +101,16 @@ def _spec_problems(ms: dict) -> list[dict]:
     return problems
 
 
+def _kv_events_problems(ms: dict, pool: dict | None) -> list[dict]:
+    kv_ports = [p for _, p, _ in kv_events_ports(ms.get("spec") or {})]
+    usable_pool = pool and not pool_problems(pool) and (pool.get("spec") or {}).get("targetPorts")
+    serving = [pool_port(pool)] if usable_pool else []  # (a misshapen pool is its own condition)
+    if len(set(kv_ports + serving)) < len(kv_ports + serving):
+        return [{"reason": "InvalidSpec", "message": f"engine.kvEvents: ports {kv_ports} must differ from each "
+                                                     f"other and from the serving port {serving}"}]
+    return []
+
+
 def validate_modelserver(ms: dict, pool: dict | None, policy: TenantPolicy = TenantPolicy(),
                          other_pools: list[dict] = (), operator_image: str | None = None) -> list[dict]:
     """Problems ({reason, message}) the schema cannot catch; empty when a Deployment can be made.
@@ -109,7 +121,8 @@ def validate_modelserver(ms: dict, pool: dict | None, policy: TenantPolicy = Ten
     shape = modelserver_problems(ms)
     if shape:  # nothing else can be judged (or rendered) from a spec of the wrong shape
         return [{"reason": "InvalidSpec", "message": "; ".join(shape)}] + _pool_problems(ms, pool)
-    problems = _pool_problems(ms, pool) + _spec_problems(ms) + escalation_problems(ms, policy, operator_image)
+    problems = (_pool_problems(ms, pool) + _spec_problems(ms) + _kv_events_problems(ms, pool)
+                + escalation_problems(ms, policy, operator_image))
     if not problems:
         own = naming.key_of(pool)
         # A misshapen pool selects nothing (its own reconcile reports it).
@@ -147,7 +160,26 @@ def engine_flags(engine: dict) -> list[str]:
         flags += ["--kv-cache-memory", str(kv_cache_bytes(engine["kvCacheMemory"]))]
     if engine.get("enablePrefixCaching") is not None:
         flags.append("--enable-prefix-caching" if engine["enablePrefixCaching"] else "--no-enable-prefix-caching")
+    if engine.get("kvEvents"):
+        flags += ["--kv-events-config", json.dumps(kv_events_config(engine["kvEvents"]), separators=(",", ":"))]
     return flags
+
+
+def kv_events_config(kv_events: dict) -> dict:
+    """spec.engine.kvEvents as vLLM's --kv-events-config JSON: bind every interface of the pod (the EPP connects
+    from its own pod) on the given ports."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{int(kv_events['port'])}"}
+    if kv_events.get("replayPort"):
+        config["replay_endpoint"] = f"tcp://*:{int(kv_events['replayPort'])}"
+    return config
+
+
+def kv_events_ports(spec: dict) -> list[tuple[str, int, str]]:
+    """(port name, port, pod annotation) for each KV-event socket spec.engine.kvEvents opens."""
+    kv_events = (spec.get("engine") or {}).get("kvEvents") or {}
+    named = [("kv-events", kv_events.get("port"), KV_EVENTS_PORT_ANNOTATION),
+             ("kv-replay", kv_events.get("replayPort"), KV_EVENTS_REPLAY_PORT_ANNOTATION)]
+    return [(name, int(port), annotation) for name, port, annotation in named if port]
 
 
 def shutdown_grace_s(spec: dict) -> int:
@@ -228,7 +260,8 @@ def _container(spec: dict, image: str, port: int) -> dict:
         "name": CONTAINER,
         "image": spec.get("image") or image,
         "command": serve_command(spec, port),
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+                 + [{"name": name, "containerPort": p, "protocol": "TCP"} for name, p, _ in kv_events_ports(spec)],
         "env": [{"name": "KVGATE_CACHE_DIR", "value": CACHE_DIR}, {"name": "HOME", "value": "/tmp"},
                 {"name": "PYTHONUNBUFFERED", "value": "1"}],
         "volumeMounts": volumes_mounts,
@@ -287,7 +320,8 @@ def desired_engine_deployment(modelserver: dict, pool: dict | None, image: str,
     port = pool_port(pool)
     selector = pool_labels(pool)
     pod_labels = engine_pod_labels(modelserver, pool)
-    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics",
+                   **{annotation: str(p) for _, p, annotation in kv_events_ports(spec)}}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

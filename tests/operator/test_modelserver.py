@@ -220,3 +220,39 @@ def test_extra_args_may_not_set_the_operators_flags(samples, extra):
     (problem,) = m.validate_modelserver(ms, samples["InferencePool"])
     assert problem["reason"] == "InvalidSpec" and extra[0].split("=")[0] in problem["message"]
     assert m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE) is None
+
+
+def test_kv_events_render_engine_flag_ports_and_the_annotations_the_epp_reads(samples):
+    """spec.engine.kvEvents → the engine's --kv-events-config (parsed by the engine's own parser), named container
+    ports, and pod annotations from which the EPP's pod watch derives where to subscribe."""
+    from kvgate.cli import build_parser
+    from kvgate.engine.kv_events import KVEventsConfig
+    from kvgate.epp.datastore import pool_endpoints
+    from kvgate.epp.kv_events.subscriber import event_source
+
+    ms, pool = copy.deepcopy(samples["ModelServer"]), samples["InferencePool"]
+    assert "--kv-events-config" not in _serve_args(m.desired_engine_deployment(ms, pool, IMAGE))  # off unless asked
+    ms["spec"]["engine"]["kvEvents"] = {"port": 5557, "replayPort": 5558}
+    dep = m.desired_engine_deployment(ms, pool, IMAGE)
+    args = build_parser().parse_args(_serve_args(dep)[1:])
+    config = KVEventsConfig.from_json(args.kv_events_config)
+    assert config.enabled and (config.endpoint, config.replay_endpoint) == ("tcp://*:5557", "tcp://*:5558")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", 8000), ("kv-events", 5557),
+                                                                      ("kv-replay", 5558)]
+    template = dep["spec"]["template"]
+    pod = {"metadata": {**template["metadata"], "name": "p0", "namespace": pool["metadata"].get("namespace", "")},
+           "status": {"podIP": "10.0.0.7", "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
+    (endpoint,) = pool_endpoints(pool, [pod])
+    source = event_source(endpoint, None, None, "")
+    assert (source.endpoint, source.replay_endpoint) == ("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558")
+
+
+@pytest.mark.parametrize("kv_events", [{"port": 8000}, {"port": 5557, "replayPort": 5557}, {"replayPort": 5558},
+                                       {"port": 80}])
+def test_kv_events_ports_that_clash_or_are_missing_are_a_condition(samples, kv_events):
+    ms = copy.deepcopy(samples["ModelServer"])
+    ms["spec"]["engine"]["kvEvents"] = kv_events
+    problems = m.validate_modelserver(ms, samples["InferencePool"])
+    assert [p["reason"] for p in problems] == ["InvalidSpec"] and "kvEvents" in problems[0]["message"], problems
+    assert m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE) is None
