@@ -81,6 +81,11 @@ def _compile(kind: str, key: str) -> str:
     return grammar
 
 
+def _first_line(message: str) -> str:
+    """llguidance's matcher errors end in a multi-line state dump: the first line says what went wrong."""
+    return message.strip().splitlines()[0][:300] if message and message.strip() else "unknown error"
+
+
 class RequestGrammar:
     """One request's matcher: fills its bitmask row, advances on accepted tokens, says when it is complete."""
 
@@ -94,7 +99,7 @@ class RequestGrammar:
         if self.error is None:
             self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
             if self.matcher.is_error():
-                self.error = self.matcher.get_error()
+                self.error = _first_line(self.matcher.get_error())
             elif not bool(row.any()):
                 self.error = "no token of this tokenizer continues the constraint"
         if self.error is not None:
@@ -105,7 +110,7 @@ class RequestGrammar:
 
     def accept(self, token_id: int) -> None:
         if self.error is None and not self.matcher.consume_token(token_id):
-            self.error = self.matcher.get_error() or f"token {token_id} is not allowed by the constraint"
+            self.error = _first_line(self.matcher.get_error() or f"token {token_id} is not allowed by the constraint")
 
     @property
     def is_terminated(self) -> bool:
@@ -143,7 +148,7 @@ class StructuredOutputManager:
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{so.param}: {exc}", param=so.param) from None
         if matcher.is_error():
-            raise InvalidRequestError(f"{so.param}: {matcher.get_error()}", param=so.param)
+            raise InvalidRequestError(f"{so.param}: {_first_line(matcher.get_error())}", param=so.param)
         probe = RequestGrammar(matcher.deep_copy(), self.eos_token_id)
         probe.fill_bitmask(torch.zeros(self.bitmask_width, dtype=torch.int32))
         if probe.error is not None:

@@ -27,6 +27,7 @@ from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.limits import RequestLimits
 from kvgate.engine.server.metrics import RequestTracker, ServerMetrics
 from kvgate.engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvgate.engine.server.structured_outputs import structured_outputs_params
 
 
 class ModelNotFound(Exception):
@@ -269,7 +270,7 @@ class OpenAIServing:
         return list(ids)
 
     def sampling_params(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, structured_outputs=None) -> SamplingParams:
         limit = self.llm.info.max_model_len
         if prompt_len >= limit:
             raise InvalidRequestError(
@@ -291,7 +292,7 @@ class OpenAIServing:
             repetition_penalty=req.repetition_penalty, seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs,
         )
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 
@@ -365,7 +366,8 @@ class OpenAIServing:
         self.check_request(req, len(texts))
         self.check_logprobs(req.logprobs, "logprobs")
         prompts = await self.off_loop(self.encode_prompts, texts)
-        params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids in prompts]
+        constraint = await self.off_loop(structured_outputs_params, req, param="structured_outputs")
+        params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs, constraint) for ids in prompts]
         return prompts, params
 
     def _completion_logprobs(self, c, start: int = 0, offset: int = 0) -> dict | None:
@@ -467,7 +469,8 @@ class OpenAIServing:
         kwargs = self.template_kwargs(req.chat_template, req.chat_template_kwargs)
         ids = await self.off_loop(self.chat_prompt, req, kwargs, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None)
+        constraint = await self.off_loop(structured_outputs_params, req, param="structured_outputs")
+        params = self.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None, constraint)
         return ids, params
 
     def _chat_logprobs(self, c, k: int, start: int = 0) -> dict | None:
