@@ -143,13 +143,20 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
                 samplers.append(r)
-        # Structured-output masks are filled in a thread while the forward pass runs (llguidance drops the
-        # GIL): only constrained rows get one, so unconstrained batches pay nothing.
+        # Structured-output masks: only constrained rows get one, so unconstrained batches pay nothing. On an
+        # accelerator they are filled in a thread while the forward pass runs (the CPU is idle then; llguidance
+        # drops the GIL). On CPU the forward pass already uses every core, and a mask thread beside it only
+        # fights torch's threads: `kvgate bench structured-outputs --num-requests 128` (demo, 2 shared cores)
+        # ran the half-constrained batch at 0.33x with the thread and 0.91x filling the masks in line.
         masks = None
         if any(r.grammar is not None for r in samplers):
-            if self._mask_pool is None:
-                self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-grammar")
-            masks = self._mask_pool.submit(fill_bitmasks, samplers, (self.vocab_size + 31) // 32)
+            width = (self.vocab_size + 31) // 32
+            if self.device.type == "cpu":
+                masks = fill_bitmasks(samplers, width)
+            else:
+                if self._mask_pool is None:
+                    self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-grammar")
+                masks = self._mask_pool.submit(fill_bitmasks, samplers, width)
         dev = self.device
         meta = self._attention_metadata(seqs)
         hidden = self.model(
@@ -161,7 +168,7 @@ class ModelRunner:
         if not samplers:
             return {}, {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        grammar = masks.result() if masks is not None else ([], None)
+        grammar = ([], None) if masks is None else masks if isinstance(masks, tuple) else masks.result()
         batch = SamplingBatch.build(samplers, self.vocab_size, dev, generators, grammar)
         tokens, logprobs = self.sampler(logits, batch)
         ids = [r.request_id for r in samplers]

@@ -4,8 +4,9 @@ strings or a grammar, enforced by a token bitmask per step.
 Each constrained request holds one `RequestGrammar` (an llguidance `LLMatcher`) on its `Request`. Before a
 step samples, the runner fills one bitmask row per *constrained* row of the batch (unconstrained rows cost
 nothing); the sampler sets the logits of disallowed tokens to -inf in those rows only, so constrained and
-unconstrained requests share one batch and one forward pass. The torch runner fills the masks in a thread while
-the forward pass runs (llguidance drops the GIL), so they rarely add to a step. After the step, the accepted
+unconstrained requests share one batch and one forward pass. On an accelerator the torch runner fills the masks
+in a thread while the forward pass runs (llguidance drops the GIL); on CPU in line (a thread there fights torch's
+own: see model_runner.py). `kvgate bench structured-outputs` prints the cost. After the step, the accepted
 token advances the matcher, and `Request.check_stop` ends the request when the grammar is complete.
 
 Library choice, measured (tools: /tmp script, mask fill + token advance walking a valid 5-field nested JSON
