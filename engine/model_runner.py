@@ -50,7 +50,9 @@ class ModelRunner:
         if self.sliding_window is not None and self.sliding_window >= max_model_len:
             self.sliding_window = None
         self.sampler = Sampler()
-        self._mask_pool: ThreadPoolExecutor | None = None  # started by the first constrained request
+        # Structured-output masks beside the forward pass (see execute); started by the first constrained request.
+        self.fill_masks_in_thread = device.type != "cpu"
+        self._mask_pool: ThreadPoolExecutor | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
 
@@ -151,7 +153,7 @@ class ModelRunner:
         masks = None
         if any(r.grammar is not None for r in samplers):
             width = (self.vocab_size + 31) // 32
-            if self.device.type == "cpu":
+            if not self.fill_masks_in_thread:
                 masks = fill_bitmasks(samplers, width)
             else:
                 if self._mask_pool is None:

@@ -66,11 +66,15 @@ SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    import os
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kvgate-cache")
 
-    os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path_factory.mktemp("kvgate-cache")))
-    return LLM("demo", max_model_len=1024, max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=4096)
+
+@pytest.fixture(scope="module")
+def llm(cache_dir):
+    with pytest.MonkeyPatch.context() as mp:  # the demo model is built here, not in the user's cache
+        mp.setenv("KVGATE_CACHE_DIR", str(cache_dir))
+        return LLM("demo", max_model_len=1024, max_num_seqs=NUM_SAMPLES, max_num_batched_tokens=4096)
 
 
 def prompts(n: int) -> list[str]:
@@ -78,8 +82,9 @@ def prompts(n: int) -> list[str]:
     return ["".join(chr(rng.randrange(33, 127)) for _ in range(rng.randint(3, 20))) for _ in range(n)]
 
 
-def sample(llm, constraint: StructuredOutputsParams, n: int = NUM_SAMPLES, **kw) -> list:
-    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, structured_outputs=constraint, **kw)
+def sample(llm, constraint: StructuredOutputsParams | None, n: int = NUM_SAMPLES, max_tokens: int = MAX_TOKENS,
+           **kw) -> list:
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, structured_outputs=constraint, **kw)
     return [o.outputs[0] for o in llm.generate(prompts(n), params)]
 
 
@@ -98,7 +103,7 @@ def test_every_sample_validates_against_the_schema(llm, name):
 
 def test_unconstrained_demo_output_is_not_json(llm):
     """The control: without a mask the same prompts give no parsable object (else the test above proves nothing)."""
-    outs = sample(llm, None, n=50)
+    outs = sample(llm, None, n=50, max_tokens=64)
     parsed = 0
     for c in outs:
         try:
@@ -126,7 +131,7 @@ def test_grammar_and_json_object(llm):
     lark = 'start: "<" word (" " word)? ">"\nword: /[a-z]{1,5}/'
     for c in sample(llm, StructuredOutputsParams(grammar=lark), n=50):
         assert re.fullmatch(r"<[a-z]{1,5}( [a-z]{1,5})?>", c.text), c.text
-    for c in sample(llm, StructuredOutputsParams(json_object=True), n=50):
+    for c in sample(llm, StructuredOutputsParams(json_object=True), n=50, max_tokens=100):
         assert c.finish_reason != "stop" or isinstance(json.loads(c.text), dict)
 
 
@@ -210,10 +215,8 @@ def test_constraint_the_tokenizer_cannot_spell():
     assert allowed_token_ids(row, len(tok)) == [eos] and grammar.error
 
 
-def test_sim_backend_honours_schemas(tmp_path):
-    import os
-
-    os.environ.setdefault("KVGATE_CACHE_DIR", str(tmp_path))
+def test_sim_backend_honours_schemas(cache_dir, monkeypatch):
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(cache_dir))
     sim = LLM("sim", backend="sim", max_model_len=1024, max_num_seqs=64)
     schema = SCHEMAS["nested"]
     outs = sim.generate(prompts(50), SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(
@@ -223,3 +226,32 @@ def test_sim_backend_honours_schemas(tmp_path):
     choices = ["alpha", "beta"]
     outs = sim.generate(prompts(20), SamplingParams(structured_outputs=StructuredOutputsParams(choice=choices)))
     assert {o.outputs[0].text for o in outs} == set(choices)
+
+
+def test_masks_filled_beside_the_forward_pass_give_the_same_tokens(llm):
+    """The accelerator path (masks in a thread during the forward pass), forced on CPU: same seeded outputs."""
+    runner = llm.engine.runner
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=MAX_TOKENS,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMAS["arrays"]))
+    in_line = [o.outputs[0].token_ids for o in llm.generate(prompts(16), params)]
+    runner.fill_masks_in_thread = True
+    try:
+        threaded = [o.outputs[0].token_ids for o in llm.generate(prompts(16), params)]
+    finally:
+        runner.fill_masks_in_thread = False
+    assert threaded == in_line and runner._mask_pool is not None
+
+
+def test_bench_prints_the_ratio(llm, cache_dir):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    kvgate = str(Path(sys.executable).parent / "kvgate")
+    env = dict(os.environ, KVGATE_CACHE_DIR=str(cache_dir))  # the demo model the llm fixture built
+    out = subprocess.run([kvgate, "bench", "structured-outputs", "--num-requests", "4", "--output-len", "8",
+                          "--repeats", "1", "--max-model-len", "256"], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"half constrained\s+[0-9.]+\s+[0-9.]+x", out.stdout), out.stdout
