@@ -4,7 +4,8 @@ Three spellings are taken, as vLLM takes them: OpenAI's `response_format` (`json
 `structured_outputs` object (`json`, `json_object`, `regex`, `choice`, `grammar`) and its older `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`. A request may use one of them. The constraint is compiled
 here (llguidance, cached per constraint, off the event loop), so a bad schema, regex or grammar is a 400 naming
-the field it came from; the engine's matcher is built from the same cached compilation.
+the field it came from; the engine's matcher is built from the same cached compilation. A chat request's
+`tool_choice` (required or a named function) is one more constraint (engine/server/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from kvgate.engine.errors import InvalidRequestError
 from kvgate.engine.sampling_params import StructuredOutputsParams
 from kvgate.engine.server.protocol import SamplingFields
+from kvgate.engine.server.tool_calls import tool_constraint, tool_mode
 from kvgate.engine.structured_output import compile_grammar
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -42,6 +44,9 @@ def structured_outputs_params(req: SamplingFields) -> StructuredOutputsParams | 
         value = getattr(req, field)
         if value is not None:
             found.append(StructuredOutputsParams(**{kind: value}, param=field))
+    mode = tool_mode(req)
+    if mode is not None:
+        found.append(tool_constraint(req, mode))
     if not found:
         return None
     if len(found) > 1:

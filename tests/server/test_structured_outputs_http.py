@@ -116,3 +116,96 @@ def test_sim_server_honours_schemas(sim_server):
     assert r.status_code == 200, r.text
     for choice in r.json()["choices"]:
         assert set(json.loads(choice["text"])) == {"n", "ok"}
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+def _check_call(call, tools=(WEATHER, TIME)):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.type == "function" and call.id and call.function.name in schemas
+    import jsonschema
+
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_named_tool_choice_gives_a_valid_call(client):
+    r = client.chat.completions.create(model="demo", messages=ASK, tools=[WEATHER, TIME], max_tokens=300,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}}, n=3)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        _check_call(call)
+
+
+def test_required_tool_choice_gives_one_or_more_valid_calls(client):
+    r = client.chat.completions.create(model="demo", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       max_tokens=400, n=4, temperature=1.0)
+    names = set()
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            _check_call(call)
+            names.add(call.function.name)
+    assert len({c.id for ch in r.choices for c in ch.message.tool_calls}) == sum(
+        len(ch.message.tool_calls) for ch in r.choices)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_time"}}, "required"])
+def test_streamed_tool_calls_assemble_to_the_same_kind_of_call(client, tool_choice):
+    stream = client.chat.completions.create(model="demo", messages=ASK, tools=[WEATHER, TIME], stream=True,
+                                            tool_choice=tool_choice, max_tokens=400, seed=5)
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        assert not choice.delta.content
+        for d in choice.delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = d.id or call["id"]
+            if d.function is not None:
+                call["name"] = d.function.name or call["name"]
+                call["arguments"] += d.function.arguments or ""
+    assert calls and finish == ("tool_calls" if tool_choice == "required" else "stop")
+    for call in calls.values():
+        assert call["id"] and call["name"] in ("get_weather", "get_time")
+        if tool_choice != "required":
+            assert call["name"] == "get_time"
+        args = json.loads(call["arguments"])
+        assert isinstance(args, dict)
+
+
+def test_a_conversation_with_tool_results_renders(client):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    r = client.chat.completions.create(model="demo", messages=messages, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=8)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # auto (the default): no tool-call parser here
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tools"),
+])
+def test_bad_tool_requests_are_400s(demo_server, fields, param):
+    r = httpx.post(demo_server.url + "/v1/chat/completions", json={"messages": ASK, **fields}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
