@@ -255,3 +255,17 @@ def test_bench_prints_the_ratio(llm, cache_dir):
                          env=env)
     assert out.returncode == 0, out.stderr
     assert re.search(r"half constrained\s+[0-9.]+\s+[0-9.]+x", out.stdout), out.stdout
+
+
+def test_preempted_constrained_requests_resume_their_grammar(cache_dir, monkeypatch):
+    """A request recomputed after preemption keeps its matcher's state: its output still validates."""
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(cache_dir))
+    # The demo's K/V: 4 layers x 4 heads x 32 dims x 2 x 4 bytes = 4 KiB a token; 40 blocks of 16 tokens.
+    small = LLM("demo", max_model_len=512, max_num_seqs=16, kv_cache_memory=40 * 16 * 4096)
+    schema = SCHEMAS["required_and_optional"]
+    outs = small.generate(prompts(16), SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS,
+                                                      structured_outputs=StructuredOutputsParams(json=schema)))
+    assert small.engine.scheduler.num_preemptions > 0
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
