@@ -232,11 +232,11 @@ def test_masks_filled_beside_the_forward_pass_give_the_same_tokens(llm):
     """The accelerator path (masks in a thread during the forward pass), forced on CPU: same seeded outputs."""
     runner = llm.engine.runner
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=MAX_TOKENS,
-                            structured_outputs=StructuredOutputsParams(json=SCHEMAS["arrays"]))
-    in_line = [o.outputs[0].token_ids for o in llm.generate(prompts(16), params)]
+                            structured_outputs=StructuredOutputsParams(json=SCHEMAS["flat"]))
+    in_line = [o.outputs[0].token_ids for o in llm.generate(prompts(8), params)]
     runner.fill_masks_in_thread = True
     try:
-        threaded = [o.outputs[0].token_ids for o in llm.generate(prompts(16), params)]
+        threaded = [o.outputs[0].token_ids for o in llm.generate(prompts(8), params)]
     finally:
         runner.fill_masks_in_thread = False
     assert threaded == in_line and runner._mask_pool is not None
