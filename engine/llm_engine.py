@@ -134,6 +134,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config.model, self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured_outputs.prepare()
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
         self._generators: dict[str, torch.Generator] = {}

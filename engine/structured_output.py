@@ -9,16 +9,19 @@ in a thread while the forward pass runs (llguidance drops the GIL); on CPU in li
 own: see model_runner.py). `kvgate bench structured-outputs` prints the cost. After the step, the accepted
 token advances the matcher, and `Request.check_stop` ends the request when the grammar is complete.
 
-Library choice, measured (tools: /tmp script, mask fill + token advance walking a valid 5-field nested JSON
-document through `LLMatcher` / `GrammarMatcher`, best of 5, 2 shared CPU cores, llguidance 1.9.1, xgrammar 0.2.8):
+Library choice, measured by `kvgate bench structured-outputs --compare-libraries` (engine/bench_structured.py: mask
+fill + token advance walking a valid 5-field nested JSON document through llguidance's `LLMatcher` and
+xgrammar's `GrammarMatcher`, best of 5, 2 shared CPU cores, llguidance 1.9.1, xgrammar 0.2.8 installed for
+the comparison only; the 32k BPE is trained on the spot from transformers' own sources):
 
     tokenizer                 library      tokenizer init   schema compile   mask + advance per token
     demo byte-level, 262      llguidance        2.8 ms          1.2 ms           13.3 us
     demo byte-level, 262      xgrammar          0.8 ms          4.5 ms            1.6 us
     BPE trained here, 32000   llguidance      275   ms          1.7 ms           90.8 us
     BPE trained here, 32000   xgrammar        113   ms        440   ms          610   us
+    (a second run, the cores busier: 32k llguidance 320 us, xgrammar 1696 us and 1.55 s to compile)
 
-llguidance wins where it matters (real vocabularies: ~7x cheaper per token, and no per-schema compile that
+llguidance wins where it matters (real vocabularies: 5-7x cheaper per token, and no per-schema compile that
 would stall the engine loop for 0.4 s on every new schema), and it is a small Rust wheel; xgrammar pulls in
 triton. JSON schemas compile with `whitespace_flexible` off: compact JSON, so a model cannot spend its whole
 budget on whitespace (vLLM's `disable_any_whitespace`).
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import torch
 
@@ -43,7 +47,6 @@ log = logging.getLogger(__name__)
 
 # Compact JSON (see the module docstring).
 _JSON_OPTIONS = {"whitespace_flexible": False}
-_ANY_JSON_OBJECT = {"type": "object"}
 
 
 def _import_llguidance():
@@ -120,32 +123,54 @@ class RequestGrammar:
 
 
 class StructuredOutputManager:
-    """Per engine: the llguidance view of the tokenizer (built on first use) and matchers for new requests."""
+    """Per engine: the llguidance view of the tokenizer and matchers for new requests.
+
+    The tokenizer view takes 3 ms for the demo's byte-level tokenizer but 0.3-1 s for a 32k BPE (more for
+    150k vocabularies): `prepare()` builds it in a thread at engine start, so the first constrained request does
+    not stall the engine loop for every running request (and engines that never see one pay no loop time)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else tokenizer.eos_token_id
         self._ll_tokenizer = None
+        self._lock = threading.Lock()
 
     @property
     def bitmask_width(self) -> int:
         return (self.vocab_size + 31) // 32
 
+    def prepare(self) -> threading.Thread:
+        """Build the tokenizer view in a daemon thread (it ends by itself); returns the thread."""
+        def build():
+            try:
+                self._tokenizer()
+            except Exception as exc:  # noqa: BLE001 - told again to each constrained request (grammar_for)
+                log.warning("structured outputs will be refused: cannot read the tokenizer (%s)", exc)
+
+        thread = threading.Thread(target=build, name="kvgate-grammar-tokenizer", daemon=True)
+        thread.start()
+        return thread
+
     def _tokenizer(self):
-        if self._ll_tokenizer is None:
-            llg = _import_llguidance()
-            # 3 ms for the byte-level demo tokenizer, ~0.3 s for a 32k BPE: once per engine.
-            self._ll_tokenizer = llg.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                       eos_token=self.eos_token_id)
-        return self._ll_tokenizer
+        with self._lock:
+            if self._ll_tokenizer is None:
+                llg = _import_llguidance()
+                self._ll_tokenizer = llg.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                           eos_token=self.eos_token_id)
+            return self._ll_tokenizer
 
     def grammar_for(self, so: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher; InvalidRequestError if the constraint is bad or this tokenizer cannot satisfy it."""
         llg = _import_llguidance()
         try:
+            ll_tokenizer = self._tokenizer()
+        except Exception as exc:  # noqa: BLE001 - e.g. a slow (non-Rust) tokenizer, which llguidance cannot read
+            raise InvalidRequestError(f"{so.param}: structured outputs are not available for this model's "
+                                      f"tokenizer ({exc})", param=so.param) from None
+        try:
             grammar = compile_grammar(so)
-            matcher = llg.LLMatcher(self._tokenizer(), grammar)
+            matcher = llg.LLMatcher(ll_tokenizer, grammar)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{so.param}: {exc}", param=so.param) from None
         if matcher.is_error():
