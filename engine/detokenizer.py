@@ -28,10 +28,8 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self._emitted = 0
 
-    def add_token(self, token_id: int, skip_text: bool = False) -> str | None:
+    def add_token(self, token_id: int) -> str | None:
         """Append one token's text; returns the stop string that matched (text then ends before it)."""
-        if skip_text:
-            return None
         chunk = self._stream.step(self._backend, token_id)
         if not chunk:
             return None

@@ -2,7 +2,8 @@
 
 `LLMEngine` is synchronous and single-threaded; the offline `LLM` drives it in a loop and the HTTP
 server drives it from its own loop. `n > 1` fans a request out into n child requests (seed + i each)
-that share the prompt's cached blocks.
+that share the prompt's cached blocks. A request's end is decided in `Request.check_stop` alone (called by
+the scheduler per token); the engine only turns requests into outputs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvgate.engine.outputs import CompletionOutput, RequestOutput
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import Scheduler
+from kvgate.engine.structured_output import StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class EngineStats:
 class _Child:
     parent_id: str
     index: int
-    detokenizer: IncrementalDetokenizer
+    request: Request  # holds its detokenizer and structured-output grammar
     cumulative_logprob: float = 0.0
 
 
@@ -131,6 +133,8 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_token_ids(config.model, self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured_outputs.prepare()
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -202,13 +206,15 @@ class LLMEngine:
             if child_params.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(child_params.seed)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, child_params, token_ids)
-            children.append((child_id, index, request, gen, detokenizer))
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, child_params, token_ids)
+            if child_params.structured_outputs is not None:
+                request.grammar = self.structured_outputs.grammar_for(child_params.structured_outputs)
+            children.append((child_id, index, request, gen))
         self._parents[request_id] = _Parent(text, token_ids, child_ids)
-        for child_id, index, request, gen, detokenizer in children:
+        for child_id, index, request, gen in children:
             if gen is not None:
                 self._generators[child_id] = gen
-            self._children[child_id] = _Child(request_id, index, detokenizer)
+            self._children[child_id] = _Child(request_id, index, request)
             self.scheduler.add_request(request)
         return token_ids
 
@@ -256,27 +262,17 @@ class LLMEngine:
         if logprobs is not None:
             request.logprobs.append(logprobs)
             child.cumulative_logprob += logprobs[token].logprob
-        params = request.sampling_params
-        # The EOS / stop token that ended a request is not part of its text.
-        ended_by_token = request.status == RequestStatus.FINISHED_STOPPED and (
-            token in params.stop_token_ids or (not params.ignore_eos and token in params.eos_token_ids)
-        )
-        stop = child.detokenizer.add_token(token, skip_text=ended_by_token)
-        if stop is not None:
-            if not request.is_finished:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = stop
-        finished = request.is_finished
+        finished = request.is_finished  # decided by Request.check_stop in the scheduler's update
+        detokenizer = request.detokenizer
         completion = CompletionOutput(
             index=child.index,
-            text=child.detokenizer.output_text,
+            text=detokenizer.output_text,
             token_ids=list(request.output_token_ids),
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             logprobs=request.logprobs,
             cumulative_logprob=child.cumulative_logprob if request.logprobs is not None else None,
-            delta_text=child.detokenizer.next_delta(finished),
+            delta_text=detokenizer.next_delta(finished),
             delta_token_ids=[token],
         )
         parent_id = child.parent_id
@@ -329,7 +325,8 @@ class LLMEngine:
         return done
 
     def close(self) -> None:
-        """Release what the engine holds outside its memory (the KV-event sockets)."""
+        """Release what the engine holds outside its memory (the KV-event sockets, the runner's mask thread)."""
+        self.runner.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.shutdown()
             self.kv_event_publisher = None

@@ -1,19 +1,29 @@
-"""A request's life in the engine: WAITING -> RUNNING -> FINISHED_*, and PREEMPTED back to waiting."""
+"""A request's life in the engine: WAITING -> RUNNING -> FINISHED_*, and PREEMPTED back to waiting.
+
+A request's end is decided in one place, `Request.check_stop`, called once per accepted token by the
+scheduler's `update_from_output`: EOS / stop token, stop string (its detokenizer), a complete structured
+output (its grammar), max_tokens, the context length.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvgate.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvgate.engine.detokenizer import IncrementalDetokenizer
+    from kvgate.engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3  # EOS, stop token or stop string
+    FINISHED_STOPPED = 3  # EOS, stop token, stop string or a complete structured output
     FINISHED_LENGTH = 4  # max_tokens or the context length
     FINISHED_ABORTED = 5
 
@@ -61,6 +71,10 @@ class Request:
     scheduled_time: float | None = None  # first time it was scheduled (queue time ends)
     max_model_len: int = 0
     sample_index: int = 0  # which of a parent's n samples this is
+    # The output's text and stop strings (None: no text is kept, as in scheduler-only tests).
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+    # The structured-output matcher when sampling_params.structured_outputs is set.
+    grammar: RequestGrammar | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -87,22 +101,37 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def check_stop_token(self) -> bool:
-        """Finish on EOS / stop token ids / max_tokens / context length; True when it finished."""
+    def check_stop(self) -> bool:
+        """Advance the grammar and the text by the last output token and decide whether the request ends
+        (sets status and stop_reason); True when it finished. The only place a request's end is decided."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        if self.grammar is not None:
+            self.grammar.accept(last)
+        if self.num_output_tokens >= params.min_tokens or self.grammar is not None:
+            # The EOS / stop token that ends a request is not part of its text.
             if not params.ignore_eos and last in params.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return True
+                return self._finish(RequestStatus.FINISHED_STOPPED, self._grammar_error())
             if last in params.stop_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                self.stop_reason = last
-                return True
+                return self._finish(RequestStatus.FINISHED_STOPPED, last)
+        if self.detokenizer is not None:
+            stop = self.detokenizer.add_token(last)
+            if stop is not None:
+                return self._finish(RequestStatus.FINISHED_STOPPED, stop)
+        if self.grammar is not None and (self.grammar.is_terminated or self.grammar.error is not None):
+            return self._finish(RequestStatus.FINISHED_STOPPED, self._grammar_error())
         if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH
-            return True
+            return self._finish(RequestStatus.FINISHED_LENGTH)
         if self.num_tokens >= self.max_model_len:
-            self.status = RequestStatus.FINISHED_LENGTH
-            return True
+            return self._finish(RequestStatus.FINISHED_LENGTH)
         return False
+
+    def _grammar_error(self) -> str | None:
+        if self.grammar is None or self.grammar.error is None:
+            return None
+        return f"structured output error: {self.grammar.error}"
+
+    def _finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
+        self.status = status
+        self.stop_reason = stop_reason
+        return True

@@ -1,7 +1,8 @@
 """Batched sampling on the logits' device.
 
-Order (vLLM's): raw logprobs -> min_tokens mask -> penalties -> greedy argmax for greedy rows ->
-temperature -> min-p -> top-k -> top-p -> draw. Draws use the exponential-race trick
+Order (vLLM's): raw logprobs -> min_tokens mask -> structured-output mask (constrained rows only) ->
+penalties -> greedy argmax for greedy rows -> temperature -> min-p -> top-k -> top-p -> draw. Logprobs are the
+model's own (before any mask). Draws use the exponential-race trick
 (argmax(p / E), E ~ Exp(1)), which lets each seeded request take its noise from its own generator, so a
 seeded request samples the same tokens whatever else shares its batch.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgate.engine.request import Logprob, Request
+from kvgate.engine.structured_output import unpack_bitmask
 
 
 @dataclass
@@ -32,10 +34,15 @@ class SamplingBatch:
     banned: list[tuple[int, list[int]]]  # (row, token ids) masked to -inf (min_tokens)
     generators: list[torch.Generator | None]
     num_logprobs: list[int | None]
+    # Structured outputs: the constrained rows and their allowed tokens, int32 bitmask [len(rows), ceil(V/32)].
+    grammar_rows: list[int] | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, requests: list[Request], vocab_size: int, device: torch.device,
-              generators: dict[str, torch.Generator]) -> "SamplingBatch":
+              generators: dict[str, torch.Generator],
+              grammar: tuple[list[int], torch.Tensor | None] = ([], None)) -> "SamplingBatch":
+        """`grammar`: (rows, bitmask) from structured_output.fill_bitmasks for these requests."""
         ps = [r.sampling_params for r in requests]
 
         def col(values, dtype=torch.float32):
@@ -58,7 +65,7 @@ class SamplingBatch:
         banned = []
         for i, r in enumerate(requests):
             p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
+            if r.num_output_tokens < p.min_tokens and r.grammar is None:  # a grammar decides when EOS may come
                 ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(p.eos_token_ids)))
                 if ids:
                     banned.append((i, ids))
@@ -77,7 +84,16 @@ class SamplingBatch:
             banned=banned,
             generators=[generators.get(r.request_id) for r in requests],
             num_logprobs=[p.logprobs for p in ps],
+            grammar_rows=grammar[0] or None,
+            grammar_bitmask=None if grammar[1] is None else grammar[1].to(device, non_blocking=True),
         )
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Disallowed tokens of the constrained rows to -inf, in place; other rows are not touched."""
+    allowed = unpack_bitmask(bitmask, logits.shape[-1])
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(logits, prompt_mask, output_counts, repetition, presence, frequency):
@@ -120,6 +136,8 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in batch.num_logprobs) else None
         for row, ids in batch.banned:
             logits[row, ids] = float("-inf")
+        if batch.grammar_rows:
+            apply_grammar_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
         if batch.repetition is not None:
             logits = apply_penalties(logits, batch.prompt_mask, batch.output_counts,
                                      batch.repetition, batch.presence, batch.frequency)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -12,6 +13,53 @@ MAX_LOGPROBS = 20
 # Seeds are torch generator seeds (int64, vLLM's bound too); child i of an n > 1 request uses seed + i.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output constraint: exactly one of json (a schema), json_object, regex, choice, grammar.
+
+    `param` names the request field it came from, so errors point at it (see engine/structured_output.py)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise InvalidRequestError(f"{self.param} must set exactly one of json, json_object, regex, choice, "
+                                      f"grammar; got {kinds or 'none'}", param=self.param)
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidRequestError(f"{self.param}: a JSON schema must be an object", param=self.param)
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError(f"{self.param}: choice must be a non-empty list of strings", param=self.param)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{self.param}: {name} must be a non-empty string", param=self.param)
+
+    @property
+    def kind(self) -> str:
+        if self.json is not None or self.json_object:
+            return "json"
+        return "regex" if self.regex is not None else "choice" if self.choice is not None else "grammar"
+
+    @property
+    def key(self) -> str:
+        """The constraint as one string (what the grammar compiler takes, and caches on)."""
+        if self.json_object:
+            return '{"type": "object"}'
+        if self.json is not None:
+            return self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        if self.choice is not None:
+            return json.dumps(self.choice)
+        return self.regex if self.regex is not None else self.grammar
 
 
 @dataclass
@@ -33,6 +81,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (the chosen one is always given)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer/config: EOS ids that end a request unless ignore_eos.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

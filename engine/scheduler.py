@@ -237,7 +237,8 @@ class Scheduler:
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests; returns requests that got a token."""
+        """Advance computed tokens, append sampled tokens and finish the requests that ended (Request.check_stop
+        decides: the one place); returns requests that got a token."""
         progressed = []
         for s in out.scheduled:
             request = s.request
@@ -252,7 +253,7 @@ class Scheduler:
             if token is None:
                 continue
             progressed.append(request)
-            if request.check_stop_token():
+            if request.check_stop():
                 self.num_prefill_tokens_pending -= prefill_tokens_pending(request)  # 0: it just sampled
                 self.requests.pop(request.request_id, None)
                 self.running.remove(request)

@@ -7,7 +7,9 @@ Time of one step = step overhead
                  + attention cost x context tokens attended (every scheduled sequence's context).
 The engine thread sleeps for that long (less the time the step really took); it never spins. Tokens
 come from a per-request generator seeded by the request's seed (or its prompt), so outputs are
-deterministic, decode to printable text and never hit EOS.
+deterministic, decode to printable text and never hit EOS. A request with a structured-output constraint
+draws among the tokens its grammar allows (printable ones when any is allowed), so `--backend sim` honours
+schemas, regexes and choices too, and ends when the grammar is complete.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvgate.engine.config import EngineConfig
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.request import Logprob, Request
 from kvgate.engine.scheduler import SchedulerOutput
+from kvgate.engine.structured_output import allowed_token_ids, fill_bitmasks
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +148,9 @@ class SimModelRunner:
                         self.profile.hang_after_steps)
             threading.Event().wait()  # never set: this step never ends (the GIL is released, as CUDA waits do)
         prefill_tokens = decode_seqs = context_tokens = 0
+        constrained = [s.request for s in out.scheduled if s.samples and s.request.grammar is not None]
+        rows, bitmask = fill_bitmasks(constrained, (self.vocab_size + 31) // 32)
+        allowed = {r.request_id: allowed_token_ids(bitmask[j], self.vocab_size) for j, r in zip(rows, constrained)}
         tokens: dict[str, int] = {}
         logprobs: dict[str, dict[int, Logprob]] = {}
         for s in out.scheduled:
@@ -156,7 +162,7 @@ class SimModelRunner:
                 prefill_tokens += s.num_new_tokens
             if s.samples:
                 rng = self._rng(r)
-                token = rng.choice(_PRINTABLE)
+                token = self._draw(rng, allowed.get(r.request_id), r.sampling_params.eos_token_ids)
                 tokens[r.request_id] = token
                 if r.sampling_params.logprobs is not None:
                     entry = {token: Logprob(-0.05, 1)}
@@ -170,5 +176,17 @@ class SimModelRunner:
             time.sleep(remaining)
         return tokens, logprobs
 
+    @staticmethod
+    def _draw(rng: random.Random, allowed: list[int] | None, eos_token_ids) -> int:
+        """A printable token, or one the grammar allows (printable ones and EOS first, so text reads as text
+        and an output that may end does end now and then)."""
+        if allowed is None:
+            return rng.choice(_PRINTABLE)
+        preferred = [t for t in allowed if 32 <= t < 127 or t in eos_token_ids]
+        return rng.choice(preferred or allowed)
+
     def forget(self, request_id: str) -> None:
         self._rngs.pop(request_id, None)
+
+    def close(self) -> None:
+        """Nothing to release (the torch runner's counterpart stops its mask thread)."""

@@ -27,6 +27,8 @@ from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.limits import RequestLimits
 from kvgate.engine.server.metrics import RequestTracker, ServerMetrics
 from kvgate.engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvgate.engine.server import tool_calls
+from kvgate.engine.server.structured_outputs import structured_outputs_params
 
 
 class ModelNotFound(Exception):
@@ -256,7 +258,12 @@ class OpenAIServing:
                                                   "(text only)", param="messages")
                     parts.append(str(part.get("text", "")))
                 content = "".join(parts)
-            messages.append({"role": m.role, "content": content or ""})
+            message = {"role": m.role, "content": content or ""}
+            extra = m.model_extra or {}
+            for key in ("tool_calls", "tool_call_id", "name"):  # a conversation that used tools before
+                if extra.get(key) is not None:
+                    message[key] = extra[key]
+            messages.append(message)
         try:
             ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt,
                                           **template_kwargs)
@@ -269,7 +276,7 @@ class OpenAIServing:
         return list(ids)
 
     def sampling_params(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, structured_outputs=None) -> SamplingParams:
         limit = self.llm.info.max_model_len
         if prompt_len >= limit:
             raise InvalidRequestError(
@@ -291,7 +298,7 @@ class OpenAIServing:
             repetition_penalty=req.repetition_penalty, seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs,
         )
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 
@@ -365,7 +372,8 @@ class OpenAIServing:
         self.check_request(req, len(texts))
         self.check_logprobs(req.logprobs, "logprobs")
         prompts = await self.off_loop(self.encode_prompts, texts)
-        params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids in prompts]
+        constraint = await self.off_loop(structured_outputs_params, req, param="structured_outputs")
+        params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs, constraint) for ids in prompts]
         return prompts, params
 
     def _completion_logprobs(self, c, start: int = 0, offset: int = 0) -> dict | None:
@@ -464,10 +472,14 @@ class OpenAIServing:
         top = req.top_logprobs if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        kwargs = self.template_kwargs(req.chat_template, req.chat_template_kwargs)
+        template_kwargs = req.chat_template_kwargs
+        if req.tools and req.tool_choice != "none":  # passed on only if the template reads `tools`
+            template_kwargs = {**(template_kwargs or {}), "tools": [t.model_dump(exclude_none=True) for t in req.tools]}
+        kwargs = self.template_kwargs(req.chat_template, template_kwargs)
         ids = await self.off_loop(self.chat_prompt, req, kwargs, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None)
+        constraint = await self.off_loop(structured_outputs_params, req, param="structured_outputs")
+        params = self.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None, constraint)
         return ids, params
 
     def _chat_logprobs(self, c, k: int, start: int = 0) -> dict | None:
@@ -488,9 +500,14 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompts = prep.prompts
         finals, cached = await self._collect(rid, req, prep)
-        choices = [{"index": j, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c, req.top_logprobs or 0), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for (_, j), c in sorted(finals.items())]
+        mode = tool_calls.tool_mode(req)
+        choices = []
+        for (_, j), c in sorted(finals.items()):
+            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if mode is not None:
+                message, finish_reason = tool_calls.message(mode, c.text, c.finish_reason)
+            choices.append({"index": j, "message": message, "logprobs": self._chat_logprobs(c, req.top_logprobs or 0),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in finals.values())
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(prompts, completion_tokens, cached)}
@@ -506,6 +523,8 @@ class OpenAIServing:
 
         sent: dict[int, int] = {}
         completion_tokens, cached = 0, {}
+        mode = tool_calls.tool_mode(req)
+        tool_streams = {j: tool_calls.ToolCallStream(mode) for j in range(req.n)} if mode is not None else {}
         try:
             for j in range(req.n):
                 yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -519,8 +538,18 @@ class OpenAIServing:
                     completion_tokens += len(c.token_ids) - start
                     if not c.delta_text and not c.finished and c.logprobs is None:
                         continue
+                    logprobs = self._chat_logprobs(c, req.top_logprobs or 0, start)
+                    if mode is not None:
+                        deltas, finish_reason = tool_streams[c.index].deltas(c.delta_text, c.finish_reason)
+                        if not deltas and finish_reason is None and logprobs is None:
+                            continue  # a required array's text: sent as calls once it ends
+                        for k, delta in enumerate(deltas or [{}]):
+                            last = k == max(len(deltas) - 1, 0)
+                            yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs if last else None,
+                                          "finish_reason": finish_reason if last else None}])
+                        continue
                     delta = {"content": c.delta_text} if c.delta_text else {}
-                    yield chunk([{"index": c.index, "delta": delta, "logprobs": self._chat_logprobs(c, req.top_logprobs or 0, start),
+                    yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs,
                                   "finish_reason": c.finish_reason}])
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage=self._usage(prompts, completion_tokens, cached))

@@ -28,7 +28,11 @@ _ENGINE_ONLY = frozenset({"eos_token_ids"})
 
 
 def sampling_params_body(params: SamplingParams) -> dict:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name not in _ENGINE_ONLY}
+    body = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name not in _ENGINE_ONLY}
+    so = params.structured_outputs
+    if so is not None:  # vLLM's StructuredOutputsParams fields (`param` is kvgate's, for error messages)
+        body["structured_outputs"] = {k: v for k, v in dataclasses.asdict(so).items() if k != "param"}
+    return body
 
 
 def generate_request(id_prefix: str, token_ids: list[int], params: SamplingParams, req: SamplingFields) -> dict:
