@@ -26,6 +26,7 @@ request) `column()` falls back to the states' own in_flight_* fields and counts 
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Mapping
 
@@ -75,10 +76,11 @@ class LiveLoad:
         self.states = states
         self.positions = {s.address: i for i, s in enumerate(states)}
         self.scraped_at = np.fromiter((s.metrics.updated_at for s in states), dtype=float, count=n)
-        self.requests = np.zeros(n)
-        self.tokens = np.zeros(n)
-        self.unseen_requests = np.zeros(n)
-        self.unseen_prompt = np.zeros(n)
+        # One spare slot, always 0: where column() maps endpoints the snapshot does not know.
+        self.requests = np.zeros(n + 1)
+        self.tokens = np.zeros(n + 1)
+        self.unseen_requests = np.zeros(n + 1)
+        self.unseen_prompt = np.zeros(n + 1)
         self.unseen_total = 0
         self._last_list: list[EndpointState] | None = None  # column() of a filtered list: its index, once
         self._last_index: np.ndarray | None = None
@@ -100,15 +102,17 @@ class LiveLoad:
         """Column `name` (one of COLUMNS) aligned with `endpoints`: the snapshot's list itself or a sublist of it
         (endpoints it does not know count 0). Read-only: callers compute new arrays from it."""
         values: np.ndarray = getattr(self, name)
+        n = len(self.states)
         if endpoints is self.states:
-            return values
-        if endpoints is not self._last_list:
-            n = len(self.states)
-            get = self.positions.get
-            self._last_index = np.fromiter((get(e.address, n) for e in endpoints), dtype=np.intp,
-                                           count=len(endpoints))
-            self._last_list = endpoints
-        return np.append(values, 0.0)[self._last_index]
+            return values[:n]
+        if endpoints is not self._last_list:  # the scheduler's copy of the snapshot, a filtered list: once each
+            if len(endpoints) == n and all(map(operator.is_, endpoints, self.states)):
+                index = None
+            else:
+                get = self.positions.get
+                index = np.fromiter((get(e.address, n) for e in endpoints), dtype=np.intp, count=len(endpoints))
+            self._last_list, self._last_index = endpoints, index
+        return values[:n] if self._last_index is None else values[self._last_index]
 
 
 class LoadTracker:
