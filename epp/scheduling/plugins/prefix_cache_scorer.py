@@ -354,38 +354,32 @@ class PrefixCacheScorer(Scorer):
 
     def _match(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None
                ) -> tuple[list[int], Runs, np.ndarray | None]:
-        """(hashes, runs, matched blocks by index id + a last 0 slot; None when no run), once per cycle: the
+        """(hashes, runs, cached fraction by index id + a last 0 slot; None when no run), once per cycle: the
         scorer, the PrefixMatchSource calls and the pick hook share one hashing and one match."""
         found = cycle.get(self) if cycle is not None else None
         if found is not None:
             return found
         hashes = self.hashes(request, endpoints)
         runs = self.index.match_runs(hashes)
-        blocks_by_id = None
+        by_id = None
         if runs:
             count = self.index.id_count
-            blocks_by_id = np.zeros(count + 1)  # the last slot: endpoints the index does not know (0 blocks)
+            by_id = np.zeros(count + 1)  # the last slot: endpoints the index does not know (score 0)
+            total = len(hashes)
             for mask, n in runs:
-                blocks_by_id[:count][mask_to_bools(mask, count)] = n
-        found = (hashes, runs, blocks_by_id)
+                by_id[:count][mask_to_bools(mask, count)] = n / total
+        found = (hashes, runs, by_id)
         if cycle is not None:
             cycle[self] = found
         return found
 
     def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
               ) -> np.ndarray:
-        hashes, runs, blocks_by_id = self._match(request, endpoints, cycle)
-        if blocks_by_id is None:
+        _, _, by_id = self._match(request, endpoints, cycle)
+        if by_id is None:
             return np.zeros(len(endpoints))
-        return self._blocks(blocks_by_id, cycle, endpoints) / len(hashes)
-
-    def _blocks(self, blocks_by_id: np.ndarray, cycle: CycleState | None, endpoints: list[EndpointState]
-                ) -> np.ndarray:
-        """Matched blocks per position; an id given out after the match (a new endpoint) holds none."""
-        ids = self._snapshot_ids(cycle, endpoints)
-        if ids.size and ids.max() >= blocks_by_id.size:
-            ids = np.minimum(ids, blocks_by_id.size - 1)
-        return blocks_by_id[ids]
+        # (no id can be newer than the match here: the index only grows in pick hooks, after scoring)
+        return by_id[self._snapshot_ids(cycle, endpoints)]
 
     # -- PrefixMatchSource (scheduling/prefix_match.py): what load-aware plugins weigh a hit with ----------
 
@@ -397,12 +391,14 @@ class PrefixCacheScorer(Scorer):
                       ) -> np.ndarray:
         """Estimated prompt tokens each endpoint holds: its matched blocks × block characters / CHARS_PER_TOKEN
         (≤ prompt_tokens: blocks are whole blocks of the prompt's bytes)."""
-        hashes, runs, blocks_by_id = self._match(request, endpoints, cycle)
-        if blocks_by_id is None:
+        hashes, _, by_id = self._match(request, endpoints, cycle)
+        if by_id is None:
             return np.zeros(len(endpoints))
-        chars = self.block_size_for(endpoints)
-        return np.minimum(self._blocks(blocks_by_id, cycle, endpoints) * chars // CHARS_PER_TOKEN,
-                          self.prompt_tokens(request, cycle))
+        ids = self._snapshot_ids(cycle, endpoints)
+        if ids.size and ids.max() >= by_id.size:  # an id given out after the match (a new endpoint) holds none
+            ids = np.minimum(ids, by_id.size - 1)
+        blocks = np.rint(by_id[ids] * len(hashes))  # the fraction back to whole blocks
+        return np.minimum(blocks * self.block_size_for(endpoints) // CHARS_PER_TOKEN, self.prompt_tokens(request))
 
     def _snapshot_ids(self, cycle: CycleState | None, endpoints: list[EndpointState]) -> np.ndarray:
         """_ids_by_position, cached in the cycle's snapshot until the index's ids change (one entry, replaced)."""
