@@ -92,11 +92,12 @@ class Director:
             why = ("the subset hint matches no ready endpoint of the pool" if subset is not None
                    else "the pool has no ready endpoints (none answers its metrics scrape)")
             raise RoutingError(503, f"no eligible endpoint: {why}")
-        if not self.admission.admit(request, states):
+        # The exact in-flight overlay, laid on the round's whole snapshot (columns map the candidates onto it).
+        load = self.load.view(self.datalayer.snapshot(self._in_flight_counts))
+        if request.priority < 0 and not self.admission.admit(request, states,
+                                                              load.column("unseen_requests", states)):
             raise RoutingError(429, "the pool is saturated and this request is sheddable (priority < 0)")
-        # This decision's plugin state, from scoring to the pick hook, with the exact in-flight overlay.
-        # (The overlay is laid on the round's whole snapshot; plugins' columns map the candidates onto it.)
-        cycle = CycleState(self.load.view(self.datalayer.snapshot(self._in_flight_counts)))
+        cycle = CycleState(load)  # this decision's plugin state, from scoring to the pick hook
         ordered = self.scheduler.schedule(request, states, cycle)
         if not ordered:
             raise RoutingError(503, "no eligible endpoint: every endpoint was filtered out")

@@ -121,3 +121,21 @@ def test_a_filtered_candidate_list_maps_onto_the_overlay():
     assert list(view.column("tokens", sub)) == [7, 0, 0]
     assert np.array_equal(view.column("tokens", states), [0, 0, 7])
     assert np.array_equal(view.column("tokens", list(states)), [0, 0, 7])  # the scheduler's copy of the list
+
+
+def test_a_burst_of_sheddable_requests_is_shed_once_it_fills_the_queues_within_the_round():
+    import pytest
+
+    from kvgate.epp.director import RoutingError
+    from kvgate.epp.protocol import OBJECTIVE_HEADER
+
+    director, _ = one_round_director()  # every queue scraped at 3; the saturation threshold is 5
+    director.datastore.set_policies({"batch": -1}, [])
+    sheddable = [LLMRequest(f"s{i}", "m", "m", f"s{i:06d} " * 20, headers={OBJECTIVE_HEADER: "batch"})
+                 for i in range(9)]
+    for r in sheddable[:8]:
+        director.pick(r)  # two per endpoint (the burst spreads): each queue is at 5 now
+    with pytest.raises(RoutingError) as err:
+        director.pick(sheddable[8])
+    assert err.value.status == 429
+    director.pick(LLMRequest("critical", "m", "m", "c" * 300))  # priority 0 is never shed
