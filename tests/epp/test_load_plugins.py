@@ -279,3 +279,29 @@ def test_the_vllm_dialect_reads_the_backlog_gauge_and_prefix_counters():
     m = parse_metrics('vllm:num_requests_waiting{model_name="m"} 1.0\n', DIALECTS["vllm"], 1.0)
     assert (m.prefill_tokens_pending, m.prefix_cache_queries) == (None, None)
     assert not math.isnan(np.float64(m.waiting_queue_size))
+
+
+def test_through_the_director_affinity_sticks_until_the_in_flight_tokens_outweigh_the_hit():
+    from tests.epp.test_live_load import one_round_director
+
+    text = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefix-cache-scorer
+- type: prefix-cache-affinity-filter
+  parameters: {explorationProbability: 0}
+- type: token-load-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-affinity-filter
+  - pluginRef: prefix-cache-scorer
+    weight: 0
+  - pluginRef: token-load-scorer
+"""
+    director, layer = one_round_director(parse_config(text), ["a:1", "b:1"])
+    warmed(director.scheduler, layer.snapshot(), {"a:1": PROMPT})  # a holds all 160 tokens, b none
+    picks = [director.pick(req(rid=f"r{i}", max_tokens=0))[0].address for i in range(3)]
+    # in flight on a: 0, then 160 (≤ 160 saved: stay), then 320 (> 160: any endpoint, and b carries less)
+    assert picks == ["a:1", "a:1", "b:1"]
