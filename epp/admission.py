@@ -4,11 +4,13 @@ An endpoint has headroom when its metrics are fresh, its waiting queue is below 
 KV-cache use is below `kv_cache_threshold`. The pool is saturated when no endpoint has headroom — stale
 endpoints count as saturated (we cannot tell), and an empty pool is saturated. Requests with priority >= 0 are
 always admitted: shedding only protects them from sheddable load (upstream's legacy admission controller).
+The director passes, per endpoint, the requests it routed there since the scrape (`unseen`): a burst counts
+in the queue at once, not one scrape round later.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -27,16 +29,20 @@ class Admission:
         """From config.SaturationConfig (the `saturationDetector` section of an EndpointPickerConfig)."""
         return cls(saturation.queue_depth_threshold, saturation.kv_cache_util_threshold)
 
-    def has_headroom(self, endpoint: EndpointState) -> bool:
+    def has_headroom(self, endpoint: EndpointState, unseen: float = 0) -> bool:
         m = endpoint.metrics
-        return (not endpoint.stale and m.waiting_queue_size < self.queue_depth_threshold
+        return (not endpoint.stale and m.waiting_queue_size + unseen < self.queue_depth_threshold
                 and m.kv_cache_usage < self.kv_cache_threshold)
 
-    def is_saturated(self, endpoints: Iterable[EndpointState]) -> bool:
-        return not any(self.has_headroom(e) for e in endpoints)
+    def is_saturated(self, endpoints: Sequence[EndpointState], unseen: Sequence[float] | None = None) -> bool:
+        """`unseen[i]`: requests routed to endpoints[i] that its scraped queue does not show yet."""
+        if unseen is None:
+            return not any(self.has_headroom(e) for e in endpoints)
+        return not any(self.has_headroom(e, u) for e, u in zip(endpoints, unseen))
 
-    def admit(self, request: LLMRequest, endpoints: Iterable[EndpointState]) -> bool:
+    def admit(self, request: LLMRequest, endpoints: Sequence[EndpointState],
+              unseen: Sequence[float] | None = None) -> bool:
         """False = reject with 429: a sheddable request while the pool is saturated."""
         if request.priority >= 0:
             return True
-        return not self.is_saturated(endpoints)
+        return not self.is_saturated(endpoints, unseen)

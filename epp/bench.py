@@ -109,7 +109,7 @@ def run_bench_epp(args: argparse.Namespace) -> int:
         print("decision = schedule + on_picked, queue 2 / kv-cache 2 / prefix 3 / max-score picker (1 endpoint), "
               "every endpoint holding a hot 4 KB prefix; µs")
         print(f"{'endpoints':>10}{'p50':>9}{'p99':>10}{'x p50@10':>10}{'untimed p50':>13}{'new-states p50':>16}"
-              f"{'full-index p50':>16}{'p99':>9}")
+              f"{'full-index p50':>16}{'p99':>9}{'live-load p50':>15}{'p99':>9}")
         base = None
         for count in [int(x) for x in args.endpoint_counts.split(",")]:
             r = bench_scheduling(count, args.decisions)
@@ -117,7 +117,8 @@ def run_bench_epp(args: argparse.Namespace) -> int:
             base = base or r["p50_us"]
             print(f"{count:>10}{r['p50_us']:>9.1f}{r['p99_us']:>10.1f}{r['p50_us'] / base:>10.2f}"
                   f"{r['untimed_p50_us']:>13.1f}{r['fresh_states_p50_us']:>16.1f}{r['full_index_p50_us']:>16.1f}"
-                  f"{r['full_index_p99_us']:>9.1f}", flush=True)
+                  f"{r['full_index_p99_us']:>9.1f}{r['live_load_p50_us']:>15.1f}{r['live_load_p99_us']:>9.1f}",
+                  flush=True)
             print(" " * 10 + "  per plugin p50: " + ", ".join(f"{k} {v:.1f}" for k, v in r["plugins_p50_us"].items()))
         grid = results["prefix_match_us"] = bench_prefix_match()
         print("\nprefix index match, every endpoint holding the prompt: µs (endpoints x blocks), "

@@ -1,13 +1,18 @@
-"""Per-request decisions: objective and model rewrite, admission, scheduling, and in-flight accounting."""
+"""Per-request decisions: objective and model rewrite, admission, scheduling, and in-flight accounting.
+
+In-flight accounting is exact at every decision (scheduling/live_load.py): the round snapshot's metric columns
+stay cached, and a live overlay adds every request routed since — in flight, and not yet in the scrape the
+snapshot holds — so a burst within one scrape round spreads instead of herding onto the round's best endpoint.
+"""
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 
 from kvgate.epp.protocol import OBJECTIVE_HEADER
 from kvgate.epp.scheduling.framework import CycleState
+from kvgate.epp.scheduling.live_load import PICKED_UNCACHED_TOKENS, LoadTracker
 from kvgate.epp.types import EndpointState, LLMRequest
 
 
@@ -17,12 +22,6 @@ class RoutingError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass
-class InFlight:
-    requests: int = 0
-    tokens: int = 0
 
 
 class Director:
@@ -38,7 +37,8 @@ class Director:
         # when none has answered a scrape (servers without a metrics endpoint, like the conformance suite's
         # echo backends) they are still routable. Standalone endpoints have no such gate: unscraped means unknown.
         self.trust_pool_readiness = trust_pool_readiness
-        self.in_flight: dict[str, InFlight] = {}
+        self.load = LoadTracker()
+        self.in_flight = self.load.by_address  # address → AddressLoad (requests, tokens, flights)
         self._selected_from: list[EndpointState] | None = None  # the snapshot `_selected` was chosen from
         self._selected: list[EndpointState] = []
 
@@ -79,7 +79,7 @@ class Director:
         return fresh if fresh else usable
 
     def _in_flight_counts(self) -> dict[str, tuple[int, int]]:
-        return {a: (f.requests, f.tokens) for a, f in self.in_flight.items()}
+        return self.load.counts()
 
     def pick(self, request: LLMRequest, subset: list[str] | None = None) -> list[EndpointState]:
         """Ordered endpoints for the request (primary first); raises RoutingError (503 / 429)."""
@@ -92,29 +92,27 @@ class Director:
             why = ("the subset hint matches no ready endpoint of the pool" if subset is not None
                    else "the pool has no ready endpoints (none answers its metrics scrape)")
             raise RoutingError(503, f"no eligible endpoint: {why}")
-        if not self.admission.admit(request, states):
+        # The exact in-flight overlay, laid on the round's whole snapshot (columns map the candidates onto it).
+        load = self.load.view(self.datalayer.snapshot(self._in_flight_counts))
+        if request.priority < 0 and not self.admission.admit(request, states,
+                                                              load.column("unseen_requests", states)):
             raise RoutingError(429, "the pool is saturated and this request is sheddable (priority < 0)")
-        cycle = CycleState()  # this decision's plugin state, from scoring to the pick hook
+        cycle = CycleState(load)  # this decision's plugin state, from scoring to the pick hook
         ordered = self.scheduler.schedule(request, states, cycle)
         if not ordered:
             raise RoutingError(503, "no eligible endpoint: every endpoint was filtered out")
         primary = ordered[0]
         self.scheduler.on_picked(request, primary, cycle)
-        flight = self.in_flight.setdefault(primary.address, InFlight())
-        flight.requests += 1
-        flight.tokens += request.estimated_prompt_tokens + (request.max_tokens or 0)
+        prompt = request.estimated_prompt_tokens
+        uncached = cycle.get(PICKED_UNCACHED_TOKENS, prompt)  # set by a prefix-aware pick hook, if any
+        self.load.add(request, primary.address, prompt + (request.max_tokens or 0), uncached)
         if self.metrics is not None:
             self.metrics.scheduling_seconds.observe(time.perf_counter() - started)
         return ordered
 
     def release(self, request: LLMRequest, address: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
         """The response ended (or broke): undo the in-flight accounting and tell the plugins."""
-        flight = self.in_flight.get(address)
-        if flight is not None:
-            flight.requests -= 1
-            flight.tokens -= request.estimated_prompt_tokens + (request.max_tokens or 0)
-            if flight.requests <= 0:
-                del self.in_flight[address]
+        self.load.release(request, address)
         self.scheduler.on_response_complete(request, address, prompt_tokens, completion_tokens)
         if self.metrics is not None and (prompt_tokens or completion_tokens):
             self.metrics.tokens.labels(address, "prompt").inc(prompt_tokens)

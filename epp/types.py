@@ -36,6 +36,13 @@ class EndpointMetrics:
     waiting_loras: frozenset[str] = frozenset()
     kv_block_size: int | None = None
     num_kv_blocks: int | None = None
+    # kvgate engines: kvgate:num_prefill_tokens_pending (prompt tokens still to prefill); None = not exported
+    prefill_tokens_pending: int | None = None
+    # vllm:prefix_cache_queries_total / _hits_total (tokens, counted at admission); None = not exported
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+    # the engine's prefill throughput, estimated online from those counters (datalayer/prefill_rate.py)
+    prefill_tokens_per_s: float | None = None
     updated_at: float = 0.0  # time.monotonic() of the last successful scrape; 0 = never
 
 

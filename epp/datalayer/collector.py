@@ -9,6 +9,7 @@ Modelled on upstream's datalayer (a collector per endpoint, a data source, an ex
 - prometheus_client servers are asked for only the dialect's families (`?name[]=`); an engine that answers
   the filtered URL with an error or a page without them is scraped unfiltered from then on.
 - a body byte-identical to the last one is not parsed again (its numbers are the same).
+- each scrape also feeds the endpoint's prefill-rate estimator (prefill_rate.py: EndpointMetrics.prefill_tokens_per_s).
 - a failed scrape keeps the previous numbers; they turn stale once older than `staleness` seconds, which
   the saturation detector and plugins can see — or at once after FAILURES_OUT_OF_ROTATION consecutive failed
   scrapes: a dead engine (connection refused, HTTP 503 from a dead engine loop) leaves rotation within about
@@ -29,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from kvgate.epp.datalayer.dialects import dialect_for
 from kvgate.epp.datalayer.exposition import MetricsParseError, comparable, parse_metrics
 from kvgate.epp.datalayer.http_client import MetricsConnection, ScrapeError
+from kvgate.epp.datalayer.prefill_rate import PrefillRateEstimator
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState
 
 # Consecutive failed scrapes that count an endpoint as stale whatever the age of its numbers: 2, so that one
@@ -62,7 +64,7 @@ class EndpointCollector:
     """One endpoint's scraping: its connection, the latest metrics and the counters."""
 
     __slots__ = ("endpoint", "metrics", "connection", "scrapes", "failures", "consecutive_failures", "failing", "sent_at", "filtered",
-                 "last_body", "connecting", "removed", "_layer")
+                 "prefill_rate", "last_body", "connecting", "removed", "_layer")
 
     def __init__(self, endpoint: Endpoint, layer: "Datalayer") -> None:
         self.endpoint = endpoint  # replaced in place when the pod's metadata changes
@@ -75,6 +77,7 @@ class EndpointCollector:
         self.sent_at: float | None = None  # loop time of the request in flight (or of the connect)
         self.filtered = layer.filter_families  # ask for only the dialect's families
         self.last_body = b""
+        self.prefill_rate = PrefillRateEstimator()
         self.connecting: asyncio.Task | None = None
         self.removed = False
         self._layer = layer
@@ -151,6 +154,7 @@ class EndpointCollector:
                 self.failing = True
                 log.warning("scraping %s failed: %s", self.endpoint.metrics_url, str(e) or type(e).__name__)
             return
+        metrics.prefill_tokens_per_s = self.prefill_rate.update(metrics)
         self.scrapes += 1
         self.consecutive_failures = 0
         if self.failing:

@@ -31,12 +31,16 @@ class Dialect:
     cache_info: str | None = None  # vLLM-style info gauge: labels block_size, num_gpu_blocks
     block_size: Series | None = None  # tokens per KV block, as a sample value
     num_blocks: Series | None = None  # KV blocks in total, as a sample value
+    prefill_pending: Series | None = None  # prompt tokens still to prefill (kvgate's gauge), summed
+    prefix_queries: Series | None = None  # prompt tokens looked up in the prefix cache (counter), summed
+    prefix_hits: Series | None = None  # of those, found cached (counter), summed
     name_filter: bool = False  # the engine serves prometheus_client's exposition, which honours ?name[]=
 
     def families(self) -> tuple[str, ...]:
         """The sample names this dialect reads, in a stable order."""
         names: list[str] = []
-        for series in (*self.waiting, *self.running, *self.kv_usage, self.block_size, self.num_blocks):
+        for series in (*self.waiting, *self.running, *self.kv_usage, self.block_size, self.num_blocks,
+                       self.prefill_pending, self.prefix_queries, self.prefix_hits):
             if series is not None and series.name not in names:
                 names.append(series.name)
         for name in (self.lora_info, self.cache_info):
@@ -65,6 +69,11 @@ DIALECTS: dict[str, Dialect] = {
         kv_usage=(Series("vllm:kv_cache_usage_perc"), Series("vllm:gpu_cache_usage_perc")),
         lora_info="vllm:lora_requests_info",
         cache_info="vllm:cache_config_info",
+        # kvgate's own backlog gauge (engine/server/metrics.py; vLLM has none) and vLLM's prefix-cache counters,
+        # from which the datalayer estimates the prefill rate (datalayer/prefill_rate.py)
+        prefill_pending=Series("kvgate:num_prefill_tokens_pending"),
+        prefix_queries=Series("vllm:prefix_cache_queries_total"),
+        prefix_hits=Series("vllm:prefix_cache_hits_total"),
         name_filter=True,
     ),
     "sglang": Dialect(

@@ -144,6 +144,13 @@ def parse_metrics(text: str, dialect: Dialect, updated_at: float = 0.0) -> Endpo
     if dialect.num_blocks is not None:
         values = _values(text, dialect.num_blocks)
         m.num_kv_blocks = int(values[0]) if values else None
+    if dialect.prefill_pending is not None:
+        values = _values(text, dialect.prefill_pending)
+        m.prefill_tokens_pending = int(sum(values)) if values else None
+    if dialect.prefix_queries is not None and dialect.prefix_hits is not None:
+        queries, hits = _values(text, dialect.prefix_queries), _values(text, dialect.prefix_hits)
+        if queries and hits:
+            m.prefix_cache_queries, m.prefix_cache_hits = sum(queries), sum(hits)
     return m
 
 
@@ -157,4 +164,4 @@ def _int_or_none(value: str | None) -> int | None:
 def comparable(m: EndpointMetrics) -> tuple:
     """The numbers of `m` that listeners care about (all but updated_at), for change detection."""
     return (m.waiting_queue_size, m.running_requests, m.kv_cache_usage, m.max_lora, m.running_loras,
-            m.waiting_loras, m.kv_block_size, m.num_kv_blocks)
+            m.waiting_loras, m.kv_block_size, m.num_kv_blocks, m.prefill_tokens_pending, m.prefill_tokens_per_s)

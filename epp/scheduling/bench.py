@@ -66,11 +66,14 @@ def bench_scheduling(num_endpoints: int, num_requests: int, seed: int = 0) -> di
       untimed_p50_us       the same with plugin timing off: the cost of the framework's per-plugin timers
       fresh_states_p50_us  new EndpointState objects every request (datalayer.states() per request): the
                            per-snapshot caches miss, every column is recomputed
+      live_load_p50_us     the reused snapshot with the director's live in-flight overlay (scheduling/live_load.py),
+                           every pick recorded in it: the herd fix's cost (queue-scorer renormalizes per request)
       full_index_p50_us    after filling the prefix index to its default memory budget
       plugins              per-plugin p50 (µs) by extension point
     """
     from kvgate.epp.scheduling.config import default_config
     from kvgate.epp.scheduling.framework import CycleState, Scheduler
+    from kvgate.epp.scheduling.live_load import LoadTracker
 
     rng = random.Random(seed)
     scheduler = Scheduler(default_config().scheduler)  # upstream's: queue 2, kv-cache 2, prefix 3, one endpoint
@@ -80,15 +83,17 @@ def bench_scheduling(num_endpoints: int, num_requests: int, seed: int = 0) -> di
         scheduler.on_picked(LLMRequest(f"warm-{i}", "demo", "demo", hot), e)
     questions = [p[-rng.randint(500, 2000):] for p in synthetic_prompts(num_requests, rng, num_prefixes=1)]
 
-    def decide(tag: str, states_for) -> list[float]:
+    def decide(tag: str, states_for, tracker: LoadTracker | None = None) -> list[float]:
         samples = []
         for i, question in enumerate(questions):
             request = LLMRequest(request_id=f"{tag}-{i}", model="demo", target_model="demo", prompt=hot + question)
             states = states_for()
             t0 = time.perf_counter_ns()
-            cycle = CycleState()
+            cycle = CycleState(tracker.view(states) if tracker is not None else None)
             ordered = scheduler.schedule(request, states, cycle)
             scheduler.on_picked(request, ordered[0], cycle)
+            if tracker is not None:  # as the director records the pick
+                tracker.add(request, ordered[0].address, request.estimated_prompt_tokens, 100)
             samples.append((time.perf_counter_ns() - t0) / 1000)
         return samples
 
@@ -100,6 +105,7 @@ def bench_scheduling(num_endpoints: int, num_requests: int, seed: int = 0) -> di
     untimed = _summary(decide("untimed", lambda: endpoints))
     fresh = _summary(decide("fresh", lambda: [EndpointState(e.endpoint, e.metrics, e.stale, e.in_flight_requests,
                                                             e.in_flight_tokens) for e in endpoints]))
+    live = _summary(decide("live", lambda: endpoints, LoadTracker()))
     scheduler.timings.enabled = True
     per_plugin: dict[str, list[float]] = {}
     scheduler.timings.observer = lambda point, _type, name, s: per_plugin.setdefault(f"{point}/{name}",
@@ -122,6 +128,8 @@ def bench_scheduling(num_endpoints: int, num_requests: int, seed: int = 0) -> di
         "untimed_p50_us": untimed["p50_us"],
         "fresh_states_p50_us": fresh["p50_us"],
         "fresh_states_p99_us": fresh["p99_us"],
+        "live_load_p50_us": live["p50_us"],
+        "live_load_p99_us": live["p99_us"],
         "full_index_p50_us": full["p50_us"],
         "full_index_p99_us": full["p99_us"],
         "full_index_entries": index.size(),

@@ -17,7 +17,10 @@
     saturationDetector: {queueDepthThreshold: 5, kvCacheUtilThreshold: 0.8, metricsStalenessThreshold: 2s}
 
 Defaults as upstream fills them: no schedulingProfiles → one `default` profile with every scheduling plugin;
-a profile without a picker gets a max-score-picker. Other top-level sections upstream knows (featureGates,
+a profile without a picker gets a max-score-picker.
+Plugins that weigh cache hits against load (scheduling/prefix_match.py NeedsPrefixMatch) are given their
+profile's prefix scorer (the one named by their `prefixScorer` parameter, else the profile's only one).
+Other top-level sections upstream knows (featureGates,
 dataLayer, flowControl, parser, requestHandler) are accepted and ignored. Multiple profiles load, but only the
 first (primary) runs: kvgate has no multi-profile handler (e.g. prefill/decode) yet.
 
@@ -51,6 +54,7 @@ from kvgate.epp.scheduling.framework import (
     WeightedScorer,
 )
 from kvgate.epp.scheduling.plugins import REGISTRY, create_plugin
+from kvgate.epp.scheduling.prefix_match import wire_prefix_sources
 
 API_VERSIONS = {
     "inference.networking.x-k8s.io/v1alpha1",
@@ -294,6 +298,10 @@ def _build_profile(name: str, refs: Any, plugins: dict[str, Plugin], where: str)
             raise ConfigError(f"{at}: {show(plugin.name)} is not a filter, scorer or picker")
     if profile.picker is None:
         profile.picker = create_plugin("max-score-picker")
+    try:  # load-aware plugins get the profile's prefix scorer (its cached-token counts); a bad reference fails here
+        wire_prefix_sources(profile.plugins())
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from e
     return profile
 
 

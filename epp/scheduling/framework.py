@@ -89,13 +89,16 @@ class CycleState(dict):
 
     Keys are the writer's choice (plugins use themselves as key, so two instances of one type do not collide).
     `snapshot` is the Snapshot the scorers saw (None before scoring, or when a filter pinned the order).
+    `load` is the live in-flight overlay of the director's round snapshot (scheduling/live_load.py LiveLoad), or
+    None when the caller gave none: plugins then read the states' own in_flight_* fields.
     """
 
-    __slots__ = ("snapshot",)
+    __slots__ = ("snapshot", "load")
 
-    def __init__(self) -> None:
+    def __init__(self, load: Any = None) -> None:
         super().__init__()
         self.snapshot: Snapshot | None = None
+        self.load = load
 
 
 class Plugin:

@@ -45,3 +45,12 @@ def test_from_config_and_validation():
         Admission(queue_depth_threshold=0)
     with pytest.raises(ValueError):
         Admission(kv_cache_threshold=1.5)
+
+
+def test_requests_routed_since_the_scrape_count_in_the_queue():
+    admission = Admission(queue_depth_threshold=5)
+    states = [state(A, queue=3), state(B, queue=4)]
+    assert not admission.is_saturated(states, [1, 0])  # 4 < 5 on A
+    assert admission.is_saturated(states, [2, 1])  # 5 and 5: no headroom anywhere
+    assert not admission.admit(request(priority=-1), states, [2, 1])
+    assert admission.admit(request(priority=0), states, [2, 1])

@@ -43,3 +43,25 @@ def bool_param(params: Mapping[str, Any], key: str, default: bool, plugin_type: 
     if not isinstance(value, bool):
         raise ValueError(f"{plugin_type}: parameter {key} must be true or false, got {_quote(value)}")
     return value
+
+
+def float_param(params: Mapping[str, Any], key: str, default: float, plugin_type: str, minimum: float = 0.0,
+                maximum: float = float(MAX_INT_PARAM), min_inclusive: bool = True) -> float:
+    """A finite number in [minimum, maximum] ((minimum, maximum] with min_inclusive=False); integers accepted."""
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{plugin_type}: parameter {key} must be a number, got {_quote(value)}")
+    low_ok = value >= minimum if min_inclusive else value > minimum
+    if not (low_ok and value <= maximum):  # NaN fails too
+        low = "[" if min_inclusive else "("
+        raise ValueError(f"{plugin_type}: parameter {key} must be in {low}{minimum:g}, {maximum:g}], "
+                         f"got {_quote(value)}")
+    return float(value)
+
+
+def str_param(params: Mapping[str, Any], key: str, default: str, plugin_type: str) -> str:
+    value = params.get(key, default)
+    if not isinstance(value, str) or len(value) > 253:
+        raise ValueError(f"{plugin_type}: parameter {key} must be a string of at most 253 characters, "
+                         f"got {_quote(value)}")
+    return value

@@ -27,6 +27,11 @@ blocks) dict lookups and bitset operations (holders are int bitsets of endpoint 
 endpoints hold costs one bitset, not 1000 × blocks set work (`kvgate bench epp` prints a match-time grid over
 endpoints × blocks that shows it). The scoring work (hashes, matches) stays in the cycle state for
 `pre_request`, which adds the picked endpoint's blocks without hashing the prompt again.
+
+It is also a PrefixMatchSource (scheduling/prefix_match.py) for load-aware plugins, from the same cycle's match:
+
+    prompt_tokens      = UTF-8 bytes / CHARS_PER_TOKEN                                  (an estimate)
+    cached_tokens(e)   = min(matched blocks(e) × block characters / CHARS_PER_TOKEN, prompt_tokens)
 """
 
 from __future__ import annotations
@@ -347,21 +352,53 @@ class PrefixCacheScorer(Scorer):
         return self.hasher.hashes(request.prompt, request.target_model, request.cache_salt,
                                   self.block_size_for(endpoints), self.max_prefix_blocks)
 
-    def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
-              ) -> np.ndarray:
+    def _match(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None
+               ) -> tuple[list[int], Runs, np.ndarray | None]:
+        """(hashes, runs, cached fraction by index id + a last 0 slot; None when no run), once per cycle: the
+        scorer, the PrefixMatchSource calls and the pick hook share one hashing and one match."""
+        found = cycle.get(self) if cycle is not None else None
+        if found is not None:
+            return found
         hashes = self.hashes(request, endpoints)
         runs = self.index.match_runs(hashes)
+        by_id = None
+        if runs:
+            count = self.index.id_count
+            by_id = np.zeros(count + 1)  # the last slot: endpoints the index does not know (score 0)
+            total = len(hashes)
+            for mask, n in runs:
+                by_id[:count][mask_to_bools(mask, count)] = n / total
+        found = (hashes, runs, by_id)
         if cycle is not None:
-            cycle[self] = (hashes, runs)
-        if not runs:
+            cycle[self] = found
+        return found
+
+    def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
+              ) -> np.ndarray:
+        _, _, by_id = self._match(request, endpoints, cycle)
+        if by_id is None:
+            return np.zeros(len(endpoints))
+        # (no id can be newer than the match here: the index only grows in pick hooks, after scoring)
+        return by_id[self._snapshot_ids(cycle, endpoints)]
+
+    # -- PrefixMatchSource (scheduling/prefix_match.py): what load-aware plugins weigh a hit with ----------
+
+    def prompt_tokens(self, request: LLMRequest, cycle: CycleState | None = None) -> int:
+        """The prompt's length in tokens, estimated as this scorer counts them: UTF-8 bytes / CHARS_PER_TOKEN."""
+        return max(1, len(request.prompt.encode()) // CHARS_PER_TOKEN)
+
+    def cached_tokens(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
+                      ) -> np.ndarray:
+        """Estimated prompt tokens each endpoint holds: its matched blocks × block characters / CHARS_PER_TOKEN
+        (≤ prompt_tokens: blocks are whole blocks of the prompt's bytes)."""
+        hashes, _, by_id = self._match(request, endpoints, cycle)
+        if by_id is None:
             return np.zeros(len(endpoints))
         ids = self._snapshot_ids(cycle, endpoints)
-        count = self.index.id_count
-        by_id = np.zeros(count + 1)  # the last slot: candidates the index does not know (score 0)
-        total = len(hashes)
-        for mask, n in runs:
-            by_id[:count][mask_to_bools(mask, count)] = n / total
-        return by_id[ids]
+        if ids.size and ids.max() >= by_id.size:  # an id given out after the match (a new endpoint) holds none
+            ids = np.minimum(ids, by_id.size - 1)
+        blocks = np.rint(by_id[ids] * len(hashes))  # the fraction back to whole blocks
+        return np.minimum(blocks * self.block_size_for(endpoints) // CHARS_PER_TOKEN, self.prompt_tokens(request))
 
     def _snapshot_ids(self, cycle: CycleState | None, endpoints: list[EndpointState]) -> np.ndarray:
         """_ids_by_position, cached in the cycle's snapshot until the index's ids change (one entry, replaced)."""
@@ -386,7 +423,7 @@ class PrefixCacheScorer(Scorer):
             hashes = self.hashes(request, [endpoint])
             runs = self.index.match_runs(hashes)
         else:
-            hashes, runs = scored
+            hashes, runs, _ = scored
         eid = self.index.id_of(endpoint.address)
         matched = next((n for mask, n in runs if mask >> eid & 1), 0) if eid is not None else 0
         self.hit_blocks += matched

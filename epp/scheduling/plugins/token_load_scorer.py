@@ -1,19 +1,21 @@
 """token-load-scorer: prefer endpoints with fewer tokens in flight from this EPP.
 
-    score(e) = (max_t - t(e)) / (max_t - min_t)     t = estimated prompt + output tokens routed, not finished
+    t(e)     = Σ over requests routed to e and not yet released of (estimated prompt tokens + max_tokens)
+    score(e) = (max_t - t(e)) / (max_t - min_t)
     all equal → every score is 1.0
 
-It reads the EPP's own in-flight accounting as the director's round snapshot carries it (refreshed every
-`--refresh-metrics-interval`, like the scraped metrics), and is computed per request, not cached per snapshot,
-so callers that build states per request (EndpointState.in_flight_*) see every change at once.
+t is exact at every decision: it comes from the director's live overlay (scheduling/live_load.py), updated on
+each pick and each release, not from the round snapshot's frozen in_flight_tokens. Without an overlay (a caller
+that builds states per request) it reads EndpointState.in_flight_tokens.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Scorer
-from kvgate.epp.scheduling.plugins._normalize import column, lower_is_better
+from kvgate.epp.scheduling.plugins._normalize import lower_is_better
 from kvgate.epp.scheduling.plugins._params import check_keys
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -23,7 +25,7 @@ class TokenLoadScorer(Scorer):
 
     def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
               ) -> np.ndarray:
-        return lower_is_better(column(endpoints, "in_flight_tokens"))
+        return lower_is_better(live_load.column(cycle, endpoints, "tokens"))
 
 
 def factory(parameters: dict | None) -> TokenLoadScorer:

@@ -1,0 +1,61 @@
+"""An engine's prefill throughput (prompt tokens computed per second), estimated online from its scrapes.
+
+kvgate engines (like vLLM) count, at admission, the prompt tokens looked up in the prefix cache and those found
+there (vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total); their difference is the prompt tokens the
+engine had to compute. Between two scrapes during which its prefill backlog (kvgate:num_prefill_tokens_pending)
+never emptied, the engine was prefilling the whole time, so
+
+    sample rate  = Δ(queries - hits) / Δt                    (only intervals with backlog at both ends)
+    estimate     = Σ decayed Δ(queries - hits) / Σ decayed Δt, each term decayed by exp(-age / HALF_LIFE_S·ln2)
+
+a time-weighted mean over the last ~HALF_LIFE_S seconds of busy time: an admission counted in one interval and
+computed over the next ones (chunked prefill) averages out. No estimate (None) until MIN_BUSY_S of busy time has
+been seen: consumers use their configured default until then. Engines without the counters get None.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvgate.epp.types import EndpointMetrics
+
+HALF_LIFE_S = 10.0  # the estimate follows a changed engine (slower replica, other model) within ~10 s of load
+MIN_BUSY_S = 0.5  # busy seconds observed before the estimate is trusted (10 scrape rounds at 50 ms)
+
+
+class PrefillRateEstimator:
+    """One endpoint's estimator; feed it every scrape's metrics in order."""
+
+    __slots__ = ("_last", "_tokens", "_busy", "_trusted")
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float, int] | None = None  # (updated_at, computed tokens, pending)
+        self._tokens = 0.0
+        self._busy = 0.0
+        self._trusted = False  # MIN_BUSY_S seen: the ratio stays valid while idle (both sums decay alike)
+
+    def update(self, m: EndpointMetrics) -> float | None:
+        """The estimate after this scrape (tokens/s), or None while unmeasured."""
+        if m.prefix_cache_queries is None or m.prefix_cache_hits is None or m.prefill_tokens_pending is None:
+            self._last = None
+            return self.estimate()
+        computed = m.prefix_cache_queries - m.prefix_cache_hits
+        last, self._last = self._last, (m.updated_at, computed, m.prefill_tokens_pending)
+        if last is None:
+            return self.estimate()
+        dt, done = m.updated_at - last[0], computed - last[1]
+        if dt <= 0 or done < 0:  # clock oddity, or the engine restarted (counters reset): skip it
+            return self.estimate()
+        decay = math.exp(-dt * math.log(2) / HALF_LIFE_S)
+        self._tokens *= decay
+        self._busy *= decay
+        if last[2] > 0 and m.prefill_tokens_pending > 0:  # busy prefilling throughout the interval
+            self._tokens += done
+            self._busy += dt
+            self._trusted = self._trusted or self._busy >= MIN_BUSY_S
+        return self.estimate()
+
+    def estimate(self) -> float | None:
+        if not self._trusted or self._tokens <= 0 or self._busy <= 0:
+            return None
+        return self._tokens / self._busy

@@ -1,0 +1,307 @@
+"""Load-aware plugins: their math, the prefix-source wiring, and the prefill-rate estimate."""
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from kvgate.epp.datalayer.dialects import DIALECTS
+from kvgate.epp.datalayer.exposition import parse_metrics
+from kvgate.epp.datalayer.prefill_rate import MIN_BUSY_S, PrefillRateEstimator
+from kvgate.epp.scheduling.config import ConfigError, parse_config
+from kvgate.epp.scheduling.framework import CycleState, Scheduler
+from kvgate.epp.scheduling.live_load import PICKED_UNCACHED_TOKENS, LoadTracker
+from kvgate.epp.scheduling.plugins import create_plugin
+from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
+from tests.epp.helpers import state
+
+HEAD = "You are a careful assistant. " * 9  # 261 characters: 4 full 64-character blocks + 5
+PROMPT = (HEAD + "Tell me about the tides, the moon and the sea, " * 9)[:640]  # 10 blocks of 64 = 160 tokens
+
+
+def config(*plugins: str, profile: list[str] | None = None) -> str:
+    """An EndpointPickerConfig: `plugins` are YAML list items; the profile lists pluginRefs (all by default)."""
+    text = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
+    text += "".join(f"- {p}\n" for p in plugins)
+    if profile is not None:
+        text += "schedulingProfiles:\n- name: default\n  plugins:\n"
+        text += "".join(f"  - pluginRef: {r}\n" for r in profile)
+    return text
+
+
+def warmed(scheduler: Scheduler, states, holds: dict[str, str]) -> None:
+    """Each address in `holds` has been sent its prompt (the prefix index learns it)."""
+    by_address = {s.address: s for s in states}
+    for address, prompt in holds.items():
+        scheduler.on_picked(LLMRequest(f"warm-{address}", "m", "m", prompt), by_address[address])
+
+
+def req(prompt=PROMPT, rid="r1", max_tokens=None):
+    return LLMRequest(rid, "m", "m", prompt, max_tokens=max_tokens)
+
+
+# -------------------------------------------------------------------------------- prefix source, wiring
+
+def test_the_approximate_prefix_scorer_is_a_prefix_source_from_one_hashing():
+    scheduler = Scheduler(parse_config(config("type: prefix-cache-scorer")).scheduler)
+    scorer = scheduler.plugins_of_type("prefix-cache-scorer")[0]
+    states = [state("a:1"), state("b:1"), state("c:1")]
+    warmed(scheduler, states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384})
+    calls = []
+    real = scorer.hashes
+    scorer.hashes = lambda *a: calls.append(1) or real(*a)
+    cycle = CycleState()
+    assert scorer.prompt_tokens(req(), cycle) == 160
+    assert list(scorer.cached_tokens(req(), states, cycle)) == [160, 64, 0]  # 10 and 4 blocks of 16 tokens
+    assert list(scorer.score(req(), states, cycle)) == [1.0, 0.4, 0.0]  # the score it always gave
+    scheduler.on_picked(req(), states[2], cycle)
+    assert len(calls) == 1  # cached_tokens, score and the pick hook shared one hashing
+    assert list(scorer.score(req(rid="r2"), states, CycleState())) == [1.0, 0.4, 1.0]
+
+
+@pytest.mark.parametrize("plugin", ["prefix-cache-affinity-filter", "no-hit-lru-scorer", "predicted-ttft-scorer"])
+def test_a_prefix_source_reference_is_checked_when_the_config_loads(plugin):
+    with pytest.raises(ConfigError, match=f"'{plugin}'.*prefix source 'nope'"):
+        parse_config(config("type: prefix-cache-scorer", f"type: {plugin}\n  parameters: {{prefixScorer: nope}}"))
+    two = ("type: prefix-cache-scorer\n  name: p1", "type: prefix-cache-scorer\n  name: p2")
+    with pytest.raises(ConfigError, match=f"schedulingProfiles.*'{plugin}'.*several prefix scorers"):
+        parse_config(config(*two, f"type: {plugin}"))
+    named = parse_config(config(*two, f"type: {plugin}\n  parameters: {{prefixScorer: p2}}"))
+    assert named.scheduler.plugins[plugin].prefix_source is named.scheduler.plugins["p2"]
+    alone = parse_config(config(f"type: {plugin}"))  # no prefix scorer: nothing counts as cached
+    assert alone.scheduler.plugins[plugin].prefix_source is None
+    # a source outside the profile is not this profile's source
+    with pytest.raises(ConfigError, match="prefix source 'p1'"):
+        parse_config(config(*two, f"type: {plugin}\n  parameters: {{prefixScorer: p1}}", profile=["p2", plugin]))
+
+
+@pytest.mark.parametrize("plugin, params, message", [
+    ("prefix-cache-affinity-filter", "{affinityThreshold: 0}", "affinityThreshold must be in (0, 1]"),
+    ("prefix-cache-affinity-filter", "{affinityThreshold: 1.5}", "affinityThreshold must be in (0, 1]"),
+    ("prefix-cache-affinity-filter", "{explorationProbability: -0.1}", "explorationProbability"),
+    ("prefix-cache-affinity-filter", "{loadTolerance: .nan}", "loadTolerance must be in"),
+    ("prefix-cache-affinity-filter", "{maxTTFTPenaltyMs: 5}", "unknown parameter"),
+    ("no-hit-lru-scorer", "{lruSize: 0}", "lruSize must be >= 1"),
+    ("no-hit-lru-scorer", "{prefixPluginName: 3}", "prefixPluginName must be a string"),
+    ("predicted-ttft-scorer", "{defaultPrefillTokensPerSecond: 0}", "defaultPrefillTokensPerSecond"),
+    ("predicted-ttft-scorer", "{decodeMsPerRunningRequest: true}", "must be a number"),
+    ("token-load-scorer", "{x: 1}", "unknown parameter"),
+])
+def test_bad_parameters_are_named(plugin, params, message):
+    with pytest.raises(ConfigError, match=f"\\({plugin}\\).*{message.replace('(', '.').replace(']', '.')}"):
+        parse_config(config(f"type: {plugin}\n  parameters: {params}"))
+
+
+# -------------------------------------------------------------------------------- prefix-cache-affinity-filter
+
+def affinity(threshold=0.8, tolerance=1.0):
+    text = config("type: prefix-cache-scorer", "type: prefix-cache-affinity-filter\n  parameters: "
+                  f"{{affinityThreshold: {threshold}, loadTolerance: {tolerance}, explorationProbability: 0}}")
+    scheduler = Scheduler(parse_config(text).scheduler)
+    states = [state("a:1"), state("b:1"), state("c:1")]
+    warmed(scheduler, states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384})  # cached 160, 64, 0 of 160
+    return scheduler, scheduler.plugins_of_type("prefix-cache-affinity-filter")[0], states
+
+
+def loads(states, tokens: dict[str, int]) -> CycleState:
+    tracker = LoadTracker()
+    cycle = CycleState(tracker.view(states))
+    for address, n in tokens.items():
+        tracker.add(LLMRequest(f"load-{address}", "m", "m", ""), address, tokens=n, prompt_tokens=0)
+    return cycle
+
+
+def addresses(states):
+    return [s.address for s in states]
+
+
+def test_affinity_keeps_warm_endpoints_until_their_load_exceeds_the_saved_prefill():
+    _, f, states = affinity()
+    assert addresses(f.filter(req(), states, loads(states, {}))) == ["a:1"]
+    # w* = a (cached 160), c* = the least loaded cold endpoint; saved = 160 - cached(c*)
+    # c* = c (0 cached, no load): saved 160; a may carry 160 tokens more than c
+    assert addresses(f.filter(req(), states, loads(states, {"a:1": 160, "b:1": 500}))) == ["a:1"]
+    assert f.filter(req(), states, loads(states, {"a:1": 161, "b:1": 500})) is states  # all kept, same list
+    # c* = b (64 cached, least loaded): saved 96
+    assert addresses(f.filter(req(), states, loads(states, {"a:1": 196, "b:1": 100, "c:1": 101}))) == ["a:1"]
+    assert f.filter(req(), states, loads(states, {"a:1": 197, "b:1": 100, "c:1": 101})) is states
+
+
+def test_affinity_threshold_tolerance_and_never_empty():
+    _, f, states = affinity(threshold=0.4)  # b (64/160 = 0.4) is warm too
+    assert addresses(f.filter(req(), states, loads(states, {"a:1": 10}))) == ["a:1", "b:1"]
+    _, f, states = affinity(tolerance=0)  # any extra load on the warm side breaks stickiness
+    assert f.filter(req(), states, loads(states, {"a:1": 1})) is states
+    assert addresses(f.filter(req(), states, loads(states, {}))) == ["a:1"]
+    _, f, states = affinity(tolerance=1e6)
+    assert addresses(f.filter(req(), states, loads(states, {"a:1": 10**6}))) == ["a:1"]
+    cold = req("nothing like it " * 40)
+    assert f.filter(cold, states, loads(states, {})) is states  # no warm endpoint: keep all
+    assert f.filter(req(), states[:1], loads(states, {})) == states[:1]
+
+
+def test_affinity_exploration_keeps_all_for_about_its_share_of_requests():
+    scheduler = Scheduler(parse_config(config("type: prefix-cache-scorer", "type: prefix-cache-affinity-filter\n"
+                                              "  parameters: {explorationProbability: 0.25}")).scheduler)
+    f = scheduler.plugins_of_type("prefix-cache-affinity-filter")[0]
+    states = [state("a:1"), state("b:1")]
+    warmed(scheduler, states, {"a:1": PROMPT})
+    kept_all = sum(len(f.filter(req(rid=f"r{i}"), states, CycleState())) == 2 for i in range(2000))
+    assert 400 < kept_all < 600  # 25% ± 5 standard deviations
+    assert len(f.filter(req(rid="r7"), states, CycleState())) == len(f.filter(req(rid="r7"), states, CycleState()))
+
+
+# -------------------------------------------------------------------------------- no-hit-lru-scorer
+
+def test_no_hit_lru_ranks_cold_requests_by_their_last_cold_pick():
+    scheduler = Scheduler(parse_config(config("type: prefix-cache-scorer", "type: no-hit-lru-scorer")).scheduler)
+    lru = scheduler.plugins_of_type("no-hit-lru-scorer")[0]
+    states = [state("a:1"), state("b:1"), state("c:1"), state("d:1")]
+
+    def score(prompt):
+        cycle = CycleState()
+        return list(lru.score(req(prompt), states, cycle)), cycle
+
+    assert score("cold zero " * 30)[0] == [1.0, 1.0, 1.0, 1.0]  # nobody served a cold request yet: all tie
+    for address, prompt in (("c:1", "cold one " * 30), ("a:1", "cold two " * 30)):
+        cycle = CycleState()
+        lru.score(req(prompt), states, cycle)
+        scheduler.on_picked(req(prompt), states[addresses(states).index(address)], cycle)
+    # b, d never: rank 0 → 1; c (older) rank 2 → 1 - 2/3; a (newest) rank 3 → 0
+    assert score("cold three " * 30)[0] == pytest.approx([0.0, 1.0, 1 / 3, 1.0])
+    # a warm request (c holds "cold one"'s prefix): neutral, and its pick does not count as cold
+    warm, cycle = score("cold one " * 30)
+    assert warm == [0.5] * 4
+    scheduler.on_picked(req("cold one " * 30), states[1], cycle)
+    assert score("cold four " * 30)[0] == pytest.approx([0.0, 1.0, 1 / 3, 1.0])
+    lru.remove_endpoint("a:1")
+    assert score("cold five " * 30)[0] == pytest.approx([1.0, 1.0, 0.0, 1.0])
+
+
+def test_no_hit_lru_without_a_prefix_scorer_treats_every_request_as_cold_and_bounds_its_memory():
+    lru = create_plugin("no-hit-lru-scorer", {"lruSize": 2})
+    states = [state("a:1"), state("b:1"), state("c:1")]
+    for s in states:
+        cycle = CycleState()
+        lru.score(req(), states, cycle)
+        lru.pre_request(req(), s, cycle)
+    assert list(lru._cold_picks) == ["b:1", "c:1"]  # a fell out: it ranks as never used
+    assert list(lru.score(req(), states, CycleState())) == pytest.approx([1.0, 0.5, 0.0])
+
+
+# -------------------------------------------------------------------------------- predicted-ttft-scorer
+
+def ttft_state(address, pending=None, rate=None, running=0):
+    m = EndpointMetrics(running_requests=running, prefill_tokens_pending=pending, prefill_tokens_per_s=rate,
+                        updated_at=time.monotonic())
+    return EndpointState(Endpoint(address), m, stale=False)
+
+
+def test_predicted_ttft_math():
+    text = config("type: prefix-cache-scorer", "type: predicted-ttft-scorer\n  parameters: "
+                  "{defaultPrefillTokensPerSecond: 1000, decodeMsPerRunningRequest: 2}")
+    scheduler = Scheduler(parse_config(text).scheduler)
+    ttft = scheduler.plugins_of_type("predicted-ttft-scorer")[0]
+    states = [ttft_state("a:1", pending=2000, rate=4000, running=10),  # warm: 160 cached of 160
+              ttft_state("b:1", pending=0, rate=None, running=0),  # idle, unmeasured: the default rate
+              ttft_state("c:1", pending=None, rate=2000, running=50)]  # no backlog gauge (a vLLM engine)
+    warmed(scheduler, states, {"a:1": PROMPT})
+    tracker = LoadTracker()
+    cycle = CycleState(tracker.view(states))
+    time.sleep(0.001)
+    tracker.add(LLMRequest("x", "m", "m", ""), "b:1", tokens=900, prompt_tokens=800)  # after b's scrape
+    t = ttft.predict(req(), states, cycle)
+    expected = [(2000 + 0 + 0) / 4000 + 10 * 0.002,  # 0.52 s
+                (0 + 800 + 160) / 1000 + 1 * 0.002,  # 0.962 s: the unseen request counts in both terms
+                (0 + 0 + 160) / 2000 + 50 * 0.002]  # 0.18 s
+    assert t == pytest.approx(expected)
+    lo, hi = min(expected), max(expected)
+    assert ttft.score(req(), states, cycle) == pytest.approx([(hi - x) / (hi - lo) for x in expected])
+    scheduler.on_picked(req(), states[0], cycle)
+    assert cycle[PICKED_UNCACHED_TOKENS] == 0  # a held all of it: the director adds no backlog there
+
+
+def test_the_director_records_the_uncached_part_as_backlog():
+    from tests.epp.test_live_load import one_round_director
+
+    director, layer = one_round_director(parse_config(config("type: prefix-cache-scorer",
+                                                             "type: predicted-ttft-scorer")), ["a:1", "b:1"])
+    first = director.pick(req(rid="first"))[0].address  # cold everywhere: all 160 tokens to prefill
+    view = director.load.view(layer.snapshot())
+    assert view.unseen_prompt[view.positions[first]] == 160
+    second = director.pick(req(PROMPT[:256] + "y" * 384, rid="second"))[0].address
+    # `first` holds 4 of its 10 blocks (64 tokens) but has 160 unseen tokens to prefill: (160 + 96) / R there,
+    # 160 / R on the other, which wins and prefills all 160
+    assert second != first and view.unseen_prompt[view.positions[second]] == 160
+
+
+# -------------------------------------------------------------------------------- prefill rate
+
+def metrics_at(t, computed, pending):
+    return EndpointMetrics(prefix_cache_queries=computed + 1000.0, prefix_cache_hits=1000.0,
+                           prefill_tokens_pending=pending, updated_at=t)
+
+
+def test_prefill_rate_counts_only_intervals_busy_throughout():
+    est = PrefillRateEstimator()
+    assert est.update(metrics_at(0.0, 0, 5000)) is None
+    t, computed = 0.0, 0
+    for _ in range(int(MIN_BUSY_S / 0.05) - 1):  # busy at 20k tokens/s, not yet MIN_BUSY_S of it
+        t, computed = t + 0.05, computed + 1000
+        assert est.update(metrics_at(t, computed, 5000)) is None
+    for _ in range(2):  # MIN_BUSY_S reached (the sums decay a little as they grow)
+        t, computed = t + 0.05, computed + 1000
+        rate = est.update(metrics_at(t, computed, 5000))
+    assert rate == pytest.approx(20000)
+    # an interval where the backlog emptied (idle part) is not a sample; idle time keeps the estimate
+    t, computed = t + 0.05, computed + 200
+    assert est.update(metrics_at(t, computed, 0)) == pytest.approx(20000)
+    t += 30.0
+    assert est.update(metrics_at(t, computed, 0)) == pytest.approx(20000)
+    # then busy at 5k tokens/s for 30 s (3 half-lives): the estimate has moved most of the way
+    for _ in range(600):
+        t, computed = t + 0.05, computed + 250
+        rate = est.update(metrics_at(t, computed, 100))
+    assert 5000 < rate < 5000 + 15000 * 0.5 ** 2.9
+    # counters reset (an engine restart): skipped, not a negative sample
+    assert est.update(metrics_at(t + 0.05, 0, 100)) == pytest.approx(rate)
+    assert est.update(EndpointMetrics(updated_at=t + 0.1)) == pytest.approx(rate)  # engine without the metrics
+
+
+def test_the_vllm_dialect_reads_the_backlog_gauge_and_prefix_counters():
+    page = ('vllm:num_requests_waiting{model_name="m"} 1.0\n'
+            'kvgate:num_prefill_tokens_pending{model_name="m"} 4096.0\n'
+            'vllm:prefix_cache_queries_total{model_name="m"} 9000.0\n'
+            'vllm:prefix_cache_hits_total{model_name="m"} 3000.0\n')
+    m = parse_metrics(page, DIALECTS["vllm"], 1.0)
+    assert (m.prefill_tokens_pending, m.prefix_cache_queries, m.prefix_cache_hits) == (4096, 9000.0, 3000.0)
+    m = parse_metrics('vllm:num_requests_waiting{model_name="m"} 1.0\n', DIALECTS["vllm"], 1.0)
+    assert (m.prefill_tokens_pending, m.prefix_cache_queries) == (None, None)
+    assert not math.isnan(np.float64(m.waiting_queue_size))
+
+
+def test_through_the_director_affinity_sticks_until_the_in_flight_tokens_outweigh_the_hit():
+    from tests.epp.test_live_load import one_round_director
+
+    text = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefix-cache-scorer
+- type: prefix-cache-affinity-filter
+  parameters: {explorationProbability: 0}
+- type: token-load-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-affinity-filter
+  - pluginRef: prefix-cache-scorer
+    weight: 0
+  - pluginRef: token-load-scorer
+"""
+    director, layer = one_round_director(parse_config(text), ["a:1", "b:1"])
+    warmed(director.scheduler, layer.snapshot(), {"a:1": PROMPT})  # a holds all 160 tokens, b none
+    picks = [director.pick(req(rid=f"r{i}", max_tokens=0))[0].address for i in range(3)]
+    # in flight on a: 0, then 160 (≤ 160 saved: stay), then 320 (> 160: any endpoint, and b carries less)
+    assert picks == ["a:1", "a:1", "b:1"]
