@@ -2,7 +2,8 @@
 (`ignore_eos`) and record, per request, when it was sent, when its headers came, which endpoint served it (the
 engine's `x-kvgate-endpoint`), how many tokens arrived and how it ended. A request succeeded only if it got a
 200, exactly `max_tokens` token events, the usage chunk saying so and `[DONE]`: a cut or corrupted stream is a
-failure, never a success."""
+failure, never a success. `kvgate bench routing` sends its own prompts open-loop through `one` (and reads
+`first_token_at` for TTFT)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from kvgate.bench_routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
 from kvgate.bench_routing.workloads import WORKLOADS, arrivals
 
-SHORT = {"rates": "6", "duration": 6.0, "drain": 20.0}
+SHORT = {"rates": "6", "duration": 6.0, "drain": 20.0}  # --rates, when given, still wins
+DEFAULT_RATES = "2,6,10,14"
 
 
 def _names(text: str, known, what: str) -> list[str]:
@@ -44,14 +45,14 @@ def add_bench_routing_parser(sub) -> None:
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGURATIONS),
                    help=f"comma-separated, of: {', '.join(BY_NAME)} (those whose plugins or router are "
                         "missing are skipped with a note)")
-    p.add_argument("--rates", default="2,6,10,14", help="requests/s, comma-separated (default 2,6,10,14)")
+    p.add_argument("--rates", default=None, help=f"requests/s, comma-separated (default {DEFAULT_RATES})")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per cell (default 30)")
     p.add_argument("--drain", type=float, default=60.0,
                    help="seconds after the last arrival before unfinished requests count as failed (default 60)")
     p.add_argument("--replicas", type=int, default=4, help="sim replicas (default 4)")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default 0)")
     p.add_argument("--short", action="store_true",
-                   help=f"rate {SHORT['rates']}/s for {SHORT['duration']:g} s per cell (the test suite's)")
+                   help=f"{SHORT['duration']:g} s per cell, rate {SHORT['rates']}/s unless --rates (the test suite's)")
     p.add_argument("--result-file", default=None, help="write every cell as JSON here")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT p90 and throughput vs rate (matplotlib)")
     p.set_defaults(func=run_bench_routing)
@@ -64,7 +65,8 @@ def run_bench_routing(args) -> int:
     from kvgate.bench_routing.runner import run_cell
 
     if args.short:
-        args.rates, args.duration, args.drain = SHORT["rates"], SHORT["duration"], SHORT["drain"]
+        args.rates, args.duration, args.drain = args.rates or SHORT["rates"], SHORT["duration"], SHORT["drain"]
+    args.rates = args.rates or DEFAULT_RATES
     workloads = _names(args.workloads, WORKLOADS, "workload(s)")
     wanted = _names(args.configs, BY_NAME, "configuration(s)")
     rates = _rates(args.rates)

@@ -46,8 +46,9 @@ def _config(plugins: list[tuple[str, float | None, dict | None]]) -> str:
 
 
 # The engines publish vLLM-format KV-cache events (engine `--kv-events-config`), each on its own address and the
-# shared ports; the EPP subscribes to every endpoint's address at those ports (flags of the precise scorer's
-# branch, wt-kvindex: --kv-events-port, --kv-events-replay-port, --kv-events-topic).
+# shared ports; the EPP subscribes to every endpoint's address at those ports. TODO(merge): the EPP flags
+# (--kv-events-port, --kv-events-replay-port, --kv-events-topic) come with the precise scorer (main, not yet in
+# this branch); checked against a merge of the two, where `precise` runs.
 KV_EVENTS_ENGINE_ARGS = ("--kv-events-config", json.dumps({
     "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
     "endpoint": "tcp://{host}:{kv_events_port}", "replay_endpoint": "tcp://{host}:{kv_replay_port}"}))
