@@ -253,7 +253,7 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     stack.wait_http(f"http://127.0.0.1:{admin_port}/ready", deadline, "Envoy")
     if envoy_flavor == "upstream":  # no health check on the EPP there: wait for the EPP's own readiness
         stack.wait_until(lambda: epp_ready(health_port), deadline, "the EPP to turn ready")
-    elif with_epp:  # the EPP turns ready once it can route; until Envoy's health check has seen that, FailClose answers 500
+    elif with_epp:  # the EPP turns ready once it can route; until Envoy's health check saw that, FailClose answers 500
         stack.wait_until(lambda: epp_healthy_in_envoy(admin_port, "epp-local"), deadline,
                          "Envoy to find the EPP ready")
     return LocalStack(stack, f"http://{host}:{port}", model, engine_ports, grpc_port, health_port, metrics_port,

@@ -7,6 +7,7 @@ Every (workload, rate, configuration) cell runs on a fresh stack (cold caches; s
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import tempfile
@@ -72,11 +73,8 @@ def run_bench_routing(args) -> int:
     rates = _rates(args.rates)
     if args.replicas < 1 or args.duration <= 0 or args.drain <= 0:
         raise SystemExit("kvgate bench routing: --replicas, --duration and --drain must be > 0")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401 - fail before the run, not after it
-        except ImportError:
-            raise SystemExit("kvgate bench routing: --plot needs matplotlib (pip install 'kvgate[bench]')")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the run, not after it
+        raise SystemExit("kvgate bench routing: --plot needs matplotlib (pip install 'kvgate[bench]')")
     configs, result = [], {"replicas": args.replicas, "duration_s": args.duration, "drain_s": args.drain,
                            "seed": args.seed, "rates": rates, "configurations": {}, "workloads": {}}
     for name in wanted:
