@@ -68,8 +68,10 @@ def print_tables(result: dict, console=None) -> None:
     console = console or Console(width=200)
     for name, workload in result["workloads"].items():
         console.print(table(name, workload["what"], workload["cells"]))
-    console.print("TTFT in seconds; ×RR: against round-robin at the same rate; hit rate: the engines' prefix-cache "
-                  "hits ÷ queries (tokens) over the run; spread: the busiest replica's requests ÷ the mean")
+    console.print("out tok/s: output tokens of the succeeded requests ÷ seconds from the first arrival to the last "
+                  "answer; TTFT in seconds; ×RR: against round-robin at the same rate (×router: the best of "
+                  "sglang-router / vllm-router); hit rate: the engines' prefix-cache hits ÷ queries (tokens) over the "
+                  "run; spread: the busiest replica's requests ÷ the mean")
     for name, c in result["configurations"].items():
         if c.get("skipped"):
             console.print(f"skipped {name}: {c['skipped']}")
