@@ -2,7 +2,8 @@
 (`ignore_eos`) and record, per request, when it was sent, when its headers came, which endpoint served it (the
 engine's `x-kvgate-endpoint`), how many tokens arrived and how it ended. A request succeeded only if it got a
 200, exactly `max_tokens` token events, the usage chunk saying so and `[DONE]`: a cut or corrupted stream is a
-failure, never a success."""
+failure, never a success. `kvgate bench routing` sends its own prompts open-loop through `one` (and reads
+`first_token_at` for TTFT)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ FAILURE_BACKOFF_S = 0.1  # a worker whose request failed waits this long, as a c
 class Outcome:
     sent_at: float
     headers_at: float | None = None
+    first_token_at: float | None = None  # the first token event (time to first token = this - sent_at)
     ended_at: float | None = None
     status: int | None = None
     endpoint: str | None = None
@@ -67,10 +69,12 @@ class StreamLoad:
             await asyncio.gather(*(worker() for _ in range(self.concurrency)))
         return self.outcomes
 
-    async def one(self, client: httpx.AsyncClient, seq: int) -> Outcome:
+    async def one(self, client: httpx.AsyncClient, seq: int, prompt: str | None = None) -> Outcome:
+        """One streamed completion of `prompt` (default: a short prompt of its own per `seq`)."""
         out = Outcome(sent_at=time.monotonic())
         self.outcomes.append(out)
-        body = {"model": self.model, "prompt": f"request {seq}: tell me a story", "max_tokens": self.max_tokens,
+        prompt = f"request {seq}: tell me a story" if prompt is None else prompt
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
                 "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
         try:
             url = self.urls[seq % len(self.urls)]
@@ -87,6 +91,8 @@ class StreamLoad:
                         event = json.loads(line[6:])
                         if event.get("choices"):
                             out.tokens += 1
+                            if out.first_token_at is None:
+                                out.first_token_at = time.monotonic()
                             if self.keep_gaps:
                                 now = time.monotonic()
                                 out.token_gaps.append(now - last)

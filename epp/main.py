@@ -39,6 +39,17 @@ def port_number(text: str) -> int:
     return int(text)
 
 
+def kv_events_endpoint(text: str) -> tuple[str, object]:
+    """--kv-events-endpoint ENDPOINT=PUB[,REPLAY] → (endpoint address, its EventSource)."""
+    from kvgate.epp.kv_events.subscriber import parse_event_endpoint
+
+    try:
+        source = parse_event_endpoint(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return source.address, source
+
+
 # Readiness waits for an endpoint it can route to (a first good scrape), at most this long after the pool's
 # endpoints are known: a restarted EPP is not sent traffic it would answer 503, and a pool whose servers export
 # no metrics (Kubernetes mode routes to their Ready pods) still gets an EPP.
@@ -116,6 +127,11 @@ def add_epp_parser(sub) -> None:
                         help="the engines' replay (ROUTER) port, asked for missed batches; default: none (a gap "
                              "drops that endpoint's blocks until new events rebuild them)")
     events.add_argument("--kv-events-topic", default="", help="topic to subscribe to (default: every topic)")
+    events.add_argument("--kv-events-endpoint", action="append", default=[], type=kv_events_endpoint,
+                        metavar="ENDPOINT=PUB[,REPLAY]",
+                        help="where one endpoint publishes, when it is not <endpoint ip>:--kv-events-port (engines "
+                             "sharing a host, each binding its own sockets), e.g. "
+                             "127.0.0.2:8000=tcp://[::1]:5557,tcp://[::1]:5558; repeat per endpoint")
     # Upstream EPP flags that change nothing here, accepted so that upstream manifests (e.g. the conformance
     # suite's EPP Deployments) run this EPP unchanged: logging format/level are ours (--log-level).
     compat = p.add_argument_group("accepted for compatibility with the upstream EPP (no effect)")
@@ -249,7 +265,7 @@ def start_precise_prefix(scheduler, args: argparse.Namespace) -> list:
             plugin.index_max_bytes = args.prefix_index_max_bytes
         plugin.load_tokenizer(args.tokenizer)
         plugin.start_events(loop.call_soon_threadsafe)
-    if plugins and args.kv_events_port is None:
+    if plugins and args.kv_events_port is None and not args.kv_events_endpoint:
         log.info("precise-prefix-cache-scorer: no --kv-events-port; only pods annotated kvgate.dev/kv-events-port "
                  "publish events to it")
     return plugins
@@ -260,7 +276,9 @@ def set_event_sources(plugins: list, endpoints, args: argparse.Namespace) -> Non
         return
     from kvgate.epp.kv_events.subscriber import event_source
 
-    sources = [s for s in (event_source(e, args.kv_events_port, args.kv_events_replay_port, args.kv_events_topic)
+    explicit = dict(args.kv_events_endpoint)
+    sources = [s for s in (explicit[e.address].with_topic(args.kv_events_topic) if e.address in explicit else
+                           event_source(e, args.kv_events_port, args.kv_events_replay_port, args.kv_events_topic)
                            for e in endpoints) if s is not None]
     for plugin in plugins:
         plugin.set_sources(sources)

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgate.engine.server.cli import add_serve_parser
     from kvgate.epp.bench import add_bench_epp_parser
     from kvgate.epp.datalayer.bench import add_bench_scrape_parser
+    from kvgate.bench_routing.cli import add_bench_routing_parser
     from kvgate.chaos.cli import add_bench_chaos_parser
     from kvgate.epp.main import add_epp_parser
     from kvgate.operator.main import add_operator_parser
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_epp_parser(bench_sub)
     add_bench_scrape_parser(bench_sub)
     add_bench_chaos_parser(bench_sub)
+    add_bench_routing_parser(bench_sub)
     return parser
 
 

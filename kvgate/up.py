@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,9 @@ def add_up_parser(sub) -> None:
                                          "two fallbacks per decision, which kvgate's Envoy retries on)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--engine-arg", action="append", default=[], help="extra flag for every `kvgate serve`")
+    p.add_argument("--kv-events", action="store_true",
+                   help="engines publish KV-cache events (each on its own loopback ports) and the EPP subscribes: "
+                        "what a --config-file naming precise-prefix-cache-scorer needs")
     add_envoy_limit_flags(p)
     p.set_defaults(func=run_up)
 
@@ -175,10 +179,12 @@ class LocalStack:
     metrics_port: int
     admin_port: int
     envoy_flavor: str
+    engine_hosts: list[str] = field(default_factory=list)  # one per engine; empty: all on 127.0.0.1
 
     @property
     def endpoints(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.engine_ports]
+        hosts = self.engine_hosts or ["127.0.0.1"] * len(self.engine_ports)
+        return [f"{h}:{p}" for h, p in zip(hosts, self.engine_ports)]
 
     def child(self, name: str) -> Child:
         return next(c for c in self.stack.children if c.name == name)
@@ -188,15 +194,23 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
                        fail_open: bool = False, epp_config_file: str | None = None,
                        epp_config_text: str | None = None, engine_args: list[str] = (),
                        limits: tuple[RouteTimeouts, ListenerTimeouts, CircuitBreakers] | None = None,
-                       envoy_flavor: str = "kvgate", startup_timeout: float = 300.0) -> LocalStack:
+                       envoy_flavor: str = "kvgate", startup_timeout: float = 300.0,
+                       engine_hosts: list[str] | None = None,
+                       engine_args_for: Callable[[int, str], list[str]] | None = None,
+                       epp_args: list[str] = (), kv_events: bool = False) -> LocalStack:
     """Start N engines, the EPP over them and Envoy (`kvgate`: kvgate's rendered config; `upstream`: the stock
-    upstream-shaped one) in `stack`, and wait until a request can be routed. An EPP config whose picker returns
-    fallbacks gets kvgate's override_host route, whose retries walk them. Raises RuntimeError if a child dies,
-    TimeoutError past `startup_timeout`."""
+    upstream-shaped one; `round-robin`: Envoy's own round-robin over the engines and no EPP, a benchmark's
+    baseline) in `stack`, and wait until a request can be routed. An EPP config whose picker returns
+    fallbacks gets kvgate's override_host route, whose retries walk them. `engine_hosts` puts each engine on its
+    own loopback address (engines that also publish KV events on one shared port need that);
+    `engine_args_for(i, host)` adds flags to engine i; `epp_args` to the EPP. `kv_events`: every engine publishes
+    KV-cache events on a PUB and a replay socket of its own, bound on the IPv6 loopback (vLLM binds an address
+    with `::` or `*`, and connects to any other), and the EPP is told each one (--kv-events-endpoint). Raises
+    RuntimeError if a child dies, TimeoutError past `startup_timeout`."""
     from kvgate.epp.scheduling.config import load_config
 
     epp_config = load_config(epp_config_file, epp_config_text)  # ConfigError before anything starts
-    epp_args = (["--config-file", epp_config_file] if epp_config_file else []) + (
+    epp_config_args = (["--config-file", epp_config_file] if epp_config_file else []) + (
         ["--config-text", epp_config_text] if epp_config_text else [])
     kvgate = str(Path(sys.executable).parent / "kvgate")
     if model == "demo" and backend == "torch":  # build once, not in N racing processes
@@ -204,15 +218,33 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
 
         ensure_demo_model()
     engine_ports = [free_port() for _ in range(replicas)]
+    hosts = list(engine_hosts) if engine_hosts else ["127.0.0.1"] * replicas
     threads = str(max(1, (os.cpu_count() or 2) // replicas))
-    for i, engine_port in enumerate(engine_ports):
-        stack.start(f"engine-{i}", [kvgate, "serve", model, "--backend", backend, "--host", "127.0.0.1",
-                                    "--port", str(engine_port), *engine_args], env={"OMP_NUM_THREADS": threads})
-    endpoints = [f"127.0.0.1:{p}" for p in engine_ports]
+    endpoints = [f"{h}:{p}" for h, p in zip(hosts, engine_ports)]
+    event_sockets = [(f"tcp://[::1]:{free_port()}", f"tcp://[::1]:{free_port()}") for _ in engine_ports] \
+        if kv_events else []
+    for i, (host_i, engine_port) in enumerate(zip(hosts, engine_ports)):
+        extra = engine_args_for(i, host_i) if engine_args_for else []
+        if kv_events:
+            pub, replay = event_sockets[i]
+            extra = [*extra, "--kv-events-config", json.dumps(
+                {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay})]
+        stack.start(f"engine-{i}", [kvgate, "serve", model, "--backend", backend, "--host", host_i,
+                                    "--port", str(engine_port), *engine_args, *extra],
+                    env={"OMP_NUM_THREADS": threads})
+    epp_args = [*epp_args, *(a for e, (pub, replay) in zip(endpoints, event_sockets)
+                             for a in ("--kv-events-endpoint", f"{e}={pub},{replay}"))]
     grpc_port, health_port, metrics_port, admin_port = (free_port() for _ in range(4))
-    stack.start("epp", [kvgate, "epp", "--endpoints", ",".join(endpoints), "--grpc-port", str(grpc_port),
-                        "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), *epp_args])
-    if envoy_flavor == "upstream":
+    with_epp = envoy_flavor != "round-robin"
+    if with_epp:
+        stack.start("epp", [kvgate, "epp", "--endpoints", ",".join(endpoints), "--grpc-port", str(grpc_port),
+                            "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port),
+                            *epp_config_args, *epp_args])
+    if envoy_flavor == "round-robin":
+        from kvgate.envoy_config import render_round_robin
+
+        config = render_round_robin(host, port, endpoints, admin_port)
+    elif envoy_flavor == "upstream":
         from kvgate.upstream_envoy import render_upstream_envoy
 
         config = render_upstream_envoy(port, admin_port, grpc_port)
@@ -227,17 +259,18 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     stack.start("envoy", [envoy_binary(), "-c", str(stack.workdir / "envoy.json"), "--log-level", "warn",
                           "--base-id", str(admin_port)])
     deadline = time.monotonic() + startup_timeout
-    for engine_port in engine_ports:
-        stack.wait_http(f"http://127.0.0.1:{engine_port}/health", deadline, "engine")
-    stack.wait_http(f"http://127.0.0.1:{metrics_port}/metrics", deadline, "EPP")
+    for endpoint in endpoints:
+        stack.wait_http(f"http://{endpoint}/health", deadline, "engine")
+    if with_epp:
+        stack.wait_http(f"http://127.0.0.1:{metrics_port}/metrics", deadline, "EPP")
     stack.wait_http(f"http://127.0.0.1:{admin_port}/ready", deadline, "Envoy")
     if envoy_flavor == "upstream":  # no health check on the EPP there: wait for the EPP's own readiness
         stack.wait_until(lambda: epp_ready(health_port), deadline, "the EPP to turn ready")
-    else:  # the EPP turns ready once it can route; until Envoy's health check has seen that, FailClose answers 500
+    elif with_epp:  # the EPP turns ready once it can route; until Envoy's health check saw that, FailClose answers 500
         stack.wait_until(lambda: epp_healthy_in_envoy(admin_port, "epp-local"), deadline,
                          "Envoy to find the EPP ready")
     return LocalStack(stack, f"http://{host}:{port}", model, engine_ports, grpc_port, health_port, metrics_port,
-                      admin_port, envoy_flavor)
+                      admin_port, envoy_flavor, hosts)
 
 
 def epp_ready(health_port: int) -> bool:
@@ -276,7 +309,7 @@ def run_up(args: argparse.Namespace) -> int:
                                 epp_config_file=args.config_file,
                                 epp_config_text=None if args.config_file else FALLBACK_CONFIG_YAML,
                                 engine_args=args.engine_arg, limits=envoy_limits(args),
-                                startup_timeout=args.startup_timeout)
+                                startup_timeout=args.startup_timeout, kv_events=args.kv_events)
         print(f"kvgate is up: {up.url}  ({args.replicas} x {args.backend} engine of {args.model!r}, EPP, Envoy)")
         print(f"  curl {up.url}/v1/completions -H 'content-type: application/json' "
               f"-d '{{\"model\": \"{args.model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from kvgate.envoy_config import (CircuitBreakers, ListenerTimeouts, PoolBackend, Route, RouteTimeouts, envoy_binary,
-                                 render_direct, render_gateway)
+                                 render_direct, render_gateway, render_round_robin)
 from kvgate.epp.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
 
 CONFIGS = {
@@ -26,6 +26,7 @@ CONFIGS = {
                                    timeouts=RouteTimeouts(request_s=3600, backend_request_s=120))],
                             "127.0.0.1", 8080, timeouts=ListenerTimeouts(request_headers_s=5, stream_idle_s=60)),
     "direct": render_direct("127.0.0.1", 8081, 9902),
+    "round-robin": render_round_robin("127.0.0.1", 8082, ["127.0.0.2:8000", "127.0.0.3:8000"], 9903),
 }
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -69,6 +70,9 @@ class EventSource:
     endpoint: str  # tcp://ip:port of its PUB socket
     replay_endpoint: str | None = None
     topic: str = ""
+
+    def with_topic(self, topic: str) -> "EventSource":
+        return EventSource(self.address, self.endpoint, self.replay_endpoint, topic)
 
 
 class EngineHashes:
@@ -463,6 +467,22 @@ def event_source(endpoint, port: int | None, replay_port: int | None, topic: str
     topic = notes.get(KV_EVENTS_TOPIC_ANNOTATION, topic)
     return EventSource(endpoint.address, f"tcp://{host}:{port}",
                        f"tcp://{host}:{replay_port}" if replay_port else None, topic)
+
+
+def parse_event_endpoint(text: str) -> EventSource:
+    """`ENDPOINT=PUB[,REPLAY]` (`kvgate epp --kv-events-endpoint`), e.g. 127.0.0.2:8000=tcp://[::1]:5557 — where one
+    endpoint publishes when it is not at its own IP (engines sharing a host); ValueError naming the problem."""
+    from kvgate.epp.datastore import parse_endpoint
+
+    address, sep, sockets = text.partition("=")
+    if not sep:
+        raise ValueError(f"{text!r} is not ENDPOINT=PUB[,REPLAY]")
+    parse_endpoint(address.strip())
+    parts = [p.strip() for p in sockets.split(",")]
+    if len(parts) > 2 or not all(re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[0-9.]+|[A-Za-z0-9.-]+):\d{1,5}", p)
+                                 for p in parts):
+        raise ValueError(f"{text!r}: expected one or two tcp://HOST:PORT sockets after '='")
+    return EventSource(address.strip(), parts[0], parts[1] if len(parts) == 2 else None)
 
 
 def _port(text: str) -> int:

@@ -1,0 +1,113 @@
+"""`kvgate bench routing`: routing configurations side by side on the same sim replicas and the identical request
+stream — round-robin, kvgate's EPP profiles, and sglang-router / vllm-router where installed — over a rate sweep
+per workload. One table per workload, `--result-file` JSON, `--plot` PNG. `--short` is the test suite's shape.
+
+Every (workload, rate, configuration) cell runs on a fresh stack (cold caches; see runner.py), one at a time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from kvgate.bench_routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
+from kvgate.bench_routing.workloads import WORKLOADS, arrivals
+
+SHORT = {"rates": "6", "duration": 6.0, "drain": 20.0}  # --rates, when given, still wins
+DEFAULT_RATES = "2,6,10,14"
+
+
+def _names(text: str, known, what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"kvgate bench routing: unknown {what}: {', '.join(unknown) or '(none)'}; "
+                         f"known: {', '.join(known)}")
+    return names
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not 0 < r <= 1000 for r in rates):
+        raise SystemExit(f"kvgate bench routing: --rates must be numbers in (0, 1000], got {text!r}")
+    return rates
+
+
+def add_bench_routing_parser(sub) -> None:
+    p = sub.add_parser("routing", help="routing configurations vs round-robin and cache-aware routers: "
+                                       "throughput, TTFT, prefix-cache hit rate over a rate sweep")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
+    p.add_argument("--configs", default=",".join(c.name for c in CONFIGURATIONS),
+                   help=f"comma-separated, of: {', '.join(BY_NAME)} (those whose plugins or router are "
+                        "missing are skipped with a note)")
+    p.add_argument("--rates", default=None, help=f"requests/s, comma-separated (default {DEFAULT_RATES})")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per cell (default 30)")
+    p.add_argument("--drain", type=float, default=60.0,
+                   help="seconds after the last arrival before unfinished requests count as failed (default 60)")
+    p.add_argument("--replicas", type=int, default=4, help="sim replicas (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default 0)")
+    p.add_argument("--short", action="store_true",
+                   help=f"{SHORT['duration']:g} s per cell, rate {SHORT['rates']}/s unless --rates (the test suite's)")
+    p.add_argument("--result-file", default=None, help="write every cell as JSON here")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT p90 and throughput vs rate (matplotlib)")
+    p.set_defaults(func=run_bench_routing)
+
+
+def run_bench_routing(args) -> int:
+    from tqdm import tqdm
+
+    from kvgate.bench_routing.report import add_ratios, plot, print_tables
+    from kvgate.bench_routing.runner import run_cell
+
+    if args.short:
+        args.rates, args.duration, args.drain = args.rates or SHORT["rates"], SHORT["duration"], SHORT["drain"]
+    args.rates = args.rates or DEFAULT_RATES
+    workloads = _names(args.workloads, WORKLOADS, "workload(s)")
+    wanted = _names(args.configs, BY_NAME, "configuration(s)")
+    rates = _rates(args.rates)
+    if args.replicas < 1 or args.duration <= 0 or args.drain <= 0:
+        raise SystemExit("kvgate bench routing: --replicas, --duration and --drain must be > 0")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the run, not after it
+        raise SystemExit("kvgate bench routing: --plot needs matplotlib (pip install 'kvgate[bench]')")
+    configs, result = [], {"replicas": args.replicas, "duration_s": args.duration, "drain_s": args.drain,
+                           "seed": args.seed, "rates": rates, "configurations": {}, "workloads": {}}
+    for name in wanted:
+        why = unavailable(BY_NAME[name])
+        result["configurations"][name] = {"what": BY_NAME[name].what, "kind": BY_NAME[name].kind,
+                                          **({"skipped": why} if why else {})}
+        if why:
+            print(f"kvgate bench routing: skipping {name}: {why}", file=sys.stderr)
+        else:
+            configs.append(BY_NAME[name])
+    if not configs:
+        raise SystemExit("kvgate bench routing: no configuration can run")
+    workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-routing-"))
+    plan = [(w, r, arrivals(WORKLOADS[w], r, args.duration, args.seed)) for w in workloads for r in rates]
+    total = sum(len(reqs) for _, _, reqs in plan) * len(configs)
+    failed = False
+    with tqdm(total=total, unit="req", file=sys.stderr, mininterval=1.0, leave=False) as bar:
+        for w, rate, requests in plan:
+            cells = result["workloads"].setdefault(w, {"what": WORKLOADS[w].what, "cells": []})["cells"]
+            for config in configs:
+                bar.set_description(f"{w} {rate:g}/s {config.name}")
+                cell = {"configuration": config.name, "rate": rate,
+                        **run_cell(workdir, config, WORKLOADS[w], requests, replicas=args.replicas,
+                                   drain_s=args.drain, tick=lambda: bar.update(1))}
+                cells.append(cell)
+                failed |= cell["sent"] != cell["requests"]
+    for workload in result["workloads"].values():
+        add_ratios(workload["cells"])
+    print_tables(result)
+    print(f"logs: {workdir}")
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot(result, args.plot)
+        print(f"plot: {args.plot}")
+    return 1 if failed else 0

@@ -1,0 +1,110 @@
+"""The routing configurations `kvgate bench routing` compares, as data: what sits between the client and the same
+sim replicas, with its EndpointPickerConfig, extra EPP flags and extra engine flags.
+
+kinds:
+- `round-robin`: Envoy's own round-robin over the replicas, no EPP (kvgate.envoy_config.render_round_robin);
+- `epp`: kvgate's Envoy + `kvgate epp` with `epp_config`;
+- `router`: an external router process (sglang-router, vllm-router) in front of the replicas, with its own
+  `--policy cache_aware`; only when its program is installed (`pip install 'kvgate[bench]'`).
+
+`kv_events`: the engines publish KV-cache events and the EPP subscribes (launch_local_stack's kv_events: each
+engine binds its own loopback sockets, and the EPP gets one --kv-events-endpoint per engine).
+
+A configuration whose plugins are not (yet) in kvgate.epp.scheduling.plugins.REGISTRY is skipped with a note,
+so configurations for plugins still being written are listed here and come alive once those plugins land.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML
+
+SIM_MODEL = "sim-model"
+# Every configuration's replicas: a GPU-like timing model, slowed so that prefill dominates (0.2 ms per prompt
+# token not cached: a 2300-token prompt costs 0.46 s, its cached part nothing) and a KV cache that binds (8192
+# tokens per replica; the multi-tenant prefixes are 26 400 tokens). Prefix-cache hits are free in the sim
+# (engine/sim_runner.py charges only the tokens a step computes).
+SIM_ENGINE_ARGS = ["--sim-prefill-ms-per-token", "0.2", "--sim-max-model-len", "8192",
+                   "--kv-cache-memory", str(8192 * 131072)]  # 8192 tokens x the sim's 128 KiB per token
+
+_HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+
+
+def _config(plugins: list[tuple[str, float | None, dict | None]]) -> str:
+    """An EndpointPickerConfig of one profile: (type, weight or None for a filter/picker, parameters)."""
+    specs = [{"type": t, **({"parameters": p} if p else {})} for t, _, p in plugins]
+    refs = [{"pluginRef": t, **({"weight": w} if w is not None else {})} for t, w, _ in plugins]
+    return _HEADER + yaml.safe_dump({"plugins": specs, "schedulingProfiles": [{"name": "default", "plugins": refs}]},
+                                    sort_keys=False)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    name: str
+    what: str
+    kind: str  # round-robin | epp | router
+    epp_config: str | None = None
+    kv_events: bool = False  # engines publish KV-cache events, the EPP subscribes
+    router_cmd: tuple[str, ...] = ()  # kind router: the program and its policy flags (worker URLs, port added)
+
+    def plugin_types(self) -> set[str]:
+        if not self.epp_config:
+            return set()
+        return {p["type"] for p in yaml.safe_load(self.epp_config).get("plugins", [])}
+
+
+CONFIGURATIONS = [
+    RoutingConfig("round-robin", "Envoy's round-robin over the replicas, no EPP", "round-robin"),
+    RoutingConfig("approximate", "kvgate EPP, upstream's default: queue 2, kv-cache 2, prefix-cache (approximate, "
+                  "from its own routing history) 3", "epp", DEFAULT_CONFIG_YAML),
+    RoutingConfig("token-aware", "kvgate EPP: approximate prefix 3, token-load (in-flight tokens) 2, queue 1",
+                  "epp", _config([("prefix-cache-scorer", 3, None), ("token-load-scorer", 2, None),
+                                  ("queue-scorer", 1, None), ("max-score-picker", None, None)])),
+    RoutingConfig("precise", "kvgate EPP, llm-d's precise profile: precise-prefix-cache (engine KV events) 3, "
+                  "kv-cache 2, queue 2", "epp",
+                  _config([("precise-prefix-cache-scorer", 3, None), ("kv-cache-utilization-scorer", 2, None),
+                           ("queue-scorer", 2, None), ("max-score-picker", None, None)]),
+                  kv_events=True),
+    RoutingConfig("affinity", "kvgate EPP, llm-d's newest guide: prefix-cache-affinity filter, then precise "
+                  "prefix 3, token-load 2, no-hit-lru 1", "epp",
+                  _config([("prefix-cache-affinity-filter", None, None), ("precise-prefix-cache-scorer", 3, None),
+                           ("token-load-scorer", 2, None), ("no-hit-lru-scorer", 1, None),
+                           ("max-score-picker", None, None)]),
+                  kv_events=True),
+    RoutingConfig("predicted-ttft", "kvgate EPP: predicted-TTFT (backlog + uncached tokens / prefill rate) 3 on "
+                  "the precise prefix match 1", "epp",
+                  _config([("precise-prefix-cache-scorer", 1, None), ("predicted-ttft-scorer", 3, None),
+                           ("max-score-picker", None, None)]),
+                  kv_events=True),
+    RoutingConfig("sglang-router", "sglang-router --policy cache_aware over the replicas", "router",
+                  router_cmd=("sglang-router", "launch", "--policy", "cache_aware")),
+    RoutingConfig("vllm-router", "vllm-router --policy cache_aware over the replicas", "router",
+                  router_cmd=("vllm-router", "--policy", "cache_aware")),
+]
+BY_NAME = {c.name: c for c in CONFIGURATIONS}
+EXTERNAL_ROUTERS = tuple(c.name for c in CONFIGURATIONS if c.kind == "router")
+
+
+def router_program(name: str) -> str | None:
+    """An installed router program: beside this Python first (a venv's scripts), then on PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
+def unavailable(config: RoutingConfig) -> str | None:
+    """Why `config` cannot run here (None: it can)."""
+    from kvgate.epp.scheduling.plugins import REGISTRY
+
+    missing = sorted(config.plugin_types() - set(REGISTRY))
+    if missing:
+        return f"waits for plugin(s) not in this build: {', '.join(missing)}"
+    if config.kind == "router" and router_program(config.router_cmd[0]) is None:
+        return f"{config.router_cmd[0]} is not installed (pip install 'kvgate[bench]')"
+    return None
+

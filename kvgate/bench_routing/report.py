@@ -1,0 +1,103 @@
+"""What `kvgate bench routing` shows: ratios added to each cell, one rich table per workload, and the plot.
+
+Ratios at the same rate: output tok/s ÷ round-robin's (higher is better) and TTFT p90 ÷ round-robin's (lower is
+better); the same against the best external cache-aware router present (highest tok/s, lowest TTFT p90 of
+sglang-router / vllm-router, each taken on its own)."""
+
+from __future__ import annotations
+
+from kvgate.bench_routing.configurations import EXTERNAL_ROUTERS
+
+
+def _ratio(a, b) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def add_ratios(cells: list[dict]) -> None:
+    """Each cell gets `vs_round_robin` and, where a router ran at its rate, `vs_best_router`."""
+    for cell in cells:
+        same_rate = [c for c in cells if c["rate"] == cell["rate"]]
+        rr = next((c for c in same_rate if c["configuration"] == "round-robin"), None)
+        routers = [c for c in same_rate if c["configuration"] in EXTERNAL_ROUTERS]
+        if rr is not None:
+            cell["vs_round_robin"] = {
+                "output_tokens_per_s": _ratio(cell["output_tokens_per_s"], rr["output_tokens_per_s"]),
+                "ttft_p90": _ratio(cell["ttft_s"]["p90"], rr["ttft_s"]["p90"])}
+        if routers:
+            p90s = [c["ttft_s"]["p90"] for c in routers if c["ttft_s"]["p90"] is not None]
+            cell["vs_best_router"] = {
+                "output_tokens_per_s": _ratio(cell["output_tokens_per_s"],
+                                              max(c["output_tokens_per_s"] for c in routers)),
+                "ttft_p90": _ratio(cell["ttft_s"]["p90"], min(p90s) if p90s else None)}
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table(workload: str, what: str, cells: list[dict]):
+    from rich.table import Table
+
+    routers = any(c["configuration"] in EXTERNAL_ROUTERS for c in cells)
+    t = Table(title=f"{workload}: {what}", title_justify="left")
+    for name in ("rate/s", "configuration", "ok/sent", "errors", "out tok/s", "×RR", "TTFT p50", "p90", "p99",
+                 "p90 ×RR", "hit rate", "spread"):
+        t.add_column(name, justify="left" if name in ("configuration", "errors") else "right")
+    if routers:
+        t.add_column("tok/s ×router", justify="right")
+        t.add_column("p90 ×router", justify="right")
+    for c in sorted(cells, key=lambda c: c["rate"]):
+        vs_rr, vs_router = c.get("vs_round_robin", {}), c.get("vs_best_router", {})
+        ttft = c["ttft_s"]
+        row = [f"{c['rate']:g}", c["configuration"], f"{c['succeeded']}/{c['requests']}",
+               ", ".join(f"{k} ×{v}" for k, v in c["errors"].items()) or "0",
+               f"{c['output_tokens_per_s']:.0f}", _num(vs_rr.get("output_tokens_per_s"), ".2f"),
+               _num(ttft["p50"], ".2f"), _num(ttft["p90"], ".2f"), _num(ttft["p99"], ".2f"),
+               _num(vs_rr.get("ttft_p90"), ".2f"),
+               "-" if c["prefix_cache_hit_rate"] is None else f"{100 * c['prefix_cache_hit_rate']:.0f}%",
+               _num(c["load_spread"], ".2f")]
+        if routers:
+            row += [_num(vs_router.get("output_tokens_per_s"), ".2f"), _num(vs_router.get("ttft_p90"), ".2f")]
+        t.add_row(*row)
+    return t
+
+
+def print_tables(result: dict, console=None) -> None:
+    from rich.console import Console
+
+    console = console or Console(width=200)
+    for name, workload in result["workloads"].items():
+        console.print(table(name, workload["what"], workload["cells"]))
+    console.print("out tok/s: output tokens of the succeeded requests ÷ seconds from the first arrival to the last "
+                  "answer; TTFT in seconds; ×RR: against round-robin at the same rate (×router: the best of "
+                  "sglang-router / vllm-router); hit rate: the engines' prefix-cache hits ÷ queries (tokens) over the "
+                  "run; spread: the busiest replica's requests ÷ the mean")
+    for name, c in result["configurations"].items():
+        if c.get("skipped"):
+            console.print(f"skipped {name}: {c['skipped']}")
+
+
+def plot(result: dict, path: str) -> None:
+    """TTFT p90 and output tok/s against request rate, one line per configuration, one row per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(result["workloads"].items())
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.6 * len(workloads)), squeeze=False)
+    for row, (name, workload) in enumerate(workloads):
+        by_config: dict[str, list[dict]] = {}
+        for c in workload["cells"]:
+            by_config.setdefault(c["configuration"], []).append(c)
+        for config, cells in by_config.items():
+            cells.sort(key=lambda c: c["rate"])
+            rates = [c["rate"] for c in cells]
+            axes[row][0].plot(rates, [c["ttft_s"]["p90"] for c in cells], marker="o", label=config)
+            axes[row][1].plot(rates, [c["output_tokens_per_s"] for c in cells], marker="o", label=config)
+        axes[row][0].set(title=f"{name}: TTFT p90", xlabel="requests/s", ylabel="seconds", yscale="log")
+        axes[row][1].set(title=f"{name}: output throughput", xlabel="requests/s", ylabel="tokens/s")
+        axes[row][0].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

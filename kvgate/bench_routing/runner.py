@@ -1,0 +1,159 @@
+"""One cell of `kvgate bench routing`: a routing configuration at one request rate on one workload.
+
+Each cell gets a fresh stack (kvgate.up.launch_local_stack: new sim replicas, EPP, Envoy), so every configuration
+starts with cold engine caches and a cold EPP index: the engines have no prefix-cache reset endpoint, and a
+restart also clears what the EPP learnt. The replicas sit on their own loopback addresses (127.0.0.2, ...), as
+pods would, so engines publishing KV events share one port pair. The identical arrival sequence (workloads.py)
+is sent open-loop: each request at its time, whatever the others are doing, streamed through chaos/load.py's
+checking client. Requests still running `drain_s` after the last arrival are cancelled and count as failed.
+
+The prefix-cache hit rate and the per-replica load come from the engines' own counters, scraped before and
+after (vllm:prefix_cache_hits / vllm:prefix_cache_queries in tokens; vllm:request_success per replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.bench_routing.configurations import SIM_ENGINE_ARGS, SIM_MODEL, RoutingConfig, router_program
+from kvgate.bench_routing.workloads import BenchRequest, WorkloadShape
+from kvgate.chaos.load import Outcome, StreamLoad
+from kvgate.processes import free_port
+from kvgate.up import LocalStack, Stack, launch_local_stack
+
+COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:request_success")
+
+
+def engine_counters(endpoint: str) -> dict[str, float]:
+    """The engine's own cumulative counters (summed over labels)."""
+    text = httpx.get(f"http://{endpoint}/metrics", timeout=5).text
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for family in text_string_to_metric_families(text):
+        if family.name in out:
+            out[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return out
+
+
+def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout: float) -> tuple[LocalStack, str]:
+    """The stack for `config`, and the URL the load goes to."""
+    stack = Stack(Path(tempfile.mkdtemp(prefix=f"{config.name}-", dir=workdir)))
+    flavor = "kvgate" if config.kind == "epp" else "round-robin"  # a router brings its own load balancing
+    try:
+        up = launch_local_stack(
+            stack, replicas=replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=free_port(),
+            epp_config_text=config.epp_config, engine_args=SIM_ENGINE_ARGS, envoy_flavor=flavor,
+            engine_hosts=[f"127.0.0.{2 + i}" for i in range(replicas)], kv_events=config.kv_events,
+            startup_timeout=startup_timeout)
+        url = up.url
+        if config.kind == "router":
+            port = free_port()
+            program, *policy = config.router_cmd
+            stack.start("router", [router_program(program), *policy, "--host", "127.0.0.1", "--port", str(port),
+                                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                                   "--worker-urls", *[f"http://{e}" for e in up.endpoints]])
+            url = f"http://127.0.0.1:{port}"
+            _wait_serving(stack, url, time.monotonic() + startup_timeout)
+        return up, url
+    except BaseException:
+        stack.stop()
+        raise
+
+
+def _wait_serving(stack: Stack, url: str, deadline: float) -> None:
+    """Until a one-token completion through `url` succeeds (a router first health-checks its workers)."""
+    def ok() -> bool:
+        try:
+            return httpx.post(url + "/v1/completions", json={"model": SIM_MODEL, "prompt": "ready?",
+                                                             "max_tokens": 1}, timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+    stack.wait_until(ok, deadline, f"{url} to serve")
+
+
+async def _drive(url: str, requests: list[BenchRequest], max_tokens: int, drain_s: float,
+                 tick: Callable[[], None]) -> tuple[list[Outcome], float]:
+    """Each request at its arrival time; returns the outcomes in arrival order and the run's start."""
+    load = StreamLoad(url, SIM_MODEL, concurrency=1, max_tokens=max_tokens, timeout_s=drain_s + 60)
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+    start = time.monotonic()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(load.timeout_s, connect=10.0), limits=limits) as client:
+        async def one(seq: int, r: BenchRequest) -> Outcome:
+            await asyncio.sleep(max(0.0, start + r.at - time.monotonic()))
+            try:
+                return await load.one(client, seq, r.prompt)
+            finally:
+                tick()
+        tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
+        last = start + (requests[-1].at if requests else 0.0)
+        done, pending = await asyncio.wait(tasks, timeout=max(0.0, last - time.monotonic()) + drain_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    for o in load.outcomes:
+        if o.ended_at is None or (not o.done and o.error is None and o.status == 200):
+            o.error = o.error or f"unfinished {drain_s:g} s after the last arrival"
+    # load.outcomes is in send order; the sends happen in arrival order (sleeps to increasing times)
+    return load.outcomes, start
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    p = np.percentile(values, [50, 90, 99])
+    return {"p50": round(float(p[0]), 4), "p90": round(float(p[1]), 4), "p99": round(float(p[2]), 4)}
+
+
+def summarize(outcomes: list[Outcome], start: float, max_tokens: int, before: dict[str, dict],
+              after: dict[str, dict], expected: int) -> dict:
+    ok = [o for o in outcomes if o.ok(max_tokens)]
+    errors: dict[str, int] = {}
+    for o in outcomes:
+        if not o.ok(max_tokens):
+            kind = f"HTTP {o.status}" if o.status not in (None, 200) else (o.error or "incomplete").split(":")[0]
+            errors[kind] = errors.get(kind, 0) + 1
+    end = max((o.ended_at for o in ok), default=start)
+    delta = {e: {k: after[e][k] - before[e][k] for k in COUNTERS} for e in after}
+    queries = sum(d["vllm:prefix_cache_queries"] for d in delta.values())
+    hits = sum(d["vllm:prefix_cache_hits"] for d in delta.values())
+    served = {e: int(d["vllm:request_success"]) for e, d in delta.items()}
+    mean = sum(served.values()) / max(1, len(served))
+    return {
+        "requests": expected, "sent": len(outcomes), "succeeded": len(ok), "failed": len(outcomes) - len(ok),
+        "errors": errors,
+        "output_tokens_per_s": round(sum(o.tokens for o in ok) / (end - start), 2) if end > start else 0.0,
+        "ttft_s": _percentiles([o.first_token_at - o.sent_at for o in ok]),
+        "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
+        "prefix_cache_queries": int(queries), "prefix_cache_hits": int(hits),
+        "served_per_endpoint": served,  # engine-side, so any router's choice is counted the same way
+        "load_spread": round(max(served.values()) / mean, 3) if mean else None,  # busiest / mean; 1.0 = even
+        "seconds": round(end - start, 2),
+    }
+
+
+def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, requests: list[BenchRequest], *,
+             replicas: int, drain_s: float, startup_timeout: float = 120.0,
+             tick: Callable[[], None] = lambda: None) -> dict:
+    up, url = _start(workdir, config, replicas, startup_timeout)
+    try:
+        # the readiness probe of a router sent one request: counted in `before`, so not in the deltas
+        before = {e: engine_counters(e) for e in up.endpoints}
+        outcomes, start = asyncio.run(_drive(url, requests, shape.output_len, drain_s, tick))
+        time.sleep(0.2)  # the last requests' counters
+        after = {e: engine_counters(e) for e in up.endpoints}
+        died = up.stack.dead()
+        result = summarize(outcomes, start, shape.output_len, before, after, len(requests))
+        result["logs"] = str(up.stack.workdir)
+        if died:
+            result["errors"]["a process died"] = 1
+            result["died"] = died
+        return result
+    finally:
+        up.stack.stop()
