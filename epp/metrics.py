@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 REPUBLISH_SECONDS = 1.0
@@ -39,6 +39,11 @@ class Snapshot(NamedTuple):
     rows: tuple[EndpointRow, ...] = ()
     staleness: float = 2.0
     prefix_stats: tuple[tuple[str, float], ...] = ()
+    kv_event_stats: tuple[tuple[str, float], ...] = ()
+
+
+# The precise scorer's gauges; every other key of its stats is a cumulative count of KV-event batches or blocks.
+_KV_EVENT_GAUGES = ("index_size", "speculative_entries", "subscribed_endpoints")
 
 
 class EndpointCounter:
@@ -90,7 +95,11 @@ class EndpointGauges:
         stats = getattr(self.director.scheduler, "prefix_stats", None)
         if callable(stats):
             prefix = tuple((stats() or {}).items())
-        self.snapshot = Snapshot(rows, self.director.datalayer.staleness, prefix)
+        kv_events: tuple[tuple[str, float], ...] = ()
+        kv_stats = getattr(self.director.scheduler, "kv_event_stats", None)
+        if callable(kv_stats):
+            kv_events = tuple((kv_stats() or {}).items())
+        self.snapshot = Snapshot(rows, self.director.datalayer.staleness, prefix, kv_events)
         if self.tokens is not None:
             self.tokens.retain({row.address for row in rows})
 
@@ -133,6 +142,21 @@ class EndpointGauges:
             ratio.add_metric([], values.get("hit_ratio", 0.0))
             yield size
             yield ratio
+        kv_events = dict(snapshot.kv_event_stats)
+        if kv_events:
+            blocks = GaugeMetricFamily("kvgate_epp_precise_index_blocks",
+                                       "(endpoint, block) entries the precise prefix index holds from KV events.")
+            blocks.add_metric([], kv_events.get("index_size", 0))
+            subscribed = GaugeMetricFamily("kvgate_epp_kv_events_subscribed_endpoints",
+                                           "Endpoints whose KV-cache events the EPP subscribes to.")
+            subscribed.add_metric([], kv_events.get("subscribed_endpoints", 0))
+            counts = CounterMetricFamily("kvgate_epp_kv_events", "KV-cache event batches and blocks received, by "
+                                         "what happened (batches, blocks_stored, blocks_removed, gaps, replays_ok, "
+                                         "replays_failed, restarts, reconnects, bad_payloads, ...).", labels=["event"])
+            for key, value in sorted(kv_events.items()):
+                if key not in _KV_EVENT_GAUGES:
+                    counts.add_metric([key], value)
+            yield from (blocks, subscribed, counts)
 
 
 class EppMetrics:

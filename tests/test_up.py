@@ -135,3 +135,58 @@ def test_supervise_backs_off_and_resets_after_a_stable_run(tmp_path):
     (line,) = stack.supervise(t + Stack.STABLE_S)  # it had stayed up a minute: back to the first delay
     assert "restarting in 1 s" in line and "code 3" in line
     stack.stop()
+
+
+def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path):
+    """`kvgate up --kv-events` with a config naming precise-prefix-cache-scorer: every engine publishes on its own
+    loopback sockets, the EPP subscribes to each, and the blocks the engines cache reach the EPP's index (a
+    stack whose engines connect instead of bind, or whose EPP is told no socket, shows 0 blocks)."""
+    from kvgate.bench_routing.configurations import BY_NAME
+
+    config = tmp_path / "precise.yaml"
+    config.write_text(BY_NAME["precise"].epp_config)
+    port = free_port()
+    env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([KVGATE, "up", "--replicas", "2", "--backend", "sim", "--port", str(port),
+                             "--kv-events", "--config-file", str(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        output = "".join(lines)
+        metrics_url = re.search(r"EPP metrics: (\S+)", output)
+        assert metrics_url, output
+        system = "You are a careful assistant for tenant seven. " * 20  # ~60 blocks of 16 bytes
+        for i in range(8):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                           json={"model": "demo", "prompt": system + f"question {i}", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+
+        def metric(text: str, name: str) -> float:
+            return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+        deadline = time.monotonic() + 20
+        while True:
+            text = httpx.get(metrics_url.group(1), timeout=5).text
+            stored = metric(text, 'kvgate_epp_kv_events_total\\{event="blocks_stored"\\}')
+            if stored > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert metric(text, "kvgate_epp_kv_events_subscribed_endpoints") == 2, text
+        assert stored >= len(system) // 16, text  # the shared prefix's blocks, announced by the engine(s) that ran it
+        assert metric(text, "kvgate_epp_precise_index_blocks") > 0, text
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)

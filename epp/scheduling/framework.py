@@ -400,5 +400,14 @@ class Scheduler:
         return total
 
 
+    def kv_event_stats(self) -> dict[str, float]:
+        """The precise prefix scorers' event counters and index sizes (summed over instances); {} when none."""
+        total: dict[str, float] = {}
+        for p in self.plugins_of_type("precise-prefix-cache-scorer"):
+            for key, value in p.stats().items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+
 def _overrides(plugin: Plugin, method: str) -> bool:
     return getattr(type(plugin), method) is not getattr(Plugin, method)
