@@ -71,8 +71,7 @@ def _summary(outcomes, max_tokens: int, wall: float) -> dict:
     errors: dict[str, int] = {}
     for o in outcomes:
         if not o.ok(max_tokens):
-            kind = f"HTTP {o.status}" if o.status not in (None, 200) else (o.error or "incomplete").split(":")[0]
-            errors[kind] = errors.get(kind, 0) + 1
+            errors[o.failure_kind()] = errors.get(o.failure_kind(), 0) + 1
     spread: dict[str, int] = {}
     for o in ok:
         spread[o.endpoint or "?"] = spread.get(o.endpoint or "?", 0) + 1

@@ -36,6 +36,12 @@ class Outcome:
         return (self.status == 200 and self.done and self.tokens == max_tokens
                 and self.usage_tokens == max_tokens and self.error is None)
 
+    def failure_kind(self) -> str:
+        """What went wrong, in a word a summary can count: `HTTP 503`, the exception's name, or `incomplete`."""
+        if self.status not in (None, 200):
+            return f"HTTP {self.status}"
+        return (self.error or "incomplete").split(":")[0]
+
     def running_at(self, t: float) -> bool:
         """Sent before `t` and not ended by then."""
         return self.sent_at <= t and (self.ended_at is None or self.ended_at > t)

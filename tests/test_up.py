@@ -29,24 +29,34 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def start_up(tmp_path, port: int, *args: str) -> subprocess.Popen:
+    """`kvgate up --replicas 2 --port PORT ARGS` in its own session (the caller stops it)."""
+    env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    return subprocess.Popen([KVGATE, "up", "--replicas", "2", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+
+
+def read_until_up(proc: subprocess.Popen, timeout_s: float) -> str:
+    """What `kvgate up` printed up to its "Ctrl-C stops everything" line (or its exit, or the timeout)."""
+    lines = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Ctrl-C stops everything" in line:
+            break
+    return "".join(lines)
+
+
 @pytest.mark.parametrize("backend", ["sim", "torch"])
 def test_up_serves_and_stops(tmp_path, backend):
     port = free_port()
-    env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([KVGATE, "up", "--replicas", "2", "--backend", backend, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    lines = []
+    proc = start_up(tmp_path, port, "--backend", backend)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
-        output = "".join(lines)
+        output = read_until_up(proc, 240)
         assert f"http://127.0.0.1:{port}" in output and "curl" in output, output
         children = descendants(proc.pid)
         assert len(children) >= 4  # 2 engines, the EPP, Envoy
@@ -76,10 +86,7 @@ def test_up_restarts_a_dead_replica_and_keeps_serving(tmp_path):
     """A replica SIGKILLed under `kvgate up`: requests keep being served by the other one (the EPP takes the dead
     one out), the replica is restarted on its port (logged), serves again, and the stack stops only on SIGTERM."""
     port = free_port()
-    env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([KVGATE, "up", "--replicas", "2", "--backend", "sim", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = start_up(tmp_path, port, "--backend", "sim")
     url = f"http://127.0.0.1:{port}/v1/completions"
 
     def complete(i):
@@ -88,10 +95,7 @@ def test_up_restarts_a_dead_replica_and_keeps_serving(tmp_path):
         return r.headers["x-kvgate-endpoint"]
 
     try:
-        for _ in range(200):
-            line = proc.stdout.readline()
-            if not line or "Ctrl-C" in line:
-                break
+        read_until_up(proc, 240)
         engines = [pid for pid in descendants(proc.pid) if "serve" in open(f"/proc/{pid}/cmdline").read()]
         assert len(engines) == 2
         victim = engines[0]
@@ -146,22 +150,9 @@ def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path):
     config = tmp_path / "precise.yaml"
     config.write_text(BY_NAME["precise"].epp_config)
     port = free_port()
-    env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([KVGATE, "up", "--replicas", "2", "--backend", "sim", "--port", str(port),
-                             "--kv-events", "--config-file", str(config)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    lines = []
+    proc = start_up(tmp_path, port, "--backend", "sim", "--kv-events", "--config-file", str(config))
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
-        output = "".join(lines)
+        output = read_until_up(proc, 120)
         metrics_url = re.search(r"EPP metrics: (\S+)", output)
         assert metrics_url, output
         system = "You are a careful assistant for tenant seven. " * 20  # ~60 blocks of 16 bytes

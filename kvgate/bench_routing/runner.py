@@ -117,8 +117,7 @@ def summarize(outcomes: list[Outcome], start: float, max_tokens: int, before: di
     errors: dict[str, int] = {}
     for o in outcomes:
         if not o.ok(max_tokens):
-            kind = f"HTTP {o.status}" if o.status not in (None, 200) else (o.error or "incomplete").split(":")[0]
-            errors[kind] = errors.get(kind, 0) + 1
+            errors[o.failure_kind()] = errors.get(o.failure_kind(), 0) + 1
     end = max((o.ended_at for o in ok), default=start)
     delta = {e: {k: after[e][k] - before[e][k] for k in COUNTERS} for e in after}
     queries = sum(d["vllm:prefix_cache_queries"] for d in delta.values())
