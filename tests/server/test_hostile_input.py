@@ -111,17 +111,21 @@ def test_tokenization_is_off_the_event_loop_and_time_bounded(server):
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             slow = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a b " * 230000}))
             await asyncio.sleep(0.05)
-            worst = 0.0
+            took = []
             while not slow.done():
                 start = time.monotonic()
                 assert (await client.get("/health")).status_code == 200
-                worst = max(worst, time.monotonic() - start)
+                took.append(time.monotonic() - start)
                 await asyncio.sleep(0.02)
-            return await slow, worst
+            return await slow, sorted(took)
 
-    r, worst = asyncio.run(main())
+    r, took = asyncio.run(main())
     _assert_error(r, 400, "prompt", "--tokenize-timeout")
-    assert worst < 0.25, f"/health took {worst:.3f} s while a prompt was being tokenized"
+    # Tokenized on the loop, /health would wait out the whole tokenization (≥ 0.5 s) and answer once or twice;
+    # off it, it answers every ~20 ms (typically 5-15 ms each). The median and a generous worst case keep one
+    # scheduling hiccup of a loaded CI machine (0.47 s once, in the full suite) from failing the test.
+    assert len(took) >= 5, f"/health answered only {len(took)} times while a prompt was being tokenized: {took}"
+    assert took[len(took) // 2] < 0.05 and took[-1] < 0.75, f"/health latencies while tokenizing: {took}"
 
 
 def test_a_refused_request_leaves_nothing_in_the_engine(server):
