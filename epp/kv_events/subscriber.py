@@ -188,23 +188,9 @@ class KVEventSubscriber:
             except queue.Empty:
                 return
             if kind == "unsubscribe":
-                stream = self._streams.pop(arg, None)
-                if stream is not None:
-                    self._blocks -= len(stream.hashes.ours)
-                    poller.unregister(stream.sub)
-                    poller.unregister(stream.monitor)
-                    if stream.replay is not None:
-                        poller.unregister(stream.replay)
-                    self._close(stream)
+                self._drop_stream(arg, poller)
             else:
-                old = self._streams.pop(arg.address, None)
-                if old is not None:
-                    self._blocks -= len(old.hashes.ours)
-                    poller.unregister(old.sub)
-                    poller.unregister(old.monitor)
-                    if old.replay is not None:
-                        poller.unregister(old.replay)
-                    self._close(old)
+                self._drop_stream(arg.address, poller)
                 stream = self._open(arg, generation)
                 self._streams[arg.address] = stream
                 poller.register(stream.sub, self._zmq.POLLIN)
@@ -223,6 +209,18 @@ class KVEventSubscriber:
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(endpoint)
         return sock
+
+    def _drop_stream(self, address: str, poller) -> None:
+        """Forget `address`'s stream (its blocks' count, its sockets), if it has one."""
+        stream = self._streams.pop(address, None)
+        if stream is None:
+            return
+        self._blocks -= len(stream.hashes.ours)
+        poller.unregister(stream.sub)
+        poller.unregister(stream.monitor)
+        if stream.replay is not None:
+            poller.unregister(stream.replay)
+        self._close(stream)
 
     def _open(self, source: EventSource, generation: int) -> _Stream:
         zmq = self._zmq
