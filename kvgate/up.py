@@ -202,7 +202,7 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     upstream-shaped one; `round-robin`: Envoy's own round-robin over the engines and no EPP, a benchmark's
     baseline) in `stack`, and wait until a request can be routed. An EPP config whose picker returns
     fallbacks gets kvgate's override_host route, whose retries walk them. `engine_hosts` puts each engine on its
-    own loopback address (engines that also publish KV events on one shared port need that);
+    own loopback address (127.0.0.x: endpoints that differ by address, as pods do);
     `engine_args_for(i, host)` adds flags to engine i; `epp_args` to the EPP. `kv_events`: every engine publishes
     KV-cache events on a PUB and a replay socket of its own, bound on the IPv6 loopback (vLLM binds an address
     with `::` or `*`, and connects to any other), and the EPP is told each one (--kv-events-endpoint). Raises
