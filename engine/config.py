@@ -21,6 +21,9 @@ _DTYPES = {
 # (or less, when max_num_seqs full-length sequences need less).
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
+# vLLM's largest supported --max-lora-rank.
+MAX_LORA_RANK = 512
+
 
 @dataclass
 class EngineConfig:
@@ -43,6 +46,13 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     kv_events_config: object | None = None  # KVEventsConfig (kv_events.py); None = no KV-cache events
+    # Multi-LoRA (vLLM's flags): adapters resident for a batch, their largest rank, adapters kept loaded in host
+    # memory (None = max_loras), and the adapters served from the start (LoRAModulePath, engine/lora/request.py).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple = ()
 
     def __post_init__(self) -> None:
         if self.backend not in ("torch", "sim"):
@@ -61,6 +71,19 @@ class EngineConfig:
             raise ConfigError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("lora_modules were given but LoRA is off: add enable_lora (--enable-lora)")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ConfigError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"lora_modules names must be unique, got {names}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be auto or one of {sorted(set(_DTYPES))}, got {self.dtype!r}")
 

@@ -16,6 +16,7 @@ from kvgate.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvgate.engine.detokenizer import IncrementalDetokenizer
+    from kvgate.engine.lora.request import LoRARequest
     from kvgate.engine.structured_output import RequestGrammar
 
 
@@ -55,6 +56,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower value = served first (vLLM's convention)
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter this request runs with; None = the base model
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the cache (computed or taken from the prefix cache).
