@@ -54,7 +54,7 @@ from kvgate.operator.modelserver import (desired_engine_deployment, modelserver_
 from kvgate.operator.network_policy import (desired_network_policy, gateways_routing_to, policy_enabled,
                                             route_refs)
 from kvgate.operator.pool import (choose_epp_config, desired_epp_objects, epp_pool_status, epp_problems, epp_ref,
-                                  is_fail_open, manages_epp, pool_status, referenced_config_name, returns_lists,
+                                  epp_tokenizer, is_fail_open, manages_epp, pool_status, referenced_config_name, returns_lists,
                                   running_note, without_epp_status)
 from kvgate.operator.spec_shape import pool_problems, pool_ref_name
 from kvgate.operator.tenancy import TenantPolicy, privileged_uses
@@ -400,7 +400,8 @@ class Reconciler:
             return
         ref = epp_ref(pool)
         service = self.kube.get(SERVICE, ref["name"], ns) if isinstance(ref.get("name"), str) else None
-        if not manages_epp(pool, service, self.kube.list(MODELSERVER, ns)):
+        modelservers = self.kube.list(MODELSERVER, ns)
+        if not manages_epp(pool, service, modelservers):
             if (status := without_epp_status(pool)) is not None:  # no longer ours: drop our status entry
                 self.kube.patch_status(pool, status)
             return
@@ -414,8 +415,11 @@ class Reconciler:
             problems = problems[:1]
         elif self.config.network_policy:  # before the EPP's pods: they never run unprotected
             problems += self._network_policy(pool)
+        tokenizer = epp_tokenizer(choice.config_yaml, pool, modelservers)
+        if tokenizer.problem:  # the EPP still runs (it routes without the precise scorer's hits); the status says why
+            problems.append(tokenizer.problem)
         objects = desired_epp_objects(pool, self.config.epp_image, choice.config_yaml,
-                                      behind_service=self.config.epp_address_mode == "service") \
+                                      behind_service=self.config.epp_address_mode == "service", tokenizer=tokenizer) \
             if choice.config_yaml is not None and not _conflicts(problems) else []
         for obj in objects:  # in order; a name taken by someone else stops the rest (the EPP needs them all)
             try:

@@ -202,7 +202,8 @@ def serve_command(spec: dict, port: int) -> list[str]:
             + [str(a) for a in spec.get("extraArgs") or []])
 
 
-def _model_volume(model: dict) -> dict | None:
+def model_volume(model: dict) -> dict | None:
+    """The volume a ModelServer loads its model from (spec.model pvc / hostPath / image); None without one."""
     if model.get("pvc"):
         pvc = model["pvc"]
         return {"name": "model", "persistentVolumeClaim": {"claimName": pvc["claimName"],
@@ -220,9 +221,9 @@ def _model_volume(model: dict) -> dict | None:
 def _volumes(model: dict) -> tuple[list[dict], list[dict]]:
     volumes = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
-    model_volume = _model_volume(model)
-    if model_volume:
-        volumes.append(model_volume)
+    volume = model_volume(model)
+    if volume:
+        volumes.append(volume)
         mounts.append({"name": "model", "mountPath": model["path"], "readOnly": True})
     return volumes, mounts
 

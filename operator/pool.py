@@ -29,6 +29,7 @@ from typing import NamedTuple
 from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, ConfigError, parse_config
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
+from kvgate.operator.modelserver import DEFAULT_MODEL, model_volume
 from kvgate.operator.spec_shape import pool_problems, pool_ref_name
 
 EPP_ANNOTATION = "kvgate.dev/endpoint-picker"
@@ -128,7 +129,7 @@ EPP_SHUTDOWN_TIMEOUT_S = 60
 EPP_TERMINATION_GRACE_S = EPP_PRE_STOP_SLEEP_S + EPP_SHUTDOWN_TIMEOUT_S + 10
 
 
-def epp_command(pool: dict, behind_service: bool = True) -> list[str]:
+def epp_command(pool: dict, behind_service: bool = True, tokenizer: str | None = None) -> list[str]:
     """Behind its Service (the operator's default address mode) the draining EPP keeps answering SERVING: Envoy's
     one host for it is the Service, kept on the old pod by its health-check connection, and NOT_SERVING there
     would fail the whole pool over while the new pod serves. Addressed by pod IP, each pod is its own host and
@@ -137,16 +138,17 @@ def epp_command(pool: dict, behind_service: bool = True) -> list[str]:
             "--grpc-host", "0.0.0.0", "--grpc-port", str(naming.EPP_GRPC_PORT),
             "--grpc-health-port", str(naming.EPP_HEALTH_PORT), "--metrics-port", str(naming.EPP_METRICS_PORT),
             "--config-file", CONFIG_FILE, "--shutdown-timeout", str(EPP_SHUTDOWN_TIMEOUT_S),
-            "--drain-health", "serving" if behind_service else "not-serving"]
+            "--drain-health", "serving" if behind_service else "not-serving",
+            *(["--tokenizer", tokenizer] if tokenizer else [])]
 
 
-def _epp_container(pool: dict, image: str, behind_service: bool) -> dict:
+def _epp_container(pool: dict, image: str, behind_service: bool, tokenizer: "EppTokenizer") -> dict:
     # Kubernetes 1.20 has no gRPC probes: the probes check the health port's socket. Envoy itself
     # health-checks the EPP over gRPC (envoy_config), so traffic never depends on these probes alone.
     return {
         "name": "epp",
         "image": image,
-        "command": epp_command(pool, behind_service),
+        "command": epp_command(pool, behind_service, tokenizer.path),
         "ports": [{"name": "grpc", "containerPort": naming.EPP_GRPC_PORT, "protocol": "TCP"},
                   {"name": "grpc-health", "containerPort": naming.EPP_HEALTH_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": naming.EPP_METRICS_PORT, "protocol": "TCP"}],
@@ -157,7 +159,7 @@ def _epp_container(pool: dict, image: str, behind_service: bool) -> dict:
         "livenessProbe": {"tcpSocket": {"port": "grpc-health"}, "initialDelaySeconds": 5, "periodSeconds": 10,
                           "timeoutSeconds": 2, "failureThreshold": 3},
         "volumeMounts": [{"name": "config", "mountPath": "/config", "readOnly": True},
-                         {"name": "tmp", "mountPath": "/tmp"}],
+                         {"name": "tmp", "mountPath": "/tmp"}, *tokenizer.mounts],
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
     }
@@ -167,7 +169,7 @@ def config_digest(config_yaml: str) -> str:
     return hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
 
 
-def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool) -> dict:
+def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool, tokenizer: "EppTokenizer") -> dict:
     name = naming.epp_name(pool)
     selector = naming.selector_labels("epp", naming.name_of(pool))
     # The EPP reads its config file once: a changed config must roll the pods, hence its digest on the template.
@@ -185,8 +187,9 @@ def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool) 
                 "metadata": {"labels": _epp_labels(pool), "annotations": pod_annotations},
                 "spec": {
                     "serviceAccountName": name,
-                    "containers": [_epp_container(pool, image, behind_service)],
-                    "volumes": [{"name": "config", "configMap": {"name": name}}, {"name": "tmp", "emptyDir": {}}],
+                    "containers": [_epp_container(pool, image, behind_service, tokenizer)],
+                    "volumes": [{"name": "config", "configMap": {"name": name}}, {"name": "tmp", "emptyDir": {}},
+                                *tokenizer.volumes],
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
                                         "seccompProfile": {"type": "RuntimeDefault"}},
                     "terminationGracePeriodSeconds": EPP_TERMINATION_GRACE_S,
@@ -235,16 +238,67 @@ def epp_problems(pool: dict, config_yaml: str | None) -> list[dict]:
     return problems
 
 
-def desired_epp_objects(pool: dict, image: str, config_yaml: str | None = None, behind_service: bool = True
-                        ) -> list[dict]:
+def desired_epp_objects(pool: dict, image: str, config_yaml: str | None = None, behind_service: bool = True,
+                        tokenizer: "EppTokenizer | None" = None) -> list[dict]:
     """ServiceAccount, Role, RoleBinding, ConfigMap, Deployment and Service of the pool's EPP, in the order
     they are best applied; [] when `epp_problems` finds the pool unusable (its status says why). `behind_service`:
-    the Gateways reach the EPP through its Service (not by pod IP)."""
+    the Gateways reach the EPP through its Service (not by pod IP). `tokenizer`: `epp_tokenizer`'s answer."""
     if epp_problems(pool, config_yaml):
         return []
     config_yaml = config_yaml if config_yaml is not None else DEFAULT_EPP_CONFIG
     return [_service_account(pool), _role(pool), _role_binding(pool), _config_map(pool, config_yaml),
-            _deployment(pool, image, config_yaml, behind_service), _service(pool)]
+            _deployment(pool, image, config_yaml, behind_service, tokenizer or EppTokenizer()), _service(pool)]
+
+
+# --- the tokenizer of a precise EPP ---------------------------------------------------------------------------
+
+PRECISE_SCORER = "precise-prefix-cache-scorer"
+
+
+class EppTokenizer(NamedTuple):
+    """Where the EPP reads the pool model's tokenizer: the model's volume, mounted read-only at the path the
+    engines load it from, and `--tokenizer` that path. Empty: the EPP needs none, or its built-in default (the
+    byte tokenizer of `demo` and of `--backend sim`) is the engines' own."""
+
+    path: str | None = None
+    volumes: tuple[dict, ...] = ()
+    mounts: tuple[dict, ...] = ()
+    problem: dict | None = None  # {reason, message}: the tokenizer could not be chosen (the EPP runs without)
+
+
+def epp_tokenizer(config_yaml: str | None, pool: dict, modelservers: list[dict]) -> EppTokenizer:
+    """The tokenizer the pool's EPP needs: only a config with a precise-prefix-cache-scorer that names no
+    `tokenizer` of its own needs one (every other scorer works on text, and the EPP then mounts nothing of the
+    model: least privilege). It is the tokenizer of the model the pool's ModelServers load from a volume
+    (pvc, hostPath or image; a PVC must allow a second, read-only reader — ReadOnlyMany or an image volume).
+    ModelServers that load different models leave the EPP without one, with a problem saying so: one tokenizer
+    cannot match two models, and a wrong one would only make every lookup miss."""
+    if config_yaml is None:
+        return EppTokenizer()
+    scorers = [p for p in parse_config(config_yaml).scheduler.plugins.values()
+               if p.type_name == PRECISE_SCORER and getattr(p, "tokenizer_path", None) is None]
+    if not scorers:
+        return EppTokenizer()
+    models = {}
+    for ms in modelservers:
+        if pool_ref_name(ms) != naming.name_of(pool) or naming.namespace_of(ms) != naming.namespace_of(pool):
+            continue
+        model = (ms.get("spec") or {}).get("model") or {}
+        volume = model_volume(model)
+        key = repr((volume, model.get("path") or DEFAULT_MODEL))
+        models.setdefault(key, (naming.name_of(ms), volume, model.get("path") or DEFAULT_MODEL))
+    if len(models) > 1:
+        names = ", ".join(sorted(name for name, _, _ in models.values()))
+        return EppTokenizer(problem={"reason": "TokenizerConflict", "message": (
+            f"the pool's ModelServers ({names}) load different models, and its {PRECISE_SCORER} needs one "
+            "tokenizer: give the scorer a `tokenizer` parameter, or put one model in the pool")})
+    if not models:
+        return EppTokenizer()
+    _, volume, path = next(iter(models.values()))
+    if volume is None:  # `demo` or a model inside the engine image: the EPP's default byte tokenizer or none
+        return EppTokenizer()
+    volume = {**volume, "name": "model"}
+    return EppTokenizer(path=path, volumes=(volume,), mounts=({"name": "model", "mountPath": path, "readOnly": True},))
 
 
 # --- the EPP's config ---------------------------------------------------------------------------------------

@@ -349,3 +349,106 @@ def test_the_draining_epp_reports_not_serving_only_when_gateways_address_its_pod
                   if o["kind"] == "Deployment"]
         command = dep["spec"]["template"]["spec"]["containers"][0]["command"]
         assert command[command.index("--drain-health") + 1] == health
+
+
+# --- the tokenizer of a precise EPP ---------------------------------------------------------------------------
+
+PRECISE = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: precise-prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: precise-prefix-cache-scorer
+  - pluginRef: max-score-picker
+"""
+
+
+def _with_model(ms, name, model):
+    ms = copy.deepcopy(ms)
+    ms["metadata"]["name"] = name
+    ms["spec"]["model"] = model
+    return ms
+
+
+QWEN_PVC = {"path": "/models/qwen", "pvc": {"claimName": "qwen-weights"}}
+
+
+def _epp_pod(pool, config, tokenizer):
+    deployment = _by_kind(p.desired_epp_objects(pool, IMAGE, config, tokenizer=tokenizer))["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return pod, container
+
+
+def test_a_precise_epp_reads_the_tokenizer_from_the_pools_model_volume(samples):
+    pool, ms = samples["InferencePool"], _with_model(samples["ModelServer"], "qwen", QWEN_PVC)
+    tokenizer = p.epp_tokenizer(PRECISE, pool, [ms])
+    assert tokenizer.problem is None and tokenizer.path == "/models/qwen"
+    pod, container = _epp_pod(pool, PRECISE, tokenizer)
+    assert container["command"][-2:] == ["--tokenizer", "/models/qwen"]
+    # the engine's own volume, read-only, at the path the engines load the model from
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "qwen-weights", "readOnly": True}} in pod["volumes"]
+    assert {"name": "model", "mountPath": "/models/qwen", "readOnly": True} in container["volumeMounts"]
+    assert round_trips(_by_kind(p.desired_epp_objects(pool, IMAGE, PRECISE, tokenizer=tokenizer))["Deployment"])
+
+
+@pytest.mark.parametrize("config, models", [
+    (None, [QWEN_PVC]),  # the default config tokenizes nothing
+    (p.DEFAULT_EPP_CONFIG, [QWEN_PVC]),
+    (PRECISE.replace("- type: precise-prefix-cache-scorer",
+                     "- type: precise-prefix-cache-scorer\n  parameters: {tokenizer: /opt/tok}"), [QWEN_PVC]),
+    (PRECISE, [{"servedModelName": "demo"}]),  # demo / sim: the EPP's built-in byte tokenizer is theirs
+    (PRECISE, []),
+])
+def test_no_model_volume_reaches_an_epp_that_needs_none(samples, config, models):
+    pool = samples["InferencePool"]
+    servers = [_with_model(samples["ModelServer"], f"ms{i}", m) for i, m in enumerate(models)]
+    tokenizer = p.epp_tokenizer(config, pool, servers)
+    assert tokenizer == p.EppTokenizer()
+    pod, container = _epp_pod(pool, config, tokenizer)
+    assert "--tokenizer" not in container["command"]
+    assert {v["name"] for v in pod["volumes"]} == {"config", "tmp"}
+
+
+def test_modelservers_of_other_pools_do_not_count_and_two_models_are_a_problem(samples):
+    pool = samples["InferencePool"]
+    qwen = _with_model(samples["ModelServer"], "qwen", QWEN_PVC)
+    elsewhere = _with_model(samples["ModelServer"], "llama", {"path": "/models/llama", "hostPath": {"path": "/x"}})
+    elsewhere["spec"]["poolRef"] = {"name": "other-pool"}
+    assert p.epp_tokenizer(PRECISE, pool, [qwen, elsewhere]).path == "/models/qwen"
+    same = _with_model(samples["ModelServer"], "qwen-canary", QWEN_PVC)
+    assert p.epp_tokenizer(PRECISE, pool, [qwen, same]).path == "/models/qwen"
+    elsewhere["spec"]["poolRef"] = {"name": "demo-pool"}
+    tokenizer = p.epp_tokenizer(PRECISE, pool, [qwen, elsewhere])
+    assert tokenizer.path is None and tokenizer.problem["reason"] == "TokenizerConflict"
+    assert "llama, qwen" in tokenizer.problem["message"] and "tokenizer" in tokenizer.problem["message"]
+
+
+def test_the_reconciler_mounts_the_tokenizer_and_reports_a_conflict(samples):
+    from kvgate.operator.handlers import OperatorConfig, Reconciler
+    from tests.operator.memory_kube import MemoryKube
+
+    kube = MemoryKube()
+    kube.put(_annotated(samples["InferencePool"], "precise"))
+    kube.put(_user_cm("precise", {"epp.yaml": PRECISE}))
+    kube.put(_with_model(samples["ModelServer"], "qwen", QWEN_PVC))
+    reconciler = Reconciler(kube, OperatorConfig(engine_image=IMAGE, epp_image=IMAGE, envoy_image="envoy:test"))
+
+    def epp():
+        pod = kube.stored("Deployment", "demo-pool-epp")["spec"]["template"]["spec"]
+        parents = kube.stored("InferencePool", "demo-pool")["status"]["parents"]
+        entry = next(e for e in parents if e["controllerName"] == p.EPP_CONTROLLER_NAME)
+        return pod, next(c for c in entry["conditions"] if c["type"] == "Accepted")
+
+    reconciler.reconcile_pool("default", "demo-pool")
+    pod, accepted = epp()
+    assert pod["containers"][0]["command"][-2:] == ["--tokenizer", "/models/qwen"] and accepted["status"] == "True"
+    kube.put(_with_model(samples["ModelServer"], "llama", {"path": "/models/llama", "pvc": {"claimName": "llama"}}))
+    reconciler.reconcile_pool("default", "demo-pool")
+    pod, accepted = epp()  # the EPP still runs (its precise scorer finds no hits) and the status says why
+    assert "--tokenizer" not in pod["containers"][0]["command"]
+    assert (accepted["status"], accepted["reason"]) == ("False", "TokenizerConflict")
