@@ -129,11 +129,13 @@ class ServerIdMiddleware:
 
 
 def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | None = None,
-               on_fatal: Callable[[BaseException], None] | None = None, server_id: str | None = None) -> FastAPI:
-    """`on_fatal(exc)`: the engine failed to start, or its loop died later (the caller decides to exit)."""
+               on_fatal: Callable[[BaseException], None] | None = None, server_id: str | None = None,
+               tool_parser: str | None = None) -> FastAPI:
+    """`on_fatal(exc)`: the engine failed to start, or its loop died later (the caller decides to exit).
+    `tool_parser`: the tool-call parser that serves `tool_choice: auto` (None: auto is refused)."""
     limits = limits or RequestLimits()
     metrics = ServerMetrics(llm, served_model_name)
-    serving = OpenAIServing(llm, served_model_name, metrics, limits)
+    serving = OpenAIServing(llm, served_model_name, metrics, limits, tool_parser)
     llm.on_dead = on_fatal
 
     @contextlib.asynccontextmanager

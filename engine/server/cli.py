@@ -11,6 +11,7 @@ def add_serve_parser(sub) -> None:
     from kvgate.engine.async_llm import DEFAULT_STEP_TIMEOUT_S
     from kvgate.engine.cli_args import add_engine_args
     from kvgate.engine.server.limits import _positive_float, add_limit_args
+    from kvgate.engine.server.tool_parsers import TOOL_PARSERS
 
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API")
     p.add_argument("model", metavar="MODEL", help="a local HF model folder, or 'demo' (any name with --backend sim)")
@@ -31,6 +32,12 @@ def add_serve_parser(sub) -> None:
                         "deadlocked kernel) and treated as dead: requests get 503, the server exits (or with "
                         "--keep-alive-on-engine-death answers 503 everywhere) (vLLM: "
                         f"VLLM_ENGINE_ITERATION_TIMEOUT_S; default {DEFAULT_STEP_TIMEOUT_S:g})")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the default when a chat request has tools): the model writes '
+                        "calls in its own syntax, read by --tool-call-parser (vLLM's flags; default off: a 400)")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the model's tool-call syntax, for --enable-auto-tool-choice (hermes: <tool_call>{json}"
+                        "</tool_call>, Hermes 2 Pro / Qwen2.5 / Qwen3 templates)")
     p.add_argument("--uvicorn-log-level", default="warning")
     add_limit_args(p)
     add_engine_args(p)
@@ -47,6 +54,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvgate.engine.server.lifecycle import FINAL_GRACE_SECONDS, DrainingServer
     from kvgate.engine.server.limits import limits_from_args
 
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        print("kvgate serve: error: --enable-auto-tool-choice and --tool-call-parser go together", file=sys.stderr)
+        return 2
     model_path = args.model if args.backend == "sim" else resolve_model_path(args.model)
     config = engine_config_from_args(model_path, args)
     served = args.served_model_name or args.model
@@ -67,7 +77,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if server is not None and not (args.keep_alive_on_engine_death and llm.info is not None):
             server.should_exit = True
 
-    app = create_app(llm, served, limits_from_args(args), on_fatal, server_id=f"{args.host}:{args.port}")
+    app = create_app(llm, served, limits_from_args(args), on_fatal, server_id=f"{args.host}:{args.port}",
+                     tool_parser=args.tool_call_parser)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                            timeout_graceful_shutdown=FINAL_GRACE_SECONDS, access_log=False),
                             args.shutdown_timeout, app.state.drain)

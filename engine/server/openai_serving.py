@@ -83,8 +83,9 @@ class Prepared:
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_name: str, metrics: ServerMetrics,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, tool_parser: str | None = None) -> None:
         self.llm = llm
+        self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice: tool_choice auto
         self.model_name = served_model_name
         self.metrics = metrics
         self.limits = limits or RequestLimits()
@@ -478,7 +479,7 @@ class OpenAIServing:
         kwargs = self.template_kwargs(req.chat_template, template_kwargs)
         ids = await self.off_loop(self.chat_prompt, req, kwargs, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        constraint = await self.off_loop(structured_outputs_params, req, param="structured_outputs")
+        constraint = await self.off_loop(structured_outputs_params, req, self.tool_parser, param="structured_outputs")
         params = self.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None, constraint)
         return ids, params
 
@@ -500,7 +501,7 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompts = prep.prompts
         finals, cached = await self._collect(rid, req, prep)
-        mode = tool_calls.tool_mode(req)
+        mode = tool_calls.tool_mode(req, self.tool_parser)
         choices = []
         for (_, j), c in sorted(finals.items()):
             message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
@@ -523,7 +524,7 @@ class OpenAIServing:
 
         sent: dict[int, int] = {}
         completion_tokens, cached = 0, {}
-        mode = tool_calls.tool_mode(req)
+        mode = tool_calls.tool_mode(req, self.tool_parser)
         tool_streams = {j: tool_calls.ToolCallStream(mode) for j in range(req.n)} if mode is not None else {}
         try:
             for j in range(req.n):

@@ -5,7 +5,7 @@ Three spellings are taken, as vLLM takes them: OpenAI's `response_format` (`json
 `guided_regex`, `guided_choice`, `guided_grammar`. A request may use one of them. The constraint is compiled
 here (llguidance, cached per constraint, off the event loop), so a bad schema, regex or grammar is a 400 naming
 the field it came from; the engine's matcher is built from the same cached compilation. A chat request's
-`tool_choice` (required or a named function) is one more constraint (engine/server/tool_calls.py).
+`tool_choice` (required or a named function; not auto) is one more constraint (engine/server/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from kvgate.engine.structured_output import compile_grammar
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def structured_outputs_params(req: SamplingFields) -> StructuredOutputsParams | None:
-    """The request's constraint (None: unconstrained); InvalidRequestError naming the field when it is bad."""
+def structured_outputs_params(req: SamplingFields, auto_tool_parser: str | None = None
+                              ) -> StructuredOutputsParams | None:
+    """The request's constraint (None: unconstrained); InvalidRequestError naming the field when it is bad.
+    `auto_tool_parser`: the server's --tool-call-parser, when `tool_choice: auto` is enabled."""
     found: list[StructuredOutputsParams] = []
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
@@ -44,9 +46,10 @@ def structured_outputs_params(req: SamplingFields) -> StructuredOutputsParams | 
         value = getattr(req, field)
         if value is not None:
             found.append(StructuredOutputsParams(**{kind: value}, param=field))
-    mode = tool_mode(req)
-    if mode is not None:
-        found.append(tool_constraint(req, mode))
+    mode = tool_mode(req, auto_tool_parser)
+    constraint = tool_constraint(req, mode) if mode is not None else None
+    if constraint is not None:
+        found.append(constraint)
     if not found:
         return None
     if len(found) > 1:

@@ -4,13 +4,15 @@
 schema; `required`: a JSON array of one or more `{"name", "parameters"}` objects, one schema branch per tool
 (vLLM's shape for both). Either becomes the message's `tool_calls` (finish_reason `stop` for a named function,
 as OpenAI answers a forced call, `tool_calls` for required). `none` generates text. `auto` (the default when
-tools are given) would need a parser of the model's own tool-call syntax, which kvgate does not have: it is a
-400, as vLLM answers without `--enable-auto-tool-choice` — name a function or use `required`. Tools reach the
-chat template when it reads `tools`.
+tools are given): the model writes calls in its own syntax, unconstrained, and the server's tool-call parser
+(`--enable-auto-tool-choice --tool-call-parser hermes`, engine/server/tool_parsers.py) splits them out
+(finish_reason `tool_calls` when there are any); without those flags it is a 400, as vLLM answers. Tools reach
+the chat template when it reads `tools`.
 
 Streaming follows OpenAI's delta format: a named call's arguments stream as they are generated (the first
 delta carries the call's id, type and name); a `required` array streams each call whole once the output ends
-(its text is not a call until it parses).
+(its text is not a call until it parses); `auto` streams text as it comes and each call whole once its block
+closes.
 """
 
 from __future__ import annotations
@@ -21,23 +23,27 @@ from dataclasses import dataclass, field
 
 from kvgate.engine.errors import InvalidRequestError
 from kvgate.engine.sampling_params import StructuredOutputsParams
+from kvgate.engine.server.tool_parsers import TOOL_PARSERS, ParsedCall
 
 _ANY_OBJECT = {"type": "object"}
 
 
 @dataclass
 class ToolMode:
-    """How a chat request's output becomes tool calls: one named function, or `required` (an array)."""
+    """How a chat request's output becomes tool calls: one named function, `required` (an array), or `auto` (the
+    model's own syntax, read by `parser`)."""
 
-    name: str | None  # the named function; None: required
+    name: str | None  # the named function; None: required or auto
+    parser: object | None = None  # auto: a tool_parsers parser
 
     @property
     def finish_reason(self) -> str:
         return "stop" if self.name else "tool_calls"
 
 
-def tool_mode(req) -> ToolMode | None:
-    """The request's tool mode (None: plain text); InvalidRequestError for tools or a choice kvgate cannot serve."""
+def tool_mode(req, auto_parser: str | None = None) -> ToolMode | None:
+    """The request's tool mode (None: plain text); InvalidRequestError for tools or a choice kvgate cannot serve.
+    `auto_parser`: the server's --tool-call-parser when --enable-auto-tool-choice is on."""
     tools = getattr(req, "tools", None)
     choice = getattr(req, "tool_choice", None)
     if not tools:
@@ -50,9 +56,12 @@ def tool_mode(req) -> ToolMode | None:
     if choice == "none":
         return None
     if choice is None or choice == "auto":
-        raise InvalidRequestError('tool_choice "auto" (the default when tools are given) needs a parser of the '
-                                  "model's tool-call syntax, which this server does not have: set tool_choice "
-                                  'to "required", to a named function, or to "none"', param="tool_choice")
+        if auto_parser is None:
+            raise InvalidRequestError('tool_choice "auto" (the default when tools are given) needs the server '
+                                      "started with --enable-auto-tool-choice and --tool-call-parser: set "
+                                      'tool_choice to "required", to a named function, or to "none"',
+                                      param="tool_choice")
+        return ToolMode(None, TOOL_PARSERS[auto_parser]())
     if choice == "required":
         return ToolMode(None)
     name = choice.function.name
@@ -62,7 +71,10 @@ def tool_mode(req) -> ToolMode | None:
     return ToolMode(name)
 
 
-def tool_constraint(req, mode: ToolMode) -> StructuredOutputsParams:
+def tool_constraint(req, mode: ToolMode) -> StructuredOutputsParams | None:
+    """The schema a forced call (named or required) is generated under; None for auto (the model chooses)."""
+    if mode.parser is not None:
+        return None
     params = {t.function.name: t.function.parameters or _ANY_OBJECT for t in req.tools}
     if mode.name is not None:
         return StructuredOutputsParams(json=params[mode.name], param="tools")
@@ -75,6 +87,10 @@ def tool_constraint(req, mode: ToolMode) -> StructuredOutputsParams:
 
 def _call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _openai_call(call: ParsedCall) -> dict:
+    return {"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def tool_calls(mode: ToolMode, text: str) -> list[dict] | None:
@@ -93,6 +109,12 @@ def tool_calls(mode: ToolMode, text: str) -> list[dict] | None:
 
 def message(mode: ToolMode, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
     """(the assistant message, its finish_reason) for a finished output."""
+    if mode.parser is not None:
+        content, parsed = mode.parser.extract(text)
+        if not parsed:
+            return {"role": "assistant", "content": text}, finish_reason
+        return ({"role": "assistant", "content": content, "tool_calls": [_openai_call(c) for c in parsed]},
+                "tool_calls" if finish_reason == "stop" else finish_reason)
     calls = tool_calls(mode, text) if finish_reason == "stop" else None
     if calls is None:
         return {"role": "assistant", "content": text}, finish_reason
@@ -107,10 +129,14 @@ class ToolCallStream:
     text: str = ""
     started: bool = False
     call_id: str = field(default_factory=_call_id)
+    parsing: object | None = None  # auto: the parser's stream
+    num_calls: int = 0
 
     def deltas(self, delta_text: str, finish_reason: str | None) -> tuple[list[dict], str | None]:
         """(deltas to send, the finish_reason to report)."""
         self.text += delta_text
+        if self.mode.parser is not None:
+            return self._auto_deltas(delta_text, finish_reason)
         out = []
         if self.mode.name is not None:
             if delta_text and not self.started:
@@ -128,3 +154,18 @@ class ToolCallStream:
         for i, call in enumerate(calls):
             out.append({"tool_calls": [{"index": i, **call}]})
         return out, self.mode.finish_reason
+
+    def _auto_deltas(self, delta_text: str, finish_reason: str | None) -> tuple[list[dict], str | None]:
+        if self.parsing is None:
+            self.parsing = self.mode.parser.stream()
+        content, calls = self.parsing.feed(delta_text)
+        if finish_reason is not None:
+            rest, last = self.parsing.finish()
+            content, calls = content + rest, calls + last
+        out = [{"content": content}] if content else []
+        for call in calls:
+            out.append({"tool_calls": [{"index": self.num_calls, **_openai_call(call)}]})
+            self.num_calls += 1
+        if finish_reason == "stop" and self.parsing.calls:
+            finish_reason = "tool_calls"
+        return out, finish_reason
