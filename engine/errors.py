@@ -26,3 +26,7 @@ class ModelLoadError(EngineError, ValueError):
 
 class ConfigError(EngineError, ValueError):
     """Engine arguments that contradict each other or the model."""
+
+
+class LoRAError(InvalidRequestError):
+    """A LoRA adapter that cannot be served (bad folder, rank or target modules, unknown or duplicate name)."""

@@ -10,6 +10,14 @@ from kvgate.engine.kv_events import BlockStored
 from kvgate.engine.request import Request
 
 
+def _namespace(request: Request) -> tuple:
+    """What roots a request's hash chain: its cache salt and adapter (blocks are never shared across adapters, nor
+    with the base model; the id, unique for an engine's life, so a name re-added with new weights starts afresh)."""
+    if request.lora_request is None:
+        return (request.cache_salt,)
+    return (request.cache_salt, f"lora:{request.lora_request.lora_int_id}")
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -42,7 +50,7 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         num_full = len(tokens) // bs
-        parent = hashes[-1] if hashes else root_block_hash((request.cache_salt,))
+        parent = hashes[-1] if hashes else root_block_hash(_namespace(request))
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)
@@ -119,9 +127,11 @@ class KVCacheManager:
     def _stored_event(self, request: Request, hashes: list[bytes], first: int, end: int) -> BlockStored:
         """Blocks [first, end) of the request, one event (a run is contiguous, so one parent covers it)."""
         bs = self.block_size
+        lora = request.lora_request
         return BlockStored(block_hashes=hashes[first:end], parent_block_hash=hashes[first - 1] if first else None,
                            token_ids=request.all_token_ids[first * bs : end * bs], block_size=bs,
-                           cache_salt=request.cache_salt, first_block_index=first)
+                           cache_salt=request.cache_salt, first_block_index=first,
+                           lora_id=lora.lora_int_id if lora else None, lora_name=lora.lora_name if lora else None)
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, None)

@@ -114,6 +114,8 @@ class BlockStored:
     block_size: int
     cache_salt: str | None = None  # hashed into the first block (vLLM's extra key of block 0)
     first_block_index: int = 0
+    lora_id: int | None = None  # the adapter the blocks were computed with (None: the base model)
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -156,9 +158,9 @@ def event_to_wire(event: KVCacheEvent) -> dict:
             else external_block_hash(event.parent_block_hash),
             "token_ids": event.token_ids,
             "block_size": event.block_size,
-            "lora_id": None,
+            "lora_id": event.lora_id,
             "medium": MEDIUM_GPU,
-            "lora_name": None,
+            "lora_name": event.lora_name,
             "extra_keys": extra_keys,
             "group_idx": 0,
             "kv_cache_spec_kind": KV_CACHE_SPEC_KIND,

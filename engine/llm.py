@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.errors import InvalidRequestError
 from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.outputs import CompletionOutput, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 
@@ -46,23 +47,34 @@ class LLM:
         *,
         cache_salt: str | Sequence[str | None] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs in input order."""
+        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs in input order.
+        `lora_request`: one adapter for all prompts or one per prompt (None: the base model); each must have been
+        added (`LLM(..., enable_lora=True)` then `add_lora`)."""
         prompts = _as_prompt_list(prompts)
         params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         salts = _broadcast(cache_salt, len(prompts), "cache_salt")
+        loras = _broadcast(lora_request, len(prompts), "lora_request")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         ids: list[str] = []
         try:
-            for prompt, p, salt, prio in zip(prompts, params, salts, priorities):
+            for prompt, p, salt, prio, lora in zip(prompts, params, salts, priorities, loras):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, _prompt_input(prompt), p, cache_salt=salt, priority=prio)
+                self.engine.add_request(rid, _prompt_input(prompt), p, cache_salt=salt, priority=prio,
+                                        lora_request=lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:  # a bad prompt rejects the whole call, leaving the engine as it was
                 self.engine.abort_request(rid)
             raise
         return self._run(ids)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        self.engine.add_lora(lora)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        return self.engine.remove_lora(lora_name)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              **kwargs) -> list[RequestOutput]:

@@ -17,11 +17,13 @@ import torch
 
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import IncrementalDetokenizer
-from kvgate.engine.errors import ConfigError, InvalidRequestError
+from kvgate.engine.errors import ConfigError, InvalidRequestError, LoRAError
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.kv_event_publisher import create_publisher
 from kvgate.engine.kv_events import KVEventBatch
 from kvgate.engine.loader import load_hf_config, load_tokenizer
+from kvgate.engine.lora.manager import LoRAManager
+from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.model_runner import ModelRunner
 from kvgate.engine.outputs import CompletionOutput, RequestOutput
 from kvgate.engine.request import Request, RequestStatus
@@ -45,6 +47,10 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_prefill_tokens_pending: int = 0  # see scheduler.prefill_tokens_pending
+    # vLLM's vllm:lora_requests_info: max_loras (0: LoRA off) and the adapters of running / waiting requests
+    max_lora: int = 0
+    running_lora_adapters: list[str] = dataclasses.field(default_factory=list)
+    waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -123,6 +129,13 @@ class LLMEngine:
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.lora = LoRAManager(config.max_loras, config.max_cpu_loras, self.runner.load_lora,
+                                self.runner.set_lora_slot) if config.enable_lora else None
+        for lora_id, module in enumerate(config.lora_modules, start=1):
+            try:
+                self.lora.add(LoRARequest(module.name, lora_id, module.path, module.base_model_name))
+            except LoRAError as exc:
+                raise ConfigError(f"--lora-modules {module.name}={module.path}: {exc}") from None
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -130,6 +143,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            lora=self.lora,
         )
         self.eos_token_ids = _eos_token_ids(config.model, self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
@@ -152,6 +166,28 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
 
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise LoRAError("LoRA is not enabled on this engine (start it with --enable-lora)")
+        return self.lora
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Serve a new adapter; LoRAError (nothing changes) when it cannot be served."""
+        self._lora_manager().add(lora)
+        log.info("LoRA adapter %s (id %d) added from %s", lora.lora_name, lora.lora_int_id, lora.lora_path)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Stop serving an adapter: new requests for it are refused at once, those already in finish with it."""
+        removed = self._lora_manager().remove(lora_name, self.scheduler.adapters_in_use())
+        if removed:
+            log.info("LoRA adapter %s removed", lora_name)
+        return removed
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.list()
+
     def add_request(
         self,
         request_id: str,
@@ -161,9 +197,13 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[int]:
-        """Queue a request (a text prompt or token ids); returns the prompt token ids. Raises on bad input."""
+        """Queue a request (a text prompt or token ids) for the base model or a registered adapter; returns the
+        prompt token ids. Raises on bad input."""
         params = params or SamplingParams()
+        if lora_request is not None and self._lora_manager().get(lora_request.lora_name) != lora_request:
+            raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} is not loaded", param="model")
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -201,7 +241,8 @@ class LLMEngine:
             if params.n > 1:
                 child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
             request = Request(child_id, token_ids, child_params, arrival_time=arrival, priority=priority,
-                              cache_salt=cache_salt, max_model_len=self.max_model_len, sample_index=index)
+                              cache_salt=cache_salt, lora_request=lora_request, max_model_len=self.max_model_len,
+                              sample_index=index)
             gen = None
             if child_params.seed is not None:
                 gen = torch.Generator(device=self.device)
@@ -317,7 +358,14 @@ class LLMEngine:
             prefix_cache_hits=kv.prefix_stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefill_tokens_pending=self.scheduler.num_prefill_tokens_pending,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        running, waiting = self.scheduler.lora_adapters()
+        return {"max_lora": self.lora.max_loras, "running_lora_adapters": running, "waiting_lora_adapters": waiting}
 
     def reset_prefix_cache(self) -> bool:
         done = self.kv_cache_manager.reset_prefix_cache()

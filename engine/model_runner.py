@@ -13,6 +13,9 @@ from kvgate.engine.cpu_allocator import keep_large_allocations_in_heap
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
 from kvgate.engine.loader import iterate_weights
+from kvgate.engine.lora.adapter import LoRAWeights, load_lora_weights
+from kvgate.engine.lora.layers import add_lora_layers, module_shapes, set_slot
+from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.models import resolve_model_class
 from kvgate.engine.models.layers import RotaryEmbedding
 from kvgate.engine.request import Request
@@ -45,6 +48,9 @@ class ModelRunner:
                 module.reset_buffers(device)
         model.load_weights(iterate_weights(config.model, dtype))
         self.model = model.eval()
+        self.lora_state = self.lora_layers = None
+        if config.enable_lora:  # after the base weights: the wrapped projections keep them as they are
+            self.lora_state, self.lora_layers = add_lora_layers(model, config.max_loras, config.max_lora_rank)
         self.num_layers = hf_config.num_hidden_layers
         self.sliding_window = model.sliding_window
         if self.sliding_window is not None and self.sliding_window >= max_model_len:
@@ -118,6 +124,16 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         """A request ended; the torch runner keeps no per-request state."""
 
+    # -- LoRA -------------------------------------------------------------------------------------
+
+    def load_lora(self, lora: LoRARequest) -> LoRAWeights:
+        """Read and check an adapter against this model (LoRAError when it does not fit)."""
+        return load_lora_weights(lora.lora_path, self.config.max_lora_rank, module_shapes(self.model),
+                                 self.num_layers, self.dtype)
+
+    def set_lora_slot(self, slot: int, adapter: LoRAWeights | None) -> None:
+        set_slot(self.lora_layers, slot, adapter)
+
     def close(self) -> None:
         if self._mask_pool is not None:
             self._mask_pool.shutdown(wait=True)
@@ -136,9 +152,13 @@ class ModelRunner:
         seqs = []
         sample_rows: list[int] = []
         samplers: list[Request] = []
+        lora_rows: dict[int, list[int]] = {}  # slot -> token rows of this step
         for s in out.scheduled:
             r = s.request
             start, n = r.num_computed_tokens, s.num_new_tokens
+            if r.lora_request is not None:
+                lora_rows.setdefault(out.lora_slots[r.lora_request.lora_int_id], []).extend(
+                    range(len(input_ids), len(input_ids) + n))
             input_ids.extend(r.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
             seqs.append((start, n, s.block_ids))
@@ -161,6 +181,9 @@ class ModelRunner:
                 masks = self._mask_pool.submit(fill_bitmasks, samplers, width)
         dev = self.device
         meta = self._attention_metadata(seqs)
+        if self.lora_state is not None:
+            self.lora_state.groups = [(slot, torch.tensor(rows, dtype=torch.long, device=dev))
+                                      for slot, rows in lora_rows.items()]
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

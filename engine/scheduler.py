@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvgate.engine.kv_cache_manager import KVCacheManager
+from kvgate.engine.lora.manager import LoRAManager
 from kvgate.engine.request import Request, RequestStatus
 
 
@@ -54,6 +55,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    lora_slots: dict[int, int] = field(default_factory=dict)  # adapter id -> runner slot, for this step's batch
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -112,8 +114,10 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        lora: LoRAManager | None = None,
     ) -> None:
         self.kv = kv_cache_manager
+        self.lora = lora  # with LoRA on: a waiting request is admitted only once its adapter holds a slot
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -205,9 +209,17 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, unless this step had to preempt (memory is tight).
+        # 2. Waiting requests, unless this step had to preempt (memory is tight). One whose adapter cannot get a
+        # slot (all hold adapters with running requests) waits without holding up those behind it.
+        if self.lora is not None and self.lora.retired:
+            self.lora.drop_retired(self.adapters_in_use())
+        skipped: list[Request] = []
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.lora_request is not None and self.lora.make_resident(
+                    request.lora_request, {r.lora_request.lora_int_id for r in self.running if r.lora_request}) is None:
+                skipped.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.enable_chunked_prefill:
@@ -229,12 +241,27 @@ class Scheduler:
             chunk[request.request_id] = num_new
             budget -= num_new
 
+        for request in reversed(skipped):  # back in their places
+            self.waiting.add(request, front=True)
         for request in self.running:
             if request.request_id in chunk:
                 out.scheduled.append(
                     ScheduledRequest(request, chunk[request.request_id], self.kv.get_block_ids(request.request_id))
                 )
+                if request.lora_request is not None:
+                    lora_id = request.lora_request.lora_int_id
+                    out.lora_slots[lora_id] = self.lora.slot_of(lora_id)
         return out
+
+    def adapters_in_use(self) -> set[int]:
+        """Ids of the adapters of every unfinished request."""
+        return {r.lora_request.lora_int_id for r in self.requests.values() if r.lora_request is not None}
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """(names of adapters with running requests, names of adapters with waiting requests), as vLLM reports."""
+        running = {r.lora_request.lora_name for r in self.running if r.lora_request is not None}
+        waiting = {r.lora_request.lora_name for r in self.waiting if r.lora_request is not None}
+        return sorted(running), sorted(waiting)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed tokens, append sampled tokens and finish the requests that ended (Request.check_stop

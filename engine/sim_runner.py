@@ -6,7 +6,7 @@ Time of one step = step overhead
                  + decode cost x sequences decoding
                  + attention cost x context tokens attended (every scheduled sequence's context).
 The engine thread sleeps for that long (less the time the step really took); it never spins. Tokens
-come from a per-request generator seeded by the request's seed (or its prompt), so outputs are
+come from a per-request generator seeded by the request's seed (or its prompt) and adapter, so outputs are
 deterministic, decode to printable text and never hit EOS. A request with a structured-output constraint
 draws among the tokens its grammar allows (printable ones when any is allowed), so `--backend sim` honours
 schemas, regexes and choices too, and ends when the grammar is complete.
@@ -27,6 +27,8 @@ import xxhash
 
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.errors import ConfigError
+from kvgate.engine.lora.adapter import AdapterConfig, read_adapter_config
+from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.request import Logprob, Request
 from kvgate.engine.scheduler import SchedulerOutput
 from kvgate.engine.structured_output import allowed_token_ids, fill_bitmasks
@@ -134,6 +136,8 @@ class SimModelRunner:
             seed = request.sampling_params.seed
             if seed is None:  # same prompt, same text: unseeded requests are deterministic too
                 seed = xxhash.xxh64_intdigest(repr((request.prompt_token_ids, request.sample_index)).encode())
+            if request.lora_request is not None:  # each adapter writes its own text
+                seed = xxhash.xxh64_intdigest(repr((seed, request.lora_request.lora_int_id)).encode())
             rng = self._rngs[request.request_id] = random.Random(seed)
         return rng
 
@@ -184,6 +188,13 @@ class SimModelRunner:
             return rng.choice(_PRINTABLE)
         preferred = [t for t in allowed if 32 <= t < 127 or t in eos_token_ids]
         return rng.choice(preferred or allowed)
+
+    def load_lora(self, lora: LoRARequest) -> AdapterConfig:
+        """An adapter for the sim: its config read and its rank checked (there are no weights to apply)."""
+        return read_adapter_config(lora.lora_path, self.config.max_lora_rank)
+
+    def set_lora_slot(self, slot: int, adapter: AdapterConfig | None) -> None:
+        """Nothing to copy: the sim's cost model has no adapter term."""
 
     def forget(self, request_id: str) -> None:
         self._rngs.pop(request_id, None)
