@@ -26,14 +26,16 @@ import collections
 import logging
 import multiprocessing
 import queue
+import itertools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.errors import EngineDeadError, EngineError
+from kvgate.engine.errors import EngineDeadError, EngineError, LoRAError
 from kvgate.engine.llm_engine import EngineStats, LLMEngine
+from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 
@@ -55,6 +57,22 @@ class AddRequest:
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float | None = None
+    lora_request: LoRARequest | None = None
+
+
+@dataclass
+class LoRACall:
+    """Add (`lora`) or remove (`name`) an adapter; answered by a LoRAReply with the same call id."""
+
+    call_id: int
+    lora: LoRARequest | None = None
+    name: str | None = None
+
+
+@dataclass
+class LoRAReply:
+    call_id: int
+    result: object  # add: None; remove: whether it existed; or the exception it raised
 
 
 @dataclass
@@ -78,6 +96,7 @@ class EngineInfo:
     num_blocks: int
     eos_token_ids: tuple[int, ...]
     tokenizer_path: str
+    loras: list[LoRARequest] = field(default_factory=list)  # served from the start (--lora-modules)
 
 
 @dataclass
@@ -101,6 +120,7 @@ class StepResult:
     # AddRequest commands the loop has taken so far: the front then knows which of the requests it sent are
     # in these stats and which are still on their way (in the command queue or the pipe).
     adds_received: int = 0
+    lora_replies: list[LoRAReply] = field(default_factory=list)
 
 
 class EngineLoop:
@@ -125,6 +145,7 @@ class EngineLoop:
         reported_pending = 0
         while True:
             failures: list[RequestFailed] = []
+            replies: list[LoRAReply] = []
             # Idle: wait for a command. Busy: take what has arrived and step.
             command = self.receive(None if not engine.has_unfinished_requests() else 0.0)
             changed = False
@@ -137,9 +158,16 @@ class EngineLoop:
                     try:
                         engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                            priority=command.priority, cache_salt=command.cache_salt,
-                                           arrival_time=command.arrival_time)
+                                           arrival_time=command.arrival_time, lora_request=command.lora_request)
                     except Exception as exc:  # noqa: BLE001 - reported to that request, the loop goes on
                         failures.append(RequestFailed(command.request_id, exc))
+                elif isinstance(command, LoRACall):
+                    try:
+                        result = engine.add_lora(command.lora) if command.lora is not None else \
+                            engine.remove_lora(command.name)
+                    except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
+                        result = exc
+                    replies.append(LoRAReply(command.call_id, result))
                 elif isinstance(command, AbortRequest):
                     engine.abort_request(command.request_id)
                 command = self.receive(0.0)
@@ -151,7 +179,7 @@ class EngineLoop:
             pending = engine.scheduler.num_prefill_tokens_pending
             if (outputs or failures or changed or pending != reported_pending
                     or (stepped and now - reported_at >= HEARTBEAT_S)):
-                self.send(StepResult(outputs, failures, engine.stats(), adds_received))
+                self.send(StepResult(outputs, failures, engine.stats(), adds_received, replies))
                 reported_at = now
                 reported_pending = pending
 
@@ -162,7 +190,8 @@ def _tokenizer_path(engine: LLMEngine) -> str:
 
 def _engine_info(engine: LLMEngine) -> EngineInfo:
     return EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size, engine.config.block_size,
-                      engine.kv_cache_manager.num_blocks, engine.eos_token_ids, _tokenizer_path(engine))
+                      engine.kv_cache_manager.num_blocks, engine.eos_token_ids, _tokenizer_path(engine),
+                      engine.list_loras())
 
 
 def _process_main(config: EngineConfig, conn) -> None:
@@ -238,6 +267,11 @@ class AsyncLLM:
         self._adds_sent = 0
         self._unreported_adds: collections.deque[tuple[int, int]] = collections.deque()
         self._unreported_prefill_tokens = 0
+        # LoRA adapters as the engine serves them (the front gives out their ids), and calls awaiting replies.
+        self.loras: dict[str, LoRARequest] = {}
+        self._next_lora_id = 1
+        self._lora_calls: dict[int, asyncio.Future] = {}
+        self._lora_call_ids = itertools.count()
 
     @property
     def ready(self) -> bool:
@@ -287,6 +321,8 @@ class AsyncLLM:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, info.tokenizer_path)
             self._start_thread(self._pipe_reader, "kvgate-engine-reader")
         self.info = info
+        self.loras = {lora.lora_name: lora for lora in info.loras}
+        self._next_lora_id = max((lora.lora_int_id for lora in info.loras), default=0) + 1
         self._watchdog = asyncio.create_task(self._watch_steps())
         log.info("engine loop started (%s): %s, %d KV blocks", self.mode, info.model_name, info.num_blocks)
 
@@ -358,6 +394,10 @@ class AsyncLLM:
             q = self._queues.get(out.request_id)
             if q is not None:
                 q.put_nowait(out)
+        for reply in result.lora_replies:
+            future = self._lora_calls.pop(reply.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(reply.result)
 
     def _fail_all(self, exc: BaseException) -> None:
         if self.error is not None or self._stopping:
@@ -366,6 +406,10 @@ class AsyncLLM:
         log.error("the engine loop died (%s): failing %d in-flight requests", exc, len(self._queues))
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(f"the engine stopped: {exc}"))
+        for future in self._lora_calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(f"the engine stopped: {exc}"))
+        self._lora_calls.clear()
         if self.on_dead is not None:
             self.on_dead(exc)
 
@@ -405,11 +449,44 @@ class AsyncLLM:
             self._conn.close()
         self.info = None
 
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    async def _lora_call(self, call: LoRACall):
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error}")
+        future = self._loop.create_future()
+        self._lora_calls[call.call_id] = future
+        try:
+            self._send(call)
+        except EngineError:
+            self._lora_calls.pop(call.call_id, None)
+            raise
+        result = await future
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Serve the PEFT adapter in `path` as model `name`; LoRAError when it cannot be served."""
+        if name in self.loras or name == (self.info.model_name if self.info else None):
+            raise LoRAError(f"the model name {name!r} is already served", param="lora_name")
+        lora = LoRARequest(name, self._next_lora_id, path)
+        self._next_lora_id += 1  # ids are never reused, even when this add fails
+        await self._lora_call(LoRACall(next(self._lora_call_ids), lora=lora))
+        self.loras[name] = lora
+        return lora
+
+    async def remove_lora(self, name: str) -> bool:
+        """Stop serving adapter `name` (requests already running with it finish); False if it is not served."""
+        if self.loras.pop(name, None) is None:  # new requests for it are refused from now on
+            return False
+        return bool(await self._lora_call(LoRACall(next(self._lora_call_ids), name=name)))
+
     # -- requests ---------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the iteration early aborts it in the engine."""
         if self.error is not None:
             raise EngineError(f"the engine stopped: {self.error}")
@@ -421,7 +498,8 @@ class AsyncLLM:
         self._queues[request_id] = q
         finished = False
         try:
-            self._send(AddRequest(request_id, prompt_token_ids, params, priority, cache_salt, arrival_time))
+            self._send(AddRequest(request_id, prompt_token_ids, params, priority, cache_salt, arrival_time,
+                                  lora_request))
             self._adds_sent += 1
             tokens = len(prompt_token_ids) * params.n
             self._unreported_adds.append((self._adds_sent, tokens))

@@ -19,6 +19,16 @@ def parse_bytes(text: str) -> int:
     return int(value * 1024 ** " kmgt".index(unit or " "))
 
 
+def _lora_module(text: str):
+    from kvgate.engine.errors import ConfigError
+    from kvgate.engine.lora.request import LoRAModulePath
+
+    try:
+        return LoRAModulePath.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--backend", choices=["torch", "sim"], default="torch",
@@ -43,6 +53,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; vLLM\'s keys (buffer_steps, '
                         "hwm, max_queue_size too). tcp://*:PORT listens on all interfaces; tcp://HOST:PORT connects "
                         "to a collector (default: off)")
+    lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve PEFT LoRA adapters over the base model, each as a model name (default: off)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], type=_lora_module, metavar="NAME=PATH",
+                      help='adapters served from the start: name=path, or JSON {"name": .., "path": .., '
+                           '"base_model_name": ..}; PATH is a PEFT folder (adapter_config.json + '
+                           "adapter_model.safetensors)")
+    lora.add_argument("--max-loras", type=int, default=1,
+                      help="adapters one batch can mix (slots on the device; default: 1)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served (default: 16)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept loaded in host memory (default: --max-loras)")
     sim = parser.add_argument_group("sim backend (defaults resemble an 8B model on one H100)")
     sim.add_argument("--sim-profile", default=None, help="YAML/JSON file with SimProfile fields")
     sim.add_argument("--sim-step-overhead-ms", type=float, default=None)
@@ -91,4 +113,9 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         kv_events_config=kv_events_config,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_modules=tuple(args.lora_modules),
     )

@@ -20,11 +20,11 @@ class KvgateServe:
     """`kvgate serve ...` in its own process group on a free loopback port."""
 
     def __init__(self, model: str, *args: str, cache_dir: Path | None = None, host: str = "127.0.0.1",
-                 port: int | None = None, startup_timeout: float = 120.0) -> None:
+                 port: int | None = None, startup_timeout: float = 120.0, env: dict | None = None) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
         if cache_dir is not None:
             env["KVGATE_CACHE_DIR"] = str(cache_dir)
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvgate-serve-{self.port}.log"

@@ -17,13 +17,14 @@ import contextlib
 import functools
 import ipaddress
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,13 +36,21 @@ from kvgate.engine.server.metrics import ServerMetrics
 from kvgate.engine.server.openai_serving import (ModelNotFound, OpenAIServing, Overloaded, Prepared,
                                                  ShuttingDown)
 from kvgate.engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           TokenizeRequest, error_body)
+                                           LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
+                                           error_body)
 from kvgate.engine.server.render import generate_request
 
 log = logging.getLogger(__name__)
 
 # Nginx's "client closed request": logged for requests whose client went away before the answer.
 CLIENT_CLOSED = 499
+
+# vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter ("1" or "true"; off by default).
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating_allowed() -> bool:
+    return os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> JSONResponse:
@@ -255,9 +264,35 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
     @app.get("/v1/models")
     async def models():
         require_ready()
-        return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": 0, "owned_by": "kvgate",
-            "root": llm.config.model, "max_model_len": llm.info.max_model_len}]}
+        base = {"id": served_model_name, "object": "model", "created": 0, "owned_by": "kvgate",
+                "root": llm.config.model, "parent": None, "max_model_len": llm.info.max_model_len}
+        adapters = [{"id": lora.lora_name, "object": "model", "created": 0, "owned_by": "kvgate",
+                     "root": lora.lora_path, "parent": lora.base_model_name or served_model_name,
+                     "max_model_len": llm.info.max_model_len}
+                    for lora in sorted(llm.loras.values(), key=lambda lora: lora.lora_int_id)]
+        return {"object": "list", "data": [base, *adapters]}
+
+    if runtime_lora_updating_allowed():
+        # vLLM's endpoints, behind vLLM's switch (off by default): the path is read by this server with its own
+        # permissions, so only trusted callers may reach them.
+        log.warning("runtime LoRA updating is on (%s): any caller of this server can load adapters from its "
+                    "file system", RUNTIME_LORA_ENV)
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+            require_ready()
+            if req.lora_name == served_model_name:
+                raise InvalidRequestError(f"{req.lora_name!r} is the base model's name", param="lora_name")
+            await llm.add_lora(req.lora_name, req.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+            require_ready()
+            if not await llm.remove_lora(req.lora_name):
+                return _error(404, f"The lora adapter '{req.lora_name}' cannot be found.", "not_found_error",
+                              "lora_name")
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -83,7 +83,11 @@ class EngineStatsCollector:
             yield cache
         lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        lora.add_metric(["0", "", ""], time.time())
+        if stats is not None and stats.max_lora:  # vLLM's shape: adapter names comma-joined, value a timestamp
+            lora.add_metric([str(stats.max_lora), ",".join(stats.running_lora_adapters),
+                             ",".join(stats.waiting_lora_adapters)], time.time())
+        else:
+            lora.add_metric(["0", "", ""], time.time())
         yield lora
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.errors import EngineDeadError, EngineError, InvalidRequestError
+from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.limits import RequestLimits
@@ -123,9 +124,20 @@ class OpenAIServing:
 
     # -- checks -----------------------------------------------------------------------------------
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise ModelNotFound(f"The model `{name}` does not exist; this server serves `{self.model_name}`.")
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); ModelNotFound for a name not served."""
+        if name is None or name == self.model_name:
+            return None
+        lora = self.llm.loras.get(name)
+        if lora is None:
+            served = ", ".join(f"`{n}`" for n in [self.model_name, *sorted(self.llm.loras)])
+            raise ModelNotFound(f"The model `{name}` does not exist; this server serves {served}.")
+        return lora
+
+    def response_model(self, req: SamplingFields) -> str:
+        """The `model` a response names: the adapter asked for, else the served model (vLLM's answer). `model` was
+        checked when the request came in, so it is one of the two."""
+        return req.model or self.model_name
 
     def check_accepting(self) -> None:
         if self.shutting_down:
@@ -315,9 +327,10 @@ class OpenAIServing:
                    req: SamplingFields) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every prompt as they come, tagged with the prompt's index."""
         arrival = time.monotonic()
+        lora = self.check_model(req.model)  # again: an adapter removed since the request was checked is a 404
         streams = [
             self.llm.generate(f"{request_id}-{i}", ids, p, priority=req.priority, cache_salt=req.cache_salt,
-                              arrival_time=arrival)
+                              arrival_time=arrival, lora_request=lora)
             for i, (ids, p) in enumerate(zip(prompts, params))
         ]
         if len(streams) == 1:
@@ -415,7 +428,8 @@ class OpenAIServing:
             choices.append({"index": i * n + j, "text": c.text, "logprobs": self._completion_logprobs(c),
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in finals.values())
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+        return {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": self.response_model(req),
                 "choices": choices, "usage": self._usage(prompts, completion_tokens, cached)}
 
     def _usage(self, prompts, completion_tokens: int, cached: dict) -> dict:
@@ -447,9 +461,10 @@ class OpenAIServing:
                     choice = {"index": i * req.n + c.index, "text": c.delta_text, "logprobs": lp,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     yield sse({"id": rid, "object": "text_completion", "created": created,
-                               "model": self.model_name, "choices": [choice]})
+                               "model": self.response_model(req), "choices": [choice]})
             if req.stream_options and req.stream_options.include_usage:
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                yield sse({"id": rid, "object": "text_completion", "created": created,
+                           "model": self.response_model(req),
                            "choices": [], "usage": self._usage(prompts, completion_tokens, cached)})
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
             yield sse(stream_error(exc))
@@ -510,7 +525,8 @@ class OpenAIServing:
             choices.append({"index": j, "message": message, "logprobs": self._chat_logprobs(c, req.top_logprobs or 0),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in finals.values())
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                "model": self.response_model(req),
                 "choices": choices, "usage": self._usage(prompts, completion_tokens, cached)}
 
     async def chat_stream(self, req: ChatCompletionRequest, prep: Prepared) -> AsyncIterator[str]:
@@ -520,7 +536,7 @@ class OpenAIServing:
 
         def chunk(choices, **extra):
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": self.model_name, "choices": choices, **extra})
+                        "model": self.response_model(req), "choices": choices, **extra})
 
         sent: dict[int, int] = {}
         completion_tokens, cached = 0, {}

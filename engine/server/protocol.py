@@ -153,3 +153,17 @@ ErrorType = Literal["invalid_request_error", "not_found_error", "server_error", 
 
 def error_body(message: str, err_type: ErrorType, code: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is taken and not needed)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
