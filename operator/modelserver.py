@@ -101,6 +101,64 @@ def _spec_problems(ms: dict) -> list[dict]:
     return problems
 
 
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][-A-Za-z0-9_.:]*")
+ADAPTERS_DIR = "/adapters"  # where spec.engine.lora.source is mounted (read-only)
+
+
+def _lora_problems(ms: dict) -> list[dict]:
+    """spec.engine.lora's rules beyond its shape (the CRD's patterns and CEL rule, checked again for clusters that
+    do not run them): adapter names unique, not the served model's, spelled as the CRD says; paths inside the
+    adapters volume; one volume source; host copies at least the slots."""
+    spec = ms.get("spec") or {}
+    lora = (spec.get("engine") or {}).get("lora")
+    if not lora:
+        return []
+    problems = []
+    model = spec.get("model") or {}
+    served = model.get("servedModelName") or model.get("path") or DEFAULT_MODEL
+    names = [a["name"] for a in lora["adapters"]]
+    bad = [n for n in names if not _ADAPTER_NAME.fullmatch(n) or n == served]
+    if bad:
+        problems.append(f"adapter names {bad} must match {_ADAPTER_NAME.pattern} and differ from the served model "
+                        f"name {served!r}")
+    if len(set(names)) != len(names):
+        problems.append(f"adapter names must be unique, got {names}")
+    outside = [a["path"] for a in lora["adapters"]
+               if a["path"].startswith("/") or ".." in a["path"].split("/") or not a["path"].strip("/")]
+    if outside:
+        problems.append(f"adapter paths {outside} must be relative folders inside the adapters volume (no '..')")
+    sources = [k for k in ("pvc", "image") if (lora.get("source") or {}).get(k)]
+    if len(sources) != 1:
+        problems.append(f"exactly one adapter volume source (pvc or image) must be set, got {sources or 'none'}")
+    model_path = str(model.get("path") or DEFAULT_MODEL)
+    if model_path == ADAPTERS_DIR or model_path.startswith(ADAPTERS_DIR + "/"):
+        problems.append(f"model.path {model_path!r} is where the adapters are mounted ({ADAPTERS_DIR})")
+    if lora.get("maxCpuLoras") is not None and lora["maxCpuLoras"] < lora.get("maxLoras", 1):
+        problems.append(f"maxCpuLoras ({lora['maxCpuLoras']}) must be >= maxLoras ({lora.get('maxLoras', 1)})")
+    return [{"reason": "InvalidSpec", "message": f"engine.lora: {p}"} for p in problems]
+
+
+def lora_flags(lora: dict) -> list[str]:
+    """spec.engine.lora as vLLM's flags, each adapter a --lora-modules name=/adapters/<path>."""
+    flags = ["--enable-lora"]
+    for field, flag in (("maxLoras", "--max-loras"), ("maxLoraRank", "--max-lora-rank"),
+                        ("maxCpuLoras", "--max-cpu-loras")):
+        if lora.get(field) is not None:
+            flags += [flag, str(lora[field])]
+    return flags + ["--lora-modules", *(f"{a['name']}={ADAPTERS_DIR}/{a['path'].strip('/')}" for a in lora["adapters"])]
+
+
+def lora_volume(lora: dict) -> dict:
+    source = lora["source"]
+    if source.get("pvc"):
+        return {"name": "lora-adapters",
+                "persistentVolumeClaim": {"claimName": source["pvc"]["claimName"], "readOnly": True}}
+    image = {"reference": source["image"]["reference"]}
+    if source["image"].get("pullPolicy"):
+        image["pullPolicy"] = source["image"]["pullPolicy"]
+    return {"name": "lora-adapters", "image": image}
+
+
 def _kv_events_problems(ms: dict, pool: dict | None) -> list[dict]:
     kv_ports = [p for _, p, _ in kv_events_ports(ms.get("spec") or {})]
     usable_pool = pool and not pool_problems(pool) and (pool.get("spec") or {}).get("targetPorts")
@@ -121,7 +179,7 @@ def validate_modelserver(ms: dict, pool: dict | None, policy: TenantPolicy = Ten
     shape = modelserver_problems(ms)
     if shape:  # nothing else can be judged (or rendered) from a spec of the wrong shape
         return [{"reason": "InvalidSpec", "message": "; ".join(shape)}] + _pool_problems(ms, pool)
-    problems = (_pool_problems(ms, pool) + _spec_problems(ms) + _kv_events_problems(ms, pool)
+    problems = (_pool_problems(ms, pool) + _spec_problems(ms) + _kv_events_problems(ms, pool) + _lora_problems(ms)
                 + escalation_problems(ms, policy, operator_image))
     if not problems:
         own = naming.key_of(pool)
@@ -162,6 +220,8 @@ def engine_flags(engine: dict) -> list[str]:
         flags.append("--enable-prefix-caching" if engine["enablePrefixCaching"] else "--no-enable-prefix-caching")
     if engine.get("kvEvents"):
         flags += ["--kv-events-config", json.dumps(kv_events_config(engine["kvEvents"]), separators=(",", ":"))]
+    if engine.get("lora"):
+        flags += lora_flags(engine["lora"])
     return flags
 
 
@@ -218,13 +278,18 @@ def model_volume(model: dict) -> dict | None:
     return None
 
 
-def _volumes(model: dict) -> tuple[list[dict], list[dict]]:
+def _volumes(spec: dict) -> tuple[list[dict], list[dict]]:
+    model = spec.get("model") or {}
     volumes = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
     volume = model_volume(model)
     if volume:
         volumes.append(volume)
         mounts.append({"name": "model", "mountPath": model["path"], "readOnly": True})
+    lora = (spec.get("engine") or {}).get("lora")
+    if lora:
+        volumes.append(lora_volume(lora))
+        mounts.append({"name": "lora-adapters", "mountPath": ADAPTERS_DIR, "readOnly": True})
     return volumes, mounts
 
 
@@ -256,7 +321,7 @@ def _only(mapping: dict, keys: tuple[str, ...]) -> dict:
 
 
 def _container(spec: dict, image: str, port: int) -> dict:
-    volumes_mounts = _volumes(spec.get("model") or {})[1]
+    volumes_mounts = _volumes(spec)[1]
     container = {
         "name": CONTAINER,
         "image": spec.get("image") or image,
@@ -282,7 +347,7 @@ def _container(spec: dict, image: str, port: int) -> dict:
 def _pod_spec(spec: dict, image: str, port: int) -> dict:
     pod = {
         "containers": [_container(spec, image, port)],
-        "volumes": _volumes(spec.get("model") or {})[0],
+        "volumes": _volumes(spec)[0],
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "automountServiceAccountToken": False,  # engines never talk to the API server

@@ -58,6 +58,9 @@ CEL_RULES: dict[str, Callable[[object], bool]] = {
         lambda s: sum(_has(s, k) for k in ("pvc", "hostPath", "image")) <= 1,
     "!(has(self.pvc) || has(self.hostPath) || has(self.image)) || self.path.startsWith('/')":
         lambda s: not any(_has(s, k) for k in ("pvc", "hostPath", "image")) or s["path"].startswith("/"),
+    # ModelServer .spec.engine.lora.source
+    "[has(self.pvc), has(self.image)].filter(x, x).size() == 1":
+        lambda s: sum(_has(s, k) for k in ("pvc", "image")) == 1,
 }
 
 needs_reference = pytest.mark.skipif(
@@ -380,6 +383,20 @@ def test_every_sample_is_valid():
         schema = schemas.get((doc["apiVersion"], doc["kind"]))
         assert schema is not None, f"{name}: no CRD for {doc['apiVersion']} {doc['kind']}"
         assert schema.errors(doc) == [], name
+
+
+@needs_reference
+def test_the_lora_sample_is_valid_for_ours_and_upstreams_crds():
+    """crds/samples/lora/ (kept out of the main samples: it needs volumes a test cluster does not have)."""
+    docs = load_docs(SAMPLES / "lora" / "lora.yaml")
+    assert [d["kind"] for d in docs] == ["InferencePool", "ModelServer", "InferenceModelRewrite"]
+    schemas = schemas_by_type()
+    for doc in docs:
+        schema = schemas.get((doc["apiVersion"], doc["kind"]))
+        assert schema is not None and schema.errors(doc) == [], doc["kind"]
+    bad = copy.deepcopy(docs[1])
+    bad["spec"]["engine"]["lora"]["adapters"][0]["path"] = "/etc"
+    assert schemas[(bad["apiVersion"], "ModelServer")].errors(bad)
 
 
 def test_samples_make_one_consistent_pool():

@@ -256,3 +256,63 @@ def test_kv_events_ports_that_clash_or_are_missing_are_a_condition(samples, kv_e
     problems = m.validate_modelserver(ms, samples["InferencePool"])
     assert [p["reason"] for p in problems] == ["InvalidSpec"] and "kvEvents" in problems[0]["message"], problems
     assert m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE) is None
+
+
+def _lora_sample():
+    from tests.operator.conftest import REPO, load_docs
+
+    docs = {d["kind"]: d for d in load_docs(REPO / "crds" / "samples" / "lora" / "lora.yaml")}
+    for doc in docs.values():
+        doc["metadata"].update(namespace="default", uid=f"uid-{doc['metadata']['name']}", generation=1)
+    return docs
+
+
+def test_lora_sample_renders_vllms_flags_and_a_read_only_adapters_volume():
+    """spec.engine.lora → the engine's own flags (parsed by its own parser into its EngineConfig) and the adapters'
+    volume, read-only at /adapters; the sample's InferenceModelRewrite splits its public name across them."""
+    from kvgate.cli import build_parser
+    from kvgate.engine.cli_args import engine_config_from_args
+    from kvgate.epp.datastore import parse_rewrites
+
+    docs = _lora_sample()
+    ms, pool = docs["ModelServer"], docs["InferencePool"]
+    assert m.validate_modelserver(ms, pool) == []
+    dep = m.desired_engine_deployment(ms, pool, IMAGE)
+    args = build_parser().parse_args(_serve_args(dep)[1:])
+    config = engine_config_from_args(args.model, args)
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank) == (True, 2, 16)
+    assert [(mod.name, mod.path) for mod in config.lora_modules] == [("support-v1", "/adapters/support-v1"),
+                                                                      ("support-v2", "/adapters/support-v2")]
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "lora-adapters", "persistentVolumeClaim": {"claimName": "qwen3-adapters", "readOnly": True}} \
+        in pod["volumes"]
+    assert {"name": "lora-adapters", "mountPath": "/adapters", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+    (rule,) = parse_rewrites([docs["InferenceModelRewrite"]], "lora-pool")
+    assert rule.targets == [("support-v1", 70), ("support-v2", 30)]
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda lora: lora["adapters"].append({"name": "support-v1", "path": "x"}), "unique"),
+    (lambda lora: lora["adapters"].append({"name": "qwen3", "path": "x"}), "differ from the served model"),
+    (lambda lora: lora["adapters"].append({"name": "-bad", "path": "x"}), "must match"),
+    (lambda lora: lora["adapters"].append({"name": "up", "path": "../../etc"}), "inside the adapters volume"),
+    (lambda lora: lora["adapters"].append({"name": "abs", "path": "/etc"}), "inside the adapters volume"),
+    (lambda lora: lora["source"].update(image={"reference": "r"}), "exactly one adapter volume source"),
+    (lambda lora: lora.pop("source") and lora.update(source={}), "exactly one adapter volume source"),
+    (lambda lora: lora.update(maxCpuLoras=1), "maxCpuLoras (1) must be >= maxLoras (2)"),
+])
+def test_bad_lora_specs_are_a_condition_not_a_deployment(edit, says):
+    docs = _lora_sample()
+    ms, pool = docs["ModelServer"], docs["InferencePool"]
+    edit(ms["spec"]["engine"]["lora"])
+    problems = m.validate_modelserver(ms, pool)
+    assert problems and problems[0]["reason"] == "InvalidSpec" and says in problems[0]["message"], problems
+    assert m.desired_engine_deployment(ms, pool, IMAGE) is None
+
+
+def test_lora_of_the_wrong_shape_is_a_condition():
+    docs = _lora_sample()
+    ms = docs["ModelServer"]
+    ms["spec"]["engine"]["lora"]["adapters"] = [{"name": "x"}]  # no path
+    problems = m.validate_modelserver(ms, docs["InferencePool"])
+    assert problems[0]["reason"] == "InvalidSpec" and "spec.engine.lora.adapters[0].path" in problems[0]["message"]
