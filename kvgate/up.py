@@ -38,7 +38,11 @@ def add_up_parser(sub) -> None:
     p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP (default: upstream's scorers with "
                                          "two fallbacks per decision, which kvgate's Envoy retries on)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument("--engine-arg", action="append", default=[], help="extra flag for every `kvgate serve`")
+    p.add_argument("--engine-arg", action="append", default=[],
+                   help="extra flag for every `kvgate serve`, one per --engine-arg (a flag that starts with a "
+                        "dash as --engine-arg=--enable-lora)")
+    p.add_argument("--manifests", help="YAML with InferenceObjective / InferenceModelRewrite objects for the EPP "
+                                       "(what a cluster's pool would have), e.g. a model name split across adapters")
     p.add_argument("--kv-events", action="store_true",
                    help="engines publish KV-cache events (each on its own loopback ports) and the EPP subscribes: "
                         "what a --config-file naming precise-prefix-cache-scorer needs")
@@ -309,7 +313,8 @@ def run_up(args: argparse.Namespace) -> int:
                                 epp_config_file=args.config_file,
                                 epp_config_text=None if args.config_file else FALLBACK_CONFIG_YAML,
                                 engine_args=args.engine_arg, limits=envoy_limits(args),
-                                startup_timeout=args.startup_timeout, kv_events=args.kv_events)
+                                startup_timeout=args.startup_timeout, kv_events=args.kv_events,
+                                epp_args=["--manifests", args.manifests] if args.manifests else [])
         print(f"kvgate is up: {up.url}  ({args.replicas} x {args.backend} engine of {args.model!r}, EPP, Envoy)")
         print(f"  curl {up.url}/v1/completions -H 'content-type: application/json' "
               f"-d '{{\"model\": \"{args.model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")

@@ -83,11 +83,13 @@ class EngineStatsCollector:
             yield cache
         lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        if stats is not None and stats.max_lora:  # vLLM's shape: adapter names comma-joined, value a timestamp
-            lora.add_metric([str(stats.max_lora), ",".join(stats.running_lora_adapters),
-                             ",".join(stats.waiting_lora_adapters)], time.time())
-        else:
-            lora.add_metric(["0", "", ""], time.time())
+        # vLLM's shape: adapter names comma-joined, the value a timestamp. max_lora from the config, so an engine
+        # that has not stepped yet (no stats) already shows its free slots to the EPP's lora-affinity-scorer.
+        config = self.llm.config
+        max_lora = config.max_loras if config.enable_lora else 0
+        running = ",".join(stats.running_lora_adapters) if stats is not None else ""
+        waiting = ",".join(stats.waiting_lora_adapters) if stats is not None else ""
+        lora.add_metric([str(max_lora), running, waiting], time.time())
         yield lora
 
 

@@ -161,6 +161,8 @@ def test_runtime_endpoints_are_off_by_default_and_sim_adapters_write_their_own_t
     _, paths = adapters
     with KvgateServe("sim-8b", "--backend", "sim", "--enable-lora", "--lora-modules", f"a={paths['all-r8']}",
                      cache_dir=kvgate_cache, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": ""}) as sim:
+        # before its first request an engine already shows its free slot (the lora-affinity-scorer's 0.6)
+        assert _lora_info(sim.url) == {"max": 1, "running": set(), "waiting": set()}
         r = httpx.post(sim.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "/x"}, timeout=10)
         assert r.status_code == 404
         base, adapted = (_complete(sim.url, m).json()["choices"][0]["text"] for m in ("sim-8b", "a"))
