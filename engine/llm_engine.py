@@ -1,6 +1,8 @@
 """The engine core: requests in, one scheduled batch per step, outputs out.
 
-`LLMEngine` is synchronous and single-threaded; the offline `LLM` drives it in a loop and the HTTP
+`LLMEngine` only wires parts together — the runner (runner.py: torch or sim), the scheduler, the KV cache manager,
+LoRA slots, structured outputs and the KV-event publisher — and turns requests into outputs. It is synchronous
+and single-threaded; the offline `LLM` drives it in a loop and the HTTP
 server drives it from its own loop. `n > 1` fans a request out into n child requests (seed + i each)
 that share the prompt's cached blocks. A request's end is decided in `Request.check_stop` alone (called by
 the scheduler per token); the engine only turns requests into outputs.
@@ -21,12 +23,11 @@ from kvgate.engine.errors import ConfigError, InvalidRequestError, LoRAError
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.kv_event_publisher import create_publisher
 from kvgate.engine.kv_events import KVEventBatch
-from kvgate.engine.loader import load_hf_config, load_tokenizer
 from kvgate.engine.lora.manager import LoRAManager
 from kvgate.engine.lora.request import LoRARequest
-from kvgate.engine.model_runner import ModelRunner
 from kvgate.engine.outputs import CompletionOutput, RequestOutput
 from kvgate.engine.request import Request, RequestStatus
+from kvgate.engine.runner import Runner, load_model
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import Scheduler
 from kvgate.engine.structured_output import StructuredOutputManager
@@ -86,41 +87,15 @@ def _eos_token_ids(model_path: str, hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _sim_tokenizer_path(config: EngineConfig) -> str:
-    """The sim serves any model name: a folder's own tokenizer if it has one, else the byte tokenizer."""
-    from pathlib import Path
-
-    from kvgate.engine.demo import ensure_byte_tokenizer
-
-    if config.tokenizer:
-        return config.tokenizer
-    folder = Path(config.model)
-    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
-        return str(folder)
-    return str(ensure_byte_tokenizer())
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_name = config.served_model_name or config.model
         torch.manual_seed(config.seed)
-        if config.backend == "sim":
-            from kvgate.engine.sim_runner import SimModelRunner, SimProfile, sim_hf_config
-
-            profile = config.sim_profile or SimProfile()
-            self.tokenizer = load_tokenizer(_sim_tokenizer_path(config))
-            self.hf_config = sim_hf_config(profile, self.tokenizer)
-            self.max_model_len = config.resolve_max_model_len(self.hf_config)
-            self.runner = SimModelRunner(config, profile, self.tokenizer, self.max_model_len)
-            self.device, self.dtype = self.runner.device, self.runner.dtype
-        else:
-            self.hf_config = load_hf_config(config.model)
-            self.tokenizer = load_tokenizer(config.model, config.tokenizer)
-            self.device = config.resolve_device()
-            self.dtype = config.resolve_dtype(self.hf_config, self.device)
-            self.max_model_len = config.resolve_max_model_len(self.hf_config)
-            self.runner = ModelRunner(config, self.hf_config, self.device, self.dtype, self.max_model_len)
+        loaded = load_model(config)  # the only place the torch and sim backends differ (runner.py)
+        self.runner: Runner = loaded.runner
+        self.tokenizer, self.hf_config, self.max_model_len = loaded.tokenizer, loaded.hf_config, loaded.max_model_len
+        self.device, self.dtype = self.runner.device, self.runner.dtype
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
@@ -151,7 +126,6 @@ class LLMEngine:
         self.structured_outputs.prepare()
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
-        self._generators: dict[str, torch.Generator] = {}
         # Last: it opens sockets, which nothing after it could close if it raised.
         self.kv_event_publisher = create_publisher(config.kv_events_config)
         if self.kv_event_publisher is not None:
@@ -233,7 +207,7 @@ class LLMEngine:
         params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids, top_k=top_k)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        # Build every child (and its seeded generator) before registering any: a failure here leaves nothing
+        # Build every child before registering any: a failure here leaves nothing
         # behind — no parent, no sibling generating for nobody.
         children = []
         for index, child_id in enumerate(child_ids):
@@ -243,18 +217,12 @@ class LLMEngine:
             request = Request(child_id, token_ids, child_params, arrival_time=arrival, priority=priority,
                               cache_salt=cache_salt, lora_request=lora_request, max_model_len=self.max_model_len,
                               sample_index=index)
-            gen = None
-            if child_params.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(child_params.seed)
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, child_params, token_ids)
             if child_params.structured_outputs is not None:
                 request.grammar = self.structured_outputs.grammar_for(child_params.structured_outputs)
-            children.append((child_id, index, request, gen))
+            children.append((child_id, index, request))
         self._parents[request_id] = _Parent(text, token_ids, child_ids)
-        for child_id, index, request, gen in children:
-            if gen is not None:
-                self._generators[child_id] = gen
+        for child_id, index, request in children:
             self._children[child_id] = _Child(request_id, index, request)
             self.scheduler.add_request(request)
         return token_ids
@@ -267,8 +235,6 @@ class LLMEngine:
         for child_id in parent.child_ids:
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
             self._children.pop(child_id, None)
-            self._generators.pop(child_id, None)
-            self.runner.forget(child_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -282,7 +248,7 @@ class LLMEngine:
         if out.is_empty:
             self._publish_kv_events()
             return []
-        tokens, logprobs = self.runner.execute(out, self._generators)
+        tokens, logprobs = self.runner.execute(out)
         progressed = self.scheduler.update_from_output(out, tokens)
         # After the step ran: the blocks it announces hold their KV now.
         self._publish_kv_events()
@@ -322,8 +288,6 @@ class LLMEngine:
         if finished:
             parent.num_finished += 1
             self._children.pop(request.request_id, None)
-            self._generators.pop(request.request_id, None)
-            self.runner.forget(request.request_id)
             metrics = {
                 "arrival_time": request.arrival_time,
                 "scheduled_time": request.scheduled_time,

@@ -121,9 +121,6 @@ class ModelRunner:
                               "gpu_memory_utilization")
         return available
 
-    def forget(self, request_id: str) -> None:
-        """A request ended; the torch runner keeps no per-request state."""
-
     # -- LoRA -------------------------------------------------------------------------------------
 
     def load_lora(self, lora: LoRARequest) -> LoRAWeights:
@@ -145,7 +142,7 @@ class ModelRunner:
                                        self.num_blocks, self.sliding_window)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, generators: dict[str, torch.Generator]):
+    def execute(self, out: SchedulerOutput):
         """One forward pass for the whole batch; returns {request_id: token} and {request_id: logprobs}."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -194,7 +191,11 @@ class ModelRunner:
             return {}, {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
         grammar = ([], None) if masks is None else masks if isinstance(masks, tuple) else masks.result()
-        batch = SamplingBatch.build(samplers, self.vocab_size, dev, generators, grammar)
+        for r in samplers:  # a seeded request's own generator, made at its first token and kept on the request
+            if r.generator is None and r.sampling_params.seed is not None:
+                r.generator = torch.Generator(device=dev)
+                r.generator.manual_seed(r.sampling_params.seed)
+        batch = SamplingBatch.build(samplers, self.vocab_size, dev, grammar)
         tokens, logprobs = self.sampler(logits, batch)
         ids = [r.request_id for r in samplers]
         token_map = dict(zip(ids, tokens.tolist()))

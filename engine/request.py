@@ -77,6 +77,9 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
     # The structured-output matcher when sampling_params.structured_outputs is set.
     grammar: RequestGrammar | None = field(default=None, repr=False)
+    # Its own random source, so a seeded request draws the same tokens whatever it is batched with: a
+    # torch.Generator for a seeded request on the torch runner (None: the global one), the sim's random.Random.
+    generator: object | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

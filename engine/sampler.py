@@ -40,7 +40,6 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, requests: list[Request], vocab_size: int, device: torch.device,
-              generators: dict[str, torch.Generator],
               grammar: tuple[list[int], torch.Tensor | None] = ([], None)) -> "SamplingBatch":
         """`grammar`: (rows, bitmask) from structured_output.fill_bitmasks for these requests."""
         ps = [r.sampling_params for r in requests]
@@ -82,7 +81,7 @@ class SamplingBatch:
             prompt_mask=prompt_mask,
             output_counts=output_counts,
             banned=banned,
-            generators=[generators.get(r.request_id) for r in requests],
+            generators=[r.generator for r in requests],
             num_logprobs=[p.logprobs for p in ps],
             grammar_rows=grammar[0] or None,
             grammar_bitmask=None if grammar[1] is None else grammar[1].to(device, non_blocking=True),

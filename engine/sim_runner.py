@@ -112,7 +112,6 @@ class SimModelRunner:
         self.dtype = torch.bfloat16
         self.vocab_size = len(tokenizer)
         self.num_blocks = 0
-        self._rngs: dict[str, random.Random] = {}
         self.busy_seconds = 0.0  # modelled time, for checks and metrics
         self.num_steps = 0
 
@@ -131,17 +130,17 @@ class SimModelRunner:
         self.num_blocks = num_blocks
 
     def _rng(self, request: Request) -> random.Random:
-        rng = self._rngs.get(request.request_id)
+        rng = request.generator
         if rng is None:
             seed = request.sampling_params.seed
             if seed is None:  # same prompt, same text: unseeded requests are deterministic too
                 seed = xxhash.xxh64_intdigest(repr((request.prompt_token_ids, request.sample_index)).encode())
             if request.lora_request is not None:  # each adapter writes its own text
                 seed = xxhash.xxh64_intdigest(repr((seed, request.lora_request.lora_int_id)).encode())
-            rng = self._rngs[request.request_id] = random.Random(seed)
+            rng = request.generator = random.Random(seed)
         return rng
 
-    def execute(self, out: SchedulerOutput, generators):
+    def execute(self, out: SchedulerOutput):
         started = time.monotonic()
         self.num_steps += 1
         if self.profile.fail_after_steps and self.num_steps >= self.profile.fail_after_steps:
@@ -195,9 +194,6 @@ class SimModelRunner:
 
     def set_lora_slot(self, slot: int, adapter: AdapterConfig | None) -> None:
         """Nothing to copy: the sim's cost model has no adapter term."""
-
-    def forget(self, request_id: str) -> None:
-        self._rngs.pop(request_id, None)
 
     def close(self) -> None:
         """Nothing to release (the torch runner's counterpart stops its mask thread)."""

@@ -24,10 +24,10 @@ def count_computed(llm, monkeypatch):
     runner = llm.engine.runner
     original = runner.execute
 
-    def execute(out, generators):
+    def execute(out):
         for s in out.scheduled:
             counts[s.request.request_id] = counts.get(s.request.request_id, 0) + s.num_new_tokens
-        return original(out, generators)
+        return original(out)
 
     monkeypatch.setattr(runner, "execute", execute)
     return counts

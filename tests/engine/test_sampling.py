@@ -119,7 +119,9 @@ def test_top_k_top_p_match_reference(top_k, top_p):
 
 def make_batch(params_list, generators=None):
     reqs = [Request(f"r{i}", [0], p) for i, p in enumerate(params_list)]
-    return SamplingBatch.build(reqs, LOGITS.shape[1], torch.device("cpu"), generators or {})
+    for r in reqs:
+        r.generator = (generators or {}).get(r.request_id)
+    return SamplingBatch.build(reqs, LOGITS.shape[1], torch.device("cpu"))
 
 
 def test_temperature_sampling_distribution():
