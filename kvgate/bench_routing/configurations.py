@@ -77,6 +77,14 @@ CONFIGURATIONS = [
                            ("token-load-scorer", 2, None), ("no-hit-lru-scorer", 1, None),
                            ("max-score-picker", None, None)]),
                   kv_events=True),
+    RoutingConfig("kvgate", "kvgate's profile for kvgate engines: prefix-cache-affinity filter on the exact prefill "
+                  "backlog (loadTolerance 4, no exploration), then precise prefix 3, prefix-group balance 3, "
+                  "token-load 1", "epp",
+                  _config([("prefix-cache-affinity-filter", None,
+                            {"loadSignal": "backlog", "loadTolerance": 4, "explorationProbability": 0}),
+                           ("precise-prefix-cache-scorer", 3, None), ("prefix-group-balance-scorer", 3, None),
+                           ("token-load-scorer", 1, None), ("max-score-picker", None, None)]),
+                  kv_events=True),
     RoutingConfig("predicted-ttft", "kvgate EPP: predicted-TTFT (backlog + uncached tokens / prefill rate) 3 on "
                   "the precise prefix match 1", "epp",
                   _config([("precise-prefix-cache-scorer", 1, None), ("predicted-ttft-scorer", 3, None),

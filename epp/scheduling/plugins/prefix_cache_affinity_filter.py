@@ -3,7 +3,11 @@ load costs more than the hit saves.
 
     f(e)    = cached_tokens(e) / prompt_tokens                 from the profile's prefix scorer (PrefixMatchSource)
     warm    = {e : f(e) ≥ affinityThreshold},  cold = the other candidates
-    L(e)    = tokens in flight from this EPP to e (exact at this decision: scheduling/live_load.py)
+    L(e)    = loadSignal backlog: prompt tokens e still has to prefill — its kvgate:num_prefill_tokens_pending as
+              last scraped, plus the uncached prompt tokens this EPP routed to e since (live_load.py) — the work
+              that stands between a new request and its first token, exact to the last pick;
+              loadSignal tokens: tokens in flight from this EPP to e (prompt + max_tokens, cached or not);
+              auto (default): backlog when the endpoints export the metric (kvgate engines), else tokens
     w*      = argmin_warm L,   c* = argmin_cold L              the least loaded of each side
     saved   = cached_tokens(w*) - cached_tokens(c*)            prefill tokens going to w* instead of c* saves
     keep only warm   iff   L(w*) - L(c*) ≤ loadTolerance × saved
@@ -15,9 +19,14 @@ filter never returns an empty list, and returns the very list it got when it kee
 of the scorers after it then still hold).
 
 llm-d's version breaks stickiness on a predicted-TTFT gap (maxTTFTPenaltyMs, from its latency predictor); kvgate
-compares in-flight tokens with the prefill tokens saved, which it knows exactly. Parameters: affinityThreshold
-(0, 1] = 0.80, explorationProbability [0, 1] = 0.01, loadTolerance ≥ 0 = 1.0 (0: leave warm endpoints as soon as
-they carry more load than the coldest; large: always sticky), prefixScorer = the profile's only prefix scorer.
+compares the prefill backlog with the prefill tokens saved, both in tokens the same engine computes at the same
+rate, so loadTolerance 1 means "leave only when the warm endpoint's first token would come later". Why not
+in-flight tokens: a warm endpoint's in-flight requests are mostly cached and cost it little, yet counted whole
+they broke stickiness under load (`kvgate bench routing`, multi-tenant, 24 req/s: TTFT p90 2.17 s with tokens).
+Parameters: affinityThreshold (0, 1] = 0.80, explorationProbability [0, 1] = 0.01, loadTolerance ≥ 0 = 1.0 (0:
+leave warm endpoints as soon as they carry more load than the coldest; large: always sticky; above 1 values the
+cache a spill would pollute), loadSignal auto | backlog | tokens = auto, prefixScorer = the profile's only prefix
+scorer.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from kvgate.epp.types import EndpointState, LLMRequest
 
 DEFAULT_AFFINITY_THRESHOLD = 0.80  # llm-d's default
 DEFAULT_EXPLORATION_PROBABILITY = 0.01  # llm-d's default
+LOAD_SIGNALS = ("auto", "backlog", "tokens")
 
 
 class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
@@ -41,12 +51,13 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
 
     def __init__(self, affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD,
                  exploration_probability: float = DEFAULT_EXPLORATION_PROBABILITY, load_tolerance: float = 1.0,
-                 prefix_source_name: str = "") -> None:
+                 prefix_source_name: str = "", load_signal: str = "auto") -> None:
         super().__init__()
         self.affinity_threshold = affinity_threshold
         self.exploration_probability = exploration_probability
         self.load_tolerance = load_tolerance
         self.prefix_source_name = prefix_source_name
+        self.load_signal = load_signal
 
     def filter(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
                ) -> list[EndpointState]:
@@ -56,12 +67,19 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
         warm = cached >= self.affinity_threshold * prompt
         if not warm.any() or warm.all():
             return endpoints
-        load = live_load.column(cycle, endpoints, "tokens")
+        load = self._load(cycle, endpoints)
         w = _argmin_where(load, warm)
         c = _argmin_where(load, ~warm)
         if load[w] - load[c] > self.load_tolerance * (cached[w] - cached[c]):
             return endpoints
         return [e for e, keep in zip(endpoints, warm) if keep]
+
+    def _load(self, cycle: CycleState | None, endpoints: list[EndpointState]) -> np.ndarray:
+        scraped = [e.metrics.prefill_tokens_pending for e in endpoints]
+        if self.load_signal == "tokens" or (self.load_signal == "auto" and all(p is None for p in scraped)):
+            return live_load.column(cycle, endpoints, "tokens")
+        backlog = np.fromiter((p or 0 for p in scraped), dtype=float, count=len(endpoints))
+        return backlog + live_load.column(cycle, endpoints, "unseen_prompt")
 
     def _explores(self, request: LLMRequest) -> bool:
         if self.exploration_probability <= 0:
@@ -80,7 +98,10 @@ def _argmin_where(values: np.ndarray, mask: np.ndarray) -> int:
 def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
     t = PrefixCacheAffinityFilter.type_name
     params = check_keys(parameters, {"affinityThreshold", "explorationProbability", "loadTolerance",
-                                     "prefixScorer"}, t)
+                                     "loadSignal", "prefixScorer"}, t)
+    signal = params.get("loadSignal", "auto")
+    if signal not in LOAD_SIGNALS:
+        raise ValueError(f"{t}: parameter loadSignal must be one of {', '.join(LOAD_SIGNALS)}, got {signal!r}")
     return PrefixCacheAffinityFilter(
         affinity_threshold=float_param(params, "affinityThreshold", DEFAULT_AFFINITY_THRESHOLD, t, 0.0, 1.0,
                                        min_inclusive=False),
@@ -88,4 +109,5 @@ def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
                                             0.0, 1.0),
         load_tolerance=float_param(params, "loadTolerance", 1.0, t, 0.0),
         prefix_source_name=str_param(params, "prefixScorer", "", t),
+        load_signal=signal,
     )
