@@ -152,6 +152,71 @@ def test_affinity_exploration_keeps_all_for_about_its_share_of_requests():
     assert len(f.filter(req(rid="r7"), states, CycleState())) == len(f.filter(req(rid="r7"), states, CycleState()))
 
 
+def test_affinity_on_the_prefill_backlog_counts_only_uncached_work():
+    """kvgate engines export their prefill backlog: a warm endpoint's many mostly-cached requests cost it little,
+    so it stays warm where in-flight tokens would have broken stickiness."""
+    pending = {"a:1": 96, "b:1": 0, "c:1": 0}  # scraped kvgate:num_prefill_tokens_pending
+    states = [ttft_state(a, pending=p) for a, p in pending.items()]
+    scheduler, f, _ = affinity()
+    warmed(scheduler, states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384})
+    heavy_in_flight = {"a:1": 10_000}  # 10k tokens in flight to a (prompt + max_tokens, mostly cached)
+    # c* = b (no backlog, 64 cached): going to a saves 96 prefill tokens, and a's backlog is 96
+    assert addresses(f.filter(req(), states, loads(states, heavy_in_flight))) == ["a:1"]
+    states[0].metrics.prefill_tokens_pending = 97  # more backlog than the hit saves
+    assert f.filter(req(), states, loads(states, {})) is states
+    tokens = create_plugin("prefix-cache-affinity-filter", {"loadSignal": "tokens", "explorationProbability": 0})
+    tokens.prefix_source = f.prefix_source
+    states[0].metrics.prefill_tokens_pending = 0
+    assert tokens.filter(req(), states, loads(states, heavy_in_flight)) is states  # the old signal lets go
+
+
+def test_affinity_backlog_adds_the_uncached_tokens_routed_since_the_scrape():
+    scheduler, f, _ = affinity()
+    states = [ttft_state(a, pending=0) for a in ("a:1", "b:1", "c:1")]
+    tracker = LoadTracker()  # a holds all 160 tokens of the prompt, b 64 (affinity()'s warm-up), c none
+    tracker.add(LLMRequest("since", "m", "m", ""), "a:1", tokens=5000, prompt_tokens=90)  # uncached part: 90
+    assert addresses(f.filter(req(), states, CycleState(tracker.view(states)))) == ["a:1"]  # 90 ≤ 96 saved over b
+    tracker.add(LLMRequest("since-2", "m", "m", ""), "a:1", tokens=5000, prompt_tokens=7)
+    assert f.filter(req(), states, CycleState(tracker.view(states))) is states  # 97 > 96
+
+
+# -------------------------------------------------------------------------------- prefix-group-balance-scorer
+
+def test_group_balance_gives_a_homeless_prefix_to_the_endpoint_with_the_fewest_groups():
+    now = [100.0]
+    scorer = create_plugin("prefix-group-balance-scorer", {"groupChars": 16, "windowSeconds": 10})
+    scorer.clock = lambda: now[0]
+    states = [state("a:1"), state("b:1"), state("c:1")]
+
+    def pick(prompt, address):
+        scorer.pre_request(req(prompt), states[addresses(states).index(address)], None)
+
+    assert list(scorer.score(req("tenant-1 hello"), states)) == [1.0, 1.0, 1.0]
+    pick("tenant-1 system prompt", "a:1")
+    pick("tenant-2 system prompt", "a:1")
+    pick("tenant-3 system prompt", "b:1")
+    assert list(scorer.score(req("tenant-4 system prompt"), states)) == [0.0, 0.5, 1.0]  # groups 2, 1, 0
+    # tenant-1's own endpoint counts it already: a (2 - 1) ties b (1); c (0) still best
+    assert list(scorer.score(req("tenant-1 system prompt, again"), states)) == [0.0, 0.0, 1.0]
+    pick("tenant-1 system prompt", "a:1")  # the same group again: still 2 groups on a, not 3
+    assert len(scorer._groups["a:1"]) == 2
+    now[0] += 10.5  # the window passed for a and b's groups
+    pick("tenant-5 system prompt", "c:1")
+    assert list(scorer.score(req("tenant-6 system prompt"), states)) == [1.0, 1.0, 0.0]
+    scorer.remove_endpoint("c:1")
+    assert list(scorer.score(req("tenant-6 system prompt"), states)) == [1.0, 1.0, 1.0]
+
+
+def test_group_balance_is_neutral_for_a_warm_prompt():
+    scheduler = Scheduler(parse_config(config("type: prefix-cache-scorer", "type: prefix-group-balance-scorer",
+                                              "type: max-score-picker")).scheduler)
+    scorer = scheduler.plugins_of_type("prefix-group-balance-scorer")[0]
+    states = [state("a:1"), state("b:1")]
+    warmed(scheduler, states, {"a:1": PROMPT})
+    assert list(scorer.score(req(), states, CycleState())) == [0.5, 0.5]
+    assert list(scorer.score(req("something nobody holds " * 20), states, CycleState())) == [0.0, 1.0]
+
+
 # -------------------------------------------------------------------------------- no-hit-lru-scorer
 
 def test_no_hit_lru_ranks_cold_requests_by_their_last_cold_pick():
