@@ -43,6 +43,11 @@ def add_up_parser(sub) -> None:
                         "dash as --engine-arg=--enable-lora)")
     p.add_argument("--manifests", help="YAML with InferenceObjective / InferenceModelRewrite objects for the EPP "
                                        "(what a cluster's pool would have), e.g. a model name split across adapters")
+    p.add_argument("--profile", choices=["upstream", "kvgate"], default="upstream",
+                   help="the EPP's scorers without --config-file: upstream (default: queue 2, kv-cache 2, prefix 3) "
+                        "or kvgate (affinity to the engine that holds the prompt, on its exact prefill backlog; "
+                        "precise prefix from KV events; prefix groups spread; implies --kv-events); both with two "
+                        "fallbacks per decision")
     p.add_argument("--kv-events", action="store_true",
                    help="engines publish KV-cache events (each on its own loopback ports) and the EPP subscribes: "
                         "what a --config-file naming precise-prefix-cache-scorer needs")
@@ -294,7 +299,7 @@ def epp_ready(health_port: int) -> bool:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from kvgate.epp.scheduling.config import FALLBACK_CONFIG_YAML, ConfigError
+    from kvgate.epp.scheduling.config import FALLBACK_CONFIG_YAML, KVGATE_PROFILE_FALLBACK_YAML, ConfigError
 
     if args.replicas < 1:
         raise SystemExit("kvgate up: --replicas must be >= 1")
@@ -311,9 +316,11 @@ def run_up(args: argparse.Namespace) -> int:
         up = launch_local_stack(stack, replicas=args.replicas, model=args.model, backend=args.backend,
                                 host=args.host, port=args.port, fail_open=args.failure_mode == "FailOpen",
                                 epp_config_file=args.config_file,
-                                epp_config_text=None if args.config_file else FALLBACK_CONFIG_YAML,
+                                epp_config_text=None if args.config_file else (
+                                    KVGATE_PROFILE_FALLBACK_YAML if args.profile == "kvgate" else FALLBACK_CONFIG_YAML),
                                 engine_args=args.engine_arg, limits=envoy_limits(args),
-                                startup_timeout=args.startup_timeout, kv_events=args.kv_events,
+                                startup_timeout=args.startup_timeout,
+                                kv_events=args.kv_events or (args.profile == "kvgate" and not args.config_file),
                                 epp_args=["--manifests", args.manifests] if args.manifests else [])
         print(f"kvgate is up: {up.url}  ({args.replicas} x {args.backend} engine of {args.model!r}, EPP, Envoy)")
         print(f"  curl {up.url}/v1/completions -H 'content-type: application/json' "

@@ -37,6 +37,16 @@ def start_up(tmp_path, port: int, *args: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def stop_up(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user stops it; killed if it has not stopped everything within a minute."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
 def read_until_up(proc: subprocess.Popen, timeout_s: float) -> str:
     """What `kvgate up` printed up to its "Ctrl-C stops everything" line (or its exit, or the timeout)."""
     lines = []
@@ -141,16 +151,19 @@ def test_supervise_backs_off_and_resets_after_a_stable_run(tmp_path):
     stack.stop()
 
 
-def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path):
-    """`kvgate up --kv-events` with a config naming precise-prefix-cache-scorer: every engine publishes on its own
-    loopback sockets, the EPP subscribes to each, and the blocks the engines cache reach the EPP's index (a
-    stack whose engines connect instead of bind, or whose EPP is told no socket, shows 0 blocks)."""
+@pytest.mark.parametrize("how", ["kv-events", "profile"])
+def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path, how):
+    """`kvgate up --kv-events` with a config naming precise-prefix-cache-scorer, or `--profile kvgate` (which turns
+    the events on): every engine publishes on its own loopback sockets, the EPP subscribes to each, and the blocks
+    the engines cache reach the EPP's index (a stack whose engines connect instead of bind, or whose EPP is told
+    no socket, shows 0 blocks)."""
     from kvgate.bench_routing.configurations import BY_NAME
 
     config = tmp_path / "precise.yaml"
     config.write_text(BY_NAME["precise"].epp_config)
     port = free_port()
-    proc = start_up(tmp_path, port, "--backend", "sim", "--kv-events", "--config-file", str(config))
+    args = ["--kv-events", "--config-file", str(config)] if how == "kv-events" else ["--profile", "kvgate"]
+    proc = start_up(tmp_path, port, "--backend", "sim", *args)
     try:
         output = read_until_up(proc, 120)
         metrics_url = re.search(r"EPP metrics: (\S+)", output)
@@ -175,9 +188,4 @@ def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path):
         assert stored >= len(system) // 16, text  # the shared prefix's blocks, announced by the engine(s) that ran it
         assert metric(text, "kvgate_epp_precise_index_blocks") > 0, text
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_up(proc)

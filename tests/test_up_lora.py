@@ -7,9 +7,6 @@ requests."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -18,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from tests.procs import free_port
-from tests.test_up import read_until_up, start_up
+from tests.test_up import read_until_up, start_up, stop_up
 
 SERVED_BY = "x-kvgate-endpoint"
 LORA_CONFIG = """\
@@ -113,10 +110,5 @@ def test_lora_affinity_and_a_rewritten_name_split_across_adapters(tmp_path):
             t.join(60)
         assert all(code == 200 and "[DONE]" in body for code, body in streams.values())
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_up(proc)
 

@@ -366,3 +366,36 @@ def parse_duration(value: Any) -> float:
     if not 0 < seconds <= MAX_DURATION_S:  # NaN and inf too
         raise ValueError(f"duration must be positive and at most {MAX_DURATION_S:.0f} s, got {show(value)}")
     return seconds
+
+
+# kvgate's profile for pools of kvgate engines, which publish KV events and their exact prefill backlog (chosen by
+# `kvgate bench routing`, multi-tenant workload; the numbers are in README's routing section): stay on the
+# endpoint that holds the prompt until its prefill backlog costs more than 4x what the hit saves (no random
+# exploration: a needless spill evicts another prefix), score the exact cached prefix from KV events, give a
+# prefix nobody holds to the endpoint serving the fewest prefix groups, and break ties on in-flight tokens. Needs
+# the engines' KV events (`kvgate up --profile kvgate` turns them on; in Kubernetes, spec.engine.kvEvents).
+KVGATE_PROFILE_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefix-cache-affinity-filter
+  parameters: {loadSignal: backlog, loadTolerance: 4, explorationProbability: 0}
+- type: precise-prefix-cache-scorer
+- type: prefix-group-balance-scorer
+- type: token-load-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-affinity-filter
+  - pluginRef: precise-prefix-cache-scorer
+    weight: 3
+  - pluginRef: prefix-group-balance-scorer
+    weight: 3
+  - pluginRef: token-load-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+KVGATE_PROFILE_FALLBACK_YAML = KVGATE_PROFILE_YAML.replace(
+    "- type: max-score-picker\n", "- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}\n", 1)
+

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML
+from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML
 
 SIM_MODEL = "sim-model"
 # Every configuration's replicas: a GPU-like timing model, slowed so that prefill dominates (0.2 ms per prompt
@@ -77,13 +77,9 @@ CONFIGURATIONS = [
                            ("token-load-scorer", 2, None), ("no-hit-lru-scorer", 1, None),
                            ("max-score-picker", None, None)]),
                   kv_events=True),
-    RoutingConfig("kvgate", "kvgate's profile for kvgate engines: prefix-cache-affinity filter on the exact prefill "
-                  "backlog (loadTolerance 4, no exploration), then precise prefix 3, prefix-group balance 3, "
-                  "token-load 1", "epp",
-                  _config([("prefix-cache-affinity-filter", None,
-                            {"loadSignal": "backlog", "loadTolerance": 4, "explorationProbability": 0}),
-                           ("precise-prefix-cache-scorer", 3, None), ("prefix-group-balance-scorer", 3, None),
-                           ("token-load-scorer", 1, None), ("max-score-picker", None, None)]),
+    RoutingConfig("kvgate", "kvgate's profile for kvgate engines (epp/scheduling/config.py KVGATE_PROFILE_YAML): "
+                  "prefix-cache-affinity filter on the exact prefill backlog (loadTolerance 4, no exploration), "
+                  "then precise prefix 3, prefix-group balance 3, token-load 1", "epp", KVGATE_PROFILE_YAML,
                   kv_events=True),
     RoutingConfig("predicted-ttft", "kvgate EPP: predicted-TTFT (backlog + uncached tokens / prefill rate) 3 on "
                   "the precise prefix match 1", "epp",
