@@ -173,6 +173,7 @@ class EngineLoop:
                 command = self.receive(0.0)
             stepped = engine.has_unfinished_requests()
             outputs = engine.step() if stepped else []
+            failures += [RequestFailed(rid, exc) for rid, exc in engine.take_failures()]
             now = time.monotonic()
             # A prefill chunk yields no output but moves the prefill backlog: reported too, so the
             # kvgate:num_prefill_tokens_pending gauge follows every step.

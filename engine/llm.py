@@ -92,7 +92,13 @@ class LLM:
         while pending:
             if not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"engine stopped with requests unfinished: {sorted(pending)}")
-            for out in self.engine.step():
+            outputs = self.engine.step()
+            failed = [(rid, exc) for rid, exc in self.engine.take_failures() if rid in pending]
+            if failed:
+                for rid in pending:
+                    self.engine.abort_request(rid)
+                raise failed[0][1]
+            for out in outputs:
                 if out.request_id not in finals:
                     continue
                 for c in out.outputs:

@@ -237,6 +237,17 @@ class LLMEngine:
             self._children.pop(child_id, None)
         return True
 
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """Requests the engine ended with an error while scheduling: (request id, error), each request once, its
+        other samples aborted. Callers report them (the server as an error answer, LLM.generate by raising)."""
+        failures = []
+        for child, exc in self.scheduler.failed:
+            record = self._children.get(child.request_id)
+            if record is not None and self.abort_request(record.parent_id):
+                failures.append((record.parent_id, exc))
+        self.scheduler.failed.clear()
+        return failures
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvgate.engine.errors import LoRAError
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.lora.manager import LoRAManager
 from kvgate.engine.request import Request, RequestStatus
@@ -128,6 +129,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_prefill_tokens_pending = 0  # sum of prefill_tokens_pending() over waiting + running
+        # Requests ended with an error while scheduling (an adapter whose files could not be read again): the
+        # engine reports them to their callers (LLMEngine.take_failures).
+        self.failed: list[tuple[Request, Exception]] = []
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -216,10 +220,17 @@ class Scheduler:
         skipped: list[Request] = []
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if request.lora_request is not None and self.lora.make_resident(
-                    request.lora_request, {r.lora_request.lora_int_id for r in self.running if r.lora_request}) is None:
-                skipped.append(self.waiting.pop())
-                continue
+            if request.lora_request is not None:
+                try:
+                    slot = self.lora.make_resident(
+                        request.lora_request, {r.lora_request.lora_int_id for r in self.running if r.lora_request})
+                except LoRAError as exc:  # its host copy was dropped and its folder no longer loads
+                    self.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+                    self.failed.append((request, exc))
+                    continue
+                if slot is None:
+                    skipped.append(self.waiting.pop())
+                    continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.enable_chunked_prefill:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import threading
+import time
 
 DEFAULT_KVGATE_IMAGE = "ghcr.io/kvgate/kvgate:latest"
 DEFAULT_ENVOY_IMAGE = "envoyproxy/envoy:v1.36-latest"
@@ -86,12 +89,54 @@ def run_operator(args: argparse.Namespace) -> int:
         logging.getLogger("kvgate.operator").warning(
             "ModelServers may use: %s", ", ".join((["hostPath volumes"] if args.allow_host_path else [])
                                                   + [f"images under {p!r}" for p in args.allow_image_prefix]))
-    reconciler = Reconciler(Kube(), config)
-    registry = register(kopf.OperatorRegistry(), reconciler)
     liveness = f"http://{args.liveness_host}:{args.liveness_port}/healthz" if args.liveness_port else None
-    try:
-        kopf.run(registry=registry, standalone=True, clusterwide=args.namespace is None,
-                 namespaces=[args.namespace] if args.namespace else (), liveness_endpoint=liveness)
-    finally:
-        reconciler.stop()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # kopf, in its own thread, leaves the signals to us
+        signal.signal(sig, lambda *_: stop.set())
+
+    def serve_once() -> None:
+        reconciler = Reconciler(Kube(), config)
+        try:
+            kopf.run(registry=register(kopf.OperatorRegistry(), reconciler), standalone=True,
+                     clusterwide=args.namespace is None, namespaces=[args.namespace] if args.namespace else (),
+                     liveness_endpoint=liveness, stop_flag=stop)
+        finally:
+            reconciler.stop()
+
+    runner = threading.Thread(target=serve_until_stopped, args=(serve_once, stop), name="kvgate-operator-kopf")
+    runner.start()
+    while runner.is_alive():
+        runner.join(0.5)
     return 0
+
+
+# kopf ends its whole reactor when one watch fails for good, e.g. a 404 for a custom resource while a restarted
+# API server has not registered its CRDs yet (seen in tests/e2e/test_control_plane_faults_e2e.py: the operator
+# stopped following ModelServers after the outage). The operator starts it again instead; a fresh start lists
+# everything, so nothing that changed meanwhile is missed.
+RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, doubling to this cap; back to the first after a minute of running
+
+
+def serve_until_stopped(serve_once, stop: threading.Event, backoff: tuple[float, float] = RESTART_BACKOFF_S) -> int:
+    """Call serve_once() until `stop` is set, waiting a growing delay after each run that ended on its own (or
+    raised); returns how many times it started again."""
+    log = logging.getLogger("kvgate.operator")
+    first, cap = backoff
+    delay, restarts = first, 0
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            serve_once()
+        except Exception:  # noqa: BLE001 - logged, then started again like any other end
+            log.exception("the operator's reactor failed")
+        if stop.is_set():
+            break
+        if restarts and time.monotonic() - started < 60:
+            delay = min(delay * 2, cap)
+        else:
+            delay = first
+        restarts += 1
+        log.error("the operator's watches stopped on their own; starting them again in %.0f s (restart %d)",
+                  delay, restarts)
+        stop.wait(delay)
+    return restarts

@@ -144,3 +144,22 @@ def test_lora_off_and_bad_startup_modules(tmp_path):
     good = engine(tmp_path, lora_modules=(LoRAModulePath("a", str(tmp_path / "a")),
                                           LoRAModulePath("b", adapter_dir(tmp_path, "b"))))
     assert [(lora.lora_name, lora.lora_int_id) for lora in good.list_loras()] == [("a", 1), ("b", 2)]
+
+
+def test_an_adapter_that_no_longer_loads_fails_its_requests_not_the_engine(tmp_path):
+    """One host copy for two adapters: a's is dropped when b is added; if a's folder is then gone, a's request
+    gets the error (the server answers it; LLM.generate raises it) and the engine goes on serving b."""
+    import shutil
+
+    e = engine(tmp_path, max_loras=1, max_cpu_loras=1)
+    a, b = LoRARequest("a", 1, adapter_dir(tmp_path, "a")), LoRARequest("b", 2, adapter_dir(tmp_path, "b"))
+    e.add_lora(a)
+    e.add_lora(b)
+    shutil.rmtree(a.lora_path)
+    e.add_request("for-a", PROMPT, params(), lora_request=a)
+    e.add_request("for-b", PROMPT, params(), lora_request=b)
+    e.step()
+    (failure,) = e.take_failures()
+    assert failure[0] == "for-a" and isinstance(failure[1], LoRAError) and "does not exist" in str(failure[1])
+    run(e)
+    assert not e.take_failures() and not e.has_unfinished_requests()

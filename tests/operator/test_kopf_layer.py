@@ -156,3 +156,24 @@ def test_watches_of_other_peoples_objects_are_filtered_by_the_api_server():
 def test_no_network_policy_watch_when_policies_are_off():
     _, handlers = _registered(network_policy=False)
     assert "networkpolicies" not in handlers and "configmaps" in handlers
+
+
+def test_the_reactor_is_started_again_when_it_ends_on_its_own():
+    """kopf ends its reactor when a watch fails for good (a 404 while a restarted API server registers its CRDs):
+    the operator starts it again, with a growing delay, until it is told to stop."""
+    import threading
+
+    from kvgate.operator.main import serve_until_stopped
+
+    stop = threading.Event()
+    runs = []
+
+    def serve_once():
+        runs.append(1)
+        if len(runs) == 2:
+            raise RuntimeError("404 page not found")
+        if len(runs) == 4:
+            stop.set()  # SIGTERM while serving: no restart after this run
+
+    assert serve_until_stopped(serve_once, stop, backoff=(0.01, 0.02)) == 3 and len(runs) == 4
+    assert serve_until_stopped(serve_once, stop) == 0 and len(runs) == 4  # stopped before: never runs

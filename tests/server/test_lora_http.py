@@ -6,6 +6,7 @@ vllm:lora_requests_info following it all, parsed by the EPP's own metrics reader
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import openai
@@ -105,11 +106,12 @@ def test_runtime_load_and_unload_while_others_stream(server, adapters, expected)
     for t in threads:
         t.start()
     seen_running = set()
-    for _ in range(50):  # the metric shows the adapters of running requests (the EPP's lora-affinity-scorer input)
+    for _ in range(100):  # the metric shows the adapters of running requests (the EPP's lora-affinity-scorer input)
         info = _lora_info(server.url)
         seen_running |= info["running"]
         if {"all-r8", "attn-r4-rslora"} <= seen_running:
             break
+        time.sleep(0.02)
     assert info["max"] == 2 and {"all-r8", "attn-r4-rslora"} <= seen_running
 
     loaded = httpx.post(server.url + "/v1/load_lora_adapter", timeout=60,
