@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.procs import KVGATE, free_port
+from tests.procs import KVGATE, free_port, stop_group
 
 
 def descendants(pid: int) -> set[int]:
@@ -35,16 +35,6 @@ def start_up(tmp_path, port: int, *args: str) -> subprocess.Popen:
     return subprocess.Popen([KVGATE, "up", "--replicas", "2", "--port", str(port), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
-
-
-def stop_up(proc: subprocess.Popen) -> None:
-    """Ctrl-C, as a user stops it; killed if it has not stopped everything within a minute."""
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
 
 
 def read_until_up(proc: subprocess.Popen, timeout_s: float) -> str:
@@ -188,4 +178,4 @@ def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path, 
         assert stored >= len(system) // 16, text  # the shared prefix's blocks, announced by the engine(s) that ran it
         assert metric(text, "kvgate_epp_precise_index_blocks") > 0, text
     finally:
-        stop_up(proc)
+        stop_group(proc, timeout=60)  # kvgate up stops everything on SIGTERM as on Ctrl-C

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.procs import free_port
-from tests.test_up import read_until_up, start_up, stop_up
+from tests.procs import free_port, stop_group
+from tests.test_up import read_until_up, start_up
 
 SERVED_BY = "x-kvgate-endpoint"
 LORA_CONFIG = """\
@@ -110,5 +110,5 @@ def test_lora_affinity_and_a_rewritten_name_split_across_adapters(tmp_path):
             t.join(60)
         assert all(code == 200 and "[DONE]" in body for code, body in streams.values())
     finally:
-        stop_up(proc)
+        stop_group(proc, timeout=60)  # kvgate up stops everything on SIGTERM as on Ctrl-C
 

@@ -145,8 +145,13 @@ schedulingProfiles:
 # The default's scorers with a picker that also returns two fallbacks: for a gateway that follows them (kvgate's
 # own Envoy: override_host with retries), a request the primary cannot take — it died, it is draining — is
 # retried on the next. `kvgate up` runs it (`kvgate bench chaos`: replica-kill vs replica-kill-default).
-FALLBACK_CONFIG_YAML = DEFAULT_CONFIG_YAML.replace("- type: max-score-picker\n",
-                                                   "- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}\n", 1)
+def with_fallbacks(config_yaml: str) -> str:
+    """`config_yaml` with its max-score picker also returning two fallbacks (maxNumOfEndpoints 3)."""
+    return config_yaml.replace("- type: max-score-picker\n",
+                               "- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}\n", 1)
+
+
+FALLBACK_CONFIG_YAML = with_fallbacks(DEFAULT_CONFIG_YAML)
 
 
 def default_config() -> EppConfig:
@@ -396,6 +401,5 @@ schedulingProfiles:
     weight: 1
   - pluginRef: max-score-picker
 """
-KVGATE_PROFILE_FALLBACK_YAML = KVGATE_PROFILE_YAML.replace(
-    "- type: max-score-picker\n", "- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}\n", 1)
+KVGATE_PROFILE_FALLBACK_YAML = with_fallbacks(KVGATE_PROFILE_YAML)
 
