@@ -199,6 +199,15 @@ class LocalStack:
         return next(c for c in self.stack.children if c.name == name)
 
 
+def epp_tokenizer_args(model: str, kv_events: bool, epp_args=()) -> list[str]:
+    """The EPP's --tokenizer for a precise prefix index: the engines' model folder. Without it the EPP tokenizes
+    with the sim's byte tokenizer (the demo model's too), so a real model's prompts would hash to blocks no
+    engine announces and every request would score as a miss."""
+    if not kv_events or model == "demo" or "--tokenizer" in epp_args or not Path(model).is_dir():
+        return []
+    return ["--tokenizer", str(Path(model).resolve())]
+
+
 def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str, host: str, port: int,
                        fail_open: bool = False, epp_config_file: str | None = None,
                        epp_config_text: str | None = None, engine_args: list[str] = (),
@@ -242,7 +251,8 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
                                     "--port", str(engine_port), *engine_args, *extra],
                     env={"OMP_NUM_THREADS": threads})
     epp_args = [*epp_args, *(a for e, (pub, replay) in zip(endpoints, event_sockets)
-                             for a in ("--kv-events-endpoint", f"{e}={pub},{replay}"))]
+                             for a in ("--kv-events-endpoint", f"{e}={pub},{replay}")),
+                *epp_tokenizer_args(model, kv_events, epp_args)]
     grpc_port, health_port, metrics_port, admin_port = (free_port() for _ in range(4))
     with_epp = envoy_flavor != "round-robin"
     if with_epp:

@@ -179,3 +179,17 @@ def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path, 
         assert metric(text, "kvgate_epp_precise_index_blocks") > 0, text
     finally:
         stop_group(proc, timeout=60)  # kvgate up stops everything on SIGTERM as on Ctrl-C
+
+
+def test_the_epp_tokenizes_with_the_engines_model_folder(tmp_path):
+    """With KV events (`--profile kvgate`, `--kv-events`) the EPP must hash prompts with the engines' tokenizer:
+    a local model folder is passed as --tokenizer; the demo model and the sim's model names use the byte
+    tokenizer the EPP defaults to; an explicit --tokenizer wins."""
+    from kvgate.up import epp_tokenizer_args
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    assert epp_tokenizer_args(str(folder), True) == ["--tokenizer", str(folder.resolve())]
+    assert epp_tokenizer_args(str(folder), False) == []
+    assert epp_tokenizer_args("demo", True) == [] and epp_tokenizer_args("sim-model", True) == []
+    assert epp_tokenizer_args(str(folder), True, ["--tokenizer", "/elsewhere"]) == []

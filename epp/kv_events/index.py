@@ -10,9 +10,10 @@ subscriber.py maps the engine's hashes to these, for removals). A request's prom
 hashes the same way (`chain`) and an endpoint's match is its leading run of held blocks.
 
 Two writers, one reader, all on the EPP's event loop (no locks): `apply` takes the subscriber thread's deltas
-(posted to the loop), `add_speculative` the scorer's picks (a block the engine will hold once it prefills the
-request: it counts for `ttl_s` seconds, so a burst to a fresh prefix sticks to one endpoint before the events
-arrive), `match` serves the scorer. Holders of a block are an int bitset of endpoint ids (see
+(posted to the loop), `hold`/`release` and `add_speculative` the scorer's picks (a block the engine will hold
+once it prefills the request: it counts while a request that will compute it is held, then `speculative_ttl_s`
+seconds, so a burst to a fresh prefix sticks to one endpoint before the events arrive), `match` serves the
+scorer. Holders of a block are an int bitset of endpoint ids (see
 prefix_cache_scorer.py): a match is O(prompt blocks) dict lookups and bit operations.
 """
 
@@ -76,6 +77,8 @@ class PreciseIndex:
         # speculative: block → {endpoint id: expiry}; a FIFO of (expiry, block, id) for expiry, bounded
         self._spec: dict[int, dict[int, float]] = {}
         self._spec_fifo: deque[tuple[float, int, int]] = deque()
+        # (block, endpoint id) → requests in flight that will compute it: held (expiry inf, not in the FIFO)
+        self._holds: dict[tuple[int, int], int] = {}
         self.stale_deltas = 0
 
     # -- endpoints ------------------------------------------------------------------------------------------------
@@ -96,6 +99,7 @@ class PreciseIndex:
         self._drop_blocks_of(eid)
         for holders in self._spec.values():
             holders.pop(eid, None)
+        self._holds = {key: n for key, n in self._holds.items() if key[1] != eid}
         self._addresses[eid] = None
         self._free_ids.append(eid)
 
@@ -164,21 +168,73 @@ class PreciseIndex:
 
     # -- speculative blocks (picks) -------------------------------------------------------------------------------
 
-    def add_speculative(self, hashes: list[int], address: str) -> None:
+    def add_speculative(self, hashes: list[int], address: str, since: float | None = None) -> None:
+        """`address` will hold `hashes`: those not confirmed or held count `speculative_ttl_s` seconds from
+        `since` (default now; never earlier than the last expiry given, so the FIFO stays in order)."""
         if self.speculative_ttl_s <= 0 or not hashes:
             return
         eid = self._id(address)
         now = self.clock()
         self._expire(now)
-        expiry = now + self.speculative_ttl_s
+        expiry = (now if since is None else min(since, now)) + self.speculative_ttl_s
+        if self._spec_fifo:
+            expiry = max(expiry, self._spec_fifo[-1][0])
+        if expiry <= now:
+            return
         confirmed = self._blocks.get(eid, ())
+        holds = self._holds
         for h in hashes:
-            if h in confirmed:
+            if h in confirmed or (h, eid) in holds:
                 continue
             self._spec.setdefault(h, {})[eid] = expiry
             self._spec_fifo.append((expiry, h, eid))
         while len(self._spec_fifo) > self.max_speculative:  # bounded: the oldest go first
             self._expire_one()
+
+    def hold(self, hashes: list[int], address: str) -> None:
+        """A request in flight to `address` will compute `hashes`: those it does not hold yet count until
+        `release` (per block, a count of the requests holding it)."""
+        if self.speculative_ttl_s <= 0 or not hashes:
+            return
+        eid = self._id(address)
+        confirmed = self._blocks.get(eid, ())
+        holds, spec = self._holds, self._spec
+        for h in hashes:
+            if h in confirmed:
+                continue
+            key = (h, eid)
+            holds[key] = holds.get(key, 0) + 1
+            spec.setdefault(h, {})[eid] = _HELD
+
+    def release(self, hashes: list[int], address: str, since: float | None = None) -> None:
+        """The request that `hold` was given ended at `since` (default now; its prefill done): its blocks count
+        `speculative_ttl_s` seconds more, unless another request still holds them; by then the engine's events
+        confirm or remove them."""
+        eid = self._ids.get(address)
+        if eid is None:
+            return  # the endpoint left the pool meanwhile: remove() dropped its holds
+        holds = self._holds
+        done = []
+        for h in hashes:
+            key = (h, eid)
+            n = holds.get(key)
+            if n is None:
+                continue
+            if n > 1:
+                holds[key] = n - 1
+            else:
+                del holds[key]
+                done.append(h)
+        for h in done:
+            holders = self._spec.get(h)
+            if holders is not None:
+                holders.pop(eid, None)
+                if not holders:
+                    del self._spec[h]
+        self.add_speculative(done, address, since)
+
+    def held_size(self) -> int:
+        return len(self._holds)
 
     def _expire(self, now: float) -> None:
         fifo = self._spec_fifo
@@ -228,6 +284,9 @@ class PreciseIndex:
             if address is not None:
                 out[address] = blocks
             mask ^= low
+
+
+_HELD = float("inf")  # a held speculative entry's expiry: none until released
 
 
 def _spec_mask(holders: dict[int, float] | None) -> int:

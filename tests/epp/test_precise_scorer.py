@@ -81,7 +81,9 @@ def test_cache_salt_and_other_prompts_do_not_match():
     assert scorer.cached_tokens(request([1] + list(range(16))), [state(A)], None)[0] == 0
 
 
-def test_pre_request_makes_a_burst_stick_until_the_ttl():
+def test_pre_request_holds_while_in_flight_then_the_ttl():
+    """held until min(pick + maxSpeculativeHold, response end) + speculativeTTL: a request queued longer than
+    the TTL keeps its prefix warm where it went (with a TTL from the pick, the entries were gone at 2.5 s)."""
     now = [0.0]
     scorer = PrecisePrefixCacheScorer(speculative_ttl_s=2.0)
     scorer.index.clock = lambda: now[0]
@@ -91,8 +93,67 @@ def test_pre_request_makes_a_burst_stick_until_the_ttl():
     assert scorer.score(request(tokens), endpoints, cycle).tolist() == [0, 0]
     scorer.pre_request(request(tokens), endpoints[1], cycle)
     np.testing.assert_allclose(scorer.score(request(tokens), endpoints, CycleState()), [0, 32 / 40])
-    now[0] = 2.5
+    now[0] = 30.0  # still queued in the engine: held
+    np.testing.assert_allclose(scorer.score(request(tokens), endpoints, CycleState()), [0, 32 / 40])
+    scorer.response_complete(request(tokens), B, 40, 1)
+    now[0] = 31.9  # the TTL after the response's end
+    np.testing.assert_allclose(scorer.score(request(tokens), endpoints, CycleState()), [0, 32 / 40])
+    now[0] = 32.1
     assert scorer.score(request(tokens), endpoints, CycleState()).tolist() == [0, 0]
+    assert scorer.index.speculative_size() == 0 and scorer.index.held_size() == 0
+
+
+def test_a_block_stays_held_while_any_request_computing_it_is_in_flight():
+    now = [0.0]
+    scorer = PrecisePrefixCacheScorer(speculative_ttl_s=1.0)
+    scorer.index.clock = lambda: now[0]
+    tokens = list(range(40))
+    endpoints = [state(A, 16)]
+    scorer.pre_request(request(tokens, rid="r1"), endpoints[0], CycleState())
+    scorer.pre_request(request(tokens, rid="r2"), endpoints[0], CycleState())
+    scorer.response_complete(request(tokens, rid="r1"), A, 40, 1)
+    now[0] = 5.0  # r1's TTL is over, r2 still holds the blocks
+    assert scorer.cached_tokens(request(tokens), endpoints, None).tolist() == [32]
+    scorer.response_complete(request(tokens, rid="r2"), A, 40, 1)
+    now[0] = 5.9
+    assert scorer.cached_tokens(request(tokens), endpoints, None).tolist() == [32]
+    now[0] = 6.1
+    assert scorer.cached_tokens(request(tokens), endpoints, None).tolist() == [0]
+
+
+def test_holds_end_at_the_max_hold_and_are_bounded():
+    now = [0.0]
+    scorer = PrecisePrefixCacheScorer(speculative_ttl_s=1.0, max_speculative_hold_s=10.0, max_speculative=4)
+    scorer.index.clock = lambda: now[0]
+    endpoints = [state(A, 4)]
+    first, second = list(range(13)), list(range(100, 113))  # 3 usable blocks each
+    scorer.pre_request(request(first, rid="r1"), endpoints[0], CycleState())
+    now[0] = 10.5  # no response end came: the hold ends at 10 s, then the TTL
+    assert scorer.cached_tokens(request(first), endpoints, CycleState()).tolist() == [12]
+    now[0] = 11.1
+    assert scorer.cached_tokens(request(first), endpoints, CycleState()).tolist() == [0]
+    scorer.pre_request(request(first, rid="r2"), endpoints[0], CycleState())
+    scorer.pre_request(request(second, rid="r3"), endpoints[0], CycleState())  # 6 held blocks > 4: r2 released
+    assert scorer.index.held_size() == 3 and len(scorer._held) == 1
+    now[0] = 12.2
+    assert scorer.cached_tokens(request(first), endpoints, CycleState()).tolist() == [0]
+    assert scorer.cached_tokens(request(second), endpoints, CycleState()).tolist() == [12]
+
+
+def test_no_hold_gives_the_ttl_from_the_pick_and_removal_drops_holds():
+    now = [0.0]
+    scorer = PrecisePrefixCacheScorer(speculative_ttl_s=2.0, max_speculative_hold_s=0)
+    scorer.index.clock = lambda: now[0]
+    tokens = list(range(40))
+    scorer.pre_request(request(tokens), state(A, 16))
+    now[0] = 2.5
+    assert scorer.cached_tokens(request(tokens), [state(A, 16)], None).tolist() == [0]
+    held = PrecisePrefixCacheScorer(speculative_ttl_s=2.0)
+    held.pre_request(request(tokens), state(A, 16))
+    held.remove_endpoint(A)
+    assert held.index.held_size() == 0 and held.index.speculative_size() == 0 and not held._held
+    held.response_complete(request(tokens), A, 40, 1)  # after its endpoint left: nothing to release
+    assert held.cached_tokens(request(tokens), [state(A, 16)], None).tolist() == [0]
 
 
 def test_one_tokenization_per_cycle():
@@ -151,6 +212,7 @@ def test_matches_the_engine_tokenizer_and_chat_template():
 
 @pytest.mark.parametrize("params, message", [
     ({"speculativeTTL": -1}, "speculativeTTL must be a number of seconds"),
+    ({"maxSpeculativeHold": 7200}, "maxSpeculativeHold must be a number of seconds"),
     ({"speculativeTTL": "2s"}, "speculativeTTL must be a number of seconds"),
     ({"blockSize": 0}, "blockSize must be >= 1"),
     ({"tokenizer": 7}, "tokenizer must be a folder path"),

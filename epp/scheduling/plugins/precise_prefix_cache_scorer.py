@@ -12,9 +12,18 @@ engine would (epp/kv_events/tokenize.py) and hashed the same way, in blocks of t
     cached(e)  = blocks(e) × block_size                      (PrefixMatchSource.cached_tokens)
     score(e)   = cached(e) / n                               in [0, 1)
 
-`pre_request` marks the picked endpoint's blocks of the prompt as held for `speculativeTTL` seconds (default
-2 s): the engine announces blocks only once it has prefilled them, and a burst to a fresh prefix must not
-spread over the pool meanwhile. `remove_endpoint` drops the endpoint's blocks, speculative ones included, and
+`pre_request` marks the picked endpoint's blocks of the prompt as held (speculative entries): the engine
+announces blocks only once it has prefilled them, and a burst to a fresh prefix must not spread over the pool
+meanwhile. They count while the request is in flight (at most `maxSpeculativeHold`, default 60 s) and
+`speculativeTTL` seconds (default 2 s) after its response ends, by when the engine's events have confirmed them
+(or removed them, if it evicted them since):
+
+    held until  min(pick + maxSpeculativeHold, response end) + speculativeTTL
+
+A fixed TTL from the pick is not enough under load: at 24 req/s on the bench's 4 replicas a request waited
+3-5 s in the engine's queue before its prefill, the 2 s entries expired before the events came, the prefix
+looked cold, the queue scorer spread it, and precise fell behind approximate (whose history never forgets):
+TTFT p90 5.8 vs 3.1 s, hit rate 59% vs 66% (seed 0; /work/bench-results/s18-sweep24-0.json). `remove_endpoint` drops the endpoint's blocks, speculative ones included, and
 closes its event socket.
 
 PrefixMatchSource (epp/scheduling/prefix_match.py): `prompt_tokens` is the exact token count (the tokenizer's;
@@ -32,6 +41,7 @@ tests/epp/test_precise_serve.py prints it), 30-100× more: the EPP tokenizes loc
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +53,7 @@ from kvgate.epp.types import EndpointState, LLMRequest
 
 DEFAULT_BLOCK_SIZE = 16  # kvgate's and vLLM's default KV block size, in tokens
 DEFAULT_SPECULATIVE_TTL_S = 2.0
+DEFAULT_MAX_SPECULATIVE_HOLD_S = 60.0  # an in-flight request's entries at most (its response end shortens it)
 DEFAULT_MAX_PREFIX_BLOCKS = 8192
 DEFAULT_MAX_SPECULATIVE = 100_000
 DEFAULT_INDEX_MAX_BYTES = 256 * 1024 * 1024
@@ -65,8 +76,13 @@ class PrecisePrefixCacheScorer(Scorer):
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
                  tokenizer: str | None = None, max_prefix_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS,
                  index_max_bytes: int = DEFAULT_INDEX_MAX_BYTES,
-                 max_speculative: int = DEFAULT_MAX_SPECULATIVE) -> None:
+                 max_speculative: int = DEFAULT_MAX_SPECULATIVE,
+                 max_speculative_hold_s: float = DEFAULT_MAX_SPECULATIVE_HOLD_S) -> None:
         super().__init__()
+        self.max_speculative_hold_s = max_speculative_hold_s
+        # request id → (picked at, its block hashes, the endpoint), in pick order: held until the response ends
+        self._held: OrderedDict[str, tuple[float, list[int], str]] = OrderedDict()
+        self._held_blocks = 0
         self.block_size = block_size
         self.max_prefix_blocks = max_prefix_blocks
         self.index_max_bytes = index_max_bytes
@@ -126,6 +142,8 @@ class PrecisePrefixCacheScorer(Scorer):
 
     def remove_endpoint(self, address: str) -> None:
         self.index.remove(address)
+        for rid in [rid for rid, (_, _, a) in self._held.items() if a == address]:
+            self._held_blocks -= len(self._held.pop(rid)[1])  # remove() dropped the index's side
         if self._sources.pop(address, None) is not None and self.subscriber is not None:
             self.subscriber.unsubscribe(address)
 
@@ -165,6 +183,7 @@ class PrecisePrefixCacheScorer(Scorer):
 
     def cached_tokens(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None
                       ) -> np.ndarray:
+        self._sweep()
         m = self._analysis(request, cycle)
         out = np.zeros(len(endpoints))
         if not m.tokens:
@@ -183,8 +202,44 @@ class PrecisePrefixCacheScorer(Scorer):
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
         m = self._analysis(request, cycle)
-        if m.tokens:
-            self.index.add_speculative(self._hashes(m, self.block_size_of(endpoint)), endpoint.address)
+        if not m.tokens or self.index.speculative_ttl_s <= 0:
+            return
+        hashes = self._hashes(m, self.block_size_of(endpoint))
+        if self.max_speculative_hold_s <= 0:  # no holding: the TTL from the pick
+            self.index.add_speculative(hashes, endpoint.address)
+            return
+        self.index.hold(hashes, endpoint.address)
+        old = self._held.pop(request.request_id, None)  # the same request picked again (a retry): one hold
+        if old is not None:
+            self._release(old)
+        self._held[request.request_id] = (self.index.clock(), hashes, endpoint.address)
+        self._held_blocks += len(hashes)
+        self._sweep()
+
+    def response_complete(self, request: LLMRequest, endpoint_address: str, prompt_tokens: int,
+                          completion_tokens: int) -> None:
+        held = self._held.pop(request.request_id, None)
+        if held is not None:  # prefilled by now: the events confirm (or remove) its blocks within the TTL
+            self._release(held)
+
+    def _release(self, held: tuple[float, list[int], str], ended_at: float | None = None) -> None:
+        self._held_blocks -= len(held[1])
+        self.index.release(held[1], held[2], ended_at)
+
+    def _sweep(self) -> None:
+        """Holds end at maxSpeculativeHold, and the oldest go first past maxSpeculativeEntries held blocks."""
+        held = self._held
+        if not held:
+            return
+        oldest = self.index.clock() - self.max_speculative_hold_s
+        while held:
+            picked_at = next(iter(held.values()))[0]
+            if picked_at <= oldest:  # the hold ran out at pick + maxSpeculativeHold
+                self._release(held.popitem(last=False)[1], picked_at + self.max_speculative_hold_s)
+            elif self._held_blocks > self.index.max_speculative:
+                self._release(held.popitem(last=False)[1])
+            else:
+                break
 
     def stats(self) -> dict[str, float]:
         out = {"index_size": self.index.size(), "speculative_entries": self.index.speculative_size(),
@@ -204,7 +259,7 @@ def _seconds(params, key: str, default: float, t: str) -> float:
 def factory(parameters: dict | None) -> PrecisePrefixCacheScorer:
     t = PrecisePrefixCacheScorer.type_name
     params = check_keys(parameters, {"blockSize", "speculativeTTL", "tokenizer", "maxPrefixBlocksToMatch",
-                                     "indexMaxBytes", "maxSpeculativeEntries"}, t)
+                                     "indexMaxBytes", "maxSpeculativeEntries", "maxSpeculativeHold"}, t)
     tokenizer = params.get("tokenizer")
     if tokenizer is not None and (not isinstance(tokenizer, str) or not tokenizer):
         raise ValueError(f"{t}: parameter tokenizer must be a folder path (the model's tokenizer files), "
@@ -216,4 +271,5 @@ def factory(parameters: dict | None) -> PrecisePrefixCacheScorer:
         max_prefix_blocks=int_param(params, "maxPrefixBlocksToMatch", DEFAULT_MAX_PREFIX_BLOCKS, t, minimum=1),
         index_max_bytes=int_param(params, "indexMaxBytes", DEFAULT_INDEX_MAX_BYTES, t, minimum=64 * 1024),
         max_speculative=int_param(params, "maxSpeculativeEntries", DEFAULT_MAX_SPECULATIVE, t, minimum=1),
+        max_speculative_hold_s=_seconds(params, "maxSpeculativeHold", DEFAULT_MAX_SPECULATIVE_HOLD_S, t),
     )
