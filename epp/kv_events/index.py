@@ -11,8 +11,8 @@ hashes the same way (`chain`) and an endpoint's match is its leading run of held
 
 Two writers, one reader, all on the EPP's event loop (no locks): `apply` takes the subscriber thread's deltas
 (posted to the loop), `hold`/`release` and `add_speculative` the scorer's picks (a block the engine will hold
-once it prefills the request: it counts while a request that will compute it is held, then `speculative_ttl_s`
-seconds, so a burst to a fresh prefix sticks to one endpoint before the events arrive), `match` serves the
+once it prefills the request: it counts until the events confirm it, else while a request that will compute it
+is held, then `speculative_ttl_s` seconds, so a burst to a fresh prefix sticks to one endpoint before the events arrive), `match` serves the
 scorer. Holders of a block are an int bitset of endpoint ids (see
 prefix_cache_scorer.py): a match is O(prompt blocks) dict lookups and bit operations.
 """
@@ -136,10 +136,13 @@ class PreciseIndex:
             if h in blocks:
                 blocks.discard(h)
                 self._forget(h, bit)
+        holds = self._holds
         for h in delta.added:
             if h not in blocks:
                 blocks.add(h)
                 holders[h] = holders.get(h, 0) | bit
+            if holds and holds.pop((h, eid), None) is not None:
+                self._unspec(h, eid)  # confirmed: the events decide from now on (a later eviction counts)
 
     def _drop_blocks(self, address: str) -> None:
         eid = self._ids.get(address)
@@ -226,12 +229,15 @@ class PreciseIndex:
                 del holds[key]
                 done.append(h)
         for h in done:
-            holders = self._spec.get(h)
-            if holders is not None:
-                holders.pop(eid, None)
-                if not holders:
-                    del self._spec[h]
+            self._unspec(h, eid)
         self.add_speculative(done, address, since)
+
+    def _unspec(self, h: int, eid: int) -> None:
+        holders = self._spec.get(h)
+        if holders is not None:
+            holders.pop(eid, None)
+            if not holders:
+                del self._spec[h]
 
     def held_size(self) -> int:
         return len(self._holds)

@@ -121,6 +121,26 @@ def test_a_block_stays_held_while_any_request_computing_it_is_in_flight():
     assert scorer.cached_tokens(request(tokens), endpoints, None).tolist() == [0]
 
 
+def test_the_engines_events_end_a_hold():
+    """Once the engine announces a held block, its events decide: an eviction while the request still decodes
+    makes the prefix cold at once (a hold kept until the response's end would still count it)."""
+    now = [0.0]
+    scorer = PrecisePrefixCacheScorer(speculative_ttl_s=2.0)
+    scorer.index.clock = lambda: now[0]
+    tokens = list(range(40))
+    endpoints = [state(A, 16)]
+    scorer.index.watch(A, 1)
+    scorer.pre_request(request(tokens, rid="r1"), endpoints[0], CycleState())
+    hashes = chain(tokens[:32], 16, root_hash(None, None))
+    scorer.index.apply(Delta(A, 1, added=hashes, block_size=16))
+    assert scorer.index.held_size() == 0 and scorer.index.speculative_size() == 0
+    assert scorer.cached_tokens(request(tokens), endpoints, None).tolist() == [32]
+    scorer.index.apply(Delta(A, 1, removed=hashes[1:]))  # evicted while r1 still runs
+    assert scorer.cached_tokens(request(tokens), endpoints, None).tolist() == [16]
+    scorer.response_complete(request(tokens, rid="r1"), A, 40, 1)  # nothing left to release
+    assert scorer.cached_tokens(request(tokens), endpoints, None).tolist() == [16]
+
+
 def test_holds_end_at_the_max_hold_and_are_bounded():
     now = [0.0]
     scorer = PrecisePrefixCacheScorer(speculative_ttl_s=1.0, max_speculative_hold_s=10.0, max_speculative=4)

@@ -14,11 +14,11 @@ engine would (epp/kv_events/tokenize.py) and hashed the same way, in blocks of t
 
 `pre_request` marks the picked endpoint's blocks of the prompt as held (speculative entries): the engine
 announces blocks only once it has prefilled them, and a burst to a fresh prefix must not spread over the pool
-meanwhile. They count while the request is in flight (at most `maxSpeculativeHold`, default 60 s) and
-`speculativeTTL` seconds (default 2 s) after its response ends, by when the engine's events have confirmed them
-(or removed them, if it evicted them since):
+meanwhile. A block counts until the engine's events announce it (from then on they decide: an eviction while
+the request still decodes counts at once), else while the request is in flight (at most `maxSpeculativeHold`,
+default 60 s) and `speculativeTTL` seconds (default 2 s) after its response ends:
 
-    held until  min(pick + maxSpeculativeHold, response end) + speculativeTTL
+    held until  the block's BlockStored,  or  min(pick + maxSpeculativeHold, response end) + speculativeTTL
 
 A fixed TTL from the pick is not enough under load: at 24 req/s on the bench's 4 replicas a request waited
 3-5 s in the engine's queue before its prefill, the 2 s entries expired before the events came, the prefix
