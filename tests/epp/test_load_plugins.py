@@ -207,6 +207,19 @@ def test_group_balance_gives_a_homeless_prefix_to_the_endpoint_with_the_fewest_g
     assert list(scorer.score(req("tenant-6 system prompt"), states)) == [1.0, 1.0, 1.0]
 
 
+def test_group_balance_memory_is_bounded_per_endpoint():
+    """Prompts with no shared prefix each make a group: past maxGroupsPerEndpoint the oldest goes first."""
+    scorer = create_plugin("prefix-group-balance-scorer", {"groupChars": 9, "maxGroupsPerEndpoint": 3})
+    a = state("a:1")
+    for i in range(10):
+        scorer.pre_request(req(f"prompt-{i:02d} and the rest"), a, None)
+    assert len(scorer._groups["a:1"]) == 3
+    assert scorer.group(req("prompt-09 again")) in scorer._groups["a:1"]
+    assert scorer.group(req("prompt-00 again")) not in scorer._groups["a:1"]
+    with pytest.raises(ValueError, match="maxGroupsPerEndpoint"):
+        create_plugin("prefix-group-balance-scorer", {"maxGroupsPerEndpoint": 0})
+
+
 def test_group_balance_is_neutral_for_a_warm_prompt():
     scheduler = Scheduler(parse_config(config("type: prefix-cache-scorer", "type: prefix-group-balance-scorer",
                                               "type: max-score-picker")).scheduler)

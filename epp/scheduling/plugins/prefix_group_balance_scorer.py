@@ -14,7 +14,9 @@ given one group too many evicts its groups' prefixes faster than they are reused
 runs bimodal, TTFT p90 0.3 s or 4 s by seed). Counting groups routed, not cache contents, sees a placement the
 moment it is made, before any KV event. llm-d's no-hit-lru-scorer spreads cold requests in time (least recently
 cold-picked); this spreads the groups themselves. Parameters: groupChars ≥ 1 = 512, windowSeconds > 0 = 60,
-affinityThreshold (0, 1] = 0.8 (the affinity filter's), prefixScorer = the profile's only prefix scorer.
+affinityThreshold (0, 1] = 0.8 (the affinity filter's), prefixScorer = the profile's only prefix scorer,
+maxGroupsPerEndpoint ≥ 1 = 4096 (memory: the oldest group goes first past it; ~100 bytes a group, so ≤ ~0.4 MB
+an endpoint however many distinct prompts arrive within the window).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvgate.epp.types import EndpointState, LLMRequest
 DEFAULT_GROUP_CHARS = 512
 DEFAULT_WINDOW_S = 60.0
 DEFAULT_AFFINITY_THRESHOLD = 0.8
+DEFAULT_MAX_GROUPS = 4096
 
 
 class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
@@ -43,12 +46,13 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
 
     def __init__(self, group_chars: int = DEFAULT_GROUP_CHARS, window_s: float = DEFAULT_WINDOW_S,
                  affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD, prefix_source_name: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_groups: int = DEFAULT_MAX_GROUPS, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.group_chars = group_chars
         self.window_s = window_s
         self.affinity_threshold = affinity_threshold
         self.prefix_source_name = prefix_source_name
+        self.max_groups = max_groups
         self.clock = clock
         self._groups: dict[str, OrderedDict[int, float]] = {}  # address → group → last pick, oldest first
 
@@ -81,6 +85,8 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         group = self.group(request)
         groups[group] = now
         groups.move_to_end(group)
+        if len(groups) > self.max_groups:  # bounded: distinct prompts (no shared prefix) each make a group
+            groups.popitem(last=False)
 
     def remove_endpoint(self, address: str) -> None:
         self._groups.pop(address, None)
@@ -88,11 +94,13 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
 
 def factory(parameters: dict | None) -> PrefixGroupBalanceScorer:
     t = PrefixGroupBalanceScorer.type_name
-    params = check_keys(parameters, {"groupChars", "windowSeconds", "affinityThreshold", "prefixScorer"}, t)
+    params = check_keys(parameters, {"groupChars", "windowSeconds", "affinityThreshold", "prefixScorer",
+                                     "maxGroupsPerEndpoint"}, t)
     return PrefixGroupBalanceScorer(
         group_chars=int_param(params, "groupChars", DEFAULT_GROUP_CHARS, t, 1),
         window_s=float_param(params, "windowSeconds", DEFAULT_WINDOW_S, t, 0.0, min_inclusive=False),
         affinity_threshold=float_param(params, "affinityThreshold", DEFAULT_AFFINITY_THRESHOLD, t, 0.0, 1.0,
                                        min_inclusive=False),
         prefix_source_name=str_param(params, "prefixScorer", "", t),
+        max_groups=int_param(params, "maxGroupsPerEndpoint", DEFAULT_MAX_GROUPS, t, 1),
     )
