@@ -125,6 +125,11 @@ class Plugin:
 
 
 class Filter(Plugin):
+    # A preference filter narrows where a request should go, not where it may: when the picker returns more than
+    # one endpoint (fallbacks for a gateway that retries), those it dropped follow the ones it kept, ranked by
+    # the same scorers — so a request that sticks to one warm endpoint still has somewhere to go if it is dead.
+    preference: bool = False
+
     def filter(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
                ) -> list[EndpointState]:
         raise NotImplementedError
@@ -266,17 +271,24 @@ class SchedulingProfile:
             snap = self._snapshot = Snapshot(list(endpoints))
         return snap
 
-    def run(self, request: LLMRequest, candidates: Sequence[EndpointState], cycle: CycleState | None = None
-            ) -> list[EndpointState]:
+    def run(self, request: LLMRequest, candidates: Sequence[EndpointState], cycle: CycleState | None = None,
+            preferences: bool = True) -> list[EndpointState]:
         if cycle is None:
             cycle = CycleState()
         timings = self.timings
         timed = timings.enabled
         endpoints = candidates if isinstance(candidates, list) else list(candidates)
         pinned = False
+        dropped: list[EndpointState] = []  # by preference filters: fallbacks after the kept ones
         for f in self.filters:
+            if f.preference and not preferences:
+                continue
             t0 = _perf_ns() if timed else 0
+            before = endpoints
             endpoints = f.filter(request, endpoints, cycle)
+            if f.preference and len(endpoints) < len(before):
+                kept = set(map(id, endpoints))
+                dropped += [e for e in before if id(e) not in kept]
             if timed:
                 timings.add(timings.record_for("filter", f), "filter", f, _perf_ns() - t0)
             pinned = pinned or isinstance(endpoints, PinnedOrder)
@@ -318,6 +330,17 @@ class SchedulingProfile:
         picked = self.picker.pick(request, endpoints, totals, cycle)
         if timed:
             timings.add(timings.record_for("picker", self.picker), "picker", self.picker, _perf_ns() - t0)
+        cap = self.picker.max_endpoints
+        if dropped and picked and (cap == 0 or len(picked) < cap):
+            # the dropped ones through the hard filters (those before the preference passed them already), in a
+            # copy of the cycle: its request-level work (tokens, hashes) is reused, and what the fallbacks' scoring
+            # writes does not reach the primary's pick hooks; the snapshot cache stays the primary's
+            fallback_cycle = CycleState(cycle.load)
+            fallback_cycle.update(cycle)
+            primary_snapshot = self._snapshot
+            rest = self.run(request, dropped, fallback_cycle, preferences=False)
+            self._snapshot = primary_snapshot
+            picked = list(picked) + rest[:cap - len(picked) if cap else None]
         return picked
 
 

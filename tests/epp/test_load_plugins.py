@@ -10,7 +10,7 @@ from kvgate.epp.datalayer.dialects import DIALECTS
 from kvgate.epp.datalayer.exposition import parse_metrics
 from kvgate.epp.datalayer.prefill_rate import MIN_BUSY_S, PrefillRateEstimator
 from kvgate.epp.scheduling.config import ConfigError, parse_config
-from kvgate.epp.scheduling.framework import CycleState, Scheduler
+from kvgate.epp.scheduling.framework import CycleState, Filter, Scheduler
 from kvgate.epp.scheduling.live_load import PICKED_UNCACHED_TOKENS, LoadTracker
 from kvgate.epp.scheduling.plugins import create_plugin
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
@@ -139,6 +139,39 @@ def test_affinity_threshold_tolerance_and_never_empty():
     cold = req("nothing like it " * 40)
     assert f.filter(cold, states, loads(states, {})) is states  # no warm endpoint: keep all
     assert f.filter(req(), states[:1], loads(states, {})) == states[:1]
+
+
+def test_affinity_is_a_preference_the_cold_endpoints_follow_as_fallbacks():
+    """With a picker returning fallbacks, the endpoints the affinity filter dropped come after the warm one
+    (ranked by the scorers), so a gateway that retries has somewhere to go if the warm endpoint is dead; with
+    one endpoint returned (a stock gateway) only the warm one; a hard filter after it still binds the fallbacks."""
+    def scheduler_with(picker: str, *hard: Filter):
+        text = config("type: prefix-cache-scorer", "type: prefix-cache-affinity-filter\n  parameters: "
+                      "{explorationProbability: 0}", "type: queue-scorer", picker,
+                      profile=["prefix-cache-affinity-filter", "prefix-cache-scorer", "queue-scorer",
+                               picker.split("\n")[0].removeprefix("type: ")])
+        scheduler = Scheduler(parse_config(text).scheduler)
+        scheduler.primary.filters += hard
+        return scheduler
+
+    states = [state("a:1"), state("b:1", queue=5), state("c:1")]
+    three = scheduler_with("type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}")
+    warmed(three, states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384})  # cached 160, 64, 0 of 160
+    cycle = CycleState()
+    assert addresses(three.schedule(req(), states, cycle)) == ["a:1", "c:1", "b:1"]  # warm, then by queue
+    assert cycle.snapshot is not None and addresses(cycle.snapshot.endpoints) == ["a:1"]  # the primary's
+
+    one = scheduler_with("type: max-score-picker")
+    warmed(one, states, {"a:1": PROMPT})
+    assert addresses(one.schedule(req(), states, CycleState())) == ["a:1"]
+
+    class NotC(Filter):
+        def filter(self, request, endpoints, cycle=None):
+            return [e for e in endpoints if e.address != "c:1"]
+
+    hard = scheduler_with("type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}", NotC())
+    warmed(hard, states, {"a:1": PROMPT})
+    assert addresses(hard.schedule(req(), states, CycleState())) == ["a:1", "b:1"]
 
 
 def test_affinity_exploration_keeps_all_for_about_its_share_of_requests():

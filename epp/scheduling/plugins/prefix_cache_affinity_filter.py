@@ -16,7 +16,9 @@ load costs more than the hit saves.
 Every candidate is kept when none is warm, when there is no cold one, or — with probability
 explorationProbability, drawn from the request id — to let other endpoints warm up (llm-d's exploration). So the
 filter never returns an empty list, and returns the very list it got when it keeps all (the per-snapshot caches
-of the scorers after it then still hold).
+of the scorers after it then still hold). It is a preference filter: with a picker returning fallbacks
+(maxNumOfEndpoints > 1), the cold endpoints it dropped follow the warm ones, so a dead warm endpoint is retried
+elsewhere by a gateway that follows fallbacks.
 
 llm-d's version breaks stickiness on a predicted-TTFT gap (maxTTFTPenaltyMs, from its latency predictor); kvgate
 compares the prefill backlog with the prefill tokens saved, both in tokens the same engine computes at the same
@@ -48,6 +50,7 @@ LOAD_SIGNALS = ("auto", "backlog", "tokens")
 
 class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
     type_name = "prefix-cache-affinity-filter"
+    preference = True  # cold endpoints stay fallbacks (framework.Filter.preference)
 
     def __init__(self, affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD,
                  exploration_probability: float = DEFAULT_EXPLORATION_PROBABILITY, load_tolerance: float = 1.0,
