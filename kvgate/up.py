@@ -35,19 +35,19 @@ def add_up_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--backend", choices=["torch", "sim"], default="torch")
     p.add_argument("--failure-mode", choices=["FailClose", "FailOpen"], default="FailClose")
-    p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP (default: upstream's scorers with "
-                                         "two fallbacks per decision, which kvgate's Envoy retries on)")
+    p.add_argument("--config-file", help="EndpointPickerConfig YAML for the EPP (default: --profile's, with two "
+                                         "fallbacks per decision, which kvgate's Envoy retries on)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--engine-arg", action="append", default=[],
                    help="extra flag for every `kvgate serve`, one per --engine-arg (a flag that starts with a "
                         "dash as --engine-arg=--enable-lora)")
     p.add_argument("--manifests", help="YAML with InferenceObjective / InferenceModelRewrite objects for the EPP "
                                        "(what a cluster's pool would have), e.g. a model name split across adapters")
-    p.add_argument("--profile", choices=["upstream", "kvgate"], default="upstream",
-                   help="the EPP's scorers without --config-file: upstream (default: queue 2, kv-cache 2, prefix 3) "
-                        "or kvgate (affinity to the engine that holds the prompt, on its exact prefill backlog; "
-                        "precise prefix from KV events; prefix groups spread; implies --kv-events); both with two "
-                        "fallbacks per decision")
+    p.add_argument("--profile", choices=["kvgate", "upstream"], default="kvgate",
+                   help="the EPP's scorers without --config-file: kvgate (default; for kvgate engines: affinity to "
+                        "the engine that holds the prompt, on its exact prefill backlog; precise prefix from KV "
+                        "events; prefix groups spread; turns on --kv-events) or upstream (queue 2, kv-cache 2, "
+                        "prefix 3, the EPP's own default); both with two fallbacks per decision")
     p.add_argument("--kv-events", action="store_true",
                    help="engines publish KV-cache events (each on its own loopback ports) and the EPP subscribes: "
                         "what a --config-file naming precise-prefix-cache-scorer needs")

@@ -51,10 +51,12 @@ def read_until_up(proc: subprocess.Popen, timeout_s: float) -> str:
     return "".join(lines)
 
 
-@pytest.mark.parametrize("backend", ["sim", "torch"])
-def test_up_serves_and_stops(tmp_path, backend):
+@pytest.mark.parametrize("backend, profile", [("sim", "upstream"), ("torch", None)])
+def test_up_serves_and_stops(tmp_path, backend, profile):
+    """`make up`'s stack (the demo model on the torch backend, kvgate's profile by default) and upstream's
+    profile on sim engines."""
     port = free_port()
-    proc = start_up(tmp_path, port, "--backend", backend)
+    proc = start_up(tmp_path, port, "--backend", backend, *(["--profile", profile] if profile else []))
     try:
         output = read_until_up(proc, 240)
         assert f"http://127.0.0.1:{port}" in output and "curl" in output, output
@@ -141,10 +143,10 @@ def test_supervise_backs_off_and_resets_after_a_stable_run(tmp_path):
     stack.stop()
 
 
-@pytest.mark.parametrize("how", ["kv-events", "profile"])
+@pytest.mark.parametrize("how", ["kv-events", "default"])
 def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path, how):
-    """`kvgate up --kv-events` with a config naming precise-prefix-cache-scorer, or `--profile kvgate` (which turns
-    the events on): every engine publishes on its own loopback sockets, the EPP subscribes to each, and the blocks
+    """`kvgate up --kv-events` with a config naming precise-prefix-cache-scorer, or by default (kvgate's profile,
+    which turns the events on): every engine publishes on its own loopback sockets, the EPP subscribes to each, and the blocks
     the engines cache reach the EPP's index (a stack whose engines connect instead of bind, or whose EPP is told
     no socket, shows 0 blocks)."""
     from kvgate.bench_routing.configurations import BY_NAME
@@ -152,7 +154,7 @@ def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path, 
     config = tmp_path / "precise.yaml"
     config.write_text(BY_NAME["precise"].epp_config)
     port = free_port()
-    args = ["--kv-events", "--config-file", str(config)] if how == "kv-events" else ["--profile", "kvgate"]
+    args = ["--kv-events", "--config-file", str(config)] if how == "kv-events" else []
     proc = start_up(tmp_path, port, "--backend", "sim", *args)
     try:
         output = read_until_up(proc, 120)
