@@ -409,7 +409,7 @@ class Reconciler:
         # labelled kvgate.dev/epp-config also wakes its pools at once (the label-selected watch in register).
         config_name = referenced_config_name(pool)
         choice = choose_epp_config(pool, self.kube.get(CONFIGMAP, config_name, ns) if config_name else None,
-                                   self.kube.get(CONFIGMAP, naming.epp_name(pool), ns))
+                                   self.kube.get(CONFIGMAP, naming.epp_name(pool), ns), modelservers)
         problems = epp_problems(pool, None) + ([choice.problem] if choice.problem else [])
         if problems and problems[0]["reason"] == "InvalidSpec":  # nothing can be rendered from it
             problems = problems[:1]

@@ -8,7 +8,8 @@ alone even when its Service is missing — a pool may name an EPP the user has n
 operator must not step in front of it (upstream conformance reports such a pool as InvalidExtensionRef).
 The annotation `kvgate.dev/endpoint-picker: external` opts a pool with ModelServers out.
 
-A managed pool's EndpointPickerConfig: the default, or the one its annotation `kvgate.dev/epp-config:
+A managed pool's EndpointPickerConfig: the default (kvgate's profile when every ModelServer of the pool publishes
+KV events, else upstream's), or the one its annotation `kvgate.dev/epp-config:
 <configmap>[/<key>]` names (a ConfigMap in the pool's namespace, key `epp.yaml` unless named; the annotation,
 not a field, because the InferencePool schema is upstream's). The operator parses it with the EPP's own
 parser before rolling it out and copies it into the EPP's ConfigMap; the pod template carries its digest, so a
@@ -26,7 +27,7 @@ import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, ConfigError, parse_config
+from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, ConfigError, parse_config
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.modelserver import DEFAULT_MODEL, model_volume
@@ -40,9 +41,11 @@ EPP_CONTROLLER_NAME = "kvgate.dev/endpoint-picker"  # writes the EPP's entry in 
 # Problems with a reference (the EPP Service, the config's ConfigMap): the entry's ResolvedRefs says them too.
 REF_REASONS = {"InvalidExtensionRef", "InvalidConfigRef", "ConfigMapNotFound", "ConfigKeyNotFound"}
 
-# The EPP's own default (header filter for conformance, queue 2, kv-cache 2, prefix 3, max-score), written
-# into the ConfigMap so that it always holds the config the EPP runs.
+# The EPP's own default (upstream's: queue 2, kv-cache 2, prefix 3, max-score), written into the ConfigMap so that
+# it always holds the config the EPP runs; kvgate's profile instead for a pool whose every ModelServer publishes
+# KV events (default_epp_config).
 DEFAULT_EPP_CONFIG = DEFAULT_CONFIG_YAML
+KVGATE_EPP_CONFIG = KVGATE_PROFILE_YAML
 
 # Exactly what the EPP reads (epp/k8s_watch.py): its pool, the pool's pods, and the pool's policies.
 EPP_RBAC_RULES = [
@@ -280,9 +283,7 @@ def epp_tokenizer(config_yaml: str | None, pool: dict, modelservers: list[dict])
     if not scorers:
         return EppTokenizer()
     models = {}
-    for ms in modelservers:
-        if pool_ref_name(ms) != naming.name_of(pool) or naming.namespace_of(ms) != naming.namespace_of(pool):
-            continue
+    for ms in pool_modelservers(pool, modelservers):
         model = (ms.get("spec") or {}).get("model") or {}
         volume = model_volume(model)
         key = repr((volume, model.get("path") or DEFAULT_MODEL))
@@ -362,9 +363,28 @@ def returns_lists(epp_config_map: dict | None, pool: dict) -> bool:
     return parse_config(text).returns_lists
 
 
-def choose_epp_config(pool: dict, referenced: dict | None, current: dict | None) -> ConfigChoice:
-    """The config to roll out to the pool's EPP: the default without a `kvgate.dev/epp-config` annotation,
-    else the referenced ConfigMap's key once it parses. When the reference or the config is unusable: the
+def pool_modelservers(pool: dict, modelservers: list[dict]) -> list[dict]:
+    """The ModelServers (of `modelservers`) that join `pool`."""
+    return [ms for ms in modelservers if pool_ref_name(ms) == naming.name_of(pool)
+            and naming.namespace_of(ms) == naming.namespace_of(pool)]
+
+
+def default_epp_config(pool: dict, modelservers: list[dict]) -> ConfigChoice:
+    """kvgate's profile when the pool's replicas are all kvgate engines that publish KV events (ModelServers with
+    spec.engine.kvEvents): its precise prefix scorer reads them, its affinity filter their exact prefill backlog —
+    measured ahead of upstream's default at saturation (README's routing benchmark, `kvgate bench routing`).
+    Else upstream's default: other pods in the pool (or ModelServers without events) give it nothing to read."""
+    members = pool_modelservers(pool, modelservers)
+    if members and all(((ms.get("spec") or {}).get("engine") or {}).get("kvEvents") for ms in members):
+        return ConfigChoice(KVGATE_EPP_CONFIG, "kvgate's profile (every ModelServer of the pool publishes KV events)",
+                            None)
+    return ConfigChoice(DEFAULT_EPP_CONFIG, "the default EndpointPickerConfig", None)
+
+
+def choose_epp_config(pool: dict, referenced: dict | None, current: dict | None,
+                      modelservers: list[dict] = ()) -> ConfigChoice:
+    """The config to roll out to the pool's EPP: without a `kvgate.dev/epp-config` annotation the default for its
+    ModelServers (default_epp_config), else the referenced ConfigMap's key once it parses. When the reference or the config is unusable: the
     last good config (`current`, the EPP's own ConfigMap) with the problem, so the EPP never gets a config
     it would refuse, nor silently the default in place of the one asked for."""
     try:
@@ -372,7 +392,7 @@ def choose_epp_config(pool: dict, referenced: dict | None, current: dict | None)
     except ValueError as exc:
         return _keep(pool, current, "InvalidConfigRef", str(exc))
     if ref is None:
-        return ConfigChoice(DEFAULT_EPP_CONFIG, "the default EndpointPickerConfig", None)
+        return default_epp_config(pool, list(modelservers))
     name, key = ref
     if referenced is None:
         return _keep(pool, current, "ConfigMapNotFound",

@@ -187,6 +187,27 @@ def test_no_annotation_runs_the_default_config(samples):
     assert choice == p.ConfigChoice(p.DEFAULT_EPP_CONFIG, "the default EndpointPickerConfig", None)
 
 
+def test_a_pool_of_kvgate_engines_publishing_kv_events_runs_kvgates_profile(samples):
+    """Every ModelServer of the pool publishes KV events: kvgate's profile (precise prefix from the events, the
+    engines' exact backlog), one endpoint per decision as a stock gateway follows; one without events, none, or
+    an annotation's config: not."""
+    pool, ms = samples["InferencePool"], samples["ModelServer"]
+    with_events = copy.deepcopy(ms)
+    with_events["spec"]["engine"]["kvEvents"] = {"port": 5557}
+    other_pool = copy.deepcopy(with_events)
+    other_pool["spec"]["poolRef"]["name"] = "elsewhere"
+    choice = p.choose_epp_config(pool, None, None, [with_events, other_pool])
+    assert choice.config_yaml == p.KVGATE_EPP_CONFIG and choice.problem is None and "kvgate's profile" in choice.source
+    assert not parse_config(choice.config_yaml).returns_lists
+    second = copy.deepcopy(with_events)
+    second["metadata"]["name"] = "second"
+    assert p.choose_epp_config(pool, None, None, [with_events, second]).config_yaml == p.KVGATE_EPP_CONFIG
+    assert p.choose_epp_config(pool, None, None, [with_events, ms]).config_yaml == p.DEFAULT_EPP_CONFIG
+    assert p.choose_epp_config(pool, None, None, [other_pool]).config_yaml == p.DEFAULT_EPP_CONFIG
+    annotated = _annotated(pool, "tuned")
+    assert p.choose_epp_config(annotated, _user_cm(), None, [with_events]).config_yaml == TUNED
+
+
 def test_referenced_config_rolls_out_and_rolls_the_pods(samples):
     pool = _annotated(samples["InferencePool"], "tuned")
     choice = p.choose_epp_config(pool, _user_cm(), None)
