@@ -332,8 +332,8 @@ class SchedulingProfile:
             timings.add(timings.record_for("picker", self.picker), "picker", self.picker, _perf_ns() - t0)
         cap = self.picker.max_endpoints
         if dropped and picked and (cap == 0 or len(picked) < cap):
-            # the dropped ones through the hard filters (those before the preference passed them already), in a
-            # copy of the cycle: its request-level work (tokens, hashes) is reused, and what the fallbacks' scoring
+            # the dropped ones through the hard filters (again for those before the preference: filters are pure,
+            # so they pass them again; those after it must judge them too), in a copy of the cycle: its request-level work (tokens, hashes) is reused, and what the fallbacks' scoring
             # writes does not reach the primary's pick hooks; the snapshot cache stays the primary's
             fallback_cycle = CycleState(cycle.load)
             fallback_cycle.update(cycle)
