@@ -179,6 +179,10 @@ def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path, 
         assert metric(text, "kvgate_epp_kv_events_subscribed_endpoints") == 2, text
         assert stored >= len(system) // 16, text  # the shared prefix's blocks, announced by the engine(s) that ran it
         assert metric(text, "kvgate_epp_precise_index_blocks") > 0, text
+        from kvgate.bench_routing.runner import epp_kv_event_counts  # what `kvgate bench routing` records
+
+        counts = epp_kv_event_counts(int(metrics_url.group(1).rsplit(":", 1)[1].split("/")[0]))
+        assert counts["blocks_stored"] >= stored and counts["gaps"] == 0, counts
     finally:
         stop_group(proc, timeout=60)  # kvgate up stops everything on SIGTERM as on Ctrl-C
 

@@ -81,6 +81,11 @@ CONFIGURATIONS = [
                   "prefix-cache-affinity filter on the exact prefill backlog (loadTolerance 4, no exploration), "
                   "then precise prefix 3, prefix-group balance 3, token-load 1", "epp", KVGATE_PROFILE_YAML,
                   kv_events=True),
+    # kvgate's profile with the approximate prefix scorer in place of the precise one, no KV events: what precise
+    # prefix information is worth with the rest of the profile unchanged
+    RoutingConfig("kvgate-approximate", "kvgate's profile with the approximate prefix-cache scorer (its own routing "
+                  "history) instead of the precise one: no KV events", "epp",
+                  KVGATE_PROFILE_YAML.replace("precise-prefix-cache-scorer", "prefix-cache-scorer")),
     RoutingConfig("predicted-ttft", "kvgate EPP: predicted-TTFT (backlog + uncached tokens / prefill rate) 3 on "
                   "the precise prefix match 1", "epp",
                   _config([("precise-prefix-cache-scorer", 1, None), ("predicted-ttft-scorer", 3, None),

@@ -42,6 +42,14 @@ def engine_counters(endpoint: str) -> dict[str, float]:
     return out
 
 
+def epp_kv_event_counts(metrics_port: int) -> dict[str, int]:
+    """The EPP's KV-event counters (kvgate_epp_kv_events{event}: batches, gaps, replays_failed, restarts, ...):
+    whether its precise index kept up with the engines during the run."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    return {s.labels["event"]: int(s.value) for family in text_string_to_metric_families(text)
+            if family.name == "kvgate_epp_kv_events" for s in family.samples if s.name.endswith("_total")}
+
+
 def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout: float) -> tuple[LocalStack, str]:
     """The stack for `config`, and the URL the load goes to."""
     stack = Stack(Path(tempfile.mkdtemp(prefix=f"{config.name}-", dir=workdir)))
@@ -150,6 +158,8 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
         died = up.stack.dead()
         result = summarize(outcomes, start, shape.output_len, before, after, len(requests))
         result["logs"] = str(up.stack.workdir)
+        if config.kind == "epp" and config.kv_events:
+            result["epp_kv_events"] = epp_kv_event_counts(up.metrics_port)
         if died:
             result["errors"]["a process died"] = 1
             result["died"] = died
