@@ -75,15 +75,17 @@ class StreamLoad:
             await asyncio.gather(*(worker() for _ in range(self.concurrency)))
         return self.outcomes
 
-    async def one(self, client: httpx.AsyncClient, seq: int, prompt: str | None = None) -> Outcome:
-        """One streamed completion of `prompt` (default: a short prompt of its own per `seq`)."""
+    async def one(self, client: httpx.AsyncClient, seq: int, prompt: str | None = None,
+                  url: str | None = None) -> Outcome:
+        """One streamed completion of `prompt` (default: a short prompt of its own per `seq`), to `url` (default:
+        the load's URLs in turn)."""
         out = Outcome(sent_at=time.monotonic())
         self.outcomes.append(out)
         prompt = f"request {seq}: tell me a story" if prompt is None else prompt
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
                 "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
         try:
-            url = self.urls[seq % len(self.urls)]
+            url = url.rstrip("/") if url else self.urls[seq % len(self.urls)]
             async with client.stream("POST", url + "/v1/completions", json=body) as r:
                 out.headers_at, out.status, out.endpoint = time.monotonic(), r.status_code, r.headers.get(SERVED_BY)
                 if r.status_code != 200:

@@ -13,7 +13,7 @@ import yaml
 
 from kvgate.bench_routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
 from kvgate.bench_routing.report import add_ratios
-from kvgate.bench_routing.workloads import WORKLOADS, arrivals
+from kvgate.bench_routing.workloads import WORKLOADS, arrivals, with_foreign
 from kvgate.epp.scheduling.config import parse_config
 from kvgate.epp.scheduling.plugins import REGISTRY
 from tests.procs import KVGATE
@@ -43,6 +43,22 @@ def test_workloads_reuse_what_they_say():
         last[conv] = r.prompt
     no_reuse = arrivals(WORKLOADS["no-reuse"], 10.0, 20.0, seed=0)
     assert len({r.prompt[:64] for r in no_reuse}) == len(no_reuse)
+
+
+def test_foreign_traffic_is_the_same_for_every_configuration_and_prefix_affine():
+    requests = arrivals(WORKLOADS["multi-tenant"], 20.0, 30.0, seed=2)
+    assert with_foreign(requests, 0.0, 4, seed=2) is requests
+    foreign = with_foreign(requests, 0.3, 4, seed=2)
+    assert foreign == with_foreign(requests, 0.3, 4, seed=2)  # drawn by the seed: every configuration gets it
+    assert [(r.at, r.prompt) for r in foreign] == [(r.at, r.prompt) for r in requests]
+    share = sum(r.foreign is not None for r in foreign) / len(foreign)
+    assert 0.22 < share < 0.38, share
+    by_tenant = {}
+    for r in foreign:
+        if r.foreign is not None:  # the foreign gateway hashes the tenant's system prompt: one replica a tenant
+            by_tenant.setdefault(r.key.split("/")[0], set()).add(r.foreign)
+    assert all(len(replicas) == 1 for replicas in by_tenant.values()) and len(by_tenant) > 6
+    assert {r for replicas in by_tenant.values() for r in replicas} <= {0, 1, 2, 3}
 
 
 def test_configurations_are_valid_or_wait_for_named_plugins():
@@ -76,16 +92,21 @@ def test_ratios_are_against_the_same_rate():
 def test_short_run_end_to_end(tmp_path):
     result_file = tmp_path / "routing.json"
     run = subprocess.run([KVGATE, "bench", "routing", "--short", "--workloads", "multi-tenant",
-                          "--configs", "round-robin,approximate", "--result-file", str(result_file)],
+                          "--configs", "round-robin,approximate", "--foreign-share", "0.1",
+                          "--result-file", str(result_file)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and result_file.exists(), run.stdout + run.stderr[-3000:]
     result = json.loads(result_file.read_text())
     assert set(result["configurations"]) == {"round-robin", "approximate"}
     cells = {c["configuration"]: c for c in result["workloads"]["multi-tenant"]["cells"]}
     assert set(cells) == {"round-robin", "approximate"}
-    expected = len(arrivals(WORKLOADS["multi-tenant"], 6.0, 6.0, seed=0))
+    requests = with_foreign(arrivals(WORKLOADS["multi-tenant"], 6.0, 6.0, seed=0), 0.1, 4, seed=0)
+    expected = len(requests)
+    routed = sum(r.foreign is None for r in requests)
+    assert 0 < routed < expected  # some went through the foreign gateway, straight to a replica
     for name, c in cells.items():
         assert c["requests"] == c["sent"] == c["succeeded"] == expected and c["failed"] == 0, (name, c)
+        assert c["routed"]["requests"] == routed and c["routed"]["ttft_s"]["p90"] > 0, c
         assert sum(c["served_per_endpoint"].values()) == expected and len(c["served_per_endpoint"]) == 4, c
         assert c["output_tokens_per_s"] > 0 and 0 < c["ttft_s"]["p50"] <= c["ttft_s"]["p90"] <= c["ttft_s"]["p99"]
         # every prompt token was a cache query, on the engines' own counters
@@ -94,4 +115,4 @@ def test_short_run_end_to_end(tmp_path):
     # length: 10% vs 55%)
     assert cells["approximate"]["prefix_cache_hit_rate"] > cells["round-robin"]["prefix_cache_hit_rate"] + 0.2
     assert cells["approximate"]["vs_round_robin"]["output_tokens_per_s"] is not None
-    assert "multi-tenant" in run.stdout and "round-robin" in run.stdout
+    assert "multi-tenant" in run.stdout and "round-robin" in run.stdout and "routed p90" in run.stdout

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from kvgate.bench_routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
-from kvgate.bench_routing.workloads import WORKLOADS, arrivals
+from kvgate.bench_routing.workloads import WORKLOADS, arrivals, with_foreign
 
 SHORT = {"rates": "6", "duration": 6.0, "drain": 20.0}  # --rates, when given, still wins
 DEFAULT_RATES = "2,6,10,14"
@@ -52,6 +52,10 @@ def add_bench_routing_parser(sub) -> None:
                    help="seconds after the last arrival before unfinished requests count as failed (default 60)")
     p.add_argument("--replicas", type=int, default=4, help="sim replicas (default 4)")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default 0)")
+    p.add_argument("--foreign-share", type=float, default=0.0, metavar="F",
+                   help="a share F in [0, 1) of the requests reaches the replicas through another gateway sharing "
+                        "the pool (hashing the prompt's first 256 characters to a replica), unseen by the router "
+                        "under test; the same requests for every configuration (default 0)")
     p.add_argument("--short", action="store_true",
                    help=f"{SHORT['duration']:g} s per cell, rate {SHORT['rates']}/s unless --rates (the test suite's)")
     p.add_argument("--result-file", default=None, help="write every cell as JSON here")
@@ -73,10 +77,13 @@ def run_bench_routing(args) -> int:
     rates = _rates(args.rates)
     if args.replicas < 1 or args.duration <= 0 or args.drain <= 0:
         raise SystemExit("kvgate bench routing: --replicas, --duration and --drain must be > 0")
+    if not 0 <= args.foreign_share < 1:
+        raise SystemExit(f"kvgate bench routing: --foreign-share must be in [0, 1), got {args.foreign_share:g}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the run, not after it
         raise SystemExit("kvgate bench routing: --plot needs matplotlib (pip install 'kvgate[bench]')")
     configs, result = [], {"replicas": args.replicas, "duration_s": args.duration, "drain_s": args.drain,
-                           "seed": args.seed, "rates": rates, "configurations": {}, "workloads": {}}
+                           "seed": args.seed, "foreign_share": args.foreign_share, "rates": rates,
+                           "configurations": {}, "workloads": {}}
     for name in wanted:
         why = unavailable(BY_NAME[name])
         result["configurations"][name] = {"what": BY_NAME[name].what, "kind": BY_NAME[name].kind,
@@ -88,7 +95,8 @@ def run_bench_routing(args) -> int:
     if not configs:
         raise SystemExit("kvgate bench routing: no configuration can run")
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-routing-"))
-    plan = [(w, r, arrivals(WORKLOADS[w], r, args.duration, args.seed)) for w in workloads for r in rates]
+    plan = [(w, r, with_foreign(arrivals(WORKLOADS[w], r, args.duration, args.seed), args.foreign_share,
+                                args.replicas, args.seed)) for w in workloads for r in rates]
     total = sum(len(reqs) for _, _, reqs in plan) * len(configs)
     failed = False
     with tqdm(total=total, unit="req", file=sys.stderr, mininterval=1.0, leave=False) as bar:

@@ -46,6 +46,9 @@ def table(workload: str, what: str, cells: list[dict]):
     if routers:
         t.add_column("tok/s ×router", justify="right")
         t.add_column("p90 ×router", justify="right")
+    foreign = any("routed" in c for c in cells)
+    if foreign:
+        t.add_column("routed p90", justify="right")
     for c in sorted(cells, key=lambda c: c["rate"]):
         vs_rr, vs_router = c.get("vs_round_robin", {}), c.get("vs_best_router", {})
         ttft = c["ttft_s"]
@@ -58,6 +61,8 @@ def table(workload: str, what: str, cells: list[dict]):
                _num(c["load_spread"], ".2f")]
         if routers:
             row += [_num(vs_router.get("output_tokens_per_s"), ".2f"), _num(vs_router.get("ttft_p90"), ".2f")]
+        if foreign:
+            row.append(_num(c.get("routed", {}).get("ttft_s", {}).get("p90"), ".2f"))
         t.add_row(*row)
     return t
 
@@ -71,7 +76,8 @@ def print_tables(result: dict, console=None) -> None:
     console.print("out tok/s: output tokens of the succeeded requests ÷ seconds from the first arrival to the last "
                   "answer; TTFT in seconds; ×RR: against round-robin at the same rate (×router: the best of "
                   "sglang-router / vllm-router); hit rate: the engines' prefix-cache hits ÷ queries (tokens) over the "
-                  "run; spread: the busiest replica's requests ÷ the mean")
+                  "run; spread: the busiest replica's requests ÷ the mean; routed p90 (with --foreign-share): TTFT "
+                  "p90 of the requests the configuration routed, the foreign gateway's left out")
     for name, c in result["configurations"].items():
         if c.get("skipped"):
             console.print(f"skipped {name}: {c['skipped']}")

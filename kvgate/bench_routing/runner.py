@@ -87,8 +87,9 @@ def _wait_serving(stack: Stack, url: str, deadline: float) -> None:
 
 
 async def _drive(url: str, requests: list[BenchRequest], max_tokens: int, drain_s: float,
-                 tick: Callable[[], None]) -> tuple[list[Outcome], float]:
-    """Each request at its arrival time; returns the outcomes in arrival order and the run's start."""
+                 tick: Callable[[], None], replicas: list[str] = ()) -> tuple[list[Outcome], float]:
+    """Each request at its arrival time — to `url`, or a foreign one straight to its replica of `replicas` (host:
+    port, in order); returns the outcomes in arrival order and the run's start."""
     load = StreamLoad(url, SIM_MODEL, concurrency=1, max_tokens=max_tokens, timeout_s=drain_s + 60)
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
     start = time.monotonic()
@@ -96,7 +97,8 @@ async def _drive(url: str, requests: list[BenchRequest], max_tokens: int, drain_
         async def one(seq: int, r: BenchRequest) -> Outcome:
             await asyncio.sleep(max(0.0, start + r.at - time.monotonic()))
             try:
-                return await load.one(client, seq, r.prompt)
+                return await load.one(client, seq, r.prompt,
+                                      None if r.foreign is None else f"http://{replicas[r.foreign]}")
             finally:
                 tick()
         tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
@@ -152,11 +154,15 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
     try:
         # the readiness probe of a router sent one request: counted in `before`, so not in the deltas
         before = {e: engine_counters(e) for e in up.endpoints}
-        outcomes, start = asyncio.run(_drive(url, requests, shape.output_len, drain_s, tick))
+        outcomes, start = asyncio.run(_drive(url, requests, shape.output_len, drain_s, tick, up.endpoints))
         time.sleep(0.2)  # the last requests' counters
         after = {e: engine_counters(e) for e in up.endpoints}
         died = up.stack.dead()
         result = summarize(outcomes, start, shape.output_len, before, after, len(requests))
+        if any(r.foreign is not None for r in requests):  # the requests the configuration itself routed
+            routed = [o for o, r in zip(outcomes, requests) if r.foreign is None]
+            result["routed"] = {"requests": len(routed), "ttft_s": _percentiles(
+                [o.first_token_at - o.sent_at for o in routed if o.ok(shape.output_len)])}
         result["logs"] = str(up.stack.workdir)
         if config.kind == "epp" and config.kv_events:
             result["epp_kv_events"] = epp_kv_event_counts(up.metrics_port)

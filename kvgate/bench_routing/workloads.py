@@ -11,14 +11,21 @@ Prompts are text whose length in characters is its length in tokens (the sim bac
   previous prompt, which the engine cached either way.
 - no-reuse: random prompts that share nothing (routing must not lose to round-robin here).
 Arrivals are Poisson at the given rate (exponential gaps from a seeded generator).
+
+Foreign traffic (`with_foreign`): a share of the requests, drawn by the seed and so the same for every
+configuration, reaches the replicas through another gateway sharing the pool — one that hashes the prompt's first
+FOREIGN_KEY_CHARS characters to a replica (session affinity by prefix, as a consistent-hash gateway or another
+router's placement would give). The router under test never sees them: an index built from its own picks cannot
+know what they put in the caches; one fed by the engines' KV events can.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+import xxhash
 
 from kvgate.bench_serve import random_text
 
@@ -70,6 +77,7 @@ class BenchRequest:
     at: float  # seconds after the run's start
     prompt: str
     key: str  # tenant/user or conversation/turn: which prefix it reuses
+    foreign: int | None = None  # the replica another gateway sends it to (not the router under test); None: ours
 
 
 def prompts(shape: WorkloadShape, n: int, seed: int) -> list[tuple[str, str]]:
@@ -110,3 +118,16 @@ def arrivals(shape: WorkloadShape, rate: float, duration_s: float, seed: int) ->
     times = times[times <= duration_s] if times[0] <= duration_s else times[:1]
     return [BenchRequest(float(at), prompt, key)
             for at, (key, prompt) in zip(times, prompts(shape, len(times), seed))]
+
+
+FOREIGN_KEY_CHARS = 256
+
+
+def with_foreign(requests: list[BenchRequest], share: float, replicas: int, seed: int) -> list[BenchRequest]:
+    """`requests` with a `share` of them (each with probability `share`, from `seed`) sent by a foreign gateway
+    to replica xxh3(prompt[:FOREIGN_KEY_CHARS]) mod `replicas`."""
+    if share <= 0:
+        return requests
+    rng = random.Random(f"foreign-{seed}")
+    return [replace(r, foreign=xxhash.xxh3_64_intdigest(r.prompt[:FOREIGN_KEY_CHARS].encode()) % replicas)
+            if rng.random() < share else r for r in requests]
