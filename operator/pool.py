@@ -384,9 +384,9 @@ def default_epp_config(pool: dict, modelservers: list[dict]) -> ConfigChoice:
 def choose_epp_config(pool: dict, referenced: dict | None, current: dict | None,
                       modelservers: list[dict] = ()) -> ConfigChoice:
     """The config to roll out to the pool's EPP: without a `kvgate.dev/epp-config` annotation the default for its
-    ModelServers (default_epp_config), else the referenced ConfigMap's key once it parses. When the reference or the config is unusable: the
-    last good config (`current`, the EPP's own ConfigMap) with the problem, so the EPP never gets a config
-    it would refuse, nor silently the default in place of the one asked for."""
+    ModelServers (default_epp_config), else the referenced ConfigMap's key once it parses. When the reference or
+    the config is unusable: the last good config (`current`, the EPP's own ConfigMap) with the problem, so the
+    EPP never gets a config it would refuse, nor silently the default in place of the one asked for."""
     try:
         ref = config_ref(pool)
     except ValueError as exc:

@@ -146,9 +146,9 @@ def test_supervise_backs_off_and_resets_after_a_stable_run(tmp_path):
 @pytest.mark.parametrize("how", ["kv-events", "default"])
 def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path, how):
     """`kvgate up --kv-events` with a config naming precise-prefix-cache-scorer, or by default (kvgate's profile,
-    which turns the events on): every engine publishes on its own loopback sockets, the EPP subscribes to each, and the blocks
-    the engines cache reach the EPP's index (a stack whose engines connect instead of bind, or whose EPP is told
-    no socket, shows 0 blocks)."""
+    which turns the events on): every engine publishes on its own loopback sockets, the EPP subscribes to each,
+    and the blocks the engines cache reach the EPP's index (a stack whose engines connect instead of bind, or
+    whose EPP is told no socket, shows 0 blocks)."""
     from kvgate.bench_routing.configurations import BY_NAME
 
     config = tmp_path / "precise.yaml"

@@ -12,8 +12,8 @@ hashes the same way (`chain`) and an endpoint's match is its leading run of held
 Two writers, one reader, all on the EPP's event loop (no locks): `apply` takes the subscriber thread's deltas
 (posted to the loop), `hold`/`release` and `add_speculative` the scorer's picks (a block the engine will hold
 once it prefills the request: it counts until the events confirm it, else while a request that will compute it
-is held, then `speculative_ttl_s` seconds, so a burst to a fresh prefix sticks to one endpoint before the events arrive), `match` serves the
-scorer. Holders of a block are an int bitset of endpoint ids (see
+is held, then `speculative_ttl_s` seconds, so a burst to a fresh prefix sticks to one endpoint before the events
+arrive), `match` serves the scorer. Holders of a block are an int bitset of endpoint ids (see
 prefix_cache_scorer.py): a match is O(prompt blocks) dict lookups and bit operations.
 """
 

@@ -333,8 +333,9 @@ class SchedulingProfile:
         cap = self.picker.max_endpoints
         if dropped and picked and (cap == 0 or len(picked) < cap):
             # the dropped ones through the hard filters (again for those before the preference: filters are pure,
-            # so they pass them again; those after it must judge them too), in a copy of the cycle: its request-level work (tokens, hashes) is reused, and what the fallbacks' scoring
-            # writes does not reach the primary's pick hooks; the snapshot cache stays the primary's
+            # so they pass them again; those after it must judge them too), in a copy of the cycle: its
+            # request-level work (tokens, hashes) is reused, and what the fallbacks' scoring writes does not reach
+            # the primary's pick hooks; the snapshot cache stays the primary's
             fallback_cycle = CycleState(cycle.load)
             fallback_cycle.update(cycle)
             primary_snapshot = self._snapshot

@@ -23,8 +23,9 @@ default 60 s) and `speculativeTTL` seconds (default 2 s) after its response ends
 A fixed TTL from the pick is not enough under load: at 24 req/s on the bench's 4 replicas a request waited
 3-5 s in the engine's queue before its prefill, the 2 s entries expired before the events came, the prefix
 looked cold, the queue scorer spread it, and precise fell behind approximate (whose history never forgets):
-TTFT p90 5.8 vs 3.1 s, hit rate 59% vs 66% (seed 0; /work/bench-results/s18-sweep24-0.json). `remove_endpoint` drops the endpoint's blocks, speculative ones included, and
-closes its event socket.
+TTFT p90 5.8 vs 3.1 s, hit rate 59% vs 66% (`kvgate bench routing --workloads multi-tenant --rates 24
+--duration 20 --seed 0`, llm-d's precise weights; 2.2 s with the hold). `remove_endpoint` drops the endpoint's
+blocks, speculative ones included, and closes its event socket.
 
 PrefixMatchSource (epp/scheduling/prefix_match.py): `prompt_tokens` is the exact token count (the tokenizer's;
 an estimate of len(prompt)/4 only when the request cannot be tokenized, e.g. several prompts); `cached_tokens`
