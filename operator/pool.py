@@ -30,7 +30,7 @@ from typing import NamedTuple
 from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, ConfigError, parse_config
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
-from kvgate.operator.modelserver import DEFAULT_MODEL, model_volume
+from kvgate.operator.modelserver import DEFAULT_MODEL, kv_events_ports, model_volume
 from kvgate.operator.spec_shape import pool_problems, pool_ref_name
 
 EPP_ANNOTATION = "kvgate.dev/endpoint-picker"
@@ -375,7 +375,7 @@ def default_epp_config(pool: dict, modelservers: list[dict]) -> ConfigChoice:
     measured ahead of upstream's default at saturation (README's routing benchmark, `kvgate bench routing`).
     Else upstream's default: other pods in the pool (or ModelServers without events) give it nothing to read."""
     members = pool_modelservers(pool, modelservers)
-    if members and all(((ms.get("spec") or {}).get("engine") or {}).get("kvEvents") for ms in members):
+    if members and all(kv_events_ports(ms.get("spec") or {}) for ms in members):  # the sockets the EPP reads
         return ConfigChoice(KVGATE_EPP_CONFIG, "kvgate's profile (every ModelServer of the pool publishes KV events)",
                             None)
     return ConfigChoice(DEFAULT_EPP_CONFIG, "the default EndpointPickerConfig", None)
@@ -392,7 +392,7 @@ def choose_epp_config(pool: dict, referenced: dict | None, current: dict | None,
     except ValueError as exc:
         return _keep(pool, current, "InvalidConfigRef", str(exc))
     if ref is None:
-        return default_epp_config(pool, list(modelservers))
+        return default_epp_config(pool, modelservers)
     name, key = ref
     if referenced is None:
         return _keep(pool, current, "ConfigMapNotFound",
