@@ -51,6 +51,10 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSeq]
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v.contiguous(), kv_cache, self, scale)
+
     @classmethod
     def build(
         cls,
@@ -60,9 +64,11 @@ class AttentionMetadata:
         num_kv_heads: int,
         num_cache_blocks: int,
         sliding_window: int | None = None,
+        slot_mapping: torch.Tensor | None = None,
     ) -> "AttentionMetadata":
-        """seqs: (num_computed_tokens, num_new_tokens, block_ids) per sequence, in batch order."""
-        slot_mapping: list[int] = []
+        """seqs: (num_computed_tokens, num_new_tokens, block_ids) per sequence, in batch order; slot_mapping: the
+        step's slots when the caller has them already (step_inputs.py), else computed here."""
+        slots: list[int] = []
         decode_idx: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -70,7 +76,8 @@ class AttentionMetadata:
         start = 0
         for computed, new, block_ids in seqs:
             ctx = computed + new
-            slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(computed, ctx))
+            if slot_mapping is None:
+                slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(computed, ctx))
             num_blocks = -(-ctx // block_size)
             if new == 1 and computed > 0:
                 decode_idx.append(start)
@@ -96,7 +103,9 @@ class AttentionMetadata:
             decodes.append(_decode_group([decode_idx[i] for i in group], [decode_tables[i] for i in group],
                                          [decode_lens[i] for i in group], block_size, device, num_kv_heads,
                                          num_cache_blocks, sliding_window))
-        return cls(torch.tensor(slot_mapping, dtype=torch.long, device=device), block_size, decodes, prefills)
+        if slot_mapping is None:
+            slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        return cls(slot_mapping, block_size, decodes, prefills)
 
 
 def _decode_group(token_idx, tables, lens, block_size, device, num_kv_heads, num_cache_blocks,

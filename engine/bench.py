@@ -4,6 +4,8 @@ generate (one request at a time, and left-padded batches), on the same model, wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import random
 import tempfile
@@ -34,6 +36,11 @@ def add_bench_engine_parser(sub) -> None:
     p.add_argument("--baselines", default="single,batched",
                    help="HF runs to compare with: single, batched, both (default) or none")
     p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--hf-first-tokens", action="store_true",
+                   help="check every prompt's first generated token against HF's own forward pass of that prompt "
+                        "alone (no padding), also with --baselines none (always done when a baseline runs)")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="also run kvgate with --enforce-eager (no CUDA graphs) on the same workload, side by side")
     p.add_argument("--result-file", default=None, help="also write the results as JSON here")
     add_engine_args(p)
     p.set_defaults(func=run_bench_engine)
@@ -87,11 +94,36 @@ def _hf_generate(model, batch: list[list[int]], output_len: int, pad_id: int, de
     return [row[width:].tolist() for row in out]
 
 
+def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """Share of prompts whose first generated token is the same, and the mean length of the common prefix."""
+    first = sum(bool(a) and bool(b) and a[0] == b[0] for a, b in zip(ours, theirs))
+    common = 0
+    for a, b in zip(ours, theirs):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        common += n
+    return {"first_token": first / len(ours), "mean_common_prefix": common / len(ours)}
+
+
+def _hf_first_tokens(model, prompts: list[list[int]], device) -> list[int]:
+    """HF's greedy first token for each prompt, from one forward pass of the prompt alone."""
+    import torch
+
+    tokens = []
+    with torch.inference_mode():
+        for p in prompts:
+            logits = model(torch.tensor([p], device=device)).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    return tokens
+
+
 def run_bench_engine(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
     from kvgate.engine import LLM, SamplingParams
+    from kvgate.engine.bench_roofline import StepTimer, copy_bandwidth, kv_bytes_per_token, weight_bytes
     from kvgate.engine.cli_args import engine_config_from_args
     from kvgate.engine.config import EngineConfig
     from kvgate.engine.llm import resolve_model_path
@@ -110,40 +142,80 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         model_path = resolve_model_path(args.model)
 
     config = engine_config_from_args(model_path, args)
-    llm = LLM.from_config(config)
-    engine = llm.engine
-    device, dtype = engine.device, engine.dtype
-    max_prompt = min(args.max_prompt_len, engine.max_model_len - args.output_len)
-    prompts = make_workload(args.num_requests, min(args.min_prompt_len, max_prompt), max_prompt,
-                            engine.vocab_size, args.workload_seed)
-    n_out = args.num_requests * args.output_len
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    print(f"workload: {args.num_requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
-          f"tokens (mean {sum(map(len, prompts)) / len(prompts):.0f}), {args.output_len} output tokens each, "
-          f"greedy | model {args.model} | device {device} | dtype {dtype}", flush=True)
-
     results: dict[str, dict] = {}
-    llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4))  # warm-up
-    engine.reset_prefix_cache()
-    _sync(device)
-    t0 = time.perf_counter()
-    ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    _sync(device)
-    elapsed = time.perf_counter() - t0
-    ours_tokens = [o.outputs[0].token_ids for o in ours]
-    assert sum(map(len, ours_tokens)) == n_out
-    results["kvgate"] = {"seconds": elapsed, "output_tokens_per_s": n_out / elapsed}
-    print(f"  kvgate engine: {elapsed:.2f} s", flush=True)
-    del llm, engine
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    runs = [("kvgate", config)]
+    if args.compare_eager and not config.enforce_eager:
+        runs.append(("kvgate_eager", dataclasses.replace(config, enforce_eager=True)))
+    bandwidth = None
+    ours_tokens = None
+    for label, run_config in runs:
+        llm = LLM.from_config(run_config)
+        engine = llm.engine
+        device, dtype = engine.device, engine.dtype
+        if ours_tokens is None:
+            max_prompt = min(args.max_prompt_len, engine.max_model_len - args.output_len)
+            prompts = make_workload(args.num_requests, min(args.min_prompt_len, max_prompt), max_prompt,
+                                    engine.vocab_size, args.workload_seed)
+            n_out = args.num_requests * args.output_len
+            params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+            print(f"workload: {args.num_requests} requests, prompts {min(map(len, prompts))}-"
+                  f"{max(map(len, prompts))} tokens (mean {sum(map(len, prompts)) / len(prompts):.0f}), "
+                  f"{args.output_len} output tokens each, greedy | model {args.model} | device {device} | "
+                  f"dtype {dtype}", flush=True)
+            bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 27))
+            print(f"device copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
+        runner = engine.runner
+        info = {"attention_backend": runner.attention_backend, "cuda_graphs": bool(runner.shapes and
+                                                                                  runner.shapes.graphs)}
+        if info["cuda_graphs"]:
+            info["graph_capture_s"] = runner.shapes.capture_seconds
+            info["graph_memory_gib"] = runner.shapes.capture_bytes / 2**30
+            print(f"  {label}: {len(runner.shapes.graphs)} CUDA graphs captured in {info['graph_capture_s']:.1f} s, "
+                  f"{info['graph_memory_gib']:.2f} GiB", flush=True)
+        llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4))  # warm-up
+        engine.reset_prefix_cache()
+        timer = StepTimer(engine, bandwidth, weight_bytes(runner.model), kv_bytes_per_token(runner))
+        _sync(device)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        timer.close()
+        tokens = [o.outputs[0].token_ids for o in outs]
+        assert sum(map(len, tokens)) == n_out
+        if ours_tokens is None:
+            ours_tokens = tokens
+        else:
+            same = sum(a == b for a, b in zip(tokens, ours_tokens))
+            info["greedy_identical_to_kvgate"] = f"{same}/{len(prompts)}"
+            print(f"  {label}: greedy outputs identical to the graph run: {same}/{len(prompts)}", flush=True)
+        decode = timer.summary()
+        results[label] = {"seconds": elapsed, "output_tokens_per_s": n_out / elapsed, **info, "decode": decode}
+        print(f"  {label}: {elapsed:.2f} s", flush=True)
+        if decode["decode_steps"]:
+            print(f"    decode-only steps: {decode['decode_steps']} (mean batch {decode['mean_batch']:.0f}), "
+                  f"{decode['mean_step_ms']:.2f} ms a step ({decode['mean_execute_ms']:.2f} ms in the runner) "
+                  f"against a bound of {decode['mean_bound_ms']:.2f} ms (weights + KV at the copy bandwidth): "
+                  f"{100 * decode['fraction_of_bound']:.1f}% of the bound "
+                  f"({100 * decode['fraction_of_bound_execute']:.1f}% counting the runner alone); "
+                  f"at the full batch of {decode['full_batch']}: {decode['full_batch_median_step_ms']:.2f} ms vs "
+                  f"{decode['full_batch_median_bound_ms']:.2f} ms", flush=True)
+        del llm, engine, runner, timer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     baselines = {"both": ["single", "batched"], "none": []}.get(args.baselines, args.baselines.split(","))
-    hf_single = None
-    if baselines:
+    hf_single = hf_outputs = None
+    if baselines or args.hf_first_tokens:
         hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
         pad_id = 0
         _hf_generate(hf, [prompts[0][:16]], 4, pad_id, device)  # warm-up
+        first = _hf_first_tokens(hf, prompts, device)
+        same = sum(bool(o) and o[0] == t for o, t in zip(ours_tokens, first))
+        results["first_token_equal_to_hf_unpadded"] = same / len(prompts)
+        print(f"first generated token equal to HF's forward of the prompt alone: {same}/{len(prompts)} "
+              f"({100 * same / len(prompts):.1f}%)", flush=True)
         for name in baselines:
             size = 1 if name == "single" else args.hf_batch_size
             _sync(device)
@@ -157,11 +229,14 @@ def run_bench_engine(args: argparse.Namespace) -> int:
             results[label] = {"seconds": elapsed, "output_tokens_per_s": n_out / elapsed}
             if size == 1:
                 hf_single = outs
+            hf_outputs = hf_outputs or outs
             print(f"  {label}: {elapsed:.2f} s", flush=True)
 
     base = results["kvgate"]["output_tokens_per_s"]
     print(f"\n{'system':<28}{'time (s)':>10}{'output tok/s':>15}{'kvgate speed-up':>18}")
     for label, r in results.items():
+        if not isinstance(r, dict):
+            continue
         ratio = base / r["output_tokens_per_s"]
         r["kvgate_speedup"] = ratio
         print(f"{label:<28}{r['seconds']:>10.2f}{r['output_tokens_per_s']:>15.1f}{ratio:>17.2f}x")
@@ -170,10 +245,17 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         results["greedy_identical_to_hf_single"] = f"{same}/{len(prompts)}"
         print(f"\ngreedy outputs identical to HF one-at-a-time: {same}/{len(prompts)}"
               + ("" if dtype == torch.float32 else " (reduced precision: small divergences are expected)"))
+    if hf_outputs is not None:
+        agree = _agreement(ours_tokens, hf_outputs)
+        results["first_token_agreement_with_hf_generate"] = agree["first_token"]
+        results["mean_common_prefix_with_hf_generate"] = agree["mean_common_prefix"]
+        print(f"against HF generate ({'one at a time' if hf_single is not None else 'left-padded batches'}): "
+              f"first token equal for {100 * agree['first_token']:.1f}% of prompts; mean common prefix "
+              f"{agree['mean_common_prefix']:.1f} of {args.output_len} tokens")
     if args.result_file:
         Path(args.result_file).write_text(json.dumps({
             "model": args.model, "device": str(device), "dtype": str(dtype), "num_requests": args.num_requests,
-            "output_len": args.output_len, "results": results}, indent=2))
+            "output_len": args.output_len, "copy_bandwidth_gbs": bandwidth / 1e9, "results": results}, indent=2))
     if tmp is not None:
         tmp.cleanup()
     return 0

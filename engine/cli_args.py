@@ -42,6 +42,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="bytes for the KV cache, e.g. 2GiB (default: measured on GPU, 1 GiB on CPU)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every step launches its kernels one by one (default: graphs on CUDA)")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                   help="largest step (tokens) of mixed prefill+decode captured as a CUDA graph; larger steps run "
+                        "eagerly; 0 captures decode steps only (default: 1024)")
+    g.add_argument("--attention-backend", choices=["auto", "sdpa", "triton"], default="auto",
+                   help="paged attention: triton kernels reading block tables (default on CUDA) or SDPA over "
+                        "gathered blocks (default on CPU)")
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes (default: on)")
@@ -109,6 +117,9 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=args.enforce_eager,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+        attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,

@@ -41,6 +41,12 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; None = automatic
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
+    # The GPU path (vLLM's flags): --enforce-eager turns CUDA graphs off; graphs of mixed prefill+decode steps are
+    # captured up to max_cudagraph_capture_size tokens (None: cuda_graphs.DEFAULT_MAX_CAPTURE_SIZE; 0: decode
+    # graphs only). attention_backend: auto | sdpa | triton (see model_runner.choose_attention_backend).
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int | None = None
+    attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
@@ -67,6 +73,12 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.attention_backend not in ("auto", "sdpa", "triton"):
+            raise ConfigError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")
+        if self.max_cudagraph_capture_size is not None and (
+                not isinstance(self.max_cudagraph_capture_size, int) or self.max_cudagraph_capture_size < 0):
+            raise ConfigError("max_cudagraph_capture_size must be a non-negative integer, got "
+                              f"{self.max_cudagraph_capture_size!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from kvgate.engine.attention import AttentionMetadata
+from kvgate.engine.cuda_graphs import DEFAULT_MAX_CAPTURE_SIZE, GraphSet
 from kvgate.engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvgate.engine.cpu_allocator import keep_large_allocations_in_heap
 from kvgate.engine.errors import ConfigError
@@ -17,11 +19,13 @@ from kvgate.engine.lora.adapter import LoRAWeights, load_lora_weights
 from kvgate.engine.lora.layers import add_lora_layers, module_shapes, set_slot
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.models import resolve_model_class
-from kvgate.engine.models.layers import RotaryEmbedding
+from kvgate.engine.models.layers import RotaryEmbedding, use_fused_kernels
 from kvgate.engine.request import Request
 from kvgate.engine.sampler import Sampler, SamplingBatch
-from kvgate.engine.scheduler import SchedulerOutput
+from kvgate.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvgate.engine.step_inputs import StepInputs
 from kvgate.engine.structured_output import fill_bitmasks
+from kvgate.engine.triton_attention import HAS_TRITON, TritonAttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,20 @@ class ModelRunner:
         self._mask_pool: ThreadPoolExecutor | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.attention_backend = choose_attention_backend(config.attention_backend, device)
+        if self.attention_backend == "triton":
+            use_fused_kernels(self.model)
+        self.inputs = StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
+                                 cdiv(max_model_len, self.block_size), self.block_size, device)
+        # Padded step shapes (and, on CUDA, their captured graphs): with the Triton kernels unless --enforce-eager.
+        # On CPU the same shapes and buffers run eagerly, which is how the tests check the graph path's padding.
+        self.shapes: GraphSet | None = None
+        if self.attention_backend == "triton" and not config.enforce_eager:
+            capture = config.max_cudagraph_capture_size
+            capture = DEFAULT_MAX_CAPTURE_SIZE if capture is None else capture
+            self.shapes = GraphSet(min(config.max_num_seqs, config.max_num_batched_tokens),
+                                   min(capture, config.max_num_batched_tokens))
+        self._eager_causes: set[str] = set()
 
     # -- KV cache ---------------------------------------------------------------------------------
 
@@ -88,23 +106,25 @@ class ModelRunner:
             )
         return num_blocks
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
         shape = (2, self.model.num_kv_heads, num_blocks * self.block_size, self.model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.num_blocks = num_blocks
+        if capture_graphs and self.shapes is not None and self.device.type == "cuda":
+            self._capture_graphs()
 
     def _profile_cuda_kv_bytes(self) -> int:
         """Free memory after a worst-case forward (max_num_batched_tokens), times gpu_memory_utilization."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        self.allocate_kv_cache(cdiv(n, self.block_size))
+        self.allocate_kv_cache(cdiv(n, self.block_size), capture_graphs=False)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         baseline = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            meta = self._attention_metadata([(0, n, list(range(self.num_blocks)))])
-            hidden = self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)
+            prompt = _ProfileRequest(n)
+            step = SchedulerOutput([ScheduledRequest(prompt, n, list(range(self.num_blocks)))])
+            _, hidden = self._run_model(step)
             rows = min(self.config.max_num_seqs, n)
             self.model.compute_logits(hidden[:rows]).float().softmax(-1)
         torch.cuda.synchronize(self.device)
@@ -137,36 +157,71 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def _attention_metadata(self, seqs) -> AttentionMetadata:
-        return AttentionMetadata.build(seqs, self.block_size, self.device, self.model.num_kv_heads,
-                                       self.num_blocks, self.sliding_window)
+    def _forward_static(self, num_tokens: int, decode_only: bool, num_seqs: int) -> torch.Tensor:
+        """The model over the first num_tokens rows of the persistent buffers (what a CUDA graph captures)."""
+        view = self.inputs.view
+        meta = TritonAttentionMetadata(view("slot_mapping", num_tokens), view("block_table", num_seqs),
+                                       view("seq_lens", num_seqs), view("query_start_loc", num_seqs + 1),
+                                       self.block_size, decode_only, self.sliding_window)
+        return self.model(view("input_ids", num_tokens), view("positions", num_tokens), self.kv_caches, meta)
+
+    def _capture_graphs(self) -> None:
+        max_seqs = self.config.max_num_seqs
+
+        def fill(num_tokens: int, decode_only: bool) -> None:
+            self.inputs.fill_padding(num_tokens, min(num_tokens, max_seqs))
+
+        def forward(num_tokens: int, decode_only: bool) -> torch.Tensor:
+            return self._forward_static(num_tokens, decode_only, min(num_tokens, max_seqs))
+
+        with torch.inference_mode():
+            self.shapes.capture(fill, forward, self.device)
+
+    def _padded_shape(self, out: SchedulerOutput) -> tuple[int | None, int | None, str | None]:
+        """(padded tokens, padded sequences, why not) for this step: a captured size, or eager."""
+        if self.shapes is None:
+            return None, None, None
+        if self.lora_state is not None and out.lora_slots:
+            return None, None, "a batch with LoRA adapters"
+        num_tokens = out.num_scheduled_tokens
+        decode_only = num_tokens == len(out.scheduled)
+        padded = self.shapes.size_for(num_tokens, len(out.scheduled), decode_only)
+        if padded is None:
+            return None, None, None  # larger than every graph: eager by design, not a fallback
+        return padded, min(padded, self.config.max_num_seqs), None
+
+    def _run_model(self, out: SchedulerOutput):
+        padded, padded_seqs, why_eager = self._padded_shape(out)
+        if why_eager is not None and why_eager not in self._eager_causes:
+            self._eager_causes.add(why_eager)
+            log.info("CUDA graphs: steps with %s run eagerly", why_eager)
+        batch = self.inputs.prepare(out, padded, padded_seqs)
+        if self.lora_state is not None:
+            self.lora_state.groups = [(slot, torch.from_numpy(rows).to(self.device))
+                                      for slot, rows in batch.lora_rows.items()]
+        if self.attention_backend == "sdpa":
+            seqs = [(s.request.num_computed_tokens, s.num_new_tokens, s.block_ids) for s in out.scheduled]
+            meta = AttentionMetadata.build(seqs, self.block_size, self.device, self.model.num_kv_heads,
+                                           self.num_blocks, self.sliding_window,
+                                           slot_mapping=self.inputs.view("slot_mapping", batch.num_tokens))
+            view = self.inputs.view
+            hidden = self.model(view("input_ids", batch.num_tokens), view("positions", batch.num_tokens),
+                                self.kv_caches, meta)
+        elif self.shapes is not None and self.shapes.graphs and padded is not None:
+            hidden = self.shapes.replay(batch.num_padded_tokens, batch.decode_only)
+        else:
+            hidden = self._forward_static(batch.num_padded_tokens, batch.decode_only, batch.num_padded_seqs)
+        return batch, hidden
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput):
         """One forward pass for the whole batch; returns {request_id: token} and {request_id: logprobs}."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        seqs = []
-        sample_rows: list[int] = []
-        samplers: list[Request] = []
-        lora_rows: dict[int, list[int]] = {}  # slot -> token rows of this step
-        for s in out.scheduled:
-            r = s.request
-            start, n = r.num_computed_tokens, s.num_new_tokens
-            if r.lora_request is not None:
-                lora_rows.setdefault(out.lora_slots[r.lora_request.lora_int_id], []).extend(
-                    range(len(input_ids), len(input_ids) + n))
-            input_ids.extend(r.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            seqs.append((start, n, s.block_ids))
-            if s.samples:
-                sample_rows.append(len(input_ids) - 1)
-                samplers.append(r)
         # Structured-output masks: only constrained rows get one, so unconstrained batches pay nothing. On an
         # accelerator they are filled in a thread while the forward pass runs (the CPU is idle then; llguidance
         # drops the GIL). On CPU the forward pass already uses every core, and a mask thread beside it only
         # fights torch's threads: `kvgate bench structured-outputs --num-requests 128` (demo, 2 shared cores)
         # ran the half-constrained batch at 0.33x with the thread and 0.91x filling the masks in line.
+        samplers = [s.request for s in out.scheduled if s.samples]
         masks = None
         if any(r.grammar is not None for r in samplers):
             width = (self.vocab_size + 31) // 32
@@ -176,28 +231,48 @@ class ModelRunner:
                 if self._mask_pool is None:
                     self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-grammar")
                 masks = self._mask_pool.submit(fill_bitmasks, samplers, width)
-        dev = self.device
-        meta = self._attention_metadata(seqs)
-        if self.lora_state is not None:
-            self.lora_state.groups = [(slot, torch.tensor(rows, dtype=torch.long, device=dev))
-                                      for slot, rows in lora_rows.items()]
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            meta,
-        )
+        batch, hidden = self._run_model(out)
         if not samplers:
             return {}, {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         grammar = ([], None) if masks is None else masks if isinstance(masks, tuple) else masks.result()
+        dev = self.device
         for r in samplers:  # a seeded request's own generator, made at its first token and kept on the request
             if r.generator is None and r.sampling_params.seed is not None:
                 r.generator = torch.Generator(device=dev)
                 r.generator.manual_seed(r.sampling_params.seed)
-        batch = SamplingBatch.build(samplers, self.vocab_size, dev, grammar)
-        tokens, logprobs = self.sampler(logits, batch)
+        sampling = SamplingBatch.build(samplers, self.vocab_size, dev, grammar)
+        tokens, logprobs = self.sampler(logits, sampling)
         ids = [r.request_id for r in samplers]
-        token_map = dict(zip(ids, tokens.tolist()))
+        token_map = dict(zip(ids, tokens.tolist()))  # the step's one device-to-host wait
         logprob_map = {rid: lp for rid, lp in zip(ids, logprobs)} if logprobs is not None else {}
         return token_map, logprob_map
+
+
+class _ProfileRequest:
+    """A prompt of n tokens for the memory profile's worst-case step."""
+
+    def __init__(self, n: int) -> None:
+        self.all_token_ids = [0] * n
+        self.num_computed_tokens = 0
+        self.num_tokens = n
+        self.lora_request = None
+
+
+def choose_attention_backend(name: str, device: torch.device) -> str:
+    """sdpa (attention.py) or triton (triton_attention.py), chosen once at start and logged.
+
+    auto: Triton's kernels on CUDA; SDPA over gathered blocks on CPU, where the gathers are cheap and the Triton
+    interpreter is far slower than SDPA."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and HAS_TRITON else "sdpa"
+        if device.type == "cuda" and not HAS_TRITON:
+            log.warning("attention: Triton is not installed; CUDA runs the SDPA path (slow: gathered copies)")
+    if name == "triton":
+        if not HAS_TRITON:
+            raise ConfigError("attention_backend triton needs the triton package")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("attention_backend triton on CPU runs only under Triton's interpreter: set "
+                              "TRITON_INTERPRET=1 before the engine starts (for tests; it is slow)")
+    log.info("attention: %s on %s", name, device)
+    return name

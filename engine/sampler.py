@@ -37,6 +37,7 @@ class SamplingBatch:
     # Structured outputs: the constrained rows and their allowed tokens, int32 bitmask [len(rows), ceil(V/32)].
     grammar_rows: list[int] | None = None
     grammar_bitmask: torch.Tensor | None = None
+    all_greedy: bool = False  # known on the host: no device-to-host wait to ask the device
 
     @classmethod
     def build(cls, requests: list[Request], vocab_size: int, device: torch.device,
@@ -85,6 +86,7 @@ class SamplingBatch:
             num_logprobs=[p.logprobs for p in ps],
             grammar_rows=grammar[0] or None,
             grammar_bitmask=None if grammar[1] is None else grammar[1].to(device, non_blocking=True),
+            all_greedy=not any_sampled,
         )
 
 
@@ -141,7 +143,7 @@ class Sampler:
             logits = apply_penalties(logits, batch.prompt_mask, batch.output_counts,
                                      batch.repetition, batch.presence, batch.frequency)
         greedy_tokens = logits.argmax(dim=-1)
-        if bool(batch.greedy.all()):
+        if batch.all_greedy:
             tokens = greedy_tokens
         else:
             temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)

@@ -7,16 +7,28 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kvgate.engine.attention import AttentionMetadata, paged_attention
+from kvgate.engine import triton_ops
+
+
+
+def use_fused_kernels(model: nn.Module) -> None:
+    """Switch the model's norms, RoPE and MLP activations to triton_ops.py's fused kernels (the GPU path)."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
+            module.fused = True
 
 
 class RMSNorm(nn.Module):
+    fused = False  # triton_ops.rms_norm instead of the torch ops (use_fused_kernels)
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return triton_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -35,6 +47,8 @@ def rope_parameters(config) -> dict:
 
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE with a cos/sin table over all positions; scaled variants use transformers' own init."""
+
+    fused = False  # triton_ops.rope (use_fused_kernels)
 
     def __init__(self, config, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -71,6 +85,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D]."""
+        if self.fused:
+            return triton_ops.rope(positions, q, k, self.cos, self.sin, self.rotary_dim)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _apply_rope(q, cos, sin, self.rotary_dim), _apply_rope(k, cos, sin, self.rotary_dim)
@@ -109,7 +125,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions, x, kv_cache, meta) -> torch.Tensor:
+        """meta: the step's attention metadata (attention.py's SDPA path or triton_attention.py's kernels)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -117,12 +134,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        o = paged_attention(q, k, v.contiguous(), kv_cache, meta, self.scale)
+        o = meta.attend(q, k, v, kv_cache, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
 class GatedMLP(nn.Module):
     """SwiGLU: down(act(gate(x)) * up(x)) with gate and up fused."""
+
+    fused = False  # triton_ops.silu_and_mul (use_fused_kernels)
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False) -> None:
         super().__init__()
@@ -133,5 +152,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(triton_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -7,7 +7,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvgate.engine.attention import AttentionMetadata
 from kvgate.engine.errors import ModelLoadError
 from kvgate.engine.models.layers import Attention, GatedMLP, RMSNorm
 
@@ -44,7 +43,7 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+    def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(positions, x, kv_cache, meta)
@@ -74,7 +73,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

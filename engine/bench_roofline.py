@@ -1,0 +1,115 @@
+"""How far a decode step is from the memory-bandwidth bound: `kvgate bench engine`'s step accounting.
+
+A decode step must read every weight once and the K/V of every token in its sequences' contexts once; at the
+device's copy bandwidth (measured in the same run) that many bytes take the bound time. The step timer wraps an
+engine's step and its runner's execute: for each decode-only step it records the wall time of the whole step
+(scheduling and output processing included: what a user waits for) and of execute alone (inputs, forward pass,
+sampling, the one device-to-host wait), against the bound of that step's bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (the median of repeats)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters, each shared tensor once (a tied LM head reads the embedding table)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(runner) -> int:
+    return runner.bytes_per_block // runner.block_size
+
+
+@dataclass
+class StepTimer:
+    """Wraps engine.step and engine.runner.execute; see the module doc."""
+
+    engine: object
+    bandwidth: float  # bytes/s
+    weights: int
+    kv_per_token: int
+    steps: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._step, self._execute = self.engine.step, self.engine.runner.execute
+        self._pending: dict | None = None
+        self.engine.step = self._timed_step
+        self.engine.runner.execute = self._timed_execute
+
+    def close(self) -> None:
+        self.engine.step, self.engine.runner.execute = self._step, self._execute
+
+    def _timed_execute(self, out):
+        t0 = time.perf_counter()
+        result = self._execute(out)
+        seconds = time.perf_counter() - t0
+        if out.scheduled and all(s.num_new_tokens == 1 for s in out.scheduled):
+            context = sum(s.request.num_computed_tokens + 1 for s in out.scheduled)
+            self._pending = {"batch": len(out.scheduled), "context_tokens": context, "execute_s": seconds,
+                             "bytes": self.weights + context * self.kv_per_token}
+        return result
+
+    def _timed_step(self):
+        self._pending = None
+        t0 = time.perf_counter()
+        outputs = self._step()
+        if self._pending is not None:
+            self._pending["step_s"] = time.perf_counter() - t0
+            self.steps.append(self._pending)
+        return outputs
+
+    def summary(self) -> dict:
+        """Totals over the decode-only steps: bound time / measured time is the fraction of the bound reached."""
+        if not self.steps:
+            return {"decode_steps": 0}
+        bound = sum(s["bytes"] for s in self.steps) / self.bandwidth
+        step_s = sum(s["step_s"] for s in self.steps)
+        execute_s = sum(s["execute_s"] for s in self.steps)
+        full = max(s["batch"] for s in self.steps)
+        at_full = [s for s in self.steps if s["batch"] == full]
+        return {
+            "decode_steps": len(self.steps),
+            "mean_batch": sum(s["batch"] for s in self.steps) / len(self.steps),
+            "mean_step_ms": 1e3 * step_s / len(self.steps),
+            "mean_execute_ms": 1e3 * execute_s / len(self.steps),
+            "mean_bound_ms": 1e3 * bound / len(self.steps),
+            "fraction_of_bound": bound / step_s,
+            "fraction_of_bound_execute": bound / execute_s,
+            "full_batch": full,
+            "full_batch_steps": len(at_full),
+            "full_batch_median_step_ms": 1e3 * statistics.median(s["step_s"] for s in at_full),
+            "full_batch_median_bound_ms": 1e3 * statistics.median(s["bytes"] for s in at_full) / self.bandwidth,
+            "decode_seconds": step_s,
+        }

@@ -1,0 +1,135 @@
+"""A step's model inputs, built with array operations into persistent buffers and copied to the device once.
+
+The host side is numpy over (pinned, on CUDA) torch tensors; the device side is one tensor per input that lives as
+long as the runner, so captured CUDA graphs read them where they were captured. Per sequence only the token ids of
+its chunk and its block table row are written from Python; positions, slots, query offsets and sequence lengths are
+computed for the whole batch at once.
+
+Padding (for a captured graph's shapes): tokens past the batch get slot -1 (the K/V store skips them) and position
+0; sequences past the batch get query length 0 and length 0 (the attention kernel skips them).
+
+The host buffers are rewritten each step while the last step's copies could still be queued; that is safe because
+every step ends with a device-to-host wait for its sampled tokens (model_runner.execute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvgate.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepBatch:
+    num_tokens: int  # real tokens of the step
+    num_padded_tokens: int  # rows of the forward pass (>= num_tokens)
+    num_seqs: int
+    num_padded_seqs: int  # sequences the attention kernel is given
+    decode_only: bool  # one token per sequence (the attention kernel's small tile)
+    sample_rows: torch.Tensor  # [len(samplers)] rows of the forward's output, on the device
+    lora_rows: dict[int, np.ndarray]  # slot -> token rows (only requests with an adapter)
+
+
+class StepInputs:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device) -> None:
+        self.max_tokens, self.max_seqs, self.block_size, self.device = max_tokens, max_seqs, block_size, device
+        pin = device.type == "cuda"
+
+        def host(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        self._host = {
+            "input_ids": host(max_tokens, torch.int64),
+            "positions": host(max_tokens, torch.int64),
+            "slot_mapping": host(max_tokens, torch.int64),
+            "query_start_loc": host(max_seqs + 1, torch.int32),
+            "seq_lens": host(max_seqs, torch.int32),
+            "block_table": host((max_seqs, max_blocks_per_seq), torch.int32),
+            "sample_rows": host(max_seqs, torch.int64),
+        }
+        self._np = {name: t.numpy() for name, t in self._host.items()}
+        # On CPU the host tensors are the device tensors: nothing to copy.
+        self.dev = self._host if device.type == "cpu" else {
+            name: torch.zeros_like(t, device=device) for name, t in self._host.items()}
+        self._arange = np.arange(max_tokens, dtype=np.int64)
+
+    def prepare(self, out: SchedulerOutput, padded_tokens: int | None = None,
+                padded_seqs: int | None = None) -> StepBatch:
+        """Fill the buffers for this step. padded_tokens / padded_seqs: the shapes of a captured graph (None: the
+        batch's own)."""
+        a = self._np
+        ids, bt = a["input_ids"], a["block_table"]
+        bs = self.block_size
+        n = len(out.scheduled)
+        starts = np.empty(n, dtype=np.int64)
+        lens = np.empty(n, dtype=np.int64)
+        sample_idx = []
+        lora_seqs: dict[int, list[int]] = {}
+        t = 0
+        for i, s in enumerate(out.scheduled):
+            r = s.request
+            start, k = r.num_computed_tokens, s.num_new_tokens
+            starts[i], lens[i] = start, k
+            if k == 1:
+                ids[t] = r.all_token_ids[start]
+            else:
+                ids[t:t + k] = r.all_token_ids[start:start + k]
+            num_blocks = -(-(start + k) // bs)
+            bt[i, :num_blocks] = s.block_ids[:num_blocks]
+            if s.samples:
+                sample_idx.append(i)
+            if r.lora_request is not None:
+                lora_seqs.setdefault(out.lora_slots[r.lora_request.lora_int_id], []).append(i)
+            t += k
+        num_tokens = t
+        qsl = a["query_start_loc"]
+        qsl[0] = 0
+        np.cumsum(lens, out=qsl[1:n + 1])
+        a["seq_lens"][:n] = starts + lens
+        seq_of_token = np.repeat(np.arange(n), lens)
+        positions = np.repeat(starts - qsl[:n], lens) + self._arange[:num_tokens]
+        a["positions"][:num_tokens] = positions
+        a["slot_mapping"][:num_tokens] = bt[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        a["sample_rows"][:len(sample_idx)] = qsl[1:n + 1][sample_idx] - 1
+
+        num_padded = padded_tokens or num_tokens
+        seqs_padded = padded_seqs or n
+        if num_padded > num_tokens:
+            ids[num_tokens:num_padded] = 0
+            a["positions"][num_tokens:num_padded] = 0
+            a["slot_mapping"][num_tokens:num_padded] = -1
+        if seqs_padded > n:
+            qsl[n + 1:seqs_padded + 1] = num_tokens
+            a["seq_lens"][n:seqs_padded] = 0
+        lora_rows = {slot: np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in seqs])
+                     for slot, seqs in lora_seqs.items()}
+
+        if self.device.type != "cpu":
+            h, d = self._host, self.dev
+            for name, size in (("input_ids", num_padded), ("positions", num_padded), ("slot_mapping", num_padded),
+                               ("query_start_loc", seqs_padded + 1), ("seq_lens", seqs_padded),
+                               ("block_table", seqs_padded), ("sample_rows", len(sample_idx))):
+                d[name][:size].copy_(h[name][:size], non_blocking=True)
+        return StepBatch(num_tokens, num_padded, n, seqs_padded, num_tokens == n,
+                         self.dev["sample_rows"][:len(sample_idx)], lora_rows)
+
+    def fill_padding(self, num_tokens: int, num_seqs: int) -> None:
+        """A step of padding only (for graph capture): no token is stored, no sequence attends."""
+        a = self._np
+        a["input_ids"][:num_tokens] = 0
+        a["positions"][:num_tokens] = 0
+        a["slot_mapping"][:num_tokens] = -1
+        a["query_start_loc"][:num_seqs + 1] = 0
+        a["seq_lens"][:num_seqs] = 0
+        if self.device.type != "cpu":
+            for name in self._host:
+                self.dev[name].copy_(self._host[name])
+            torch.cuda.synchronize(self.device)
+
+    def view(self, name: str, size: int | None = None) -> torch.Tensor:
+        t = self.dev[name]
+        return t if size is None else t[:size]

@@ -1,0 +1,272 @@
+"""Paged attention in Triton: one kernel stores a step's K/V into the cache, one kernel attends for every query
+token of the step — decodes, whole prefills and chunks over a cached prefix alike — reading each sequence's
+block table inside the kernel (no gathered copies, no per-length groups).
+
+The cache layout is attention.py's: per layer [2 (K, V), num_kv_heads, num_blocks * block_size, head_dim], token
+`p` of a sequence in slot `block_table[p // block_size] * block_size + p % block_size`.
+
+The attention kernel's grid is (query blocks, KV heads). A program takes BLOCK_Q query tokens of one sequence and
+the G = H / Hkv query heads that share its KV head, as BLOCK_M = BLOCK_Q * G rows of one tile, so a KV tile read
+from memory serves every query head of its group (GQA costs no extra reads). Sequence `i`'s query blocks start at
+index `query_start_loc[i] // BLOCK_Q + i`, an upper bound on the blocks before it that needs no prefix sum over
+the batch; a program finds its sequence by binary search over query_start_loc, and programs past a sequence's last
+query block exit at once. The grid therefore depends only on the number of tokens and of sequences, both fixed by
+the padded shapes of a captured CUDA graph, so the same launch serves any mix of decodes and prefills in a graph.
+
+Softmax is online (FlashAttention's running max and sum) in float32; float32 inputs use IEEE products (tf32 would
+break token parity with HF in float32).
+
+On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported), which is how
+the test suite checks them against the SDPA path without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the SDPA path (attention.py) serves without Triton
+    triton = None
+    tl = None
+
+HAS_TRITON = triton is not None
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def query_tile(num_queries_per_kv: int, decode_only: bool) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): rows of one program's query tile and the query tokens they hold. Decodes have one query
+    token a sequence, so the tile is as small as a tensor-core product allows; prefills take 64-row tiles."""
+    g = next_power_of_2(num_queries_per_kv)
+    block_m = max(16, g) if decode_only else max(64, g)
+    return block_m, block_m // g
+
+
+# Launch settings. Decode: `python -m tests.engine.gpu_profile attention` on an H200 (bf16, 16 heads / 8 KV heads,
+# head_dim 128, 256 sequences of 37-640 tokens, 349 MB of K/V a layer; copy bandwidth 4218 GB/s), median of
+# do_bench: tile 128 / 4 warps / 3 stages 103.5 us (79.8% of the copy rate); tile 64 / 4 / 2 110.7 us (74.7%);
+# tile 32 / 4 / 2 117.8 us (70.1%); one stage 134-158 us (no overlap of the gathers); 8 warps 112-189 us.
+DECODE_LAUNCH = {"tile": 128, "num_warps": 4, "num_stages": 3}
+# Prefill tiles (64 query rows) were not swept yet: 64 keys a tile, 8 warps, 2 stages.
+PREFILL_LAUNCH = {"tile": 64, "num_warps": 8, "num_stages": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory_limit(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 << 30  # the interpreter has no such limit
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 0) or 96 * 1024
+
+
+def fit_shared_memory(tile: int, stages: int, block_d: int, elem: int, device: torch.device) -> tuple[int, int]:
+    """The largest (tile, stages) up to the asked ones whose pipelined K and V tiles fit the device's shared memory
+    (float32 or head_dim 256 would not fit the bf16 decode setting), keeping 16 KiB for the rest of the kernel."""
+    limit = _shared_memory_limit(device) - 16 * 1024
+    while stages * 2 * tile * block_d * elem > limit and (tile > 32 or stages > 1):
+        if tile > 32:
+            tile //= 2
+        else:
+            stages -= 1
+    return tile, stages
+
+
+def grid_size(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Query-block programs for a step: enough for any split of num_tokens into num_seqs sequences."""
+    return num_tokens // block_q + num_seqs
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_cache_kv, stride_cache_h, stride_cache_s,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)  # see below: cache strides can pass 2**31
+        slot = tl.load(slot_ptr + t)
+        if slot < 0:  # a padding token of a captured graph
+            return
+        offs = tl.arange(0, BLOCK_D)
+        ok = offs < D
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=ok)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=ok)
+        dst = cache_ptr + h * stride_cache_h + slot * stride_cache_s + offs
+        tl.store(dst, k, mask=ok)
+        tl.store(dst + stride_cache_kv, v, mask=ok)
+
+    @triton.jit(do_not_specialize=["num_seqs"])
+    def _paged_attention_kernel(
+        q_ptr, o_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, scale, num_seqs,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cache_kv, stride_cache_h, stride_cache_s,
+        stride_bt,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
+        ONLY: tl.constexpr,
+    ):
+        qb = tl.program_id(0)
+        # int64: a cache stride between 2**31 and 2**32 reaches the kernel as uint32 (Triton types arguments by
+        # value), and a product of it in 32 bits wraps — an illegal address once the cache passes 4 GiB a head.
+        kvh = tl.program_id(1).to(tl.int64)
+        # The sequence whose query blocks hold qb: the last i with query_start[i] // BLOCK_Q + i <= qb.
+        lo: tl.int32 = 0
+        hi: tl.int32 = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= qb:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
+        q_start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+        local = qb - (q_start // BLOCK_Q + seq)
+        if local * BLOCK_Q >= q_len:
+            return
+        if ONLY == 1:  # this launch serves the one-token sequences (decode tile)
+            if q_len != 1:
+                return
+        if ONLY == 2:  # this launch serves the multi-token sequences (prefill tile)
+            if q_len == 1:
+                return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        cached = seq_len - q_len  # tokens before this step's chunk
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        q_idx = local * BLOCK_Q + offs_m // G
+        head = kvh * G + offs_m % G
+        row_ok = (q_idx < q_len) & (offs_m < BLOCK_Q * G)
+        d_ok = offs_d < D
+        q = tl.load(q_ptr + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q_pos = cached + q_idx
+
+        # Keys this tile of queries can see: causal up to its last query, from the window's start.
+        kv_end = cached + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len)
+        kv_begin = 0
+        if WINDOW > 0:
+            kv_begin = tl.maximum(cached + local * BLOCK_Q - WINDOW + 1, 0) // TILE * TILE
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        k_base = cache_ptr + kvh * stride_cache_h
+        v_base = k_base + stride_cache_kv
+        for start in range(kv_begin, kv_end, TILE):
+            offs_n = start + tl.arange(0, TILE)
+            n_ok = offs_n < kv_end
+            block = tl.load(block_table_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+            k = tl.load(k_base + slot[None, :] * stride_cache_s + offs_d[:, None],
+                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, TILE]
+            if IEEE:
+                s = tl.dot(q, k, input_precision="ieee")
+            else:
+                s = tl.dot(q, k)
+            s = s * scale
+            visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + slot[:, None] * stride_cache_s + offs_d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE, BLOCK_D]
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] (last dim contiguous) -> the cache at slot_mapping[t]; slots < 0 are skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens, num_kv_heads)](
+        k, v, kv_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        D=head_dim, BLOCK_D=next_power_of_2(head_dim))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [2, Hkv, num_slots, D]
+    out: torch.Tensor,  # [T, H, D]
+    block_table: torch.Tensor,  # [S, max_blocks] int32
+    seq_lens: torch.Tensor,  # [S] int32: tokens in the cache after this step
+    query_start_loc: torch.Tensor,  # [S + 1] int32: each sequence's first row of q (padding seqs: query length 0)
+    *,
+    scale: float,
+    block_size: int,
+    decode_only: bool,
+    sliding_window: int | None = None,
+    only: int = 0,
+    tile: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """decode_only: the small query tile (one token a sequence). only: 0 every sequence, 1 the one-token ones, 2
+    the others (a mixed step runs 1 with the decode tile, then 2 with the prefill tile). tile / num_warps /
+    num_stages: launch settings (None: DECODE_LAUNCH or PREFILL_LAUNCH)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[1]
+    g = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    block_m, block_q = query_tile(g, decode_only)
+    block_d = max(16, next_power_of_2(head_dim))
+    launch = DECODE_LAUNCH if decode_only else PREFILL_LAUNCH
+    tile, num_stages = fit_shared_memory(tile or launch["tile"], num_stages or launch["num_stages"], block_d,
+                                         q.element_size(), q.device)
+    grid = (grid_size(num_tokens, min(num_seqs, num_tokens), block_q), num_kv_heads)
+    _paged_attention_kernel[grid](
+        q, out, kv_cache, block_table, seq_lens, query_start_loc, scale, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0),
+        G=g, D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_SIZE=block_size, TILE=tile, WINDOW=sliding_window or 0, IEEE=q.dtype == torch.float32, ONLY=only,
+        num_warps=num_warps or launch["num_warps"], num_stages=num_stages,
+    )
+    return out
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """The attention inputs of one step (views of the runner's persistent buffers; see step_inputs.py)."""
+
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding tokens
+    block_table: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    block_size: int
+    decode_only: bool
+    sliding_window: int | None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        store_kv(k, v, kv_cache, self.slot_mapping)
+        out = torch.empty_like(q)
+        args = (q, kv_cache, out, self.block_table, self.seq_lens, self.query_start_loc)
+        common = dict(scale=scale, block_size=self.block_size, sliding_window=self.sliding_window)
+        if self.decode_only:
+            return paged_attention(*args, decode_only=True, **common)
+        # A mixed step: the decodes with the small tile (a 64-row tile would hold 2 useful rows of 64), then the
+        # prefill chunks with the large one; each launch skips the other's sequences, and both fit a graph.
+        paged_attention(*args, decode_only=True, only=1, **common)
+        return paged_attention(*args, decode_only=False, only=2, **common)

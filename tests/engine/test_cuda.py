@@ -1,0 +1,166 @@
+"""The engine on a GPU (marker `cuda`; skipped without CUDA): the compiled Triton kernels against a float64
+reference, CUDA graphs against eager, bf16 against HF bf16. The CPU suites run on the GPU as well with
+KVGATE_TEST_DEVICE=cuda (tests/engine/conftest.py: float32, so HF parity stays token-exact):
+
+    KVGATE_TEST_DEVICE=cuda python -m pytest tests/engine/test_cuda.py tests/engine/test_hf_parity.py \\
+        tests/engine/test_lora_parity.py tests/engine/test_structured_outputs.py
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+from kvgate.engine import LLM, SamplingParams  # noqa: E402
+from tests.engine.paged_reference import (  # noqa: E402
+    DECODE_SEQS, MIXED_SEQS, attend as _attend, random_paged_batch, reference_attention)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
+    (16, 8, 128, 16, None),  # qwen3-0.5b's attention
+    (32, 8, 128, 16, None),  # G = 4
+    (6, 2, 64, 32, 20),  # G = 3, window
+    (4, 4, 64, 16, None),
+])
+@pytest.mark.parametrize("seqs,decode_only", [(MIXED_SEQS, False), (MIXED_SEQS, "split"), (DECODE_SEQS, True)])
+def test_compiled_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block_size, window, seqs, decode_only):
+    from kvgate.engine import triton_attention as ta
+
+    for seed in range(3):  # fresh inputs each time
+        q, cache, table, lens, starts = random_paged_batch(seqs, heads, kv_heads, head_dim, block_size, dtype,
+                                                           "cuda", seed=seed, padded_tokens=7, padded_seqs=4)
+        total = int(starts[len(seqs)])
+        out = torch.full_like(q, float("nan"))
+        _attend(ta, q, cache, out, table, lens, starts, head_dim, block_size, window, decode_only)
+        torch.cuda.synchronize()
+        ref = reference_attention(q, cache, table, lens, starts, head_dim**-0.5, block_size, window)
+        got = out[:total].double()
+        assert not got.isnan().any()
+        err = ((got - ref[:total]).norm() / ref[:total].norm()).item()
+        assert err < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype], err
+
+
+def _release_gpu_memory() -> None:
+    """An engine takes 90% of the GPU's memory (gpu_memory_utilization): free one before the next starts."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _random_model(tmp_path, layers=4, hidden=256):
+    import transformers
+    from safetensors.torch import save_file
+
+    from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
+
+    config = transformers.Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=3 * hidden,
+                                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                                      head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
+                                      architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # wider than the default init so greedy choices are not near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    config.save_pretrained(str(tmp_path))
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    write_tokenizer_files(build_byte_tokenizer(), tmp_path, 2048)
+    return model
+
+
+def _workload(n, seed=0):
+    rng = random.Random(seed)
+    shared = [rng.randrange(256) for _ in range(48)]
+    return [(shared if i % 3 == 0 else []) + [rng.randrange(256) for _ in range(rng.randint(1, 300))]
+            for i in range(n)]
+
+
+def test_graphs_and_eager_give_identical_greedy_tokens(tmp_path):
+    _random_model(tmp_path)
+    prompts = _workload(96)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=1024,
+                  enforce_eager=eager)
+        runner = llm.engine.runner
+        assert runner.attention_backend == "triton"
+        assert bool(runner.shapes and runner.shapes.graphs) != eager
+        replays = 0
+        if not eager:  # count replays: the graphs must really serve the steps
+            original = runner.shapes.replay
+
+            def counting(*args):
+                nonlocal replays
+                replays += 1
+                return original(*args)
+
+            runner.shapes.replay = counting
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                     params)]
+        if not eager:
+            assert replays > 40
+        del llm, runner
+        _release_gpu_memory()
+    assert outs[False] == outs[True]
+
+
+def test_bf16_first_tokens_agree_with_hf_bf16(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _random_model(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).to("cuda").eval()
+    prompts = _workload(64, seed=1)
+    expected = []
+    for p in prompts:
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, min_new_tokens=8,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected.append(gen[0, len(p):].tolist())
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=32)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))]
+    del llm
+    _release_gpu_memory()
+    first = sum(a[0] == b[0] for a, b in zip(got, expected))
+    assert first >= 0.95 * len(prompts), f"first tokens equal for {first}/{len(prompts)}"
+
+
+def test_kernels_address_caches_past_4_gib_a_head():
+    """A cache whose head stride passes 2**31 elements (Triton passes such a stride as uint32; a 32-bit product of it
+    wrapped to an illegal address before the kernels widened their offsets): store and attend at its far end."""
+    from kvgate.engine import triton_attention as ta
+
+    _release_gpu_memory()
+    block_size, head_dim = 16, 64
+    q, small, table, lens, starts = random_paged_batch(MIXED_SEQS, 4, 2, head_dim, block_size, torch.bfloat16,
+                                                       "cuda", seed=5)
+    num_slots = (1 << 31) // head_dim + 64 * block_size  # head stride > 2**31 elements (17 GB in bf16)
+    cache = torch.empty(2, 2, num_slots, head_dim, dtype=torch.bfloat16, device="cuda")
+    offset = num_slots // block_size - small.shape[2] // block_size  # the small cache's blocks at the far end
+    cache[:, :, offset * block_size:] = small
+    table = table + offset
+    new_k = torch.randn(3, 2, head_dim, dtype=torch.bfloat16, device="cuda")
+    slots = torch.tensor([num_slots - 1, offset * block_size, -1], device="cuda")
+    ta.store_kv(new_k, new_k, cache, slots)
+    assert torch.equal(cache[0][:, num_slots - 1], new_k[0]) and torch.equal(cache[1][:, offset * block_size],
+                                                                            new_k[1])
+    cache[:, :, offset * block_size] = small[:, :, 0]
+    out = torch.full_like(q, float("nan"))
+    ta.paged_attention(q, cache, out, table, lens, starts, scale=head_dim**-0.5, block_size=block_size,
+                       decode_only=False)
+    total = int(starts[-1])
+    ref = reference_attention(q, cache, table, lens, starts, head_dim**-0.5, block_size)
+    err = ((out[:total].double() - ref[:total]).norm() / ref[:total].norm()).item()
+    assert err < 1e-2, err
+    del cache
+    torch.cuda.empty_cache()

@@ -1,0 +1,187 @@
+"""The Triton paged-attention kernels on CPU, under Triton's interpreter: against a float64 reference on every
+mode of the step (decode, prefill, chunk over a cached prefix, GQA, non-power-of-two head groups, sliding window,
+block boundaries, graph padding), and the whole engine on the Triton path — padded to captured-graph shapes over
+the persistent step buffers, and eager — token-identical with HF transformers. The CUDA tests (test_cuda.py) run
+the same kernels compiled."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # the interpreter would take over the compiled kernels of a GPU run
+    pytest.skip("CUDA is present: test_cuda.py checks the compiled kernels", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by the kernels' module below)
+pytest.importorskip("triton")
+
+from kvgate.engine import LLM, SamplingParams  # noqa: E402
+from kvgate.engine import triton_attention as ta  # noqa: E402
+from kvgate.engine.cuda_graphs import decode_sizes, mixed_sizes, pick_size  # noqa: E402
+from tests.engine.paged_reference import (  # noqa: E402
+    DECODE_SEQS, MIXED_SEQS, attend as _attend, random_paged_batch, reference_attention)
+
+if "Interpreted" not in type(ta._paged_attention_kernel).__name__:  # decorated before the variable was set
+    importlib.reload(ta)
+assert "Interpreted" in type(ta._paged_attention_kernel).__name__
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window,dtype", [
+    (4, 2, 32, 16, None, torch.float32),  # GQA
+    (4, 4, 16, 4, None, torch.float32),  # MHA, small blocks: many blocks per tile
+    (6, 2, 24, 16, 5, torch.float32),  # three query heads a KV head, head_dim not a power of two, window
+    (8, 1, 64, 8, 40, torch.float16),  # MQA, half precision, a window wider than some contexts
+])
+@pytest.mark.parametrize("seqs,decode_only", [(MIXED_SEQS, False), (MIXED_SEQS, "split"), (DECODE_SEQS, True),
+                                              (DECODE_SEQS, False)])
+def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, window, dtype, seqs, decode_only):
+    q, cache, table, lens, starts = random_paged_batch(seqs, heads, kv_heads, head_dim, block_size, dtype, "cpu",
+                                                       seed=heads + block_size, padded_tokens=5, padded_seqs=3)
+    total = int(starts[len(seqs)])
+    out = torch.full_like(q, float("nan"))  # every real row must be written
+    _attend(ta, q, cache, out, table, lens, starts, head_dim, block_size, window, decode_only)
+    ref = reference_attention(q, cache, table, lens, starts, head_dim**-0.5, block_size, window)
+    got = out[:total].double()
+    assert not got.isnan().any()
+    err = ((got - ref[:total]).norm() / ref[:total].norm()).item()
+    assert err < (1e-6 if dtype == torch.float32 else 2e-3), err
+
+
+def test_store_skips_padding_slots():
+    k, v = torch.randn(5, 2, 32), torch.randn(5, 2, 32)
+    cache = torch.zeros(2, 2, 64, 32)
+    slots = torch.tensor([3, -1, 10, 63, 0])
+    ta.store_kv(k, v, cache, slots)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(cache[0][:, s], k[i]) and torch.equal(cache[1][:, s], v[i])
+    written = cache.abs().sum(dim=(0, 1, 3)).nonzero().flatten().tolist()
+    assert written == [0, 3, 10, 63]
+
+
+def test_graph_sizes():
+    assert decode_sizes(256)[:5] == [1, 2, 4, 8, 16] and decode_sizes(256)[-1] == 256
+    assert decode_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert mixed_sizes(1024)[-1] == 1024 and 512 in mixed_sizes(1024) and mixed_sizes(16) == [16]
+    assert pick_size([1, 2, 4, 8], 3) == 4 and pick_size([1, 2], 3) is None
+
+
+PROMPT_LENGTHS = [3, 7, 15, 16, 17, 33, 48, 5, 40]
+# max_num_seqs 10 (more than the prompts): the padded grids stay small, which the interpreter runs one by one.
+CASES = {  # name -> (family, engine arguments)
+    "llama-prefix-caching": ("llama", dict(max_num_seqs=10)),
+    "qwen3-chunked-prefill": ("qwen3", dict(max_num_batched_tokens=16, max_num_seqs=10)),
+    "qwen2-preemption": ("qwen2", dict(num_gpu_blocks_override=12, max_num_seqs=10)),
+    "qwen3-eager": ("qwen3", dict(enforce_eager=True, max_num_seqs=10)),
+}
+
+
+def _prompts():
+    from tests.engine.tiny_models import random_tokens
+
+    shared = random_tokens(32, seed=99)  # two prompts share a two-block prefix: a chunk over a cached prefix
+    prompts = [random_tokens(n, seed=n) for n in PROMPT_LENGTHS]
+    prompts[6] = shared + prompts[6][:16]
+    prompts[8] = shared + prompts[8][:8]
+    return prompts
+
+
+def _hf_greedy(model, prompts, n):
+    outs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_on_triton_path_matches_hf(case, tiny_model_dir):
+    family, engine_args = CASES[case]
+    folder, model = tiny_model_dir(family)
+    prompts = _prompts()
+    expected = _hf_greedy(model, prompts, 8)
+    llm = LLM(str(folder), max_model_len=128, attention_backend="triton", **engine_args)
+    runner = llm.engine.runner
+    assert runner.attention_backend == "triton"
+    assert (runner.shapes is None) == bool(engine_args.get("enforce_eager"))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == expected
+    if case == "llama-prefix-caching":  # the second pass reads the cached prefixes through the block tables
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in again] == expected
+        assert sum(o.num_cached_tokens for o in again) > 0
+    if case == "qwen2-preemption":
+        assert llm.engine.stats().num_preemptions > 0
+
+
+def test_sliding_window_on_triton_path_matches_hf(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.tiny_models import build_tiny_model
+
+    model = build_tiny_model("mistral", tmp_path, seed=3)
+    model.config.sliding_window = 24
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    prompts = [p for p in _prompts() if len(p) > 24] + [_prompts()[0]]
+    expected = _hf_greedy(model, prompts, 12)
+    llm = LLM(str(tmp_path), max_model_len=128, attention_backend="triton", max_num_batched_tokens=32,
+              max_num_seqs=8)
+    assert llm.engine.runner.sliding_window == 24
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == expected
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch, tiny_model_dir):
+    from kvgate.engine.errors import ConfigError
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    folder, _ = tiny_model_dir("llama")
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET"):
+        LLM(str(folder), max_model_len=128, attention_backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_ops_match_the_torch_layers(dtype):
+    """triton_ops against layers.py's torch ops (HF's arithmetic), rounding step for step."""
+    from transformers import LlamaConfig
+
+    from kvgate.engine import triton_ops
+    from kvgate.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+    torch.manual_seed(0)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3  # fp32: sums in another order
+    norm = RMSNorm(48, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(7, 48).to(dtype)
+    torch.testing.assert_close(triton_ops.rms_norm(x, norm.weight, 1e-6), norm(x), atol=tol, rtol=tol)
+    heads = torch.randn(5, 96 + 16).to(dtype)[:, :96].view(5, 3, 32)  # a strided per-head view, as q_norm gets
+    head_norm = RMSNorm(32, 1e-5).to(dtype)
+    torch.testing.assert_close(triton_ops.rms_norm(heads, head_norm.weight, 1e-5), head_norm(heads), atol=tol,
+                               rtol=tol)
+    for partial in (1.0, 0.5):
+        config = LlamaConfig(hidden_size=128, num_attention_heads=4, partial_rotary_factor=partial,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64})
+        rotary = RotaryEmbedding(config, 32, 256)
+        q = torch.randn(6, 4 * 32 + 64).to(dtype)[:, :128].view(6, 4, 32)
+        k = torch.randn(6, 2, 32).to(dtype)
+        pos = torch.tensor([0, 1, 5, 63, 64, 255])
+        want_q, want_k = rotary(pos, q, k)
+        got_q, got_k = triton_ops.rope(pos, q, k, rotary.cos, rotary.sin, rotary.rotary_dim)
+        torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
+        torch.testing.assert_close(got_k, want_k, atol=tol, rtol=tol)
+    mlp = GatedMLP(16, 40)
+    gate_up = torch.randn(3, 80).to(dtype)
+    gate, up = gate_up.split(40, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), want, atol=tol, rtol=tol)
+    assert mlp.fused is False
