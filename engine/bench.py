@@ -165,8 +165,9 @@ def run_bench_engine(args: argparse.Namespace) -> int:
             bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 27))
             print(f"device copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
         runner = engine.runner
-        info = {"attention_backend": runner.attention_backend, "cuda_graphs": bool(runner.shapes and
-                                                                                  runner.shapes.graphs)}
+        shapes = getattr(runner, "shapes", None)
+        info = {"attention_backend": getattr(runner, "attention_backend", config.backend),
+                "cuda_graphs": bool(shapes and shapes.graphs)}
         if info["cuda_graphs"]:
             info["graph_capture_s"] = runner.shapes.capture_seconds
             info["graph_memory_gib"] = runner.shapes.capture_bytes / 2**30
@@ -174,13 +175,16 @@ def run_bench_engine(args: argparse.Namespace) -> int:
                   f"{info['graph_memory_gib']:.2f} GiB", flush=True)
         llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4))  # warm-up
         engine.reset_prefix_cache()
-        timer = StepTimer(engine, bandwidth, weight_bytes(runner.model), kv_bytes_per_token(runner))
+        # The sim backend (--backend sim) has no weights: no bound to compare with, only the engine's own time.
+        timer = StepTimer(engine, bandwidth, weight_bytes(runner.model), kv_bytes_per_token(runner)) \
+            if hasattr(runner, "model") else None
         _sync(device)
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         _sync(device)
         elapsed = time.perf_counter() - t0
-        timer.close()
+        if timer is not None:
+            timer.close()
         tokens = [o.outputs[0].token_ids for o in outs]
         assert sum(map(len, tokens)) == n_out
         if ours_tokens is None:
@@ -189,7 +193,7 @@ def run_bench_engine(args: argparse.Namespace) -> int:
             same = sum(a == b for a, b in zip(tokens, ours_tokens))
             info["greedy_identical_to_kvgate"] = f"{same}/{len(prompts)}"
             print(f"  {label}: greedy outputs identical to the graph run: {same}/{len(prompts)}", flush=True)
-        decode = timer.summary()
+        decode = timer.summary() if timer is not None else {"decode_steps": 0}
         results[label] = {"seconds": elapsed, "output_tokens_per_s": n_out / elapsed, **info, "decode": decode}
         print(f"  {label}: {elapsed:.2f} s", flush=True)
         if decode["decode_steps"]:

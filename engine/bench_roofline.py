@@ -81,10 +81,10 @@ class StepTimer:
                              "bytes": self.weights + context * self.kv_per_token}
         return result
 
-    def _timed_step(self):
+    def _timed_step(self, *args, **kwargs):
         self._pending = None
         t0 = time.perf_counter()
-        outputs = self._step()
+        outputs = self._step(*args, **kwargs)
         if self._pending is not None:
             self._pending["step_s"] = time.perf_counter() - t0
             self.steps.append(self._pending)

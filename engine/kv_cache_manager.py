@@ -85,8 +85,13 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens; None (and no change) when the pool is too full."""
-        blocks = self.req_blocks.setdefault(request.request_id, [])
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is not None and not new_computed_blocks and cdiv(total_tokens, self.block_size) <= len(blocks) \
+                and (not self.enable_caching
+                     or total_tokens // self.block_size <= self._num_cached_blocks.get(request.request_id, 0)):
+            return []  # most decode steps: the last block has room and fills no new block (nothing to hash)
+        blocks = self.req_blocks.setdefault(request.request_id, [])
         num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Cache hits sitting in the free queue stop being allocatable once we take them.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

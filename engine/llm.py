@@ -92,7 +92,7 @@ class LLM:
         while pending:
             if not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"engine stopped with requests unfinished: {sorted(pending)}")
-            outputs = self.engine.step()
+            outputs = self.engine.step(final_only=True)  # only finished samples are kept below
             failed = [(rid, exc) for rid, exc in self.engine.take_failures() if rid in pending]
             if failed:
                 for rid in pending:

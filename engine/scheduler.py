@@ -282,12 +282,17 @@ class Scheduler:
             request = s.request
             if request.status != RequestStatus.RUNNING:
                 continue
-            before = prefill_tokens_pending(request)
+            # A decode (one new token after earlier output) has no prefill backlog before or after: the common case
+            # of a full batch skips the bookkeeping.
+            decoding = (s.num_new_tokens == 1 and len(request.output_token_ids) > 0
+                        and request.num_computed_tokens + 1 == request.num_tokens)
+            before = 0 if decoding else prefill_tokens_pending(request)
             request.num_computed_tokens += s.num_new_tokens
             token = sampled.get(request.request_id)
             if token is not None:
                 request.append_output_token(token)
-            self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
+            if not decoding:
+                self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
             if token is None:
                 continue
             progressed.append(request)

@@ -39,5 +39,8 @@ case ",$STAGES," in *,profile,*)
 case ",$STAGES," in *,sweep,*)
   TAIL=30 stage sweep 120 python3 -m tests.engine.gpu_profile attention ;; esac
 case ",$STAGES," in *,suites,*)
+  # test_bench_prints_the_ratio runs the `kvgate` console script beside python3, which a --target install of the
+  # wheel does not put there.
   TAIL=30 KVGATE_TEST_DEVICE=cuda stage suites 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
-    tests/engine/test_hf_parity.py tests/engine/test_lora_parity.py tests/engine/test_structured_outputs.py ;; esac
+    tests/engine/test_hf_parity.py tests/engine/test_lora_parity.py tests/engine/test_structured_outputs.py \
+    --deselect tests/engine/test_structured_outputs.py::test_bench_prints_the_ratio ;; esac

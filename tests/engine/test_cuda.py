@@ -114,25 +114,34 @@ def test_graphs_and_eager_give_identical_greedy_tokens(tmp_path):
     assert outs[False] == outs[True]
 
 
-def test_bf16_first_tokens_agree_with_hf_bf16(tmp_path):
+def test_bf16_is_as_faithful_as_hf_bf16(tmp_path):
+    """bf16 rounding moves near-tied greedy choices in any engine, so bf16 is judged against the float32 answer:
+    kvgate in bf16 must pick HF float32's first token about as often as HF's own bf16 does (each prompt's first
+    token from a forward pass of that prompt alone)."""
     from transformers import AutoModelForCausalLM
 
     _random_model(tmp_path)
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).to("cuda").eval()
     prompts = _workload(64, seed=1)
-    expected = []
-    for p in prompts:
+
+    def hf_first(dtype):
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=dtype).to("cuda").eval()
         with torch.no_grad():
-            gen = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, min_new_tokens=8,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected.append(gen[0, len(p):].tolist())
+            return [int(hf(torch.tensor([p], device="cuda")).logits[0, -1].float().argmax()) for p in prompts]
+
+    ref32, hf16 = hf_first(torch.float32), hf_first(torch.bfloat16)
     llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=32)
-    got = [o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))]
+    ours = [o.outputs[0].token_ids[0] for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))]
     del llm
     _release_gpu_memory()
-    first = sum(a[0] == b[0] for a, b in zip(got, expected))
-    assert first >= 0.95 * len(prompts), f"first tokens equal for {first}/{len(prompts)}"
+
+    def agree(a, b):
+        return sum(x == y for x, y in zip(a, b))
+
+    floor = agree(hf16, ref32)
+    assert agree(ours, ref32) >= floor - 3, (
+        f"kvgate bf16 matches float32 on {agree(ours, ref32)}/64 first tokens, HF bf16 on {floor}/64 "
+        f"(kvgate vs HF bf16: {agree(ours, hf16)}/64)")
 
 
 def test_kernels_address_caches_past_4_gib_a_head():
