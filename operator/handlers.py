@@ -246,6 +246,11 @@ class Reconciler:
         for t in self._threads:
             t.join(timeout=10)
 
+    @property
+    def stopped(self) -> threading.Event:
+        """Set once stop() ran: kopf's cleanup, when its reactor ends (see main.run_reactor)."""
+        return self._stop
+
     def _work(self) -> None:
         while (key := self.queue.get()) is not None:
             self.process(key)

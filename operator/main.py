@@ -96,18 +96,57 @@ def run_operator(args: argparse.Namespace) -> int:
 
     def serve_once() -> None:
         reconciler = Reconciler(Kube(), config)
-        try:
-            kopf.run(registry=register(kopf.OperatorRegistry(), reconciler), standalone=True,
-                     clusterwide=args.namespace is None, namespaces=[args.namespace] if args.namespace else (),
-                     liveness_endpoint=liveness, stop_flag=stop)
-        finally:
-            reconciler.stop()
+
+        def run() -> None:
+            try:
+                kopf.run(registry=register(kopf.OperatorRegistry(), reconciler), standalone=True,
+                         clusterwide=args.namespace is None, namespaces=[args.namespace] if args.namespace else (),
+                         liveness_endpoint=liveness, stop_flag=stop)
+            finally:
+                reconciler.stop()
+
+        run_reactor(run, reconciler.stopped)
 
     runner = threading.Thread(target=serve_until_stopped, args=(serve_once, stop), name="kvgate-operator-kopf")
     runner.start()
     while runner.is_alive():
         runner.join(0.5)
     return 0
+
+
+# kopf waits without a time limit for its tasks to end once its reactor stops, and a watch retrying a request can
+# outlive that by minutes (seen in tests/e2e/test_control_plane_faults_e2e.py under a full `make test`: the
+# cleanup ran at the API server's restart, watches kept retrying, kopf.run did not return, so no restart came
+# and a scale was not followed for 120 s). A reactor whose cleanup ran is given this long to return, then left to
+# end by itself (a daemon thread: its handlers feed a stopped reconciler) while a fresh one starts.
+REACTOR_SHUTDOWN_GRACE_S = 10.0
+
+
+def run_reactor(run, cleaned_up: threading.Event, grace_s: float = REACTOR_SHUTDOWN_GRACE_S) -> None:
+    """run() (kopf.run) in a daemon thread; returns when it returns (raising what it raised), or grace_s after
+    `cleaned_up` is set while it still runs."""
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            error.append(exc)
+
+    thread = threading.Thread(target=target, name="kvgate-operator-reactor", daemon=True)
+    thread.start()
+    cleanup_seen = None
+    while thread.is_alive():
+        thread.join(0.2)
+        if cleanup_seen is None and cleaned_up.is_set():
+            cleanup_seen = time.monotonic()
+        if cleanup_seen is not None and thread.is_alive() and time.monotonic() - cleanup_seen >= grace_s:
+            logging.getLogger("kvgate.operator").warning(
+                "the stopped reactor has not returned %.0f s after its cleanup (a watch still retrying); "
+                "leaving it to end by itself", grace_s)
+            return
+    if error:
+        raise error[0]
 
 
 # kopf ends its whole reactor when one watch fails for good, e.g. a 404 for a custom resource while a restarted

@@ -3,6 +3,8 @@
 import threading
 import time
 
+import pytest
+
 from kvgate.envoy_config import PoolBackend
 from kvgate.operator.apply import _no_empty_messages, kind_of, summarize_status
 from kvgate.operator.handlers import WorkQueue, epp_backend_via_pod
@@ -177,3 +179,29 @@ def test_the_reactor_is_started_again_when_it_ends_on_its_own():
 
     assert serve_until_stopped(serve_once, stop, backoff=(0.01, 0.02)) == 3 and len(runs) == 4
     assert serve_until_stopped(serve_once, stop) == 0 and len(runs) == 4  # stopped before: never runs
+
+
+def test_a_reactor_that_does_not_return_after_its_cleanup_is_left_behind():
+    """kopf.run can hang after its cleanup (a watch retrying a request): the operator does not wait for it beyond
+    the grace period, so serve_until_stopped can start a fresh reactor; a reactor that returns, or raises, is
+    waited for as before."""
+    from kvgate.operator.main import run_reactor
+
+    cleaned, release = threading.Event(), threading.Event()
+
+    def hangs_after_cleanup():
+        cleaned.set()
+        release.wait(30)
+
+    t0 = time.monotonic()
+    run_reactor(hangs_after_cleanup, cleaned, grace_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 5
+    release.set()
+
+    def fails():
+        raise RuntimeError("404 page not found")
+
+    with pytest.raises(RuntimeError, match="404"):
+        run_reactor(fails, threading.Event(), grace_s=0.3)
+    long_running = threading.Event()
+    run_reactor(lambda: time.sleep(0.5), long_running, grace_s=0.1)  # no cleanup yet: waited for however long
