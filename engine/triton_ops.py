@@ -2,9 +2,10 @@
 
 Each replaces a chain of small torch kernels (RMSNorm: upcast, square, mean, rsqrt, two products, downcast; RoPE:
 two table lookups, two casts, two half-rotations built with cat and neg, four products, two sums) by one launch.
-In a 0.5B model's decode step the unfused chains were 1265 of ~1500 kernels and a third of the GPU time
-(torch.profiler, tests/engine/gpu_profile.py, H200). Rounding follows HF transformers' torch code step by step
-(each torch op's result rounded to the model dtype where torch rounds it), so bf16 outputs stay HF's.
+Measured with torch.profiler on an H200 (`python -m tests.engine.gpu_profile engine`: qwen3-0.5b, 256 sequences
+decoding, 5 steps): the GPU time outside attention fell from 21.0 ms to 7.9 ms (4.2 to 1.6 ms a step) when these
+kernels replaced the torch chains. Rounding follows HF transformers' torch code step by step (each torch op's result
+rounded to the model dtype where torch rounds it), so bf16 outputs stay HF's.
 
 Used only where the Triton attention path runs (model_runner: CUDA, or the interpreter in tests); the CPU path
 keeps layers.py's torch ops.

@@ -239,7 +239,17 @@ def test_shedding_429_for_sheddable_when_saturated(tmp_path, cache):
             async with httpx.AsyncClient(timeout=120) as client:
                 backlog = [asyncio.create_task(client.post(f"http://{gw.endpoints[0]}/v1/completions", json={
                     "prompt": f"b{i}", "max_tokens": 10, "ignore_eos": True})) for i in range(6)]
-                await asyncio.sleep(0.5)
+                # The engine's own count, not a fixed pause: on a loaded machine the backlog can take longer than
+                # half a second to queue. Then a few of the EPP's 50 ms scrapes, so it has seen the queue too.
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    page = (await client.get(f"http://{gw.endpoints[0]}/metrics")).text
+                    waiting = [float(line.split()[-1]) for line in page.splitlines()
+                               if line.startswith("vllm:num_requests_waiting")]
+                    if waiting and waiting[0] >= 3:
+                        break
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.3)
                 shed = await client.post(gw.url + "/v1/completions", headers={
                     "x-gateway-inference-objective": "batch"}, json={"model": "sim-model", "prompt": "x",
                                                                      "max_tokens": 1})
