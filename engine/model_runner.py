@@ -20,7 +20,6 @@ from kvgate.engine.lora.layers import add_lora_layers, module_shapes, set_slot
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.models import resolve_model_class
 from kvgate.engine.models.layers import RotaryEmbedding, use_fused_kernels
-from kvgate.engine.request import Request
 from kvgate.engine.sampler import Sampler, SamplingBatch
 from kvgate.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvgate.engine.step_inputs import StepInputs
