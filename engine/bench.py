@@ -169,9 +169,9 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         info = {"attention_backend": getattr(runner, "attention_backend", config.backend),
                 "cuda_graphs": bool(shapes and shapes.graphs)}
         if info["cuda_graphs"]:
-            info["graph_capture_s"] = runner.shapes.capture_seconds
-            info["graph_memory_gib"] = runner.shapes.capture_bytes / 2**30
-            print(f"  {label}: {len(runner.shapes.graphs)} CUDA graphs captured in {info['graph_capture_s']:.1f} s, "
+            info["graph_capture_s"] = shapes.capture_seconds
+            info["graph_memory_gib"] = shapes.capture_bytes / 2**30
+            print(f"  {label}: {len(shapes.graphs)} CUDA graphs captured in {info['graph_capture_s']:.1f} s, "
                   f"{info['graph_memory_gib']:.2f} GiB", flush=True)
         llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4))  # warm-up
         engine.reset_prefix_cache()
@@ -204,7 +204,7 @@ def run_bench_engine(args: argparse.Namespace) -> int:
                   f"({100 * decode['fraction_of_bound_execute']:.1f}% counting the runner alone); "
                   f"at the full batch of {decode['full_batch']}: {decode['full_batch_median_step_ms']:.2f} ms vs "
                   f"{decode['full_batch_median_bound_ms']:.2f} ms", flush=True)
-        del llm, engine, runner, timer
+        del llm, engine, runner, shapes, timer
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

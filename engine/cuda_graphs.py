@@ -60,7 +60,7 @@ class GraphSet:
         self.mixed = mixed_sizes(max_capture_size) if max_capture_size > 0 else []
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def size_for(self, num_tokens: int, num_seqs: int, decode_only: bool) -> int | None:
+    def size_for(self, num_tokens: int, decode_only: bool) -> int | None:
         return pick_size(self.decode if decode_only else self.mixed, num_tokens)
 
     def capture(self, fill: Callable[[int, bool], None], forward: Callable[[int, bool], torch.Tensor],
@@ -80,12 +80,12 @@ class GraphSet:
                 out = forward(*key)
             self.graphs[key] = (graph, out)
         torch.cuda.synchronize(device)
-        used = free_before - torch.cuda.mem_get_info(device)[0]
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = free_before - torch.cuda.mem_get_info(device)[0]
         log.info("CUDA graphs: captured %d (decode batch sizes %d-%d, mixed steps %s tokens) in %.1f s, %.2f GiB",
                  len(self.graphs), self.decode[0], self.decode[-1],
-                 f"{self.mixed[0]}-{self.mixed[-1]}" if self.mixed else "none", time.perf_counter() - t0,
-                 used / 2**30)
-        self.capture_seconds, self.capture_bytes = time.perf_counter() - t0, used
+                 f"{self.mixed[0]}-{self.mixed[-1]}" if self.mixed else "none", self.capture_seconds,
+                 self.capture_bytes / 2**30)
 
     def replay(self, padded_tokens: int, decode_only: bool) -> torch.Tensor:
         graph, out = self.graphs[(padded_tokens, decode_only)]

@@ -164,14 +164,16 @@ class ModelRunner:
                                        self.block_size, decode_only, self.sliding_window)
         return self.model(view("input_ids", num_tokens), view("positions", num_tokens), self.kv_caches, meta)
 
-    def _capture_graphs(self) -> None:
-        max_seqs = self.config.max_num_seqs
+    def _graph_seqs(self, padded_tokens: int) -> int:
+        """Sequences a graph of padded_tokens rows is captured for: no step has more than either bound."""
+        return min(padded_tokens, self.config.max_num_seqs)
 
+    def _capture_graphs(self) -> None:
         def fill(num_tokens: int, decode_only: bool) -> None:
-            self.inputs.fill_padding(num_tokens, min(num_tokens, max_seqs))
+            self.inputs.fill_padding(num_tokens, self._graph_seqs(num_tokens))
 
         def forward(num_tokens: int, decode_only: bool) -> torch.Tensor:
-            return self._forward_static(num_tokens, decode_only, min(num_tokens, max_seqs))
+            return self._forward_static(num_tokens, decode_only, self._graph_seqs(num_tokens))
 
         with torch.inference_mode():
             self.shapes.capture(fill, forward, self.device)
@@ -184,10 +186,10 @@ class ModelRunner:
             return None, None, "a batch with LoRA adapters"
         num_tokens = out.num_scheduled_tokens
         decode_only = num_tokens == len(out.scheduled)
-        padded = self.shapes.size_for(num_tokens, len(out.scheduled), decode_only)
+        padded = self.shapes.size_for(num_tokens, decode_only)
         if padded is None:
             return None, None, None  # larger than every graph: eager by design, not a fallback
-        return padded, min(padded, self.config.max_num_seqs), None
+        return padded, self._graph_seqs(padded), None
 
     def _run_model(self, out: SchedulerOutput):
         padded, padded_seqs, why_eager = self._padded_shape(out)

@@ -26,7 +26,6 @@ from kvgate.engine.scheduler import SchedulerOutput
 class StepBatch:
     num_tokens: int  # real tokens of the step
     num_padded_tokens: int  # rows of the forward pass (>= num_tokens)
-    num_seqs: int
     num_padded_seqs: int  # sequences the attention kernel is given
     decode_only: bool  # one token per sequence (the attention kernel's small tile)
     sample_rows: torch.Tensor  # [len(samplers)] rows of the forward's output, on the device
@@ -36,7 +35,7 @@ class StepBatch:
 class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device) -> None:
-        self.max_tokens, self.max_seqs, self.block_size, self.device = max_tokens, max_seqs, block_size, device
+        self.block_size, self.device = block_size, device
         pin = device.type == "cuda"
 
         def host(shape, dtype):
@@ -114,7 +113,7 @@ class StepInputs:
                                ("query_start_loc", seqs_padded + 1), ("seq_lens", seqs_padded),
                                ("block_table", seqs_padded), ("sample_rows", len(sample_idx))):
                 d[name][:size].copy_(h[name][:size], non_blocking=True)
-        return StepBatch(num_tokens, num_padded, n, seqs_padded, num_tokens == n,
+        return StepBatch(num_tokens, num_padded, seqs_padded, num_tokens == n,
                          self.dev["sample_rows"][:len(sample_idx)], lora_rows)
 
     def fill_padding(self, num_tokens: int, num_seqs: int) -> None:
