@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections import Counter
 
 import pytest
 import yaml
@@ -111,8 +112,13 @@ def test_short_run_end_to_end(tmp_path):
         assert c["output_tokens_per_s"] > 0 and 0 < c["ttft_s"]["p50"] <= c["ttft_s"]["p90"] <= c["ttft_s"]["p99"]
         # every prompt token was a cache query, on the engines' own counters
         assert c["prefix_cache_queries"] >= expected * 2300 and 0 <= c["prefix_cache_hit_rate"] <= 1, c
-    # round-robin spreads each tenant over all four replicas; the prefix scorer keeps it on one (measured at this
-    # length: 10% vs 55%)
-    assert cells["approximate"]["prefix_cache_hit_rate"] > cells["round-robin"]["prefix_cache_hit_rate"] + 0.2
+    # The prefix scorer keeps each tenant on one replica: judged against the hit rate that placement gives (every
+    # request after a tenant's first reuses its system prompt), not against round-robin's, which depends on how
+    # Envoy's workers happened to interleave (5% here, 28% in a CI run). Measured: 0.47-0.52 of a 0.53 ceiling.
+    tenants = Counter(r.key.split("/")[0] for r in requests)
+    shape = WORKLOADS["multi-tenant"]
+    ceiling = sum(n - 1 for n in tenants.values()) * shape.system_len / sum(len(r.prompt) for r in requests)
+    approximate, round_robin = cells["approximate"]["prefix_cache_hit_rate"], cells["round-robin"]["prefix_cache_hit_rate"]
+    assert approximate >= 0.7 * ceiling and approximate > round_robin, (approximate, round_robin, ceiling)
     assert cells["approximate"]["vs_round_robin"]["output_tokens_per_s"] is not None
     assert "multi-tenant" in run.stdout and "round-robin" in run.stdout and "routed p90" in run.stdout
