@@ -27,6 +27,14 @@ defaults (`kv_cache_spec_sliding_window`) are omitted.
 Unlike vLLM (which announces every full block, duplicates included, and removes per block), the pool announces
 a hash when it enters the prefix-cache table and removes it when it leaves, so replaying the stream yields
 exactly the table's keys.
+
+What travels is vLLM's schema and nothing more. It holds tenant data: `token_ids` (every cached prompt) and the
+first block's `extra_keys` = [cache_salt]. Both stay: the EPP hashes token ids as it hashes incoming prompts,
+and keys the chain's root by the salt (epp/kv_events/index.py root_hash), so salted tenants never share a
+prefix in its index either; vLLM sends the salt there for the same reason. Who may read the stream is the
+NetworkPolicy's job (operator/network_policy.py; README, Security). A step's batch is cut to at most
+`max_batch_bytes` encoded (`split_batch`: runs of blocks and of removals cut apart, each part chained to the
+one before), so the publisher can bound its queues in bytes.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ MEDIUM_GPU = "GPU"  # vLLM's name for the accelerator's KV cache (the sim's and 
 KV_CACHE_SPEC_KIND = "full_attention"  # every kvgate model has one KV group of full attention
 
 _U64 = (1 << 64) - 1
+REPLAY_BURST_S = 5.0  # a replay rate limit lets this many seconds' worth of requests through at once
 
 
 # -- the flag -----------------------------------------------------------------------------------------------------
@@ -48,7 +57,8 @@ _U64 = (1 << 64) - 1
 
 @dataclass
 class KVEventsConfig:
-    """vLLM's KVEventsConfig: the same keys, defaults and meaning."""
+    """vLLM's KVEventsConfig: the same keys, defaults and meaning; then kvgate's limits (keys vLLM does not have),
+    which bound what a slow or hostile peer of the sockets can cost (kv_event_publisher.py says how)."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" or "null"; None: zmq when enabled
@@ -57,19 +67,39 @@ class KVEventsConfig:
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None  # ROUTER socket, always bound: missed batches by sequence number
     buffer_steps: int = 10_000  # batches (one per engine step with events) kept for replay
-    hwm: int = 100_000  # ZeroMQ high-water mark of the PUB socket: past it, slow subscribers miss messages
+    hwm: int = 100_000  # ZeroMQ high-water mark of the PUB socket (capped by max_subscriber_bytes, below)
     max_queue_size: int = 100_000  # batches waiting for the publisher thread; past it batches are dropped
     topic: str = ""
+    # -- kvgate's limits --
+    max_batch_bytes: int = 16 * 1024  # one message's payload at most; a bigger step is split into several batches
+    max_subscriber_bytes: int = 16 * 1024 * 1024  # queued per subscriber that does not read: the HWM is cut to fit
+    max_buffer_bytes: int = 64 * 1024 * 1024  # the replay buffer's bytes, besides its buffer_steps batches
+    max_replay_batches: int = 1000  # one replay answer at most (the oldest from the start asked for) ...
+    max_replay_bytes: int = 8 * 1024 * 1024  # ... and at most this many payload bytes
+    replay_requests_per_s: float = 2.0  # per peer (a ROUTER identity), bursts of 5 s worth
+    replay_requests_per_s_total: float = 10.0  # all peers together, bursts of 5 s worth
 
     def __post_init__(self) -> None:
         if self.publisher is None:
             self.publisher = "zmq" if self.enable_kv_cache_events else "null"
         if self.publisher not in ("zmq", "null"):
             raise ConfigError(f"--kv-events-config: publisher must be \"zmq\" or \"null\", got {self.publisher!r}")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
+        for name in ("buffer_steps", "hwm", "max_queue_size", "max_batch_bytes", "max_subscriber_bytes",
+                     "max_buffer_bytes", "max_replay_batches", "max_replay_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--kv-events-config: {name} must be a positive integer, got {value!r}")
+        if self.max_batch_bytes < MIN_BATCH_BYTES:
+            raise ConfigError(f"--kv-events-config: max_batch_bytes must be at least {MIN_BATCH_BYTES}, "
+                              f"got {self.max_batch_bytes}")
+        for name in ("max_subscriber_bytes", "max_buffer_bytes", "max_replay_bytes"):
+            if getattr(self, name) < self.max_batch_bytes:
+                raise ConfigError(f"--kv-events-config: {name} must be at least max_batch_bytes "
+                                  f"({self.max_batch_bytes}), got {getattr(self, name)}")
+        for name in ("replay_requests_per_s", "replay_requests_per_s_total"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"--kv-events-config: {name} must be a positive number, got {value!r}")
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
             if value is None and name == "replay_endpoint":
@@ -82,6 +112,21 @@ class KVEventsConfig:
         if not isinstance(self.enable_kv_cache_events, bool):
             raise ConfigError("--kv-events-config: enable_kv_cache_events must be true or false, "
                               f"got {self.enable_kv_cache_events!r}")
+
+    @property
+    def subscriber_hwm(self) -> int:
+        """The PUB socket's SNDHWM: `hwm`, cut so that a subscriber's queue of whole messages stays within
+        `max_subscriber_bytes` (ZeroMQ counts messages, not bytes; each is at most max_batch_bytes + topic + seq)."""
+        largest = self.max_batch_bytes + len(self.topic.encode()) + 8
+        return max(1, min(self.hwm, self.max_subscriber_bytes // largest))
+
+    @property
+    def replay_burst_per_peer(self) -> int:
+        return max(1, int(REPLAY_BURST_S * self.replay_requests_per_s))
+
+    @property
+    def replay_burst_total(self) -> int:
+        return max(1, int(REPLAY_BURST_S * self.replay_requests_per_s_total))
 
     @property
     def enabled(self) -> bool:
@@ -176,3 +221,92 @@ def encode_batch(batch: KVEventBatch, data_parallel_rank: int = 0) -> bytes:
 
     return msgpack.packb({"ts": batch.ts, "events": [event_to_wire(e) for e in batch.events],
                           "data_parallel_rank": data_parallel_rank}, use_bin_type=True)
+
+
+# -- sizes: every message within max_batch_bytes ------------------------------------------------------------------
+#
+# Upper bounds of the msgpack size of what event_to_wire / encode_batch make: an int takes at most 9 bytes (a
+# uint64 hash), a token id at most 5 (ids are below 2**32), a string its UTF-8 length + 5; the fixed keys and
+# values of each map are counted generously below (test_kv_events_limits checks the bound on random events).
+_BATCH_FIXED = 64  # {ts, events: [...], data_parallel_rank}
+_STORED_FIXED = 220  # a BlockStored's keys and fixed-size values
+_REMOVED_FIXED = 64
+_CLEARED_FIXED = 24
+_PER_HASH = 9
+_PER_TOKEN = 5
+_SALT_ENTRY = 6  # [salt] in extra_keys: array and string headers (nil, 1 byte, for every other block)
+MIN_BATCH_BYTES = 1024  # room for any event's fixed part and a few blocks
+
+
+def _stored_fixed(event: BlockStored, with_salt: bool) -> int:
+    size = _STORED_FIXED + 5 + len((event.lora_name or "").encode())
+    if with_salt and event.cache_salt is not None:
+        size += _SALT_ENTRY + len(event.cache_salt.encode())
+    return size
+
+
+def event_size_bound(event: KVCacheEvent) -> int:
+    if isinstance(event, BlockStored):
+        blocks = len(event.block_hashes)
+        return (_stored_fixed(event, event.first_block_index == 0) + blocks * (_PER_HASH + 1)
+                + len(event.token_ids) * _PER_TOKEN)
+    if isinstance(event, BlockRemoved):
+        return _REMOVED_FIXED + len(event.block_hashes) * _PER_HASH
+    return _CLEARED_FIXED
+
+
+def batch_size_bound(batch: KVEventBatch) -> int:
+    return _BATCH_FIXED + sum(event_size_bound(e) for e in batch.events)
+
+
+def _pieces(event: KVCacheEvent, room: int) -> tuple[list[tuple[KVCacheEvent, int]], int]:
+    """`event` cut into pieces of at most `room` bytes each (runs of blocks, runs of hashes): (piece, size bound)
+    pairs, and how many blocks could not be cut small enough (a salt or adapter name near `room` alone)."""
+    size = event_size_bound(event)
+    if size <= room:
+        return [(event, size)], 0
+    out, skipped = [], 0
+    if isinstance(event, BlockStored):
+        per_block = _PER_HASH + 1 + event.block_size * _PER_TOKEN
+        i, n = 0, len(event.block_hashes)
+        while i < n:
+            fixed = _stored_fixed(event, event.first_block_index + i == 0)
+            k = min(n - i, (room - fixed) // per_block)
+            if k < 1:  # this block's event would not fit in any message: left out (the index misses it)
+                skipped, i = skipped + 1, i + 1
+                continue
+            bs = event.block_size
+            piece = BlockStored(block_hashes=event.block_hashes[i:i + k],
+                                parent_block_hash=event.block_hashes[i - 1] if i else event.parent_block_hash,
+                                token_ids=event.token_ids[i * bs:(i + k) * bs], block_size=bs,
+                                cache_salt=event.cache_salt, first_block_index=event.first_block_index + i,
+                                lora_id=event.lora_id, lora_name=event.lora_name)
+            out.append((piece, fixed + k * per_block))
+            i += k
+    elif isinstance(event, BlockRemoved):
+        k = (room - _REMOVED_FIXED) // _PER_HASH
+        for i in range(0, len(event.block_hashes), k):
+            piece = BlockRemoved(event.block_hashes[i:i + k])
+            out.append((piece, event_size_bound(piece)))
+    return out, skipped
+
+
+def split_batch(batch: KVEventBatch, max_bytes: int) -> tuple[list[KVEventBatch], int]:
+    """`batch` as batches of at most `max_bytes` encoded, in order (a run of blocks cut in two keeps its chain:
+    the second part's parent is the first part's last block); and the number of blocks left out because a single
+    block's event is bigger than that. Usually the batch itself, uncut."""
+    if batch_size_bound(batch) <= max_bytes:
+        return [batch], 0
+    out, current, size, skipped = [], [], _BATCH_FIXED, 0
+    for event in batch.events:
+        pieces, left_out = _pieces(event, max_bytes - _BATCH_FIXED)
+        skipped += left_out
+        for piece, piece_size in pieces:
+            if current and size + piece_size > max_bytes:
+                out.append(KVEventBatch(current, batch.ts))
+                current, size = [], _BATCH_FIXED
+            current.append(piece)
+            size += piece_size
+    if current:
+        out.append(KVEventBatch(current, batch.ts))
+    return out, skipped

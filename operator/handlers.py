@@ -51,8 +51,9 @@ from kvgate.operator.gateway import (GatewayRouting, desired_envoy_objects, gate
                                      httproute_status, is_our_class, render_config, routes_for_gateway)
 from kvgate.operator.modelserver import (desired_engine_deployment, modelserver_status, needs_recreate,
                                          validate_modelserver)
-from kvgate.operator.network_policy import (desired_network_policy, gateways_routing_to, policy_enabled,
-                                            route_refs)
+from kvgate.operator.network_policy import (desired_engine_network_policy, desired_network_policy,
+                                            engine_policy_enabled, engine_policy_name, gateways_routing_to,
+                                            policy_enabled, route_refs)
 from kvgate.operator.pool import (choose_epp_config, desired_epp_objects, epp_pool_status, epp_problems, epp_ref,
                                   epp_tokenizer, is_fail_open, manages_epp, pool_status, referenced_config_name, returns_lists,
                                   running_note, without_epp_status)
@@ -419,7 +420,7 @@ class Reconciler:
         if problems and problems[0]["reason"] == "InvalidSpec":  # nothing can be rendered from it
             problems = problems[:1]
         elif self.config.network_policy:  # before the EPP's pods: they never run unprotected
-            problems += self._network_policy(pool)
+            problems += self._network_policy(pool) + self._engine_network_policy(pool, modelservers)
         tokenizer = epp_tokenizer(choice.config_yaml, pool, modelservers)
         if tokenizer.problem:  # the EPP still runs (it routes without the precise scorer's hits); the status says why
             problems.append(tokenizer.problem)
@@ -445,14 +446,7 @@ class Reconciler:
             if naming.is_managed(existing) and naming.is_owned_by(existing, pool):
                 self.kube.delete(existing)
             return []
-        scope = self.config.namespace
-        classes = {naming.name_of(gc) for gc in self.kube.list(GATEWAYCLASS) if is_our_class(gc)}
-        gateways = [g for g in self.kube.list(GATEWAY, scope)
-                    if (g.get("spec") or {}).get("gatewayClassName") in classes and not _deleting(g)]
-        routes = self.kube.list(HTTPROUTE, scope)
-        grants = self.kube.list(REFERENCEGRANT, ns) if any(
-            naming.namespace_of(r) != ns for r in routes) else []
-        using = gateways_routing_to(pool, routes, gateways, grants)
+        using = self._gateways_using(pool)
         policy, problems = desired_network_policy(pool, using, self.config.epp_metrics_from)
         try:
             self.kube.apply(policy)
@@ -467,6 +461,40 @@ class Reconciler:
                                                    trust_annotations=False)[0])
             problems.append({"reason": "NetworkPolicyRejected",
                              "message": f"the NetworkPolicy with the pool's peer annotations was refused: {exc}"})
+        return problems
+
+    def _gateways_using(self, pool: dict) -> list[dict]:
+        """The operator's Gateways whose HTTPRoutes send traffic to `pool` (network_policy.gateways_routing_to)."""
+        ns, scope = naming.namespace_of(pool), self.config.namespace
+        classes = {naming.name_of(gc) for gc in self.kube.list(GATEWAYCLASS) if is_our_class(gc)}
+        gateways = [g for g in self.kube.list(GATEWAY, scope)
+                    if (g.get("spec") or {}).get("gatewayClassName") in classes and not _deleting(g)]
+        routes = self.kube.list(HTTPROUTE, scope)
+        grants = self.kube.list(REFERENCEGRANT, ns) if any(
+            naming.namespace_of(r) != ns for r in routes) else []
+        return gateways_routing_to(pool, routes, gateways, grants)
+
+    def _engine_network_policy(self, pool: dict, modelservers: list[dict]) -> list[dict]:
+        """Apply (or, for an opted-out pool, delete) the NetworkPolicy of the pool's engine pods (its HTTP port
+        from the Gateways and the EPP, its KV-event ports from the EPP only); its problems."""
+        using = self._gateways_using(pool) if engine_policy_enabled(pool) else []
+        policy, problems = desired_engine_network_policy(pool, using, modelservers) \
+            if engine_policy_enabled(pool) else (None, [])
+        if policy is None:  # opted out, or a pool that selects no pods by labels
+            existing = self.kube.get(NETWORKPOLICY, engine_policy_name(pool), naming.namespace_of(pool))
+            if naming.is_managed(existing) and naming.is_owned_by(existing, pool):
+                self.kube.delete(existing)
+            return problems
+        try:
+            self.kube.apply(policy)
+        except NameConflict as exc:
+            return problems + [{"reason": exc.reason, "message": str(exc)}]
+        except ApiError as exc:
+            if exc.status not in (400, 422):
+                raise
+            self.kube.apply(desired_engine_network_policy(pool, using, modelservers, trust_annotations=False)[0])
+            problems.append({"reason": "NetworkPolicyRejected", "message": "the engines' NetworkPolicy with the "
+                                                                          f"pool's peer annotations was refused: {exc}"})
         return problems
 
     # --- Gateways, routes, pool parents ---------------------------------------------------------------------

@@ -227,7 +227,9 @@ def engine_flags(engine: dict) -> list[str]:
 
 def kv_events_config(kv_events: dict) -> dict:
     """spec.engine.kvEvents as vLLM's --kv-events-config JSON: bind every interface of the pod (the EPP connects
-    from its own pod) on the given ports."""
+    from its own pod) on the given ports. The events carry prompts' token ids and cache salts: the pool's
+    `<pool>-engines` NetworkPolicy (network_policy.py) admits only its EPP to these ports. The publisher's byte
+    and replay limits keep the engine's defaults (engine/kv_events.py)."""
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{int(kv_events['port'])}"}
     if kv_events.get("replayPort"):
         config["replay_endpoint"] = f"tcp://*:{int(kv_events['replayPort'])}"

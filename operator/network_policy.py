@@ -18,6 +18,19 @@ namespace than the pool is matched by the namespace label `kubernetes.io/metadat
 1.21 and later; label the namespace by hand on older clusters). `kvgate.dev/epp-network-policy: disabled` on
 a pool opts it out: the operator then deletes the policy it wrote. The kubelet's probes are not affected on
 the common CNIs: traffic from the node to its own pods is always allowed.
+
+A second policy per managed pool, `<pool>-engines`, selects the pool's operator-made engine pods (the pool's
+selector labels and `app.kubernetes.io/name: kvgate-engine`) and allows ingress only:
+
+- to the engine's HTTP port (the pool's first target port: completions, /metrics), from the same Envoy pods,
+  from the pool's EPP pods (it scrapes /metrics), from the peers of `kvgate.dev/epp-ingress-from` (another
+  gateway implementation's proxies send requests to the engines too) and from those of the pool's annotation
+  `kvgate.dev/engine-ingress-from` (e.g. a Prometheus, or in-cluster clients that bypass the gateway);
+- to the KV-event PUB and replay ports of the pool's ModelServers (`spec.engine.kvEvents`), from the pool's EPP
+  pods only: the events carry every prompt's token ids and the tenants' cache salts (README, Security).
+
+`kvgate.dev/engine-network-policy: disabled` opts a pool's engines out. Engines the operator did not make (a
+pool whose members are someone else's pods) are not selected: their owner writes their policy.
 """
 
 from __future__ import annotations
@@ -29,10 +42,15 @@ import yaml
 from kvgate import bounded_yaml
 from kvgate.operator import naming
 from kvgate.operator.gateway import _grant_allows
+from kvgate.operator.modelserver import kv_events_ports, pool_labels, pool_port
+from kvgate.operator.spec_shape import pool_problems, pool_ref_name
 
 POLICY_ANNOTATION = "kvgate.dev/epp-network-policy"  # "disabled": no policy for this pool's EPP
 INGRESS_FROM_ANNOTATION = "kvgate.dev/epp-ingress-from"  # more peers for ext-proc and health
 METRICS_FROM_ANNOTATION = "kvgate.dev/epp-metrics-from"  # more peers for metrics
+ENGINE_POLICY_ANNOTATION = "kvgate.dev/engine-network-policy"  # "disabled": no policy for the pool's engines
+ENGINE_INGRESS_FROM_ANNOTATION = "kvgate.dev/engine-ingress-from"  # more peers for the engines' HTTP port
+ENGINE_POD_NAME = naming.component_labels("engine", "")["app.kubernetes.io/name"]  # kvgate-engine
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 EXT_PROC_PORTS = (naming.EPP_GRPC_PORT, naming.EPP_HEALTH_PORT)
 
@@ -91,6 +109,10 @@ def policy_enabled(pool: dict) -> bool:
     return (_annotation(pool, POLICY_ANNOTATION) or "").strip().lower() != "disabled"
 
 
+def engine_policy_enabled(pool: dict) -> bool:
+    return (_annotation(pool, ENGINE_POLICY_ANNOTATION) or "").strip().lower() != "disabled"
+
+
 # --- the pool's gateways ------------------------------------------------------------------------------------
 
 def route_refs(route: dict) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
@@ -137,7 +159,8 @@ def gateway_peer(gateway: dict, pool_namespace: str) -> dict:
 # --- the policy ---------------------------------------------------------------------------------------------
 
 def _rule(peers: list[dict], ports: Iterable[int]) -> list[dict]:
-    if not peers:  # an ingress rule without `from` admits every source: write none instead
+    ports = list(ports)
+    if not peers or not ports:  # a rule without `from` (or `ports`) admits every source (port): write none instead
         return []
     return [{"from": peers, "ports": [{"protocol": "TCP", "port": p} for p in ports]}]
 
@@ -164,6 +187,47 @@ def desired_network_policy(pool: dict, gateways: list[dict], metrics_from: Itera
             "policyTypes": ["Ingress"],
             "ingress": _rule(ext_proc_from, EXT_PROC_PORTS)
                        + _rule(list(metrics_from) + extra[METRICS_FROM_ANNOTATION], [naming.EPP_METRICS_PORT]),
+        },
+    }
+    return policy, problems
+
+
+def engine_policy_name(pool: dict) -> str:
+    return naming._dns_label(f"{naming.name_of(pool)}-engines")
+
+
+def epp_peer(pool: dict) -> dict:
+    """The pool's EPP pods (their selector labels in pool.py), from a policy in the pool's namespace."""
+    return {"podSelector": {"matchLabels": naming.selector_labels("epp", naming.name_of(pool))}}
+
+
+def desired_engine_network_policy(pool: dict, gateways: list[dict], modelservers: Iterable[dict],
+                                  trust_annotations: bool = True) -> tuple[dict | None, list[dict]]:
+    """(the NetworkPolicy of `pool`'s engine pods, problems); None when the pool selects no pods by labels (a
+    policy would then select every engine of the namespace). `gateways`: see gateways_routing_to;
+    `modelservers`: the namespace's, the pool's members among them give the KV-event ports."""
+    labels = pool_labels(pool) if not pool_problems(pool) else {}
+    if not labels or not (pool.get("spec") or {}).get("targetPorts"):
+        return None, []
+    problems, extra = [], []
+    for key in (INGRESS_FROM_ANNOTATION, ENGINE_INGRESS_FROM_ANNOTATION):
+        try:
+            extra += parse_peers(_annotation(pool, key), f"annotation {key}") if trust_annotations else []
+        except ValueError as exc:
+            problems.append({"reason": "InvalidNetworkPolicyPeers", "message": str(exc)})
+    ns, name = naming.key_of(pool)
+    kv_ports = sorted({port for ms in modelservers
+                       if naming.namespace_of(ms) == ns and pool_ref_name(ms) == name
+                       for _, port, _ in kv_events_ports(ms.get("spec") or {})})
+    http_from = [gateway_peer(g, ns) for g in gateways] + [epp_peer(pool)] + extra
+    policy = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": naming.object_meta(engine_policy_name(pool), pool, naming.component_labels("engine", name)),
+        "spec": {
+            # as on the pods (modelserver._operator_pod_labels): the pool's labels win over the operator's
+            "podSelector": {"matchLabels": dict(sorted({"app.kubernetes.io/name": ENGINE_POD_NAME, **labels}.items()))},
+            "policyTypes": ["Ingress"],
+            "ingress": _rule(http_from, [pool_port(pool)]) + _rule([epp_peer(pool)], kv_ports),
         },
     }
     return policy, problems
