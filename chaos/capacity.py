@@ -23,7 +23,7 @@ import httpx
 
 from kvgate.chaos.load import StreamLoad
 from kvgate.chaos.runner import SIM_MODEL
-from kvgate.processes import free_port
+from kvgate.processes import end_with_me, free_port
 from kvgate.up import Stack, launch_local_stack
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -115,6 +115,7 @@ def _phase(bulk_urls, probe_urls, streams: int, max_tokens: int) -> dict:
     out = ctx.Queue()
     child = ctx.Process(target=_bulk, args=(bulk_urls, streams, max_tokens, out), daemon=True)
     child.start()
+    end_with_me(child.pid)  # the bulk client too ends with this process, however it ends
     try:
         time.sleep(1.0)  # the bulk streams are in flight before the probe starts
         probe = _probe(probe_urls, lambda: not child.is_alive() or not out.empty(), max_tokens)

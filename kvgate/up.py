@@ -4,7 +4,13 @@ Every child runs in its own process group. A child that dies during start-up fai
 why). Once the stack is up, a child that dies — a replica killed, an engine loop that died, the EPP or Envoy —
 is restarted with the same command and ports, after a backoff that doubles from 1 s up to 30 s (and resets once
 it has stayed up for a minute), each restart logged; meanwhile the EPP keeps requests off a dead replica (two
-failed scrapes). Only Ctrl-C or SIGTERM stops the stack, and then every child.
+failed scrapes). Only Ctrl-C or SIGTERM stops the stack, and then every child (during start-up too).
+
+However `kvgate up` itself ends — SIGKILL, the OOM killer, a crash, or killed in the middle of its graceful
+stop — its children and theirs end with it, within kvgate.reaper.GRACE_S (0.5 s) and their exit: kvgate.processes
+hands every child's process group to a reaper process that watches a pipe only `kvgate up` holds. A gateway
+port that something listens on already (a stack left running) fails `kvgate up` at once, before anything starts,
+with a line naming the port and, where /proc tells, the process that holds it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 
 from kvgate.envoy_config import (CircuitBreakers, ListenerTimeouts, PoolBackend, Route, RouteTimeouts, envoy_binary,
                                  render_gateway)
-from kvgate.processes import free_port, start_group, stop_group, wait_http_ok
+from kvgate.processes import free_port, port_taken, start_group, stop_group, wait_http_ok
 
 
 def add_up_parser(sub) -> None:
@@ -106,6 +112,7 @@ class Stack:
         self.workdir = workdir
         self.children: list[Child] = []
         self.stopping = False  # set by stop(): nothing is restarted any more
+        self.interrupted: str | None = None  # a signal's name, set by `kvgate up`'s handler: start-up gives up
         self._lock = threading.Lock()  # supervise() and stop() may run on different threads (benchmarks)
 
     def start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -117,6 +124,8 @@ class Stack:
         return f"{c.name} exited with code {c.proc.returncode} (log: {self.workdir / (c.name + '.log')})"
 
     def dead(self) -> str | None:
+        if self.interrupted:
+            return f"interrupted by {self.interrupted}"
         for c in self.children:
             if c.proc.poll() is not None:
                 return self._exit(c)
@@ -189,6 +198,7 @@ class LocalStack:
     admin_port: int
     envoy_flavor: str
     engine_hosts: list[str] = field(default_factory=list)  # one per engine; empty: all on 127.0.0.1
+    event_sockets: list[tuple[str, str]] = field(default_factory=list)  # each engine's KV-event (PUB, replay)
 
     @property
     def endpoints(self) -> list[str]:
@@ -215,7 +225,8 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
                        envoy_flavor: str = "kvgate", startup_timeout: float = 300.0,
                        engine_hosts: list[str] | None = None,
                        engine_args_for: Callable[[int, str], list[str]] | None = None,
-                       epp_args: list[str] = (), kv_events: bool = False) -> LocalStack:
+                       epp_args: list[str] = (), kv_events: bool = False,
+                       epp_kv_event_override: dict[int, str] | None = None) -> LocalStack:
     """Start N engines, the EPP over them and Envoy (`kvgate`: kvgate's rendered config; `upstream`: the stock
     upstream-shaped one; `round-robin`: Envoy's own round-robin over the engines and no EPP, a benchmark's
     baseline) in `stack`, and wait until a request can be routed. An EPP config whose picker returns
@@ -223,11 +234,16 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     own loopback address (127.0.0.x: endpoints that differ by address, as pods do);
     `engine_args_for(i, host)` adds flags to engine i; `epp_args` to the EPP. `kv_events`: every engine publishes
     KV-cache events on a PUB and a replay socket of its own, bound on the IPv6 loopback (vLLM binds an address
-    with `::` or `*`, and connects to any other), and the EPP is told each one (--kv-events-endpoint). Raises
+    with `::` or `*`, and connects to any other), and the EPP is told each one (--kv-events-endpoint);
+    `epp_kv_event_override` tells it another PUB address for engine i (`kvgate bench hostile` binds a rogue
+    publisher there). Raises
     RuntimeError if a child dies, TimeoutError past `startup_timeout`."""
     from kvgate.epp.scheduling.config import load_config
 
     epp_config = load_config(epp_config_file, epp_config_text)  # ConfigError before anything starts
+    taken = port_taken(host, port)  # else Envoy alone would fail, after the engines had started, in its log
+    if taken:
+        raise RuntimeError(taken)
     epp_config_args = (["--config-file", epp_config_file] if epp_config_file else []) + (
         ["--config-text", epp_config_text] if epp_config_text else [])
     kvgate = str(Path(sys.executable).parent / "kvgate")
@@ -250,7 +266,8 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
         stack.start(f"engine-{i}", [kvgate, "serve", model, "--backend", backend, "--host", host_i,
                                     "--port", str(engine_port), *engine_args, *extra],
                     env={"OMP_NUM_THREADS": threads})
-    epp_args = [*epp_args, *(a for e, (pub, replay) in zip(endpoints, event_sockets)
+    told = [((epp_kv_event_override or {}).get(i, pub), replay) for i, (pub, replay) in enumerate(event_sockets)]
+    epp_args = [*epp_args, *(a for e, (pub, replay) in zip(endpoints, told)
                              for a in ("--kv-events-endpoint", f"{e}={pub},{replay}")),
                 *epp_tokenizer_args(model, kv_events, epp_args)]
     grpc_port, health_port, metrics_port, admin_port = (free_port() for _ in range(4))
@@ -289,7 +306,7 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
         stack.wait_until(lambda: epp_healthy_in_envoy(admin_port, "epp-local"), deadline,
                          "Envoy to find the EPP ready")
     return LocalStack(stack, f"http://{host}:{port}", model, engine_ports, grpc_port, health_port, metrics_port,
-                      admin_port, envoy_flavor, hosts)
+                      admin_port, envoy_flavor, hosts, event_sockets)
 
 
 def epp_ready(health_port: int) -> bool:
@@ -319,6 +336,7 @@ def run_up(args: argparse.Namespace) -> int:
     def on_signal(signum, frame):
         nonlocal stopping
         stopping = True
+        stack.interrupted = signal.Signals(signum).name  # still starting: the wait for readiness gives up
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
