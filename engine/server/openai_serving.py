@@ -386,7 +386,8 @@ class OpenAIServing:
         self.check_request(req, len(texts))
         self.check_logprobs(req.logprobs, "logprobs")
         prompts = await self.off_loop(self.encode_prompts, texts)
-        constraint = await self.off_loop(structured_outputs_params, req, param="structured_outputs")
+        constraint = await self.off_loop(structured_outputs_params, req, None, self.llm,
+                                          param="structured_outputs")
         params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs, constraint) for ids in prompts]
         return prompts, params
 
@@ -494,7 +495,8 @@ class OpenAIServing:
         kwargs = self.template_kwargs(req.chat_template, template_kwargs)
         ids = await self.off_loop(self.chat_prompt, req, kwargs, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        constraint = await self.off_loop(structured_outputs_params, req, self.tool_parser, param="structured_outputs")
+        constraint = await self.off_loop(structured_outputs_params, req, self.tool_parser, self.llm,
+                                          param="structured_outputs")
         params = self.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None, constraint)
         return ids, params
 

@@ -3,26 +3,45 @@
 Three spellings are taken, as vLLM takes them: OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's
 `structured_outputs` object (`json`, `json_object`, `regex`, `choice`, `grammar`) and its older `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`. A request may use one of them. The constraint is compiled
-here (llguidance, cached per constraint, off the event loop), so a bad schema, regex or grammar is a 400 naming
-the field it came from; the engine's matcher is built from the same cached compilation. A chat request's
-`tool_choice` (required or a named function; not auto) is one more constraint (engine/server/tool_calls.py).
+here (llguidance, cached per constraint, off the event loop) and, with the model's real tokenizer, its matcher
+built, its first mask computed and one token walked under the engine's limits (engine/structured_output.py),
+so a bad schema, regex or grammar — or one over the limits, like `a{200000}` — is a 400 naming the field it
+came from before anything reaches the engine. A chat request's `tool_choice` (required or a named function;
+not auto) is one more constraint (engine/server/tool_calls.py).
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 from kvgate.engine.errors import InvalidRequestError
 from kvgate.engine.sampling_params import StructuredOutputsParams
 from kvgate.engine.server.protocol import SamplingFields
 from kvgate.engine.server.tool_calls import tool_constraint, tool_mode
-from kvgate.engine.structured_output import compile_grammar
+from kvgate.engine.structured_output import StructuredOutputManager, compile_grammar
+
+# The admission check's matcher builder per served engine (its tokenizer view is built once).
+_checkers: "weakref.WeakKeyDictionary[object, StructuredOutputManager]" = weakref.WeakKeyDictionary()
+_checkers_lock = threading.Lock()
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def structured_outputs_params(req: SamplingFields, auto_tool_parser: str | None = None
+def _checker(llm) -> StructuredOutputManager:
+    with _checkers_lock:
+        checker = _checkers.get(llm)
+        if checker is None:
+            checker = _checkers[llm] = StructuredOutputManager(llm.tokenizer, llm.info.vocab_size,
+                                                               llm.info.eos_token_ids)
+        return checker
+
+
+def structured_outputs_params(req: SamplingFields, auto_tool_parser: str | None = None, llm=None
                               ) -> StructuredOutputsParams | None:
     """The request's constraint (None: unconstrained); InvalidRequestError naming the field when it is bad.
-    `auto_tool_parser`: the server's --tool-call-parser, when `tool_choice: auto` is enabled."""
+    `auto_tool_parser`: the server's --tool-call-parser, when `tool_choice: auto` is enabled. `llm`: the
+    AsyncLLM it is for (its tokenizer checks the constraint's cost); None checks the constraint text only."""
     found: list[StructuredOutputsParams] = []
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
@@ -56,8 +75,11 @@ def structured_outputs_params(req: SamplingFields, auto_tool_parser: str | None 
         raise InvalidRequestError("at most one structured-output constraint per request; got "
                                   + ", ".join(p.param for p in found), param=found[1].param)
     params = found[0]
-    try:
-        compile_grammar(params)
-    except InvalidRequestError as exc:
-        raise InvalidRequestError(f"{params.param}: {exc}", param=params.param) from None
+    if llm is not None and llm.info is not None:
+        _checker(llm).grammar_for(params)  # what the engine will build, here: a 400 instead of a stall there
+    else:
+        try:
+            compile_grammar(params)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{params.param}: {exc}", param=params.param) from None
     return params
