@@ -152,7 +152,9 @@ class EndpointGauges:
             subscribed.add_metric([], kv_events.get("subscribed_endpoints", 0))
             counts = CounterMetricFamily("kvgate_epp_kv_events", "KV-cache event batches and blocks received, by "
                                          "what happened (batches, blocks_stored, blocks_removed, gaps, replays_ok, "
-                                         "replays_failed, restarts, reconnects, bad_payloads, ...).", labels=["event"])
+                                         "replays_failed, restarts, reconnects, bad_payloads, error: a message "
+                                         "rejected or failing, or the subscriber thread dying, thread_restarts, "
+                                         "...).", labels=["event"])
             for key, value in sorted(kv_events.items()):
                 if key not in _KV_EVENT_GAUGES:
                     counts.add_metric([key], value)

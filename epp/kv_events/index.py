@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import xxhash
 
 _h = xxhash.xxh3_64_intdigest
+
+# Adapter names learned from events, the most recently seen kept: a request naming one that fell out hashes from
+# the base model's root and matches nothing of the adapter's (a miss, never a wrong hit). vLLM serves at most
+# --max-cpu-loras adapters per engine (tens); 4096 covers a pool of them, at ≤ 1 KiB a name (decode.py).
+MAX_LORAS = 4096
 
 
 def root_hash(lora_name: str | None, cache_salt: str | None) -> int:
@@ -54,15 +59,18 @@ class Delta:
 
     address: str
     generation: int
-    added: list[int] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
+    # ordered sets (a dict's keys: the subscriber nets out a block stored and removed in one batch in O(1));
+    # any iterable of hashes works
+    added: dict[int, None] = field(default_factory=dict)
+    removed: dict[int, None] = field(default_factory=dict)
     cleared: bool = False  # before `added`: the endpoint's blocks are gone (restart, AllBlocksCleared, lost events)
     block_size: int | None = None
-    loras: list[str] = field(default_factory=list)  # adapters named by the stored blocks
+    loras: set[str] = field(default_factory=set)  # adapters named by the stored blocks
 
 
 class PreciseIndex:
-    def __init__(self, speculative_ttl_s: float = 2.0, max_speculative: int = 100_000, clock=time.monotonic) -> None:
+    def __init__(self, speculative_ttl_s: float = 2.0, max_speculative: int = 100_000, clock=time.monotonic,
+                 max_loras: int = MAX_LORAS) -> None:
         self.speculative_ttl_s = speculative_ttl_s
         self.max_speculative = max_speculative
         self.clock = clock
@@ -73,7 +81,9 @@ class PreciseIndex:
         self._free_ids: list[int] = []
         self._generation: dict[str, int] = {}  # address → the subscription generation whose deltas count
         self.block_sizes: dict[str, int] = {}  # address → its engine's block size (from the events)
-        self.loras: set[str] = set()  # adapters seen in events (a request naming one hashes from its root)
+        # adapters seen in events (a request naming one hashes from its root), oldest first, at most max_loras
+        self.loras: OrderedDict[str, None] = OrderedDict()
+        self.max_loras = max_loras
         # speculative: block → {endpoint id: expiry}; a FIFO of (expiry, block, id) for expiry, bounded
         self._spec: dict[int, dict[int, float]] = {}
         self._spec_fifo: deque[tuple[float, int, int]] = deque()
@@ -125,7 +135,7 @@ class PreciseIndex:
         if delta.block_size:
             self.block_sizes[delta.address] = delta.block_size
         if delta.loras:
-            self.loras.update(delta.loras)
+            self._learn_loras(delta.loras)
         if not delta.added and not delta.removed:
             return
         eid = self._id(delta.address)
@@ -143,6 +153,14 @@ class PreciseIndex:
                 holders[h] = holders.get(h, 0) | bit
             if holds and holds.pop((h, eid), None) is not None:
                 self._unspec(h, eid)  # confirmed: the events decide from now on (a later eviction counts)
+
+    def _learn_loras(self, names) -> None:
+        loras = self.loras
+        for name in names:
+            loras[name] = None
+            loras.move_to_end(name)
+        while len(loras) > self.max_loras:
+            loras.popitem(last=False)
 
     def _drop_blocks(self, address: str) -> None:
         eid = self._ids.get(address)

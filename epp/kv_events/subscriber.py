@@ -10,7 +10,8 @@ changed by one writer, so the scorer reads it without locks.
 
 Per endpoint (vLLM's transport, engine/kv_event_publisher.py):
   - a SUB socket connected to its event address, subscribed to the topic; receive HWM `RCVHWM` messages; ZeroMQ
-    reconnects by itself, backing off from 100 ms to `RECONNECT_MAX_S`;
+    reconnects by itself, backing off from 100 ms to `RECONNECT_MAX_S` (after a disconnection the SUB socket is
+    replaced by a new one: ZeroMQ does not reconnect after a protocol error, such as a frame over ZMQ_MAXMSGSIZE);
   - the 8-byte big-endian sequence number of every batch: the next one applies; one further on is a gap — the
     replay socket (a DEALER to the engine's ROUTER; [b"", start] → [b"", seq, payload]... [b"", -1, b""]) is
     asked for the missing range while live batches wait (at most `MAX_HELD` of them); if the replay answers
@@ -30,6 +31,27 @@ told through a new generation (index.PreciseIndex.watch/remove).
 Memory: the engine-hash → EPP-hash mapping costs about `BYTES_PER_BLOCK` per cached block (both dicts, measured
 with tracemalloc in the test); past `max_bytes` over all endpoints, stored blocks are not indexed (counted in
 `blocks_over_budget`): the index then under-reports, which routes like a miss, never to a block that is gone.
+
+Hostile or broken publishers (the events come off the network; counted in stats["error"], exported as
+kvgate_epp_kv_events_total{event="error"}):
+  - every field of every event is checked (decode.py lists the bounds); a bad batch (or a message that is not
+    [topic, 8-byte seq, payload]) drops that endpoint's blocks, which are rebuilt from the batches that follow:
+    the batch's content is unknown (it may have removed blocks), and none of it is applied, so the index is
+    never half a batch ahead. Other endpoints never notice;
+  - any other exception while handling one endpoint's message does the same (its replay state goes too);
+  - SUB and DEALER sockets take frames of at most `max_message_bytes` (ZMQ_MAXMSGSIZE, default
+    `MAX_MESSAGE_BYTES`); ZeroMQ drops a connection that sends a bigger one, a new socket connects again, and
+    the reconnection is handled as any other (blocks dropped, history replayed); a replay socket that does not
+    answer in time is replaced too;
+  - live batches held while a replay is under way, and the replay's answer, are bounded per endpoint by count
+    (`MAX_HELD`) and by bytes (`max_held_bytes` each, default `MAX_HELD_BYTES`): past either, the replay gives up
+    as when it cannot fill the gap;
+  - the work runs in a worker thread under a supervisor thread: a worker that dies anyway (an exception outside
+    any one message: the `deliver` callback failing, ZeroMQ) is started again after a back-off (0.1 s doubling
+    to `RESTART_MAX_S`), every endpoint's blocks dropped and resubscribed, so their history is replayed
+    (stats["thread_restarts"]);
+  - warnings about one endpoint are logged at most every `WARN_EVERY_S` seconds (the rest counted), so a
+    flood of bad batches cannot flood the log.
 """
 
 from __future__ import annotations
@@ -57,6 +79,20 @@ POLL_MS = 50  # how often the thread looks at its command queue
 # ~150 B per endpoint, 38 MB at 1000 endpoints.
 RECENTLY_REMOVED = 256
 BYTES_PER_BLOCK = 250
+# ZMQ_MAXMSGSIZE of the SUB and DEALER sockets. An engine sends one batch per step: BlockStored for the blocks the
+# step filled (≤ max_num_batched_tokens tokens) and BlockRemoved for those it evicted to make room. Encoded
+# (engine/kv_events.py encode_batch, measured in tests/epp/test_kv_events_hostile.py) a batch costs 6.2 bytes per
+# token at block size 16 with 5-byte token ids (vocabularies over 65536), 24 at block size 1, plus ~200 bytes
+# per request: 16 MiB holds a 2.7M-token step at block size 16 (700k at block size 1), far over any real step
+# (vLLM's default max_num_batched_tokens is 2048-16384; kvgate's 2048). Not bounded in bytes: ZeroMQ's queue of
+# up to RCVHWM such messages per socket (the NetworkPolicy that admits only the EPP is the control there).
+MAX_MESSAGE_BYTES = 16 << 20
+# Bytes of live batches held per endpoint while a replay is under way, and (separately) of the replay's answer:
+# a replay of the engine's whole buffer (10000 steps of ~12 KB at kvgate's defaults) fits.
+MAX_HELD_BYTES = 64 << 20
+RESTART_MIN_S = 0.1
+RESTART_MAX_S = 5.0
+WARN_EVERY_S = 10.0
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 OPEN_END = 1 << 63  # a replay asked for on connecting: no live batch bounds it
 END_OF_REPLAY = (1 << 64) - 1  # -1 as a signed 8-byte number, read unsigned
@@ -106,26 +142,37 @@ class _Stream:
     replay_deadline: float = 0.0
     replayed: dict[int, bytes] = field(default_factory=dict)
     held: list[tuple[int, bytes]] = field(default_factory=list)
+    held_bytes: int = 0
+    replayed_bytes: int = 0
     monitor: object | None = None  # PAIR socket of ZeroMQ's monitor of `sub`: connects and disconnects
     disconnected: bool = False
+    warned_at: float = -WARN_EVERY_S
+    unlogged: int = 0  # warnings not logged since the last one (rate limit)
 
 
 class KVEventSubscriber:
-    def __init__(self, deliver, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, deliver, max_bytes: int = DEFAULT_MAX_BYTES, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 max_held_bytes: int = MAX_HELD_BYTES) -> None:
         import zmq
 
+        if max_message_bytes < 1 or max_held_bytes < max_message_bytes:
+            raise ValueError(f"max_held_bytes ({max_held_bytes}) must hold one message of max_message_bytes "
+                             f"({max_message_bytes} ≥ 1)")
         self._zmq = zmq
         self.deliver = deliver  # called from the thread with a list of Deltas
         self.max_blocks = max(1, max_bytes // BYTES_PER_BLOCK)
+        self.max_message_bytes = max_message_bytes
+        self.max_held_bytes = max_held_bytes
         self._ctx = zmq.Context()
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._generation = 0
         self._blocks = 0
+        # every key is here from the start: the metrics thread copies the dict while the worker counts
         self.stats = {"batches": 0, "gaps": 0, "replays_ok": 0, "replays_failed": 0, "restarts": 0,
                       "reconnects": 0, "bad_payloads": 0, "blocks_stored": 0, "blocks_removed": 0,
-                      "blocks_over_budget": 0, "orphan_blocks": 0}
-        self._thread = threading.Thread(target=self._run, name="kvgate-epp-kv-events", daemon=True)
+                      "blocks_over_budget": 0, "orphan_blocks": 0, "error": 0, "thread_restarts": 0}
+        self._thread = threading.Thread(target=self._supervise, name="kvgate-epp-kv-events", daemon=True)
         self._stop = threading.Event()
         self._thread.start()
 
@@ -153,84 +200,186 @@ class KVEventSubscriber:
 
     # -- the thread -----------------------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        zmq = self._zmq
-        poller = zmq.Poller()
+    def _supervise(self) -> None:
+        """Run the worker; start it again when it dies (not on close), after a back-off that doubles while it
+        keeps dying within a minute."""
+        delay, resume = RESTART_MIN_S, []
         try:
             while not self._stop.is_set():
-                self._take_commands(poller)
+                worker = threading.Thread(target=self._run, args=(resume,), name="kvgate-epp-kv-events-worker",
+                                          daemon=True)
+                started = time.monotonic()
+                worker.start()
+                worker.join()
+                if self._stop.is_set():
+                    return
+                self.stats["thread_restarts"] += 1
+                self.stats["error"] += 1
+                resume = [(s.source, s.generation) for s in self._streams.values()]
+                self._streams = {}  # the dead worker closed their sockets; a new dict: last_seq() reads it
+                self._blocks = 0
+                delay = RESTART_MIN_S if time.monotonic() - started > 60 else min(2 * delay, RESTART_MAX_S)
+                log.error("KV-event subscriber thread died; restarting it in %.1f s, its %d endpoints' blocks are "
+                          "dropped and read again", delay, len(resume))
+                self._stop.wait(delay)
+        finally:
+            self._ctx.term()
+
+    def _run(self, resume: list[tuple[EventSource, int]]) -> None:
+        """The worker: `resume` holds the subscriptions of a worker that died (their index entries are dropped,
+        their history asked for again as on a first connection)."""
+        poller = self._poller = self._zmq.Poller()
+        try:
+            out: list[Delta] = []
+            for source, generation in resume:
+                self._add_stream(source, generation)
+                out.append(Delta(source.address, generation, cleared=True))
+            while not self._stop.is_set():
+                self._take_commands()
                 ready = dict(poller.poll(POLL_MS))
-                out: list[Delta] = []
                 for stream in list(self._streams.values()):
-                    if stream.monitor is not None and stream.monitor in ready:
-                        self._drain_monitor(stream, out)
-                    if stream.sub in ready:
-                        self._drain_sub(stream, out)
-                    if stream.replay is not None and stream.replay in ready:
-                        self._drain_replay(stream, out)
-                    if stream.replay_until is not None and time.monotonic() > stream.replay_deadline:
-                        self._replay_failed(stream, out, "no answer")
+                    try:
+                        self._service(stream, ready, out)
+                    except Exception as exc:  # noqa: BLE001 - one endpoint's trouble stays its own
+                        self._quarantine(stream, out, exc)
                 if out:
                     self.deliver(out)
+                    out = []
                 for stream in self._streams.values():
                     stream.delivered_seq = stream.last_seq
-        except Exception:  # noqa: BLE001 - the thread must not die silently
-            log.exception("KV-event subscriber stopped")
+        except Exception:  # noqa: BLE001 - logged here; the supervisor counts it and starts another worker
+            log.exception("KV-event subscriber thread died")
         finally:
             for stream in self._streams.values():
                 self._close(stream)
-            self._ctx.term()
 
-    def _take_commands(self, poller) -> None:
+    def _service(self, stream: _Stream, ready: dict, out: list[Delta]) -> None:
+        if stream.monitor is not None and stream.monitor in ready:
+            self._drain_monitor(stream, out)
+        if stream.sub in ready:
+            self._drain_sub(stream, out)
+        if stream.replay is not None and stream.replay in ready:
+            self._drain_replay(stream, out)
+        if stream.replay_until is not None and time.monotonic() > stream.replay_deadline:
+            self._reopen_replay(stream)  # a DEALER dropped for a frame over MAXMSGSIZE never reconnects by itself
+            self._replay_failed(stream, out, "no answer")
+
+    def _quarantine(self, stream: _Stream, out: list[Delta], exc: Exception) -> None:
+        """An unexpected exception while handling `stream`'s message: whatever it changed is dropped with the
+        endpoint's blocks (rebuilt from the batches that follow), other endpoints go on."""
+        self.stats["error"] += 1
+        self._warn(stream, "handling a message failed (%s: %s); its blocks are dropped and rebuilt from new events",
+                   type(exc).__name__, exc, exc_info=exc)
+        self._clear_replay(stream)
+        self._drop_blocks(stream, out)
+
+    def _warn(self, stream: _Stream, fmt: str, *args, exc_info=None) -> None:
+        now = time.monotonic()
+        if now - stream.warned_at < WARN_EVERY_S:
+            stream.unlogged += 1
+            return
+        more = f" ({stream.unlogged} more warnings in the last {WARN_EVERY_S:.0f} s)" if stream.unlogged else ""
+        stream.warned_at, stream.unlogged = now, 0
+        log.warning("KV events of %s: " + fmt + "%s", stream.source.address, *args, more, exc_info=exc_info)
+
+    def _take_commands(self) -> None:
         while True:
             try:
                 kind, arg, generation = self._commands.get_nowait()
             except queue.Empty:
                 return
             if kind == "unsubscribe":
-                self._drop_stream(arg, poller)
-            else:
-                self._drop_stream(arg.address, poller)
-                stream = self._open(arg, generation)
-                self._streams[arg.address] = stream
-                poller.register(stream.sub, self._zmq.POLLIN)
-                poller.register(stream.monitor, self._zmq.POLLIN)
-                if stream.replay is not None:
-                    poller.register(stream.replay, self._zmq.POLLIN)
+                self._drop_stream(arg)
+                continue
+            self._drop_stream(arg.address)
+            try:
+                self._add_stream(arg, generation)
+            except Exception:  # noqa: BLE001 - an address ZeroMQ refuses: this endpoint only goes without events
+                self.stats["error"] += 1
+                log.exception("KV events of %s: cannot subscribe to %s", arg.address, arg.endpoint)
 
-    def _socket(self, kind, endpoint: str):
+    def _add_stream(self, source: EventSource, generation: int) -> None:
+        stream = self._open(source, generation)
+        self._streams[source.address] = stream
+        for sock in (stream.sub, stream.monitor, stream.replay):
+            if sock is not None:
+                self._poller.register(sock, self._zmq.POLLIN)
+
+    def _socket(self, kind, endpoint: str, connect: bool = True):
         zmq = self._zmq
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # a bigger frame: ZeroMQ drops the connection
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(RECONNECT_MAX_S * 1000))
         if "[" in endpoint:
             sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(endpoint)
+        if connect:
+            sock.connect(endpoint)
         return sock
 
-    def _drop_stream(self, address: str, poller) -> None:
+    def _drop_stream(self, address: str) -> None:
         """Forget `address`'s stream (its blocks' count, its sockets), if it has one."""
         stream = self._streams.pop(address, None)
         if stream is None:
             return
         self._blocks -= len(stream.hashes.ours)
-        poller.unregister(stream.sub)
-        poller.unregister(stream.monitor)
-        if stream.replay is not None:
-            poller.unregister(stream.replay)
+        for sock in (stream.sub, stream.monitor, stream.replay):
+            if sock is not None:
+                self._poller.unregister(sock)
         self._close(stream)
 
     def _open(self, source: EventSource, generation: int) -> _Stream:
-        zmq = self._zmq
-        sub = self._socket(zmq.SUB, source.endpoint)
-        sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        replay = self._socket(zmq.DEALER, source.replay_endpoint) if source.replay_endpoint else None
+        sub, monitor = self._open_sub(source)
+        try:
+            replay = self._socket(self._zmq.DEALER, source.replay_endpoint) if source.replay_endpoint else None
+        except Exception:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+            raise
         log.info("KV events of %s: SUB %s, replay %s", source.address, source.endpoint,
                  source.replay_endpoint or "off")
         return _Stream(source, generation, sub, replay, monitor=monitor)
+
+    def _open_sub(self, source: EventSource):
+        zmq = self._zmq
+        sub, monitor = self._socket(zmq.SUB, source.endpoint, connect=False), None
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+            # the monitor first: a connection made before it exists would never be reported
+            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sub.connect(source.endpoint)
+            return sub, monitor
+        except Exception:
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(linger=0)
+            sub.close(linger=0)
+            raise
+
+    def _reopen_sub(self, stream: _Stream) -> None:
+        """A new SUB socket (and monitor) for `stream`: ZeroMQ reconnects by itself after a network error, but
+        not after a protocol error, and a frame over MAXMSGSIZE is one: the connection would stay down."""
+        poller = self._poller
+        poller.unregister(stream.sub)
+        poller.unregister(stream.monitor)
+        stream.sub.disable_monitor()
+        stream.monitor.close(linger=0)
+        stream.sub.close(linger=0)
+        stream.sub, stream.monitor = self._open_sub(stream.source)
+        poller.register(stream.sub, self._zmq.POLLIN)
+        poller.register(stream.monitor, self._zmq.POLLIN)
+
+    def _reopen_replay(self, stream: _Stream) -> None:
+        """A new DEALER for `stream` (late answers to the old one are gone with it)."""
+        if stream.replay is None:
+            return
+        self._poller.unregister(stream.replay)
+        stream.replay.close(linger=0)
+        stream.replay = self._socket(self._zmq.DEALER, stream.source.replay_endpoint)
+        self._poller.register(stream.replay, self._zmq.POLLIN)
 
     @staticmethod
     def _close(stream: _Stream) -> None:
@@ -252,12 +401,14 @@ class KVEventSubscriber:
                 return
             if event == zmq.EVENT_DISCONNECTED:
                 stream.disconnected = True
-            elif event == zmq.EVENT_CONNECTED and stream.disconnected:
+                self._reopen_sub(stream)  # the next EVENT_CONNECTED is the new socket's
+                return
+            if event == zmq.EVENT_CONNECTED and stream.disconnected:
                 stream.disconnected = False
                 self.stats["reconnects"] += 1
                 log.info("KV events of %s: reconnected; its blocks are dropped and read again from the engine",
                          stream.source.address)
-                stream.replay_until, stream.replayed, stream.held = None, {}, []
+                self._clear_replay(stream)
                 self._reset(stream, out)
             if event == zmq.EVENT_CONNECTED and stream.last_seq is None and stream.replay is not None \
                     and stream.replay_until is None:
@@ -273,13 +424,19 @@ class KVEventSubscriber:
                 return
             if len(frames) != 3 or len(frames[1]) != 8:
                 self.stats["bad_payloads"] += 1
+                self.stats["error"] += 1
+                self._warn(stream, "a message of %d frames is not [topic, seq, payload]: skipped", len(frames))
                 continue
-            self._on_live(stream, int.from_bytes(frames[1], "big"), frames[2], out)
+            try:
+                self._on_live(stream, int.from_bytes(frames[1], "big"), frames[2], out)
+            except Exception as exc:  # noqa: BLE001 - this message only; the next ones are read as usual
+                self._quarantine(stream, out, exc)
 
     def _on_live(self, stream: _Stream, seq: int, payload: bytes, out: list[Delta]) -> None:
         if stream.replay_until is not None:  # a replay is under way: hold live batches (bounded)
-            if len(stream.held) < MAX_HELD:
+            if len(stream.held) < MAX_HELD and stream.held_bytes + len(payload) <= self.max_held_bytes:
                 stream.held.append((seq, payload))
+                stream.held_bytes += len(payload)
             else:
                 self._replay_failed(stream, out, "too many batches held")
                 self._on_live(stream, seq, payload, out)
@@ -311,10 +468,13 @@ class KVEventSubscriber:
                 return
             if stream.replay_until is None or len(frames) != 3 or len(frames[1]) != 8:
                 continue  # a late answer to a replay already given up on
-            seq = int.from_bytes(frames[1], "big")
+            seq, payload = int.from_bytes(frames[1], "big"), frames[2]
             if seq != END_OF_REPLAY:
-                if len(stream.replayed) < MAX_HELD:
-                    stream.replayed[seq] = frames[2]
+                # bounded: past either bound the rest is missing, and _finish_replay sees a hole
+                if len(stream.replayed) < MAX_HELD and stream.replayed_bytes + len(payload) <= self.max_held_bytes \
+                        and seq not in stream.replayed:
+                    stream.replayed[seq] = payload
+                    stream.replayed_bytes += len(payload)
                 continue
             self._finish_replay(stream, out)
             return
@@ -336,9 +496,10 @@ class KVEventSubscriber:
                 end += 1
             needed = range(start, end)
         else:
-            self._replay_failed(stream, out, "the replay buffer no longer holds the missing batches")
+            self._replay_failed(stream, out, "the replay buffer no longer holds the missing batches, or they were "
+                                "over the bound on bytes held")
             return
-        stream.replay_until, stream.replayed, stream.held = None, {}, []
+        self._clear_replay(stream)
         for s in needed:
             self._apply(stream, s, replayed[s], out)
         for s, payload in held:
@@ -351,16 +512,23 @@ class KVEventSubscriber:
         `upto`: the first live batch (OPEN_END: none yet, everything the buffer holds is wanted)."""
         stream.replay_until = upto
         stream.replay_deadline = time.monotonic() + REPLAY_TIMEOUT_S
-        stream.replayed = {}
-        stream.held = held
-        stream.replay.send_multipart([b"", start.to_bytes(8, "big")])
+        stream.replayed, stream.replayed_bytes = {}, 0
+        stream.held, stream.held_bytes = held, sum(len(payload) for _, payload in held)
+        try:  # never block the thread on one endpoint's replay socket
+            stream.replay.send_multipart([b"", start.to_bytes(8, "big")], self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            stream.replay_deadline = 0.0  # fails as unanswered at once
+
+    @staticmethod
+    def _clear_replay(stream: _Stream) -> None:
+        stream.replay_until, stream.replayed, stream.held = None, {}, []
+        stream.held_bytes = stream.replayed_bytes = 0
 
     def _replay_failed(self, stream: _Stream, out: list[Delta], why: str) -> None:
         self.stats["replays_failed"] += 1
-        log.warning("KV events of %s: cannot fill a gap (%s): its blocks are dropped and rebuilt from new events",
-                    stream.source.address, why)
+        self._warn(stream, "cannot fill a gap (%s): its blocks are dropped and rebuilt from new events", why)
         held = stream.held
-        stream.replay_until, stream.replayed, stream.held = None, {}, []
+        self._clear_replay(stream)
         self._reset(stream, out)
         stream.last_seq = None
         for i, (s, payload) in enumerate(held):
@@ -369,19 +537,28 @@ class KVEventSubscriber:
             self._on_live(stream, s, payload, out)
 
     def _reset(self, stream: _Stream, out: list[Delta]) -> None:
+        """The endpoint's blocks go and its numbering starts again (a new engine, a reconnection, a lost gap)."""
+        self._drop_blocks(stream, out)
+        stream.last_seq = None
+
+    def _drop_blocks(self, stream: _Stream, out: list[Delta]) -> None:
         self._blocks -= len(stream.hashes.ours)
         stream.hashes.clear()
-        stream.last_seq = None
         out.append(Delta(stream.source.address, stream.generation, cleared=True))
 
     def _apply(self, stream: _Stream, seq: int, payload: bytes, out: list[Delta]) -> None:
         stream.last_seq = seq
         self.stats["batches"] += 1
         try:
-            events = decode_batch(payload)
+            events = decode_batch(payload, self.max_message_bytes)
         except BadPayload as exc:
+            # what the batch did is unknown (it may have removed blocks): a gap nobody can fill, so the blocks
+            # go; the numbering goes on from this batch (a replay would give the same bytes again)
             self.stats["bad_payloads"] += 1
-            log.warning("KV events of %s: batch %d skipped: %s", stream.source.address, seq, exc)
+            self.stats["error"] += 1
+            self._warn(stream, "batch %d is malformed (%s): its blocks are dropped and rebuilt from new events",
+                       seq, exc)
+            self._drop_blocks(stream, out)
             return
         table = stream.hashes
         delta = Delta(stream.source.address, stream.generation)
@@ -403,10 +580,8 @@ class KVEventSubscriber:
                         table.count[ours] = left
                     else:
                         del table.count[ours]
-                        if ours in delta.added:  # stored then removed within one batch: never there
-                            delta.added.remove(ours)
-                        else:
-                            delta.removed.append(ours)
+                        if delta.added.pop(ours, 0) is not None:  # not stored then removed in this batch
+                            delta.removed[ours] = None
             elif isinstance(event, Cleared):
                 self._blocks -= len(table.ours)
                 table.clear()
@@ -423,8 +598,8 @@ class KVEventSubscriber:
                 self.stats["orphan_blocks"] += len(event.block_hashes)
                 return
         delta.block_size = event.block_size
-        if event.lora_name and event.lora_name not in delta.loras:
-            delta.loras.append(event.lora_name)
+        if event.lora_name:
+            delta.loras.add(event.lora_name)
         ours = chain(event.token_ids, event.block_size, parent)
         for engine_hash, h in zip(event.block_hashes, ours):
             if engine_hash in table.ours:
@@ -438,10 +613,8 @@ class KVEventSubscriber:
             n = table.count.get(h, 0)
             table.count[h] = n + 1
             if not n:
-                if h in delta.removed:  # removed then stored again within one batch: still there
-                    delta.removed.remove(h)
-                else:
-                    delta.added.append(h)
+                if delta.removed.pop(h, 0) is not None:  # not removed then stored again in this batch
+                    delta.added[h] = None
 
 
 def event_source(endpoint, port: int | None, replay_port: int | None, topic: str) -> EventSource | None:
