@@ -76,6 +76,9 @@ def run_bench_chaos(args) -> int:
     if result["faults"]:
         print(_table(result["faults"]))
         for r in result["faults"]:
+            if r.get("hit_rate_before") is not None or r.get("kv_batches_after_fault") is not None:
+                print(f"  {r['fault']}: prefix-cache hit rate {r['hit_rate_before']} before, {r['hit_rate_after']} "
+                      f"after the fault; the EPP read {r['kv_batches_after_fault']} engine event batches after it")
             for kind, count in sorted(r["errors"].items()):
                 print(f"  {r['fault']}: {kind} x{count}  e.g. {r['error_examples'].get(kind) or '-'}")
     if "load-1000" in names:

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvgate.chaos import attacks
 from kvgate.up import LocalStack
+
+# Stacks of a shape with a rogue KV-event publisher: its PUB socket, bound before the stack started where the EPP
+# believes the last engine publishes (chaos/runner.py StackPool), by the stack's workdir.
+ROGUE_PUBLISHERS: dict[Path, object] = {}
 
 
 @dataclass
@@ -90,3 +96,24 @@ def epp_drain(stack: LocalStack) -> Injected:
     at = time.monotonic()
     os.kill(pid, signal.SIGTERM)
     return Injected(at, pid=pid)
+
+
+def _in_background(attack, target: attacks.Target) -> Injected:
+    at = time.monotonic()
+    threading.Thread(target=attack, args=(target,), daemon=True, name=f"fault-{attack.__name__}").start()
+    return Injected(at)
+
+
+def kv_replay_flood(stack: LocalStack) -> Injected:
+    """2000 replay requests to every engine's KV-event replay socket, answers read as fast as they come."""
+    return _in_background(attacks.replay_flood, attacks.Target(stack.url, stack.endpoints, stack.model,
+                                                               stack.event_sockets))
+
+
+def kv_rogue_publisher(stack: LocalStack) -> Injected:
+    """Malformed KV-event batches, for 2 s, where the EPP listens for one engine's events."""
+    rogue = ROGUE_PUBLISHERS.get(stack.stack.workdir)
+    if rogue is None:
+        raise RuntimeError("the stack has no rogue publisher (a shape with rogue_publisher=True)")
+    return _in_background(attacks.rogue_publisher, attacks.Target(stack.url, stack.endpoints, stack.model,
+                                                                  stack.event_sockets, rogue=rogue))

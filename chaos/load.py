@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -49,12 +50,15 @@ class Outcome:
 
 class StreamLoad:
     def __init__(self, url: str | list[str], model: str, *, concurrency: int, max_tokens: int = 64,
-                 timeout_s: float = 120.0, keep_gaps: bool = False) -> None:
-        """`url`: the gateway, or a list of servers taken in turn (a baseline straight at the engines)."""
+                 timeout_s: float = 120.0, keep_gaps: bool = False,
+                 prompt_for: Callable[[int], str] | None = None) -> None:
+        """`url`: the gateway, or a list of servers taken in turn (a baseline straight at the engines);
+        `prompt_for(seq)`: the prompts `run` sends (default: a short one of its own per request)."""
         self.urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
         self.model = model
         self.concurrency, self.max_tokens, self.timeout_s = concurrency, max_tokens, timeout_s
         self.keep_gaps = keep_gaps
+        self.prompt_for = prompt_for
         self.outcomes: list[Outcome] = []
         self._stop = asyncio.Event()
         self._seq = 0
@@ -69,7 +73,8 @@ class StreamLoad:
             async def worker():
                 while not self._stop.is_set() and (total is None or self._seq < total):
                     self._seq += 1
-                    out = await self.one(client, self._seq)
+                    out = await self.one(client, self._seq,
+                                         self.prompt_for(self._seq) if self.prompt_for else None)
                     if out.status != 200 or out.error:
                         await asyncio.sleep(FAILURE_BACKOFF_S)
             await asyncio.gather(*(worker() for _ in range(self.concurrency)))

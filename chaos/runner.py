@@ -22,9 +22,10 @@ from pathlib import Path
 
 import httpx
 
-from kvgate.chaos import faults
+from kvgate.bench_routing.runner import engine_counters, epp_kv_event_counts
+from kvgate.chaos import attacks, faults
 from kvgate.chaos.load import Outcome, StreamLoad
-from kvgate.epp.scheduling.config import FALLBACK_CONFIG_YAML
+from kvgate.epp.scheduling.config import FALLBACK_CONFIG_YAML, KVGATE_PROFILE_FALLBACK_YAML
 from kvgate.processes import free_port
 from kvgate.up import LocalStack, Stack, epp_healthy_in_envoy, epp_ready, launch_local_stack
 
@@ -40,6 +41,9 @@ class StackShape:
     fallbacks: bool = False
     replicas: int = 4
     engine_loop: str = "thread"
+    # kvgate's profile (precise prefix routing from engine KV events, the EPP tokenizing), the load over a few
+    # tenants' shared prompts, and a rogue publisher bound where the EPP listens for the last engine's events
+    kv_events: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,14 @@ class Scenario:
     fault: Callable[[LocalStack], faults.Injected]
     shape: StackShape
     expect: str  # "no-failure" | "victim-only" | "victim-only-and-window" | "epp-streams" | "until-epp-back"
+    #              | "no-failure-cache-kept"
 
 
 # Scenarios sharing a stack shape run one after another on one stack (each waits for the last to heal).
 _KVGATE = StackShape(fallbacks=True, engine_loop="process")
+_PRECISE = StackShape(kv_events=True)
+HIT_RATE_SLACK = 0.15  # no-failure-cache-kept: the prefix-cache hit rate after the fault, at most this below before
+TENANTS, SYSTEM_PROMPT_CHARS = 4, 1500  # the load of kv_events shapes: prompts over a few shared system prompts
 SCENARIOS = [
     Scenario("replica-kill", "SIGKILL a replica; kvgate's Envoy, EPP with fallbacks", faults.replica_kill,
              _KVGATE, "victim-only"),
@@ -70,6 +78,10 @@ SCENARIOS = [
              StackShape(fail_open=True), "no-failure"),
     Scenario("epp-kill-failopen", "SIGKILL the EPP, FailOpen", faults.epp_kill, StackShape(fail_open=True),
              "epp-streams"),
+    Scenario("kv-replay-flood", "2000 KV-event replay requests to every engine; kvgate's profile",
+             faults.kv_replay_flood, _PRECISE, "no-failure-cache-kept"),
+    Scenario("kv-rogue-publisher", "malformed KV-event batches where the EPP listens for an engine; kvgate's "
+             "profile", faults.kv_rogue_publisher, _PRECISE, "no-failure-cache-kept"),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 
@@ -89,6 +101,11 @@ class Row:
     passed: bool
     errors: dict[str, int] = field(default_factory=dict)  # failure kinds, counted
     error_examples: dict[str, str] = field(default_factory=dict)  # one answer or exception per kind
+    # kv_events shapes: the engines' prefix-cache hit rate during the warm-up and after the fault, and how many
+    # engine event batches the EPP read after the fault (0: its reader stopped)
+    hit_rate_before: float | None = None
+    hit_rate_after: float | None = None
+    kv_batches_after_fault: int | None = None
 
 
 def verdict(expect: str, row: Row, epp_streams: int) -> bool:
@@ -102,6 +119,9 @@ def verdict(expect: str, row: Row, epp_streams: int) -> bool:
         return row.failed <= epp_streams and row.recover_s is not None
     if expect == "until-epp-back":  # FailClose: refused until the EPP is back, then served
         return row.recover_s is not None
+    if expect == "no-failure-cache-kept":  # nothing lost, routing keeps its hit rate, the EPP still reads events
+        return (row.failed == 0 and (row.kv_batches_after_fault or 0) > 0 and None not in (
+            row.hit_rate_before, row.hit_rate_after) and row.hit_rate_after >= row.hit_rate_before - HIT_RATE_SLACK)
     raise ValueError(expect)
 
 
@@ -133,29 +153,46 @@ class StackPool:
 
     def get(self, shape: StackShape) -> LocalStack:
         if shape not in self.stacks:
-            for up in self.stacks.values():  # one stack at a time: the machine's cores go to the one measured
-                up.stack.stop()
-            self.stacks.clear()
+            self._stop_stacks()
             d = Path(tempfile.mkdtemp(prefix=f"stack-{len(self.log)}-", dir=self.workdir))
             stack = Stack(d)
             port = free_port()
+            kv: dict = {}
+            if shape.kv_events:  # the rogue binds first: the EPP connects once, then only backs off
+                rogue_address = f"tcp://[::1]:{free_port()}"
+                faults.ROGUE_PUBLISHERS[d] = attacks.bind_rogue(rogue_address)
+                kv = {"kv_events": True, "epp_kv_event_override": {shape.replicas - 1: rogue_address},
+                      "engine_hosts": [f"127.0.0.{2 + i}" for i in range(shape.replicas)]}
+            config = KVGATE_PROFILE_FALLBACK_YAML if shape.kv_events else (
+                FALLBACK_CONFIG_YAML if shape.fallbacks else None)
             try:
                 self.stacks[shape] = launch_local_stack(
                     stack, replicas=shape.replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=port,
-                    fail_open=shape.fail_open,
-                    epp_config_text=FALLBACK_CONFIG_YAML if shape.fallbacks else None, envoy_flavor=shape.envoy,
+                    fail_open=shape.fail_open, epp_config_text=config, envoy_flavor=shape.envoy,
                     engine_args=[*SIM_ENGINE_ARGS, "--engine-loop", shape.engine_loop],
-                    startup_timeout=self.startup_timeout)
+                    startup_timeout=self.startup_timeout, **kv)
             except BaseException:
                 stack.stop()
+                self._close_rogue(d)
                 raise
         return self.stacks[shape]
+
+    @staticmethod
+    def _close_rogue(workdir: Path) -> None:
+        rogue = faults.ROGUE_PUBLISHERS.pop(workdir, None)
+        if rogue is not None:
+            rogue.close(0)
+
+    def _stop_stacks(self) -> None:
+        for up in self.stacks.values():  # one stack at a time: the machine's cores go to the one measured
+            up.stack.stop()
+            self._close_rogue(up.stack.workdir)
+        self.stacks.clear()
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
-        for up in self.stacks.values():
-            up.stack.stop()
+        self._stop_stacks()
 
 
 class _Poller:
@@ -224,25 +261,35 @@ async def run_scenario(pool: StackPool, scenario: Scenario, *, concurrency: int,
                        tick: Callable[[], None] = lambda: None) -> Row:
     up = pool.get(scenario.shape)
     await asyncio.to_thread(_wait_stack_whole, up, 60.0)
-    load = StreamLoad(up.url, up.model, concurrency=concurrency, max_tokens=max_tokens)
+    kv = scenario.shape.kv_events
+    systems = [attacks.text(SYSTEM_PROMPT_CHARS, seed=100 + i) for i in range(TENANTS)]
+    load = StreamLoad(up.url, up.model, concurrency=concurrency, max_tokens=max_tokens,
+                      prompt_for=(lambda seq: f"{systems[seq % TENANTS]}\nrequest {seq}: go on") if kv else None)
+    cache = [await asyncio.to_thread(_cache_counters, up)] if kv else []
     runner = asyncio.create_task(load.run())
     await asyncio.sleep(warmup_s)
     epp_streams = sum(1 for o in load.outcomes if o.ended_at is None)  # streams the EPP carries right now
+    if kv:
+        cache.append(await asyncio.to_thread(_cache_counters, up))
+        batches_at_fault = (await asyncio.to_thread(epp_kv_event_counts, up.metrics_port)).get("batches", 0)
     injected = await asyncio.to_thread(scenario.fault, up)
     deadline = injected.at + hold_s
     poller = _Poller(up, injected.victim, injected.at, deadline + recover_within_s) if injected.victim else None
-    back_task = None if injected.victim else asyncio.create_task(_watch(
+    back_task = None if injected.victim or injected.pid is None else asyncio.create_task(_watch(
         deadline + recover_within_s, lambda: up.child("epp").proc.pid != injected.pid and _epp_back(up), 0.05))
     while time.monotonic() < deadline:
         await asyncio.sleep(0.2)
         tick()
+    if kv:
+        cache.append(await asyncio.to_thread(_cache_counters, up))
+        batches_after = (await asyncio.to_thread(epp_kv_event_counts, up.metrics_port)).get("batches", 0)
     load.stop()
     await runner
     if poller is not None:  # out of rotation when the EPP said so; back when it took the restarted replica again
         await asyncio.to_thread(poller.join)
         out_s, recover_s = poller.out_s, poller.back_s
     else:
-        out_s, recover_s = None, await back_task
+        out_s, recover_s = None, (await back_task if back_task else None)
     failed = [o for o in load.outcomes if not o.ok(max_tokens)]
     errors: dict[str, int] = {}
     examples: dict[str, str] = {}
@@ -255,8 +302,22 @@ async def run_scenario(pool: StackPool, scenario: Scenario, *, concurrency: int,
               injected.victim_in_flight, len(failed) - len(on_victim),
               None if out_s is None else round(out_s, 3), None if recover_s is None else round(recover_s, 2),
               scenario.expect, False, errors, examples)
+    if kv:
+        row.hit_rate_before, row.hit_rate_after = _hit_rate(cache[0], cache[1]), _hit_rate(cache[1], cache[2])
+        row.kv_batches_after_fault = batches_after - batches_at_fault
     row.passed = verdict(scenario.expect, row, epp_streams)
     return row
+
+
+def _cache_counters(up: LocalStack) -> dict[str, dict]:
+    return {e: engine_counters(e) for e in up.endpoints}
+
+
+def _hit_rate(before: dict[str, dict], after: dict[str, dict]) -> float | None:
+    """The engines' prefix-cache hits ÷ queries (tokens) between two scrapes."""
+    queries = sum(after[e]["vllm:prefix_cache_queries"] - before[e]["vllm:prefix_cache_queries"] for e in after)
+    hits = sum(after[e]["vllm:prefix_cache_hits"] - before[e]["vllm:prefix_cache_hits"] for e in after)
+    return round(hits / queries, 4) if queries else None
 
 
 def _wait_stack_whole(up: LocalStack, timeout: float) -> None:

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgate.epp.datalayer.bench import add_bench_scrape_parser
     from kvgate.bench_routing.cli import add_bench_routing_parser
     from kvgate.chaos.cli import add_bench_chaos_parser
+    from kvgate.chaos.hostile import add_bench_hostile_parser
     from kvgate.epp.main import add_epp_parser
     from kvgate.operator.main import add_operator_parser
     from kvgate.up import add_up_parser
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_epp_parser(bench_sub)
     add_bench_scrape_parser(bench_sub)
     add_bench_chaos_parser(bench_sub)
+    add_bench_hostile_parser(bench_sub)
     add_bench_routing_parser(bench_sub)
     return parser
 

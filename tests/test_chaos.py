@@ -50,3 +50,11 @@ def test_the_epp_going_away(chaos):
     assert rows["epp-kill-failopen"]["recover_s"] is not None
     assert rows["epp-kill-failopen"]["failed"] <= 32  # at most the streams it carried: new ones fail open
     assert rows["epp-kill-failclose"]["recover_s"] is not None  # refused while it is away, served once back
+
+
+def test_kv_event_floods_and_rogues_cost_nothing(chaos):
+    _, rows = chaos
+    for name in ("kv-replay-flood", "kv-rogue-publisher"):
+        r = rows[name]
+        assert r["failed"] == 0 and r["kv_batches_after_fault"] > 0, r  # the EPP kept reading engine events
+        assert r["hit_rate_after"] >= r["hit_rate_before"] - 0.15, r  # and routing kept the cache hits
