@@ -81,6 +81,17 @@ class Director:
     def _in_flight_counts(self) -> dict[str, tuple[int, int]]:
         return self.load.counts()
 
+    def needs_prepare(self, request: LLMRequest) -> bool:
+        """Whether a plugin has slow work to do for this request before `pick` (see `prepare`)."""
+        return any(p.needs_prepare(request) for p in self.scheduler.plugins if hasattr(p, "prepare"))
+
+    async def prepare(self, request: LLMRequest) -> None:
+        """Plugins' slow per-request work (the precise prefix scorer tokenizing a long prompt), off the event loop
+        and each within its own time budget, so that no other decision waits on it; then `pick` (synchronous)."""
+        for plugin in self.scheduler.plugins:
+            if hasattr(plugin, "prepare") and plugin.needs_prepare(request):
+                await plugin.prepare(request)
+
     def pick(self, request: LLMRequest, subset: list[str] | None = None) -> list[EndpointState]:
         """Ordered endpoints for the request (primary first); raises RoutingError (503 / 429)."""
         started = time.perf_counter()

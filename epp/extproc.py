@@ -119,6 +119,9 @@ class _RequestStream:
         self.subset: list[str] | None = None
         self.body = bytearray()
         self.request: LLMRequest | None = None
+        # (raw, body, end_of_stream, responses to send after the decision): a decision that waits for the
+        # director's prepare step (a long prompt's tokenization, off the loop), which Process awaits
+        self.deferred: tuple | None = None
         self.picked: str | None = None
         self.served: str | None = None
         self.tail = bytearray()
@@ -149,6 +152,9 @@ class _RequestStream:
         if kind == "request_trailers":
             # The body ended with trailers, not with an end_of_stream chunk: decide now, or Envoy waits forever.
             decided = [] if self.decided else self._decide_on_body(end_of_stream=False)
+            if self.deferred is not None:
+                self.deferred[3].append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
+                return []
             if decided and decided[0].HasField("immediate_response"):
                 return decided
             return [*decided, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
@@ -185,6 +191,7 @@ class _RequestStream:
     def _refuse(self, status: int, message: str) -> pb.ProcessingResponse:
         self.decided = True
         self.request = None
+        self.deferred = None
         self.body = bytearray()
         self._count(status)
         return _immediate(status, message)
@@ -196,6 +203,19 @@ class _RequestStream:
             self.request, body = parse_request(rid, raw, self.headers)
         except BadRequest as exc:
             return [self._refuse(400, str(exc))]
+        if self.director.needs_prepare(self.request):
+            self.deferred = (raw, body, end_of_stream, [])
+            return []
+        return self._pick(raw, body, end_of_stream)
+
+    def decide(self) -> list[pb.ProcessingResponse]:
+        """The decision `_decide_on_body` deferred, once the director's prepare step is done."""
+        raw, body, end_of_stream, after = self.deferred
+        self.deferred = None
+        decided = self._pick(raw, body, end_of_stream)
+        return decided if decided[0].HasField("immediate_response") else [*decided, *after]
+
+    def _pick(self, raw: bytes, body: dict, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         rewritten = None
         try:
             ordered = self.director.pick(self.request, self.subset)
@@ -268,6 +288,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     return
                 try:
                     responses = stream.handle(msg)
+                    if stream.deferred is not None:  # slow plugin work first, off the loop: others go on
+                        await self.director.prepare(stream.request)
+                        responses = stream.decide()
                 except Exception:  # a bug must cost one request a clean 500, not the stream or the process
                     log.exception("ext-proc message failed")
                     if stream.decided:

@@ -8,8 +8,23 @@ from collections.abc import Mapping
 from kvgate.epp.types import LLMRequest
 
 
+MAX_TOKEN_ID = 2**31  # token ids are ints in [0, MAX_TOKEN_ID): every vocabulary fits, and so do int32 arrays
+
+
 class BadRequest(ValueError):
     """The body cannot be routed; answered with HTTP 400."""
+
+
+def valid_token_ids(value) -> bool:
+    """A non-empty list of ints in [0, MAX_TOKEN_ID) (a bool is an int to Python, never a token id)."""
+    return (isinstance(value, list) and bool(value)
+            and all(type(t) is int and 0 <= t < MAX_TOKEN_ID for t in value))
+
+
+def _token_ids(value: list) -> list:
+    if not valid_token_ids(value):
+        raise BadRequest(f"'prompt' token ids must be integers in [0, {MAX_TOKEN_ID})")
+    return value
 
 
 def prompt_text(body: Mapping) -> str:
@@ -42,9 +57,9 @@ def prompt_text(body: Mapping) -> str:
             if all(isinstance(x, str) for x in prompt):
                 return "".join(prompt)
             if all(isinstance(x, int) for x in prompt):  # token ids: hash their text form
-                return " ".join(map(str, prompt))
+                return " ".join(map(str, _token_ids(prompt)))
             if all(isinstance(x, list) for x in prompt):
-                return " ".join(" ".join(map(str, p)) for p in prompt)
+                return " ".join(" ".join(map(str, _token_ids(p))) for p in prompt)
         raise BadRequest("'prompt' must be a string, a list of strings or token ids")
     raise BadRequest("the body has none of 'prompt', 'messages' or 'input'")
 

@@ -82,6 +82,8 @@ class LLMRequest:
     # the decoded JSON body, for plugins that need more than the flattened prompt (the precise prefix scorer
     # tokenizes chat messages with the model's template)
     body: Mapping | None = field(default=None, repr=False, compare=False)
+    # what plugins worked out before the scheduling cycle, off the event loop (Director.prepare), keyed by plugin
+    prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def estimated_prompt_tokens(self) -> int:

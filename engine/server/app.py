@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import json
 import logging
 import os
 import time
@@ -51,6 +52,11 @@ RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 def runtime_lora_updating_allowed() -> bool:
     return os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+
+
+def _json_bytes(body) -> bytes:
+    """What JSONResponse would send (compact, UTF-8, no NaN)."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> JSONResponse:
@@ -294,40 +300,60 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
                               "lora_name")
             return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
+    async def json_off_loop(body, param: str) -> Response:
+        """An answer that may be large (token ids), serialized in the tokenizer pool: on the event loop, 2M ids
+        took seconds, and every other request (/health too) waited."""
+        return Response(await serving.off_loop(_json_bytes, body, param=param), media_type="application/json")
+
+    def within_max_model_len(count: int, what: str, param: str) -> None:
+        """/tokenize and /detokenize answer at most max_model_len tokens: no prompt the model can take is longer."""
+        limit = llm.info.max_model_len
+        if count > limit:
+            raise InvalidRequestError(f"{what} {count} tokens, more than this model's max_model_len ({limit}): "
+                                      f"this endpoint takes at most max_model_len tokens", param=param)
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         require_ready()
         serving.check_model(req.model)
         if req.messages is not None:
+            param = "messages"
             chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
             kwargs = serving.template_kwargs(req.chat_template, req.chat_template_kwargs)
-            ids = await serving.off_loop(serving.chat_prompt, chat, kwargs, param="messages")
+            ids = await serving.off_loop(serving.chat_prompt, chat, kwargs, param=param)
         elif req.prompt is not None:
+            param = "prompt"
             ids = await serving.off_loop(functools.partial(llm.tokenizer.encode, req.prompt,
                                                            add_special_tokens=req.add_special_tokens))
         else:
             raise InvalidRequestError("give prompt or messages", param="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.info.max_model_len}
+        within_max_model_len(len(ids), "the prompt is", param)
+        return await json_off_loop({"tokens": ids, "count": len(ids), "max_model_len": llm.info.max_model_len},
+                                   param)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         require_ready()
         serving.check_model(req.model)
+        within_max_model_len(len(req.tokens), "tokens has", "tokens")
         if any(not 0 <= t < llm.info.vocab_size for t in req.tokens):
-            raise InvalidRequestError("tokens must be token ids of this model", param="tokens")
-        return {"prompt": await serving.off_loop(llm.tokenizer.decode, req.tokens, param="tokens")}
+            raise InvalidRequestError(f"tokens must be token ids of this model, in [0, {llm.info.vocab_size})",
+                                      param="tokens")
+        text = await serving.off_loop(llm.tokenizer.decode, req.tokens, param="tokens")
+        return await json_off_loop({"prompt": text}, "tokens")
 
     @app.post("/v1/completions/render")
     async def render_completions(req: CompletionRequest):
         require_ready()
-        prompts, params = await serving.render_completion(req)
-        return [generate_request("cmpl", ids, p, req) for ids, p in zip(prompts, params)]
+        prompts, params = await serving.render_completion(req)  # each prompt < max_model_len tokens
+        return await json_off_loop([generate_request("cmpl", ids, p, req) for ids, p in zip(prompts, params)],
+                                   "prompt")
 
     @app.post("/v1/chat/completions/render")
     async def render_chat_completions(req: ChatCompletionRequest):
         require_ready()
         ids, params = await serving.render_chat(req)
-        return generate_request("chatcmpl", ids, params, req)
+        return await json_off_loop(generate_request("chatcmpl", ids, params, req), "messages")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):

@@ -179,8 +179,8 @@ def test_no_hold_gives_the_ttl_from_the_pick_and_removal_drops_holds():
 def test_one_tokenization_per_cycle():
     scorer = PrecisePrefixCacheScorer(speculative_ttl_s=1)
     calls = []
-    real = scorer.tokenizer.tokens
-    scorer.tokenizer.tokens = lambda r: calls.append(r) or real(r)
+    real = scorer.tokenizer.prefix_tokens
+    scorer.tokenizer.prefix_tokens = lambda r, limit: calls.append(r) or real(r, limit)
     r = LLMRequest("r", "m", "m", "", body={"prompt": "hello world " * 20})
     cycle = CycleState()
     endpoints = [state(A), state(B)]

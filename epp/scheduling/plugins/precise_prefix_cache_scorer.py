@@ -27,8 +27,20 @@ TTFT p90 5.8 vs 3.1 s, hit rate 59% vs 66% (`kvgate bench routing --workloads mu
 --duration 20 --seed 0`, llm-d's precise weights; 2.2 s with the hold). `remove_endpoint` drops the endpoint's
 blocks, speculative ones included, and closes its event socket.
 
+Long prompts. Only the first max_prefix_blocks × block size tokens can ever match (131072 by default), so only
+a character prefix that surely holds them is tokenized (epp/kv_events/tokenize.py prefix_tokens: the ids kept
+are exactly the whole prompt's). A prompt over INLINE_TOKENIZE_CHARS (8192) characters is tokenized before the
+decision by `prepare` (Director.prepare, awaited by the ext-proc stream), in this plugin's two threads, within
+`tokenizeTimeout` seconds (default 0.5): no other decision waits meanwhile. Past the budget, that request alone
+is scored by an approximate prefix-cache-scorer (characters; fed with the picks of long prompts, in 1/16 of
+`indexMaxBytes`), and `kvgate_epp_kv_events_total{event="tokenize_timeouts"}` counts it. A 12 MiB prompt
+held every other decision for ~28 s before; now small decisions meanwhile take ≤ 0.6 s, mostly the big body's
+JSON parse (tests/epp/test_tokenize_budget.py). Token ids outside [0, 2^31) never get here: the request is
+refused with a 400 where it enters (epp/request_parsing.py).
+
 PrefixMatchSource (epp/scheduling/prefix_match.py): `prompt_tokens` is the exact token count (the tokenizer's;
-an estimate of len(prompt)/4 only when the request cannot be tokenized, e.g. several prompts); `cached_tokens`
+estimated from the characters per token of the part tokenized for a prompt past the limit, and len(prompt)/4
+when the request cannot be tokenized, e.g. several prompts, or when it degraded); `cached_tokens`
 is cached(e) above, 0 for endpoints without events. Both are computed once per cycle (tokens, hashes and the
 index match are memoized in the CycleState under this plugin) and reused by `score` and `pre_request`.
 
@@ -42,14 +54,19 @@ tests/epp/test_precise_serve.py prints it), 30-100× more: the EPP tokenizes loc
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvgate.epp.kv_events.index import Delta, PreciseIndex, chain, root_hash
+from kvgate.epp.kv_events.tokenize import PromptTokens
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._params import check_keys, int_param
+from kvgate.epp.scheduling.plugins.prefix_cache_scorer import MIN_INDEX_BYTES, PrefixCacheScorer
 from kvgate.epp.types import EndpointState, LLMRequest
 
 DEFAULT_BLOCK_SIZE = 16  # kvgate's and vLLM's default KV block size, in tokens
@@ -58,15 +75,20 @@ DEFAULT_MAX_SPECULATIVE_HOLD_S = 60.0  # an in-flight request's entries at most 
 DEFAULT_MAX_PREFIX_BLOCKS = 8192
 DEFAULT_MAX_SPECULATIVE = 100_000
 DEFAULT_INDEX_MAX_BYTES = 256 * 1024 * 1024
+DEFAULT_TOKENIZE_TIMEOUT_S = 0.5
+INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized off the event loop (≲ 5 ms of work inline)
+TOKENIZE_THREADS = 2  # what a burst of long prompts may take of the EPP's CPU
+_DEGRADED = object()  # request.prepared[scorer]: not tokenized within tokenizeTimeout
 
 
 @dataclass
 class _Match:
     """One request's work, memoized in the cycle."""
 
-    tokens: list[int] | None
+    tokens: PromptTokens | None
     prompt_tokens: int
     root: int
+    degraded: bool = False  # the approximate scorer answers for this request
     hashes: dict[int, list[int]] = field(default_factory=dict)  # block size → chain
     matched: dict[int, dict[str, int]] = field(default_factory=dict)  # block size → {address: blocks}
 
@@ -78,8 +100,15 @@ class PrecisePrefixCacheScorer(Scorer):
                  tokenizer: str | None = None, max_prefix_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS,
                  index_max_bytes: int = DEFAULT_INDEX_MAX_BYTES,
                  max_speculative: int = DEFAULT_MAX_SPECULATIVE,
-                 max_speculative_hold_s: float = DEFAULT_MAX_SPECULATIVE_HOLD_S) -> None:
+                 max_speculative_hold_s: float = DEFAULT_MAX_SPECULATIVE_HOLD_S,
+                 tokenize_timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S) -> None:
         super().__init__()
+        self.tokenize_timeout_s = tokenize_timeout_s
+        self._pool: ThreadPoolExecutor | None = None
+        self.tokenize_timeouts = 0
+        # What a long prompt's decision degrades to: approximate prefix affinity (characters), fed with the picks
+        # of long prompts only (the only ones that can degrade), in a sixteenth of the index's budget.
+        self.approximate = PrefixCacheScorer(index_max_bytes=max(MIN_INDEX_BYTES, index_max_bytes // 16))
         self.max_speculative_hold_s = max_speculative_hold_s
         # request id → (picked at, its block hashes, the endpoint), in pick order: held until the response ends
         self._held: OrderedDict[str, tuple[float, list[int], str]] = OrderedDict()
@@ -108,6 +137,37 @@ class PrecisePrefixCacheScorer(Scorer):
         if self._tokenizer is None:
             self.load_tokenizer()
         return self._tokenizer
+
+    def _token_limit(self) -> int:
+        """The most prompt tokens any endpoint's match can use: max_prefix_blocks of the largest block size known
+        (an endpoint with larger blocks, known only from its scrape, matches fewer: a shorter hit, never a
+        wrong one)."""
+        return self.max_prefix_blocks * max([self.block_size, *self.index.block_sizes.values()])
+
+    @staticmethod
+    def _long(request: LLMRequest) -> bool:
+        """Text long enough to tokenize off the loop (token-id prompts need no tokenizing)."""
+        body = request.body
+        if isinstance(body, Mapping) and isinstance(body.get("prompt"), list) and body["prompt"] \
+                and type(body["prompt"][0]) is int:
+            return False
+        return len(request.prompt) > INLINE_TOKENIZE_CHARS
+
+    def needs_prepare(self, request: LLMRequest) -> bool:
+        return self._long(request) and self not in request.prepared
+
+    async def prepare(self, request: LLMRequest) -> None:
+        """Tokenize a long prompt's prefix in this plugin's threads, within tokenizeTimeout; past it the request
+        is scored by the approximate scorer (`_DEGRADED`), and no other decision waited meanwhile."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvgate-epp-tokenize")
+        future = asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.prefix_tokens, request,
+                                                            self._token_limit())
+        try:
+            request.prepared[self] = await asyncio.wait_for(future, self.tokenize_timeout_s)
+        except asyncio.TimeoutError:  # (a queued call is cancelled; a running one finishes unused)
+            request.prepared[self] = _DEGRADED
+            self.tokenize_timeouts += 1
 
     # -- events ---------------------------------------------------------------------------------------------------
 
@@ -140,9 +200,13 @@ class PrecisePrefixCacheScorer(Scorer):
         if self.subscriber is not None:
             self.subscriber.close()
             self.subscriber = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def remove_endpoint(self, address: str) -> None:
         self.index.remove(address)
+        self.approximate.remove_endpoint(address)
         for rid in [rid for rid, (_, _, a) in self._held.items() if a == address]:
             self._held_blocks -= len(self._held.pop(rid)[1])  # remove() dropped the index's side
         if self._sources.pop(address, None) is not None and self.subscriber is not None:
@@ -153,10 +217,17 @@ class PrecisePrefixCacheScorer(Scorer):
     def _analysis(self, request: LLMRequest, cycle: CycleState | None) -> _Match:
         found = cycle.get(self) if cycle is not None else None
         if found is None:
-            tokens = self.tokenizer.tokens(request)
+            if self in request.prepared:
+                tokens = request.prepared[self]
+            else:  # short, or a caller without Director.prepare: bounded work, here
+                tokens = self.tokenizer.prefix_tokens(request, self._token_limit())
             lora = request.target_model if request.target_model in self.index.loras else None
-            found = _Match(tokens, len(tokens) if tokens is not None else request.estimated_prompt_tokens,
-                           root_hash(lora, request.cache_salt))
+            root = root_hash(lora, request.cache_salt)
+            if tokens is _DEGRADED:
+                found = _Match(None, self.approximate.prompt_tokens(request), root, degraded=True)
+            else:
+                found = _Match(tokens, tokens.count if tokens is not None else request.estimated_prompt_tokens,
+                               root)
             if cycle is not None:
                 cycle[self] = found
         return found
@@ -168,8 +239,11 @@ class PrecisePrefixCacheScorer(Scorer):
     def _hashes(self, m: _Match, block_size: int) -> list[int]:
         hashes = m.hashes.get(block_size)
         if hashes is None:
-            usable = max(0, (len(m.tokens) - 1) // block_size) if m.tokens else 0
-            hashes = m.hashes[block_size] = chain(m.tokens[:usable * block_size], block_size, m.root,
+            ids = m.tokens.ids if m.tokens is not None else []
+            # the engine always computes a prompt's last token; a cut prompt goes on past its last full block
+            usable = max(0, (len(ids) - 1) // block_size if m.tokens.complete else len(ids) // block_size) \
+                if ids else 0
+            hashes = m.hashes[block_size] = chain(ids[:usable * block_size], block_size, m.root,
                                                   self.max_prefix_blocks) if usable else []
         return hashes
 
@@ -186,8 +260,10 @@ class PrecisePrefixCacheScorer(Scorer):
                       ) -> np.ndarray:
         self._sweep()
         m = self._analysis(request, cycle)
+        if m.degraded:
+            return self.approximate.cached_tokens(request, endpoints, cycle)
         out = np.zeros(len(endpoints))
-        if not m.tokens:
+        if m.tokens is None:
             return out
         for i, e in enumerate(endpoints):
             bs = self.block_size_of(e)
@@ -198,12 +274,16 @@ class PrecisePrefixCacheScorer(Scorer):
               ) -> np.ndarray:
         if cycle is None:
             cycle = CycleState()
+        if self._analysis(request, cycle).degraded:
+            return self.approximate.score(request, endpoints, cycle)
         cached = self.cached_tokens(request, endpoints, cycle)
         return cached / max(1, self.prompt_tokens(request, cycle))
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
+        if self._long(request):  # for the next long prompt that degrades
+            self.approximate.pre_request(request, endpoint, cycle)
         m = self._analysis(request, cycle)
-        if not m.tokens or self.index.speculative_ttl_s <= 0:
+        if m.tokens is None or self.index.speculative_ttl_s <= 0:
             return
         hashes = self._hashes(m, self.block_size_of(endpoint))
         if self.max_speculative_hold_s <= 0:  # no holding: the TTL from the pick
@@ -244,7 +324,7 @@ class PrecisePrefixCacheScorer(Scorer):
 
     def stats(self) -> dict[str, float]:
         out = {"index_size": self.index.size(), "speculative_entries": self.index.speculative_size(),
-               "subscribed_endpoints": len(self._sources)}
+               "subscribed_endpoints": len(self._sources), "tokenize_timeouts": self.tokenize_timeouts}
         if self.subscriber is not None:
             out.update(self.subscriber.stats)
         return out
@@ -260,7 +340,11 @@ def _seconds(params, key: str, default: float, t: str) -> float:
 def factory(parameters: dict | None) -> PrecisePrefixCacheScorer:
     t = PrecisePrefixCacheScorer.type_name
     params = check_keys(parameters, {"blockSize", "speculativeTTL", "tokenizer", "maxPrefixBlocksToMatch",
-                                     "indexMaxBytes", "maxSpeculativeEntries", "maxSpeculativeHold"}, t)
+                                     "indexMaxBytes", "maxSpeculativeEntries", "maxSpeculativeHold",
+                                     "tokenizeTimeout"}, t)
+    timeout = params.get("tokenizeTimeout", DEFAULT_TOKENIZE_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
+        raise ValueError(f"{t}: parameter tokenizeTimeout must be a number of seconds in (0, 60], got {timeout!r}")
     tokenizer = params.get("tokenizer")
     if tokenizer is not None and (not isinstance(tokenizer, str) or not tokenizer):
         raise ValueError(f"{t}: parameter tokenizer must be a folder path (the model's tokenizer files), "
@@ -273,4 +357,5 @@ def factory(parameters: dict | None) -> PrecisePrefixCacheScorer:
         index_max_bytes=int_param(params, "indexMaxBytes", DEFAULT_INDEX_MAX_BYTES, t, minimum=64 * 1024),
         max_speculative=int_param(params, "maxSpeculativeEntries", DEFAULT_MAX_SPECULATIVE, t, minimum=1),
         max_speculative_hold_s=_seconds(params, "maxSpeculativeHold", DEFAULT_MAX_SPECULATIVE_HOLD_S, t),
+        tokenize_timeout_s=float(timeout),
     )
