@@ -40,7 +40,7 @@ SIM_ENGINE_ARGS = ["--sim-step-overhead-ms", "5", "--sim-decode-ms-per-seq", "0.
 TENANTS = 4
 SYSTEM_PROMPT_CHARS = 1500
 MAX_TOKENS = 16
-RSS_GROWTH_MIB = 200  # per process, from start to end: a cache bounded in bytes, sockets bounded in bytes
+RSS_GROWTH_MIB = 100  # per process, from start to end: a cache bounded in bytes, sockets bounded in bytes
 HIT_RATE_SLACK = 0.15
 PROBE_TIMEOUT_S, PROBE_FAILURES = 1.0, 3  # a kubelet's defaults (timeoutSeconds 1, failureThreshold 3)
 

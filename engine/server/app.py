@@ -323,8 +323,10 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
             ids = await serving.off_loop(serving.chat_prompt, chat, kwargs, param=param)
         elif req.prompt is not None:
             param = "prompt"
-            ids = await serving.off_loop(functools.partial(llm.tokenizer.encode, req.prompt,
-                                                           add_special_tokens=req.add_special_tokens))
+            def encode() -> list[int]:  # a prompt over max_model_len is refused before it is tokenized whole
+                serving.refuse_over_long(req.prompt, special=req.add_special_tokens)
+                return llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await serving.off_loop(encode)
         else:
             raise InvalidRequestError("give prompt or messages", param="prompt")
         within_max_model_len(len(ids), "the prompt is", param)

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvgate.engine.async_llm import AsyncLLM
+from kvgate.engine.bounded_tokenize import BoundedEncoder
 from kvgate.engine.errors import EngineDeadError, EngineError, InvalidRequestError
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.outputs import RequestOutput
@@ -98,6 +99,7 @@ class OpenAIServing:
         # tokenizer is fast, and a bounded pool bounds the CPU a burst of large prompts can take.
         self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                         thread_name_prefix="kvgate-tokenize")
+        self._bounded_encoder: BoundedEncoder | None = None  # built on the first long prompt (a vocabulary scan)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -214,11 +216,31 @@ class OpenAIServing:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         return prompts
 
+    def refuse_over_long(self, text: str, special: bool = True, param: str = "prompt") -> None:
+        """A 400 for a text of at least max_model_len tokens, found by tokenizing only as much of it as that
+        takes (engine/bounded_tokenize.py) — a prompt of megabytes costs what a max_model_len one does, not
+        millions of ids. Texts too short in characters to be cut are left to the full tokenization."""
+        limit = self.llm.info.max_model_len
+        backend = getattr(self.llm.tokenizer, "backend_tokenizer", None)
+        if backend is None or len(text) <= limit:  # no more characters than the limit: cheap to tokenize whole
+            return
+        if self._bounded_encoder is None:
+            self._bounded_encoder = BoundedEncoder(backend)
+        if len(text) <= limit * self._bounded_encoder.chars_per_token + self._bounded_encoder.cut_margin:
+            return
+        found = self._bounded_encoder.prefix(text, limit, special)
+        if not found.complete:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has more than that "
+                f"(about {found.count} tokens), which leaves no room for a completion.", param=param)
+
     def encode_prompts(self, prompts: list) -> list[list[int]]:
         """Texts to token ids (in the pool); token ids are checked against the vocabulary."""
         tok, vocab = self.llm.tokenizer, self.llm.info.vocab_size
         out = []
         for x in prompts:
+            if isinstance(x, str):
+                self.refuse_over_long(x)
             ids = tok.encode(x) if isinstance(x, str) else list(x)
             if not ids:
                 raise InvalidRequestError("a prompt is empty", param="prompt")
@@ -277,6 +299,14 @@ class OpenAIServing:
                 if extra.get(key) is not None:
                     message[key] = extra[key]
             messages.append(message)
+        if sum(len(m["content"]) for m in messages) > self.llm.info.max_model_len:  # may be over: render, count
+            try:
+                text = tok.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=req.add_generation_prompt, **template_kwargs)
+            except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+                raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
+            if isinstance(text, str):  # apply_chat_template(tokenize=True) tokenizes it without special tokens
+                self.refuse_over_long(text, special=False, param="messages")
         try:
             ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt,
                                           **template_kwargs)

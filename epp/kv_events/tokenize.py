@@ -19,26 +19,17 @@ The engine's render endpoints (`/v1/*/render`) would give the same ids, but over
 request from a synchronous scorer; the local tokenizer costs less (numbers in the scorer's docstring).
 
 Bounded work (`prefix_tokens`): the scorer matches at most max_prefix_blocks × block_size tokens, so only a
-character prefix of a long prompt is tokenized (a chat is rendered whole, which is cheap, then its text is cut):
-
-    cut   = limit × chars_per_token + margin            chars_per_token: the mean length of a vocabulary entry
-    kept  = the tokens of text[:cut] that end at or before cut - margin
-            (margin = 4 × the longest vocabulary entry + 16 characters: a cut changes only the tokens of the
-            word it falls in and the whitespace before it, never anything that far back)
-    kept ≥ limit: those ids, the first `limit` of them; else the cut doubles, up to the whole text
-
-The kept ids are exactly the whole prompt's first ids (tests/epp/test_bounded_tokenize.py checks that against
-full tokenization on random and real text, for the byte tokenizer and byte-level BPEs with and without
-pre-splitting); the scorer hashes only their full blocks. The prompt's token count is then estimated from the
-characters per token of the part tokenized.
+character prefix of a long prompt is tokenized (a chat is rendered whole, which is cheap, then its text is cut),
+by engine/bounded_tokenize.py, which the engine's server uses too to refuse an over-long prompt without
+tokenizing all of it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 
+from kvgate.engine.bounded_tokenize import BoundedEncoder, PromptTokens
 from kvgate.epp.request_parsing import valid_token_ids
 from kvgate.epp.types import LLMRequest
 
@@ -51,37 +42,17 @@ def default_tokenizer_path() -> str:
     return str(ensure_byte_tokenizer())
 
 
-@dataclass(frozen=True, slots=True)
-class PromptTokens:
-    """The first token ids of a prompt, exactly as the engine makes them."""
-
-    ids: list[int]
-    complete: bool  # `ids` is the whole prompt
-    count: int  # the prompt's length in tokens: len(ids) when complete, else an estimate above it
-
-
 class PromptTokenizer:
     def __init__(self, path: str | None = None) -> None:
         from kvgate.engine.loader import load_tokenizer
 
         self.path = path or default_tokenizer_path()
         self.tokenizer = load_tokenizer(self.path)  # ModelLoadError when the folder has no usable tokenizer
-        self._backend = self.tokenizer.backend_tokenizer
-        # Characters per token, for the cut of a long prompt (module docstring): vocabulary entries are at least
-        # as long as the text they stand for (byte-level entries spell one character per byte).
-        regular = self._backend.get_vocab(with_added_tokens=False)
-        added = [t.content for t in self._backend.get_added_tokens_decoder().values()]
-        lengths = [len(t) for t in regular] or [1]
-        self.chars_per_token = min(8.0, max(1.0, sum(lengths) / len(lengths)))
-        self.cut_margin = 4 * max([*lengths, *map(len, added)]) + 16
+        self._bounded_encoder = BoundedEncoder(self.tokenizer.backend_tokenizer)
+        self.cut_margin = self._bounded_encoder.cut_margin
 
     def encode(self, text: str) -> list[int]:
-        return self._encode(text).ids
-
-    def _encode(self, text: str, special: bool = True):
-        # encode_batch, not encode: it lets go of the GIL while it works (encode holds it throughout: a worker
-        # thread tokenizing with it stalled the event loop just the same; measured, tokenizers 0.23)
-        return self._backend.encode_batch([text], add_special_tokens=special)[0]
+        return self._bounded_encoder.encode(text).ids
 
     def tokens(self, request: LLMRequest) -> list[int] | None:
         """The prompt's token ids as the engine would make them (all of them); None when this cannot be known."""
@@ -110,17 +81,7 @@ class PromptTokenizer:
         return self._bounded(request.prompt, limit)
 
     def _bounded(self, text: str, limit: int | None, special: bool = True) -> PromptTokens:
-        encode, margin = self._encode, self.cut_margin
-        cut = len(text) if limit is None else int(limit * self.chars_per_token) + margin
-        while cut < len(text):
-            enc = encode(text[:cut], special)
-            kept = _tokens_ending_by(enc, cut - margin, cut)
-            if kept >= limit:
-                estimate = round(kept * len(text) / (cut - margin))
-                return PromptTokens(enc.ids[:limit], False, max(kept + 1, estimate))
-            cut *= 2
-        ids = encode(text, special).ids
-        return PromptTokens(ids, True, len(ids))
+        return self._bounded_encoder.prefix(text, limit, special)
 
     def _chat_text(self, body: Mapping) -> str | None:
         """The conversation rendered by the model's template: the engine tokenizes exactly this string (without
@@ -145,13 +106,3 @@ class PromptTokenizer:
             return None
         return text if isinstance(text, str) else None
 
-
-def _tokens_ending_by(enc, end: int, cut: int) -> int:
-    """How many leading tokens of `enc` (the encoding of text[:cut]) surely end at or before character `end`:
-    those before the token that holds the first character at or after `end` that any token holds (0 when none
-    does, e.g. whitespace the tokenizer drops: the caller then cuts further)."""
-    for pos in range(end, cut):
-        index = enc.char_to_token(pos)
-        if index is not None:
-            return index
-    return 0

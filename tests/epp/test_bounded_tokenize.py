@@ -100,19 +100,19 @@ def test_only_a_prefix_of_a_long_prompt_is_tokenized(tokenizers):
     """Work bounded by the limit, not by the prompt: a 4 MiB prompt costs what its first ~limit tokens cost."""
     tok = tokenizers["byte"]
     calls = []
-    real = tok._backend
+    real = tok._bounded_encoder._backend
 
     class Counting:
         def encode_batch(self, texts, **kw):
             calls.append(len(texts[0]))
             return real.encode_batch(texts, **kw)
 
-    tok._backend = Counting()
+    tok._bounded_encoder._backend = Counting()
     try:
         text = "word " * (800 * 1024)  # 4 MB
         got = tok.prefix_tokens(LLMRequest("r", "m", "m", "", body={"prompt": text}), 4096)
     finally:
-        tok._backend = real
+        tok._bounded_encoder._backend = real
     assert len(got.ids) == 4096 and not got.complete
     assert sum(calls) <= 2 * (4096 + tok.cut_margin), calls
     assert abs(got.count - len(text)) < 0.01 * len(text)  # estimated from the part tokenized (a token a byte)

@@ -104,11 +104,12 @@ def test_body_limit_is_413_for_declared_and_chunked_bodies(server):
     assert _post(server, "/v1/completions", {"prompt": "still fine", "max_tokens": 2}).status_code == 200
 
 
-def test_tokenization_is_off_the_event_loop_and_time_bounded(server):
+def test_tokenization_is_off_the_event_loop_and_time_bounded(kvgate_cache):
     """A prompt that takes longer than --tokenize-timeout (0.5 s here) to tokenize is a 400, and while it is
-    being tokenized the server keeps answering (measured: ~0.9 s for this 900 KiB prompt)."""
-    async def main():
-        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+    being tokenized the server keeps answering (measured: ~0.9 s for this 900 KiB prompt). Its own server: under
+    this max_model_len the prompt is not refused as over-long before it is tokenized whole."""
+    async def main(url):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             slow = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a b " * 230000}))
             await asyncio.sleep(0.05)
             took = []
@@ -119,13 +120,27 @@ def test_tokenization_is_off_the_event_loop_and_time_bounded(server):
                 await asyncio.sleep(0.02)
             return await slow, sorted(took)
 
-    r, took = asyncio.run(main())
+    with KvgateServe("sim", "--backend", "sim", "--sim-max-model-len", str(2**21), "--kv-cache-memory", str(2**40),
+                     "--tokenize-timeout", "0.5", cache_dir=kvgate_cache) as server:
+        r, took = asyncio.run(main(server.url))
     _assert_error(r, 400, "prompt", "--tokenize-timeout")
     # Tokenized on the loop, /health would wait out the whole tokenization (≥ 0.5 s) and answer once or twice;
     # off it, it answers every ~20 ms (typically 5-15 ms each). The median and a generous worst case keep one
     # scheduling hiccup of a loaded CI machine (0.47 s once, in the full suite) from failing the test.
     assert len(took) >= 5, f"/health answered only {len(took)} times while a prompt was being tokenized: {took}"
     assert took[len(took) // 2] < 0.05 and took[-1] < 0.75, f"/health latencies while tokenizing: {took}"
+
+
+def test_an_over_long_prompt_is_refused_from_its_first_tokens(server):
+    """A prompt far over max_model_len is a 400 found by tokenizing a prefix (engine/bounded_tokenize.py): the
+    answer says "more than" (the whole prompt was never counted), for completions, chat and /tokenize."""
+    for path, body, param in (("/v1/completions", {"prompt": "a b " * 230000}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b " * 230000}]},
+                               "messages"),
+                              ("/tokenize", {"prompt": "a b " * 230000}, "prompt")):
+        err = _assert_error(_post(server, path, body), 400, param, "more than that")
+        assert "maximum context length is 4096" in err["message"], err
+    assert _post(server, "/v1/completions", {"prompt": "a b " * 100, "max_tokens": 2}).status_code == 200
 
 
 def test_a_refused_request_leaves_nothing_in_the_engine(server):
