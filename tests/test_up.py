@@ -29,6 +29,22 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def still_running(pids: set[int], within_s: float) -> list[int]:
+    """Which of `pids` are still running (zombies count as ended) after waiting up to `within_s` for them."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = []
+        for pid in pids:
+            try:
+                if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                    left.append(pid)
+            except OSError:
+                pass
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
 def start_up(tmp_path, port: int, *args: str) -> subprocess.Popen:
     """`kvgate up --replicas 2 --port PORT ARGS` in its own session (the caller stops it)."""
     env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
@@ -73,9 +89,9 @@ def test_up_serves_and_stops(tmp_path, backend, profile):
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=60)[0]
         assert proc.returncode == 0 and "stopped" in rest
-        time.sleep(0.5)
-        assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")
-                    and open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+        # every child ends (kvgate.reaper, a child too, ends within its grace once the supervisor has exited)
+        left = still_running(children, 5.0)
+        assert not left, left
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
     finally:

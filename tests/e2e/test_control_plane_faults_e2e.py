@@ -41,6 +41,7 @@ EXPECTED = {
     ("Deployment", "demo-pool-epp"): "InferencePool",
     ("Service", "demo-pool-epp"): "InferencePool",
     ("NetworkPolicy", "demo-pool-epp"): "InferencePool",
+    ("NetworkPolicy", "demo-pool-engines"): "InferencePool",  # who may reach the engines (HTTP, KV events)
     ("ConfigMap", "inference-gateway-envoy"): "Gateway",       # the Gateway's Envoy
     ("Deployment", "inference-gateway-envoy"): "Gateway",
     ("Service", "inference-gateway-envoy"): "Gateway",
