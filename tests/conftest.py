@@ -20,3 +20,13 @@ def tiny_model_dir(tmp_path_factory):
         return cache[family]
 
     return get
+
+
+@pytest.fixture
+def zctx():
+    """A ZeroMQ context of the test's own (the KV-event tests' sockets)."""
+    import zmq
+
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()  # every socket a test opened must be closed by then, or this hangs (and the test times out)

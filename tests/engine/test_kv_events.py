@@ -164,13 +164,6 @@ class Subscriber:
 # -- fixtures ----------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def zctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.term()  # every socket a test opened must be closed by then, or this hangs (and the test times out)
-
-
 @pytest.fixture(scope="module")
 def kvgate_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("kvgate-cache")

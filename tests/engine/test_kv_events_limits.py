@@ -80,13 +80,6 @@ class Publisher:
         self.publisher.shutdown()
 
 
-@pytest.fixture
-def zctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.term()
-
-
 def dealer(ctx: zmq.Context, port: int) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

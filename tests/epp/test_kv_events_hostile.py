@@ -21,26 +21,12 @@ from kvgate.epp.kv_events.decode import (MAX_BLOCK_SIZE, MAX_NAME_CHARS, MAX_TOK
                                          Stored, decode_batch)
 from kvgate.epp.kv_events.index import MAX_LORAS, Delta, PreciseIndex, chain, root_hash
 from kvgate.epp.kv_events.subscriber import MAX_MESSAGE_BYTES, KVEventSubscriber
-from tests.epp.kv_events_helpers import Harness, Publisher, batch, removed, stored
+from tests.epp.kv_events_helpers import Publisher, batch, removed, stored
 
 BS = 4
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"  # A: the rogue endpoint, B: a good one
 GOOD = list(range(100, 108))  # two blocks of 4
 LATER = list(range(200, 204))
-
-
-@pytest.fixture
-def zctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.term()
-
-
-@pytest.fixture
-def harness():
-    h = Harness()
-    yield h
-    h.close()
 
 
 def blocks(tokens, lora=None):

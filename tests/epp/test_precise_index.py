@@ -27,20 +27,6 @@ BS = 4
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 
 
-@pytest.fixture
-def zctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.term()
-
-
-@pytest.fixture
-def harness():
-    h = Harness()
-    yield h
-    h.close()
-
-
 def blocks(tokens, salt=None):
     return set(chain(tokens, BS, root_hash(None, salt)))
 
