@@ -11,8 +11,6 @@ that good traffic and the stack's memory did not suffer).
 from __future__ import annotations
 
 import json
-import random
-import string
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +19,8 @@ from dataclasses import dataclass, field
 import httpx
 import msgpack
 import zmq
+
+from kvgate.chaos.load import text
 
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)
 
@@ -94,17 +94,6 @@ def schema_flood(t: Target) -> Attempt:
               {"model": t.model, "prompt": "x", "response_format": {
                   "type": "json_schema", "json_schema": {"name": f"s{i}", "schema": _schema(i, 4 << 20)}}}, a)
     return a
-
-
-def text(n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))) for _ in range(512)]
-    out, size = [], 0
-    while size < n:
-        w = rng.choice(words)
-        out.append(w)
-        size += len(w) + 1
-    return " ".join(out)[:n]
 
 
 def long_prompt(t: Target) -> Attempt:

@@ -33,12 +33,10 @@ import httpx
 import numpy as np
 
 from kvgate.chaos import attacks as A
-from kvgate.chaos.load import Outcome, StreamLoad
+from kvgate.chaos.load import Outcome, StreamLoad, tenant_prompts
 
 MODEL = "demo"
 SIM_ENGINE_ARGS = ["--sim-step-overhead-ms", "5", "--sim-decode-ms-per-seq", "0.05"]
-TENANTS = 4
-SYSTEM_PROMPT_CHARS = 1500
 MAX_TOKENS = 16
 RSS_GROWTH_MIB = 100  # per process, from start to end: a cache bounded in bytes, sockets bounded in bytes
 HIT_RATE_SLACK = 0.15
@@ -99,25 +97,6 @@ def _process_tree(pid: int) -> list[int]:
     return out
 
 
-def _system_prompts() -> list[str]:
-    return [A.text(SYSTEM_PROMPT_CHARS, seed=100 + i) for i in range(TENANTS)]
-
-
-async def _good_traffic(url: str, concurrency: int, stop: asyncio.Event, outcomes: list[Outcome]) -> None:
-    systems = _system_prompts()
-    load = StreamLoad(url, MODEL, concurrency=concurrency, max_tokens=MAX_TOKENS, timeout_s=120.0)
-    load.outcomes = outcomes
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    seq = 0
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0), limits=limits) as client:
-        async def worker() -> None:
-            nonlocal seq
-            while not stop.is_set():
-                seq += 1
-                await load.one(client, seq, f"{systems[seq % TENANTS]}\nquestion {seq}: what next?")
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-
-
 def _latency(outcomes: list[Outcome], w: Window) -> dict:
     """Good requests sent inside the window: how many, how many failed, latency percentiles (send to end)."""
     inside = [o for o in outcomes if w.start <= o.sent_at < (w.end or float("inf"))]
@@ -144,14 +123,6 @@ def _slowest_probe(probes: Probes, w: Window) -> float | None:
     return round(max(inside), 3) if inside else None
 
 
-def _hit_rate(before: dict[str, dict], after: dict[str, dict]) -> float | None:
-    from kvgate.bench_routing.runner import COUNTERS
-
-    q = sum(after[e][COUNTERS[0]] - before[e][COUNTERS[0]] for e in after)
-    h = sum(after[e][COUNTERS[1]] - before[e][COUNTERS[1]] for e in after)
-    return round(h / q, 4) if q else None
-
-
 def _expectation_met(attack: A.Attack, attempt: A.Attempt) -> bool:
     statuses = [a for a in attempt.answers if isinstance(a, int)]
     if attack.expect == "absorbed":
@@ -164,7 +135,7 @@ def _expectation_met(attack: A.Attack, attempt: A.Attempt) -> bool:
 
 def run_hostile(workdir: Path, names: list[str], *, concurrency: int, warmup_s: float, attack_timeout_s: float,
                 startup_timeout: float = 120.0, tick=lambda _: None) -> dict:
-    from kvgate.bench_routing.runner import engine_counters, epp_kv_event_counts
+    from kvgate.bench_routing.runner import all_counters, epp_kv_event_counts, hit_rate
     from kvgate.epp.scheduling.config import KVGATE_PROFILE_FALLBACK_YAML
     from kvgate.processes import free_port
     from kvgate.up import Stack, launch_local_stack
@@ -186,17 +157,19 @@ def run_hostile(workdir: Path, names: list[str], *, concurrency: int, warmup_s: 
         events_before = epp_kv_event_counts(up.metrics_port)
         windows: list[Window] = []
         counters: dict[str, dict] = {}
-        outcomes: list[Outcome] = []
+        # the good traffic: closed-loop streams over a few tenants' shared system prompts
+        load = StreamLoad(up.url, MODEL, concurrency=concurrency, max_tokens=MAX_TOKENS, timeout_s=120.0,
+                          prompt_for=tenant_prompts())
+        outcomes = load.outcomes
         events_mid: dict[str, int] = {}
 
         async def timeline() -> None:
-            stop = asyncio.Event()
-            traffic = asyncio.create_task(_good_traffic(up.url, concurrency, stop, outcomes))
-            counters["baseline_start"] = await asyncio.to_thread(lambda: {e: engine_counters(e) for e in up.endpoints})
+            traffic = asyncio.create_task(load.run())
+            counters["baseline_start"] = await asyncio.to_thread(all_counters, up.endpoints)
             windows.append(Window("baseline", time.monotonic()))
             await asyncio.sleep(warmup_s)
             windows[-1].end = time.monotonic()
-            counters["baseline_end"] = await asyncio.to_thread(lambda: {e: engine_counters(e) for e in up.endpoints})
+            counters["baseline_end"] = await asyncio.to_thread(all_counters, up.endpoints)
             for name in names:
                 attack = A.BY_NAME[name]
                 w = Window(name, time.monotonic())
@@ -207,13 +180,13 @@ def run_hostile(workdir: Path, names: list[str], *, concurrency: int, warmup_s: 
                 w.attempt = result[0] if result else A.Attempt([f"no answer within {attack_timeout_s:g} s"])
                 tick(name)
                 await asyncio.sleep(0.5)
-            counters["after_start"] = await asyncio.to_thread(lambda: {e: engine_counters(e) for e in up.endpoints})
+            counters["after_start"] = await asyncio.to_thread(all_counters, up.endpoints)
             events_mid.update(await asyncio.to_thread(epp_kv_event_counts, up.metrics_port))
             windows.append(Window("after", time.monotonic()))
             await asyncio.sleep(warmup_s)
             windows[-1].end = time.monotonic()
-            counters["after_end"] = await asyncio.to_thread(lambda: {e: engine_counters(e) for e in up.endpoints})
-            stop.set()
+            counters["after_end"] = await asyncio.to_thread(all_counters, up.endpoints)
+            load.stop()
             await asyncio.wait_for(traffic, 150.0)
 
         asyncio.run(timeline())
@@ -237,8 +210,8 @@ def run_hostile(workdir: Path, names: list[str], *, concurrency: int, warmup_s: 
         rows.append(row)
     rss = {name: {"start_mib": round(v[0], 1), "peak_mib": round(max(v), 1), "end_mib": round(v[-1], 1)}
            for name, v in probes.rss_mib.items() if v}
-    hit = {"baseline": _hit_rate(counters["baseline_start"], counters["baseline_end"]),
-           "after": _hit_rate(counters["after_start"], counters["after_end"])}
+    hit = {"baseline": hit_rate(counters["baseline_start"], counters["baseline_end"]),
+           "after": hit_rate(counters["after_start"], counters["after_end"])}
     liveness = _liveness_failures(probes)
     checks = {
         "good_requests_all_succeeded": all(r["failed"] == 0 for r in rows),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +19,25 @@ import httpx
 
 SERVED_BY = "x-kvgate-endpoint"
 FAILURE_BACKOFF_S = 0.1  # a worker whose request failed waits this long, as a client would, before the next
+
+
+def text(n: int, seed: int) -> str:
+    """`n` characters of words (a few hundred of them, random from `seed`): prompts, fast to make at MiBs."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))) for _ in range(512)]
+    out, size = [], 0
+    while size < n:
+        w = rng.choice(words)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)[:n]
+
+
+def tenant_prompts(tenants: int = 4, system_chars: int = 1500) -> Callable[[int], str]:
+    """A StreamLoad's `prompt_for`: request `seq` starts with one of `tenants` shared system prompts (so the prefix
+    cache and prefix-aware routing matter), then a question of its own."""
+    systems = [text(system_chars, seed=100 + i) for i in range(tenants)]
+    return lambda seq: f"{systems[seq % tenants]}\nrequest {seq}: go on"
 
 
 @dataclass

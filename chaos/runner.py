@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx
 
-from kvgate.bench_routing.runner import engine_counters, epp_kv_event_counts
+from kvgate.bench_routing.runner import all_counters, epp_kv_event_counts, hit_rate
 from kvgate.chaos import attacks, faults
-from kvgate.chaos.load import Outcome, StreamLoad
+from kvgate.chaos.load import Outcome, StreamLoad, tenant_prompts
 from kvgate.epp.scheduling.config import FALLBACK_CONFIG_YAML, KVGATE_PROFILE_FALLBACK_YAML
 from kvgate.processes import free_port
 from kvgate.up import LocalStack, Stack, epp_healthy_in_envoy, epp_ready, launch_local_stack
@@ -60,7 +60,6 @@ class Scenario:
 _KVGATE = StackShape(fallbacks=True, engine_loop="process")
 _PRECISE = StackShape(kv_events=True)
 HIT_RATE_SLACK = 0.15  # no-failure-cache-kept: the prefix-cache hit rate after the fault, at most this below before
-TENANTS, SYSTEM_PROMPT_CHARS = 4, 1500  # the load of kv_events shapes: prompts over a few shared system prompts
 SCENARIOS = [
     Scenario("replica-kill", "SIGKILL a replica; kvgate's Envoy, EPP with fallbacks", faults.replica_kill,
              _KVGATE, "victim-only"),
@@ -262,15 +261,14 @@ async def run_scenario(pool: StackPool, scenario: Scenario, *, concurrency: int,
     up = pool.get(scenario.shape)
     await asyncio.to_thread(_wait_stack_whole, up, 60.0)
     kv = scenario.shape.kv_events
-    systems = [attacks.text(SYSTEM_PROMPT_CHARS, seed=100 + i) for i in range(TENANTS)]
     load = StreamLoad(up.url, up.model, concurrency=concurrency, max_tokens=max_tokens,
-                      prompt_for=(lambda seq: f"{systems[seq % TENANTS]}\nrequest {seq}: go on") if kv else None)
-    cache = [await asyncio.to_thread(_cache_counters, up)] if kv else []
+                      prompt_for=tenant_prompts() if kv else None)
+    cache = [await asyncio.to_thread(all_counters, up.endpoints)] if kv else []
     runner = asyncio.create_task(load.run())
     await asyncio.sleep(warmup_s)
     epp_streams = sum(1 for o in load.outcomes if o.ended_at is None)  # streams the EPP carries right now
     if kv:
-        cache.append(await asyncio.to_thread(_cache_counters, up))
+        cache.append(await asyncio.to_thread(all_counters, up.endpoints))
         batches_at_fault = (await asyncio.to_thread(epp_kv_event_counts, up.metrics_port)).get("batches", 0)
     injected = await asyncio.to_thread(scenario.fault, up)
     deadline = injected.at + hold_s
@@ -281,7 +279,7 @@ async def run_scenario(pool: StackPool, scenario: Scenario, *, concurrency: int,
         await asyncio.sleep(0.2)
         tick()
     if kv:
-        cache.append(await asyncio.to_thread(_cache_counters, up))
+        cache.append(await asyncio.to_thread(all_counters, up.endpoints))
         batches_after = (await asyncio.to_thread(epp_kv_event_counts, up.metrics_port)).get("batches", 0)
     load.stop()
     await runner
@@ -303,21 +301,10 @@ async def run_scenario(pool: StackPool, scenario: Scenario, *, concurrency: int,
               None if out_s is None else round(out_s, 3), None if recover_s is None else round(recover_s, 2),
               scenario.expect, False, errors, examples)
     if kv:
-        row.hit_rate_before, row.hit_rate_after = _hit_rate(cache[0], cache[1]), _hit_rate(cache[1], cache[2])
+        row.hit_rate_before, row.hit_rate_after = hit_rate(cache[0], cache[1]), hit_rate(cache[1], cache[2])
         row.kv_batches_after_fault = batches_after - batches_at_fault
     row.passed = verdict(scenario.expect, row, epp_streams)
     return row
-
-
-def _cache_counters(up: LocalStack) -> dict[str, dict]:
-    return {e: engine_counters(e) for e in up.endpoints}
-
-
-def _hit_rate(before: dict[str, dict], after: dict[str, dict]) -> float | None:
-    """The engines' prefix-cache hits ÷ queries (tokens) between two scrapes."""
-    queries = sum(after[e]["vllm:prefix_cache_queries"] - before[e]["vllm:prefix_cache_queries"] for e in after)
-    hits = sum(after[e]["vllm:prefix_cache_hits"] - before[e]["vllm:prefix_cache_hits"] for e in after)
-    return round(hits / queries, 4) if queries else None
 
 
 def _wait_stack_whole(up: LocalStack, timeout: float) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import functools
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,7 @@ from kvgate.engine.server.metrics import RequestTracker, ServerMetrics
 from kvgate.engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvgate.engine.server import tool_calls
 from kvgate.engine.server.structured_outputs import structured_outputs_params
+from kvgate.engine.structured_output import StructuredOutputManager
 
 
 class ModelNotFound(Exception):
@@ -100,6 +102,10 @@ class OpenAIServing:
         self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                         thread_name_prefix="kvgate-tokenize")
         self._bounded_encoder: BoundedEncoder | None = None  # built on the first long prompt (a vocabulary scan)
+        # matchers for the constraints' admission check; built on the first constrained request (its tokenizer
+        # view takes 0.3-1 s for a 32k vocabulary)
+        self._constraint_checker: StructuredOutputManager | None = None
+        self._checker_lock = threading.Lock()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -233,6 +239,19 @@ class OpenAIServing:
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has more than that "
                 f"(about {found.count} tokens), which leaves no room for a completion.", param=param)
+
+    def constraint_checker(self) -> StructuredOutputManager:
+        """The admission check's matcher builder (in the pool: several threads may ask at once)."""
+        with self._checker_lock:
+            if self._constraint_checker is None:
+                info = self.llm.info
+                self._constraint_checker = StructuredOutputManager(self.llm.tokenizer, info.vocab_size,
+                                                                   info.eos_token_ids)
+            return self._constraint_checker
+
+    def constraint(self, req, tool_parser: str | None):
+        """The request's structured-output constraint, checked against its cost (in the pool)."""
+        return structured_outputs_params(req, tool_parser, self.constraint_checker())
 
     def encode_prompts(self, prompts: list) -> list[list[int]]:
         """Texts to token ids (in the pool); token ids are checked against the vocabulary."""
@@ -416,8 +435,7 @@ class OpenAIServing:
         self.check_request(req, len(texts))
         self.check_logprobs(req.logprobs, "logprobs")
         prompts = await self.off_loop(self.encode_prompts, texts)
-        constraint = await self.off_loop(structured_outputs_params, req, None, self.llm,
-                                          param="structured_outputs")
+        constraint = await self.off_loop(self.constraint, req, None, param="structured_outputs")
         params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs, constraint) for ids in prompts]
         return prompts, params
 
@@ -525,8 +543,7 @@ class OpenAIServing:
         kwargs = self.template_kwargs(req.chat_template, template_kwargs)
         ids = await self.off_loop(self.chat_prompt, req, kwargs, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        constraint = await self.off_loop(structured_outputs_params, req, self.tool_parser, self.llm,
-                                          param="structured_outputs")
+        constraint = await self.off_loop(self.constraint, req, self.tool_parser, param="structured_outputs")
         params = self.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None, constraint)
         return ids, params
 

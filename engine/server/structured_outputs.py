@@ -12,36 +12,20 @@ not auto) is one more constraint (engine/server/tool_calls.py).
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 from kvgate.engine.errors import InvalidRequestError
 from kvgate.engine.sampling_params import StructuredOutputsParams
 from kvgate.engine.server.protocol import SamplingFields
 from kvgate.engine.server.tool_calls import tool_constraint, tool_mode
 from kvgate.engine.structured_output import StructuredOutputManager, compile_grammar
 
-# The admission check's matcher builder per served engine (its tokenizer view is built once).
-_checkers: "weakref.WeakKeyDictionary[object, StructuredOutputManager]" = weakref.WeakKeyDictionary()
-_checkers_lock = threading.Lock()
-
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def _checker(llm) -> StructuredOutputManager:
-    with _checkers_lock:
-        checker = _checkers.get(llm)
-        if checker is None:
-            checker = _checkers[llm] = StructuredOutputManager(llm.tokenizer, llm.info.vocab_size,
-                                                               llm.info.eos_token_ids)
-        return checker
-
-
-def structured_outputs_params(req: SamplingFields, auto_tool_parser: str | None = None, llm=None
-                              ) -> StructuredOutputsParams | None:
+def structured_outputs_params(req: SamplingFields, auto_tool_parser: str | None = None,
+                              checker: StructuredOutputManager | None = None) -> StructuredOutputsParams | None:
     """The request's constraint (None: unconstrained); InvalidRequestError naming the field when it is bad.
-    `auto_tool_parser`: the server's --tool-call-parser, when `tool_choice: auto` is enabled. `llm`: the
-    AsyncLLM it is for (its tokenizer checks the constraint's cost); None checks the constraint text only."""
+    `auto_tool_parser`: the server's --tool-call-parser, when `tool_choice: auto` is enabled. `checker`: matchers
+    with the served model's tokenizer, to check the constraint's cost; None checks the constraint text only."""
     found: list[StructuredOutputsParams] = []
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
@@ -75,8 +59,8 @@ def structured_outputs_params(req: SamplingFields, auto_tool_parser: str | None 
         raise InvalidRequestError("at most one structured-output constraint per request; got "
                                   + ", ".join(p.param for p in found), param=found[1].param)
     params = found[0]
-    if llm is not None and llm.info is not None:
-        _checker(llm).grammar_for(params)  # what the engine will build, here: a 400 instead of a stall there
+    if checker is not None:
+        checker.grammar_for(params)  # what the engine will build, here: a 400 instead of a stall there
     else:
         try:
             compile_grammar(params)

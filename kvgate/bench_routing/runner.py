@@ -42,6 +42,18 @@ def engine_counters(endpoint: str) -> dict[str, float]:
     return out
 
 
+def all_counters(endpoints: list[str]) -> dict[str, dict[str, float]]:
+    """engine_counters of every endpoint, by endpoint."""
+    return {e: engine_counters(e) for e in endpoints}
+
+
+def hit_rate(before: dict[str, dict], after: dict[str, dict]) -> float | None:
+    """The engines' prefix-cache hits ÷ queries (tokens) between two all_counters scrapes."""
+    queries = sum(after[e]["vllm:prefix_cache_queries"] - before[e]["vllm:prefix_cache_queries"] for e in after)
+    hits = sum(after[e]["vllm:prefix_cache_hits"] - before[e]["vllm:prefix_cache_hits"] for e in after)
+    return round(hits / queries, 4) if queries else None
+
+
 def epp_kv_event_counts(metrics_port: int) -> dict[str, int]:
     """The EPP's KV-event counters (kvgate_epp_kv_events{event}: batches, gaps, replays_failed, restarts, ...):
     whether its precise index kept up with the engines during the run."""
@@ -139,7 +151,7 @@ def summarize(outcomes: list[Outcome], start: float, max_tokens: int, before: di
         "errors": errors,
         "output_tokens_per_s": round(sum(o.tokens for o in ok) / (end - start), 2) if end > start else 0.0,
         "ttft_s": _percentiles([o.first_token_at - o.sent_at for o in ok]),
-        "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
+        "prefix_cache_hit_rate": hit_rate(before, after),
         "prefix_cache_queries": int(queries), "prefix_cache_hits": int(hits),
         "served_per_endpoint": served,  # engine-side, so any router's choice is counted the same way
         "load_spread": round(max(served.values()) / mean, 3) if mean else None,  # busiest / mean; 1.0 = even
@@ -153,10 +165,10 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
     up, url = _start(workdir, config, replicas, startup_timeout)
     try:
         # the readiness probe of a router sent one request: counted in `before`, so not in the deltas
-        before = {e: engine_counters(e) for e in up.endpoints}
+        before = all_counters(up.endpoints)
         outcomes, start = asyncio.run(_drive(url, requests, shape.output_len, drain_s, tick, up.endpoints))
         time.sleep(0.2)  # the last requests' counters
-        after = {e: engine_counters(e) for e in up.endpoints}
+        after = all_counters(up.endpoints)
         died = up.stack.dead()
         result = summarize(outcomes, start, shape.output_len, before, after, len(requests))
         if any(r.foreign is not None for r in requests):  # the requests the configuration itself routed
