@@ -65,7 +65,7 @@ import numpy as np
 from kvgate.epp.kv_events.index import Delta, PreciseIndex, chain, root_hash
 from kvgate.epp.kv_events.tokenize import PromptTokens
 from kvgate.epp.scheduling.framework import CycleState, Scorer
-from kvgate.epp.scheduling.plugins._params import check_keys, int_param
+from kvgate.epp.scheduling.plugins._params import check_keys, float_param, int_param
 from kvgate.epp.scheduling.plugins.prefix_cache_scorer import MIN_INDEX_BYTES, PrefixCacheScorer
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -342,9 +342,6 @@ def factory(parameters: dict | None) -> PrecisePrefixCacheScorer:
     params = check_keys(parameters, {"blockSize", "speculativeTTL", "tokenizer", "maxPrefixBlocksToMatch",
                                      "indexMaxBytes", "maxSpeculativeEntries", "maxSpeculativeHold",
                                      "tokenizeTimeout"}, t)
-    timeout = params.get("tokenizeTimeout", DEFAULT_TOKENIZE_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
-        raise ValueError(f"{t}: parameter tokenizeTimeout must be a number of seconds in (0, 60], got {timeout!r}")
     tokenizer = params.get("tokenizer")
     if tokenizer is not None and (not isinstance(tokenizer, str) or not tokenizer):
         raise ValueError(f"{t}: parameter tokenizer must be a folder path (the model's tokenizer files), "
@@ -357,5 +354,6 @@ def factory(parameters: dict | None) -> PrecisePrefixCacheScorer:
         index_max_bytes=int_param(params, "indexMaxBytes", DEFAULT_INDEX_MAX_BYTES, t, minimum=64 * 1024),
         max_speculative=int_param(params, "maxSpeculativeEntries", DEFAULT_MAX_SPECULATIVE, t, minimum=1),
         max_speculative_hold_s=_seconds(params, "maxSpeculativeHold", DEFAULT_MAX_SPECULATIVE_HOLD_S, t),
-        tokenize_timeout_s=float(timeout),
+        tokenize_timeout_s=float_param(params, "tokenizeTimeout", DEFAULT_TOKENIZE_TIMEOUT_S, t, maximum=60,
+                                       min_inclusive=False),
     )
