@@ -41,6 +41,9 @@ def add_bench_engine_parser(sub) -> None:
                         "alone (no padding), also with --baselines none (always done when a baseline runs)")
     p.add_argument("--compare-eager", action="store_true",
                    help="also run kvgate with --enforce-eager (no CUDA graphs) on the same workload, side by side")
+    p.add_argument("--compare-sync", action="store_true",
+                   help="also run kvgate with --no-async-scheduling (each step waits for the one before) on the "
+                        "same workload, side by side")
     p.add_argument("--result-file", default=None, help="also write the results as JSON here")
     add_engine_args(p)
     p.set_defaults(func=run_bench_engine)
@@ -118,6 +121,38 @@ def _hf_first_tokens(model, prompts: list[list[int]], device) -> list[int]:
     return tokens
 
 
+def _reduced_precision_floor(model_path, dtype, device, prompts, ours: list[int], hf: list[int]) -> dict:
+    """How often two correct reduced-precision forwards agree on the first token: HF itself with its eager attention
+    instead of SDPA (same weights and dtype; only the attention kernel's rounding differs), and kvgate and HF each
+    against HF in float32. Near-tied logits flip under any change of rounding, so this is the floor an engine's
+    agreement with HF is judged against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def first_tokens(**kw):
+        model = AutoModelForCausalLM.from_pretrained(model_path, **kw).to(device).eval()
+        tokens = _hf_first_tokens(model, prompts, device)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return tokens
+
+    eager = first_tokens(dtype=dtype, attn_implementation="eager")
+    fp32 = first_tokens(dtype=torch.float32)
+    n = len(prompts)
+
+    def share(a, b):
+        return sum(x == y for x, y in zip(a, b)) / n
+
+    floor = {"hf_eager_vs_hf_sdpa": share(eager, hf), "kvgate_vs_hf_float32": share(ours, fp32),
+             "hf_sdpa_vs_hf_float32": share(hf, fp32), "hf_eager_vs_hf_float32": share(eager, fp32)}
+    print(f"first tokens in {str(dtype).removeprefix('torch.')}: HF with eager attention vs HF with SDPA "
+          f"{100 * floor['hf_eager_vs_hf_sdpa']:.1f}% (only the attention kernel differs); against HF float32: "
+          f"kvgate {100 * floor['kvgate_vs_hf_float32']:.1f}%, HF SDPA {100 * floor['hf_sdpa_vs_hf_float32']:.1f}%, "
+          f"HF eager {100 * floor['hf_eager_vs_hf_float32']:.1f}%", flush=True)
+    return floor
+
+
 def run_bench_engine(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
@@ -146,6 +181,8 @@ def run_bench_engine(args: argparse.Namespace) -> int:
     runs = [("kvgate", config)]
     if args.compare_eager and not config.enforce_eager:
         runs.append(("kvgate_eager", dataclasses.replace(config, enforce_eager=True)))
+    if args.compare_sync and config.async_scheduling is not False:
+        runs.append(("kvgate_sync", dataclasses.replace(config, async_scheduling=False)))
     bandwidth = None
     ours_tokens = None
     for label, run_config in runs:
@@ -167,7 +204,7 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         runner = engine.runner
         shapes = getattr(runner, "shapes", None)
         info = {"attention_backend": getattr(runner, "attention_backend", config.backend),
-                "cuda_graphs": bool(shapes and shapes.graphs)}
+                "cuda_graphs": bool(shapes and shapes.graphs), "async_scheduling": engine.async_scheduling}
         if info["cuda_graphs"]:
             info["graph_capture_s"] = shapes.capture_seconds
             info["graph_memory_gib"] = shapes.capture_bytes / 2**30
@@ -192,10 +229,11 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         else:
             same = sum(a == b for a, b in zip(tokens, ours_tokens))
             info["greedy_identical_to_kvgate"] = f"{same}/{len(prompts)}"
-            print(f"  {label}: greedy outputs identical to the graph run: {same}/{len(prompts)}", flush=True)
+            print(f"  {label}: greedy outputs identical to the first run: {same}/{len(prompts)}", flush=True)
         decode = timer.summary() if timer is not None else {"decode_steps": 0}
         results[label] = {"seconds": elapsed, "output_tokens_per_s": n_out / elapsed, **info, "decode": decode}
-        print(f"  {label}: {elapsed:.2f} s", flush=True)
+        print(f"  {label}: {elapsed:.2f} s (async scheduling {'on' if engine.async_scheduling else 'off'})",
+              flush=True)
         if decode["decode_steps"]:
             print(f"    decode-only steps: {decode['decode_steps']} (mean batch {decode['mean_batch']:.0f}), "
                   f"{decode['mean_step_ms']:.2f} ms a step ({decode['mean_execute_ms']:.2f} ms in the runner) "
@@ -220,6 +258,9 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         results["first_token_equal_to_hf_unpadded"] = same / len(prompts)
         print(f"first generated token equal to HF's forward of the prompt alone: {same}/{len(prompts)} "
               f"({100 * same / len(prompts):.1f}%)", flush=True)
+        if dtype != torch.float32:
+            results["first_token_floor"] = _reduced_precision_floor(model_path, dtype, device, prompts,
+                                                                    [o[0] for o in ours_tokens], first)
         for name in baselines:
             size = 1 if name == "single" else args.hf_batch_size
             _sync(device)
@@ -239,7 +280,7 @@ def run_bench_engine(args: argparse.Namespace) -> int:
     base = results["kvgate"]["output_tokens_per_s"]
     print(f"\n{'system':<28}{'time (s)':>10}{'output tok/s':>15}{'kvgate speed-up':>18}")
     for label, r in results.items():
-        if not isinstance(r, dict):
+        if not isinstance(r, dict) or "output_tokens_per_s" not in r:
             continue
         ratio = base / r["output_tokens_per_s"]
         r["kvgate_speedup"] = ratio

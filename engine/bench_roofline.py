@@ -2,9 +2,9 @@
 
 A decode step must read every weight once and the K/V of every token in its sequences' contexts once; at the
 device's copy bandwidth (measured in the same run) that many bytes take the bound time. The step timer wraps an
-engine's step and its runner's execute: for each decode-only step it records the wall time of the whole step
-(scheduling and output processing included: what a user waits for) and of execute alone (inputs, forward pass,
-sampling, the one device-to-host wait), against the bound of that step's bytes.
+engine's step and its runner: for each step that queues a decode-only batch it records the wall time of the whole
+step (scheduling and output processing included: what a user waits for) and the time spent in the runner (inputs,
+launches, sampling, the wait for sampled tokens), against the bound of that batch's bytes.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def kv_bytes_per_token(runner) -> int:
 
 @dataclass
 class StepTimer:
-    """Wraps engine.step and engine.runner.execute; see the module doc."""
+    """Wraps engine.step and engine.runner.launch (and the wait for a launched step's tokens); see the module doc.
+    With async scheduling a step call queues one batch and waits for the one before: in a steady run its wall time
+    is the time per step all the same."""
 
     engine: object
     bandwidth: float  # bytes/s
@@ -63,30 +65,42 @@ class StepTimer:
     steps: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._step, self._execute = self.engine.step, self.engine.runner.execute
+        self._step, self._launch = self.engine.step, self.engine.runner.launch
         self._pending: dict | None = None
+        self._runner_s = 0.0
         self.engine.step = self._timed_step
-        self.engine.runner.execute = self._timed_execute
+        self.engine.runner.launch = self._timed_launch
 
     def close(self) -> None:
-        self.engine.step, self.engine.runner.execute = self._step, self._execute
+        self.engine.step, self.engine.runner.launch = self._step, self._launch
 
-    def _timed_execute(self, out):
+    def _timed_launch(self, out, *args, **kwargs):
         t0 = time.perf_counter()
-        result = self._execute(out)
-        seconds = time.perf_counter() - t0
+        launched = self._launch(out, *args, **kwargs)
+        self._runner_s += time.perf_counter() - t0
         if out.scheduled and all(s.num_new_tokens == 1 for s in out.scheduled):
-            context = sum(s.request.num_computed_tokens + 1 for s in out.scheduled)
-            self._pending = {"batch": len(out.scheduled), "context_tokens": context, "execute_s": seconds,
+            context = sum(s.start + 1 for s in out.scheduled)
+            self._pending = {"batch": len(out.scheduled), "context_tokens": context,
                              "bytes": self.weights + context * self.kv_per_token}
-        return result
+        result = launched.result
+
+        def timed_result():
+            t1 = time.perf_counter()
+            try:
+                return result()
+            finally:
+                self._runner_s += time.perf_counter() - t1
+
+        launched.result = timed_result
+        return launched
 
     def _timed_step(self, *args, **kwargs):
-        self._pending = None
+        self._pending, self._runner_s = None, 0.0
         t0 = time.perf_counter()
         outputs = self._step(*args, **kwargs)
         if self._pending is not None:
             self._pending["step_s"] = time.perf_counter() - t0
+            self._pending["execute_s"] = self._runner_s
             self.steps.append(self._pending)
         return outputs
 

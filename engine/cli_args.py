@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="bytes for the KV cache, e.g. 2GiB (default: measured on GPU, 1 GiB on CPU)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step launches its kernels one by one (default: graphs on CUDA)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the GPU runs this one, so host work overlaps device work "
+                        "(default: on for CUDA, off on CPU and the sim backend)")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="largest step (tokens) of mixed prefill+decode captured as a CUDA graph; larger steps run "
                         "eagerly; 0 captures decode steps only (default: 1024)")
@@ -118,6 +121,7 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,

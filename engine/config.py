@@ -47,6 +47,10 @@ class EngineConfig:
     enforce_eager: bool = False
     max_cudagraph_capture_size: int | None = None
     attention_backend: str = "auto"
+    # vLLM's --async-scheduling: schedule the next step while the device runs this one (model_runner.launch).
+    # None: on for the torch backend on CUDA, off elsewhere (on CPU the forward pass is itself host work, and the
+    # sim's step is a sleep).
+    async_scheduling: bool | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"

@@ -86,10 +86,12 @@ class KVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens; None (and no change) when the pool is too full."""
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        # Blocks full of known tokens are hashed; one that an output placeholder completes (async scheduling) is
+        # hashed by the request's next allocation, once the token is known.
+        num_full = min(total_tokens, request.num_tokens) // self.block_size
         blocks = self.req_blocks.get(request.request_id)
         if blocks is not None and not new_computed_blocks and cdiv(total_tokens, self.block_size) <= len(blocks) \
-                and (not self.enable_caching
-                     or total_tokens // self.block_size <= self._num_cached_blocks.get(request.request_id, 0)):
+                and (not self.enable_caching or num_full <= self._num_cached_blocks.get(request.request_id, 0)):
             return []  # most decode steps: the last block has room and fills no new block (nothing to hash)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_needed = cdiv(total_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
@@ -106,7 +108,7 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(max(0, num_needed))
         blocks.extend(new_blocks)
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, total_tokens // self.block_size)
+            self._cache_full_blocks(request, blocks, num_full)
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full: int) -> None:

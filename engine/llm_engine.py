@@ -1,9 +1,11 @@
 """The engine core: requests in, one scheduled batch per step, outputs out.
 
 `LLMEngine` only wires parts together — the runner (runner.py: torch or sim), the scheduler, the KV cache manager,
-LoRA slots, structured outputs and the KV-event publisher — and turns requests into outputs. It is synchronous
-and single-threaded; the offline `LLM` drives it in a loop and the HTTP
-server drives it from its own loop. `n > 1` fans a request out into n child requests (seed + i each)
+LoRA slots, structured outputs and the KV-event publisher — and turns requests into outputs. It is single-threaded;
+the offline `LLM` drives it in a loop and the HTTP server drives it from its own loop. With async scheduling (vLLM's
+`--async-scheduling`, on by default on CUDA) a step queues the next batch on the device before it takes the
+running batch's tokens, so the host's scheduling and output work overlaps the device's forward pass; a request
+whose sampling reads its earlier output on the host (grammars, penalties) makes steps synchronous while it runs. `n > 1` fans a request out into n child requests (seed + i each)
 that share the prompt's cached blocks. A request's end is decided in `Request.check_stop` alone (called by
 the scheduler per token); the engine only turns requests into outputs.
 """
@@ -28,9 +30,9 @@ from kvgate.engine.lora.manager import LoRAManager
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.outputs import CompletionOutput, RequestOutput
 from kvgate.engine.request import Request, RequestStatus
-from kvgate.engine.runner import Runner, load_model
+from kvgate.engine.runner import Runner, StepResult, load_model
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.engine.scheduler import Scheduler
+from kvgate.engine.scheduler import Scheduler, SchedulerOutput
 from kvgate.engine.structured_output import StructuredOutputManager
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,15 @@ class EngineStats:
     max_lora: int = 0
     running_lora_adapters: list[str] = dataclasses.field(default_factory=list)
     waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _QueuedStep:
+    """A batch queued on the device whose tokens the host has not taken yet."""
+
+    out: SchedulerOutput
+    result: StepResult
+    kv_events: list  # what scheduling it changed in the block pool, announced once it has run
 
 
 @dataclass(eq=False)
@@ -135,14 +146,18 @@ class LLMEngine:
         self._grammar_failures: list[tuple[str, Exception]] = []
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else (
+            config.backend == "torch" and self.device.type == "cuda")
+        self._queued: _QueuedStep | None = None  # async scheduling: the step the device is running
         # Last: it opens sockets, which nothing after it could close if it raised.
         self.kv_event_publisher = create_publisher(config.kv_events_config)
         if self.kv_event_publisher is not None:
             self.kv_cache_manager.pool.kv_events = []
             if not config.enable_prefix_caching:
                 log.warning("KV-cache events are on but prefix caching is off: no block will be announced")
-        log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
-                 self.model_name, self.device, self.dtype, num_blocks, config.block_size, self.max_model_len)
+        log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d, async scheduling %s",
+                 self.model_name, self.device, self.dtype, num_blocks, config.block_size, self.max_model_len,
+                 "on" if self.async_scheduling else "off")
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -287,7 +302,7 @@ class LLMEngine:
         return failures
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._grammar_builds)
+        return self.scheduler.has_unfinished_requests() or bool(self._grammar_builds) or self._queued is not None
 
     # -- stepping ---------------------------------------------------------------------------------
 
@@ -295,16 +310,37 @@ class LLMEngine:
         """Schedule and run one batch; returns an output for every request that got a token, or with final_only
         (vLLM's RequestOutputKind.FINAL_ONLY, what the offline LLM asks for) only for the samples that finished:
         building a streaming output per request per step was a quarter of the host time of a 256-sequence decode
-        step on an H200 (tests/engine/gpu_profile.py: outputs 1.03 ms of 4 ms)."""
+        step on an H200 (tests/engine/gpu_profile.py: outputs 1.03 ms of 4 ms).
+
+        With async scheduling the tokens returned are those of the batch queued by the step before, taken after
+        this step's batch is queued: the host's work on them runs while the device runs this step's batch."""
         self._admit_built_grammars()
+        overlap = self.async_scheduling and self.scheduler.num_host_bound == 0
+        outputs = []
+        if self._queued is not None and not overlap:
+            outputs = self._take(final_only)
         out = self.scheduler.schedule()
         if out.is_empty:
+            if self._queued is not None:  # nothing new (the rest ends with the queued step): take its tokens
+                outputs = self._take(final_only)
             self._publish_kv_events()
-            return []
-        tokens, logprobs = self.runner.execute(out)
-        progressed = self.scheduler.update_from_output(out, tokens)
+            return outputs
+        events = self._take_kv_events()
+        result = self.runner.launch(out, self._queued.result if self._queued is not None else None)
+        if self._queued is not None:
+            outputs = self._take(final_only)
+        self._queued = _QueuedStep(out, result, events)
+        if not overlap:
+            outputs += self._take(final_only)
+        return outputs
+
+    def _take(self, final_only: bool) -> list[RequestOutput]:
+        """Wait for the queued step's tokens, put them in place and turn them into outputs."""
+        queued, self._queued = self._queued, None
+        tokens, logprobs = queued.result.result()
+        progressed = self.scheduler.update_from_output(queued.out, tokens)
         # After the step ran: the blocks it announces hold their KV now.
-        self._publish_kv_events()
+        self._publish_kv_events(queued.kv_events)
         now = time.monotonic()
         outputs = []
         for r in progressed:
@@ -313,9 +349,13 @@ class LLMEngine:
                 outputs.append(self._make_output(r, now))
         return outputs
 
-    def _publish_kv_events(self) -> None:
+    def _take_kv_events(self) -> list:
+        return self.kv_cache_manager.pool.take_kv_events() if self.kv_event_publisher is not None else []
+
+    def _publish_kv_events(self, earlier: list | None = None) -> None:
+        """Announce `earlier` (a queued step's changes) and what the pool recorded since."""
         if self.kv_event_publisher is not None:
-            events = self.kv_cache_manager.pool.take_kv_events()
+            events = (earlier or []) + self.kv_cache_manager.pool.take_kv_events()
             if events:
                 self.kv_event_publisher.publish(KVEventBatch(events))
 
@@ -393,6 +433,9 @@ class LLMEngine:
         return {"max_lora": self.lora.max_loras, "running_lora_adapters": running, "waiting_lora_adapters": waiting}
 
     def reset_prefix_cache(self) -> bool:
+        if self._queued is not None:  # its announcements first, so a subscriber sees them before the reset
+            self._publish_kv_events(self._queued.kv_events)
+            self._queued.kv_events = []
         done = self.kv_cache_manager.reset_prefix_cache()
         self._publish_kv_events()
         return done

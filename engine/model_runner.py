@@ -191,17 +191,20 @@ class ModelRunner:
             return None, None, None  # larger than every graph: eager by design, not a fallback
         return padded, self._graph_seqs(padded), None
 
-    def _run_model(self, out: SchedulerOutput):
+    def _run_model(self, out: SchedulerOutput, running: PendingStep | None = None):
         padded, padded_seqs, why_eager = self._padded_shape(out)
         if why_eager is not None and why_eager not in self._eager_causes:
             self._eager_causes.add(why_eager)
             log.info("CUDA graphs: steps with %s run eagerly", why_eager)
-        batch = self.inputs.prepare(out, padded, padded_seqs)
+        batch = self.inputs.prepare(out, padded, padded_seqs, running.rows if running is not None else None)
+        if batch.fill_rows is not None:  # decode tokens the running step samples, copied on the device
+            input_ids = self.inputs.view("input_ids")
+            input_ids.index_copy_(0, batch.fill_rows, running.tokens.index_select(0, batch.fill_src))
         if self.lora_state is not None:
             self.lora_state.groups = [(slot, torch.from_numpy(rows).to(self.device))
                                       for slot, rows in batch.lora_rows.items()]
         if self.attention_backend == "sdpa":
-            seqs = [(s.request.num_computed_tokens, s.num_new_tokens, s.block_ids) for s in out.scheduled]
+            seqs = [(s.start, s.num_new_tokens, s.block_ids) for s in out.scheduled]
             meta = AttentionMetadata.build(seqs, self.block_size, self.device, self.model.num_kv_heads,
                                            self.num_blocks, self.sliding_window,
                                            slot_mapping=self.inputs.view("slot_mapping", batch.num_tokens))
@@ -214,9 +217,15 @@ class ModelRunner:
             hidden = self._forward_static(batch.num_padded_tokens, batch.decode_only, batch.num_padded_seqs)
         return batch, hidden
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput):
         """One forward pass for the whole batch; returns {request_id: token} and {request_id: logprobs}."""
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, running: PendingStep | None = None) -> PendingStep:
+        """Queue one forward pass and its sampling for the whole batch; the sampled ids come back through the
+        returned step's result(). running: the step queued before this one, whose sampled ids this step's output
+        placeholders read on the device (async scheduling)."""
         # Structured-output masks: only constrained rows get one, so unconstrained batches pay nothing. On an
         # accelerator they are filled in a thread while the forward pass runs (the CPU is idle then; llguidance
         # drops the GIL). On CPU the forward pass already uses every core, and a mask thread beside it only
@@ -232,9 +241,9 @@ class ModelRunner:
                 if self._mask_pool is None:
                     self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-grammar")
                 masks = self._mask_pool.submit(fill_bitmasks, samplers, width)
-        batch, hidden = self._run_model(out)
+        batch, hidden = self._run_model(out, running)
         if not samplers:
-            return {}, {}
+            return PendingStep.done()
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         grammar = ([], None) if masks is None else masks if isinstance(masks, tuple) else masks.result()
         dev = self.device
@@ -245,9 +254,42 @@ class ModelRunner:
         sampling = SamplingBatch.build(samplers, self.vocab_size, dev, grammar)
         tokens, logprobs = self.sampler(logits, sampling)
         ids = [r.request_id for r in samplers]
-        token_map = dict(zip(ids, tokens.tolist()))  # the step's one device-to-host wait
         logprob_map = {rid: lp for rid, lp in zip(ids, logprobs)} if logprobs is not None else {}
-        return token_map, logprob_map
+        return PendingStep.copy_back(ids, tokens, logprob_map)
+
+
+class PendingStep:
+    """A queued step's sampled ids: on the device (tokens, rows: request id -> row) for the next step's inputs, and
+    copied to pinned host memory without waiting; result() waits for that copy (the step's one device-to-host
+    wait)."""
+
+    def __init__(self, ids: list[str], tokens: torch.Tensor | None, logprobs: dict) -> None:
+        self.ids, self.tokens, self.logprobs = ids, tokens, logprobs
+        self.rows = {rid: i for i, rid in enumerate(ids)}
+        self._host = self._event = None
+
+    @classmethod
+    def done(cls) -> PendingStep:
+        return cls([], None, {})
+
+    @classmethod
+    def copy_back(cls, ids: list[str], tokens: torch.Tensor, logprobs: dict) -> PendingStep:
+        step = cls(ids, tokens, logprobs)
+        if tokens.device.type == "cuda":
+            step._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            step._host.copy_(tokens, non_blocking=True)
+            step._event = torch.cuda.Event()
+            step._event.record()
+        else:
+            step._host = tokens
+        return step
+
+    def result(self) -> tuple[dict[str, int], dict[str, dict]]:
+        if self.tokens is None:
+            return {}, {}
+        if self._event is not None:
+            self._event.synchronize()
+        return dict(zip(self.ids, self._host.tolist())), self.logprobs
 
 
 class _ProfileRequest:

@@ -59,8 +59,12 @@ class Request:
     lora_request: LoRARequest | None = None  # the adapter this request runs with; None = the base model
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    # Tokens whose K/V are in the cache (computed or taken from the prefix cache).
+    # Tokens whose K/V are in the cache or are being computed by a scheduled step (the scheduler advances it when
+    # it schedules a chunk, as vLLM V1's does).
     num_computed_tokens: int = 0
+    # Tokens sampled by scheduled steps whose ids the host does not have yet: 1 between scheduling a step that
+    # samples and its update, 2 with async scheduling (the next step is scheduled before this one's tokens arrive).
+    num_output_placeholders: int = 0
     # Prompt tokens that the prefix cache supplied at the (last) admission.
     num_cached_tokens: int = -1
     num_preemptions: int = 0

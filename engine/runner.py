@@ -18,6 +18,11 @@ from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.scheduler import SchedulerOutput
 
 
+class StepResult(Protocol):
+    def result(self) -> tuple[dict[str, int], dict[str, dict]]:
+        """What execute returns, once the step has run."""
+
+
 class Runner(Protocol):
     device: torch.device
     dtype: torch.dtype
@@ -29,6 +34,10 @@ class Runner(Protocol):
 
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, dict]]:
         """Run one scheduled batch: ({request id: sampled token}, {request id: its logprobs})."""
+
+    def launch(self, out: SchedulerOutput, running: object | None = None) -> StepResult:
+        """Queue one scheduled batch (execute without the wait); running: the step queued before it, whose sampled
+        ids fill this step's output placeholders (async scheduling)."""
 
     def load_lora(self, lora: LoRARequest) -> object:
         """An adapter read and checked (LoRAError when it cannot be served), in the form set_lora_slot takes."""

@@ -46,7 +46,11 @@ class SamplingBatch:
         ps = [r.sampling_params for r in requests]
 
         def col(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=device)
+            # From pinned memory without waiting: a pageable copy would wait for the device to finish its queue
+            # (the forward pass just launched, and with async scheduling the step before it).
+            if device.type != "cuda":
+                return torch.tensor(values, dtype=dtype, device=device)
+            return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
         greedy = [p.greedy for p in ps]
         needs_penalty = any(
@@ -65,7 +69,9 @@ class SamplingBatch:
         banned = []
         for i, r in enumerate(requests):
             p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens and r.grammar is None:  # a grammar decides when EOS may come
+            # Outputs before the one sampled now (the step's own placeholder is the last of the request's).
+            earlier = r.num_output_tokens + max(r.num_output_placeholders - 1, 0)
+            if earlier < p.min_tokens and r.grammar is None:  # a grammar decides when EOS may come
                 ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(p.eos_token_ids)))
                 if ids:
                     banned.append((i, ids))

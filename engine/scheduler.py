@@ -11,6 +11,13 @@ prefill backlog a router weighs): the sum of `prefill_tokens_pending(r)` over ev
 request, kept exact by adjusting it wherever a request's computed tokens, tokens or queue change (O(1) per
 change: a recount over 1024 waiting + 128 running requests took 0.7 ms per step on this 2-core machine, over
 10% of a 6 ms sim step).
+
+Scheduling a chunk advances the request's `num_computed_tokens` at once (vLLM V1's order), and a chunk that samples
+adds an output placeholder that the step's update replaces with the token. With async scheduling (vLLM's
+`--async-scheduling`) the engine schedules the next step before the running step's tokens reach the host: a
+decode then computes a placeholder, whose id the runner takes from the running step's sampled ids on the device.
+A request whose running step may end it is scheduled anyway (stop strings and EOS are known only on the host); the
+token such a step samples for it is dropped. One that will surely end (max_tokens, the context length) is not.
 """
 
 from __future__ import annotations
@@ -35,8 +42,16 @@ def prefill_tokens_pending(request: Request) -> int:
     has (a preempted request being recomputed): its prompt and output tokens not yet computed, less the last
     output token, which is its next decode token. A request that is decoding has 0.
     """
-    decode = 1 if request.output_token_ids else 0
-    return max(request.num_tokens - request.num_computed_tokens - decode, 0)
+    decode = 1 if request.output_token_ids or request.num_output_placeholders else 0
+    return max(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens - decode, 0)
+
+
+def samples_from_host_state(request: Request) -> bool:
+    """Its sampling reads its earlier output on the host (a grammar's mask, penalties' token counts), so its steps
+    cannot be scheduled before the step before them has returned its token (no async scheduling)."""
+    p = request.sampling_params
+    return (request.grammar is not None or p.structured_outputs is not None or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
 
 
 @dataclass
@@ -44,12 +59,8 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's known tokens, so a token is sampled."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+    start: int = 0  # the request's computed tokens before this chunk: the chunk is tokens [start, start + new)
+    samples: bool = False  # the chunk reaches the end of the request's tokens, so a token is sampled
 
 
 @dataclass
@@ -129,6 +140,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_prefill_tokens_pending = 0  # sum of prefill_tokens_pending() over waiting + running
+        self.num_host_bound = 0  # unfinished requests for which samples_from_host_state is true
         # Requests ended with an error while scheduling (an adapter whose files could not be read again): the
         # engine reports them to their callers (LLMEngine.take_failures).
         self.failed: list[tuple[Request, Exception]] = []
@@ -142,6 +154,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
         self.num_prefill_tokens_pending += prefill_tokens_pending(request)
+        self.num_host_bound += samples_from_host_state(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (stop string, abort) a request wherever it is; frees its blocks."""
@@ -149,6 +162,7 @@ class Scheduler:
         if request is None:
             return None
         self.num_prefill_tokens_pending -= prefill_tokens_pending(request)
+        self.num_host_bound -= samples_from_host_state(request)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -181,6 +195,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         before = prefill_tokens_pending(victim)
         victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0  # a queued step's token for it is appended as it comes (update_from_output)
         self.num_prefill_tokens_pending += prefill_tokens_pending(victim) - before
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -195,7 +210,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_placeholders and self._ends_before_next_token(request):
+                i += 1  # async scheduling: its running step ends it
+                continue
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
             while True:
                 if self.kv.allocate_slots(request, num_new) is not None:
                     break
@@ -255,14 +273,37 @@ class Scheduler:
         for request in reversed(skipped):  # back in their places
             self.waiting.add(request, front=True)
         for request in self.running:
-            if request.request_id in chunk:
-                out.scheduled.append(
-                    ScheduledRequest(request, chunk[request.request_id], self.kv.get_block_ids(request.request_id))
-                )
-                if request.lora_request is not None:
-                    lora_id = request.lora_request.lora_int_id
-                    out.lora_slots[lora_id] = self.lora.slot_of(lora_id)
+            num_new = chunk.get(request.request_id)
+            if num_new is None:
+                continue
+            out.scheduled.append(self._advance(request, num_new))
+            if request.lora_request is not None:
+                lora_id = request.lora_request.lora_int_id
+                out.lora_slots[lora_id] = self.lora.slot_of(lora_id)
         return out
+
+    def _advance(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The request's chunk, with its computed tokens advanced past it and a placeholder for what it samples."""
+        start = request.num_computed_tokens
+        samples = start + num_new == request.num_tokens + request.num_output_placeholders
+        # A decode (one token after earlier output) has no prefill backlog before or after: the common case of a
+        # full batch skips the bookkeeping.
+        decoding = num_new == 1 and samples and (request.output_token_ids or request.num_output_placeholders)
+        before = 0 if decoding else prefill_tokens_pending(request)
+        request.num_computed_tokens = start + num_new
+        if samples:
+            request.num_output_placeholders += 1
+        if not decoding:
+            self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
+        return ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id), start, samples)
+
+    @staticmethod
+    def _ends_before_next_token(request: Request) -> bool:
+        """The tokens its scheduled steps sample reach max_tokens or the context length: it needs no more steps."""
+        outputs = request.num_output_tokens + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return (max_tokens is not None and outputs >= max_tokens) or \
+            request.num_tokens + request.num_output_placeholders >= request.max_model_len > 0
 
     def adapters_in_use(self) -> set[int]:
         """Ids of the adapters of every unfinished request."""
@@ -275,30 +316,33 @@ class Scheduler:
         return sorted(running), sorted(waiting)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens and finish the requests that ended (Request.check_stop
-        decides: the one place); returns requests that got a token."""
+        """Put the sampled tokens in place of their placeholders and finish the requests that ended
+        (Request.check_stop decides: the one place); returns requests that got a token. A token for a request that
+        ended after the step was scheduled is dropped. One for a request preempted since (async scheduling) is
+        kept: it was sampled from the request's whole context before its blocks were freed, and dropping it would
+        make a seeded request draw that token again from its advanced generator."""
         progressed = []
         for s in out.scheduled:
             request = s.request
-            if request.status != RequestStatus.RUNNING:
+            if not s.samples or request.is_finished:
                 continue
-            # A decode (one new token after earlier output) has no prefill backlog before or after: the common case
-            # of a full batch skips the bookkeeping.
-            decoding = (s.num_new_tokens == 1 and len(request.output_token_ids) > 0
-                        and request.num_computed_tokens + 1 == request.num_tokens)
-            before = 0 if decoding else prefill_tokens_pending(request)
-            request.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(request.request_id)
-            if token is not None:
+            token = sampled[request.request_id]  # a runner samples every row whose chunk samples
+            running = request.status == RequestStatus.RUNNING
+            if running:
+                request.num_output_placeholders -= 1
+                request.append_output_token(token)  # in place of its placeholder: the backlog does not change
+            else:  # preempted while the step ran: one more token to recompute
+                before = prefill_tokens_pending(request)
                 request.append_output_token(token)
-            if not decoding:
                 self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
-            if token is None:
-                continue
             progressed.append(request)
             if request.check_stop():
-                self.num_prefill_tokens_pending -= prefill_tokens_pending(request)  # 0: it just sampled
+                self.num_prefill_tokens_pending -= prefill_tokens_pending(request)
+                self.num_host_bound -= samples_from_host_state(request)
                 self.requests.pop(request.request_id, None)
-                self.running.remove(request)
+                if running:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
                 self.kv.free(request)
         return progressed

@@ -158,8 +158,8 @@ class SimModelRunner:
         logprobs: dict[str, dict[int, Logprob]] = {}
         for s in out.scheduled:
             r = s.request
-            context_tokens += r.num_computed_tokens + s.num_new_tokens
-            if s.num_new_tokens == 1 and r.num_computed_tokens > 0:
+            context_tokens += s.start + s.num_new_tokens
+            if s.num_new_tokens == 1 and s.start > 0:
                 decode_seqs += 1
             else:
                 prefill_tokens += s.num_new_tokens
@@ -179,6 +179,10 @@ class SimModelRunner:
             time.sleep(remaining)
         return tokens, logprobs
 
+    def launch(self, out: SchedulerOutput, running=None) -> "DoneStep":
+        """The runner protocol's queued step: the sim runs it at once (its tokens never come from a step's)."""
+        return DoneStep(self.execute(out))
+
     @staticmethod
     def _draw(rng: random.Random, allowed: list[int] | None, eos_token_ids) -> int:
         """A printable token, or one the grammar allows (printable ones and EOS first, so text reads as text
@@ -197,3 +201,13 @@ class SimModelRunner:
 
     def close(self) -> None:
         """Nothing to release (the torch runner's counterpart stops its mask thread)."""
+
+
+class DoneStep:
+    """A step that has run: result() without waiting."""
+
+    def __init__(self, result: tuple[dict[str, int], dict]) -> None:
+        self._result = result
+
+    def result(self) -> tuple[dict[str, int], dict]:
+        return self._result

@@ -8,8 +8,13 @@ computed for the whole batch at once.
 Padding (for a captured graph's shapes): tokens past the batch get slot -1 (the K/V store skips them) and position
 0; sequences past the batch get query length 0 and length 0 (the attention kernel skips them).
 
-The host buffers are rewritten each step while the last step's copies could still be queued; that is safe because
-every step ends with a device-to-host wait for its sampled tokens (model_runner.execute).
+With async scheduling a decode's input token can be one the running step is still sampling: its row is written 0 on
+the host and listed in `StepBatch.fill_rows`, with the row of the running step's sampled ids that holds it in
+`fill_src`; the runner copies those on the device before the forward pass.
+
+Two sets of host buffers alternate: a step's host-to-device copies may still be queued when the next step is
+prepared (async scheduling), but never two steps back, because the engine waits for a step's sampled tokens before
+it prepares the step after next.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class StepBatch:
     decode_only: bool  # one token per sequence (the attention kernel's small tile)
     sample_rows: torch.Tensor  # [len(samplers)] rows of the forward's output, on the device
     lora_rows: dict[int, np.ndarray]  # slot -> token rows (only requests with an adapter)
+    fill_rows: torch.Tensor | None = None  # input rows whose token the running step samples (on the device)
+    fill_src: torch.Tensor | None = None  # for each, its row in that step's sampled ids
 
 
 class StepInputs:
@@ -41,25 +48,39 @@ class StepInputs:
         def host(shape, dtype):
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
-        self._host = {
-            "input_ids": host(max_tokens, torch.int64),
-            "positions": host(max_tokens, torch.int64),
-            "slot_mapping": host(max_tokens, torch.int64),
-            "query_start_loc": host(max_seqs + 1, torch.int32),
-            "seq_lens": host(max_seqs, torch.int32),
-            "block_table": host((max_seqs, max_blocks_per_seq), torch.int32),
-            "sample_rows": host(max_seqs, torch.int64),
-        }
+        def host_set() -> dict[str, torch.Tensor]:
+            return {
+                "input_ids": host(max_tokens, torch.int64),
+                "positions": host(max_tokens, torch.int64),
+                "slot_mapping": host(max_tokens, torch.int64),
+                "query_start_loc": host(max_seqs + 1, torch.int32),
+                "seq_lens": host(max_seqs, torch.int32),
+                "block_table": host((max_seqs, max_blocks_per_seq), torch.int32),
+                "sample_rows": host(max_seqs, torch.int64),
+                "fill_rows": host(max_seqs, torch.int64),
+                "fill_src": host(max_seqs, torch.int64),
+            }
+
+        # On CPU the host tensors are the device tensors (one set, nothing to copy: a step's forward pass has run
+        # before the next is prepared).
+        self._sets = [host_set()] if device.type == "cpu" else [host_set(), host_set()]
+        self._next_set = 0
+        self._host = self._sets[0]
         self._np = {name: t.numpy() for name, t in self._host.items()}
-        # On CPU the host tensors are the device tensors: nothing to copy.
         self.dev = self._host if device.type == "cpu" else {
             name: torch.zeros_like(t, device=device) for name, t in self._host.items()}
         self._arange = np.arange(max_tokens, dtype=np.int64)
 
-    def prepare(self, out: SchedulerOutput, padded_tokens: int | None = None,
-                padded_seqs: int | None = None) -> StepBatch:
+    def _switch_set(self) -> None:
+        self._host = self._sets[self._next_set]
+        self._next_set = (self._next_set + 1) % len(self._sets)
+        self._np = {name: t.numpy() for name, t in self._host.items()}
+
+    def prepare(self, out: SchedulerOutput, padded_tokens: int | None = None, padded_seqs: int | None = None,
+                running_rows: dict[str, int] | None = None) -> StepBatch:
         """Fill the buffers for this step. padded_tokens / padded_seqs: the shapes of a captured graph (None: the
-        batch's own)."""
+        batch's own). running_rows: request id -> row of the running step's sampled ids (async scheduling)."""
+        self._switch_set()
         a = self._np
         ids, bt = a["input_ids"], a["block_table"]
         bs = self.block_size
@@ -67,14 +88,20 @@ class StepInputs:
         starts = np.empty(n, dtype=np.int64)
         lens = np.empty(n, dtype=np.int64)
         sample_idx = []
+        fill_rows, fill_src = [], []
         lora_seqs: dict[int, list[int]] = {}
         t = 0
         for i, s in enumerate(out.scheduled):
             r = s.request
-            start, k = r.num_computed_tokens, s.num_new_tokens
+            start, k = s.start, s.num_new_tokens
             starts[i], lens[i] = start, k
             if k == 1:
-                ids[t] = r.all_token_ids[start]
+                if start < len(r.all_token_ids):
+                    ids[t] = r.all_token_ids[start]
+                else:  # an output placeholder: the running step samples it (only a decode computes one)
+                    ids[t] = 0
+                    fill_rows.append(t)
+                    fill_src.append(running_rows[r.request_id])
             else:
                 ids[t:t + k] = r.all_token_ids[start:start + k]
             num_blocks = -(-(start + k) // bs)
@@ -106,15 +133,23 @@ class StepInputs:
             a["seq_lens"][n:seqs_padded] = 0
         lora_rows = {slot: np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in seqs])
                      for slot, seqs in lora_seqs.items()}
+        num_fill = len(fill_rows)
+        if num_fill:
+            a["fill_rows"][:num_fill] = fill_rows
+            a["fill_src"][:num_fill] = fill_src
 
         if self.device.type != "cpu":
             h, d = self._host, self.dev
             for name, size in (("input_ids", num_padded), ("positions", num_padded), ("slot_mapping", num_padded),
                                ("query_start_loc", seqs_padded + 1), ("seq_lens", seqs_padded),
-                               ("block_table", seqs_padded), ("sample_rows", len(sample_idx))):
-                d[name][:size].copy_(h[name][:size], non_blocking=True)
-        return StepBatch(num_tokens, num_padded, seqs_padded, num_tokens == n,
-                         self.dev["sample_rows"][:len(sample_idx)], lora_rows)
+                               ("block_table", seqs_padded), ("sample_rows", len(sample_idx)),
+                               ("fill_rows", num_fill), ("fill_src", num_fill)):
+                if size:
+                    d[name][:size].copy_(h[name][:size], non_blocking=True)
+        d = self.dev
+        return StepBatch(num_tokens, num_padded, seqs_padded, num_tokens == n, d["sample_rows"][:len(sample_idx)],
+                         lora_rows, d["fill_rows"][:num_fill] if num_fill else None,
+                         d["fill_src"][:num_fill] if num_fill else None)
 
     def fill_padding(self, num_tokens: int, num_seqs: int) -> None:
         """A step of padding only (for graph capture): no token is stored, no sequence attends."""

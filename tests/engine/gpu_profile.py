@@ -60,7 +60,7 @@ def engine_profile() -> None:
     for _ in range(12):  # the prefills, then decodes only
         engine.step()
     stages = {"schedule": 0.0, "runner": 0.0, "update": 0.0, "outputs+rest": 0.0}
-    sched, run, upd = engine.scheduler.schedule, engine.runner.execute, engine.scheduler.update_from_output
+    sched, run, upd = engine.scheduler.schedule, engine.runner.launch, engine.scheduler.update_from_output
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -71,7 +71,7 @@ def engine_profile() -> None:
         return wrapper
 
     engine.scheduler.schedule = timed("schedule", sched)
-    engine.runner.execute = timed("runner", run)
+    engine.runner.launch = timed("runner", run)  # queueing: the wait for its tokens counts in outputs+rest
     engine.scheduler.update_from_output = timed("update", upd)
     n = 30
     torch.cuda.synchronize()

@@ -114,6 +114,25 @@ def test_graphs_and_eager_give_identical_greedy_tokens(tmp_path):
     assert outs[False] == outs[True]
 
 
+def test_async_and_synchronous_steps_give_identical_tokens(tmp_path):
+    """Async scheduling (on by default on CUDA) feeds each decode the token the step before sampled, on the device;
+    with graphs, bf16 and a mix of greedy, seeded sampling and stops, every output equals synchronous steps'."""
+    _random_model(tmp_path)
+    prompts = _workload(96, seed=2)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True) if i % 3 else
+              SamplingParams(temperature=0.9, seed=i, max_tokens=30, stop_token_ids=[7, 9, 11]) for i in range(96)]
+    outs = {}
+    for on in (True, False):
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=1024,
+                  **({} if on else {"async_scheduling": False}))
+        assert llm.engine.async_scheduling == on
+        outs[on] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params)]
+        del llm
+        _release_gpu_memory()
+    assert outs[True] == outs[False]
+
+
 def test_bf16_is_as_faithful_as_hf_bf16(tmp_path):
     """bf16 rounding moves near-tied greedy choices in any engine, so bf16 is judged against the float32 answer:
     kvgate in bf16 must pick HF float32's first token about as often as HF's own bf16 does (each prompt's first

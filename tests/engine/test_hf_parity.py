@@ -15,6 +15,9 @@ MODES = {
     "no-prefix-caching": dict(enable_prefix_caching=False),
     "chunked-prefill": dict(max_num_batched_tokens=16),
     "preemption": dict(num_gpu_blocks_override=12, max_num_seqs=16),
+    # The next step scheduled before this one's tokens are taken (the default on CUDA; forced here on the CPU).
+    "async-chunked-prefill": dict(async_scheduling=True, max_num_batched_tokens=16),
+    "async-preemption": dict(async_scheduling=True, num_gpu_blocks_override=12, max_num_seqs=16),
 }
 
 
@@ -57,7 +60,7 @@ def test_greedy_matches_hf(family, mode, tiny_model_dir, hf_reference):
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"{family}/{mode}: prompt {i} (len {len(make_prompts()[i])}) diverges from HF"
     stats = llm.engine.stats()
-    if mode == "preemption":
+    if mode.endswith("preemption"):
         assert stats.num_preemptions > 0, "the small KV pool should have forced preemption"
     if mode == "prefix-caching":
         # the second pass over the same prompts is served from the cache and still matches

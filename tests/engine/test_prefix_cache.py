@@ -22,14 +22,14 @@ def count_computed(llm, monkeypatch):
     """Record how many tokens each request has computed by the model."""
     counts: dict[str, int] = {}
     runner = llm.engine.runner
-    original = runner.execute
+    original = runner.launch
 
-    def execute(out):
+    def launch(out, *args):
         for s in out.scheduled:
             counts[s.request.request_id] = counts.get(s.request.request_id, 0) + s.num_new_tokens
-        return original(out)
+        return original(out, *args)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "launch", launch)
     return counts
 
 
