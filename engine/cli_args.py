@@ -1,4 +1,5 @@
-"""Engine flags shared by `kvgate generate`, `kvgate serve` and `kvgate bench engine` (DESIGN.md's names)."""
+"""Engine flags shared by `kvgate generate`, `kvgate serve` and `kvgate bench engine`: vLLM's flag names, which must
+not drift (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -5,9 +5,10 @@ LoRA slots, structured outputs and the KV-event publisher — and turns requests
 the offline `LLM` drives it in a loop and the HTTP server drives it from its own loop. With async scheduling (vLLM's
 `--async-scheduling`, on by default on CUDA) a step queues the next batch on the device before it takes the
 running batch's tokens, so the host's scheduling and output work overlaps the device's forward pass; a request
-whose sampling reads its earlier output on the host (grammars, penalties) makes steps synchronous while it runs. `n > 1` fans a request out into n child requests (seed + i each)
-that share the prompt's cached blocks. A request's end is decided in `Request.check_stop` alone (called by
-the scheduler per token); the engine only turns requests into outputs.
+whose sampling reads its earlier output on the host (grammars, penalties) makes steps synchronous while it runs.
+`n > 1` fans a request out into n child requests (seed + i each) that share the prompt's cached blocks. A request's
+end is decided in `Request.check_stop` alone (called by the scheduler per token); the engine only turns requests
+into outputs.
 """
 
 from __future__ import annotations

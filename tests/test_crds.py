@@ -25,14 +25,11 @@ import pytest
 import yaml
 
 from kvgate.epp.datastore import RewriteRule, parse_objectives, parse_rewrites
+from tests.upstream import CONFORMANCE, UPSTREAM_POOL_CRD, gateway_api_crds
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = ROOT / "crds"
 SAMPLES = CRDS / "samples"
-REFERENCE = ROOT.parent / "shared" / "reference"
-UPSTREAM_POOL_CRD = REFERENCE / "gie" / "inferencepools.crd.yaml"
-CONFORMANCE = REFERENCE / "gie" / "conformance"
-GATEWAY_API = REFERENCE / "gateway-api"
 
 OUR_CRD_FILES = sorted(CRDS.glob("*.yaml"))
 PROTECTED_GROUP_ANNOTATION = "api-approved.kubernetes.io"
@@ -62,10 +59,6 @@ CEL_RULES: dict[str, Callable[[object], bool]] = {
     "[has(self.pvc), has(self.image)].filter(x, x).size() == 1":
         lambda s: sum(_has(s, k) for k in ("pvc", "image")) == 1,
 }
-
-needs_reference = pytest.mark.skipif(
-    not REFERENCE.is_dir(),
-    reason=f"upstream reference data not found at {REFERENCE} (CI clones shared/ beside the repository)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -224,11 +217,9 @@ def upstream_pool_schema() -> Schema:
 
 @functools.cache
 def schemas_by_type() -> dict[tuple[str, str], Schema]:
-    """(apiVersion, kind) -> schema, for our CRDs and, when present, the Gateway API reference CRDs."""
+    """(apiVersion, kind) -> schema, for our CRDs and the vendored Gateway API CRDs."""
     out = {}
-    files = [(p, True) for p in OUR_CRD_FILES]
-    if GATEWAY_API.is_dir():
-        files += [(p, False) for p in sorted(GATEWAY_API.glob("*.crd.yaml"))]
+    files = [(p, True) for p in OUR_CRD_FILES] + [(p, False) for p in gateway_api_crds()]
     for path, ours in files:
         crd = load_crd(path)
         for version in crd["spec"]["versions"]:
@@ -325,7 +316,6 @@ def conformance_pools() -> Iterator[tuple[str, dict]]:
                 yield f"{path.stem}/{doc['metadata']['name']}", doc
 
 
-@needs_reference
 def test_upstream_conformance_pools_are_valid_for_both():
     found = list(conformance_pools())
     assert len(found) >= 5, f"expected the upstream conformance InferencePools under {CONFORMANCE}"
@@ -334,7 +324,6 @@ def test_upstream_conformance_pools_are_valid_for_both():
         assert upstream_pool_schema().errors(doc) == [], name
 
 
-@needs_reference
 @pytest.mark.parametrize("manifest, valid", [c[1:] for c in POOL_CASES], ids=[c[0] for c in POOL_CASES])
 def test_pool_manifest_gets_the_same_verdict_as_upstream(manifest, valid):
     ours, upstream = our_schema("InferencePool").errors(manifest), upstream_pool_schema().errors(manifest)
@@ -351,7 +340,6 @@ def _without_descriptions(node: object) -> object:
     return node
 
 
-@needs_reference
 def test_pool_crd_equals_upstream_modulo_descriptions():
     ours, upstream = load_crd(CRDS / "inference.networking.k8s.io_inferencepools.yaml"), load_crd(UPSTREAM_POOL_CRD)
     assert ours["metadata"]["name"] == upstream["metadata"]["name"]
@@ -374,7 +362,6 @@ def sample_docs() -> list[tuple[str, dict]]:
     return [(f"{p.name}#{i}", d) for p in sorted(SAMPLES.glob("*.yaml")) for i, d in enumerate(load_docs(p))]
 
 
-@needs_reference
 def test_every_sample_is_valid():
     docs = sample_docs()
     assert docs, f"no samples under {SAMPLES}"
@@ -385,7 +372,6 @@ def test_every_sample_is_valid():
         assert schema.errors(doc) == [], name
 
 
-@needs_reference
 def test_the_lora_sample_is_valid_for_ours_and_upstreams_crds():
     """crds/samples/lora/ (kept out of the main samples: it needs volumes a test cluster does not have)."""
     docs = load_docs(SAMPLES / "lora" / "lora.yaml")

@@ -15,8 +15,9 @@ from pathlib import Path
 from k8srig import crds, objects
 from k8srig.kube import CORE, load_documents
 
+from tests.upstream import gateway_api_crds
+
 REPO = Path(__file__).resolve().parents[2]
-GATEWAY_API = REPO.parent / "shared" / "reference" / "gateway-api"
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 # A pool's own EndpointPickerConfig (the `kvgate.dev/epp-config` annotation), different from the default: rolls
 # the pool's EPP when applied.
@@ -58,15 +59,13 @@ def condition_status(conditions: list[dict] | None, type_: str) -> str | None:
 
 
 def install_crds(k8s, ours: Path = REPO / "crds") -> None:
-    """Our CRDs and the upstream Gateway API CRDs, as the rig's 1.20 takes them. Skips the test where the rig
-    is not local (these tests run the operator, or its pod, next to it) or the Gateway API CRDs are missing."""
+    """Our CRDs and the vendored Gateway API CRDs, as the rig's 1.20 takes them. Skips the test where the rig
+    is not local (these tests run the operator, or its pod, next to it)."""
     import pytest
 
     if not getattr(k8s, "local", False):
         pytest.skip("runs the operator next to the local rig")
-    if not GATEWAY_API.is_dir():
-        pytest.skip(f"upstream Gateway API CRDs not found at {GATEWAY_API}")
-    crds.install(k8s.client, sorted(ours.glob("*.yaml")) + sorted(GATEWAY_API.glob("*.crd.yaml")))
+    crds.install(k8s.client, sorted(ours.glob("*.yaml")) + gateway_api_crds())
 
 
 def samples(namespace: str, class_name: str) -> dict[str, dict]:

@@ -14,16 +14,15 @@ import socket
 import subprocess
 import time
 
-from pathlib import Path
-
 import pytest
 from k8srig import Rig, crds, objects, procs
 from k8srig.kube import (CORE, DEPLOYMENT, ENDPOINTSLICE, delete_namespace, load_documents,
                          wait_default_service_account, wait_for)
 
+from tests.upstream import CONFORMANCE, upstream_crds
+
 pytestmark = pytest.mark.e2e
 
-SHARED = Path(__file__).resolve().parents[3] / "shared"      # ../shared next to the repository
 
 
 # --- helpers -------------------------------------------------------------------------------------------------
@@ -385,12 +384,9 @@ def test_service_endpointslice_lists_ready_pod_ips(k8s, namespace):
 
 def test_upstream_conformance_base_manifest_applies(k8s):
     client = k8s.client
-    crd_files = sorted((SHARED / "reference" / "gateway-api").glob("*.crd.yaml")) + \
-        [SHARED / "reference" / "gie" / "inferencepools.crd.yaml"]
-    assert len(crd_files) == 5, f"reference CRDs missing under {SHARED}"
-    crds.install(client, crd_files)
+    crds.install(client, upstream_crds())
 
-    text = (SHARED / "reference" / "gie" / "conformance" / "base.yaml").read_text()
+    text = (CONFORMANCE / "base.yaml").read_text()
     docs = [crds.manifest_for_1_20(d) for d in load_documents(text.replace("{GATEWAY_CLASS_NAME}", "kvgate"))]
     namespaces = [d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"]
     try:

@@ -172,10 +172,13 @@ def test_streaming_through_gateway_is_incremental_and_identical(three):
 
 
 def test_prefix_affinity_and_balance(tmp_path, cache):
+    # Sequential requests leave every endpoint idle, so a new group's first request ties on the load scorers and
+    # the picker breaks the tie at random: balance is judged over enough groups to hold for every draw (8 groups
+    # put 5 on one endpoint in ~11% of draws, which failed this test; 32 put 16 on one in < 0.4%).
     with Gateway(tmp_path, cache, [["--backend", "sim"]] * 4) as gw:
         rng = random.Random(3)
-        systems = ["".join(rng.choice("abcdefgh ") for _ in range(3000)) for _ in range(8)]
-        order = [g for g in range(8) for _ in range(6)]
+        systems = ["".join(rng.choice("abcdefgh ") for _ in range(1000)) for _ in range(32)]
+        order = [g for g in range(32) for _ in range(3)]
         rng.shuffle(order)
         home: dict[int, str] = {}
         repeats = same = 0
