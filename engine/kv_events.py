@@ -30,7 +30,7 @@ exactly the table's keys.
 
 What travels is vLLM's schema and nothing more. It holds tenant data: `token_ids` (every cached prompt) and the
 first block's `extra_keys` = [cache_salt]. Both stay: the EPP hashes token ids as it hashes incoming prompts,
-and keys the chain's root by the salt (epp/kv_events/index.py root_hash), so salted tenants never share a
+and keys the chain's root by the salt (epp/prefix/hashing.py root_hash), so salted tenants never share a
 prefix in its index either; vLLM sends the salt there for the same reason. Who may read the stream is the
 NetworkPolicy's job (operator/network_policy.py; README, Security). A step's batch is cut to at most
 `max_batch_bytes` encoded (`split_batch`: runs of blocks and of removals cut apart, each part chained to the

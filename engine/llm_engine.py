@@ -132,7 +132,6 @@ class LLMEngine:
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             lora=self.lora,
@@ -145,6 +144,7 @@ class LLMEngine:
         # requests whose constraint was refused, for take_failures.
         self._grammar_builds: dict[str, tuple[concurrent.futures.Future, list]] = {}
         self._grammar_failures: list[tuple[str, Exception]] = []
+        self._scheduling_failures: list = []  # (request, error) from SchedulerOutput.failed, for take_failures
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else (
@@ -295,11 +295,11 @@ class LLMEngine:
         """Requests the engine ended with an error while scheduling: (request id, error), each request once, its
         other samples aborted. Callers report them (the server as an error answer, LLM.generate by raising)."""
         failures, self._grammar_failures = self._grammar_failures, []
-        for child, exc in self.scheduler.failed:
+        scheduling, self._scheduling_failures = self._scheduling_failures, []
+        for child, exc in scheduling:
             record = self._children.get(child.request_id)
             if record is not None and self.abort_request(record.parent_id):
                 failures.append((record.parent_id, exc))
-        self.scheduler.failed.clear()
         return failures
 
     def has_unfinished_requests(self) -> bool:
@@ -321,6 +321,7 @@ class LLMEngine:
         if self._queued is not None and not overlap:
             outputs = self._take(final_only)
         out = self.scheduler.schedule()
+        self._scheduling_failures += out.failed
         if out.is_empty:
             if self._queued is not None:  # nothing new (the rest ends with the queued step): take its tokens
                 outputs = self._take(final_only)

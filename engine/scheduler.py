@@ -68,6 +68,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     lora_slots: dict[int, int] = field(default_factory=dict)  # adapter id -> runner slot, for this step's batch
+    # Requests ended with an error while scheduling (an adapter whose files could not be read again): the engine
+    # reports them to their callers (LLMEngine.take_failures).
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -78,43 +81,62 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class WaitingQueue:
-    """FCFS (preempted requests go back to the front) or by (priority, arrival)."""
+class FCFSQueue:
+    """First come, first served; a preempted request goes back to the front."""
 
-    def __init__(self, policy: str) -> None:
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"unknown scheduling policy {policy!r} (fcfs or priority)")
-        self.policy = policy
+    def __init__(self) -> None:
         self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = itertools.count()
 
     def add(self, request: Request, front: bool = False) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._seq), request))
-        elif front:
+        if front:
             self._fifo.appendleft(request)
         else:
             self._fifo.append(request)
 
     def peek(self) -> Request:
-        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+        return self._fifo[0]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+        return self._fifo.popleft()
 
     def remove(self, request: Request) -> None:
-        if self.policy == "priority":
-            self._heap = [e for e in self._heap if e[3] is not request]
-            heapq.heapify(self._heap)
-        else:
-            self._fifo.remove(request)
+        self._fifo.remove(request)
 
     def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+        return len(self._fifo)
 
     def __iter__(self):
-        return (e[3] for e in self._heap) if self.policy == "priority" else iter(self._fifo)
+        return iter(self._fifo)
+
+
+class PriorityQueue:
+    """By (priority, arrival): a lower priority value is served first (vLLM's convention); ties in arrival order."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def add(self, request: Request, front: bool = False) -> None:  # a preempted request keeps its place by key
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._seq), request))
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [e for e in self._heap if e[3] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (e[3] for e in self._heap)
+
+
+WAITING_QUEUES = {"fcfs": FCFSQueue, "priority": PriorityQueue}
 
 
 class Scheduler:
@@ -123,7 +145,6 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         lora: LoRAManager | None = None,
@@ -132,18 +153,16 @@ class Scheduler:
         self.lora = lora  # with LoRA on: a waiting request is admitted only once its adapter holds a slot
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        if policy not in WAITING_QUEUES:
+            raise ValueError(f"unknown scheduling policy {policy!r} (fcfs or priority)")
         self.policy = policy
-        self.waiting = WaitingQueue(policy)
+        self.waiting = WAITING_QUEUES[policy]()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_prefill_tokens_pending = 0  # sum of prefill_tokens_pending() over waiting + running
         self.num_host_bound = 0  # unfinished requests for which samples_from_host_state is true
-        # Requests ended with an error while scheduling (an adapter whose files could not be read again): the
-        # engine reports them to their callers (LLMEngine.take_failures).
-        self.failed: list[tuple[Request, Exception]] = []
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -244,7 +263,7 @@ class Scheduler:
                         request.lora_request, {r.lora_request.lora_int_id for r in self.running if r.lora_request})
                 except LoRAError as exc:  # its host copy was dropped and its folder no longer loads
                     self.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
-                    self.failed.append((request, exc))
+                    out.failed.append((request, exc))
                     continue
                 if slot is None:
                     skipped.append(self.waiting.pop())

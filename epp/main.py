@@ -16,8 +16,9 @@ UPSTREAM_HEALTH_SERVICE = "inference-extension"
 READINESS_SERVICES = ("readiness", EXT_PROC_SERVICE, UPSTREAM_HEALTH_SERVICE, "")
 
 
-def parse_duration(text: str) -> float:
-    """'50ms', '2s', '1m', '0.5' (seconds) -> seconds."""
+def duration_flag(text: str) -> float:
+    """A flag's duration: '50ms', '2s', '1m', '0.5' (seconds) -> seconds, 0 allowed (the config file's Go-style
+    durations are scheduling.config.parse_duration, positive only)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 50ms, 2s)")
@@ -25,7 +26,7 @@ def parse_duration(text: str) -> float:
 
 
 def index_bytes(text: str) -> int:
-    from kvgate.epp.scheduling.plugins.prefix_cache_scorer import MIN_INDEX_BYTES
+    from kvgate.epp.prefix.approx_index import MIN_INDEX_BYTES
 
     value = int(text)
     if value < MIN_INDEX_BYTES:
@@ -41,7 +42,7 @@ def port_number(text: str) -> int:
 
 def kv_events_endpoint(text: str) -> tuple[str, object]:
     """--kv-events-endpoint ENDPOINT=PUB[,REPLAY] → (endpoint address, its EventSource)."""
-    from kvgate.epp.kv_events.subscriber import parse_event_endpoint
+    from kvgate.epp.kv_events.sources import parse_event_endpoint
 
     try:
         source = parse_event_endpoint(text)
@@ -98,14 +99,14 @@ def add_epp_parser(sub) -> None:
     p.add_argument("--config-text", help="the EndpointPickerConfig YAML itself, instead of --config-file")
     p.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
                    help="larger request bodies are answered 413 without being buffered (default 16 MiB)")
-    p.add_argument("--shutdown-timeout", type=parse_duration, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+    p.add_argument("--shutdown-timeout", type=duration_flag, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="on SIGTERM, seconds the streams in flight may take to finish before they are cut "
                         "(their response bodies pass through the EPP); new streams go elsewhere at once")
     p.add_argument("--drain-health", choices=("not-serving", "serving"), default="not-serving",
                    help="what the health service answers while draining: not-serving (default) for gateways that "
                         "address this EPP directly; serving behind a Service, whose one address must stay healthy")
-    p.add_argument("--refresh-metrics-interval", type=parse_duration, default=0.05)
-    p.add_argument("--metrics-staleness-threshold", type=parse_duration, default=2.0)
+    p.add_argument("--refresh-metrics-interval", type=duration_flag, default=0.05)
+    p.add_argument("--metrics-staleness-threshold", type=duration_flag, default=2.0)
     p.add_argument("--saturation-queue-depth", type=int, default=None,
                    help="an endpoint with this many waiting requests counts as saturated "
                         "(default: the config file's saturationDetector, else 5)")
@@ -274,7 +275,7 @@ def start_precise_prefix(scheduler, args: argparse.Namespace) -> list:
 def set_event_sources(plugins: list, endpoints, args: argparse.Namespace) -> None:
     if not plugins:
         return
-    from kvgate.epp.kv_events.subscriber import event_source
+    from kvgate.epp.kv_events.sources import event_source
 
     explicit = dict(args.kv_events_endpoint)
     sources = [s for s in (explicit[e.address].with_topic(args.kv_events_topic) if e.address in explicit else

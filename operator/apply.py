@@ -15,8 +15,8 @@ absent or the operator's own for the same owner (naming.takeover_refusal: manage
 reference); `delete` refuses objects without the managed-by label. Callers turn NameConflict into a status
 condition. That guard is the operator's: another client of this layer that owns what it writes by its own field
 manager (the conformance suite, which applies and deletes upstream's manifests) turns it off
-(`guard_ownership=False`). (An object created in the milliseconds between the read and the apply is not caught: Kubernetes
-has no "create only" form of apply.)
+(`guard_ownership=False`). (An object created in the milliseconds between the read and the apply is not caught:
+Kubernetes has no "create only" form of apply.)
 """
 
 from __future__ import annotations
@@ -74,6 +74,19 @@ def _kinds() -> dict[tuple[str, str], Kind]:
 
 
 KINDS = _kinds()
+# The kinds the reconcilers read and write, by name.
+MODELSERVER = KINDS[("kvgate.dev/v1alpha1", "ModelServer")]
+POOL = KINDS[("inference.networking.k8s.io/v1", "InferencePool")]
+GATEWAYCLASS = KINDS[("gateway.networking.k8s.io/v1", "GatewayClass")]
+GATEWAY = KINDS[("gateway.networking.k8s.io/v1", "Gateway")]
+HTTPROUTE = KINDS[("gateway.networking.k8s.io/v1", "HTTPRoute")]
+REFERENCEGRANT = KINDS[("gateway.networking.k8s.io/v1beta1", "ReferenceGrant")]
+DEPLOYMENT = KINDS[("apps/v1", "Deployment")]
+SERVICE = KINDS[("v1", "Service")]
+CONFIGMAP = KINDS[("v1", "ConfigMap")]
+POD = KINDS[("v1", "Pod")]
+NAMESPACE = KINDS[("v1", "Namespace")]
+NETWORKPOLICY = KINDS[("networking.k8s.io/v1", "NetworkPolicy")]
 
 
 def kind_of(api_version: str, kind: str) -> Kind:
@@ -133,7 +146,8 @@ class Kube:
         self.api = api_client if api_client is not None else load_config()
         self.field_manager = field_manager
         self.guard_ownership = guard_ownership  # refuse to take over or delete objects not the operator's
-        self.attempts, self.base_delay_s, self.max_delay_s, self.timeout_s = attempts, base_delay_s, max_delay_s, timeout_s
+        self.attempts, self.base_delay_s, self.max_delay_s = attempts, base_delay_s, max_delay_s
+        self.timeout_s = timeout_s
 
     # --- transport ------------------------------------------------------------------------------------------
     def _once(self, method: str, path: str, body, query: list, content_type: str | None):
@@ -218,7 +232,8 @@ class Kube:
                            content_type="application/apply-patch+yaml")
         if before is None:
             log.info("created %s", describe(obj))
-        elif (before.get("metadata") or {}).get("resourceVersion") != (out.get("metadata") or {}).get("resourceVersion"):
+        elif ((before.get("metadata") or {}).get("resourceVersion")
+              != (out.get("metadata") or {}).get("resourceVersion")):
             log.info("updated %s", describe(obj))
         return out
 

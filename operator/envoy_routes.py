@@ -242,12 +242,13 @@ def static_bootstrap(files: dict[str, dict]) -> dict:
     inline route tables also check that every cluster a route names exists (`validate_clusters`)."""
     bootstrap = copy.deepcopy(files[BOOTSTRAP_FILE])
     bootstrap.pop("dynamic_resources", None)
-    for listener in bootstrap["static_resources"]["listeners"]:
-        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    for listener_doc in bootstrap["static_resources"]["listeners"]:  # (`listener` is envoy_config's builder)
+        hcm = listener_doc["filter_chains"][0]["filters"][0]["typed_config"]
         rds = hcm.pop("rds")
         (route_config,) = files[file_name(rds["config_source"]["path_config_source"]["path"])]["resources"]
         hcm["route_config"] = {**_untyped(route_config), "validate_clusters": True}
-    bootstrap["static_resources"]["clusters"] = [_static_cluster(_untyped(c), files) for c in files[CDS_FILE]["resources"]]
+    bootstrap["static_resources"]["clusters"] = [_static_cluster(_untyped(c), files)
+                                                 for c in files[CDS_FILE]["resources"]]
     return bootstrap
 
 

@@ -153,7 +153,7 @@ def _pool_limits(pool: dict) -> tuple[CircuitBreakers, float | None]:
         value = str(annotations.get(key, ""))
         if value.isdigit() and int(value) > 0:
             breakers[name] = int(value)
-    return CircuitBreakers(**breakers), parse_duration(annotations.get(STREAM_IDLE_ANNOTATION))
+    return CircuitBreakers(**breakers), parse_gateway_duration(annotations.get(STREAM_IDLE_ANNOTATION))
 
 
 def pool_backend(pool: dict, services: dict[tuple[str, str], dict], endpoints: list[str],
@@ -179,8 +179,9 @@ _DURATION_PART = re.compile(r"([0-9]+)(h|ms|m|s)")
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 
 
-def parse_duration(value) -> float | None:
-    """A Gateway API duration ("10s", "1h30m", "500ms") in seconds; None when unset or not one."""
+def parse_gateway_duration(value) -> float | None:
+    """A Gateway API duration ("10s", "1h30m", "500ms") in seconds; None when unset or not one, so that a bad
+    value keeps kvgate's default. (The EPP config's parse_duration takes Go durations and numbers, and raises.)"""
     if not isinstance(value, str) or not _DURATION.match(value):
         return None
     return sum(int(n) * _UNIT_S[unit] for n, unit in _DURATION_PART.findall(value))
@@ -189,7 +190,8 @@ def parse_duration(value) -> float | None:
 def rule_timeouts(rule: dict) -> RouteTimeouts:
     """An HTTPRoute rule's `timeouts` (request, backendRequest), else kvgate's defaults (RouteTimeouts)."""
     timeouts = rule.get("timeouts") or {}
-    request, backend = parse_duration(timeouts.get("request")), parse_duration(timeouts.get("backendRequest"))
+    request = parse_gateway_duration(timeouts.get("request"))
+    backend = parse_gateway_duration(timeouts.get("backendRequest"))
     default = RouteTimeouts()
     return RouteTimeouts(request_s=default.request_s if request is None else request,
                          backend_request_s=backend if backend else None)  # "0s": no per-try limit
@@ -354,9 +356,10 @@ def _envoy_container(gateway: dict, image: str) -> dict:
     }
 
 
-def config_digest(files: dict[str, str]) -> str:
-    """The pods' config annotation: the bootstrap's digest only. Route tables and clusters reach a running
-    Envoy through the mounted ConfigMap; a bootstrap change (listener ports) needs new pods."""
+def envoy_bootstrap_digest(files: dict[str, str]) -> str:
+    """The Envoy pods' config annotation: the digest of the bootstrap among the rendered `files`, only. Route
+    tables and clusters reach a running Envoy through the mounted ConfigMap; a bootstrap change (listener ports)
+    needs new pods."""
     return hashlib.sha256(files[BOOTSTRAP_FILE].encode()).hexdigest()[:16]
 
 
@@ -402,7 +405,8 @@ def retain_retired_clusters(rendered_config: dict[str, dict], previous_config_ma
 
 
 def _eds_file_of(cluster: dict) -> str | None:
-    path = (((cluster.get("eds_cluster_config") or {}).get("eds_config") or {}).get("path_config_source") or {}).get("path")
+    eds_config = (cluster.get("eds_cluster_config") or {}).get("eds_config") or {}
+    path = (eds_config.get("path_config_source") or {}).get("path")
     return file_name(path) if isinstance(path, str) else None
 
 
@@ -417,7 +421,7 @@ def desired_envoy_objects(gateway: dict, rendered_config: dict[str, dict], image
     rendered_config, retired = retain_retired_clusters(rendered_config, previous_config_map,
                                                        time.time() if now is None else now)
     files = {file: _config_text(doc) for file, doc in sorted(rendered_config.items())}
-    digest = config_digest(files)
+    digest = envoy_bootstrap_digest(files)
     annotations = {RETIRED_ANNOTATION: json.dumps(retired, sort_keys=True)} if retired else None
     config_map = {"apiVersion": "v1", "kind": "ConfigMap",
                   "metadata": naming.object_meta(name, gateway, labels, annotations), "data": files}

@@ -1,7 +1,8 @@
 """`kvgate operator`: the kopf-based operator for ModelServers, InferencePools and Gateways of class kvgate.
 
 Runs in-process with kopf (standalone: no peering objects), against the in-cluster service account or
-$KUBECONFIG. What it does is in handlers.py; how objects are built is in modelserver.py, pool.py, gateway.py.
+$KUBECONFIG. What it watches is in watches.py, how it reconciles in reconciler.py (one *_reconciler.py per kind);
+how objects are built is in modelserver.py, pool.py, gateway.py.
 """
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
     from kvgate.operator.apply import Kube
-    from kvgate.operator.handlers import OperatorConfig, Reconciler, register
+    from kvgate.operator.config import OperatorConfig
+    from kvgate.operator.reconciler import Reconciler
     from kvgate.operator.tenancy import TenantPolicy
+    from kvgate.operator.watches import register
 
     if getattr(args, "log_level", "warning") == "warning":  # the CLI's quiet default: an operator says what it does
         logging.getLogger("kvgate.operator").setLevel(logging.INFO)

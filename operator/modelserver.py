@@ -300,13 +300,14 @@ STARTUP_LIMIT_S = 1800  # the longest a model may take to load before the contai
 
 def _probes(port_name: str) -> dict:
     # Startup and readiness are GET /health: 503 until the model is loaded, 200 while the engine serves, 503
-    # once the engine loop died or a drain began. Liveness is GET /live, 503 only once the loop died. The startup probe holds liveness off during a model load (up to
-    # STARTUP_LIMIT_S), probed every second so a new replica is checked for readiness as soon as it is up.
+    # once the engine loop died or a drain began. Liveness is GET /live, 503 only once the loop died. The startup
+    # probe holds liveness off during a model load (up to STARTUP_LIMIT_S), probed every second so a new replica is
+    # checked for readiness as soon as it is up.
     # Readiness every second (a /health answer costs microseconds): a replica joins the pool as soon as it is
     # up (scale-up 2 -> 4 on the e2e rig: 11.0 s with 5 s probes) and leaves it within ~3 s of turning 503.
     # Liveness restarts a container whose engine loop died (and which was told to stay up) within ~30 s (6
-    # failures, 5 s apart) and tolerates /live being slow for ~25 s (a slow step starving the server). No gRPC probes: the e2e rig
-    # runs Kubernetes 1.20.
+    # failures, 5 s apart) and tolerates /live being slow for ~25 s (a slow step starving the server). No gRPC
+    # probes: the e2e rig runs Kubernetes 1.20.
     health = {"httpGet": {"path": "/health", "port": port_name}}
     return {
         "startupProbe": {**health, "periodSeconds": 1, "timeoutSeconds": 2, "failureThreshold": STARTUP_LIMIT_S},

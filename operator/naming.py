@@ -2,7 +2,7 @@
 
 Every object the operator creates carries `app.kubernetes.io/managed-by: kvgate-operator` and an owner
 reference to the resource it was made for, so that deleting that resource garbage-collects it and so that
-the operator can tell its own objects from a user's.
+the operator can tell its own objects from a user's (is_managed, is_owned_by, takeover_refusal).
 """
 
 from __future__ import annotations
@@ -97,6 +97,11 @@ def object_meta(name: str, owner: dict, labels: dict[str, str], annotations: dic
 
 def is_managed(obj: dict | None) -> bool:
     return bool(obj) and ((obj.get("metadata") or {}).get("labels") or {}).get(MANAGED_BY_KEY) == MANAGED_BY
+
+
+def is_deleting(obj: dict | None) -> bool:
+    """Whether `obj` is being deleted (a deletionTimestamp): the reconcilers treat it as gone."""
+    return bool(obj) and bool((obj.get("metadata") or {}).get("deletionTimestamp"))
 
 
 def is_owned_by(obj: dict | None, owner: dict) -> bool:

@@ -181,7 +181,8 @@ def desired_network_policy(pool: dict, gateways: list[dict], metrics_from: Itera
     ext_proc_from = [gateway_peer(g, ns) for g in gateways] + extra[INGRESS_FROM_ANNOTATION]
     policy = {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": naming.object_meta(naming.epp_name(pool), pool, naming.component_labels("epp", naming.name_of(pool))),
+        "metadata": naming.object_meta(naming.epp_name(pool), pool,
+                                       naming.component_labels("epp", naming.name_of(pool))),
         "spec": {
             "podSelector": {"matchLabels": naming.selector_labels("epp", naming.name_of(pool))},
             "policyTypes": ["Ingress"],

@@ -25,9 +25,11 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, ConfigError, parse_config
+from kvgate.epp.scheduling.config import (DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, ConfigError, EppConfig,
+                                          parse_config)
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.modelserver import DEFAULT_MODEL, kv_events_ports, model_volume
@@ -168,7 +170,8 @@ def _epp_container(pool: dict, image: str, behind_service: bool, tokenizer: "Epp
     }
 
 
-def config_digest(config_yaml: str) -> str:
+def epp_config_digest(config_yaml: str) -> str:
+    """The EPP pods' config annotation, and the digest its status names: of the EndpointPickerConfig's text."""
     return hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
 
 
@@ -176,7 +179,7 @@ def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool, 
     name = naming.epp_name(pool)
     selector = naming.selector_labels("epp", naming.name_of(pool))
     # The EPP reads its config file once: a changed config must roll the pods, hence its digest on the template.
-    pod_annotations = {"kvgate.dev/config-digest": config_digest(config_yaml),
+    pod_annotations = {"kvgate.dev/config-digest": epp_config_digest(config_yaml),
                        "prometheus.io/scrape": "true", "prometheus.io/port": str(naming.EPP_METRICS_PORT)}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
@@ -248,7 +251,14 @@ def desired_epp_objects(pool: dict, image: str, config_yaml: str | None = None, 
     the Gateways reach the EPP through its Service (not by pod IP). `tokenizer`: `epp_tokenizer`'s answer."""
     if epp_problems(pool, config_yaml):
         return []
-    config_yaml = config_yaml if config_yaml is not None else DEFAULT_EPP_CONFIG
+    return render_epp_objects(pool, image, config_yaml if config_yaml is not None else DEFAULT_EPP_CONFIG,
+                              behind_service, tokenizer)
+
+
+def render_epp_objects(pool: dict, image: str, config_yaml: str, behind_service: bool = True,
+                       tokenizer: "EppTokenizer | None" = None) -> list[dict]:
+    """desired_epp_objects without its checks, for a caller that made them already: a pool without
+    `epp_problems(pool, None)` and a config that parses (the reconciler parses each config once)."""
     return [_service_account(pool), _role(pool), _role_binding(pool), _config_map(pool, config_yaml),
             _deployment(pool, image, config_yaml, behind_service, tokenizer or EppTokenizer()), _service(pool)]
 
@@ -270,15 +280,20 @@ class EppTokenizer(NamedTuple):
 
 
 def epp_tokenizer(config_yaml: str | None, pool: dict, modelservers: list[dict]) -> EppTokenizer:
+    """epp_tokenizer_for_config of the config `config_yaml` (None: no config, no tokenizer)."""
+    return epp_tokenizer_for_config(None if config_yaml is None else parse_config(config_yaml), pool, modelservers)
+
+
+def epp_tokenizer_for_config(config: EppConfig | None, pool: dict, modelservers: list[dict]) -> EppTokenizer:
     """The tokenizer the pool's EPP needs: only a config with a precise-prefix-cache-scorer that names no
     `tokenizer` of its own needs one (every other scorer works on text, and the EPP then mounts nothing of the
     model: least privilege). It is the tokenizer of the model the pool's ModelServers load from a volume
     (pvc, hostPath or image; a PVC must allow a second, read-only reader — ReadOnlyMany or an image volume).
     ModelServers that load different models leave the EPP without one, with a problem saying so: one tokenizer
     cannot match two models, and a wrong one would only make every lookup miss."""
-    if config_yaml is None:
+    if config is None:
         return EppTokenizer()
-    scorers = [p for p in parse_config(config_yaml).scheduler.plugins.values()
+    scorers = [p for p in config.scheduler.plugins.values()
                if p.type_name == PRECISE_SCORER and getattr(p, "tokenizer_path", None) is None]
     if not scorers:
         return EppTokenizer()
@@ -334,22 +349,25 @@ def referenced_config_name(pool: dict) -> str | None:
     return ref[0] if ref else None
 
 
-class ConfigChoice(NamedTuple):
+@dataclass(frozen=True)
+class ConfigChoice:
     config_yaml: str | None  # what the EPP is to run; None: nothing usable, so no EPP is made or changed
     source: str  # where it comes from, for the status
     problem: dict | None  # {reason, message} when the pool's config reference or its config is unusable
+    # config_yaml parsed (None with it), so that a reconcile parses it once; derived from it, so not compared.
+    parsed: EppConfig | None = field(default=None, compare=False, repr=False)
 
 
-def _last_good(pool: dict, current: dict | None) -> str | None:
-    """The config in the EPP's own ConfigMap (the last one rolled out) when it is the operator's and parses."""
+def _last_good(pool: dict, current: dict | None) -> tuple[str | None, EppConfig | None]:
+    """The config in the EPP's own ConfigMap (the last one rolled out), and its parse, when it is the
+    operator's and parses; else (None, None)."""
     if not (naming.is_managed(current) and naming.is_owned_by(current, pool)):
-        return None
+        return None, None
     text = (current.get("data") or {}).get(CONFIG_KEY)
     try:
-        parse_config(text or "", source="the EPP's ConfigMap")
+        return text, parse_config(text or "", source="the EPP's ConfigMap")
     except ConfigError:
-        return None
-    return text
+        return None, None
 
 
 def returns_lists(epp_config_map: dict | None, pool: dict) -> bool:
@@ -357,10 +375,8 @@ def returns_lists(epp_config_map: dict | None, pool: dict) -> bool:
     endpoints (its primary picker's maxNumOfEndpoints > 1): the Gateways then route the pool through
     override_host, whose retries walk the list. False for an EPP that is not the operator's (its config is not
     known here: upstream's default answers one endpoint)."""
-    text = _last_good(pool, epp_config_map)
-    if text is None:
-        return False
-    return parse_config(text).returns_lists
+    _, config = _last_good(pool, epp_config_map)
+    return config is not None and config.returns_lists
 
 
 def pool_modelservers(pool: dict, modelservers: list[dict]) -> list[dict]:
@@ -377,8 +393,8 @@ def default_epp_config(pool: dict, modelservers: list[dict]) -> ConfigChoice:
     members = pool_modelservers(pool, modelservers)
     if members and all(kv_events_ports(ms.get("spec") or {}) for ms in members):  # the sockets the EPP reads
         return ConfigChoice(KVGATE_EPP_CONFIG, "kvgate's profile (every ModelServer of the pool publishes KV events)",
-                            None)
-    return ConfigChoice(DEFAULT_EPP_CONFIG, "the default EndpointPickerConfig", None)
+                            None, parse_config(KVGATE_EPP_CONFIG))
+    return ConfigChoice(DEFAULT_EPP_CONFIG, "the default EndpointPickerConfig", None, parse_config(DEFAULT_EPP_CONFIG))
 
 
 def choose_epp_config(pool: dict, referenced: dict | None, current: dict | None,
@@ -404,14 +420,15 @@ def choose_epp_config(pool: dict, referenced: dict | None, current: dict | None,
                      f"ConfigMap {name!r} has no key {key!r} (keys: {', '.join(sorted(data)) or 'none'})")
     source = f"ConfigMap {name!r} key {key!r}"
     try:
-        parse_config(data[key], source=source)
+        parsed = parse_config(data[key], source=source)
     except ConfigError as exc:
         return _keep(pool, current, "InvalidConfig", str(exc))
-    return ConfigChoice(data[key], f"the EndpointPickerConfig of {source}", None)
+    return ConfigChoice(data[key], f"the EndpointPickerConfig of {source}", None, parsed)
 
 
 def _keep(pool: dict, current: dict | None, reason: str, message: str) -> ConfigChoice:
-    return ConfigChoice(_last_good(pool, current), "its last good config", {"reason": reason, "message": message})
+    text, parsed = _last_good(pool, current)
+    return ConfigChoice(text, "its last good config", {"reason": reason, "message": message}, parsed)
 
 
 def running_note(choice: ConfigChoice, rolled_out: bool) -> str:
@@ -419,7 +436,7 @@ def running_note(choice: ConfigChoice, rolled_out: bool) -> str:
     if not rolled_out or choice.config_yaml is None:
         return "The EPP is not created or updated until this is fixed."
     verb = "keeps" if choice.problem else "runs"
-    return f"The EPP {verb} {choice.source} (config digest {config_digest(choice.config_yaml)})."
+    return f"The EPP {verb} {choice.source} (config digest {epp_config_digest(choice.config_yaml)})."
 
 
 def epp_pool_status(pool: dict, problems: list[dict], running: str, now: str | None = None) -> dict:

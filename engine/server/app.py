@@ -40,6 +40,8 @@ from kvgate.engine.server.protocol import (ChatCompletionRequest, CompletionRequ
                                            LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
                                            error_body)
 from kvgate.engine.server.render import generate_request
+from kvgate.engine.server.serving_chat import OpenAIServingChat
+from kvgate.engine.server.serving_completion import OpenAIServingCompletion
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +152,9 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
     `tool_parser`: the tool-call parser that serves `tool_choice: auto` (None: auto is refused)."""
     limits = limits or RequestLimits()
     metrics = ServerMetrics(llm, served_model_name)
-    serving = OpenAIServing(llm, served_model_name, metrics, limits, tool_parser)
+    serving = OpenAIServing(llm, served_model_name, metrics, limits)  # shared: one admission for both APIs
+    serving_completion = OpenAIServingCompletion(serving)
+    serving_chat = OpenAIServingChat(serving, tool_parser)
     llm.on_dead = on_fatal
 
     @contextlib.asynccontextmanager
@@ -347,31 +351,31 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
     @app.post("/v1/completions/render")
     async def render_completions(req: CompletionRequest):
         require_ready()
-        prompts, params = await serving.render_completion(req)  # each prompt < max_model_len tokens
+        prompts, params = await serving_completion.render(req)  # each prompt < max_model_len tokens
         return await json_off_loop([generate_request("cmpl", ids, p, req) for ids, p in zip(prompts, params)],
                                    "prompt")
 
     @app.post("/v1/chat/completions/render")
     async def render_chat_completions(req: ChatCompletionRequest):
         require_ready()
-        ids, params = await serving.render_chat(req)
+        ids, params = await serving_chat.render(req)
         return await json_off_loop(generate_request("chatcmpl", ids, params, req), "messages")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         require_ready()
-        prep = await serving.prepare_completion(req)
+        prep = await serving_completion.prepare(req)
         if req.stream:
-            return _stream(serving.completion_stream(req, prep), prep)
-        return await _unless_disconnected(raw, serving.completion(req, prep), prep)
+            return _stream(serving_completion.stream(req, prep), prep)
+        return await _unless_disconnected(raw, serving_completion.response(req, prep), prep)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         require_ready()
-        prep = await serving.prepare_chat(req)
+        prep = await serving_chat.prepare(req)
         if req.stream:
-            return _stream(serving.chat_stream(req, prep), prep)
-        return await _unless_disconnected(raw, serving.chat(req, prep), prep)
+            return _stream(serving_chat.stream(req, prep), prep)
+        return await _unless_disconnected(raw, serving_chat.response(req, prep), prep)
 
     def drain(shutdown_timeout: float, then: Callable[[], None]) -> None:
         """SIGTERM: refuse new requests (503) and fail /health at once; let running requests finish for up to

@@ -1,22 +1,20 @@
-"""OpenAI completions and chat completions over AsyncLLM: validation, prompts, responses and SSE streams.
+"""The shared base of the OpenAI APIs (serving_completion.py, serving_chat.py): admission, limits, model check,
+prompt encoding, sampling parameters and the run/collect loop over AsyncLLM; with the errors and SSE framing both
+APIs answer with.
 
 Every request is checked against the server's RequestLimits before anything reaches the engine, and its
-prompts are tokenized (chat: rendered) in a small thread pool under a time bound, so neither a large prompt
-nor a slow template stalls the event loop that serves every other stream. Chat templates come from the
-model only: a template in the request (`chat_template`, or inside `chat_template_kwargs`) is refused unless
-the server trusts request templates (vLLM's `--trust-request-chat-template`), and only the keyword
-arguments the model's template actually reads are passed on (as vLLM does).
+prompts are tokenized (chat: rendered, chat_template.py) in a small thread pool under a time bound, so neither a
+large prompt nor a slow template stalls the event loop that serves every other stream. One instance serves both
+APIs: admission (requests queued, requests open, draining) counts them together.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,10 +25,10 @@ from kvgate.engine.errors import EngineDeadError, EngineError, InvalidRequestErr
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.server import chat_template
 from kvgate.engine.server.limits import RequestLimits
 from kvgate.engine.server.metrics import RequestTracker, ServerMetrics
-from kvgate.engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from kvgate.engine.server import tool_calls
+from kvgate.engine.server.protocol import ChatCompletionRequest, SamplingFields
 from kvgate.engine.server.structured_outputs import structured_outputs_params
 from kvgate.engine.structured_output import StructuredOutputManager
 
@@ -47,21 +45,6 @@ class ShuttingDown(Exception):
     """The server is draining (SIGTERM): running requests finish, new ones are refused with 503."""
 
 
-# chat_template_kwargs a request may never set: they would replace the template or change the call itself.
-_FORBIDDEN_TEMPLATE_KWARGS = ("chat_template", "tokenize")
-# Names the server itself passes to the template.
-_SERVER_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt"})
-
-
-@functools.lru_cache(maxsize=8)
-def _template_variables(template: str) -> frozenset[str]:
-    """The variables a Jinja template reads (parsed once per template; never rendered here)."""
-    import jinja2
-    import jinja2.meta
-
-    return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template)))
-
-
 def stream_error(exc: Exception) -> dict:
     """The SSE error event for an error met after a stream's headers were sent (OpenAI's error shape)."""
     if isinstance(exc, InvalidRequestError):
@@ -76,6 +59,14 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def usage(prompts: list[list[int]], completion_tokens: int, cached: dict) -> dict:
+    """A response's `usage`; `cached`: {prompt index: its prompt tokens found in the prefix cache}."""
+    prompt_tokens = sum(map(len, prompts))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+
+
 @dataclass
 class Prepared:
     """A validated request: its prompts, per-prompt parameters and its accounting (opened on admission)."""
@@ -87,9 +78,8 @@ class Prepared:
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_name: str, metrics: ServerMetrics,
-                 limits: RequestLimits | None = None, tool_parser: str | None = None) -> None:
+                 limits: RequestLimits | None = None) -> None:
         self.llm = llm
-        self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice: tool_choice auto
         self.model_name = served_model_name
         self.metrics = metrics
         self.limits = limits or RequestLimits()
@@ -194,7 +184,8 @@ class OpenAIServing:
             raise InvalidRequestError(f"{param} must be in [0, {self.limits.max_logprobs}] (--max-logprobs), "
                                       f"got {value}", param=param)
 
-    def _admit(self, prompts: list[list[int]], params: list[SamplingParams], n: int) -> Prepared:
+    def admit(self, prompts: list[list[int]], params: list[SamplingParams], n: int) -> Prepared:
+        """Count a checked request in (503 when draining, dead or full); its tracker's close counts it out."""
         self.check_accepting()
         samples = len(prompts) * n
         self.check_capacity(samples)
@@ -208,19 +199,6 @@ class OpenAIServing:
         return Prepared(prompts, params, self.metrics.track(sum(map(len, prompts)), samples, on_close=release))
 
     # -- prompts and parameters -------------------------------------------------------------------
-
-    @staticmethod
-    def completion_prompt_list(req: CompletionRequest) -> list:
-        p = req.prompt
-        if isinstance(p, str):
-            prompts = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [p]
-        else:
-            prompts = list(p)
-        if not prompts:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        return prompts
 
     def refuse_over_long(self, text: str, special: bool = True, param: str = "prompt") -> None:
         """A 400 for a text of at least max_model_len tokens, found by tokenizing only as much of it as that
@@ -268,74 +246,15 @@ class OpenAIServing:
             out.append(ids)
         return out
 
-    def template_kwargs(self, chat_template: str | None, kwargs: dict | None) -> dict:
+    def template_kwargs(self, chat_template_text: str | None, kwargs: dict | None) -> dict:
         """What a request may pass to the chat template (checked on the event loop: cheap)."""
-        kwargs = dict(kwargs or {})
-        if "tokenize" in kwargs:
-            raise InvalidRequestError("chat_template_kwargs may not set tokenize", param="chat_template_kwargs")
-        template = chat_template if chat_template is not None else kwargs.pop("chat_template", None)
-        from_request = template is not None
-        if from_request and not self.limits.trust_request_chat_template:
-            raise InvalidRequestError("a chat template was passed with the request, but this server does not "
-                                      "run request templates (--trust-request-chat-template is not set)",
-                                      param="chat_template")
-        kwargs.pop("chat_template", None)
-        tok = self.llm.tokenizer
-        if template is None:
-            template = getattr(tok, "chat_template", None)
-            if isinstance(template, dict):  # named templates: the default one
-                template = template.get("default")
-        if not isinstance(template, str) or not template:
-            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
-        try:
-            reads = _template_variables(template)
-        except Exception as exc:  # noqa: BLE001 - only a trusted request template can be malformed
-            raise InvalidRequestError(f"cannot parse the chat template: {exc}", param="chat_template") from exc
-        passed = {k: v for k, v in kwargs.items() if k in reads and k not in _SERVER_TEMPLATE_VARS}
-        if from_request or template is not getattr(tok, "chat_template", None):
-            passed["chat_template"] = template  # a trusted request template, or the default of named ones
-        return passed
+        return chat_template.template_kwargs(self.llm.tokenizer, chat_template_text, kwargs,
+                                             self.limits.trust_request_chat_template)
 
-    def chat_prompt(self, req: ChatCompletionRequest, template_kwargs: dict | None = None) -> list[int]:
+    def chat_prompt(self, req: ChatCompletionRequest, template_kwargs: dict) -> list[int]:
         """Render and tokenize the conversation (in the pool)."""
-        tok = self.llm.tokenizer
-        if template_kwargs is None:
-            template_kwargs = self.template_kwargs(req.chat_template, req.chat_template_kwargs)
-        messages = []
-        for m in req.messages:
-            content = m.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise InvalidRequestError(f"content part type {part.get('type')!r} is not supported "
-                                                  "(text only)", param="messages")
-                    parts.append(str(part.get("text", "")))
-                content = "".join(parts)
-            message = {"role": m.role, "content": content or ""}
-            extra = m.model_extra or {}
-            for key in ("tool_calls", "tool_call_id", "name"):  # a conversation that used tools before
-                if extra.get(key) is not None:
-                    message[key] = extra[key]
-            messages.append(message)
-        if sum(len(m["content"]) for m in messages) > self.llm.info.max_model_len:  # may be over: render, count
-            try:
-                text = tok.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=req.add_generation_prompt, **template_kwargs)
-            except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
-                raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
-            if isinstance(text, str):  # apply_chat_template(tokenize=True) tokenizes it without special tokens
-                self.refuse_over_long(text, special=False, param="messages")
-        try:
-            ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt,
-                                          **template_kwargs)
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
-            raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        if not ids:
-            raise InvalidRequestError("the conversation renders to an empty prompt", param="messages")
-        return list(ids)
+        return chat_template.chat_prompt(self.llm.tokenizer, req, template_kwargs, self.llm.info.max_model_len,
+                                         self.refuse_over_long)
 
     def sampling_params(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
                         logprobs: int | None, structured_outputs=None) -> SamplingParams:
@@ -372,9 +291,10 @@ class OpenAIServing:
 
     # -- running ----------------------------------------------------------------------------------
 
-    async def _run(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
-                   req: SamplingFields) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of every prompt as they come, tagged with the prompt's index."""
+    async def run(self, request_id: str, req: SamplingFields,
+                  prep: Prepared) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of every prompt as they come, tagged with the prompt's index and counted in its tracker."""
+        prompts, params, tracker = prep.prompts, prep.params, prep.tracker
         arrival = time.monotonic()
         lora = self.check_model(req.model)  # again: an adapter removed since the request was checked is a 404
         streams = [
@@ -384,6 +304,7 @@ class OpenAIServing:
         ]
         if len(streams) == 1:
             async for out in streams[0]:
+                _count(tracker, out)
                 yield 0, out
             return
         q: asyncio.Queue = asyncio.Queue()
@@ -406,59 +327,18 @@ class OpenAIServing:
                 elif isinstance(item, Exception):
                     raise item
                 else:
+                    _count(tracker, item)
                     yield i, item
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _observe(self, tracker: RequestTracker, out: RequestOutput) -> None:
-        for c in out.outputs:
-            tracker.on_tokens(len(c.delta_token_ids))
-            if c.finished:
-                tracker.on_finished_sample(c.finish_reason, out.metrics)
-
-    # -- completions ------------------------------------------------------------------------------
-
-    async def prepare_completion(self, req: CompletionRequest) -> Prepared:
-        self.check_accepting()
-        prompts, params = await self.render_completion(req)
-        return self._admit(prompts, params, req.n)
-
-    async def render_completion(self, req: CompletionRequest) -> tuple[list[list[int]], list[SamplingParams]]:
-        """Every check of /v1/completions and its prompts' token ids and parameters, admitting nothing (what
-        /v1/completions/render returns)."""
-        self.check_model(req.model)
-        if req.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
-        texts = self.completion_prompt_list(req)
-        self.check_request(req, len(texts))
-        self.check_logprobs(req.logprobs, "logprobs")
-        prompts = await self.off_loop(self.encode_prompts, texts)
-        constraint = await self.off_loop(self.constraint, req, None, param="structured_outputs")
-        params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs, constraint) for ids in prompts]
-        return prompts, params
-
-    def _completion_logprobs(self, c, start: int = 0, offset: int = 0) -> dict | None:
-        if c.logprobs is None:
-            return None
-        tokens, token_lps, tops, offsets = [], [], [], []
-        pos = offset
-        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-            text = self.token_text(tid)
-            tokens.append(text)
-            token_lps.append(entry[tid].logprob)
-            tops.append({self.token_text(t): lp.logprob for t, lp in entry.items()})
-            offsets.append(pos)
-            pos += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-    async def _collect(self, rid: str, req: SamplingFields, prep: Prepared) -> tuple[dict, dict]:
+    async def collect(self, rid: str, req: SamplingFields, prep: Prepared) -> tuple[dict, dict]:
         """Run to the end: ({(prompt index, sample index): final output}, {prompt index: cached tokens})."""
         finals, cached = {}, {}
         try:
-            async for i, out in self._run(rid, prep.prompts, prep.params, req):
-                self._observe(prep.tracker, out)
+            async for i, out in self.run(rid, req, prep):
                 cached[i] = out.num_cached_tokens
                 for c in out.outputs:
                     if c.finished:
@@ -467,160 +347,10 @@ class OpenAIServing:
             prep.tracker.close()
         return finals, cached
 
-    async def completion(self, req: CompletionRequest, prep: Prepared) -> dict:
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        prompts = prep.prompts
-        finals, cached = await self._collect(rid, req, prep)
-        n = req.n
-        choices = []
-        for (i, j), c in sorted(finals.items()):
-            choices.append({"index": i * n + j, "text": c.text, "logprobs": self._completion_logprobs(c),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        completion_tokens = sum(len(c.token_ids) for c in finals.values())
-        return {"id": rid, "object": "text_completion", "created": int(time.time()),
-                "model": self.response_model(req),
-                "choices": choices, "usage": self._usage(prompts, completion_tokens, cached)}
 
-    def _usage(self, prompts, completion_tokens: int, cached: dict) -> dict:
-        prompt_tokens = sum(map(len, prompts))
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
-
-    async def completion_stream(self, req: CompletionRequest, prep: Prepared) -> AsyncIterator[str]:
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        prompts, params, tracker = prep.prompts, prep.params, prep.tracker
-        sent_tokens: dict[tuple[int, int], int] = {}
-        offsets: dict[tuple[int, int], int] = {}
-        completion_tokens, cached = 0, {}
-        try:
-            async for i, out in self._run(rid, prompts, params, req):
-                self._observe(tracker, out)
-                cached[i] = out.num_cached_tokens
-                for c in out.outputs:
-                    key = (i, c.index)
-                    start = sent_tokens.get(key, 0)
-                    sent_tokens[key] = len(c.token_ids)
-                    completion_tokens += len(c.token_ids) - start
-                    if not c.delta_text and not c.finished and c.logprobs is None:
-                        continue
-                    lp = self._completion_logprobs(c, start, offsets.get(key, 0))
-                    offsets[key] = offsets.get(key, 0) + len(c.delta_text)
-                    choice = {"index": i * req.n + c.index, "text": c.delta_text, "logprobs": lp,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                    yield sse({"id": rid, "object": "text_completion", "created": created,
-                               "model": self.response_model(req), "choices": [choice]})
-            if req.stream_options and req.stream_options.include_usage:
-                yield sse({"id": rid, "object": "text_completion", "created": created,
-                           "model": self.response_model(req),
-                           "choices": [], "usage": self._usage(prompts, completion_tokens, cached)})
-        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-            yield sse(stream_error(exc))
-        finally:
-            tracker.close()
-        yield sse("[DONE]")
-
-    # -- chat -------------------------------------------------------------------------------------
-
-    async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
-        self.check_accepting()
-        ids, params = await self.render_chat(req)
-        return self._admit([ids], [params], req.n)
-
-    async def render_chat(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
-        """Every check of /v1/chat/completions and the conversation's token ids and parameters, admitting
-        nothing (what /v1/chat/completions/render returns)."""
-        self.check_model(req.model)
-        self.check_request(req)
-        self.check_logprobs(req.top_logprobs, "top_logprobs")
-        top = req.top_logprobs if req.logprobs else None
-        if req.top_logprobs and not req.logprobs:
-            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        template_kwargs = req.chat_template_kwargs
-        if req.tools and req.tool_choice != "none":  # passed on only if the template reads `tools`
-            template_kwargs = {**(template_kwargs or {}), "tools": [t.model_dump(exclude_none=True) for t in req.tools]}
-        kwargs = self.template_kwargs(req.chat_template, template_kwargs)
-        ids = await self.off_loop(self.chat_prompt, req, kwargs, param="messages")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        constraint = await self.off_loop(self.constraint, req, self.tool_parser, param="structured_outputs")
-        params = self.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None, constraint)
-        return ids, params
-
-    def _chat_logprobs(self, c, k: int, start: int = 0) -> dict | None:
-        if c.logprobs is None:
-            return None
-        content = []
-        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-            text = self.token_text(tid)
-            top = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank <= k)
-            content.append({
-                "token": text, "logprob": entry[tid].logprob, "bytes": list(text.encode()),
-                "top_logprobs": [{"token": self.token_text(t), "logprob": v, "bytes": list(self.token_text(t).encode())}
-                                 for _, t, v in top],
-            })
-        return {"content": content}
-
-    async def chat(self, req: ChatCompletionRequest, prep: Prepared) -> dict:
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompts = prep.prompts
-        finals, cached = await self._collect(rid, req, prep)
-        mode = tool_calls.tool_mode(req, self.tool_parser)
-        choices = []
-        for (_, j), c in sorted(finals.items()):
-            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
-            if mode is not None:
-                message, finish_reason = tool_calls.message(mode, c.text, c.finish_reason)
-            choices.append({"index": j, "message": message, "logprobs": self._chat_logprobs(c, req.top_logprobs or 0),
-                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-        completion_tokens = sum(len(c.token_ids) for c in finals.values())
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                "model": self.response_model(req),
-                "choices": choices, "usage": self._usage(prompts, completion_tokens, cached)}
-
-    async def chat_stream(self, req: ChatCompletionRequest, prep: Prepared) -> AsyncIterator[str]:
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        prompts, params, tracker = prep.prompts, prep.params, prep.tracker
-
-        def chunk(choices, **extra):
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": self.response_model(req), "choices": choices, **extra})
-
-        sent: dict[int, int] = {}
-        completion_tokens, cached = 0, {}
-        mode = tool_calls.tool_mode(req, self.tool_parser)
-        tool_streams = {j: tool_calls.ToolCallStream(mode) for j in range(req.n)} if mode is not None else {}
-        try:
-            for j in range(req.n):
-                yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
-            async for i, out in self._run(rid, prompts, params, req):
-                self._observe(tracker, out)
-                cached[i] = out.num_cached_tokens
-                for c in out.outputs:
-                    start = sent.get(c.index, 0)
-                    sent[c.index] = len(c.token_ids)
-                    completion_tokens += len(c.token_ids) - start
-                    if not c.delta_text and not c.finished and c.logprobs is None:
-                        continue
-                    logprobs = self._chat_logprobs(c, req.top_logprobs or 0, start)
-                    if mode is not None:
-                        deltas, finish_reason = tool_streams[c.index].deltas(c.delta_text, c.finish_reason)
-                        if not deltas and finish_reason is None and logprobs is None:
-                            continue  # a required array's text: sent as calls once it ends
-                        for k, delta in enumerate(deltas or [{}]):
-                            last = k == max(len(deltas) - 1, 0)
-                            yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs if last else None,
-                                          "finish_reason": finish_reason if last else None}])
-                        continue
-                    delta = {"content": c.delta_text} if c.delta_text else {}
-                    yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": c.finish_reason}])
-            if req.stream_options and req.stream_options.include_usage:
-                yield chunk([], usage=self._usage(prompts, completion_tokens, cached))
-        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-            yield sse(stream_error(exc))
-        finally:
-            tracker.close()
-        yield sse("[DONE]")
+def _count(tracker: RequestTracker, out: RequestOutput) -> None:
+    """An output's new tokens and finished samples, in its request's metrics."""
+    for c in out.outputs:
+        tracker.on_tokens(len(c.delta_token_ids))
+        if c.finished:
+            tracker.on_finished_sample(c.finish_reason, out.metrics)

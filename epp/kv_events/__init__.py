@@ -1,9 +1,13 @@
 """The EPP's view of what every engine really holds in its KV cache, learned from the engines' KV-cache events.
 
-  decode.py      vLLM's event wire format, both encodings (positional arrays before 2026, maps tagged by `type`)
-  index.py       block index: per endpoint, the blocks it caches, keyed by hashes the EPP computes itself
-  subscriber.py  one background thread: a ZeroMQ SUB per endpoint, sequence tracking, replay on gaps
-  tokenize.py    the pool's tokenizer, loaded in the EPP, so prompts hash like the engine's blocks
+  sources.py        where each endpoint publishes (pod annotations, flags, --kv-events-endpoint)
+  subscriber.py     one background thread: reads every endpoint's sockets, hands index Deltas to the EPP's loop
+  sockets.py        one endpoint's ZeroMQ sockets: SUB (+ connection monitor) and replay DEALER
+  sequencer.py      one endpoint's sequence numbers: apply, hold, ask for a replay on a gap, reset (pure)
+  decode.py         vLLM's event wire format, both encodings (positional arrays before 2026, maps tagged by `type`)
+  engine_hashes.py  one endpoint's engine block hashes → the EPP's, events → Deltas, the shared block budget
+  tokenize.py       the pool's tokenizer, loaded in the EPP, so prompts hash like the engine's blocks
 
-The `precise-prefix-cache-scorer` plugin (epp/scheduling/plugins/precise_prefix_cache_scorer.py) ties them together.
+The index the Deltas change is epp/prefix/precise_index.py; the `precise-prefix-cache-scorer` plugin
+(epp/scheduling/plugins/precise_prefix_cache_scorer.py) ties them together.
 """

@@ -145,7 +145,8 @@ def bench_prefix_match(endpoint_counts=(10, 100, 1000), block_counts=(16, 64, 25
 
     The baseline grows with endpoints × blocks; match_runs stays flat: it walks from the deepest block and stops
     at the first block every holder of block 0 holds, one bitset operation."""
-    from kvgate.epp.scheduling.plugins.prefix_cache_scorer import PrefixIndex, hash_prompt
+    from kvgate.epp.prefix.approx_index import PrefixIndex
+    from kvgate.epp.prefix.hashing import hash_prompt
 
     rng = random.Random(1)
     prompt = synthetic_prompts(1, rng, num_prefixes=1)[0] * 8

@@ -7,7 +7,7 @@
       parameters: {blockSize: 64, maxPrefixBlocksToMatch: 256, lruCapacityPerServer: 31250}
     - type: queue-scorer
     - type: max-score-picker
-    schedulingProfiles:               # the first profile is the primary one
+    schedulingProfiles:               # one: it runs every request
     - name: default
       plugins:
       - pluginRef: queue-scorer
@@ -21,8 +21,9 @@ a profile without a picker gets a max-score-picker.
 Plugins that weigh cache hits against load (scheduling/prefix_match.py NeedsPrefixMatch) are given their
 profile's prefix scorer (the one named by their `prefixScorer` parameter, else the profile's only one).
 Other top-level sections upstream knows (featureGates,
-dataLayer, flowControl, parser, requestHandler) are accepted and ignored. Multiple profiles load, but only the
-first (primary) runs: kvgate has no multi-profile handler (e.g. prefill/decode) yet.
+dataLayer, flowControl, parser, requestHandler) are accepted and ignored. More than one profile is refused, as
+upstream refuses it without a profile handler that runs several: kvgate's only handler is upstream's
+single-profile-handler, so a second profile would be parsed and never run.
 
 Any text at all gives an EppConfig or a one-line ConfigError (the operator puts it in a status condition, `kvgate
 epp` prints it and exits 1): the YAML is read within kvgate.bounded_yaml's limits (1 Mi characters, 64 levels,
@@ -243,11 +244,12 @@ def _build_profiles(specs: Any, plugins: dict[str, Plugin], source: str) -> list
                                                  if not isinstance(p, ProfileHandler)]}]
     if not isinstance(specs, list) or not specs:
         raise ConfigError(f"{source}: schedulingProfiles must be a non-empty list")
-    handlers = [n for n, p in plugins.items() if isinstance(p, ProfileHandler)]
-    if handlers and len(specs) > 1:
-        raise ConfigError(f"{source}: {handlers[0]} (a single-profile handler) allows one scheduling profile, "
-                          f"got {len(specs)}")
-    profiles, names = [], set()
+    if len(specs) > 1:  # a profile no handler runs would be parsed and silently ignored
+        handlers = [n for n, p in plugins.items() if isinstance(p, ProfileHandler)]
+        handler = f"{handlers[0]} (a single-profile handler)" if handlers else "the single-profile handler"
+        raise ConfigError(f"{source}: {handler} runs one scheduling profile, got {len(specs)} (kvgate has no "
+                          "multi-profile handler such as prefill/decode)")
+    profiles = []
     for i, spec in enumerate(specs):
         where = f"{source}: schedulingProfiles[{i}]"
         if not isinstance(spec, Mapping):
@@ -255,9 +257,6 @@ def _build_profiles(specs: Any, plugins: dict[str, Plugin], source: str) -> list
         name = spec.get("name")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}: name is required")
-        if name in names:
-            raise ConfigError(f"{where}: duplicate profile name {show(name)}")
-        names.add(name)
         profiles.append(_build_profile(name, spec.get("plugins"), plugins, f"{where} ({name})"))
     return profiles
 

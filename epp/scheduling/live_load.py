@@ -21,7 +21,7 @@ Building a LiveLoad costs O(endpoints + requests picked since the scrape) once p
 decision time with the overlay on (live-load column).
 
 Plugins find the LiveLoad in `cycle.load` (framework.CycleState); without one (a caller that builds states per
-request) `column()` falls back to the states' own in_flight_* fields and counts nothing as unseen.
+request) `live_column()` falls back to the states' own in_flight_* fields and counts nothing as unseen.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ class LoadTracker:
                 view.add(i, flight, sign)
 
 
-def column(cycle, endpoints: list[EndpointState], name: str) -> np.ndarray:
+def live_column(cycle, endpoints: list[EndpointState], name: str) -> np.ndarray:
     """Live column `name` for `endpoints` from the cycle's LiveLoad; without one, the states' own in-flight
     fields (requests, tokens) and 0 for the unseen columns."""
     view: LiveLoad | None = getattr(cycle, "load", None) if cycle is not None else None

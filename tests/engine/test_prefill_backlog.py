@@ -11,7 +11,7 @@ from kvgate.engine.scheduler import Scheduler, prefill_tokens_pending
 
 def make(num_blocks=64, block_size=4, **kw):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=kw.pop("caching", True))
-    args = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256)
+    args = dict(max_num_seqs=8, max_num_batched_tokens=32)
     args.update(kw)
     return Scheduler(kv, **args)
 

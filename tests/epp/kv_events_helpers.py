@@ -10,7 +10,7 @@ import time
 import msgpack
 import zmq
 
-from kvgate.epp.kv_events.subscriber import EventSource
+from kvgate.epp.kv_events.sources import EventSource
 from kvgate.epp.scheduling.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvgate.processes import free_port
 

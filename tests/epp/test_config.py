@@ -108,16 +108,19 @@ def test_upstream_defaults_fill_profile_and_picker():
         [], [("queue-scorer", 1.0), ("kv-cache-utilization-scorer", 1.0)], "max-score-picker")
 
 
-def test_multiple_profiles_load_and_the_first_is_primary():
-    text = HEADER + """\
-plugins: [{type: queue-scorer}, {type: random-picker}]
+@pytest.mark.parametrize("handler", ["", "{type: single-profile-handler}, "])
+def test_a_second_profile_that_nothing_would_run_is_refused(handler):
+    text = HEADER + f"""\
+plugins: [{handler}{{type: queue-scorer}}, {{type: random-picker}}]
 schedulingProfiles:
-- {name: prefill, plugins: [{pluginRef: queue-scorer}]}
-- {name: decode, plugins: [{pluginRef: random-picker}]}
+- {{name: prefill, plugins: [{{pluginRef: queue-scorer}}]}}
+- {{name: decode, plugins: [{{pluginRef: random-picker}}]}}
 """
-    config = parse_config(text)
-    assert [p.name for p in config.scheduler.profiles] == ["prefill", "decode"]
-    assert Scheduler(config.scheduler).primary.name == "prefill"
+    with pytest.raises(ConfigError, match="runs one scheduling profile, got 2"):
+        parse_config(text)
+    one = parse_config(text.split("- {name: decode")[0])
+    assert [p.name for p in one.scheduler.profiles] == ["prefill"]
+    assert Scheduler(one.scheduler).primary.name == "prefill"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -145,10 +148,8 @@ schedulingProfiles:
               "- {name: d, plugins: [{pluginRef: max-score-picker}, {pluginRef: random-picker}]}\n",
      "more than one picker"),
     (HEADER + "plugins: [{type: queue-scorer}]\nschedulingProfiles:\n- {plugins: []}\n", "name is required"),
-    (HEADER + "plugins: [{type: queue-scorer}]\nschedulingProfiles:\n- {name: a, plugins: []}\n"
-              "- {name: a, plugins: []}\n", "duplicate profile name"),
     (HEADER + "plugins: [{type: single-profile-handler}, {type: queue-scorer}]\nschedulingProfiles:\n"
-              "- {name: a, plugins: []}\n- {name: b, plugins: []}\n", "allows one scheduling profile"),
+              "- {name: a, plugins: []}\n- {name: b, plugins: []}\n", "runs one scheduling profile"),
     (HEADER + "plugins: [{type: single-profile-handler}]\nschedulingProfiles:\n"
               "- {name: a, plugins: [{pluginRef: single-profile-handler}]}\n", "profile handler"),
     (HEADER + "plugins: [{type: queue-scorer}]\nsaturationDetector: {queueDepthThreshold: 0}\n",

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from kvgate.epp.kv_events.decode import (MAX_BLOCK_SIZE, MAX_NAME_CHARS, MAX_TOKEN_ID, BadPayload, Cleared, Removed,
                                          Stored, decode_batch)
-from kvgate.epp.kv_events.index import MAX_LORAS, Delta, PreciseIndex, chain, root_hash
 from kvgate.epp.kv_events.subscriber import MAX_MESSAGE_BYTES, KVEventSubscriber
+from kvgate.epp.prefix.hashing import chain, root_hash
+from kvgate.epp.prefix.precise_index import MAX_LORAS, Delta, PreciseIndex
 from tests.epp.kv_events_helpers import Publisher, batch, removed, stored
 
 BS = 4

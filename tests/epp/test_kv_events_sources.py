@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 
 from kvgate.epp.datastore import pool_endpoints
-from kvgate.epp.kv_events.subscriber import EventSource, event_source
+from kvgate.epp.kv_events.sources import EventSource, event_source
 from kvgate.epp.protocol import (KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION,
                                  KV_EVENTS_TOPIC_ANNOTATION)
 from kvgate.epp.types import Endpoint

@@ -4,13 +4,15 @@ import collections
 
 import pytest
 
+from kvgate.epp.prefix.approx_index import PrefixIndex
+from kvgate.epp.prefix.hashing import hash_prompt
 from kvgate.epp.scheduling.framework import CycleState, PinnedOrder, score_map
 from kvgate.epp.scheduling.plugins import REGISTRY, create_plugin
 from kvgate.epp.scheduling.plugins.header_filter import HeaderBasedTestingFilter, split_host_port
 from kvgate.epp.scheduling.plugins.kv_cache_utilization_scorer import KVCacheUtilizationScorer
 from kvgate.epp.scheduling.plugins.lora_affinity_scorer import LoraAffinityScorer
 from kvgate.epp.scheduling.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
-from kvgate.epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer, PrefixIndex, hash_prompt
+from kvgate.epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
 from kvgate.epp.scheduling.plugins.queue_scorer import QueueScorer
 from kvgate.epp.scheduling.plugins.running_requests_scorer import RunningRequestsScorer
 from kvgate.epp.scheduling.plugins.token_load_scorer import TokenLoadScorer
@@ -304,7 +306,7 @@ def test_registry_names_match_upstream():
 def test_prompt_hasher_memo_matches_hash_prompt():
     import random
 
-    from kvgate.epp.scheduling.plugins.prefix_cache_scorer import PromptHasher
+    from kvgate.epp.prefix.hashing import PromptHasher
 
     rng = random.Random(3)
     hasher = PromptHasher(capacity=4)  # small: evictions happen too

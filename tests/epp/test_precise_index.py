@@ -18,8 +18,9 @@ from kvgate.engine.kv_events import KVEventsConfig
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.sim_runner import SimProfile
-from kvgate.epp.kv_events.index import Delta, PreciseIndex, chain, root_hash
-from kvgate.epp.kv_events.subscriber import BYTES_PER_BLOCK, EngineHashes
+from kvgate.epp.kv_events.engine_hashes import BYTES_PER_BLOCK, EngineHashes
+from kvgate.epp.prefix.hashing import chain, root_hash
+from kvgate.epp.prefix.precise_index import Delta, PreciseIndex
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from tests.epp.kv_events_helpers import Harness, Publisher, batch, cleared, removed, stored
 
@@ -255,7 +256,7 @@ def u64(digest: bytes) -> int:
 
 
 def test_index_equals_each_engines_block_pool_after_evictions_and_preemptions(monkeypatch, tmp_path):
-    from kvgate.epp.kv_events.subscriber import EventSource
+    from kvgate.epp.kv_events.sources import EventSource
 
     monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path))
     ports = {A: (free_port_v6(), free_port_v6()), B: (free_port_v6(), free_port_v6())}

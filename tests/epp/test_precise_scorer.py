@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvgate.engine.loader import load_tokenizer
-from kvgate.epp.kv_events.index import Delta, chain, root_hash
+from kvgate.epp.prefix.hashing import chain, root_hash
+from kvgate.epp.prefix.precise_index import Delta
 from kvgate.epp.scheduling.config import ConfigError, parse_config
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins import create_plugin

@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import zmq
 
-from kvgate.epp.kv_events.index import chain, root_hash
-from kvgate.epp.kv_events.subscriber import EventSource
+from kvgate.epp.kv_events.sources import EventSource
+from kvgate.epp.prefix.hashing import chain, root_hash
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from tests.engine.test_kv_events import Subscriber, free_port_v6
 from tests.epp.kv_events_helpers import Harness

@@ -8,12 +8,9 @@ import pytest
 
 from kvgate.epp.scheduling.framework import CycleState, Scheduler, score_map
 from kvgate.epp.scheduling.plugins import create_plugin
-from kvgate.epp.scheduling.plugins.prefix_cache_scorer import (
-    MIN_INDEX_BYTES,
-    PrefixCacheScorer,
-    PrefixIndex,
-    hash_prompt,
-)
+from kvgate.epp.prefix.approx_index import MIN_INDEX_BYTES, PrefixIndex
+from kvgate.epp.prefix.hashing import hash_prompt
+from kvgate.epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
 from tests.epp.helpers import request, state
 
 A, B, C, E = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.5:8000"

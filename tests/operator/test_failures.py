@@ -12,10 +12,12 @@ import kopf
 import pytest
 import urllib3
 
-from kvgate.operator import handlers, naming
+from kvgate.operator import modelserver_reconciler, naming
 from kvgate.operator.apply import ApiError
 from kvgate.operator.failures import REASON, classify
-from kvgate.operator.handlers import OperatorConfig, Reconciler, WorkQueue
+from kvgate.operator.config import OperatorConfig
+from kvgate.operator.reconciler import Reconciler
+from kvgate.operator.workqueue import WorkQueue
 from tests.operator.memory_kube import MemoryKube
 
 IMAGE = "ghcr.io/kvgate/kvgate:0.1.0"
@@ -188,7 +190,7 @@ def test_an_operator_exception_is_permanent_and_logged_with_its_traceback(cluste
     def broken_render(*args, **kwargs):  # a bug in the operator's own code, which a retry cannot mend (specs
         raise AttributeError("'list' object has no attribute 'get'")  # it can check are InvalidSpec first)
 
-    monkeypatch.setattr(handlers, "desired_engine_deployment", broken_render)
+    monkeypatch.setattr(modelserver_reconciler, "desired_engine_deployment", broken_render)
     with caplog.at_level(logging.ERROR, logger="kvgate.operator"):
         assert reconciler.process(("ModelServer", "default", "demo-llm")) is None
     assert reconciler.queue.pending_retries() == {}

@@ -22,8 +22,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvgate.operator.config import OperatorConfig
 from kvgate.operator.gateway import BREAKER_ANNOTATIONS, STREAM_IDLE_ANNOTATION
-from kvgate.operator.handlers import GATEWAYS_KEY, OperatorConfig, Reconciler
+from kvgate.operator.reconciler import GATEWAYS_KEY, Reconciler
 from kvgate.operator.network_policy import INGRESS_FROM_ANNOTATION, METRICS_FROM_ANNOTATION, POLICY_ANNOTATION
 from kvgate.operator.pool import CONFIG_ANNOTATION, EPP_ANNOTATION
 from tests.operator.memory_kube import MemoryKube

@@ -269,9 +269,9 @@ def test_httproute_timeouts_and_pool_limits(samples, tmp_path):
 
 
 def test_gateway_api_durations():
-    assert [g.parse_duration(v) for v in ("10s", "1h30m", "500ms", "1h2m3s4ms", "0s")] == [
+    assert [g.parse_gateway_duration(v) for v in ("10s", "1h30m", "500ms", "1h2m3s4ms", "0s")] == [
         10.0, 5400.0, 0.5, 3723.004, 0.0]
-    assert [g.parse_duration(v) for v in (None, "", "10", "1d", "-1s", 5)] == [None] * 6
+    assert [g.parse_gateway_duration(v) for v in (None, "", "10", "1d", "-1s", 5)] == [None] * 6
 
 
 @pytest.mark.parametrize("parent_update,reason", [({"sectionName": "nope"}, "NoMatchingParent"),
@@ -376,7 +376,7 @@ def test_route_and_pool_changes_do_not_roll_envoy(samples):
     assert sorted(moved_cm["data"]) == [CDS_FILE, BOOTSTRAP_FILE, "rds-9090.yaml"]
     digest = lambda dep: dep["spec"]["template"]["metadata"]["annotations"]["kvgate.dev/config-digest"]  # noqa: E731
     assert digest(moved_dep) != digest(base_dep)
-    assert digest(moved_dep) == g.config_digest(moved_cm["data"])
+    assert digest(moved_dep) == g.envoy_bootstrap_digest(moved_cm["data"])
 
 
 # --- live: the rendered files on a running Envoy, updated the way the kubelet updates a ConfigMap volume --------

@@ -7,7 +7,8 @@ import pytest
 
 from kvgate.envoy_config import PoolBackend
 from kvgate.operator.apply import _no_empty_messages, kind_of, summarize_status
-from kvgate.operator.handlers import WorkQueue, epp_backend_via_pod
+from kvgate.operator.epp_pod_address import epp_backend_via_pod
+from kvgate.operator.workqueue import WorkQueue
 
 
 def test_work_queue_deduplicates_waiting_keys_and_keeps_order():
@@ -82,7 +83,7 @@ def _route(name, pools, gateways, ns="default"):
 
 
 def test_route_index_wakes_pools_a_route_references_or_stopped_referencing():
-    from kvgate.operator.handlers import RouteIndex
+    from kvgate.operator.watches import RouteIndex
 
     index = RouteIndex()
     assert index.update(("default", "r"), _route("r", ["a"], ["gw"])) == {("default", "a")}
@@ -98,7 +99,9 @@ def test_route_index_wakes_pools_a_route_references_or_stopped_referencing():
 def _registered(network_policy=True):
     import kopf
 
-    from kvgate.operator.handlers import OperatorConfig, Reconciler, register
+    from kvgate.operator.config import OperatorConfig
+    from kvgate.operator.reconciler import Reconciler
+    from kvgate.operator.watches import register
 
     reconciler = Reconciler(kube=None, config=OperatorConfig("e", "p", "v", network_policy=network_policy))
     registry = register(kopf.OperatorRegistry(), reconciler)
@@ -137,7 +140,7 @@ def test_watches_of_other_peoples_objects_are_filtered_by_the_api_server():
     import kopf
     from kopf._cogs.structs.references import Resource
 
-    from kvgate.operator.handlers import SERVER_SIDE_SELECTORS
+    from kvgate.operator.watches import SERVER_SIDE_SELECTORS
 
     _, handlers = _registered()
     settings = kopf.OperatorSettings()

@@ -228,7 +228,7 @@ def test_kv_events_render_engine_flag_ports_and_the_annotations_the_epp_reads(sa
     from kvgate.cli import build_parser
     from kvgate.engine.kv_events import KVEventsConfig
     from kvgate.epp.datastore import pool_endpoints
-    from kvgate.epp.kv_events.subscriber import event_source
+    from kvgate.epp.kv_events.sources import event_source
 
     ms, pool = copy.deepcopy(samples["ModelServer"]), samples["InferencePool"]
     assert "--kv-events-config" not in _serve_args(m.desired_engine_deployment(ms, pool, IMAGE))  # off unless asked

@@ -11,7 +11,8 @@ from kvgate.operator import modelserver as m
 from kvgate.operator import naming
 from kvgate.operator import network_policy as n
 from kvgate.operator import pool as p
-from kvgate.operator.handlers import OperatorConfig, Reconciler
+from kvgate.operator.config import OperatorConfig
+from kvgate.operator.reconciler import Reconciler
 from tests.operator.conftest import round_trips
 from tests.operator.memory_kube import MemoryKube
 

@@ -9,7 +9,8 @@ import pytest
 
 from kvgate.operator import naming
 from kvgate.operator.apply import NameConflict
-from kvgate.operator.handlers import OperatorConfig, Reconciler
+from kvgate.operator.config import OperatorConfig
+from kvgate.operator.reconciler import Reconciler
 from kvgate.operator.tenancy import TenantPolicy
 from tests.operator.memory_kube import MemoryKube
 

@@ -218,7 +218,8 @@ def test_referenced_config_rolls_out_and_rolls_the_pods(samples):
     assert tuned["ConfigMap"]["data"] == {"epp.yaml": TUNED}
     digest = "kvgate.dev/config-digest"
     assert (tuned["Deployment"]["spec"]["template"]["metadata"]["annotations"][digest]
-            == p.config_digest(TUNED) != default["Deployment"]["spec"]["template"]["metadata"]["annotations"][digest])
+            == p.epp_config_digest(TUNED)
+            != default["Deployment"]["spec"]["template"]["metadata"]["annotations"][digest])
     # one replica: the new pod starts and becomes ready before the old one is removed
     assert tuned["Deployment"]["spec"]["strategy"] == {"type": "RollingUpdate",
                                                        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
@@ -245,7 +246,8 @@ def test_bad_reference_or_config_keeps_the_last_good_config(samples, referenced,
     assert choice.config_yaml == TUNED and choice.source == "its last good config"
     # what the operator applies is exactly what runs: the EPP's pods do not roll, they keep the good config
     assert p.desired_epp_objects(pool, IMAGE, choice.config_yaml) == first
-    assert p.running_note(choice, True) == f"The EPP keeps its last good config (config digest {p.config_digest(TUNED)})."
+    assert p.running_note(choice, True) == ("The EPP keeps its last good config "
+                                            f"(config digest {p.epp_config_digest(TUNED)}).")
 
 
 def test_bad_config_without_a_last_good_one_makes_no_epp(samples):
@@ -279,7 +281,7 @@ def test_epp_status_entry_when_all_is_well(samples):
                                   "namespace": "default"}
     assert (conds["Accepted"]["status"], conds["Accepted"]["reason"]) == ("True", "Accepted")
     assert conds["Accepted"]["message"] == (f"The EPP runs the default EndpointPickerConfig (config digest "
-                                            f"{p.config_digest(p.DEFAULT_EPP_CONFIG)}).")
+                                            f"{p.epp_config_digest(p.DEFAULT_EPP_CONFIG)}).")
     assert (conds["ResolvedRefs"]["status"], conds["ResolvedRefs"]["reason"]) == ("True", "ResolvedRefs")
     assert all(c["lastTransitionTime"] == NOW and c["observedGeneration"] == 1 for c in conds.values())
     # a resync that changes nothing writes the same status
@@ -297,7 +299,7 @@ def test_epp_status_entry_names_the_problem(samples):
     assert (conds["Accepted"]["status"], conds["Accepted"]["reason"]) == ("False", "InvalidConfig")
     assert "no-such-scorer" in conds["Accepted"]["message"]
     assert conds["Accepted"]["message"].endswith(f"The EPP keeps its last good config (config digest "
-                                                 f"{p.config_digest(TUNED)}).")
+                                                 f"{p.epp_config_digest(TUNED)}).")
     assert conds["ResolvedRefs"]["status"] == "True"  # the reference resolves; its content is the problem
     missing = p.choose_epp_config(pool, None, None)
     _, conds = _entry(p.epp_pool_status(pool, [missing.problem], p.running_note(missing, False), now=NOW))
@@ -450,7 +452,8 @@ def test_modelservers_of_other_pools_do_not_count_and_two_models_are_a_problem(s
 
 
 def test_the_reconciler_mounts_the_tokenizer_and_reports_a_conflict(samples):
-    from kvgate.operator.handlers import OperatorConfig, Reconciler
+    from kvgate.operator.config import OperatorConfig
+    from kvgate.operator.reconciler import Reconciler
     from tests.operator.memory_kube import MemoryKube
 
     kube = MemoryKube()

@@ -16,7 +16,7 @@ from kvgate.epp.scheduling.framework import CycleState
 from kvgate.epp.types import EndpointState
 
 
-def column(endpoints: Sequence[EndpointState], attribute: str) -> np.ndarray:
+def attribute_values(endpoints: Sequence[EndpointState], attribute: str) -> np.ndarray:
     """The float array of `attribute` (dotted, e.g. "metrics.kv_cache_usage") over `endpoints`."""
     return np.fromiter(map(attrgetter(attribute), endpoints), dtype=float, count=len(endpoints))
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 
 from kvgate.epp.scheduling.framework import CycleState, Scorer, clamp_scores
-from kvgate.epp.scheduling.plugins._normalize import column, per_snapshot
+from kvgate.epp.scheduling.plugins._normalize import attribute_values, per_snapshot
 from kvgate.epp.scheduling.plugins._params import check_keys
 from kvgate.epp.types import EndpointState, LLMRequest
 
 
 def _scores(endpoints: list[EndpointState]) -> np.ndarray:
-    return clamp_scores(1.0 - column(endpoints, "metrics.kv_cache_usage"))
+    return clamp_scores(1.0 - attribute_values(endpoints, "metrics.kv_cache_usage"))
 
 
 class KVCacheUtilizationScorer(Scorer):

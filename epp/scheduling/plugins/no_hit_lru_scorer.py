@@ -24,7 +24,7 @@ import numpy as np
 
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._params import check_keys, int_param, str_param
-from kvgate.epp.scheduling.plugins._prefix import prefix_tokens
+from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 

@@ -70,7 +70,7 @@ class WeightedRandomPicker(Picker):
 
 
 class SingleProfileHandler(ProfileHandler):
-    """Upstream's default profile handler; accepted so upstream configs load (kvgate runs the first profile)."""
+    """Upstream's default profile handler: one profile runs every request (a config with more is refused)."""
 
     type_name = "single-profile-handler"
 

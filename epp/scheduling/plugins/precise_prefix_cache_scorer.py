@@ -2,7 +2,7 @@
 
 Each endpoint's engine publishes KV-cache events (vLLM's format, `kvgate serve --kv-events-config`); the EPP
 subscribes per endpoint (epp/kv_events/subscriber.py) and keeps an index of the blocks each one holds, keyed by
-hashes of token-id blocks it computes itself (epp/kv_events/index.py). A request is tokenized in the EPP as the
+hashes of token-id blocks it computes itself (epp/prefix/precise_index.py). A request is tokenized in the EPP as the
 engine would (epp/kv_events/tokenize.py) and hashed the same way, in blocks of the endpoint's engine block size
 (from its events; else its scraped `kv_block_size`; else `blockSize`). Then, per endpoint e:
 
@@ -12,20 +12,10 @@ engine would (epp/kv_events/tokenize.py) and hashed the same way, in blocks of t
     cached(e)  = blocks(e) × block_size                      (PrefixMatchSource.cached_tokens)
     score(e)   = cached(e) / n                               in [0, 1)
 
-`pre_request` marks the picked endpoint's blocks of the prompt as held (speculative entries): the engine
-announces blocks only once it has prefilled them, and a burst to a fresh prefix must not spread over the pool
-meanwhile. A block counts until the engine's events announce it (from then on they decide: an eviction while
-the request still decodes counts at once), else while the request is in flight (at most `maxSpeculativeHold`,
-default 60 s) and `speculativeTTL` seconds (default 2 s) after its response ends:
-
-    held until  the block's BlockStored,  or  min(pick + maxSpeculativeHold, response end) + speculativeTTL
-
-A fixed TTL from the pick is not enough under load: at 24 req/s on the bench's 4 replicas a request waited
-3-5 s in the engine's queue before its prefill, the 2 s entries expired before the events came, the prefix
-looked cold, the queue scorer spread it, and precise fell behind approximate (whose history never forgets):
-TTFT p90 5.8 vs 3.1 s, hit rate 59% vs 66% (`kvgate bench routing --workloads multi-tenant --rates 24
---duration 20 --seed 0`, llm-d's precise weights; 2.2 s with the hold). `remove_endpoint` drops the endpoint's
-blocks, speculative ones included, and closes its event socket.
+`pre_request` holds the picked endpoint's blocks of the prompt (speculative entries, epp/prefix/request_holds.py)
+until the engine's events announce them, else while the request is in flight (at most `maxSpeculativeHold`,
+default 60 s) and `speculativeTTL` seconds (default 2 s) after its response ends. `remove_endpoint` drops the
+endpoint's blocks, speculative ones included, and closes its event socket.
 
 Long prompts. Only the first max_prefix_blocks × block size tokens can ever match (131072 by default), so only
 a character prefix that surely holds them is tokenized (epp/kv_events/tokenize.py prefix_tokens: the ids kept
@@ -55,18 +45,20 @@ tests/epp/test_precise_serve.py prints it), 30-100× more: the EPP tokenizes loc
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvgate.epp.kv_events.index import Delta, PreciseIndex, chain, root_hash
 from kvgate.epp.kv_events.tokenize import PromptTokens
+from kvgate.epp.prefix.approx_index import MIN_INDEX_BYTES
+from kvgate.epp.prefix.hashing import chain, root_hash
+from kvgate.epp.prefix.precise_index import Delta, PreciseIndex
+from kvgate.epp.prefix.request_holds import RequestHolds
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._params import check_keys, float_param, int_param
-from kvgate.epp.scheduling.plugins.prefix_cache_scorer import MIN_INDEX_BYTES, PrefixCacheScorer
+from kvgate.epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
 from kvgate.epp.types import EndpointState, LLMRequest
 
 DEFAULT_BLOCK_SIZE = 16  # kvgate's and vLLM's default KV block size, in tokens
@@ -110,15 +102,13 @@ class PrecisePrefixCacheScorer(Scorer):
         # of long prompts only (the only ones that can degrade), in a sixteenth of the index's budget.
         self.approximate = PrefixCacheScorer(index_max_bytes=max(MIN_INDEX_BYTES, index_max_bytes // 16))
         self.max_speculative_hold_s = max_speculative_hold_s
-        # request id → (picked at, its block hashes, the endpoint), in pick order: held until the response ends
-        self._held: OrderedDict[str, tuple[float, list[int], str]] = OrderedDict()
-        self._held_blocks = 0
         self.block_size = block_size
         self.max_prefix_blocks = max_prefix_blocks
         self.index_max_bytes = index_max_bytes
         self.tokenizer_path = tokenizer
         self._tokenizer = None
         self.index = PreciseIndex(speculative_ttl_s, max_speculative)
+        self._held = RequestHolds(self.index, max_speculative_hold_s)  # picks in flight
         self.subscriber = None
         self._sources: dict[str, object] = {}  # address → its EventSource, while subscribed
 
@@ -207,8 +197,7 @@ class PrecisePrefixCacheScorer(Scorer):
     def remove_endpoint(self, address: str) -> None:
         self.index.remove(address)
         self.approximate.remove_endpoint(address)
-        for rid in [rid for rid, (_, _, a) in self._held.items() if a == address]:
-            self._held_blocks -= len(self._held.pop(rid)[1])  # remove() dropped the index's side
+        self._held.forget_endpoint(address)
         if self._sources.pop(address, None) is not None and self.subscriber is not None:
             self.subscriber.unsubscribe(address)
 
@@ -258,7 +247,7 @@ class PrecisePrefixCacheScorer(Scorer):
 
     def cached_tokens(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None
                       ) -> np.ndarray:
-        self._sweep()
+        self._held.sweep()
         m = self._analysis(request, cycle)
         if m.degraded:
             return self.approximate.cached_tokens(request, endpoints, cycle)
@@ -289,38 +278,11 @@ class PrecisePrefixCacheScorer(Scorer):
         if self.max_speculative_hold_s <= 0:  # no holding: the TTL from the pick
             self.index.add_speculative(hashes, endpoint.address)
             return
-        self.index.hold(hashes, endpoint.address)
-        old = self._held.pop(request.request_id, None)  # the same request picked again (a retry): one hold
-        if old is not None:
-            self._release(old)
-        self._held[request.request_id] = (self.index.clock(), hashes, endpoint.address)
-        self._held_blocks += len(hashes)
-        self._sweep()
+        self._held.hold(request.request_id, hashes, endpoint.address)
 
     def response_complete(self, request: LLMRequest, endpoint_address: str, prompt_tokens: int,
                           completion_tokens: int) -> None:
-        held = self._held.pop(request.request_id, None)
-        if held is not None:  # prefilled by now: the events confirm (or remove) its blocks within the TTL
-            self._release(held)
-
-    def _release(self, held: tuple[float, list[int], str], ended_at: float | None = None) -> None:
-        self._held_blocks -= len(held[1])
-        self.index.release(held[1], held[2], ended_at)
-
-    def _sweep(self) -> None:
-        """Holds end at maxSpeculativeHold, and the oldest go first past maxSpeculativeEntries held blocks."""
-        held = self._held
-        if not held:
-            return
-        oldest = self.index.clock() - self.max_speculative_hold_s
-        while held:
-            picked_at = next(iter(held.values()))[0]
-            if picked_at <= oldest:  # the hold ran out at pick + maxSpeculativeHold
-                self._release(held.popitem(last=False)[1], picked_at + self.max_speculative_hold_s)
-            elif self._held_blocks > self.index.max_speculative:
-                self._release(held.popitem(last=False)[1])
-            else:
-                break
+        self._held.end(request.request_id)
 
     def stats(self) -> dict[str, float]:
         out = {"index_size": self.index.size(), "speculative_entries": self.index.speculative_size(),

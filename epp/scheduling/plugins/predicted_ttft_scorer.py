@@ -27,7 +27,7 @@ from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._normalize import lower_is_better, per_snapshot
 from kvgate.epp.scheduling.plugins._params import check_keys, float_param, str_param
-from kvgate.epp.scheduling.plugins._prefix import prefix_tokens, record_picked_uncached
+from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens, record_picked_uncached
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -61,8 +61,8 @@ class PredictedTTFTScorer(NeedsPrefixMatch, Scorer):
         """T(e) in seconds for each endpoint."""
         pending, rate, running = per_snapshot(self._scraped_key, cycle, endpoints, self._scraped)
         prompt, cached = prefix_tokens(self, request, endpoints, cycle)
-        backlog = pending + live_load.column(cycle, endpoints, "unseen_prompt") + (prompt - cached)
-        decoding = running + live_load.column(cycle, endpoints, "unseen_requests")
+        backlog = pending + live_load.live_column(cycle, endpoints, "unseen_prompt") + (prompt - cached)
+        decoding = running + live_load.live_column(cycle, endpoints, "unseen_requests")
         return backlog / rate + decoding * self.decode_s
 
     def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None

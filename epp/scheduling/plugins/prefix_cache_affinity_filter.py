@@ -39,7 +39,7 @@ import xxhash
 from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Filter
 from kvgate.epp.scheduling.plugins._params import check_keys, float_param, str_param
-from kvgate.epp.scheduling.plugins._prefix import prefix_tokens, record_picked_uncached
+from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens, record_picked_uncached
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -80,9 +80,9 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
     def _load(self, cycle: CycleState | None, endpoints: list[EndpointState]) -> np.ndarray:
         scraped = [e.metrics.prefill_tokens_pending for e in endpoints]
         if self.load_signal == "tokens" or (self.load_signal == "auto" and all(p is None for p in scraped)):
-            return live_load.column(cycle, endpoints, "tokens")
+            return live_load.live_column(cycle, endpoints, "tokens")
         backlog = np.fromiter((p or 0 for p in scraped), dtype=float, count=len(endpoints))
-        return backlog + live_load.column(cycle, endpoints, "unseen_prompt")
+        return backlog + live_load.live_column(cycle, endpoints, "unseen_prompt")
 
     def _explores(self, request: LLMRequest) -> bool:
         if self.exploration_probability <= 0:

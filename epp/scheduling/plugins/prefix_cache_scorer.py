@@ -1,15 +1,9 @@
 """prefix-cache-scorer: approximate prefix-cache affinity, as upstream's EPP does it (no engine tokenizer needed).
 
-The prompt's UTF-8 bytes are cut into blocks of `blockSize` characters (a trailing partial block is ignored) and
-hashed as a chain, so a block's hash names the whole prefix up to it:
-
-    h_-1 = xxh3_64(target_model + cache_salt)              different models (or salts) never share a prefix
-    h_i  = xxh3_64(block_i, seed=h_{i-1})                  i < maxPrefixBlocksToMatch
-
-(The parent goes in as the seed rather than as 8 appended bytes: the same chaining, 2.5x cheaper in Python.)
-
-Each endpoint has an LRU index of the blocks of requests sent to it; `pre_request` inserts the picked endpoint's
-blocks. The score is the cached fraction of the prompt:
+The prompt's UTF-8 bytes are cut into blocks of `blockSize` characters and hashed as a chain rooted at the target
+model and cache salt (epp/prefix/hashing.py). Each endpoint has an LRU index of the blocks of requests sent to it
+(epp/prefix/approx_index.py); `pre_request` inserts the picked endpoint's blocks. The score is the cached
+fraction of the prompt:
 
     score(e) = (leading blocks h_0..h_k-1 all found in e's index) / (number of prompt blocks)
 
@@ -19,16 +13,9 @@ block_size tokens, in index blocks); otherwise, or when the engine does not repo
 The whole index is also held under `indexMaxBytes` (flag `kvgate epp --prefix-index-max-bytes`): past it, the
 least recently used entries of the whole index go first, whichever endpoint holds them.
 
-Bounded work per request. The index keeps every endpoint's blocks prefix-closed (an endpoint that holds h_i holds
-h_0..h_i-1): `add` touches a prompt's blocks deepest first, so a parent is always used more recently than its
-children and every LRU eviction takes a leaf. Then an endpoint's match is the deepest block it holds, and
-`match_runs` walks the prompt from its deepest block up, stopping once every holder of h_0 is placed: O(prompt
-blocks) dict lookups and bitset operations (holders are int bitsets of endpoint ids) — a prefix all of 1000
-endpoints hold costs one bitset, not 1000 × blocks set work (`kvgate bench epp` prints a match-time grid over
-endpoints × blocks that shows it). The scoring work (hashes, matches) stays in the cycle state for
-`pre_request`, which adds the picked endpoint's blocks without hashing the prompt again.
-
-It is also a PrefixMatchSource (scheduling/prefix_match.py) for load-aware plugins, from the same cycle's match:
+The scoring work (hashes, matches) stays in the cycle state for `pre_request`, which adds the picked endpoint's
+blocks without hashing the prompt again. It is also a PrefixMatchSource (scheduling/prefix_match.py) for
+load-aware plugins, from the same cycle's match:
 
     prompt_tokens      = UTF-8 bytes / CHARS_PER_TOKEN                                  (an estimate)
     cached_tokens(e)   = min(matched blocks(e) × block characters / CHARS_PER_TOKEN, prompt_tokens)
@@ -36,14 +23,14 @@ It is also a PrefixMatchSource (scheduling/prefix_match.py) for load-aware plugi
 
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict
 from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
-import xxhash
 
+from kvgate.epp.prefix.approx_index import DEFAULT_INDEX_MAX_BYTES, MIN_INDEX_BYTES, PrefixIndex, Runs
+from kvgate.epp.prefix.endpoint_ids import mask_to_bools
+from kvgate.epp.prefix.hashing import PromptHasher
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._params import bool_param, check_keys, int_param
 from kvgate.epp.types import EndpointState, LLMRequest
@@ -54,268 +41,6 @@ DEFAULT_BLOCK_SIZE = 64  # characters: 16 tokens × ~4 characters per token
 DEFAULT_MAX_PREFIX_BLOCKS = 256
 DEFAULT_LRU_CAPACITY_PER_SERVER = 31250  # upstream's sizing: ~500K cached tokens / 16 per block
 CHARS_PER_TOKEN = 4
-# The whole index's memory budget: 256 MiB holds ~0.55M (endpoint, block) entries at 1000 endpoints and ~0.85M
-# at 10: 28 engines' worth of upstream's 31250 blocks each (a 16-token block: ~14M prompt tokens remembered).
-DEFAULT_INDEX_MAX_BYTES = 256 * 1024 * 1024
-MIN_INDEX_BYTES = 64 * 1024
-# Bytes one index entry (endpoint, block) costs at most: BYTES_PER_ENTRY + ids / 6, since a block's holder
-# bitset grows with the endpoint ids in use. Measured with tracemalloc after 3 rounds of churn under the budget,
-# every block held by one endpoint (the worst case), including the hash ints and the dicts' spare slots:
-# 237 B/entry at 100 endpoints, 413 at 1000, 726 at 3000 (all sharing blocks: ~130 at 1000).
-# tests/epp/test_prefix_index.py holds 1000 endpoints to the budget with tracemalloc.
-BYTES_PER_ENTRY = 300
-
-
-def hash_prompt(prompt: str, model: str, cache_salt: str | None, block_size: int, max_blocks: int) -> list[int]:
-    return _chain(prompt.encode(), 0, _root(model, cache_salt), block_size, max_blocks, [])
-
-
-def _root(model: str, cache_salt: str | None) -> int:
-    return xxhash.xxh3_64_intdigest((model + (cache_salt or "")).encode())
-
-
-def _chain(data: bytes, start_block: int, parent: int, block_size: int, max_blocks: int, hashes: list[int]
-           ) -> list[int]:
-    """Appends the chained hashes of data's full blocks from `start_block` on (parent: the previous hash)."""
-    usable = min(len(data) // block_size, max_blocks) * block_size
-    h = xxhash.xxh3_64_intdigest
-    for start in range(start_block * block_size, usable, block_size):
-        parent = h(data[start:start + block_size], parent)
-        hashes.append(parent)
-    return hashes
-
-
-class PromptHasher:
-    """hash_prompt with a memo of recent prompts: a prompt starting like one hashed before (a shared system
-    prompt) reuses that chain for the blocks the two have in common, found by byte comparison (exact), and
-    hashes only the rest (the caller must not change the list it gets). A 4 KB shared prefix + 0.5-2 KB of
-    question: 13.5 µs → 7.9 µs per request.
-
-    Keyed by the first block's bytes (with model, salt and block size); `capacity` prompts of at most
-    max_blocks × block_size bytes are kept (64 × 16 KB by default)."""
-
-    def __init__(self, capacity: int = 64) -> None:
-        self.capacity = capacity
-        self._recent: OrderedDict[tuple, tuple[bytes, list[int]]] = OrderedDict()
-
-    def hashes(self, prompt: str, model: str, cache_salt: str | None, block_size: int, max_blocks: int
-               ) -> list[int]:
-        data = prompt.encode()[: block_size * max_blocks]
-        if len(data) < block_size:
-            return []
-        key = (model, cache_salt, block_size, data[:block_size])
-        known = self._recent.get(key)
-        if known is None:
-            hashes = _chain(data, 0, _root(model, cache_salt), block_size, max_blocks, [])
-        else:
-            old, old_hashes = known
-            same = _common_blocks(data, old, block_size, min(len(data), len(old)) // block_size)
-            hashes = _chain(data, same, old_hashes[same - 1], block_size, max_blocks, old_hashes[:same])
-            self._recent.move_to_end(key)
-        self._recent[key] = (data, hashes)
-        if len(self._recent) > self.capacity:
-            self._recent.popitem(last=False)
-        return hashes
-
-
-def _common_blocks(a: bytes, b: bytes, block_size: int, most: int) -> int:
-    """How many leading blocks a and b share (≥ 1: the caller matched the first), by binary search on slices."""
-    lo, hi = 1, most
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        end = mid * block_size
-        if a[:end] == b[:end]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-Runs = list[tuple[int, int]]  # (bitmask of endpoint ids, matched blocks), deepest first, each id in one run
-
-
-class PrefixIndex:
-    """block hash → bitmask of the endpoints holding it; per endpoint an LRU {hash: last use}; a global budget.
-
-    Endpoints are small integer ids inside the index (reused after removal; `id_epoch` changes whenever the
-    id ↔ address mapping does). A block's holders are one Python int used as a bitset: union and difference
-    over 1000 endpoints are a few machine words, a prefix all of them hold costs ~150 bytes (a set would cost
-    ~32 KB), and a match turns into a score array with np.unpackbits instead of per-endpoint Python work.
-    """
-
-    def __init__(self, capacity_per_server: int, max_bytes: int = DEFAULT_INDEX_MAX_BYTES) -> None:
-        self.capacity = capacity_per_server
-        self.set_max_bytes(max_bytes)
-        self._holders: dict[int, int] = {}
-        self._lru: dict[int, OrderedDict[int, int]] = {}  # id → {hash: add tick}, least recently used first
-        self._ids: dict[str, int] = {}
-        self._addresses: list[str | None] = []  # id → address
-        self._free_ids: list[int] = []
-        self.id_epoch = 0
-        self._entries = 0
-        self._tick = 0
-        # (a lower bound of the endpoint's oldest tick, id, its LRU): the global LRU victim is at the top.
-        self._heap: list[tuple[int, int, OrderedDict[int, int]]] = []
-        self.evictions = 0  # entries dropped to keep the whole index under max_bytes
-
-    def set_max_bytes(self, max_bytes: int) -> None:
-        if max_bytes < MIN_INDEX_BYTES:
-            raise ValueError(f"prefix index budget must be at least {MIN_INDEX_BYTES} bytes, got {max_bytes}")
-        self.max_bytes = max_bytes
-        self._resize_budget()
-
-    def _resize_budget(self) -> None:
-        ids = len(getattr(self, "_addresses", ()))
-        self.max_entries = self.max_bytes // (BYTES_PER_ENTRY + (ids + 64) // 6)  # ids until the next resize
-        if getattr(self, "_entries", 0) > self.max_entries:
-            self._evict_oldest(self._entries - self.max_entries)
-
-    @property
-    def id_count(self) -> int:
-        """One more than the largest endpoint id in use: the length of id-indexed arrays."""
-        return len(self._addresses)
-
-    def id_of(self, address: str) -> int | None:
-        return self._ids.get(address)
-
-    def add(self, hashes: list[int], address: str, capacity: int | None = None) -> None:
-        """`address` now caches `hashes` (a prompt's chain); its LRU keeps at most `capacity` (default: the
-        index's per-server capacity) blocks; then the whole index is trimmed to its budget."""
-        eid = self._ids.get(address)
-        if eid is None:
-            eid = self._new_id(address)
-        lru = self._lru.get(eid)
-        if lru is None:
-            lru = self._lru[eid] = OrderedDict()
-            heapq.heappush(self._heap, (self._tick + 1, eid, lru))
-        holders = self._holders
-        bit = 1 << eid
-        # One tick per add, shared by its entries (no int object per entry); the order within an add is the
-        # LRU's own order.
-        tick = self._tick = self._tick + 1
-        added = 0
-        to_end = lru.move_to_end
-        for h in reversed(hashes):  # deepest first: a parent ends up more recent than all its children
-            if h in lru:
-                lru[h] = tick
-                to_end(h)
-            else:
-                lru[h] = tick
-                holders[h] = holders.get(h, 0) | bit
-                added += 1
-        self._entries += added
-        limit = capacity or self.capacity
-        while len(lru) > limit:
-            evicted, _ = lru.popitem(last=False)
-            self._forget(evicted, bit)
-            self._entries -= 1
-        if self._entries > self.max_entries:
-            self._evict_oldest(self._entries - self.max_entries)
-
-    def match_runs(self, hashes: list[int]) -> Runs:
-        """Which endpoints hold how many leading blocks of `hashes`, as (id bitmask, blocks), deepest first."""
-        holders = self._holders
-        first = holders.get(hashes[0], 0) if hashes else 0
-        if not first:
-            return []
-        runs: Runs = []
-        seen = 0
-        for i in range(len(hashes) - 1, -1, -1):
-            held_by = holders.get(hashes[i])
-            if held_by is None:
-                continue
-            new = held_by & ~seen
-            if new:
-                runs.append((new, i + 1))
-                seen |= new
-                if seen == first:  # every holder of h_0 placed: a hot prefix ends here, after one bitset
-                    break
-        return runs
-
-    def match(self, hashes: list[int]) -> dict[str, int]:
-        """{address: number of leading hashes it holds}, only for addresses holding at least the first."""
-        return {self._addresses[eid]: n for mask, n in self.match_runs(hashes) for eid in _bits(mask)}
-
-    def remove(self, address: str) -> None:
-        eid = self._ids.pop(address, None)
-        if eid is None:
-            return
-        bit = 1 << eid
-        for h in self._lru.pop(eid, ()):
-            self._forget(h, bit)
-            self._entries -= 1
-        self._addresses[eid] = None
-        self._free_ids.append(eid)
-        self.id_epoch += 1
-
-    def size(self) -> int:
-        return self._entries
-
-    def endpoints(self) -> list[str]:
-        return [self._addresses[eid] for eid in self._lru]
-
-    def _new_id(self, address: str) -> int:
-        if self._free_ids:
-            eid = self._free_ids.pop()
-            self._addresses[eid] = address
-        else:
-            eid = len(self._addresses)
-            self._addresses.append(address)
-        self._ids[address] = eid
-        self.id_epoch += 1
-        if eid % 64 == 0:  # the holder bitsets grow with the ids: entries now cost a little more
-            self._resize_budget()
-        return eid
-
-    def _evict_oldest(self, count: int) -> None:
-        """Drop the `count` least recently used entries of the whole index (an endpoint's oldest entries are
-        leaves, see above). The entries of one add share a tick: they go together, one heap step per add."""
-        heap = self._heap
-        while count > 0 and heap:
-            bound, eid, lru = heap[0]
-            if self._lru.get(eid) is not lru:  # the endpoint was removed (its id may be reused)
-                heapq.heappop(heap)
-                continue
-            tick = next(iter(lru.values()))
-            if tick != bound:  # touched or trimmed since: requeue at its real age
-                heapq.heapreplace(heap, (tick, eid, lru))
-                continue
-            bit = 1 << eid
-            while count > 0 and lru:
-                oldest, t = next(iter(lru.items()))
-                if t != tick:  # the next add's entries wait for their turn on the heap
-                    break
-                del lru[oldest]
-                self._forget(oldest, bit)
-                self._entries -= 1
-                self.evictions += 1
-                count -= 1
-            if lru:
-                heapq.heapreplace(heap, (next(iter(lru.values())), eid, lru))
-            else:
-                heapq.heappop(heap)
-                del self._lru[eid]
-
-    def _forget(self, h: int, bit: int) -> None:
-        held_by = self._holders.get(h, 0) & ~bit
-        if held_by:
-            self._holders[h] = held_by
-        else:
-            self._holders.pop(h, None)
-
-
-def _bits(mask: int):
-    """The set bit positions of `mask`, lowest first."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
-def mask_to_bools(mask: int, length: int) -> np.ndarray:
-    """Bit i of `mask` → element i of a bool array of `length` (≥ mask.bit_length())."""
-    raw = np.frombuffer(mask.to_bytes((length + 7) // 8, "little"), dtype=np.uint8)
-    return np.unpackbits(raw, count=length, bitorder="little").view(bool)
 
 
 class PrefixCacheScorer(Scorer):
@@ -414,7 +139,7 @@ class PrefixCacheScorer(Scorer):
     def _ids_by_position(self, endpoints: list[EndpointState]) -> np.ndarray:
         """Position in `endpoints` → index id (id_count: unknown to the index)."""
         unknown = repeat(self.index.id_count)
-        return np.fromiter(map(self.index._ids.get, map(_address_of, endpoints), unknown), dtype=np.intp,
+        return np.fromiter(map(self.index.ids.by_address.get, map(_address_of, endpoints), unknown), dtype=np.intp,
                            count=len(endpoints))
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:

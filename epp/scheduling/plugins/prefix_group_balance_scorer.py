@@ -31,7 +31,7 @@ import xxhash
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._normalize import lower_is_better
 from kvgate.epp.scheduling.plugins._params import check_keys, float_param, int_param, str_param
-from kvgate.epp.scheduling.plugins._prefix import prefix_tokens
+from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 

@@ -17,13 +17,13 @@ import numpy as np
 
 from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Scorer
-from kvgate.epp.scheduling.plugins._normalize import column, lower_is_better, per_snapshot
+from kvgate.epp.scheduling.plugins._normalize import attribute_values, lower_is_better, per_snapshot
 from kvgate.epp.scheduling.plugins._params import check_keys
 from kvgate.epp.types import EndpointState, LLMRequest
 
 
 def _waiting(endpoints: list[EndpointState]) -> np.ndarray:
-    return column(endpoints, "metrics.waiting_queue_size")
+    return attribute_values(endpoints, "metrics.waiting_queue_size")
 
 
 class QueueScorer(Scorer):
@@ -38,7 +38,7 @@ class QueueScorer(Scorer):
         waiting = per_snapshot(self._waiting_key, cycle, endpoints, _waiting)
         if live_load.unseen_total(cycle) == 0:
             return per_snapshot(self, cycle, endpoints, lambda _: lower_is_better(waiting))
-        return lower_is_better(waiting + live_load.column(cycle, endpoints, "unseen_requests"))
+        return lower_is_better(waiting + live_load.live_column(cycle, endpoints, "unseen_requests"))
 
 
 def factory(parameters: dict | None) -> QueueScorer:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 from kvgate.epp.scheduling.framework import CycleState, Scorer
-from kvgate.epp.scheduling.plugins._normalize import column, lower_is_better, per_snapshot
+from kvgate.epp.scheduling.plugins._normalize import attribute_values, lower_is_better, per_snapshot
 from kvgate.epp.scheduling.plugins._params import check_keys
 from kvgate.epp.types import EndpointState, LLMRequest
 
 
 def _scores(endpoints: list[EndpointState]) -> np.ndarray:
-    return lower_is_better(column(endpoints, "metrics.running_requests"))
+    return lower_is_better(attribute_values(endpoints, "metrics.running_requests"))
 
 
 class RunningRequestsScorer(Scorer):

@@ -25,7 +25,7 @@ class TokenLoadScorer(Scorer):
 
     def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
               ) -> np.ndarray:
-        return lower_is_better(live_load.column(cycle, endpoints, "tokens"))
+        return lower_is_better(live_load.live_column(cycle, endpoints, "tokens"))
 
 
 def factory(parameters: dict | None) -> TokenLoadScorer:

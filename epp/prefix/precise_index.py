@@ -1,56 +1,31 @@
 """The precise prefix index: which blocks each endpoint's engine caches, keyed by hashes the EPP computes itself.
 
-A block's key chains the token ids of the prompt up to it, in blocks of the engine's block size, rooted at the
-LoRA adapter and the cache salt (different adapters or salts never share a prefix):
-
-    root = xxh3_64("lora\\0salt")      h_i = xxh3_64(token ids of block i as int64 bytes, seed = h_{i-1})
-
-so any engine works whatever its own hash function (the events carry token ids; `EngineHashes` in
-subscriber.py maps the engine's hashes to these, for removals). A request's prompt, tokenized like the engine,
-hashes the same way (`chain`) and an endpoint's match is its leading run of held blocks.
+Keys are token-id block chains (hashing.py `chain`, rooted at `root_hash` of the LoRA adapter and cache salt), so
+any engine works whatever its own hash function (the events carry token ids; `EngineHashes` in epp/kv_events/ maps
+the engine's hashes to these, for removals). A request's prompt, tokenized like the engine, hashes the same way
+and an endpoint's match is its leading run of held blocks.
 
 Two writers, one reader, all on the EPP's event loop (no locks): `apply` takes the subscriber thread's deltas
 (posted to the loop), `hold`/`release` and `add_speculative` the scorer's picks (a block the engine will hold
 once it prefills the request: it counts until the events confirm it, else while a request that will compute it
 is held, then `speculative_ttl_s` seconds, so a burst to a fresh prefix sticks to one endpoint before the events
-arrive), `match` serves the scorer. Holders of a block are an int bitset of endpoint ids (see
-prefix_cache_scorer.py): a match is O(prompt blocks) dict lookups and bit operations.
+arrive), `match` serves the scorer. Holders of a block are an int bitset of endpoint ids (endpoint_ids.py): a
+match is O(prompt blocks) dict lookups and bit operations.
 """
 
 from __future__ import annotations
 
 import time
-from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-import xxhash
-
-_h = xxhash.xxh3_64_intdigest
+from kvgate.epp.prefix.endpoint_ids import EndpointIds, bits, clear_holder
 
 # Adapter names learned from events, the most recently seen kept: a request naming one that fell out hashes from
 # the base model's root and matches nothing of the adapter's (a miss, never a wrong hit). vLLM serves at most
 # --max-cpu-loras adapters per engine (tens); 4096 covers a pool of them, at ≤ 1 KiB a name (decode.py).
 MAX_LORAS = 4096
-
-
-def root_hash(lora_name: str | None, cache_salt: str | None) -> int:
-    salt = "\x01" if cache_salt is None else "\x00" + cache_salt  # None and "" are different namespaces
-    return _h(f"{lora_name or ''}\x00{salt}".encode())
-
-
-def chain(token_ids, block_size: int, parent: int, max_blocks: int | None = None) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids` (at most max_blocks), continuing from `parent`."""
-    data = array("q", token_ids).tobytes()
-    step = 8 * block_size
-    count = len(token_ids) // block_size
-    if max_blocks is not None:
-        count = min(count, max_blocks)
-    out = []
-    for start in range(0, count * step, step):
-        parent = _h(data[start:start + step], parent)
-        out.append(parent)
-    return out
+_HELD = float("inf")  # a held speculative entry's expiry: none until released
 
 
 @dataclass(slots=True)
@@ -69,6 +44,9 @@ class Delta:
 
 
 class PreciseIndex:
+    """block hash → bitset of the endpoints whose engines announced it (confirmed) or will compute it
+    (speculative: held by a request in flight, or within `speculative_ttl_s` of a pick or of a hold's end)."""
+
     def __init__(self, speculative_ttl_s: float = 2.0, max_speculative: int = 100_000, clock=time.monotonic,
                  max_loras: int = MAX_LORAS) -> None:
         self.speculative_ttl_s = speculative_ttl_s
@@ -76,9 +54,7 @@ class PreciseIndex:
         self.clock = clock
         self._holders: dict[int, int] = {}
         self._blocks: dict[int, set[int]] = {}  # endpoint id → its confirmed blocks
-        self._ids: dict[str, int] = {}
-        self._addresses: list[str | None] = []
-        self._free_ids: list[int] = []
+        self.ids = EndpointIds()
         self._generation: dict[str, int] = {}  # address → the subscription generation whose deltas count
         self.block_sizes: dict[str, int] = {}  # address → its engine's block size (from the events)
         # adapters seen in events (a request naming one hashes from its root), oldest first, at most max_loras
@@ -103,26 +79,13 @@ class PreciseIndex:
         """The endpoint left the pool: its blocks, speculative ones included, and its id go."""
         self._generation.pop(address, None)
         self.block_sizes.pop(address, None)
-        eid = self._ids.pop(address, None)
+        eid = self.ids.release(address)
         if eid is None:
             return
         self._drop_blocks_of(eid)
         for holders in self._spec.values():
             holders.pop(eid, None)
         self._holds = {key: n for key, n in self._holds.items() if key[1] != eid}
-        self._addresses[eid] = None
-        self._free_ids.append(eid)
-
-    def _id(self, address: str) -> int:
-        eid = self._ids.get(address)
-        if eid is None:
-            eid = self._free_ids.pop() if self._free_ids else len(self._addresses)
-            if eid == len(self._addresses):
-                self._addresses.append(address)
-            else:
-                self._addresses[eid] = address
-            self._ids[address] = eid
-        return eid
 
     # -- confirmed blocks (events) --------------------------------------------------------------------------------
 
@@ -138,14 +101,14 @@ class PreciseIndex:
             self._learn_loras(delta.loras)
         if not delta.added and not delta.removed:
             return
-        eid = self._id(delta.address)
+        eid = self.ids.assign(delta.address)
         bit = 1 << eid
         blocks = self._blocks.setdefault(eid, set())
         holders = self._holders
         for h in delta.removed:
             if h in blocks:
                 blocks.discard(h)
-                self._forget(h, bit)
+                clear_holder(holders, h, bit)
         holds = self._holds
         for h in delta.added:
             if h not in blocks:
@@ -163,25 +126,19 @@ class PreciseIndex:
             loras.popitem(last=False)
 
     def _drop_blocks(self, address: str) -> None:
-        eid = self._ids.get(address)
+        eid = self.ids.get(address)
         if eid is not None:
             self._drop_blocks_of(eid)
 
     def _drop_blocks_of(self, eid: int) -> None:
         bit = 1 << eid
+        holders = self._holders
         for h in self._blocks.pop(eid, ()):
-            self._forget(h, bit)
-
-    def _forget(self, h: int, bit: int) -> None:
-        rest = self._holders.get(h, 0) & ~bit
-        if rest:
-            self._holders[h] = rest
-        else:
-            self._holders.pop(h, None)
+            clear_holder(holders, h, bit)
 
     def blocks_of(self, address: str) -> set[int]:
         """The endpoint's confirmed blocks (a copy; for tests and debugging)."""
-        eid = self._ids.get(address)
+        eid = self.ids.get(address)
         return set(self._blocks.get(eid, ())) if eid is not None else set()
 
     def size(self) -> int:
@@ -194,7 +151,7 @@ class PreciseIndex:
         `since` (default now; never earlier than the last expiry given, so the FIFO stays in order)."""
         if self.speculative_ttl_s <= 0 or not hashes:
             return
-        eid = self._id(address)
+        eid = self.ids.assign(address)
         now = self.clock()
         self._expire(now)
         expiry = (now if since is None else min(since, now)) + self.speculative_ttl_s
@@ -217,7 +174,7 @@ class PreciseIndex:
         `release` (per block, a count of the requests holding it)."""
         if self.speculative_ttl_s <= 0 or not hashes:
             return
-        eid = self._id(address)
+        eid = self.ids.assign(address)
         confirmed = self._blocks.get(eid, ())
         holds, spec = self._holds, self._spec
         for h in hashes:
@@ -231,7 +188,7 @@ class PreciseIndex:
         """The request that `hold` was given ended at `since` (default now; its prefill done): its blocks count
         `speculative_ttl_s` seconds more, unless another request still holds them; by then the engine's events
         confirm or remove them."""
-        eid = self._ids.get(address)
+        eid = self.ids.get(address)
         if eid is None:
             return  # the endpoint left the pool meanwhile: remove() dropped its holds
         holds = self._holds
@@ -301,19 +258,15 @@ class PreciseIndex:
         return out
 
     def _settle(self, mask: int, blocks: int, out: dict[str, int]) -> None:
-        addresses = self._addresses
-        while mask:
-            low = mask & -mask
-            address = addresses[low.bit_length() - 1]
+        addresses = self.ids.addresses
+        for eid in bits(mask):
+            address = addresses[eid]
             if address is not None:
                 out[address] = blocks
-            mask ^= low
-
-
-_HELD = float("inf")  # a held speculative entry's expiry: none until released
 
 
 def _spec_mask(holders: dict[int, float] | None) -> int:
+    """The speculative holders of one block ({endpoint id: expiry}) as a bitset."""
     if not holders:
         return 0
     mask = 0

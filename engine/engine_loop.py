@@ -1,0 +1,87 @@
+"""The engine loop: owns an LLMEngine, takes commands, steps while there is work and reports each step.
+
+It knows nothing of where it runs: `receive` and `send` are a thread's queue and callback or a process's pipe
+(engine/engine_client.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvgate.engine.engine_messages import (AbortRequest, AddRequest, EngineInfo, LoRACall, LoRAReply,
+                                           RequestFailed, Shutdown, StepResult)
+from kvgate.engine.llm_engine import LLMEngine
+
+# A busy loop whose steps produce no output (a long chunked prefill) still reports this often, so the
+# watchdog sees it is alive; a step that does produce output is reported at once anyway.
+HEARTBEAT_S = 0.25
+
+
+class EngineLoop:
+    """Owns an LLMEngine: takes commands, steps while there is work, blocks (no spinning) when idle."""
+
+    def __init__(self, engine: LLMEngine, receive: Callable[[float | None], object | None],
+                 send: Callable[[StepResult], None]) -> None:
+        self.engine = engine
+        self.receive = receive  # receive(timeout) -> a command, or None on timeout
+        self.send = send
+
+    def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.engine.close()
+
+    def _run(self) -> None:
+        engine = self.engine
+        reported_at = time.monotonic()
+        adds_received = 0
+        reported_pending = 0
+        while True:
+            failures: list[RequestFailed] = []
+            replies: list[LoRAReply] = []
+            # Idle: wait for a command. Busy: take what has arrived and step.
+            command = self.receive(None if not engine.has_unfinished_requests() else 0.0)
+            changed = False
+            while command is not None:
+                if isinstance(command, Shutdown):
+                    return
+                changed = True
+                if isinstance(command, AddRequest):
+                    adds_received += 1
+                    try:
+                        engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                           priority=command.priority, cache_salt=command.cache_salt,
+                                           arrival_time=command.arrival_time, lora_request=command.lora_request)
+                    except Exception as exc:  # noqa: BLE001 - reported to that request, the loop goes on
+                        failures.append(RequestFailed(command.request_id, exc))
+                elif isinstance(command, LoRACall):
+                    try:
+                        result = engine.add_lora(command.lora) if command.lora is not None else \
+                            engine.remove_lora(command.name)
+                    except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
+                        result = exc
+                    replies.append(LoRAReply(command.call_id, result))
+                elif isinstance(command, AbortRequest):
+                    engine.abort_request(command.request_id)
+                command = self.receive(0.0)
+            stepped = engine.has_unfinished_requests()
+            outputs = engine.step() if stepped else []
+            failures += [RequestFailed(rid, exc) for rid, exc in engine.take_failures()]
+            now = time.monotonic()
+            # A prefill chunk yields no output but moves the prefill backlog: reported too, so the
+            # kvgate:num_prefill_tokens_pending gauge follows every step.
+            pending = engine.scheduler.num_prefill_tokens_pending
+            if (outputs or failures or changed or pending != reported_pending
+                    or (stepped and now - reported_at >= HEARTBEAT_S)):
+                self.send(StepResult(outputs, failures, engine.stats(), adds_received, replies))
+                reported_at = now
+                reported_pending = pending
+
+
+def engine_info(engine: LLMEngine) -> EngineInfo:
+    tokenizer_path = getattr(engine.tokenizer, "name_or_path", "") or engine.config.model
+    return EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size, engine.config.block_size,
+                      engine.kv_cache_manager.num_blocks, engine.eos_token_ids, tokenizer_path,
+                      engine.list_loras())

@@ -1,0 +1,125 @@
+"""/v1/chat/completions (and its /render): conversations to token ids, and the answers, whole or as an SSE
+stream, with tool calls read from the text when the request has tools (tool_calls.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from kvgate.engine.errors import InvalidRequestError
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.server import tool_calls
+from kvgate.engine.server.openai_serving import OpenAIServing, Prepared, sse, stream_error, usage
+from kvgate.engine.server.protocol import ChatCompletionRequest
+
+
+class OpenAIServingChat:
+    def __init__(self, serving: OpenAIServing, tool_parser: str | None = None) -> None:
+        self.serving = serving
+        self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice: tool_choice auto
+
+    async def prepare(self, req: ChatCompletionRequest) -> Prepared:
+        self.serving.check_accepting()
+        ids, params = await self.render(req)
+        return self.serving.admit([ids], [params], req.n)
+
+    async def render(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """Every check of /v1/chat/completions and the conversation's token ids and parameters, admitting
+        nothing (what /v1/chat/completions/render returns)."""
+        serving = self.serving
+        serving.check_model(req.model)
+        serving.check_request(req)
+        serving.check_logprobs(req.top_logprobs, "top_logprobs")
+        top = req.top_logprobs if req.logprobs else None
+        if req.top_logprobs and not req.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        template_kwargs = req.chat_template_kwargs
+        if req.tools and req.tool_choice != "none":  # passed on only if the template reads `tools`
+            template_kwargs = {**(template_kwargs or {}), "tools": [t.model_dump(exclude_none=True) for t in req.tools]}
+        kwargs = serving.template_kwargs(req.chat_template, template_kwargs)
+        ids = await serving.off_loop(serving.chat_prompt, req, kwargs, param="messages")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        constraint = await serving.off_loop(serving.constraint, req, self.tool_parser, param="structured_outputs")
+        params = serving.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None, constraint)
+        return ids, params
+
+    def _logprobs(self, c, k: int, start: int = 0) -> dict | None:
+        if c.logprobs is None:
+            return None
+        token_text = self.serving.token_text
+        content = []
+        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            text = token_text(tid)
+            top = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank <= k)
+            content.append({
+                "token": text, "logprob": entry[tid].logprob, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
+                                 for _, t, v in top],
+            })
+        return {"content": content}
+
+    async def response(self, req: ChatCompletionRequest, prep: Prepared) -> dict:
+        """The whole answer, once every sample has finished."""
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        finals, cached = await self.serving.collect(rid, req, prep)
+        mode = tool_calls.tool_mode(req, self.tool_parser)
+        choices = []
+        for (_, j), c in sorted(finals.items()):
+            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if mode is not None:
+                message, finish_reason = tool_calls.message(mode, c.text, c.finish_reason)
+            choices.append({"index": j, "message": message, "logprobs": self._logprobs(c, req.top_logprobs or 0),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
+        completion_tokens = sum(len(c.token_ids) for c in finals.values())
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                "model": self.serving.response_model(req),
+                "choices": choices, "usage": usage(prep.prompts, completion_tokens, cached)}
+
+    async def stream(self, req: ChatCompletionRequest, prep: Prepared) -> AsyncIterator[str]:
+        """The answer as SSE chunks (a role chunk per sample first); an error after the first is reported
+        in-band."""
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = self.serving.response_model(req)
+
+        def chunk(choices, **extra):
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": choices, **extra})
+
+        sent: dict[int, int] = {}
+        completion_tokens, cached = 0, {}
+        mode = tool_calls.tool_mode(req, self.tool_parser)
+        tool_streams = {j: tool_calls.ToolCallStream(mode) for j in range(req.n)} if mode is not None else {}
+        try:
+            for j in range(req.n):
+                yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            async for i, out in self.serving.run(rid, req, prep):
+                cached[i] = out.num_cached_tokens
+                for c in out.outputs:
+                    start = sent.get(c.index, 0)
+                    sent[c.index] = len(c.token_ids)
+                    completion_tokens += len(c.token_ids) - start
+                    if not c.delta_text and not c.finished and c.logprobs is None:
+                        continue
+                    logprobs = self._logprobs(c, req.top_logprobs or 0, start)
+                    if mode is not None:
+                        deltas, finish_reason = tool_streams[c.index].deltas(c.delta_text, c.finish_reason)
+                        if not deltas and finish_reason is None and logprobs is None:
+                            continue  # a required array's text: sent as calls once it ends
+                        for k, delta in enumerate(deltas or [{}]):
+                            last = k == max(len(deltas) - 1, 0)
+                            yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs if last else None,
+                                          "finish_reason": finish_reason if last else None}])
+                        continue
+                    delta = {"content": c.delta_text} if c.delta_text else {}
+                    yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": c.finish_reason}])
+            if req.stream_options and req.stream_options.include_usage:
+                yield chunk([], usage=usage(prep.prompts, completion_tokens, cached))
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+            yield sse(stream_error(exc))
+        finally:
+            prep.tracker.close()
+        yield sse("[DONE]")

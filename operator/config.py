@@ -1,0 +1,25 @@
+"""The operator's settings: what `kvgate operator`'s flags (main.py) hand the reconcilers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgate.operator.tenancy import TenantPolicy
+
+
+@dataclass
+class OperatorConfig:
+    engine_image: str
+    epp_image: str
+    envoy_image: str
+    namespace: str | None = None  # None: all namespaces
+    # "service": Envoy reaches a pool's EPP by its Service's DNS name (any cluster with Service routing).
+    # "pod-ip": by the IP of a ready EPP pod (clusters without Service routing, e.g. the e2e rig).
+    epp_address_mode: str = "service"
+    envoy_service_type: str = "ClusterIP"
+    resync_s: float = 15.0
+    # A NetworkPolicy per managed pool's EPP (network_policy.py); the peers that may scrape every EPP's metrics.
+    network_policy: bool = True
+    epp_metrics_from: tuple = ()
+    # What ModelServers may use beyond the default (tenancy.py): --allow-host-path, --allow-image-prefix.
+    tenant_policy: TenantPolicy = TenantPolicy()
