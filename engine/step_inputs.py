@@ -63,18 +63,17 @@ class StepInputs:
 
         # On CPU the host tensors are the device tensors (one set, nothing to copy: a step's forward pass has run
         # before the next is prepared).
-        self._sets = [host_set()] if device.type == "cpu" else [host_set(), host_set()]
+        hosts = [host_set()] if device.type == "cpu" else [host_set(), host_set()]
+        self._sets = [(h, {name: t.numpy() for name, t in h.items()}) for h in hosts]  # (tensors, numpy views)
         self._next_set = 0
-        self._host = self._sets[0]
-        self._np = {name: t.numpy() for name, t in self._host.items()}
+        self._host, self._np = self._sets[0]
         self.dev = self._host if device.type == "cpu" else {
             name: torch.zeros_like(t, device=device) for name, t in self._host.items()}
         self._arange = np.arange(max_tokens, dtype=np.int64)
 
     def _switch_set(self) -> None:
-        self._host = self._sets[self._next_set]
+        self._host, self._np = self._sets[self._next_set]
         self._next_set = (self._next_set + 1) % len(self._sets)
-        self._np = {name: t.numpy() for name, t in self._host.items()}
 
     def prepare(self, out: SchedulerOutput, padded_tokens: int | None = None, padded_seqs: int | None = None,
                 running_rows: dict[str, int] | None = None) -> StepBatch:

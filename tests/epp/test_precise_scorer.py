@@ -21,12 +21,7 @@ from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMReques
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cache_dir(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KVGATE_CACHE_DIR", str(tmp_path_factory.mktemp("kvgate-cache")))
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("module_cache_dir")
 
 
 def state(address: str, block_size: int | None = None) -> EndpointState:
