@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from k8srig import BuildFailed, Rig, Unavailable, ensure_binaries  # noqa: E402
 from k8srig.assets import BUILD_TIMEOUT_S, binaries_cached  # noqa: E402
+from k8srig import podnet  # noqa: E402
 from k8srig import objects  # noqa: E402
 from k8srig.kube import CORE, Client, delete_namespace, wait_default_service_account  # noqa: E402
 
@@ -113,6 +114,8 @@ _running: list[Rig] = []          # the session rig while it runs
 def _stop_and_check(rig: Rig) -> None:
     leftovers = rig.stop()
     assert not leftovers, f"rig teardown found processes still running (killed now): {leftovers}"
+    if getattr(rig, "network_policy", "") == "enforced":   # nor its nftables table and pod cgroups
+        assert not podnet.leftovers(rig.id), f"rig teardown left NetworkPolicy state: {podnet.leftovers(rig.id)}"
 
 
 @pytest.hookimpl(wrapper=True)

@@ -120,7 +120,8 @@ def test_operator_runs_the_samples(k8s, tmp_path):
         mark("statuses: pool, route, class, gateway, modelserver")
 
         # The EPP's NetworkPolicy: its pods, ext-proc and health from the Gateway's Envoy pods only, no metrics
-        # peer (the operator ran without --epp-metrics-from). The rig enforces no policy; the shape is the check.
+        # peer (the operator ran without --epp-metrics-from). The rig enforces it (the completion above went Envoy →
+        # EPP → engine under it); test_network_policy_e2e.py shows what it refuses.
         policy = client.get(netpol_res, "demo-pool-epp", ns)
         assert policy["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/instance": "demo-pool",
                                                                  "app.kubernetes.io/name": "kvgate-epp"}}

@@ -4,7 +4,9 @@
 
 Each start makes fresh certificates, tokens and data in a temporary folder; every process is started in its
 own process group with K8SRIG_ID=<rig id> in its environment and is stopped by id on stop(), which then
-checks /proc for anything still carrying the marker (and kills and reports it).
+checks /proc for anything still carrying the marker (and kills and reports it). Where this machine can (root,
+nftables, cgroup v2: podnet.unavailable), the pod runner enforces NetworkPolicy ingress (`network_policy`
+says whether it does, or why not).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import procs
+from . import podnet, procs
 from .assets import Binaries
 from .kube import CORE, Client, Kubeconfig, wait_for
 
@@ -116,10 +118,16 @@ class Rig:
     pod_network: str = ""                # "127.N": pods get 127.N.x.y
     timings: dict[str, float] = field(default_factory=dict)
     local: bool = True                   # pods run on this machine (tests may inspect their processes)
+    enforce_network_policy: bool = True  # NetworkPolicy ingress enforced (podnet.py) where this machine can
+    network_policy: str = ""             # after start: "enforced", or why not
     _procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     _apiserver_argv: list[str] = field(default_factory=list)
     _net_lock: int | None = None
     _net_lock_path: str = ""
+
+    @property
+    def nft(self) -> str | None:
+        return podnet.find_nft(self.binaries.dir)
 
     # --- start ----------------------------------------------------------------------------------------------
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -225,11 +233,20 @@ class Rig:
 
         runner_env = self._env({"PYTHONPATH": os.pathsep.join(
             [str(PACKAGE_PARENT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))})
+        policy_flags = []
+        if self.enforce_network_policy:
+            reason = podnet.unavailable(self.nft)
+            self.network_policy = reason or "enforced"
+            if reason is None:
+                policy_flags = ["--network-policy-nft", self.nft, "--rig-id", self.id]
+        else:
+            self.network_policy = "not enforced (Rig.enforce_network_policy is off)"
         runner = self._start("pod-runner", [
             sys.executable, "-m", "k8srig.podrunner", "--kubeconfig", str(kc["pod-runner"]),
             "--run-dir", str(self.dir / "runner"), "--node-name", self.node_name,
             "--pod-network", self.pod_network,
-            "--backoff-base", str(self.backoff_base_s), "--backoff-cap", str(self.backoff_cap_s)], runner_env)
+            "--backoff-base", str(self.backoff_base_s), "--backoff-cap", str(self.backoff_cap_s),
+            *policy_flags], runner_env)
 
         def node_ready() -> bool:
             self._alive("kube-controller-manager", kcm)
@@ -291,6 +308,8 @@ class Rig:
                     if f.name.isdigit():
                         procs.kill_group(int(f.name), signal.SIGKILL)
         leftovers = procs.kill_marked(self.id)
+        if self.network_policy == "enforced":
+            podnet.cleanup(self.id, self.nft)      # the runner removes both; this covers a killed runner
         self._procs.clear()
         if self._net_lock is not None:
             release_pod_network(self._net_lock, self._net_lock_path)

@@ -106,6 +106,14 @@ DEFAULT_IMAGES: tuple[Image, ...] = (
         entrypoint=lambda p: ["/bin/sh"],
     ),
     Image(
+        # The official `python` image: this machine's Python (tests run scripted clients with it, e.g. a pod
+        # that tries ports NetworkPolicy should close).
+        name="python",
+        matches=lambda repo: _last(repo) == "python",
+        entrypoint=lambda p: [p.python],
+        binaries=lambda p: {"python": p.python, "python3": p.python},
+    ),
+    Image(
         name="echo-basic",
         matches=lambda repo: _last(repo) == "echo-basic",
         entrypoint=lambda p: [p.python, str(ECHO_SERVER)],

@@ -8,7 +8,9 @@ and for each pod bound to it runs a worker that materialises ConfigMap/Secret/em
 group (see images.py for which program stands in for which image), runs readiness/liveness/startup probes,
 restarts containers per restartPolicy with CrashLoopBackOff, patches the pod status, and on deletion runs the
 containers' preStop exec hooks, stops the processes (SIGTERM, the rest of the grace period, SIGKILL) and
-completes the deletion. SIGTERM stops every container it started and exits.
+completes the deletion. SIGTERM stops every container it started and exits. With --network-policy-nft it is
+also the node's CNI policy agent: each pod runs in a cgroup of its own and NetworkPolicy ingress rules are
+enforced with nftables (podnet.py, netpol.py).
 
 Every process group it starts is recorded as a file under RUN_DIR/pgids/ until it is gone, so whoever started
 the runner can stop what is left, by process group id, even if the runner itself was killed.
@@ -29,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from . import netpol, podnet
 from . import podspec as ps
 from . import procs
 from .images import ImageNotRunnable, ImageTable, Programs, config_arg
@@ -114,7 +117,7 @@ def write_atomic_volume(directory: Path, files: dict[str, bytes]) -> bool:
 
 # --- probes --------------------------------------------------------------------------------------------------
 
-def run_probe(check: ps.ProbeCheck, env: dict[str, str], cwd: str) -> bool:
+def run_probe(check: ps.ProbeCheck, env: dict[str, str], cwd: str, wrap=lambda argv: argv) -> bool:
     try:
         if check.kind == "tcp":
             with socket.create_connection((check.host, check.port), timeout=check.timeout_s):
@@ -131,7 +134,7 @@ def run_probe(check: ps.ProbeCheck, env: dict[str, str], cwd: str) -> bool:
             finally:
                 conn.close()
         if check.kind == "exec":
-            r = subprocess.run(list(check.command), env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+            r = subprocess.run(wrap(list(check.command)), env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=check.timeout_s)
             return r.returncode == 0
     except (OSError, subprocess.TimeoutExpired, http.client.HTTPException):
@@ -175,11 +178,31 @@ class PodWorker(threading.Thread):
         self.volume_error = ""
         self.next_volume_refresh = 0.0
         self.volume_dirs: dict[str, Path] = {}
+        self.cgroup: Path | None = None     # with NetworkPolicy enforced: the pod's own cgroup
 
     def update(self, pod: dict) -> None:
+        labels_changed = False
         with self.lock:
             if pod["metadata"]["uid"] == self.uid:
+                labels_changed = (pod["metadata"].get("labels") != self.pod["metadata"].get("labels"))
                 self.pod = pod
+        if self.runner.policy is not None and labels_changed:
+            self.runner.policy.wake()
+
+    def in_pod(self, argv: list[str]) -> list[str]:
+        """argv as a process of this pod: inside its cgroup, where NetworkPolicy knows it by."""
+        return podnet.PodCgroups.wrap(argv, self.cgroup) if self.cgroup is not None else argv
+
+    def policy_info(self) -> netpol.PodInfo | None:
+        if self.cgroup is None:
+            return None
+        with self.lock:
+            md, spec = self.pod["metadata"], self.pod["spec"]
+        named = {p["name"]: ((p.get("protocol") or "TCP").upper(), int(p["containerPort"]))
+                 for c in spec.get("containers") or [] for p in c.get("ports") or [] if p.get("name")}
+        return netpol.PodInfo(namespace=self.key[0], name=self.key[1], ip=self.ip,
+                              cgroup=self.runner.cgroups.nft_path(self.cgroup), labels=dict(md.get("labels") or {}),
+                              named_ports=named)
 
     def mark_gone(self) -> None:
         with self.lock:
@@ -278,7 +301,7 @@ class PodWorker(threading.Thread):
             copy.write_text(ps.bind_address_in_config(text, self.ip))
             argv = argv[:index] + [argv[index].replace(path, str(copy))] + argv[index + 1:]
         try:
-            slot.proc = self.runner.groups.start(argv, env=spec.env, cwd=spec.cwd,
+            slot.proc = self.runner.groups.start(self.in_pod(argv), env=spec.env, cwd=spec.cwd,
                                                  log_path=self.dir / f"{c['name']}.log")
         except OSError as e:
             slot.run.state, slot.run.reason, slot.run.message = "waiting", "RunContainerError", str(e)
@@ -334,7 +357,7 @@ class PodWorker(threading.Thread):
                 continue
             try:
                 check = ps.probe_check(probe, c, self.ip)
-                ok = run_probe(check, slot.spec_env, slot.cwd)
+                ok = run_probe(check, slot.spec_env, slot.cwd, self.in_pod)
             except ValueError as e:
                 log.warning("%s/%s: %s", *self.key, e)
                 ok = False
@@ -386,7 +409,7 @@ class PodWorker(threading.Thread):
 
         def run(slot: ContainerSlot, command: list[str]) -> None:
             try:
-                subprocess.run(command, env=slot.spec_env, cwd=slot.cwd, stdin=subprocess.DEVNULL,
+                subprocess.run(self.in_pod(command), env=slot.spec_env, cwd=slot.cwd, stdin=subprocess.DEVNULL,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=max(0.1, grace_s))
             except (OSError, subprocess.TimeoutExpired) as e:
                 log.warning("%s/%s: preStop hook of %s: %s", *self.key, slot.run.name, e)
@@ -430,9 +453,27 @@ class PodWorker(threading.Thread):
             self.stop_all(1.0)
         finally:
             self.runner.worker_done(self)
+            if self.cgroup is not None:
+                podnet.remove_cgroup(self.cgroup)
+
+    def join_network(self, stop: threading.Event) -> bool:
+        """With NetworkPolicy enforced: the pod's cgroup, and its rules loaded, before any container starts."""
+        if self.runner.cgroups is None:
+            return True
+        self.cgroup = self.runner.cgroups.create(self.uid)
+        while not stop.is_set():
+            try:
+                self.runner.policy.sync()
+                return True
+            except Exception as e:  # noqa: BLE001 - the API server or nft failing: the pod waits, as on a CNI error
+                log.warning("%s/%s: network policy not loaded yet: %s", *self.key, e)
+                stop.wait(1.0)
+        return False
 
     def _run(self) -> None:
         stop = self.runner.stop_event
+        if not self.join_network(stop):
+            return
         while not stop.is_set():
             now = time.time()
             with self.lock:
@@ -480,7 +521,8 @@ class PodWorker(threading.Thread):
 
 class Runner:
     def __init__(self, client: Client, *, node_name: str, run_dir: Path, pod_network: str,
-                 images: ImageTable, backoff_base_s: float, backoff_cap_s: float):
+                 images: ImageTable, backoff_base_s: float, backoff_cap_s: float,
+                 network_policy_nft: str | None = None, rig_id: str = ""):
         self.client, self.node_name, self.run_dir = client, node_name, run_dir
         self.images = images
         self.backoff_base_s, self.backoff_cap_s = backoff_base_s, backoff_cap_s
@@ -493,6 +535,17 @@ class Runner:
         self.api_port = int(client.config.server.rsplit(":", 1)[1].rstrip("/"))
         self.marker_env = {k: v for k, v in os.environ.items() if k == "K8SRIG_ID"}
         self.base_env = {k: os.environ[k] for k in ps.PASSTHROUGH_ENV if k in os.environ}
+        self.cgroups: podnet.PodCgroups | None = None
+        self.policy: podnet.PolicyAgent | None = None
+        if network_policy_nft:
+            self.cgroups = podnet.PodCgroups(rig_id)
+            self.policy = podnet.PolicyAgent(client, nft=network_policy_nft, rig_id=rig_id, cgroups=self.cgroups,
+                                             pods=self.policy_pods)
+
+    def policy_pods(self) -> list[netpol.PodInfo]:
+        with self.workers_lock:
+            workers = list(self.workers.values())
+        return [info for w in workers if (info := w.policy_info()) is not None]
 
     def allocate_ip(self) -> str:
         """Never reuse an address within a run: a replacement pod always gets a new IP."""
@@ -612,6 +665,8 @@ class Runner:
         with self.workers_lock:
             if self.workers.get(worker.key) is worker:
                 del self.workers[worker.key]
+        if self.policy is not None:
+            self.policy.wake()
 
     def pods_loop(self) -> None:
         rv = None
@@ -652,9 +707,13 @@ class Runner:
                    threading.Thread(target=self.pods_loop, name="pods", daemon=True),
                    threading.Thread(target=ServiceProxy(self.client).run, args=(self.stop_event,),
                                     name="service-proxy", daemon=True)]
+        if self.policy is not None:
+            threads.append(threading.Thread(target=self.policy.run, args=(self.stop_event,), name="network-policy",
+                                            daemon=True))
         for t in threads:
             t.start()
-        log.info("node %s ready; pods get %s.x.y", self.node_name, self.network)
+        log.info("node %s ready; pods get %s.x.y; NetworkPolicy %s", self.node_name, self.network,
+                 "enforced (nftables, a cgroup per pod)" if self.policy else "not enforced")
         self.stop_event.wait()
         with self.workers_lock:
             workers = list(self.workers.values())
@@ -666,6 +725,9 @@ class Runner:
             except (ProcessLookupError, ValueError):
                 pass
             f.unlink(missing_ok=True)
+        if self.policy is not None:
+            self.policy.close()
+            podnet.remove_cgroup(self.cgroups.rig_dir)
         log.info("stopped")
 
 
@@ -677,11 +739,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pod-network", default="127.1", help="pods get addresses NETWORK.x.y (a /16 of 127/8)")
     ap.add_argument("--backoff-base", type=float, default=10.0, help="CrashLoopBackOff base seconds (kubelet: 10)")
     ap.add_argument("--backoff-cap", type=float, default=300.0, help="CrashLoopBackOff cap seconds (kubelet: 300)")
+    ap.add_argument("--network-policy-nft", default=None, metavar="NFT",
+                    help="enforce NetworkPolicy (ingress) with this nft binary and a cgroup per pod (podnet.py)")
+    ap.add_argument("--rig-id", default=os.environ.get(procs.MARKER, "local"),
+                    help="names the nftables table and the cgroup folder")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
     runner = Runner(Client.from_kubeconfig(a.kubeconfig), node_name=a.node_name, run_dir=a.run_dir,
                     pod_network=a.pod_network, images=ImageTable(Programs.discover()),
-                    backoff_base_s=a.backoff_base, backoff_cap_s=a.backoff_cap)
+                    backoff_base_s=a.backoff_base, backoff_cap_s=a.backoff_cap,
+                    network_policy_nft=a.network_policy_nft, rig_id=a.rig_id)
     signal.signal(signal.SIGTERM, lambda *_: runner.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: runner.stop_event.set())
     runner.run()
