@@ -38,6 +38,7 @@ class Director:
         # echo backends) they are still routable. Standalone endpoints have no such gate: unscraped means unknown.
         self.trust_pool_readiness = trust_pool_readiness
         self.load = LoadTracker()
+        self._uncached_from_plugins = scheduler.produces(PICKED_UNCACHED_TOKENS)
         self.in_flight = self.load.by_address  # address → AddressLoad (requests, tokens, flights)
         self._selected_from: list[EndpointState] | None = None  # the snapshot `_selected` was chosen from
         self._selected: list[EndpointState] = []
@@ -83,14 +84,12 @@ class Director:
 
     def needs_prepare(self, request: LLMRequest) -> bool:
         """Whether a plugin has slow work to do for this request before `pick` (see `prepare`)."""
-        return any(p.needs_prepare(request) for p in self.scheduler.plugins if hasattr(p, "prepare"))
+        return self.scheduler.needs_prepare(request)
 
     async def prepare(self, request: LLMRequest) -> None:
         """Plugins' slow per-request work (the precise prefix scorer tokenizing a long prompt), off the event loop
         and each within its own time budget, so that no other decision waits on it; then `pick` (synchronous)."""
-        for plugin in self.scheduler.plugins:
-            if hasattr(plugin, "prepare") and plugin.needs_prepare(request):
-                await plugin.prepare(request)
+        await self.scheduler.prepare(request)
 
     def pick(self, request: LLMRequest, subset: list[str] | None = None) -> list[EndpointState]:
         """Ordered endpoints for the request (primary first); raises RoutingError (503 / 429)."""
@@ -115,7 +114,9 @@ class Director:
         primary = ordered[0]
         self.scheduler.on_picked(request, primary, cycle)
         prompt = request.estimated_prompt_tokens
-        uncached = cycle.get(PICKED_UNCACHED_TOKENS, prompt)  # set by a prefix-aware pick hook, if any
+        # What the pick adds to the endpoint's prefill backlog: a prefix-aware plugin's pick hook says, if one is
+        # configured to (it declares it produces the key), else the whole prompt.
+        uncached = cycle.get(PICKED_UNCACHED_TOKENS, prompt) if self._uncached_from_plugins else prompt
         self.load.add(request, primary.address, prompt + (request.max_tokens or 0), uncached)
         if self.metrics is not None:
             self.metrics.scheduling_seconds.observe(time.perf_counter() - started)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import re
 import signal
+from functools import partial
 
 log = logging.getLogger("kvgate.epp")
 
@@ -164,9 +165,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     datalayer = Datalayer(interval=args.refresh_metrics_interval, timeout=1.0,
                           staleness=saturation.metrics_staleness_threshold or args.metrics_staleness_threshold)
     scheduler = Scheduler(config.scheduler)
-    if args.prefix_index_max_bytes is not None:
-        scheduler.set_prefix_index_max_bytes(args.prefix_index_max_bytes)
-    precise = start_precise_prefix(scheduler, args)
+    loop = asyncio.get_running_loop()
+    scheduler.start(plugin_context(args, loop.call_soon_threadsafe))  # a bad --tokenizer fails here, at start
+    if scheduler.plugins_of_type("precise-prefix-cache-scorer") and args.kv_events_port is None \
+            and not args.kv_events_endpoint:
+        log.info("precise-prefix-cache-scorer: no --kv-events-port; only pods annotated kvgate.dev/kv-events-port "
+                 "publish events to it")
     metrics = EppMetrics()
     admission = Admission(
         queue_depth_threshold=args.saturation_queue_depth if args.saturation_queue_depth is not None
@@ -177,7 +181,6 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
                         trust_pool_readiness=bool(args.pool_name))
     metrics.watch(director)
 
-    loop = asyncio.get_running_loop()
     known: set[str] = set()
 
     def on_endpoints(endpoints) -> None:  # may be called from the watcher thread
@@ -186,7 +189,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             current = {e.address for e in endpoints}
             for gone in known - current:
                 scheduler.remove_endpoint(gone)
-            set_event_sources(precise, endpoints, args)
+            scheduler.set_endpoints(endpoints)
             known.clear()
             known.update(current)
             metrics.gauges.publish(force=True)  # the exporter shows a pool change at once, not a round later
@@ -251,38 +254,27 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             watcher.stop()
         await health_server.stop(grace=0)
         await datalayer.stop()
-        for plugin in precise:
-            plugin.stop_events()
+        scheduler.stop()
         metrics_http.shutdown()
 
 
-def start_precise_prefix(scheduler, args: argparse.Namespace) -> list:
-    """The config's precise-prefix-cache-scorers: tokenizer loaded (a bad --tokenizer fails the start), the
-    KV-event subscriber thread started, its deltas applied on this loop. [] (nothing started) otherwise."""
-    plugins = scheduler.plugins_of_type("precise-prefix-cache-scorer")
-    loop = asyncio.get_running_loop()
-    for plugin in plugins:
-        if args.prefix_index_max_bytes is not None:
-            plugin.index_max_bytes = args.prefix_index_max_bytes
-        plugin.load_tokenizer(args.tokenizer)
-        plugin.start_events(loop.call_soon_threadsafe)
-    if plugins and args.kv_events_port is None and not args.kv_events_endpoint:
-        log.info("precise-prefix-cache-scorer: no --kv-events-port; only pods annotated kvgate.dev/kv-events-port "
-                 "publish events to it")
-    return plugins
+def plugin_context(args: argparse.Namespace, deliver=None):
+    """The runtime options plugins take from the command line (Scheduler.start hands it to each)."""
+    from kvgate.epp.scheduling.framework import PluginContext
+
+    return PluginContext(deliver=deliver, tokenizer=args.tokenizer, prefix_index_max_bytes=args.prefix_index_max_bytes,
+                         kv_event_sources=partial(kv_event_sources, args))
 
 
-def set_event_sources(plugins: list, endpoints, args: argparse.Namespace) -> None:
-    if not plugins:
-        return
+def kv_event_sources(args: argparse.Namespace, endpoints) -> list:
+    """Each endpoint's KV-event source: `--kv-events-endpoint` where given, else its pod annotations and the
+    `--kv-events-*` defaults (None: it publishes none)."""
     from kvgate.epp.kv_events.sources import event_source
 
     explicit = dict(args.kv_events_endpoint)
-    sources = [s for s in (explicit[e.address].with_topic(args.kv_events_topic) if e.address in explicit else
-                           event_source(e, args.kv_events_port, args.kv_events_replay_port, args.kv_events_topic)
-                           for e in endpoints) if s is not None]
-    for plugin in plugins:
-        plugin.set_sources(sources)
+    return [s for s in (explicit[e.address].with_topic(args.kv_events_topic) if e.address in explicit else
+                        event_source(e, args.kv_events_port, args.kv_events_replay_port, args.kv_events_topic)
+                        for e in endpoints) if s is not None]
 
 
 async def drain(server, extproc, health_servicer, shutdown_timeout: float, report_not_serving: bool = True) -> None:

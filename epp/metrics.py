@@ -14,7 +14,7 @@ after its endpoint left counts once more and goes at the next round).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -38,8 +38,7 @@ class EndpointRow(NamedTuple):
 class Snapshot(NamedTuple):
     rows: tuple[EndpointRow, ...] = ()
     staleness: float = 2.0
-    prefix_stats: tuple[tuple[str, float], ...] = ()
-    kv_event_stats: tuple[tuple[str, float], ...] = ()
+    plugin_stats: Mapping[str, Mapping[str, float]] = {}  # Scheduler.stats(): per stats group, summed
 
 
 # The precise scorer's gauges; every other key of its stats is a cumulative count of KV-event batches or blocks.
@@ -91,15 +90,7 @@ class EndpointGauges:
                                  s.metrics.kv_cache_usage, s.metrics.updated_at, s.in_flight_requests, s.stale,
                                  s.available)
                      for s in states)
-        prefix: tuple[tuple[str, float], ...] = ()
-        stats = getattr(self.director.scheduler, "prefix_stats", None)
-        if callable(stats):
-            prefix = tuple((stats() or {}).items())
-        kv_events: tuple[tuple[str, float], ...] = ()
-        kv_stats = getattr(self.director.scheduler, "kv_event_stats", None)
-        if callable(kv_stats):
-            kv_events = tuple((kv_stats() or {}).items())
-        self.snapshot = Snapshot(rows, self.director.datalayer.staleness, prefix, kv_events)
+        self.snapshot = Snapshot(rows, self.director.datalayer.staleness, self.director.scheduler.stats())
         if self.tokens is not None:
             self.tokens.retain({row.address for row in rows})
 
@@ -133,16 +124,17 @@ class EndpointGauges:
             flight.add_metric(labels, row.in_flight_requests)
             available.add_metric(labels, 1.0 if row.available else 0.0)
         yield from (queue, kv, running, stale, age, flight, available)
-        values = dict(snapshot.prefix_stats)
+        values = snapshot.plugin_stats.get("prefix_index") or {}
         if values:
             size = GaugeMetricFamily("kvgate_epp_prefix_index_size", "Block hashes in the prefix index.")
             size.add_metric([], values.get("index_size", 0))
             ratio = GaugeMetricFamily("kvgate_epp_prefix_index_hit_ratio",
                                       "Prompt blocks found in the picked endpoint's index / blocks looked up.")
-            ratio.add_metric([], values.get("hit_ratio", 0.0))
+            total = values.get("total_blocks", 0)
+            ratio.add_metric([], values.get("hit_blocks", 0) / total if total else 0.0)
             yield size
             yield ratio
-        kv_events = dict(snapshot.kv_event_stats)
+        kv_events = snapshot.plugin_stats.get("kv_events") or {}
         if kv_events:
             blocks = GaugeMetricFamily("kvgate_epp_precise_index_blocks",
                                        "(endpoint, block) entries the precise prefix index holds from KV events.")

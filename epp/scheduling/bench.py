@@ -135,7 +135,7 @@ def bench_scheduling(num_endpoints: int, num_requests: int, seed: int = 0) -> di
         "full_index_entries": index.size(),
         "plugins_p50_us": {k: _percentile(sorted(v), 0.5) for k, v in per_plugin.items()},
         "plugins_mean_us": plugin_means,
-        "prefix_hit_ratio": prefix.stats()["hit_ratio"],
+        "prefix_hit_ratio": prefix.hit_ratio(),
     }
 
 

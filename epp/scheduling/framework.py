@@ -19,10 +19,19 @@ snapshot reused for a scrape round) reuses them, so a decision over 1000 endpoin
 objects per scorer. EndpointStates are therefore treated as immutable snapshots: publish new metrics by new
 objects, never by mutating one in place.
 
-Plugins may also implement lifecycle hooks, which the Scheduler fans out:
+Plugins may also implement lifecycle hooks, which the Scheduler fans out to the plugins that override them:
+  start(ctx)                                           the EPP starts: runtime options and its loop (PluginContext)
+  needs_prepare(request) / async prepare(request)      slow per-request work before the decision, off the loop
+  stop()                                               the EPP stops (in reverse order of start)
+  set_endpoints(endpoints)                             the pool's endpoints now (after remove_endpoint of leavers)
   pre_request(request, endpoint, cycle)                the pick is final (e.g. prefix index update)
   response_complete(request, address, prompt_tokens, completion_tokens)
   remove_endpoint(address)                             the endpoint left the pool (drop per-endpoint state)
+  stats()                                              numbers for the EPP's metrics, summed by `stats_group`
+
+What a plugin writes into the cycle for others to read is declared: `produces` names the CycleState keys it
+writes (its private `cycle[self]` is not one), `consumes` those it reads; a configuration in which a plugin
+consumes what no plugin produces is refused, and callers ask `Scheduler.produces(key)` instead of guessing.
 
 The scheduler is not thread-safe: the EPP calls it from its one asyncio event loop.
 """
@@ -39,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from kvgate.epp.types import EndpointState, LLMRequest
+from kvgate.epp.types import Endpoint, EndpointState, LLMRequest
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +110,48 @@ class CycleState(dict):
         self.load = load
 
 
+@dataclass(frozen=True)
+class PluginContext:
+    """What the EPP hands every plugin it starts (Plugin.start): its runtime options and a way back onto the
+    scheduler's thread. A plugin reads what it needs; tests build one with only that."""
+
+    deliver: Callable[..., Any] | None = None  # deliver(fn, *args) runs fn(*args) on the scheduler's thread
+    tokenizer: str | None = None  # --tokenizer: the model's tokenizer folder
+    prefix_index_max_bytes: int | None = None  # --prefix-index-max-bytes: every prefix index's budget
+    kv_event_sources: Callable[[Sequence[Endpoint]], list] | None = None  # endpoints → their KV-event sources
+
+
 class Plugin:
     """Base of every plugin. `type_name` is the registry key used in EndpointPickerConfig files."""
 
     type_name: str = ""
+    stats_group: str = ""  # the EPP metric family stats() feeds ("" = none)
+    produces: tuple[str, ...] = ()  # CycleState keys this plugin writes for others
+    consumes: tuple[str, ...] = ()  # CycleState keys this plugin reads that others write
 
     def __init__(self) -> None:
         self.name = self.type_name
+
+    def start(self, ctx: PluginContext) -> None:
+        """The EPP starts (its event loop runs): take runtime options, start threads or sockets."""
+
+    def stop(self) -> None:
+        """The EPP stops: end what start() started."""
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        """The pool's endpoints now (those that left were given to remove_endpoint first)."""
+
+    def needs_prepare(self, request: LLMRequest) -> bool:
+        """Whether `prepare` has work for this request (checked on the event loop: keep it cheap)."""
+        return False
+
+    async def prepare(self, request: LLMRequest) -> None:
+        """Slow per-request work, awaited before the (synchronous) decision: run it off the event loop, within
+        a time budget of the plugin's own, and leave the result in `request.prepared[self]`."""
+
+    def stats(self) -> Mapping[str, float]:
+        """Counters and gauges for the EPP's metrics (`stats_group` names the family)."""
+        return {}
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
         """Called once the pick for `request` is final; `endpoint` is the primary target; `cycle` the state its
@@ -273,33 +317,56 @@ class SchedulingProfile:
 
     def run(self, request: LLMRequest, candidates: Sequence[EndpointState], cycle: CycleState | None = None,
             preferences: bool = True) -> list[EndpointState]:
+        """Filter, score, pick; then the fallbacks from what preference filters dropped."""
         if cycle is None:
             cycle = CycleState()
+        endpoints, dropped, pinned = self._filter(request, candidates, cycle, preferences)
+        if not endpoints:
+            return []
+        cap = self.picker.max_endpoints if self.picker is not None else 0
+        if pinned:  # the filter's order is the answer, as long as the picker would give (a stock gateway parses one)
+            return list(endpoints[:cap] if cap > 0 else endpoints)
+        if self.picker is None:
+            raise RuntimeError(f"scheduling profile {self.name!r} has no picker")
+        snap = cycle.snapshot = self.snapshot(endpoints)
+        totals = self._score(request, snap, cycle)
+        picked = self._timed("picker", self.picker, self.picker.pick, request, snap.endpoints, totals, cycle)
+        if dropped and picked and (cap == 0 or len(picked) < cap):
+            picked = list(picked) + self._fallbacks(request, dropped, cycle, cap - len(picked) if cap else 0)
+        return picked
+
+    def _timed(self, point: str, plugin: Plugin, call: Callable[..., Any], *args: Any) -> Any:
+        """call(*args), its time recorded for (point, plugin) — the one timing path of every extension point."""
         timings = self.timings
-        timed = timings.enabled
+        if not timings.enabled:
+            return call(*args)
+        t0 = _perf_ns()
+        out = call(*args)
+        timings.add(timings.record_for(point, plugin), point, plugin, _perf_ns() - t0)
+        return out
+
+    def _filter(self, request: LLMRequest, candidates: Sequence[EndpointState], cycle: CycleState,
+                preferences: bool) -> tuple[list[EndpointState], list[EndpointState], bool]:
+        """(survivors, dropped by preference filters, whether a filter pinned the order)."""
         endpoints = candidates if isinstance(candidates, list) else list(candidates)
         pinned = False
         dropped: list[EndpointState] = []  # by preference filters: fallbacks after the kept ones
         for f in self.filters:
             if f.preference and not preferences:
                 continue
-            t0 = _perf_ns() if timed else 0
             before = endpoints
-            endpoints = f.filter(request, endpoints, cycle)
+            endpoints = self._timed("filter", f, f.filter, request, endpoints, cycle)
             if f.preference and len(endpoints) < len(before):
                 kept = set(map(id, endpoints))
                 dropped += [e for e in before if id(e) not in kept]
-            if timed:
-                timings.add(timings.record_for("filter", f), "filter", f, _perf_ns() - t0)
             pinned = pinned or isinstance(endpoints, PinnedOrder)
             if not endpoints:
-                return []
-        if pinned:  # the filter's order is the answer, as long as the picker would give (a stock gateway parses one)
-            cap = self.picker.max_endpoints if self.picker is not None else 0
-            return list(endpoints[:cap] if cap > 0 else endpoints)
-        if self.picker is None:
-            raise RuntimeError(f"scheduling profile {self.name!r} has no picker")
-        snap = cycle.snapshot = self.snapshot(endpoints)
+                return [], dropped, pinned
+        return endpoints, dropped, pinned
+
+    def _score(self, request: LLMRequest, snap: Snapshot, cycle: CycleState) -> np.ndarray:
+        """Σ weight · clamp(score) per endpoint of the snapshot; a scorer's per-snapshot answer (the same array
+        object again) is clamped and weighed once."""
         endpoints = snap.endpoints
         n = len(endpoints)
         totals = np.zeros(n)
@@ -307,12 +374,9 @@ class SchedulingProfile:
             if ws.weight == 0:
                 continue
             scorer = ws.scorer
-            t0 = _perf_ns() if timed else 0
-            raw = scorer.score(request, endpoints, cycle)
-            if timed:
-                timings.add(timings.record_for("scorer", scorer), "scorer", scorer, _perf_ns() - t0)
+            raw = self._timed("scorer", scorer, scorer.score, request, endpoints, cycle)
             last = snap.memo.get(id(ws))
-            if last is not None and last[0] is raw:  # the scorer's per-snapshot answer: clamped and weighed once
+            if last is not None and last[0] is raw:
                 totals += last[1]
                 continue
             if type(raw) is np.ndarray:
@@ -326,23 +390,21 @@ class SchedulingProfile:
             if scores is raw:
                 snap.memo[id(ws)] = (raw, weighted)
             totals += weighted
-        t0 = _perf_ns() if timed else 0
-        picked = self.picker.pick(request, endpoints, totals, cycle)
-        if timed:
-            timings.add(timings.record_for("picker", self.picker), "picker", self.picker, _perf_ns() - t0)
-        cap = self.picker.max_endpoints
-        if dropped and picked and (cap == 0 or len(picked) < cap):
-            # the dropped ones through the hard filters (again for those before the preference: filters are pure,
-            # so they pass them again; those after it must judge them too), in a copy of the cycle: its
-            # request-level work (tokens, hashes) is reused, and what the fallbacks' scoring writes does not reach
-            # the primary's pick hooks; the snapshot cache stays the primary's
-            fallback_cycle = CycleState(cycle.load)
-            fallback_cycle.update(cycle)
-            primary_snapshot = self._snapshot
-            rest = self.run(request, dropped, fallback_cycle, preferences=False)
-            self._snapshot = primary_snapshot
-            picked = list(picked) + rest[:cap - len(picked) if cap else None]
-        return picked
+        return totals
+
+    def _fallbacks(self, request: LLMRequest, dropped: list[EndpointState], cycle: CycleState, room: int
+                   ) -> list[EndpointState]:
+        """The endpoints preference filters dropped, through the hard filters again (filters are pure, so those
+        before the preference pass them again; those after it must judge them too) and ranked by the same
+        scorers, in a copy of the cycle: its request-level work (tokens, hashes) is reused, and what the
+        fallbacks' scoring writes does not reach the primary's pick hooks. The snapshot cache stays the
+        primary's. At most `room` (0 = all)."""
+        fallback_cycle = CycleState(cycle.load)
+        fallback_cycle.update(cycle)
+        primary_snapshot = self._snapshot
+        rest = self.run(request, dropped, fallback_cycle, preferences=False)
+        self._snapshot = primary_snapshot
+        return rest[:room] if room else rest
 
 
 @dataclass
@@ -367,9 +429,70 @@ class Scheduler:
         for p in [*config.plugins.values(), *(pl for prof in config.profiles for pl in prof.plugins())]:
             unique.setdefault(id(p), p)
         self.plugins: list[Plugin] = list(unique.values())
-        self._pre_request = [p for p in self.plugins if _overrides(p, "pre_request")]
-        self._response_complete = [p for p in self.plugins if _overrides(p, "response_complete")]
-        self._remove_endpoint = [p for p in self.plugins if _overrides(p, "remove_endpoint")]
+        self._produced = frozenset(key for p in self.plugins for key in p.produces)
+        for p in self.plugins:
+            missing = [key for key in p.consumes if key not in self._produced]
+            if missing:
+                raise ValueError(f"plugin {p.name!r} reads {', '.join(missing)} from the scheduling cycle, which no "
+                                 f"configured plugin produces")
+        hooks = ("start", "stop", "set_endpoints", "prepare", "pre_request", "response_complete", "remove_endpoint",
+                 "stats")
+        self._hooks = {h: [p for p in self.plugins if _overrides(p, h)] for h in hooks}
+        self._pre_request = self._hooks["pre_request"]
+        self._started: list[Plugin] = []
+        self._stopped = False
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+
+    def start(self, ctx: PluginContext | None = None) -> None:
+        """Start every plugin that has a start hook; one failing stops those already started, then raises."""
+        ctx = ctx or PluginContext()
+        for p in self._hooks["start"]:
+            try:
+                p.start(ctx)
+            except BaseException:
+                self.stop()
+                raise
+            self._started.append(p)
+
+    def stop(self) -> None:
+        """Stop every plugin with a stop hook, once: those started last first, then the others (a start that
+        failed half-way may have left threads behind); errors are logged."""
+        if self._stopped:
+            return
+        self._stopped = True
+        started = {id(p) for p in self._started}
+        order = list(reversed(self._started)) + [p for p in self._hooks["stop"] if id(p) not in started]
+        self._started = []
+        for p in order:
+            if _overrides(p, "stop"):
+                try:
+                    p.stop()
+                except Exception:  # noqa: BLE001 - one plugin failing to stop must not keep the others running
+                    log.exception("plugin %s failed to stop", p.name)
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        for p in self._hooks["set_endpoints"]:
+            p.set_endpoints(endpoints)
+
+    def remove_endpoint(self, address: str) -> None:
+        for p in self._hooks["remove_endpoint"]:
+            p.remove_endpoint(address)
+
+    def needs_prepare(self, request: LLMRequest) -> bool:
+        return any(p.needs_prepare(request) for p in self._hooks["prepare"])
+
+    async def prepare(self, request: LLMRequest) -> None:
+        """The plugins' slow per-request work, one after the other (each bounds its own)."""
+        for p in self._hooks["prepare"]:
+            if p.needs_prepare(request):
+                await p.prepare(request)
+
+    def produces(self, key: str) -> bool:
+        """Whether a configured plugin writes `key` into the scheduling cycle."""
+        return key in self._produced
+
+    # -- decisions ----------------------------------------------------------------------------------------------
 
     def schedule(self, request: LLMRequest, candidates: Sequence[EndpointState], cycle: CycleState | None = None
                  ) -> list[EndpointState]:
@@ -382,21 +505,16 @@ class Scheduler:
         return self.primary.run(request, candidates, cycle)
 
     def on_picked(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
-        timings = self.timings
+        run = self.primary._timed
         for p in self._pre_request:
-            t0 = _perf_ns() if timings.enabled else 0
-            p.pre_request(request, endpoint, cycle)
-            if timings.enabled:
-                timings.add(timings.record_for("pre_request", p), "pre_request", p, _perf_ns() - t0)
+            run("pre_request", p, p.pre_request, request, endpoint, cycle)
 
     def on_response_complete(self, request: LLMRequest, endpoint_address: str, prompt_tokens: int = 0,
                              completion_tokens: int = 0) -> None:
-        for p in self._response_complete:
+        for p in self._hooks["response_complete"]:
             p.response_complete(request, endpoint_address, prompt_tokens, completion_tokens)
 
-    def remove_endpoint(self, address: str) -> None:
-        for p in self._remove_endpoint:
-            p.remove_endpoint(address)
+    # -- introspection ------------------------------------------------------------------------------------------
 
     def plugin(self, name: str) -> Plugin | None:
         return self.config.plugins.get(name)
@@ -404,32 +522,19 @@ class Scheduler:
     def plugins_of_type(self, type_name: str) -> list[Plugin]:
         return [p for p in self.plugins if p.type_name == type_name]
 
-    def set_prefix_index_max_bytes(self, max_bytes: int) -> None:
-        """The memory budget of every prefix-cache scorer's index (`kvgate epp --prefix-index-max-bytes`)."""
-        for p in self.plugins_of_type("prefix-cache-scorer"):
-            p.index.set_max_bytes(max_bytes)
-
     def plugin_timings(self) -> dict[tuple[str, str, str], tuple[int, float]]:
         """(extension point, plugin type, plugin name) → (calls, total seconds) since start (or reset)."""
         return self.timings.totals()
 
-    def prefix_stats(self) -> dict[str, float]:
-        """The prefix-cache scorer's index size and hit ratio (summed over instances); {} when none is configured."""
-        total: dict[str, float] = {}
-        for p in self.plugins_of_type("prefix-cache-scorer"):
+    def stats(self) -> dict[str, dict[str, float]]:
+        """The plugins' stats, summed per `stats_group` over the plugins of that group ({} when none has any)."""
+        total: dict[str, dict[str, float]] = {}
+        for p in self._hooks["stats"]:
+            if not p.stats_group:
+                continue
+            group = total.setdefault(p.stats_group, {})
             for key, value in p.stats().items():
-                total[key] = total.get(key, 0) + value
-        if total:
-            total["hit_ratio"] = total["hit_blocks"] / total["total_blocks"] if total["total_blocks"] else 0.0
-        return total
-
-
-    def kv_event_stats(self) -> dict[str, float]:
-        """The precise prefix scorers' event counters and index sizes (summed over instances); {} when none."""
-        total: dict[str, float] = {}
-        for p in self.plugins_of_type("precise-prefix-cache-scorer"):
-            for key, value in p.stats().items():
-                total[key] = total.get(key, 0) + value
+                group[key] = group.get(key, 0) + value
         return total
 
 

@@ -11,6 +11,7 @@ import msgpack
 import zmq
 
 from kvgate.epp.kv_events.sources import EventSource
+from kvgate.epp.scheduling.framework import PluginContext
 from kvgate.epp.scheduling.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvgate.processes import free_port
 
@@ -94,7 +95,7 @@ class Harness:
         kwargs.setdefault("speculative_ttl_s", 0.0)
         self.scorer = PrecisePrefixCacheScorer(**kwargs)
         self.deltas: queue.Queue = queue.Queue()
-        self.scorer.start_events(lambda fn, deltas: self.deltas.put((fn, deltas)))
+        self.scorer.start(PluginContext(deliver=lambda fn, deltas: self.deltas.put((fn, deltas))))
         self.index = self.scorer.index
         self.publishers: list[Publisher] = []
 
@@ -122,6 +123,6 @@ class Harness:
         return self.scorer.subscriber.last_seq(address) == seq and self.deltas.empty()
 
     def close(self) -> None:
-        self.scorer.stop_events()
+        self.scorer.stop()
         for p in self.publishers:
             p.close()

@@ -147,7 +147,7 @@ def test_index_budget_parameter_and_minimum():
 def test_prefix_index_max_bytes_flag_reaches_the_index():
     import argparse
 
-    from kvgate.epp.main import add_epp_parser
+    from kvgate.epp.main import add_epp_parser, plugin_context
     from kvgate.epp.scheduling.config import default_config
 
     parser = argparse.ArgumentParser()
@@ -155,7 +155,7 @@ def test_prefix_index_max_bytes_flag_reaches_the_index():
     args = parser.parse_args(["epp", "--prefix-index-max-bytes", str(1 << 20)])
     assert parser.parse_args(["epp"]).prefix_index_max_bytes is None  # the plugin's own budget stays
     s = Scheduler(default_config().scheduler)
-    s.set_prefix_index_max_bytes(args.prefix_index_max_bytes)
+    s.start(plugin_context(args))
     assert s.plugins_of_type("prefix-cache-scorer")[0].index.max_bytes == 1 << 20
     with pytest.raises(SystemExit):
         parser.parse_args(["epp", "--prefix-index-max-bytes", "100"])

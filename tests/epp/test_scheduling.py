@@ -9,6 +9,7 @@ from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
 from kvgate.epp.scheduling.config import default_config, parse_config
 from kvgate.epp.scheduling.framework import (
     CycleState,
+    PluginContext,
     Filter,
     Scheduler,
     SchedulerConfig,
@@ -127,8 +128,8 @@ def test_default_config_prefix_affinity_after_on_picked():
         picked = s.schedule(follow, endpoints)[0]
         assert picked.address == primary.address
         s.on_picked(follow, picked)
-    stats = s.prefix_stats()
-    assert stats["index_size"] > 0 and 0.5 < stats["hit_ratio"] < 1.0
+    stats = s.stats()["prefix_index"]
+    assert stats["index_size"] > 0 and 0.5 < stats["hit_blocks"] / stats["total_blocks"] < 1.0
 
 
 def test_prefix_affinity_yields_to_a_long_queue():
@@ -164,9 +165,9 @@ def test_hooks_fan_out_once_per_plugin_instance():
 def test_remove_endpoint_reaches_prefix_scorer():
     s = Scheduler(default_config().scheduler)
     s.on_picked(request(PROMPT, request_id="1"), state(A))
-    assert s.prefix_stats()["indexed_endpoints"] == 1
+    assert s.stats()["prefix_index"]["indexed_endpoints"] == 1
     s.remove_endpoint(A)
-    assert s.prefix_stats()["indexed_endpoints"] == 0
+    assert s.stats()["prefix_index"]["indexed_endpoints"] == 0
 
 
 def test_scheduler_needs_a_profile():
@@ -286,3 +287,87 @@ def test_max_score_picker_single_pick_agrees_with_the_full_order():
         firsts[picked[0].address] += 1
     assert set(firsts) == {endpoints[1].address, endpoints[3].address, endpoints[5].address}
     assert min(firsts.values()) > 60
+
+
+class Lifecycle(Scorer):
+    """Records its lifecycle hooks in a shared log; `fail_start` makes its start raise."""
+
+    type_name = "lifecycle"
+    stats_group = "things"
+
+    def __init__(self, name, log, fail_start=False, produces=(), consumes=()):
+        super().__init__()
+        self.name, self.log, self.fail_start = name, log, fail_start
+        self.produces, self.consumes = produces, consumes
+
+    def score(self, request, endpoints, cycle=None):
+        return {}
+
+    def start(self, ctx):
+        self.log.append(("start", self.name, ctx.tokenizer))
+        if self.fail_start:
+            raise RuntimeError(f"{self.name} cannot start")
+
+    def stop(self):
+        self.log.append(("stop", self.name))
+
+    def set_endpoints(self, endpoints):
+        self.log.append(("endpoints", self.name, [e.address for e in endpoints]))
+
+    def stats(self):
+        return {"seen": 1.0, self.name: 2.0}
+
+    def needs_prepare(self, request):
+        return request.prompt.startswith("slow")
+
+    async def prepare(self, request):
+        self.log.append(("prepare", self.name, request.request_id))
+
+
+def lifecycle_scheduler(*plugins):
+    return Scheduler(SchedulerConfig([SchedulingProfile("p", [], [WeightedScorer(p, 1.0) for p in plugins],
+                                                        create_plugin("max-score-picker"))]))
+
+
+def test_lifecycle_hooks_start_stop_endpoints_stats_and_prepare():
+    import asyncio
+
+    from kvgate.epp.types import Endpoint
+
+    log = []
+    s = lifecycle_scheduler(Lifecycle("a", log), Lifecycle("b", log), Recorder())
+    s.start(PluginContext(tokenizer="/tok"))
+    s.set_endpoints([Endpoint(A), Endpoint(B)])
+    assert s.stats() == {"things": {"seen": 2.0, "a": 2.0, "b": 2.0}}   # summed per group; Recorder has none
+    fast, slow = request("quick", request_id="f"), request("slow prompt", request_id="s")
+    assert not s.needs_prepare(fast) and s.needs_prepare(slow)
+    asyncio.run(s.prepare(slow))
+    s.stop()
+    s.stop()                                                            # a second stop stops nothing twice
+    assert log == [("start", "a", "/tok"), ("start", "b", "/tok"), ("endpoints", "a", [A, B]),
+                   ("endpoints", "b", [A, B]), ("prepare", "a", "s"), ("prepare", "b", "s"),
+                   ("stop", "b"), ("stop", "a")]
+
+
+def test_a_failing_start_stops_what_started_and_raises():
+    log = []
+    s = lifecycle_scheduler(Lifecycle("a", log), Lifecycle("b", log, fail_start=True), Lifecycle("c", log))
+    with pytest.raises(RuntimeError, match="b cannot start"):
+        s.start()
+    assert log == [("start", "a", None), ("start", "b", None), ("stop", "a"), ("stop", "b"), ("stop", "c")]
+
+
+def test_cycle_keys_consumed_must_be_produced():
+    log = []
+    with pytest.raises(ValueError, match="'reader' reads key.x .*which no configured plugin produces"):
+        lifecycle_scheduler(Lifecycle("reader", log, consumes=("key.x",)))
+    s = lifecycle_scheduler(Lifecycle("reader", log, consumes=("key.x",)), Lifecycle("writer", log, produces=("key.x",)))
+    assert s.produces("key.x") and not s.produces("key.y")
+
+
+def test_kvgates_profile_declares_the_picked_uncached_tokens_the_director_reads():
+    from kvgate.epp.scheduling.config import KVGATE_PROFILE_YAML
+    from kvgate.epp.scheduling.live_load import PICKED_UNCACHED_TOKENS
+
+    assert Scheduler(parse_config(KVGATE_PROFILE_YAML).scheduler).produces(PICKED_UNCACHED_TOKENS)
+    assert not Scheduler(default_config().scheduler).produces(PICKED_UNCACHED_TOKENS)   # upstream's: no source

@@ -21,6 +21,10 @@ def prefix_tokens(plugin: NeedsPrefixMatch, request: LLMRequest, endpoints: list
     return prompt, np.minimum(cached, prompt)
 
 
+# `produces` of a plugin whose pick hook calls record_picked_uncached: the key, once it has a prefix source.
+PRODUCES_PICKED_UNCACHED = property(lambda self: (PICKED_UNCACHED_TOKENS,) if self.prefix_source is not None else ())
+
+
 def record_picked_uncached(plugin: NeedsPrefixMatch, request: LLMRequest, endpoint: EndpointState,
                            cycle: CycleState | None) -> None:
     """Tell the director what the pick adds to the endpoint's prefill backlog: the prompt less its cached part."""

@@ -56,7 +56,7 @@ from kvgate.epp.prefix.approx_index import MIN_INDEX_BYTES
 from kvgate.epp.prefix.hashing import chain, root_hash
 from kvgate.epp.prefix.precise_index import Delta, PreciseIndex
 from kvgate.epp.prefix.request_holds import RequestHolds
-from kvgate.epp.scheduling.framework import CycleState, Scorer
+from kvgate.epp.scheduling.framework import CycleState, PluginContext, Scorer
 from kvgate.epp.scheduling.plugins._params import check_keys, float_param, int_param
 from kvgate.epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
 from kvgate.epp.types import EndpointState, LLMRequest
@@ -87,6 +87,7 @@ class _Match:
 
 class PrecisePrefixCacheScorer(Scorer):
     type_name = "precise-prefix-cache-scorer"
+    stats_group = "kv_events"
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
                  tokenizer: str | None = None, max_prefix_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS,
@@ -111,6 +112,35 @@ class PrecisePrefixCacheScorer(Scorer):
         self._held = RequestHolds(self.index, max_speculative_hold_s)  # picks in flight
         self.subscriber = None
         self._sources: dict[str, object] = {}  # address → its EventSource, while subscribed
+        self._event_sources = None  # PluginContext.kv_event_sources: the pool's endpoints → their sources
+
+    # -- lifecycle (framework.Plugin) -------------------------------------------------------------------------------
+
+    def start(self, ctx: PluginContext) -> None:
+        """Take the EPP's options, load the tokenizer (a bad path fails the start, not the first request) and, with
+        a way back onto the scheduler's thread, start the KV-event subscriber."""
+        if ctx.prefix_index_max_bytes is not None:
+            self.index_max_bytes = ctx.prefix_index_max_bytes
+        self.load_tokenizer(ctx.tokenizer)
+        self._event_sources = ctx.kv_event_sources
+        if ctx.deliver is not None and self.subscriber is None:
+            from kvgate.epp.kv_events.subscriber import KVEventSubscriber
+
+            # deliver(fn, deltas) runs fn(deltas) on the scheduler's thread (the EPP's loop.call_soon_threadsafe)
+            self.subscriber = KVEventSubscriber(lambda deltas: ctx.deliver(self.apply_deltas, deltas),
+                                                self.index_max_bytes)
+
+    def set_endpoints(self, endpoints) -> None:
+        if self._event_sources is not None:
+            self.set_sources(self._event_sources(endpoints))
+
+    def stop(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
+            self.subscriber = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     # -- tokenizer ------------------------------------------------------------------------------------------------
 
@@ -161,15 +191,6 @@ class PrecisePrefixCacheScorer(Scorer):
 
     # -- events ---------------------------------------------------------------------------------------------------
 
-    def start_events(self, deliver) -> None:
-        """Start the subscriber thread; `deliver(fn, deltas)` must run fn(deltas) on the scheduler's thread
-        (the EPP passes loop.call_soon_threadsafe)."""
-        from kvgate.epp.kv_events.subscriber import KVEventSubscriber
-
-        if self.subscriber is None:
-            self.subscriber = KVEventSubscriber(lambda deltas: deliver(self.apply_deltas, deltas),
-                                                self.index_max_bytes)
-
     def apply_deltas(self, deltas: list[Delta]) -> None:
         for delta in deltas:
             self.index.apply(delta)
@@ -185,14 +206,6 @@ class PrecisePrefixCacheScorer(Scorer):
                 self.index.watch(source.address, generation)
                 self.subscriber.subscribe(source, generation)
                 self._sources[source.address] = source
-
-    def stop_events(self) -> None:
-        if self.subscriber is not None:
-            self.subscriber.close()
-            self.subscriber = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
 
     def remove_endpoint(self, address: str) -> None:
         self.index.remove(address)

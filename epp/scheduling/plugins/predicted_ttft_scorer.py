@@ -27,7 +27,8 @@ from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._normalize import lower_is_better, per_snapshot
 from kvgate.epp.scheduling.plugins._params import check_keys, float_param, str_param
-from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens, record_picked_uncached
+from kvgate.epp.scheduling.plugins._prefix_source import (PRODUCES_PICKED_UNCACHED, prefix_tokens,
+                                                              record_picked_uncached)
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -37,6 +38,7 @@ DEFAULT_DECODE_MS_PER_RUNNING_REQUEST = 0.05
 
 class PredictedTTFTScorer(NeedsPrefixMatch, Scorer):
     type_name = "predicted-ttft-scorer"
+    produces = PRODUCES_PICKED_UNCACHED  # what its pick adds to the endpoint's prefill backlog (the director reads it)
 
     def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
                  decode_ms_per_running_request: float = DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,

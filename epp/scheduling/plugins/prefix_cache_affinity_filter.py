@@ -39,7 +39,8 @@ import xxhash
 from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Filter
 from kvgate.epp.scheduling.plugins._params import check_keys, float_param, str_param
-from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens, record_picked_uncached
+from kvgate.epp.scheduling.plugins._prefix_source import (PRODUCES_PICKED_UNCACHED, prefix_tokens,
+                                                              record_picked_uncached)
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -51,6 +52,7 @@ LOAD_SIGNALS = ("auto", "backlog", "tokens")
 class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
     type_name = "prefix-cache-affinity-filter"
     preference = True  # cold endpoints stay fallbacks (framework.Filter.preference)
+    produces = PRODUCES_PICKED_UNCACHED  # what its pick adds to the endpoint's prefill backlog (the director reads it)
 
     def __init__(self, affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD,
                  exploration_probability: float = DEFAULT_EXPLORATION_PROBABILITY, load_tolerance: float = 1.0,

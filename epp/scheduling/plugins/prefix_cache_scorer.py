@@ -31,7 +31,7 @@ import numpy as np
 from kvgate.epp.prefix.approx_index import DEFAULT_INDEX_MAX_BYTES, MIN_INDEX_BYTES, PrefixIndex, Runs
 from kvgate.epp.prefix.endpoint_ids import mask_to_bools
 from kvgate.epp.prefix.hashing import PromptHasher
-from kvgate.epp.scheduling.framework import CycleState, Scorer
+from kvgate.epp.scheduling.framework import CycleState, PluginContext, Scorer
 from kvgate.epp.scheduling.plugins._params import bool_param, check_keys, int_param
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -45,6 +45,7 @@ CHARS_PER_TOKEN = 4
 
 class PrefixCacheScorer(Scorer):
     type_name = "prefix-cache-scorer"
+    stats_group = "prefix_index"
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, max_prefix_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS,
                  lru_capacity_per_server: int = DEFAULT_LRU_CAPACITY_PER_SERVER, auto_tune: bool = True,
@@ -158,8 +159,12 @@ class PrefixCacheScorer(Scorer):
     def remove_endpoint(self, address: str) -> None:
         self.index.remove(address)
 
+    def start(self, ctx: PluginContext) -> None:
+        if ctx.prefix_index_max_bytes is not None:  # `kvgate epp --prefix-index-max-bytes` overrides indexMaxBytes
+            self.index.set_max_bytes(ctx.prefix_index_max_bytes)
+
     def stats(self) -> dict[str, float]:
-        """For the EPP's metrics: index entries and budget, endpoints indexed, block hit ratio of final picks."""
+        """For the EPP's metrics: index entries and budget, endpoints indexed, final picks' blocks (hit and all)."""
         return {
             "index_size": self.index.size(),
             "index_max_entries": self.index.max_entries,
@@ -167,8 +172,11 @@ class PrefixCacheScorer(Scorer):
             "indexed_endpoints": len(self.index.endpoints()),
             "hit_blocks": self.hit_blocks,
             "total_blocks": self.total_blocks,
-            "hit_ratio": self.hit_blocks / self.total_blocks if self.total_blocks else 0.0,
         }
+
+    def hit_ratio(self) -> float:
+        """Blocks of final picks' prompts found on the picked endpoint / blocks looked up."""
+        return self.hit_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
 def factory(parameters: dict | None) -> PrefixCacheScorer:
