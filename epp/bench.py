@@ -51,7 +51,8 @@ async def _timed_requests(url: str, n: int, rate: float, headers: dict, tag: str
 
 def measure_added_latency(n: int, rate: float) -> dict:
     """Envoy + EPP vs Envoy routing by a client-set header, to the same sim engine, same request stream."""
-    from kvgate.envoy_config import PoolBackend, Route, envoy_binary, render_direct, render_gateway
+    from kvgate.envoy_config import PoolBackend, envoy_binary, render_direct
+    from kvgate.gateway_routes import render_pool_gateway
 
     kvgate = str(Path(sys.executable).parent / "kvgate")
     work = Path(tempfile.mkdtemp(prefix="kvgate-bench-epp-"))
@@ -68,9 +69,9 @@ def measure_added_latency(n: int, rate: float) -> dict:
                                  work / "epp.log"))
         wait_http_ok(f"http://127.0.0.1:{metrics}/metrics", 120)
         gw_port, gw_admin, direct_port, direct_admin = (free_port() for _ in range(4))
-        (work / "gw.json").write_text(json.dumps(render_gateway(
-            [Route(PoolBackend("bench", "127.0.0.1", grpc, [endpoint], epp_health_port=health))],
-            "127.0.0.1", gw_port, gw_admin)))
+        (work / "gw.json").write_text(json.dumps(render_pool_gateway(
+            PoolBackend("bench", "127.0.0.1", grpc, [endpoint], epp_health_port=health), "127.0.0.1", gw_port,
+            gw_admin)))
         (work / "direct.json").write_text(json.dumps(render_direct("127.0.0.1", direct_port, direct_admin)))
         for name, admin in (("gw", gw_admin), ("direct", direct_admin)):
             procs.append(start_group([envoy_binary(), "-c", str(work / f"{name}.json"), "--base-id", str(admin)],

@@ -1,5 +1,5 @@
 """The Envoy data plane kvgate renders: every listener, route and cluster of `kvgate up`, the operator's Gateways
-(operator/envoy_routes.py arranges these pieces into Gateway API routes and files) and the benchmarks.
+and the benchmarks (kvgate/gateway_routes.py arranges these pieces into Gateway API routes, for all of them).
 
 Stock Envoy filters only — no Lua. A request to a pool's route goes:
 
@@ -28,9 +28,8 @@ retry once response headers went downstream) takes the next endpoint of the list
 list used up, least-request over the pool's endpoints picks. ORIGINAL_DST cannot parse a list, and
 override_host needs the endpoints in the cluster — which is why it is not the default: an endpoint not yet in
 the rendered cluster is not reachable through it (its requests go to the known ones instead).
-Cost, measured with `measure_added_latency` of epp/bench.py (300 requests at 25/s, one sim engine, 2 cores
-shared with other work), alternated runs: added p50 over header-routed Envoy 4.5 / 0.4 ms (override_host) vs
-3.2 / 3.8 ms (ORIGINAL_DST reading the metadata) — the same within noise.
+Cost: the same as ORIGINAL_DST within noise (`kvgate bench epp --parts latency` on a pool with fallbacks;
+numbers in docs/benchmarks.md).
 
 Served endpoint (the protocol's response path): each pool route adds `%UPSTREAM_HOST%` as an internal response
 header; the header_to_metadata filter, after ext_proc in the chain and so before it on the response path, moves
@@ -126,14 +125,6 @@ class PoolBackend:
     # The EPP's pods, (ip, ext-proc port, health port), where Envoy reaches them by pod IP (the operator's
     # --epp-address-mode pod-ip); None: by `epp_host` (a Service's DNS name). See `pool_clusters`.
     epp_pods: tuple[tuple[str, int, int | None], ...] | None = None
-
-
-@dataclass
-class Route:
-    pool: PoolBackend
-    path_prefix: str = "/"
-    hostnames: list[str] = field(default_factory=lambda: ["*"])
-    timeouts: RouteTimeouts = field(default_factory=RouteTimeouts)
 
 
 def _duration(seconds: float) -> str:
@@ -391,23 +382,6 @@ def _bootstrap(listeners: list[dict], clusters: list[dict], admin_port: int | No
     if admin_port is not None:
         config["admin"] = {"address": _address(admin_host, admin_port)}
     return config
-
-
-def render_gateway(routes: list[Route], listen_host: str, listen_port: int, admin_port: int | None = None,
-                   admin_host: str = "127.0.0.1", timeouts: ListenerTimeouts = ListenerTimeouts()) -> dict:
-    """A complete Envoy bootstrap serving `routes` on one HTTP listener."""
-    pools: dict[str, PoolBackend] = {}
-    for r in routes:
-        pools.setdefault(r.pool.name, r.pool)
-    hosts: dict[tuple, list[dict]] = {}
-    for r in routes:
-        hosts.setdefault(tuple(r.hostnames), []).extend(
-            pool_routes(r.pool.name, {"prefix": r.path_prefix}, r.pool, r.timeouts))
-    virtual_hosts = [{"name": f"vh-{i}", "domains": list(domains), "routes": rs}
-                     for i, (domains, rs) in enumerate(hosts.items())]
-    route_config = {"route_config": {"name": "gateway", "virtual_hosts": virtual_hosts}}
-    return _bootstrap([listener("gateway", listen_host, listen_port, route_config, timeouts)],
-                      [c for p in pools.values() for c in pool_clusters(p)], admin_port, admin_host)
 
 
 def render_direct(listen_host: str, listen_port: int, admin_port: int | None = None) -> dict:

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgate.envoy_config import (CircuitBreakers, ListenerTimeouts, PoolBackend, Route, RouteTimeouts, envoy_binary,
-                                 render_gateway)
+from kvgate.envoy_config import CircuitBreakers, ListenerTimeouts, PoolBackend, RouteTimeouts, envoy_binary
+from kvgate.gateway_routes import render_pool_gateway
 from kvgate.processes import free_port, port_taken, start_group, stop_group, wait_http_ok
 
 
@@ -289,8 +289,8 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
                                                                  CircuitBreakers())
         pool = PoolBackend("local", "127.0.0.1", grpc_port, endpoints, fail_open, epp_health_port=health_port,
                            circuit_breakers=breakers, fallbacks=epp_config.returns_lists)
-        config = render_gateway([Route(pool, timeouts=route_timeouts)], host, port, admin_port,
-                                timeouts=listener_timeouts)
+        config = render_pool_gateway(pool, host, port, admin_port, route_timeouts=route_timeouts,
+                                     listener_timeouts=listener_timeouts)
     (stack.workdir / "envoy.json").write_text(json.dumps(config, indent=2))
     stack.start("envoy", [envoy_binary(), "-c", str(stack.workdir / "envoy.json"), "--log-level", "warn",
                           "--base-id", str(admin_port)])

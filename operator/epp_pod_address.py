@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from kvgate.envoy_config import PoolBackend
 from kvgate.operator import naming
-from kvgate.operator.envoy_routes import WeightedBackend
+from kvgate.gateway_routes import WeightedBackend
 from kvgate.operator.gateway import GatewayRouting
 
 

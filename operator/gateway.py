@@ -1,7 +1,7 @@
 """Gateway API controller logic for GatewayClass controllerName kvgate.dev/gateway-controller.
 
 A Gateway of our class becomes an Envoy Deployment + Service + ConfigMap; its config is rendered from the
-HTTPRoutes attached to it (envoy_routes). Route and Gateway statuses use the Gateway API's standard
+HTTPRoutes attached to it (kvgate/gateway_routes.py). Route and Gateway statuses use the Gateway API's standard
 conditions and reasons.
 """
 
@@ -16,8 +16,8 @@ from typing import NamedTuple
 from kvgate.envoy_config import CircuitBreakers, PoolBackend, RouteTimeouts
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
-from kvgate.operator.envoy_routes import RouteRule, ServiceBackend, WeightedBackend, hostname_covers
-from kvgate.operator.envoy_routes import BOOTSTRAP_FILE, CDS_FILE, file_name, render_gateway_files
+from kvgate.gateway_routes import RouteRule, ServiceBackend, WeightedBackend, hostname_covers
+from kvgate.gateway_routes import BOOTSTRAP_FILE, CDS_FILE, file_name, render_gateway_files
 from kvgate.operator.pool import epp_ref, epp_service_port, is_fail_open
 
 ADMIN_PORT = 19000

@@ -11,7 +11,8 @@ from typing import Callable
 
 import httpx
 
-from kvgate.envoy_config import PoolBackend, Route, envoy_binary, render_gateway
+from kvgate.envoy_config import PoolBackend, envoy_binary
+from kvgate.gateway_routes import render_pool_gateway
 from kvgate.processes import wait_http_ok
 from tests.procs import KVGATE, KvgateServe, free_port, stop_group
 
@@ -95,7 +96,7 @@ class Gateway:
     def __init__(self, logdir: Path, cache_dir: Path, engine_args: list[list[str]], *, failure_mode_allow=False,
                  epp_args: list[str] = (), model: str = "sim-model",
                  envoy_config: Callable[[PoolBackend, int, int], dict] | None = None) -> None:
-        """`envoy_config(pool, port, admin_port)` renders Envoy's config (default: kvgate's, `render_gateway`)."""
+        """`envoy_config(pool, port, admin_port)` renders Envoy's config (default: kvgate's, `render_pool_gateway`)."""
         self.logdir = logdir
         self.engines: list[KvgateServe] = []
         self.epp = self.envoy = None
@@ -109,7 +110,7 @@ class Gateway:
             self.port, self.admin_port = free_port(), free_port()
             pool = PoolBackend("test", "127.0.0.1", self.epp.grpc_port, self.endpoints, failure_mode_allow,
                                epp_health_port=self.epp.health_port)
-            render = envoy_config or (lambda p, port, admin: render_gateway([Route(p)], "127.0.0.1", port, admin))
+            render = envoy_config or (lambda p, port, admin: render_pool_gateway(p, "127.0.0.1", port, admin))
             self.envoy = Envoy(logdir, render(pool, self.port, self.admin_port), self.admin_port)
             self.url = f"http://127.0.0.1:{self.port}"
             self._wait_epp_sees_metrics()

@@ -6,25 +6,28 @@ import subprocess
 
 import pytest
 
-from kvgate.envoy_config import (CircuitBreakers, ListenerTimeouts, PoolBackend, Route, RouteTimeouts, envoy_binary,
-                                 render_direct, render_gateway, render_round_robin)
+from kvgate.envoy_config import (CircuitBreakers, ListenerTimeouts, PoolBackend, RouteTimeouts, envoy_binary,
+                                 render_direct, render_round_robin)
+from kvgate.gateway_routes import RouteRule, WeightedBackend, render_pool_gateway, render_static_gateway
 from kvgate.epp.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
 
 CONFIGS = {
-    "one-pool-failclose": render_gateway([Route(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000"],
-                                                            epp_health_port=9003))], "127.0.0.1", 8080, 9901),
-    "failopen": render_gateway([Route(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000", "127.0.0.2:8000"],
-                                                  failure_mode_allow=True))], "127.0.0.1", 8080),
-    "two-pools-hosts-paths": render_gateway([
-        Route(PoolBackend("a", "epp-a.ns.svc", 9002, []), path_prefix="/a", hostnames=["a.example.com"]),
-        Route(PoolBackend("b", "127.0.0.1", 9012, ["127.0.0.3:8000", "[::1]:8000"]), path_prefix="/"),
-    ], "0.0.0.0", 8080),
-    "fallbacks": render_gateway([Route(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000", "127.0.0.2:8000"],
-                                                   failure_mode_allow=True, fallbacks=True))], "127.0.0.1", 8080),
-    "tuned": render_gateway([Route(PoolBackend("t", "127.0.0.1", 9002, ["127.0.0.1:8000"], stream_idle_s=900,
-                                               circuit_breakers=CircuitBreakers(max_requests=5000), fallbacks=True),
-                                   timeouts=RouteTimeouts(request_s=3600, backend_request_s=120))],
-                            "127.0.0.1", 8080, timeouts=ListenerTimeouts(request_headers_s=5, stream_idle_s=60)),
+    "one-pool-failclose": render_pool_gateway(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000"],
+                                                          epp_health_port=9003), "127.0.0.1", 8080, 9901),
+    "failopen": render_pool_gateway(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000", "127.0.0.2:8000"],
+                                                failure_mode_allow=True), "127.0.0.1", 8080),
+    "two-pools-hosts-paths": render_static_gateway([
+        RouteRule("ns/a/0", 8080, [WeightedBackend(PoolBackend("a", "epp-a.ns.svc", 9002, []))],
+                  hostnames=["a.example.com"], path_value="/a"),
+        RouteRule("ns/b/0", 8080, [WeightedBackend(PoolBackend("b", "127.0.0.1", 9012,
+                                                               ["127.0.0.3:8000", "[::1]:8000"]))]),
+    ], "0.0.0.0"),
+    "fallbacks": render_pool_gateway(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000", "127.0.0.2:8000"],
+                                                 failure_mode_allow=True, fallbacks=True), "127.0.0.1", 8080),
+    "tuned": render_pool_gateway(PoolBackend("t", "127.0.0.1", 9002, ["127.0.0.1:8000"], stream_idle_s=900,
+                                             circuit_breakers=CircuitBreakers(max_requests=5000), fallbacks=True),
+                                 "127.0.0.1", 8080, route_timeouts=RouteTimeouts(request_s=3600, backend_request_s=120),
+                                 listener_timeouts=ListenerTimeouts(request_headers_s=5, stream_idle_s=60)),
     "direct": render_direct("127.0.0.1", 8081, 9902),
     "round-robin": render_round_robin("127.0.0.1", 8082, ["127.0.0.2:8000", "127.0.0.3:8000"], 9903),
 }
@@ -136,7 +139,7 @@ def test_fallbacks_route_through_override_host_with_retries():
 
 
 def _gateway_files():
-    from kvgate.operator.envoy_routes import RouteRule, ServiceBackend, WeightedBackend, render_gateway_files
+    from kvgate.gateway_routes import RouteRule, ServiceBackend, WeightedBackend, render_gateway_files
 
     fail_open = PoolBackend("open", "epp-open.ns.svc", 9002, ["127.0.0.3:8000"], failure_mode_allow=True,
                             epp_health_port=9003)
@@ -151,7 +154,7 @@ def _gateway_files():
 def test_gateway_files_validate(tmp_path):
     """The dynamic file set: the bootstrap loads with the files beside it, and every route table and cluster
     passes validation folded into a static bootstrap (validate mode does not read dynamic resources)."""
-    from kvgate.operator.envoy_routes import static_bootstrap
+    from kvgate.gateway_routes import static_bootstrap
 
     files = _gateway_files()
     assert sorted(files) == ["cds.yaml", "envoy.yaml", "rds-8080.yaml", "rds-9090.yaml"]
@@ -203,8 +206,8 @@ def test_kvgate_up_limit_flags():
     args = parser.parse_args(["up", "--request-timeout", "1800", "--stream-idle-timeout", "120",
                               "--request-headers-timeout", "5", "--max-requests", "4096", "--max-retries", "10"])
     route, listener, breakers = envoy_limits(args)
-    config = render_gateway([Route(PoolBackend("local", "127.0.0.1", 1, ["127.0.0.1:2"], circuit_breakers=breakers),
-                                   timeouts=route)], "127.0.0.1", 3, timeouts=listener)
+    config = render_pool_gateway(PoolBackend("local", "127.0.0.1", 1, ["127.0.0.1:2"], circuit_breakers=breakers),
+                                 "127.0.0.1", 3, route_timeouts=route, listener_timeouts=listener)
     assert_safe(config)
     hcm = _hcm(config)
     assert (hcm["request_headers_timeout"], hcm["stream_idle_timeout"]) == ("5s", "120s")

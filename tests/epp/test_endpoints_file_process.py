@@ -8,7 +8,8 @@ import time
 import httpx
 import pytest
 
-from kvgate.envoy_config import PoolBackend, Route, render_gateway
+from kvgate.envoy_config import PoolBackend
+from kvgate.gateway_routes import render_pool_gateway
 from tests.gateway import EPP, Envoy
 from tests.procs import KVGATE, KvgateServe, free_port
 
@@ -73,7 +74,7 @@ def test_the_epp_keeps_serving_through_bad_edits(tmp_path, engines):
     try:
         port, admin = free_port(), free_port()
         pool = PoolBackend("test", "127.0.0.1", epp.grpc_port, engines, epp_health_port=epp.health_port)
-        envoy = Envoy(tmp_path, render_gateway([Route(pool)], "127.0.0.1", port, admin), admin)
+        envoy = Envoy(tmp_path, render_pool_gateway(pool, "127.0.0.1", port, admin), admin)
         url = f"http://127.0.0.1:{port}"
         wait_served_by(url, {a}, epp)
 

@@ -17,7 +17,8 @@ from tests.epp.helpers import LIST_CONFIG
 from tests.gateway import EPP, Envoy, Gateway
 from tests.procs import KvgateServe, free_port
 from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
-from kvgate.envoy_config import UPSTREAM_HOST_HEADER, PoolBackend, Route, render_gateway
+from kvgate.envoy_config import UPSTREAM_HOST_HEADER, PoolBackend
+from kvgate.gateway_routes import render_pool_gateway
 from kvgate.epp.protocol import DESTINATION_HEADER, SERVED_TEST_HEADER, TEST_ENDPOINT_SELECTION_HEADER
 
 SERVED_BY = "x-kvgate-endpoint"
@@ -276,8 +277,8 @@ def test_no_endpoints_is_503(tmp_path):
     envoy = None
     try:
         port, admin = free_port(), free_port()
-        envoy = Envoy(tmp_path, render_gateway([Route(PoolBackend("empty", "127.0.0.1", epp.grpc_port))],
-                                               "127.0.0.1", port, admin), admin)
+        envoy = Envoy(tmp_path, render_pool_gateway(PoolBackend("empty", "127.0.0.1", epp.grpc_port),
+                                                    "127.0.0.1", port, admin), admin)
         r = complete(f"http://127.0.0.1:{port}")
         assert r.status_code == 503 and "no eligible endpoint" in r.json()["error"]["message"]
     finally:
@@ -361,7 +362,7 @@ def test_retries_walk_the_epps_list_when_the_primary_resets(tmp_path, cache):
         port, admin = free_port(), free_port()
         pool = PoolBackend("test", "127.0.0.1", epp.grpc_port, [broken.address, live],
                            epp_health_port=epp.health_port, fallbacks=True)
-        envoy = Envoy(tmp_path, render_gateway([Route(pool)], "127.0.0.1", port, admin), admin)
+        envoy = Envoy(tmp_path, render_pool_gateway(pool, "127.0.0.1", port, admin), admin)
         deadline = time.monotonic() + 20
         while epp.metrics().count(" 0.0\n") < 2 or "kvgate_epp_endpoint_stale" not in epp.metrics():
             assert time.monotonic() < deadline, epp.log()

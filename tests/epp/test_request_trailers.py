@@ -20,7 +20,7 @@ import h2.connection
 import h2.events
 import pytest
 
-from kvgate.envoy_config import Route, render_gateway
+from kvgate.gateway_routes import render_pool_gateway
 from tests.epp.test_stock_envoy import stock_envoy
 from tests.gateway import Gateway
 
@@ -89,7 +89,7 @@ def test_trailers_behind_kvgates_own_config(tmp_path, cache):
 
 def _with_fallbacks(pool, port, admin):
     pool.fallbacks = True
-    return render_gateway([Route(pool)], "127.0.0.1", port, admin)
+    return render_pool_gateway(pool, "127.0.0.1", port, admin)
 
 
 @pytest.mark.xfail(strict=True, reason="envoyproxy/envoy#45470: with a route retry policy, a FULL_DUPLEX_STREAMED "

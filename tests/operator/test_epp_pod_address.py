@@ -2,7 +2,7 @@
 change, each EPP Service's namespace is listed once, and a route's other fields stay as they were."""
 
 from kvgate.envoy_config import PoolBackend
-from kvgate.operator.envoy_routes import RouteRule, ServiceBackend, WeightedBackend
+from kvgate.gateway_routes import RouteRule, ServiceBackend, WeightedBackend
 from kvgate.operator.epp_pod_address import routing_via_epp_pods
 from kvgate.operator.gateway import GatewayRouting
 

@@ -11,11 +11,11 @@ import pytest
 
 from kvgate.envoy_config import PoolBackend, envoy_binary
 from kvgate.epp.protocol import DESTINATION_HEADER
-from kvgate.operator.envoy_routes import RouteRule, ServiceBackend, WeightedBackend, render_gateway_files
+from kvgate.gateway_routes import RouteRule, ServiceBackend, WeightedBackend, render_gateway_files
 from kvgate.processes import free_port, stop_group, wait_http_ok
 from kvgate.operator import gateway as g
 from kvgate.operator import pool as p
-from kvgate.operator.envoy_routes import BOOTSTRAP_FILE, CDS_FILE, listeners_of, rds_file, static_bootstrap
+from kvgate.gateway_routes import BOOTSTRAP_FILE, CDS_FILE, listeners_of, rds_file, static_bootstrap
 from tests.e2e.k8srig.podrunner import write_atomic_volume  # the kubelet's way of publishing a ConfigMap
 from tests.operator.conftest import NOW, round_trips
 from tests.test_envoy_config import assert_safe

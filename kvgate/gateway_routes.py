@@ -1,6 +1,8 @@
-"""Envoy bootstraps for Gateways: several listeners, Gateway API route precedence, weighted backendRefs.
+"""kvgate's one route model: Gateway API rules (listeners, route precedence, weighted backendRefs) rendered as
+Envoy configs — the operator's Gateways (a file set Envoy reloads) and `kvgate up`, the tests and the benchmarks
+(`render_static_gateway`, `render_pool_gateway`: the same rules folded into one static bootstrap).
 
-`kvgate.envoy_config.render_gateway` renders one pool per route on one listener. A Gateway needs more:
+Beyond one pool on one listener, a Gateway needs:
 
 - Weighted backendRefs across pools. Envoy's `weighted_clusters` cannot do it: the pool's ext_proc filter is
   switched on per *route*, and the EPP's `clear_route_cache` makes Envoy match the route again, so the split
@@ -55,8 +57,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from kvgate.envoy_config import (PoolBackend, RouteTimeouts, cluster_route, dns_cluster, epp_load_assignment, listener,
-                                 overload_manager, pool_clusters, pool_routes)
+from kvgate.envoy_config import (ListenerTimeouts, PoolBackend, RouteTimeouts, cluster_route, dns_cluster,
+                                 epp_load_assignment, listener, overload_manager, pool_clusters, pool_routes)
 
 FRACTION_DENOMINATOR = 1_000_000
 
@@ -192,21 +194,22 @@ def file_name(path: str) -> str:
     return path.removeprefix("./").removeprefix(f"{KUBELET_DATA_DIR}/")
 
 
-def _listener(port: int, listen_host: str) -> dict:
+def _listener(port: int, listen_host: str, timeouts: ListenerTimeouts) -> dict:
     rds = {"rds": {"route_config_name": f"gateway-{port}", "config_source": _file_source(rds_file(port))}}
-    return listener(f"gateway-{port}", listen_host, port, rds)
+    return listener(f"gateway-{port}", listen_host, port, rds, timeouts)
 
 
 def render_gateway_files(rules: list[RouteRule], listen_ports: list[int], admin_port: int | None = None,
                          listen_host: str = "0.0.0.0", node_id: str = "kvgate-gateway",
-                         node_cluster: str = "kvgate-gateway", admin_host: str = "127.0.0.1") -> dict[str, dict]:
+                         node_cluster: str = "kvgate-gateway", admin_host: str = "127.0.0.1",
+                         listener_timeouts: ListenerTimeouts = ListenerTimeouts()) -> dict[str, dict]:
     """A Gateway's Envoy config as files {name: document}: the bootstrap, one route table per listener port
     (RDS) and the clusters (CDS). Load it with the folder holding all of them as Envoy's working directory."""
     ports = sorted(set(listen_ports))
     bootstrap = {
         "node": {"id": node_id, "cluster": node_cluster},
         "dynamic_resources": {"cds_config": _file_source(CDS_FILE)},
-        "static_resources": {"listeners": [_listener(port, listen_host) for port in ports]},
+        "static_resources": {"listeners": [_listener(port, listen_host, listener_timeouts) for port in ports]},
         "overload_manager": overload_manager(),
     }
     if admin_port is not None:
@@ -264,3 +267,22 @@ def _static_cluster(cluster: dict, files: dict[str, dict]) -> dict:
 def listeners_of(files: dict[str, dict]) -> list[dict]:
     """The listeners of a file set, each with its route table inline (for tests and tools reading a config)."""
     return static_bootstrap(files)["static_resources"]["listeners"]
+
+
+# --- one static bootstrap: `kvgate up`, the tests, the benchmarks ----------------------------------------------------
+
+def render_static_gateway(rules: list[RouteRule], listen_host: str, admin_port: int | None = None, *,
+                          admin_host: str = "127.0.0.1",
+                          listener_timeouts: ListenerTimeouts = ListenerTimeouts()) -> dict:
+    """The rules' config as one static bootstrap (a listener per port of the rules): what `envoy -c` loads."""
+    return static_bootstrap(render_gateway_files(rules, [r.listen_port for r in rules], admin_port, listen_host,
+                                                 admin_host=admin_host, listener_timeouts=listener_timeouts))
+
+
+def render_pool_gateway(pool: PoolBackend, listen_host: str, listen_port: int, admin_port: int | None = None, *,
+                        route_timeouts: RouteTimeouts = RouteTimeouts(),
+                        listener_timeouts: ListenerTimeouts = ListenerTimeouts()) -> dict:
+    """One pool behind one listener, every path of every host: `kvgate up`'s gateway (an HTTPRoute with one rule
+    and one backendRef in Gateway API terms)."""
+    rule = RouteRule(f"local/{pool.name}/0", listen_port, [WeightedBackend(pool)], timeouts=route_timeouts)
+    return render_static_gateway([rule], listen_host, admin_port, listener_timeouts=listener_timeouts)
