@@ -2,7 +2,7 @@
 bounded by what is needed of it, not by its size. The EPP's precise scorer needs only the blocks its index can
 match (epp/kv_events/tokenize.py); the engine's server needs only to know that a prompt is over max_model_len
 tokens to refuse it (engine/server/openai_serving.py): a 6 MiB prompt was tokenized whole before, 6.3M ids and
-1.7 GB of peak RSS for a 400.
+1.7 GB of peak RSS for a 400 (`kvgate bench hostile`'s long-prompt window; before and after in docs/security.md).
 
     cut   = limit × chars_per_token + margin            chars_per_token: the mean length of a vocabulary entry
     kept  = the tokens of text[:cut] that end at or before cut - margin

@@ -69,7 +69,7 @@ class GraphSet:
         device copies: not allowed while capturing); forward(padded_tokens, decode_only) runs the model on them."""
         t0 = time.perf_counter()
         # Cached free blocks released on both sides, so the difference is what the graphs hold (a bench run after
-        # another engine printed -0.49 GiB without this).
+        # another engine, as `kvgate bench engine --compare-sync` makes, printed -0.49 GiB without this).
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(device)[0]
         pool = torch.cuda.graph_pool_handle()

@@ -311,7 +311,7 @@ class LLMEngine:
         """Schedule and run one batch; returns an output for every request that got a token, or with final_only
         (vLLM's RequestOutputKind.FINAL_ONLY, what the offline LLM asks for) only for the samples that finished:
         building a streaming output per request per step was a quarter of the host time of a 256-sequence decode
-        step on an H200 (tests/engine/gpu_profile.py: outputs 1.03 ms of 4 ms).
+        step on an H200 (`python -m tests.engine.gpu_profile engine` prints it: outputs 1.03 ms of 4 ms).
 
         With async scheduling the tokens returned are those of the batch queued by the step before, taken after
         this step's batch is queued: the host's work on them runs while the device runs this step's batch."""

@@ -9,7 +9,7 @@ running request is preempted: its blocks are freed and it is recomputed later.
 The scheduler also keeps `num_prefill_tokens_pending` (exported as `kvgate:num_prefill_tokens_pending`, the
 prefill backlog a router weighs): the sum of `prefill_tokens_pending(r)` over every waiting and running
 request, kept exact by adjusting it wherever a request's computed tokens, tokens or queue change (O(1) per
-change: a recount over 1024 waiting + 128 running requests took 0.7 ms per step on this 2-core machine, over
+change: a recount over 1024 waiting + 128 running requests took 0.7 ms per step on a 2-core machine, over
 10% of a 6 ms sim step).
 
 Scheduling a chunk advances the request's `num_computed_tokens` at once (vLLM V1's order), and a chunk that samples

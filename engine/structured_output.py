@@ -9,22 +9,11 @@ in a thread while the forward pass runs (llguidance drops the GIL); on CPU in li
 own: see model_runner.py). `kvgate bench structured-outputs` prints the cost. After the step, the accepted
 token advances the matcher, and `Request.check_stop` ends the request when the grammar is complete.
 
-Library choice, measured by `kvgate bench structured-outputs --compare-libraries` (engine/bench_structured.py: mask
-fill + token advance walking a valid 5-field nested JSON document through llguidance's `LLMatcher` and
-xgrammar's `GrammarMatcher`, best of 5, 2 shared CPU cores, llguidance 1.9.1, xgrammar 0.2.8 installed for
-the comparison only; the 32k BPE is trained on the spot from transformers' own sources):
-
-    tokenizer                 library      tokenizer init   schema compile   mask + advance per token
-    demo byte-level, 262      llguidance        2.8 ms          1.2 ms           13.3 us
-    demo byte-level, 262      xgrammar          0.8 ms          4.5 ms            1.6 us
-    BPE trained here, 32000   llguidance      275   ms          1.7 ms           90.8 us
-    BPE trained here, 32000   xgrammar        113   ms        440   ms          610   us
-    (a second run, the cores busier: 32k llguidance 320 us, xgrammar 1696 us and 1.55 s to compile)
-
-llguidance wins where it matters (real vocabularies: 5-7x cheaper per token, and no per-schema compile that
-would stall the engine loop for 0.4 s on every new schema), and it is a small Rust wheel; xgrammar pulls in
-triton. JSON schemas compile with `whitespace_flexible` off: compact JSON, so a model cannot spend its whole
-budget on whitespace (vLLM's `disable_any_whitespace`).
+Library choice, measured by `kvgate bench structured-outputs --compare-libraries` (the table is in
+docs/benchmarks.md): llguidance wins where it matters (a 32k vocabulary: 5-7x cheaper per token than xgrammar,
+and no per-schema compile that would stall the engine loop for 0.4 s on every new schema), and it is a small
+Rust wheel; xgrammar pulls in triton. JSON schemas compile with `whitespace_flexible` off: compact JSON, so a
+model cannot spend its whole budget on whitespace (vLLM's `disable_any_whitespace`).
 
 A constraint that can never produce a token with this tokenizer is refused when the request is added (the first
 mask is empty: InvalidRequestError, a 400). A matcher that reaches a dead end later (rare: llguidance keeps the
@@ -213,8 +202,9 @@ class StructuredOutputManager:
     for new requests built under the limits.
 
     The tokenizer view takes 3 ms for the demo's byte-level tokenizer but 0.3-1 s for a 32k BPE (more for
-    150k vocabularies): `prepare()` builds it in a thread at engine start, so the first constrained request does
-    not stall the engine loop for every running request (and engines that never see one pay no loop time)."""
+    150k vocabularies; `kvgate bench structured-outputs --compare-libraries` prints it): `prepare()` builds it
+    in a thread at engine start, so the first constrained request does not stall the engine loop for every
+    running request (and engines that never see one pay no loop time)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.tokenizer = tokenizer

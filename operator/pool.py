@@ -388,7 +388,7 @@ def pool_modelservers(pool: dict, modelservers: list[dict]) -> list[dict]:
 def default_epp_config(pool: dict, modelservers: list[dict]) -> ConfigChoice:
     """kvgate's profile when the pool's replicas are all kvgate engines that publish KV events (ModelServers with
     spec.engine.kvEvents): its precise prefix scorer reads them, its affinity filter their exact prefill backlog —
-    measured ahead of upstream's default at saturation (README's routing benchmark, `kvgate bench routing`).
+    measured ahead of upstream's default at saturation (`kvgate bench routing`; numbers in docs/benchmarks.md).
     Else upstream's default: other pods in the pool (or ModelServers without events) give it nothing to read."""
     members = pool_modelservers(pool, modelservers)
     if members and all(kv_events_ports(ms.get("spec") or {}) for ms in members):  # the sockets the EPP reads

@@ -93,7 +93,7 @@ class OpenAIServing:
                                         thread_name_prefix="kvgate-tokenize")
         self._bounded_encoder: BoundedEncoder | None = None  # built on the first long prompt (a vocabulary scan)
         # matchers for the constraints' admission check; built on the first constrained request (its tokenizer
-        # view takes 0.3-1 s for a 32k vocabulary)
+        # view takes 0.3-1 s for a 32k vocabulary: `kvgate bench structured-outputs --compare-libraries`)
         self._constraint_checker: StructuredOutputManager | None = None
         self._checker_lock = threading.Lock()
 

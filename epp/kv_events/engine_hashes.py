@@ -5,10 +5,10 @@ The engine names blocks by its hashes; the index keys them by hashes the EPP com
 hash: the map finds the parent's EPP hash to continue the chain from. A BlockRemoved names engine hashes only:
 the map finds what to remove from the index.
 
-Memory: the map costs about `BYTES_PER_BLOCK` per cached block (both dicts, measured with tracemalloc in
-tests/epp/test_precise_index.py); past the `BlockBudget` shared by all endpoints, stored blocks are not indexed
-(counted in `blocks_over_budget`): the index then under-reports, which routes like a miss, never to a block that
-is gone.
+Memory: the map costs about `BYTES_PER_BLOCK` per cached block (both dicts, measured with tracemalloc by
+tests/epp/test_precise_index.py::test_bytes_per_block_covers_what_both_sides_hold, which prints it); past the
+`BlockBudget` shared by all endpoints, stored blocks are not indexed (counted in `blocks_over_budget`): the index
+then under-reports, which routes like a miss, never to a block that is gone.
 """
 
 from __future__ import annotations

@@ -373,7 +373,7 @@ def parse_duration(value: Any) -> float:
 
 
 # kvgate's profile for pools of kvgate engines, which publish KV events and their exact prefill backlog (chosen by
-# `kvgate bench routing`, multi-tenant workload; the numbers are in README's routing section): stay on the
+# `kvgate bench routing`, multi-tenant workload; the numbers are in docs/benchmarks.md): stay on the
 # endpoint that holds the prompt until its prefill backlog costs more than 4x what the hit saves (no random
 # exploration: a needless spill evicts another prefix), score the exact cached prefix from KV events, give a
 # prefix nobody holds to the endpoint serving the fewest prefix groups, and break ties on in-flight tokens. Needs

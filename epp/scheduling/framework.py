@@ -260,9 +260,9 @@ Observer = Callable[[str, str, str, float], None]  # (extension point, plugin ty
 class PluginTimings:
     """Calls and total time per (extension point, plugin): cheap counters the EPP exports.
 
-    Cost: two perf_counter_ns calls and a counter update per plugin call; `kvgate bench epp` (timers on vs off,
-    5 plugin calls per decision) measured 0.5-2 µs per decision. `observer`, when set, also gets every duration
-    (e.g. a Prometheus histogram).
+    Cost: two perf_counter_ns calls and a counter update per plugin call, 0.5-2 µs per decision of 5 plugin calls
+    (`kvgate bench epp --parts scheduling`: p50 against untimed_p50). `observer`, when set, also gets every
+    duration (e.g. a Prometheus histogram).
     """
 
     def __init__(self) -> None:

@@ -2,7 +2,7 @@
 
 Scores are numpy arrays aligned with the endpoint list. A column is read with a C-level attrgetter walk
 (~30 µs for 1000 endpoints on a shared core) and, for metrics, cached in the cycle's Snapshot so that every
-decision of a scrape round reuses it (~1 µs).
+decision of a scrape round reuses it (~1 µs; `kvgate bench epp --parts scheduling`: p50 against new-states p50).
 """
 
 from __future__ import annotations

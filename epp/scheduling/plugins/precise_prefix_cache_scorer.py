@@ -23,9 +23,8 @@ are exactly the whole prompt's). A prompt over INLINE_TOKENIZE_CHARS (8192) char
 decision by `prepare` (Director.prepare, awaited by the ext-proc stream), in this plugin's two threads, within
 `tokenizeTimeout` seconds (default 0.5): no other decision waits meanwhile. Past the budget, that request alone
 is scored by an approximate prefix-cache-scorer (characters; fed with the picks of long prompts, in 1/16 of
-`indexMaxBytes`), and `kvgate_epp_kv_events_total{event="tokenize_timeouts"}` counts it. A 12 MiB prompt
-held every other decision for ~28 s before; now small decisions meanwhile take ≤ 0.6 s, mostly the big body's
-JSON parse (tests/epp/test_tokenize_budget.py). Token ids outside [0, 2^31) never get here: the request is
+`indexMaxBytes`), and `kvgate_epp_kv_events_total{event="tokenize_timeouts"}` counts it: small decisions
+meanwhile wait at most for the big body's JSON parse (tests/epp/test_tokenize_budget.py bounds it). Token ids outside [0, 2^31) never get here: the request is
 refused with a 400 where it enters (epp/request_parsing.py).
 
 PrefixMatchSource (epp/scheduling/prefix_match.py): `prompt_tokens` is the exact token count (the tokenizer's;
