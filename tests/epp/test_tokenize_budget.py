@@ -19,7 +19,8 @@ from kvgate.epp.request_parsing import BadRequest, parse_request
 from kvgate.epp.scheduling.config import KVGATE_PROFILE_YAML
 from kvgate.epp.scheduling.framework import CycleState
 from kvgate.epp.scheduling.plugins import create_plugin
-from kvgate.epp.scheduling.plugins.precise_prefix_cache_scorer import _DEGRADED, PrecisePrefixCacheScorer
+from kvgate.epp.prefix.budgeted_tokenizer import DEGRADED
+from kvgate.epp.scheduling.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from tests.epp.test_extproc_grpc import body_msgs, destination, headers_msg, immediate
 from tests.gateway import EPP
@@ -108,7 +109,7 @@ def test_past_the_budget_the_decision_degrades_to_the_approximate_scorer():
     first, second = long_request(text, "1"), long_request(text + " another question", "2")
     for r in (first, second):
         asyncio.run(scorer.prepare(r))
-        assert r.prepared[scorer] is _DEGRADED
+        assert r.prepared[scorer] is DEGRADED
     cycle = CycleState()
     assert scorer.score(first, endpoints, cycle).tolist() == [0, 0]
     assert scorer.prompt_tokens(first, cycle) == len(text) // 4  # the approximate scorer's estimate
@@ -122,7 +123,7 @@ def test_past_the_budget_the_decision_degrades_to_the_approximate_scorer():
 
 
 def test_tokenize_timeout_parameter():
-    assert create_plugin("precise-prefix-cache-scorer", {"tokenizeTimeout": 0.25}).tokenize_timeout_s == 0.25
+    assert create_plugin("precise-prefix-cache-scorer", {"tokenizeTimeout": 0.25}).tokens.timeout_s == 0.25
     for bad in (0, -1, 61, "1s", True):
         with pytest.raises(ValueError, match=r"tokenizeTimeout must be (a number|in \(0, 60\])"):
             create_plugin("precise-prefix-cache-scorer", {"tokenizeTimeout": bad})

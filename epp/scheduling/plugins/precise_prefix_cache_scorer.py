@@ -17,15 +17,18 @@ until the engine's events announce them, else while the request is in flight (at
 default 60 s) and `speculativeTTL` seconds (default 2 s) after its response ends. `remove_endpoint` drops the
 endpoint's blocks, speculative ones included, and closes its event socket.
 
+Where the parts live: the events into the index, epp/kv_events/feed.py (started, fed endpoints and stopped through
+the plugin lifecycle); tokens within a time budget, epp/prefix/budgeted_tokenizer.py; the index and the holds,
+epp/prefix/. This plugin matches, scores and records.
+
 Long prompts. Only the first max_prefix_blocks × block size tokens can ever match (131072 by default), so only
-a character prefix that surely holds them is tokenized (epp/kv_events/tokenize.py prefix_tokens: the ids kept
-are exactly the whole prompt's). A prompt over INLINE_TOKENIZE_CHARS (8192) characters is tokenized before the
-decision by `prepare` (Director.prepare, awaited by the ext-proc stream), in this plugin's two threads, within
-`tokenizeTimeout` seconds (default 0.5): no other decision waits meanwhile. Past the budget, that request alone
-is scored by an approximate prefix-cache-scorer (characters; fed with the picks of long prompts, in 1/16 of
-`indexMaxBytes`), and `kvgate_epp_kv_events_total{event="tokenize_timeouts"}` counts it: small decisions
-meanwhile wait at most for the big body's JSON parse (tests/epp/test_tokenize_budget.py bounds it). Token ids outside [0, 2^31) never get here: the request is
-refused with a 400 where it enters (epp/request_parsing.py).
+a character prefix that surely holds them is tokenized. A long prompt is tokenized before the decision by
+`prepare` (Director.prepare, awaited by the ext-proc stream), off the event loop, within `tokenizeTimeout` seconds
+(default 0.5); past the budget, that request alone is scored by an approximate prefix-cache-scorer (characters;
+fed with the picks of long prompts, in 1/16 of `indexMaxBytes`), and
+`kvgate_epp_kv_events_total{event="tokenize_timeouts"}` counts it (tests/epp/test_tokenize_budget.py bounds what
+other decisions wait meanwhile). Token ids outside [0, 2^31) never get here: the request is refused with a 400
+where it enters (epp/request_parsing.py).
 
 PrefixMatchSource (epp/scheduling/prefix_match.py): `prompt_tokens` is the exact token count (the tokenizer's;
 estimated from the characters per token of the part tokenized for a prompt past the limit, and len(prompt)/4
@@ -43,17 +46,16 @@ tests/epp/test_precise_serve.py prints it), 30-100× more: the EPP tokenizes loc
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvgate.epp.kv_events.feed import EventFeed
 from kvgate.epp.kv_events.tokenize import PromptTokens
 from kvgate.epp.prefix.approx_index import MIN_INDEX_BYTES
+from kvgate.epp.prefix.budgeted_tokenizer import DEGRADED, BudgetedTokenizer
 from kvgate.epp.prefix.hashing import chain, root_hash
-from kvgate.epp.prefix.precise_index import Delta, PreciseIndex
+from kvgate.epp.prefix.precise_index import PreciseIndex
 from kvgate.epp.prefix.request_holds import RequestHolds
 from kvgate.epp.scheduling.framework import CycleState, PluginContext, Scorer
 from kvgate.epp.scheduling.plugins._params import check_keys, float_param, int_param
@@ -67,9 +69,6 @@ DEFAULT_MAX_PREFIX_BLOCKS = 8192
 DEFAULT_MAX_SPECULATIVE = 100_000
 DEFAULT_INDEX_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_TOKENIZE_TIMEOUT_S = 0.5
-INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized off the event loop (≲ 5 ms of work inline)
-TOKENIZE_THREADS = 2  # what a burst of long prompts may take of the EPP's CPU
-_DEGRADED = object()  # request.prepared[scorer]: not tokenized within tokenizeTimeout
 
 
 @dataclass
@@ -95,9 +94,6 @@ class PrecisePrefixCacheScorer(Scorer):
                  max_speculative_hold_s: float = DEFAULT_MAX_SPECULATIVE_HOLD_S,
                  tokenize_timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S) -> None:
         super().__init__()
-        self.tokenize_timeout_s = tokenize_timeout_s
-        self._pool: ThreadPoolExecutor | None = None
-        self.tokenize_timeouts = 0
         # What a long prompt's decision degrades to: approximate prefix affinity (characters), fed with the picks
         # of long prompts only (the only ones that can degrade), in a sixteenth of the index's budget.
         self.approximate = PrefixCacheScorer(index_max_bytes=max(MIN_INDEX_BYTES, index_max_bytes // 16))
@@ -105,57 +101,55 @@ class PrecisePrefixCacheScorer(Scorer):
         self.block_size = block_size
         self.max_prefix_blocks = max_prefix_blocks
         self.index_max_bytes = index_max_bytes
-        self.tokenizer_path = tokenizer
-        self._tokenizer = None
+        self.tokens = BudgetedTokenizer(tokenizer, tokenize_timeout_s)
         self.index = PreciseIndex(speculative_ttl_s, max_speculative)
         self._held = RequestHolds(self.index, max_speculative_hold_s)  # picks in flight
-        self.subscriber = None
-        self._sources: dict[str, object] = {}  # address → its EventSource, while subscribed
+        self.feed = EventFeed(self.index)
         self._event_sources = None  # PluginContext.kv_event_sources: the pool's endpoints → their sources
 
     # -- lifecycle (framework.Plugin) -------------------------------------------------------------------------------
 
     def start(self, ctx: PluginContext) -> None:
         """Take the EPP's options, load the tokenizer (a bad path fails the start, not the first request) and, with
-        a way back onto the scheduler's thread, start the KV-event subscriber."""
+        a way back onto the scheduler's thread, start reading the engines' events."""
         if ctx.prefix_index_max_bytes is not None:
             self.index_max_bytes = ctx.prefix_index_max_bytes
-        self.load_tokenizer(ctx.tokenizer)
+        self.tokens.load(ctx.tokenizer)
         self._event_sources = ctx.kv_event_sources
-        if ctx.deliver is not None and self.subscriber is None:
-            from kvgate.epp.kv_events.subscriber import KVEventSubscriber
-
-            # deliver(fn, deltas) runs fn(deltas) on the scheduler's thread (the EPP's loop.call_soon_threadsafe)
-            self.subscriber = KVEventSubscriber(lambda deltas: ctx.deliver(self.apply_deltas, deltas),
-                                                self.index_max_bytes)
+        if ctx.deliver is not None:
+            self.feed.start(ctx.deliver, self.index_max_bytes)
 
     def set_endpoints(self, endpoints) -> None:
         if self._event_sources is not None:
             self.set_sources(self._event_sources(endpoints))
 
-    def stop(self) -> None:
-        if self.subscriber is not None:
-            self.subscriber.close()
-            self.subscriber = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+    def set_sources(self, sources) -> None:
+        """The pool's event sources now (an EventSource per endpoint that publishes events)."""
+        self.feed.set_sources(sources)
 
-    # -- tokenizer ------------------------------------------------------------------------------------------------
+    def remove_endpoint(self, address: str) -> None:
+        self.index.remove(address)
+        self.approximate.remove_endpoint(address)
+        self._held.forget_endpoint(address)
+        self.feed.remove(address)
+
+    def stop(self) -> None:
+        self.feed.stop()
+        self.tokens.close()
+
+    @property
+    def subscriber(self):
+        """The KV-event subscriber while started (its stats and streams, for tests and tools)."""
+        return self.feed.subscriber
+
+    # -- tokens ---------------------------------------------------------------------------------------------------
 
     def load_tokenizer(self, path: str | None = None) -> None:
-        """Load now (the EPP's start: a bad path fails there, not on the first request)."""
-        from kvgate.epp.kv_events.tokenize import PromptTokenizer
-
-        if path:
-            self.tokenizer_path = path
-        self._tokenizer = PromptTokenizer(self.tokenizer_path)
+        self.tokens.load(path)
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            self.load_tokenizer()
-        return self._tokenizer
+        return self.tokens.tokenizer
 
     def _token_limit(self) -> int:
         """The most prompt tokens any endpoint's match can use: max_prefix_blocks of the largest block size known
@@ -163,55 +157,12 @@ class PrecisePrefixCacheScorer(Scorer):
         wrong one)."""
         return self.max_prefix_blocks * max([self.block_size, *self.index.block_sizes.values()])
 
-    @staticmethod
-    def _long(request: LLMRequest) -> bool:
-        """Text long enough to tokenize off the loop (token-id prompts need no tokenizing)."""
-        body = request.body
-        if isinstance(body, Mapping) and isinstance(body.get("prompt"), list) and body["prompt"] \
-                and type(body["prompt"][0]) is int:
-            return False
-        return len(request.prompt) > INLINE_TOKENIZE_CHARS
-
     def needs_prepare(self, request: LLMRequest) -> bool:
-        return self._long(request) and self not in request.prepared
+        return self.tokens.is_long(request) and self not in request.prepared
 
     async def prepare(self, request: LLMRequest) -> None:
-        """Tokenize a long prompt's prefix in this plugin's threads, within tokenizeTimeout; past it the request
-        is scored by the approximate scorer (`_DEGRADED`), and no other decision waited meanwhile."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvgate-epp-tokenize")
-        future = asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.prefix_tokens, request,
-                                                            self._token_limit())
-        try:
-            request.prepared[self] = await asyncio.wait_for(future, self.tokenize_timeout_s)
-        except asyncio.TimeoutError:  # (a queued call is cancelled; a running one finishes unused)
-            request.prepared[self] = _DEGRADED
-            self.tokenize_timeouts += 1
-
-    # -- events ---------------------------------------------------------------------------------------------------
-
-    def apply_deltas(self, deltas: list[Delta]) -> None:
-        for delta in deltas:
-            self.index.apply(delta)
-
-    def set_sources(self, sources) -> None:
-        """The pool's event sources now (EventSource per endpoint that publishes events); new or changed ones
-        are subscribed. Endpoints leaving the pool are dropped by remove_endpoint."""
-        if self.subscriber is None:
-            return
-        for source in sources:
-            if self._sources.get(source.address) != source:
-                generation = self.subscriber.next_generation()
-                self.index.watch(source.address, generation)
-                self.subscriber.subscribe(source, generation)
-                self._sources[source.address] = source
-
-    def remove_endpoint(self, address: str) -> None:
-        self.index.remove(address)
-        self.approximate.remove_endpoint(address)
-        self._held.forget_endpoint(address)
-        if self._sources.pop(address, None) is not None and self.subscriber is not None:
-            self.subscriber.unsubscribe(address)
+        """A long prompt's tokens within tokenizeTimeout (DEGRADED past it: the approximate scorer answers)."""
+        request.prepared[self] = await self.tokens.tokenize_long(request, self._token_limit())
 
     # -- the math -------------------------------------------------------------------------------------------------
 
@@ -221,10 +172,10 @@ class PrecisePrefixCacheScorer(Scorer):
             if self in request.prepared:
                 tokens = request.prepared[self]
             else:  # short, or a caller without Director.prepare: bounded work, here
-                tokens = self.tokenizer.prefix_tokens(request, self._token_limit())
+                tokens = self.tokens.tokenize(request, self._token_limit())
             lora = request.target_model if request.target_model in self.index.loras else None
             root = root_hash(lora, request.cache_salt)
-            if tokens is _DEGRADED:
+            if tokens is DEGRADED:
                 found = _Match(None, self.approximate.prompt_tokens(request), root, degraded=True)
             else:
                 found = _Match(tokens, tokens.count if tokens is not None else request.estimated_prompt_tokens,
@@ -281,7 +232,7 @@ class PrecisePrefixCacheScorer(Scorer):
         return cached / max(1, self.prompt_tokens(request, cycle))
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
-        if self._long(request):  # for the next long prompt that degrades
+        if self.tokens.is_long(request):  # for the next long prompt that degrades
             self.approximate.pre_request(request, endpoint, cycle)
         m = self._analysis(request, cycle)
         if m.tokens is None or self.index.speculative_ttl_s <= 0:
@@ -297,11 +248,8 @@ class PrecisePrefixCacheScorer(Scorer):
         self._held.end(request.request_id)
 
     def stats(self) -> dict[str, float]:
-        out = {"index_size": self.index.size(), "speculative_entries": self.index.speculative_size(),
-               "subscribed_endpoints": len(self._sources), "tokenize_timeouts": self.tokenize_timeouts}
-        if self.subscriber is not None:
-            out.update(self.subscriber.stats)
-        return out
+        return {"index_size": self.index.size(), "speculative_entries": self.index.speculative_size(),
+                "tokenize_timeouts": self.tokens.timeouts, **self.feed.stats()}
 
 
 def _seconds(params, key: str, default: float, t: str) -> float:
