@@ -294,7 +294,7 @@ def epp_tokenizer_for_config(config: EppConfig | None, pool: dict, modelservers:
     if config is None:
         return EppTokenizer()
     scorers = [p for p in config.scheduler.plugins.values()
-               if p.type_name == PRECISE_SCORER and getattr(p, "tokenizer_path", None) is None]
+               if p.type_name == PRECISE_SCORER and p.tokenizer_path is None]
     if not scorers:
         return EppTokenizer()
     models = {}

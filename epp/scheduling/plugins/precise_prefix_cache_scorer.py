@@ -151,6 +151,11 @@ class PrecisePrefixCacheScorer(Scorer):
     def tokenizer(self):
         return self.tokens.tokenizer
 
+    @property
+    def tokenizer_path(self) -> str | None:
+        """The tokenizer folder configured (`tokenizer` parameter or --tokenizer); None: the EPP's default."""
+        return self.tokens.path
+
     def _token_limit(self) -> int:
         """The most prompt tokens any endpoint's match can use: max_prefix_blocks of the largest block size known
         (an endpoint with larger blocks, known only from its scrape, matches fewer: a shorter hit, never a
