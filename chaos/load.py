@@ -53,10 +53,13 @@ class Outcome:
     done: bool = False
     error: str | None = None
     token_gaps: list[float] = field(default_factory=list)  # seconds between token events (inter-token latency)
+    max_tokens: int | None = None  # what this request asked for, where it asked for its own
 
-    def ok(self, max_tokens: int) -> bool:
-        return (self.status == 200 and self.done and self.tokens == max_tokens
-                and self.usage_tokens == max_tokens and self.error is None)
+    def ok(self, max_tokens: int | None = None) -> bool:
+        """200, the whole stream, and exactly the tokens asked for (`max_tokens`, else the request's own)."""
+        expected = self.max_tokens if max_tokens is None else max_tokens
+        return (self.status == 200 and self.done and self.tokens == expected
+                and self.usage_tokens == expected and self.error is None)
 
     def failure_kind(self) -> str:
         """What went wrong, in a word a summary can count: `HTTP 503`, the exception's name, or `incomplete`."""
@@ -102,13 +105,14 @@ class StreamLoad:
         return self.outcomes
 
     async def one(self, client: httpx.AsyncClient, seq: int, prompt: str | None = None,
-                  url: str | None = None) -> Outcome:
+                  url: str | None = None, max_tokens: int | None = None) -> Outcome:
         """One streamed completion of `prompt` (default: a short prompt of its own per `seq`), to `url` (default:
-        the load's URLs in turn)."""
-        out = Outcome(sent_at=time.monotonic())
+        the load's URLs in turn), of `max_tokens` (default: the load's)."""
+        max_tokens = self.max_tokens if max_tokens is None else max_tokens
+        out = Outcome(sent_at=time.monotonic(), max_tokens=max_tokens)
         self.outcomes.append(out)
         prompt = f"request {seq}: tell me a story" if prompt is None else prompt
-        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
         try:
             url = url.rstrip("/") if url else self.urls[seq % len(self.urls)]

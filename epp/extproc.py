@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 
 import grpc
@@ -126,6 +127,7 @@ class _RequestStream:
         self.served: str | None = None
         self.tail = bytearray()
         self.released = False
+        self.path_started: float | None = None  # perf_counter when the request's routing work began
 
     def handle(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if msg.HasField("protocol_config"):
@@ -197,6 +199,7 @@ class _RequestStream:
         return _immediate(status, message)
 
     def _decide_on_body(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+        self.path_started = time.perf_counter()
         rid = self.headers.get("x-request-id") or uuid.uuid4().hex
         raw, self.body = bytes(self.body), bytearray()  # held no longer than the decision
         try:
@@ -221,6 +224,7 @@ class _RequestStream:
             ordered = self.director.pick(self.request, self.subset)
         except RoutingError as exc:
             return [self._refuse(exc.status, str(exc))]
+        self._observe_path()
         self.decided = True
         if self.request.target_model and self.request.target_model != self.request.model:
             body["model"] = self.request.target_model
@@ -241,17 +245,24 @@ class _RequestStream:
         return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)]
 
     def _decide_without_body(self) -> pb.ProcessingResponse:
+        self.path_started = time.perf_counter()
         rid = self.headers.get("x-request-id") or uuid.uuid4().hex
         self.request = LLMRequest(request_id=rid, model="", target_model="", prompt="", headers=self.headers)
         try:
             ordered = self.director.pick(self.request, self.subset)
         except RoutingError as exc:
             return self._refuse(exc.status, str(exc))
+        self._observe_path()
         self.decided = True
         self.picked = ordered[0].address
         self._count(200)
         common, metadata = _destination(",".join(s.address for s in ordered), None, buffered_body=False)
         return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+
+    def _observe_path(self) -> None:
+        """A routed request's time in the EPP, from its body (or headers) to the decision (prepare included)."""
+        if self.metrics is not None and self.path_started is not None:
+            self.metrics.request_path_seconds.observe(time.perf_counter() - self.path_started)
 
     def _count(self, code: int) -> None:
         if self.metrics is not None:

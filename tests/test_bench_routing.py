@@ -14,7 +14,9 @@ import yaml
 
 from kvgate.bench_routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
 from kvgate.bench_routing.report import add_ratios
-from kvgate.bench_routing.workloads import WORKLOADS, arrivals, with_foreign
+from kvgate.bench_routing.configurations import SIM_ENGINE_ARGS, sim_engine_args
+from kvgate.bench_routing.workloads import (DEFAULT_KV_TOKENS, SHAPE_SETS, SHAPES, WORKLOADS, arrivals, parse_shape,
+                                            with_foreign)
 from kvgate.epp.scheduling.config import parse_config
 from kvgate.epp.scheduling.plugins import REGISTRY
 from tests.procs import KVGATE
@@ -89,19 +91,26 @@ def test_ratios_are_against_the_same_rate():
     assert "vs_best_router" not in cells[1]
 
 
+SHORT_SHAPE = "multi-tenant:output_spread=0.5"
+
+
 @pytest.mark.slow
 def test_short_run_end_to_end(tmp_path):
     result_file = tmp_path / "routing.json"
-    run = subprocess.run([KVGATE, "bench", "routing", "--short", "--workloads", "multi-tenant",
+    # multi-tenant's prompts with spread output lengths: each request must get exactly its own max_tokens
+    run = subprocess.run([KVGATE, "bench", "routing", "--short", "--workloads", SHORT_SHAPE,
                           "--configs", "round-robin,approximate", "--foreign-share", "0.1",
                           "--result-file", str(result_file)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and result_file.exists(), run.stdout + run.stderr[-3000:]
     result = json.loads(result_file.read_text())
     assert set(result["configurations"]) == {"round-robin", "approximate"}
-    cells = {c["configuration"]: c for c in result["workloads"]["multi-tenant"]["cells"]}
+    workload = result["workloads"][SHORT_SHAPE]
+    assert workload["knobs"]["output_spread"] == 0.5 and workload["knobs"]["kind"] == "multi-tenant"
+    cells = {c["configuration"]: c for c in workload["cells"]}
     assert set(cells) == {"round-robin", "approximate"}
-    requests = with_foreign(arrivals(WORKLOADS["multi-tenant"], 6.0, 6.0, seed=0), 0.1, 4, seed=0)
+    requests = with_foreign(arrivals(parse_shape(SHORT_SHAPE), 6.0, 6.0, seed=0), 0.1, 4, seed=0)
+    assert len({r.max_tokens for r in requests}) > 5
     expected = len(requests)
     routed = sum(r.foreign is None for r in requests)
     assert 0 < routed < expected  # some went through the foreign gateway, straight to a replica
@@ -122,4 +131,59 @@ def test_short_run_end_to_end(tmp_path):
     round_robin = cells["round-robin"]["prefix_cache_hit_rate"]
     assert approximate >= 0.7 * ceiling and approximate > round_robin, (approximate, round_robin, ceiling)
     assert cells["approximate"]["vs_round_robin"]["output_tokens_per_s"] is not None
+    # the EPP's own time per request: every request it routed, the decision inside the request path
+    epp = cells["approximate"]["epp_time"]
+    assert epp["decision"]["requests"] == epp["request_path"]["requests"] == routed, epp
+    assert 0 < epp["decision"]["mean_ms"] <= epp["request_path"]["mean_ms"] <= epp["request_path"]["p99_ms_at_most"]
+    assert "epp_time" not in cells["round-robin"]
     assert "multi-tenant" in run.stdout and "round-robin" in run.stdout and "routed p90" in run.stdout
+    assert "EPP ms/req" in run.stdout
+
+
+def test_base_workloads_send_the_streams_they_always_sent():
+    """The knobs left at their defaults change nothing: the three base workloads' requests (times, prompts, keys)
+    hash as they did before the knobs existed (seed 5, 12/s, 20 s), every request asking the shape's output_len."""
+    import hashlib
+
+    expected = {"multi-tenant": "d2a8fcd6ea5a73da", "multi-turn": "4340520407a9ad7c", "no-reuse": "bee2f78a82316884"}
+    for name, digest in expected.items():
+        reqs = arrivals(WORKLOADS[name], 12.0, 20.0, seed=5)
+        got = hashlib.sha256(json.dumps([(round(r.at, 9), r.prompt, r.key) for r in reqs]).encode()).hexdigest()
+        assert got[:16] == digest and len(reqs) == 248, name
+        assert {r.max_tokens for r in reqs} == {32}
+
+
+def test_knobs_do_what_they_say():
+    import numpy as np
+
+    bursty = arrivals(SHAPES["bursty-tenants"], 50.0, 200.0, seed=1)
+    gaps = np.diff([r.at for r in bursty])
+    assert 2.6 < gaps.std() / gaps.mean() < 3.4 and abs(len(bursty) / 200.0 - 50.0) < 8   # same mean rate
+    poisson = np.diff([r.at for r in arrivals(WORKLOADS["multi-tenant"], 50.0, 200.0, seed=1)])
+    assert 0.9 < poisson.std() / poisson.mean() < 1.1
+    hot = arrivals(SHAPES["hot-tenant"], 50.0, 100.0, seed=1)
+    first = sum(r.key.startswith("t0/") for r in hot) / len(hot)
+    weights = [1 / (i + 1) ** 1.2 for i in range(12)]
+    assert abs(first - weights[0] / sum(weights)) < 0.04, first
+    mixed = arrivals(SHAPES["mixed-lengths"], 50.0, 100.0, seed=1)
+    lengths, outputs = [len(r.prompt) for r in mixed], [r.max_tokens for r in mixed]
+    assert abs(np.mean(lengths) / 1200 - 1) < 0.1 and min(lengths) >= 300 and max(lengths) <= 4800
+    assert abs(np.mean(outputs) / 64 - 1) < 0.1 and len(set(outputs)) > 20
+    # the prompts do not depend on the output knobs: long-output sends multi-tenant's prompts
+    assert [r.prompt for r in arrivals(SHAPES["long-output"], 6.0, 10.0, 2)] == \
+        [r.prompt for r in arrivals(WORKLOADS["multi-tenant"], 6.0, 10.0, 2)]
+
+
+def test_shape_sets_and_command_line_shapes():
+    assert not set(SHAPE_SETS["held-out"]) & set(SHAPE_SETS["tuning"])   # judged on, never tuned on
+    assert all(name in SHAPES for names in SHAPE_SETS.values() for name in names)
+    custom = parse_shape("multi-tenant:tenants=32,burstiness=2.5,kv_tokens=4096")
+    assert (custom.tenants, custom.burstiness, custom.kv_tokens, custom.generator) == (32, 2.5, 4096, "multi-tenant")
+    assert parse_shape("small-kv:kv_tokens=2048").kv_tokens == 2048 and parse_shape("deep-chat") is SHAPES["deep-chat"]
+    for bad, says in (("nope", "unknown workload"), ("multi-tenant:tenants", "knob=value"),
+                      ("multi-tenant:colour=3", "knob=value"), ("no-reuse:prompt_len=x", "needs a number"),
+                      ("multi-tenant:burstiness=0", "burstiness > 0")):
+        with pytest.raises(ValueError, match=says):
+            parse_shape(bad)
+    assert sim_engine_args(4096)[sim_engine_args(4096).index("--kv-cache-memory") + 1] == str(4096 * 131072)
+    assert sim_engine_args(DEFAULT_KV_TOKENS) == SIM_ENGINE_ARGS

@@ -1,6 +1,7 @@
 """`kvgate bench routing`: routing configurations side by side on the same sim replicas and the identical request
 stream — round-robin, kvgate's EPP profiles, and sglang-router / vllm-router where installed — over a rate sweep
-per workload. One table per workload, `--result-file` JSON, `--plot` PNG. `--short` is the test suite's shape.
+per workload shape (`--workloads`, `--shapes`: workloads.py). One table per shape, `--result-file` JSON, `--plot`
+PNG. `--short` is the test suite's shape.
 
 Every (workload, rate, configuration) cell runs on a fresh stack (cold caches; see runner.py), one at a time.
 """
@@ -14,7 +15,8 @@ import tempfile
 from pathlib import Path
 
 from kvgate.bench_routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
-from kvgate.bench_routing.workloads import WORKLOADS, arrivals, with_foreign
+from kvgate.bench_routing.workloads import SHAPE_SETS, SHAPES, WORKLOADS, WorkloadShape, arrivals, parse_shape, \
+    with_foreign
 
 SHORT = {"rates": "6", "duration": 6.0, "drain": 20.0}  # --rates, when given, still wins
 DEFAULT_RATES = "2,6,10,14"
@@ -27,6 +29,34 @@ def _names(text: str, known, what: str) -> list[str]:
         raise SystemExit(f"kvgate bench routing: unknown {what}: {', '.join(unknown) or '(none)'}; "
                          f"known: {', '.join(known)}")
     return names
+
+
+def _shapes(workloads: str | None, sets: str | None) -> list[WorkloadShape]:
+    """--workloads (names or KIND:knob=value,... separated by `;` or, for names alone, `,`) and --shapes (sets)."""
+    texts: list[str] = []
+    for name in [s.strip() for s in (sets or "").split(",") if s.strip()]:
+        if name not in SHAPE_SETS:
+            raise SystemExit(f"kvgate bench routing: unknown shape set {name!r}; known: {', '.join(SHAPE_SETS)}")
+        texts += SHAPE_SETS[name]
+    if workloads or not texts:
+        text = workloads or ",".join(WORKLOADS)
+        texts += [t.strip() for t in (text.split(";") if ":" in text else text.split(",")) if t.strip()]
+    shapes = []
+    for t in dict.fromkeys(texts):
+        try:
+            shapes.append(parse_shape(t))
+        except ValueError as exc:
+            raise SystemExit(f"kvgate bench routing: {exc}") from None
+    return shapes
+
+
+def _fits(shape: WorkloadShape, requests) -> None:
+    """Every request fits the sim replicas' context (min(8192, kv_tokens) tokens; a character is a token)."""
+    limit = min(8192, shape.kv_tokens)
+    longest = max((len(r.prompt) + r.max_tokens for r in requests), default=0)
+    if longest > limit:
+        raise SystemExit(f"kvgate bench routing: workload {shape.name!r} has a request of {longest} tokens with its "
+                         f"output, over the replicas' {limit}-token context")
 
 
 def _rates(text: str) -> list[float]:
@@ -42,7 +72,13 @@ def _rates(text: str) -> list[float]:
 def add_bench_routing_parser(sub) -> None:
     p = sub.add_parser("routing", help="routing configurations vs round-robin and cache-aware routers: "
                                        "throughput, TTFT, prefix-cache hit rate over a rate sweep")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
+    p.add_argument("--workloads", default=None,
+                   help=f"shapes, comma-separated, of: {', '.join(SHAPES)}; or KIND:knob=value,... (several "
+                        f"separated by ';'), e.g. 'multi-tenant:tenants=32,burstiness=2' (default: "
+                        f"{','.join(WORKLOADS)} unless --shapes)")
+    p.add_argument("--shapes", default=None,
+                   help=f"shape sets, comma-separated, of: {', '.join(f'{k} ({len(v)})' for k, v in SHAPE_SETS.items())}"
+                        "; 'held-out' was frozen before any tuning (docs/benchmarks.md)")
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGURATIONS),
                    help=f"comma-separated, of: {', '.join(BY_NAME)} (those whose plugins or router are "
                         "missing are skipped with a note)")
@@ -72,7 +108,7 @@ def run_bench_routing(args) -> int:
     if args.short:
         args.rates, args.duration, args.drain = args.rates or SHORT["rates"], SHORT["duration"], SHORT["drain"]
     args.rates = args.rates or DEFAULT_RATES
-    workloads = _names(args.workloads, WORKLOADS, "workload(s)")
+    shapes = _shapes(args.workloads, args.shapes)
     wanted = _names(args.configs, BY_NAME, "configuration(s)")
     rates = _rates(args.rates)
     if args.replicas < 1 or args.duration <= 0 or args.drain <= 0:
@@ -95,17 +131,20 @@ def run_bench_routing(args) -> int:
     if not configs:
         raise SystemExit("kvgate bench routing: no configuration can run")
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-routing-"))
-    plan = [(w, r, with_foreign(arrivals(WORKLOADS[w], r, args.duration, args.seed), args.foreign_share,
-                                args.replicas, args.seed)) for w in workloads for r in rates]
+    plan = [(s, r, with_foreign(arrivals(s, r, args.duration, args.seed), args.foreign_share, args.replicas,
+                                args.seed)) for s in shapes for r in rates]
+    for shape, _, requests in plan:
+        _fits(shape, requests)
     total = sum(len(reqs) for _, _, reqs in plan) * len(configs)
     failed = False
     with tqdm(total=total, unit="req", file=sys.stderr, mininterval=1.0, leave=False) as bar:
-        for w, rate, requests in plan:
-            cells = result["workloads"].setdefault(w, {"what": WORKLOADS[w].what, "cells": []})["cells"]
+        for shape, rate, requests in plan:
+            cells = result["workloads"].setdefault(shape.name, {"what": shape.what, "knobs": shape.knobs(),
+                                                                "cells": []})["cells"]
             for config in configs:
-                bar.set_description(f"{w} {rate:g}/s {config.name}")
+                bar.set_description(f"{shape.name} {rate:g}/s {config.name}")
                 cell = {"configuration": config.name, "rate": rate,
-                        **run_cell(workdir, config, WORKLOADS[w], requests, replicas=args.replicas,
+                        **run_cell(workdir, config, shape, requests, replicas=args.replicas,
                                    drain_s=args.drain, tick=lambda: bar.update(1))}
                 cells.append(cell)
                 failed |= cell["sent"] != cell["requests"]

@@ -32,6 +32,13 @@ SIM_MODEL = "sim-model"
 # (engine/sim_runner.py charges only the tokens a step computes).
 SIM_ENGINE_ARGS = ["--sim-prefill-ms-per-token", "0.2", "--sim-max-model-len", "8192",
                    "--kv-cache-memory", str(8192 * 131072)]  # 8192 tokens x the sim's 128 KiB per token
+SIM_BYTES_PER_TOKEN = 131072
+
+
+def sim_engine_args(kv_tokens: int) -> list[str]:
+    """SIM_ENGINE_ARGS with `kv_tokens` of KV per replica (a context no longer than the cache holds)."""
+    return ["--sim-prefill-ms-per-token", "0.2", "--sim-max-model-len", str(min(8192, kv_tokens)),
+            "--kv-cache-memory", str(kv_tokens * SIM_BYTES_PER_TOKEN)]
 
 _HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 

@@ -49,6 +49,9 @@ def table(workload: str, what: str, cells: list[dict]):
     foreign = any("routed" in c for c in cells)
     if foreign:
         t.add_column("routed p90", justify="right")
+    epp = any("epp_time" in c for c in cells)
+    if epp:
+        t.add_column("EPP ms/req", justify="right")
     for c in sorted(cells, key=lambda c: c["rate"]):
         vs_rr, vs_router = c.get("vs_round_robin", {}), c.get("vs_best_router", {})
         ttft = c["ttft_s"]
@@ -63,6 +66,8 @@ def table(workload: str, what: str, cells: list[dict]):
             row += [_num(vs_router.get("output_tokens_per_s"), ".2f"), _num(vs_router.get("ttft_p90"), ".2f")]
         if foreign:
             row.append(_num(c.get("routed", {}).get("ttft_s", {}).get("p90"), ".2f"))
+        if epp:
+            row.append(_num(c.get("epp_time", {}).get("request_path", {}).get("mean_ms"), ".2f"))
         t.add_row(*row)
     return t
 
@@ -77,7 +82,8 @@ def print_tables(result: dict, console=None) -> None:
                   "answer; TTFT in seconds; ×RR: against round-robin at the same rate (×router: the best of "
                   "sglang-router / vllm-router); hit rate: the engines' prefix-cache hits ÷ queries (tokens) over the "
                   "run; spread: the busiest replica's requests ÷ the mean; routed p90 (with --foreign-share): TTFT "
-                  "p90 of the requests the configuration routed, the foreign gateway's left out")
+                  "p90 of the requests the configuration routed, the foreign gateway's left out; EPP ms/req: the "
+                  "EPP's mean time on a request's path (body parse, slow plugin work, decision)")
     for name, c in result["configurations"].items():
         if c.get("skipped"):
             console.print(f"skipped {name}: {c['skipped']}")

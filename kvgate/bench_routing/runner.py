@@ -8,7 +8,10 @@ is sent open-loop: each request at its time, whatever the others are doing, stre
 checking client. Requests still running `drain_s` after the last arrival are cancelled and count as failed.
 
 The prefix-cache hit rate and the per-replica load come from the engines' own counters, scraped before and
-after (vllm:prefix_cache_hits / vllm:prefix_cache_queries in tokens; vllm:request_success per replica).
+after (vllm:prefix_cache_hits / vllm:prefix_cache_queries in tokens; vllm:request_success per replica). The EPP's
+own time per routed request comes from its histograms, scraped the same way (`epp_time`: the decision alone, and
+the whole request path in the EPP — body parse, slow plugin work, decision), since on a slower CPU that time is
+what a lead is lost to.
 """
 
 from __future__ import annotations
@@ -23,13 +26,16 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.bench_routing.configurations import SIM_ENGINE_ARGS, SIM_MODEL, RoutingConfig, router_program
+from kvgate.bench_routing.configurations import SIM_MODEL, RoutingConfig, router_program, sim_engine_args
 from kvgate.bench_routing.workloads import BenchRequest, WorkloadShape
 from kvgate.chaos.load import Outcome, StreamLoad
 from kvgate.processes import free_port
 from kvgate.up import LocalStack, Stack, launch_local_stack
 
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:request_success")
+# The EPP's histograms of its own time per request, and their names in the result file.
+EPP_HISTOGRAMS = {"kvgate_epp_scheduling_duration_seconds": "decision",
+                  "kvgate_epp_request_path_duration_seconds": "request_path"}
 
 
 def engine_counters(endpoint: str) -> dict[str, float]:
@@ -62,14 +68,50 @@ def epp_kv_event_counts(metrics_port: int) -> dict[str, int]:
             if family.name == "kvgate_epp_kv_events" for s in family.samples if s.name.endswith("_total")}
 
 
-def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout: float) -> tuple[LocalStack, str]:
+def epp_histograms(metrics_port: int) -> dict[str, dict]:
+    """The EPP's decision and request-path histograms: {name: {"count", "sum", "buckets": {le: cumulative}}}."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    out: dict[str, dict] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in EPP_HISTOGRAMS:
+            continue
+        h = out.setdefault(family.name, {"count": 0.0, "sum": 0.0, "buckets": {}})
+        for s in family.samples:
+            if s.name.endswith("_count"):
+                h["count"] = s.value
+            elif s.name.endswith("_sum"):
+                h["sum"] = s.value
+            elif s.name.endswith("_bucket"):
+                h["buckets"][float(s.labels["le"])] = s.value
+    return out
+
+
+def epp_time(before: dict[str, dict], after: dict[str, dict]) -> dict:
+    """Per histogram, what the cell added: calls, mean and p99 (the bucket bound it falls in), milliseconds."""
+    out = {}
+    for name, key in EPP_HISTOGRAMS.items():
+        a, b = after.get(name), before.get(name, {"count": 0.0, "sum": 0.0, "buckets": {}})
+        if a is None:
+            continue
+        n = a["count"] - b["count"]
+        if n <= 0:
+            continue
+        p99 = next((le for le, c in sorted(a["buckets"].items()) if c - b["buckets"].get(le, 0.0) >= 0.99 * n),
+                   float("inf"))
+        out[key] = {"requests": int(n), "mean_ms": round(1000 * (a["sum"] - b["sum"]) / n, 3),
+                    "p99_ms_at_most": round(1000 * p99, 3) if p99 != float("inf") else None}
+    return out
+
+
+def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout: float,
+           engine_args: list[str]) -> tuple[LocalStack, str]:
     """The stack for `config`, and the URL the load goes to."""
     stack = Stack(Path(tempfile.mkdtemp(prefix=f"{config.name}-", dir=workdir)))
     flavor = "kvgate" if config.kind == "epp" else "round-robin"  # a router brings its own load balancing
     try:
         up = launch_local_stack(
             stack, replicas=replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=free_port(),
-            epp_config_text=config.epp_config, engine_args=SIM_ENGINE_ARGS, envoy_flavor=flavor,
+            epp_config_text=config.epp_config, engine_args=engine_args, envoy_flavor=flavor,
             engine_hosts=[f"127.0.0.{2 + i}" for i in range(replicas)], kv_events=config.kv_events,
             startup_timeout=startup_timeout)
         url = up.url
@@ -98,11 +140,11 @@ def _wait_serving(stack: Stack, url: str, deadline: float) -> None:
     stack.wait_until(ok, deadline, f"{url} to serve")
 
 
-async def _drive(url: str, requests: list[BenchRequest], max_tokens: int, drain_s: float,
-                 tick: Callable[[], None], replicas: list[str] = ()) -> tuple[list[Outcome], float]:
-    """Each request at its arrival time — to `url`, or a foreign one straight to its replica of `replicas` (host:
-    port, in order); returns the outcomes in arrival order and the run's start."""
-    load = StreamLoad(url, SIM_MODEL, concurrency=1, max_tokens=max_tokens, timeout_s=drain_s + 60)
+async def _drive(url: str, requests: list[BenchRequest], drain_s: float, tick: Callable[[], None],
+                 replicas: list[str] = ()) -> tuple[list[Outcome], float]:
+    """Each request at its arrival time, asking its own max_tokens — to `url`, or a foreign one straight to its
+    replica of `replicas` (host:port, in order); returns the outcomes in arrival order and the run's start."""
+    load = StreamLoad(url, SIM_MODEL, concurrency=1, timeout_s=drain_s + 60)
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
     start = time.monotonic()
     async with httpx.AsyncClient(timeout=httpx.Timeout(load.timeout_s, connect=10.0), limits=limits) as client:
@@ -110,7 +152,7 @@ async def _drive(url: str, requests: list[BenchRequest], max_tokens: int, drain_
             await asyncio.sleep(max(0.0, start + r.at - time.monotonic()))
             try:
                 return await load.one(client, seq, r.prompt,
-                                      None if r.foreign is None else f"http://{replicas[r.foreign]}")
+                                      None if r.foreign is None else f"http://{replicas[r.foreign]}", r.max_tokens)
             finally:
                 tick()
         tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
@@ -133,12 +175,12 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": round(float(p[0]), 4), "p90": round(float(p[1]), 4), "p99": round(float(p[2]), 4)}
 
 
-def summarize(outcomes: list[Outcome], start: float, max_tokens: int, before: dict[str, dict],
-              after: dict[str, dict], expected: int) -> dict:
-    ok = [o for o in outcomes if o.ok(max_tokens)]
+def summarize(outcomes: list[Outcome], start: float, before: dict[str, dict], after: dict[str, dict],
+              expected: int) -> dict:
+    ok = [o for o in outcomes if o.ok()]
     errors: dict[str, int] = {}
     for o in outcomes:
-        if not o.ok(max_tokens):
+        if not o.ok():
             errors[o.failure_kind()] = errors.get(o.failure_kind(), 0) + 1
     end = max((o.ended_at for o in ok), default=start)
     delta = {e: {k: after[e][k] - before[e][k] for k in COUNTERS} for e in after}
@@ -162,19 +204,22 @@ def summarize(outcomes: list[Outcome], start: float, max_tokens: int, before: di
 def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, requests: list[BenchRequest], *,
              replicas: int, drain_s: float, startup_timeout: float = 120.0,
              tick: Callable[[], None] = lambda: None) -> dict:
-    up, url = _start(workdir, config, replicas, startup_timeout)
+    up, url = _start(workdir, config, replicas, startup_timeout, sim_engine_args(shape.kv_tokens))
     try:
         # the readiness probe of a router sent one request: counted in `before`, so not in the deltas
         before = all_counters(up.endpoints)
-        outcomes, start = asyncio.run(_drive(url, requests, shape.output_len, drain_s, tick, up.endpoints))
+        epp_before = epp_histograms(up.metrics_port) if config.kind == "epp" else None
+        outcomes, start = asyncio.run(_drive(url, requests, drain_s, tick, up.endpoints))
         time.sleep(0.2)  # the last requests' counters
         after = all_counters(up.endpoints)
         died = up.stack.dead()
-        result = summarize(outcomes, start, shape.output_len, before, after, len(requests))
+        result = summarize(outcomes, start, before, after, len(requests))
+        if epp_before is not None:
+            result["epp_time"] = epp_time(epp_before, epp_histograms(up.metrics_port))
         if any(r.foreign is not None for r in requests):  # the requests the configuration itself routed
             routed = [o for o, r in zip(outcomes, requests) if r.foreign is None]
             result["routed"] = {"requests": len(routed), "ttft_s": _percentiles(
-                [o.first_token_at - o.sent_at for o in routed if o.ok(shape.output_len)])}
+                [o.first_token_at - o.sent_at for o in routed if o.ok()])}
         result["logs"] = str(up.stack.workdir)
         if config.kind == "epp" and config.kv_events:
             result["epp_kv_events"] = epp_kv_event_counts(up.metrics_port)

@@ -1,16 +1,26 @@
 """The workloads of `kvgate bench routing`, as fixed request sequences: the same seed gives the same prompts in the
 same order with the same arrival times, so every routing configuration is driven by the identical stream.
 
-Prompts are text whose length in characters is its length in tokens (the sim backend's byte tokenizer).
+A workload is a shape: a kind (how prompts reuse each other) and its knobs. Prompts are text whose length in
+characters is its length in tokens (the sim backend's byte tokenizer).
 - multi-tenant: T tenants, each a long system prompt; U users per tenant, each with a context of their own; every
   request is tenant system prompt + user context + a fresh question (llm-d's shared-prefix benchmark, scaled
-  down). Which (tenant, user) asks is uniform at random.
+  down). Which tenant asks is uniform at random, or Zipf-skewed (`tenant_skew` s: weights 1/(i+1)^s); the user
+  uniform within it.
 - multi-turn: C conversations; a request is a conversation's next turn: its whole history so far (system, every
   earlier question and a stand-in reply) + a new question, so each conversation's prompt grows. The reply in the
   history is text of the turn's output length, not what the engine answered: what a router can reuse is the
   previous prompt, which the engine cached either way.
 - no-reuse: random prompts that share nothing (routing must not lose to round-robin here).
-Arrivals are Poisson at the given rate (exponential gaps from a seeded generator).
+
+Knobs every kind has: `length_spread` (question / prompt lengths drawn lognormal around their set length with this
+sigma; 0: fixed), `output_len` and `output_spread` (each request's max_tokens, likewise), `burstiness` (the
+coefficient of variation of the gaps between arrivals: 1 is Poisson, above 1 Gamma-distributed gaps, i.e. bursts
+and lulls at the same mean rate), `kv_tokens` (the KV cache of each sim replica, in tokens).
+
+Shapes are named (SHAPES), grouped in sets (SHAPE_SETS: the tuning set the default profile may be tuned on, and a
+held-out set frozen before any tuning, never used to choose weights), or written on the command line as
+`KIND:knob=value,...` (`parse_shape`).
 
 Foreign traffic (`with_foreign`): a share of the requests, drawn by the seed and so the same for every
 configuration, reaches the replicas through another gateway sharing the pool — one that hashes the prompt's first
@@ -22,12 +32,16 @@ know what they put in the caches; one fed by the engines' KV events can.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import xxhash
 
 from kvgate.bench_serve import random_text
+
+KINDS = ("multi-tenant", "multi-turn", "no-reuse")
+DEFAULT_KV_TOKENS = 8192  # the sim replicas' KV cache (configurations.SIM_ENGINE_ARGS sizes it the same)
+MAX_LENGTH_FACTOR = 4.0  # a drawn length stays within [1/4, 4] × the set length
 
 
 @dataclass(frozen=True)
@@ -35,30 +49,53 @@ class WorkloadShape:
     name: str
     what: str
     output_len: int
+    kind: str = ""  # KINDS; "" means `name` is the kind (the three base shapes)
     # multi-tenant
     tenants: int = 0
     users_per_tenant: int = 0
     system_len: int = 0
     user_context_len: int = 0
     question_len: int = 0
+    tenant_skew: float = 0.0
     # multi-turn
     conversations: int = 0
     reply_len: int = 0
     max_turns: int = 0
     # no-reuse
     prompt_len: int = 0
+    # every kind
+    length_spread: float = 0.0
+    output_spread: float = 0.0
+    burstiness: float = 1.0
+    kv_tokens: int = DEFAULT_KV_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.generator not in KINDS:
+            raise ValueError(f"unknown workload kind {self.generator!r}; known: {', '.join(KINDS)}")
+        if self.output_len < 1 or self.kv_tokens < 256 or self.burstiness <= 0 or self.length_spread < 0 \
+                or self.output_spread < 0 or self.tenant_skew < 0:
+            raise ValueError(f"workload {self.name!r}: output_len ≥ 1, kv_tokens ≥ 256, burstiness > 0 and the "
+                             "spreads and skew ≥ 0")
+
+    @property
+    def generator(self) -> str:
+        return self.kind or self.name
 
     def prefix_tokens(self) -> int:
         """Tokens of the prefixes worth caching, all of them together (for sizing KV against)."""
-        if self.name == "multi-tenant":
+        if self.generator == "multi-tenant":
             return self.tenants * (self.system_len + self.users_per_tenant * self.user_context_len)
-        if self.name == "multi-turn":
+        if self.generator == "multi-turn":
             return self.conversations * (self.system_len + self.max_turns * (self.question_len + self.reply_len))
         return 0
 
+    def knobs(self) -> dict:
+        """The shape's settings (for the result file)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("name", "what")}
 
-# Sized against the bench's sim engines (configurations.SIM_ENGINE_ARGS: 8192 tokens of KV each): one replica
-# holds about a third of the multi-tenant prefixes, four replicas all of them when each keeps to its own tenants.
+
+# Sized against the bench's sim engines (DEFAULT_KV_TOKENS each): one replica holds about a third of the
+# multi-tenant prefixes, four replicas all of them when each keeps to its own tenants.
 WORKLOADS = {
     "multi-tenant": WorkloadShape("multi-tenant", "12 tenants x 2000-token system prompt x 4 users (200-token "
                                   "context each), 100-token questions, 32 output tokens", output_len=32,
@@ -72,27 +109,100 @@ WORKLOADS = {
 }
 
 
+def _shape(name: str, base: str, what: str, **knobs) -> WorkloadShape:
+    return replace(WORKLOADS[base], name=name, what=what, kind=base, **knobs)
+
+
+# Shapes beyond the three base workloads. The held-out set was frozen on 2026-11-26, before any weight of kvgate's
+# profile was tuned against these shapes: a profile is judged on it, never tuned on it.
+SHAPES = {
+    **WORKLOADS,
+    "many-tenants": _shape("many-tenants", "multi-tenant", "32 tenants x 1000-token system prompt x 2 users "
+                           "(100-token context), questions ~100 tokens (spread 0.5), 32 output tokens (spread "
+                           "0.5)", tenants=32, users_per_tenant=2, system_len=1000, user_context_len=100,
+                           length_spread=0.5, output_spread=0.5),
+    "hot-tenant": _shape("hot-tenant", "multi-tenant", "12 tenants, Zipf-skewed (s=1.2: the first asks ~40%), "
+                         "otherwise multi-tenant", tenant_skew=1.2),
+    "bursty-tenants": _shape("bursty-tenants", "multi-tenant", "multi-tenant with bursty arrivals (gaps' CV 3)",
+                             burstiness=3.0),
+    "long-output": _shape("long-output", "multi-tenant", "multi-tenant with ~128 output tokens (spread 0.7)",
+                          output_len=128, output_spread=0.7),
+    "small-kv": _shape("small-kv", "multi-tenant", "multi-tenant on replicas with half the KV (4096 tokens)",
+                       kv_tokens=4096),
+    "deep-chat": _shape("deep-chat", "multi-turn", "16 conversations of up to 16 turns, 120-token questions "
+                        "(spread 0.5) and 80-token replies, 48 output tokens", conversations=16, max_turns=16,
+                        question_len=120, reply_len=80, length_spread=0.5, output_len=48),
+    "mixed-lengths": _shape("mixed-lengths", "no-reuse", "random prompts ~1200 tokens (spread 0.8), ~64 output "
+                            "tokens (spread 0.8), bursty (CV 2)", length_spread=0.8, output_len=64,
+                            output_spread=0.8, burstiness=2.0),
+}
+
+SHAPE_SETS = {
+    "base": ("multi-tenant", "multi-turn", "no-reuse"),
+    "tuning": ("multi-tenant", "multi-turn", "no-reuse", "many-tenants", "bursty-tenants"),
+    "held-out": ("hot-tenant", "long-output", "small-kv", "deep-chat", "mixed-lengths"),
+}
+
+
+def parse_shape(text: str) -> WorkloadShape:
+    """A named shape, or `KIND:knob=value,...` (a base shape of that kind with those knobs); ValueError names the
+    problem."""
+    if ":" not in text:
+        if text not in SHAPES:
+            raise ValueError(f"unknown workload {text!r}; known: {', '.join(SHAPES)}")
+        return SHAPES[text]
+    base, _, spec = text.partition(":")
+    if base not in SHAPES:
+        raise ValueError(f"unknown workload {base!r} in {text!r}; known: {', '.join(SHAPES)}")
+    types = {f.name: f.type for f in fields(WorkloadShape)}
+    knobs: dict = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in types or key in ("name", "what", "kind"):
+            raise ValueError(f"{text!r}: {item!r} is not knob=value; knobs: "
+                             f"{', '.join(k for k in types if k not in ('name', 'what', 'kind'))}")
+        try:
+            knobs[key] = float(value) if "float" in str(types[key]) else int(value)
+        except ValueError:
+            raise ValueError(f"{text!r}: {key} needs a number, got {value!r}") from None
+    shape = SHAPES[base]
+    return replace(shape, name=text, what=f"{shape.what}; {spec}", kind=shape.generator, **knobs)
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     at: float  # seconds after the run's start
     prompt: str
     key: str  # tenant/user or conversation/turn: which prefix it reuses
+    max_tokens: int = 32
     foreign: int | None = None  # the replica another gateway sends it to (not the router under test); None: ours
+
+
+def _length(rng: random.Random, mean: int, spread: float) -> int:
+    """`mean`, or with a spread a lognormal draw whose mean is `mean`, kept within MAX_LENGTH_FACTOR of it."""
+    if spread <= 0 or mean <= 0:
+        return mean
+    drawn = mean * np.exp(rng.gauss(-spread * spread / 2, spread))
+    return int(round(min(max(drawn, mean / MAX_LENGTH_FACTOR), mean * MAX_LENGTH_FACTOR))) or 1
 
 
 def prompts(shape: WorkloadShape, n: int, seed: int) -> list[tuple[str, str]]:
     """`n` (key, prompt) pairs in arrival order."""
     rng = random.Random(seed)
-    if shape.name == "multi-tenant":
+    kind = shape.generator
+    if kind == "multi-tenant":
         systems = [random_text(rng, shape.system_len) for _ in range(shape.tenants)]
         contexts = [[random_text(rng, shape.user_context_len) for _ in range(shape.users_per_tenant)]
                     for _ in range(shape.tenants)]
+        weights = [1.0 / (i + 1) ** shape.tenant_skew for i in range(shape.tenants)] if shape.tenant_skew else None
         out = []
         for _ in range(n):
-            t, u = rng.randrange(shape.tenants), rng.randrange(shape.users_per_tenant)
-            out.append((f"t{t}/u{u}", systems[t] + contexts[t][u] + random_text(rng, shape.question_len)))
+            t = rng.choices(range(shape.tenants), weights)[0] if weights else rng.randrange(shape.tenants)
+            u = rng.randrange(shape.users_per_tenant)
+            question = random_text(rng, _length(rng, shape.question_len, shape.length_spread))
+            out.append((f"t{t}/u{u}", systems[t] + contexts[t][u] + question))
         return out
-    if shape.name == "multi-turn":
+    if kind == "multi-turn":
         histories = [random_text(rng, shape.system_len) for _ in range(shape.conversations)]
         turns = [0] * shape.conversations
         out = []
@@ -100,24 +210,44 @@ def prompts(shape: WorkloadShape, n: int, seed: int) -> list[tuple[str, str]]:
             c = rng.randrange(shape.conversations)
             if turns[c] == shape.max_turns:  # finished: a new conversation takes its place
                 histories[c], turns[c] = random_text(rng, shape.system_len), 0
-            prompt = histories[c] + random_text(rng, shape.question_len)
+            prompt = histories[c] + random_text(rng, _length(rng, shape.question_len, shape.length_spread))
             out.append((f"c{c}/turn{turns[c]}", prompt))
             histories[c] = prompt + random_text(rng, shape.reply_len)
             turns[c] += 1
         return out
-    if shape.name == "no-reuse":
-        return [(f"r{i}", random_text(rng, shape.prompt_len)) for i in range(n)]
-    raise ValueError(f"unknown workload {shape.name!r}")
+    return [(f"r{i}", random_text(rng, _length(rng, shape.prompt_len, shape.length_spread))) for i in range(n)]
+
+
+def output_lengths(shape: WorkloadShape, n: int, seed: int) -> list[int]:
+    """Each request's max_tokens (its own generator: the prompts do not change with the output knobs)."""
+    rng = random.Random(f"output-{seed}")
+    return [_length(rng, shape.output_len, shape.output_spread) for _ in range(n)]
+
+
+def arrival_times(shape: WorkloadShape, rate: float, duration_s: float, seed: int) -> np.ndarray:
+    """Arrival times at `rate` per second for `duration_s`: Poisson (burstiness 1), else gaps drawn from a Gamma
+    distribution with the same mean and a coefficient of variation of `burstiness`."""
+    size = max(1, int(rate * duration_s * 2) + 16)
+    gen = np.random.default_rng(seed)
+    if shape.burstiness == 1.0:
+        gaps = gen.exponential(1.0 / rate, size=size)
+    else:
+        k = 1.0 / shape.burstiness ** 2
+        gaps = gen.gamma(k, 1.0 / (rate * k), size=size)
+    times = np.cumsum(gaps)
+    while times[-1] <= duration_s:  # bursty gaps may fall short of the duration: draw on
+        more = np.cumsum(gen.gamma(1.0 / shape.burstiness ** 2, shape.burstiness ** 2 / rate, size=size))
+        times = np.concatenate([times, times[-1] + more])
+    return times[times <= duration_s] if times[0] <= duration_s else times[:1]
 
 
 def arrivals(shape: WorkloadShape, rate: float, duration_s: float, seed: int) -> list[BenchRequest]:
-    """Poisson arrivals at `rate` per second for `duration_s`; the prompts depend on the seed only (not the
-    rate), so every rate sends the same prompts in the same order, just faster."""
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=max(1, int(rate * duration_s * 2) + 16))
-    times = np.cumsum(gaps)
-    times = times[times <= duration_s] if times[0] <= duration_s else times[:1]
-    return [BenchRequest(float(at), prompt, key)
-            for at, (key, prompt) in zip(times, prompts(shape, len(times), seed))]
+    """The requests of one cell; the prompts depend on the seed only (not the rate), so every rate sends the same
+    prompts in the same order, just faster."""
+    times = arrival_times(shape, rate, duration_s, seed)
+    outputs = output_lengths(shape, len(times), seed)
+    return [BenchRequest(float(at), prompt, key, max_tokens)
+            for at, (key, prompt), max_tokens in zip(times, prompts(shape, len(times), seed), outputs)]
 
 
 FOREIGN_KEY_CHARS = 256
