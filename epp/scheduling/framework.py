@@ -516,9 +516,6 @@ class Scheduler:
 
     # -- introspection ------------------------------------------------------------------------------------------
 
-    def plugin(self, name: str) -> Plugin | None:
-        return self.config.plugins.get(name)
-
     def plugins_of_type(self, type_name: str) -> list[Plugin]:
         return [p for p in self.plugins if p.type_name == type_name]
 
