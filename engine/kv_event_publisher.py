@@ -27,7 +27,11 @@ What a peer of the sockets can cost (issue 20; who may connect at all is the Net
   - a subscriber that never reads holds at most `subscriber_hwm` messages queued (ZeroMQ drops the rest for it,
     and it sees a gap): the PUB socket's SNDHWM is `hwm` cut to `max_subscriber_bytes` / the largest message, so
     memory is bounded by subscribers x max_subscriber_bytes (messages are shared between subscribers' queues);
-    a replay peer that does not read holds at most one answer (the ROUTER's SNDHWM), the rest is dropped.
+    a replay peer that does not read holds at most two answers (the ROUTER's SNDHWM), the rest is dropped — two,
+    not one: ZeroMQ gives the ROUTER its send credit back only as the peer's I/O thread reports what was read, so
+    under CPU load a peer that read one answer whole still counted against the next, which then lost batches in
+    its middle (tests/engine/test_kv_events_limits.py::test_one_replay_request_gets_at_most_the_bound_oldest_first,
+    1 run in 6 with both cores busy).
 
 Sockets: the PUB endpoint is bound when it holds `*` or `::` or is ipc:// or inproc:// (`tcp://*:5557` listens
 on all interfaces), and connected to otherwise (a collector that binds, llm-d's centralized mode); vLLM's rule.
@@ -124,7 +128,7 @@ class ZmqKVEventPublisher:
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.setsockopt(zmq.SNDHWM, config.max_replay_batches + 1)  # one answer per peer
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (config.max_replay_batches + 1))  # two answers a peer
                 self._replay.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
                 if "[" in config.replay_endpoint:
                     self._replay.setsockopt(zmq.IPV6, 1)
