@@ -28,6 +28,12 @@ log = logging.getLogger("kvgate.operator")
 
 REASON = "ReconcileFailed"
 TEMPORARY_STATUSES = frozenset({401, 408, 409, 429, 500, 502, 503, 504})
+MAX_MESSAGE_CHARS = 1000  # a status condition's message
+
+
+def failure_message(failure: BaseException) -> str:
+    """What a permanent failure's status condition says (ReconcileFailed)."""
+    return f"the operator cannot reconcile it: {failure}"[:MAX_MESSAGE_CHARS]
 # Exceptions of these libraries' own (urllib3's MaxRetryError, ProtocolError ...) are transport failures.
 TRANSPORT_MODULES = ("urllib3", "http", "ssl", "socket")
 

@@ -22,7 +22,7 @@ from kvgate.operator.apply import (CONFIGMAP, GATEWAY, GATEWAYCLASS, HTTPROUTE, 
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.epp_pod_address import routing_via_epp_pods
-from kvgate.operator.failures import REASON as FAILED, PermanentFailureLog, classify
+from kvgate.operator.failures import REASON as FAILED, PermanentFailureLog, classify, failure_message
 from kvgate.operator.gateway import (GatewayRouting, desired_envoy_objects, gateway_status, gatewayclass_status,
                                      httproute_status, is_our_class, render_config, routes_for_gateway)
 from kvgate.operator.pool import epp_ref, is_fail_open, pool_status, returns_lists
@@ -151,7 +151,7 @@ def _not_programmed(status: dict, gateway: dict, exc: Exception) -> dict:
     names is taken (NameConflict), or the permanent failure (ReconcileFailed)."""
     gen = (gateway.get("metadata") or {}).get("generation")
     reason = exc.reason if isinstance(exc, NameConflict) else FAILED
-    message = str(exc) if isinstance(exc, NameConflict) else f"the operator cannot reconcile it: {exc}"[:1000]
+    message = str(exc) if isinstance(exc, NameConflict) else failure_message(exc)
     programmed = condition("Programmed", False, reason, message, gen)
     conds = [c for c in status["conditions"] if c["type"] != "Programmed"]
     return {**status, "conditions": conds + stamp([programmed], (gateway.get("status") or {}).get("conditions"))}

@@ -17,7 +17,7 @@ from kvgate.operator import naming
 from kvgate.operator.apply import (CONFIGMAP, GATEWAY, GATEWAYCLASS, HTTPROUTE, MODELSERVER, NETWORKPOLICY, POOL,
                                    REFERENCEGRANT, SERVICE, ApiError, Kube, NameConflict, describe)
 from kvgate.operator.config import OperatorConfig
-from kvgate.operator.failures import REASON as FAILED
+from kvgate.operator.failures import REASON as FAILED, failure_message
 from kvgate.operator.gateway import is_our_class
 from kvgate.operator.network_policy import (desired_engine_network_policy, desired_network_policy,
                                             engine_policy_enabled, engine_policy_name, gateways_routing_to,
@@ -76,7 +76,7 @@ class InferencePoolReconciler:
         pool = self.kube.get(POOL, name, ns)
         if pool is None:
             return
-        message = f"the operator cannot reconcile it: {failure}"[:1000]
+        message = failure_message(failure)
         self.kube.patch_status(pool, epp_pool_status(pool, [{"reason": FAILED, "message": message}],
                                                      "The EPP keeps running what it ran."))
 

@@ -16,7 +16,7 @@ from kvgate.operator import naming
 from kvgate.operator.apply import DEPLOYMENT, MODELSERVER, POOL, ApiError, Kube, NameConflict, describe
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.config import OperatorConfig
-from kvgate.operator.failures import REASON as FAILED
+from kvgate.operator.failures import REASON as FAILED, failure_message
 from kvgate.operator.modelserver import (desired_engine_deployment, modelserver_status, needs_recreate,
                                          validate_modelserver)
 from kvgate.operator.spec_shape import pool_ref_name
@@ -74,7 +74,7 @@ class ModelServerReconciler:
         ms = self.kube.get(MODELSERVER, name, ns)
         if ms is None:
             return
-        message = f"the operator cannot reconcile it: {failure}"[:1000]
+        message = failure_message(failure)
         previous = (ms.get("status") or {}).get("conditions") or []
         failed = condition("Ready", False, FAILED, message, (ms.get("metadata") or {}).get("generation"))
         status = {"conditions": stamp([failed], previous) + [c for c in previous if c.get("type") != "Ready"]}
