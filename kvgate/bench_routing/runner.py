@@ -60,19 +60,27 @@ def hit_rate(before: dict[str, dict], after: dict[str, dict]) -> float | None:
     return round(hits / queries, 4) if queries else None
 
 
+def epp_metrics(metrics_port: int) -> list:
+    """The EPP's metric families, one scrape."""
+    return list(text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text))
+
+
 def epp_kv_event_counts(metrics_port: int) -> dict[str, int]:
     """The EPP's KV-event counters (kvgate_epp_kv_events{event}: batches, gaps, replays_failed, restarts, ...):
     whether its precise index kept up with the engines during the run."""
-    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
-    return {s.labels["event"]: int(s.value) for family in text_string_to_metric_families(text)
+    return kv_event_counts(epp_metrics(metrics_port))
+
+
+def kv_event_counts(families: list) -> dict[str, int]:
+    """epp_kv_event_counts of an epp_metrics scrape."""
+    return {s.labels["event"]: int(s.value) for family in families
             if family.name == "kvgate_epp_kv_events" for s in family.samples if s.name.endswith("_total")}
 
 
-def epp_histograms(metrics_port: int) -> dict[str, dict]:
+def epp_histograms(families: list) -> dict[str, dict]:
     """The EPP's decision and request-path histograms: {name: {"count", "sum", "buckets": {le: cumulative}}}."""
-    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
     out: dict[str, dict] = {}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         if family.name not in EPP_HISTOGRAMS:
             continue
         h = out.setdefault(family.name, {"count": 0.0, "sum": 0.0, "buckets": {}})
@@ -208,21 +216,22 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
     try:
         # the readiness probe of a router sent one request: counted in `before`, so not in the deltas
         before = all_counters(up.endpoints)
-        epp_before = epp_histograms(up.metrics_port) if config.kind == "epp" else None
+        epp_before = epp_histograms(epp_metrics(up.metrics_port)) if config.kind == "epp" else None
         outcomes, start = asyncio.run(_drive(url, requests, drain_s, tick, up.endpoints))
         time.sleep(0.2)  # the last requests' counters
         after = all_counters(up.endpoints)
         died = up.stack.dead()
         result = summarize(outcomes, start, before, after, len(requests))
-        if epp_before is not None:
-            result["epp_time"] = epp_time(epp_before, epp_histograms(up.metrics_port))
+        epp_after = epp_metrics(up.metrics_port) if config.kind == "epp" else None
+        if epp_after is not None:
+            result["epp_time"] = epp_time(epp_before, epp_histograms(epp_after))
         if any(r.foreign is not None for r in requests):  # the requests the configuration itself routed
             routed = [o for o, r in zip(outcomes, requests) if r.foreign is None]
             result["routed"] = {"requests": len(routed), "ttft_s": _percentiles(
                 [o.first_token_at - o.sent_at for o in routed if o.ok()])}
         result["logs"] = str(up.stack.workdir)
         if config.kind == "epp" and config.kv_events:
-            result["epp_kv_events"] = epp_kv_event_counts(up.metrics_port)
+            result["epp_kv_events"] = kv_event_counts(epp_after)
         if died:
             result["errors"]["a process died"] = 1
             result["died"] = died

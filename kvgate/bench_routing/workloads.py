@@ -229,15 +229,16 @@ def arrival_times(shape: WorkloadShape, rate: float, duration_s: float, seed: in
     distribution with the same mean and a coefficient of variation of `burstiness`."""
     size = max(1, int(rate * duration_s * 2) + 16)
     gen = np.random.default_rng(seed)
-    if shape.burstiness == 1.0:
-        gaps = gen.exponential(1.0 / rate, size=size)
-    else:
-        k = 1.0 / shape.burstiness ** 2
-        gaps = gen.gamma(k, 1.0 / (rate * k), size=size)
-    times = np.cumsum(gaps)
+    k = 1.0 / shape.burstiness ** 2
+
+    def gaps() -> np.ndarray:
+        if shape.burstiness == 1.0:
+            return gen.exponential(1.0 / rate, size=size)
+        return gen.gamma(k, 1.0 / (rate * k), size=size)
+
+    times = np.cumsum(gaps())
     while times[-1] <= duration_s:  # bursty gaps may fall short of the duration: draw on
-        more = np.cumsum(gen.gamma(1.0 / shape.burstiness ** 2, shape.burstiness ** 2 / rate, size=size))
-        times = np.concatenate([times, times[-1] + more])
+        times = np.concatenate([times, times[-1] + np.cumsum(gaps())])
     return times[times <= duration_s] if times[0] <= duration_s else times[:1]
 
 

@@ -141,10 +141,6 @@ class PodCgroups:
         procs_file = directory / "cgroup.procs"
         return ["/bin/sh", "-c", f'echo $$ > "{procs_file}" && exec "$@"', "k8srig-cgroup", *argv]
 
-    @staticmethod
-    def remove(directory: Path, timeout_s: float = 5.0) -> bool:
-        return remove_cgroup(directory, timeout_s)
-
 
 def rig_cgroup_dir(mount: Path, rig_id: str) -> Path:
     return mount / own_cgroup().lstrip("/") / f"k8srig-{rig_id}"
@@ -179,14 +175,18 @@ def remove_cgroup(directory: Path, timeout_s: float = 5.0) -> bool:
             time.sleep(0.05)
 
 
+def delete_table(nft: str, table: str) -> None:
+    """Remove `inet TABLE` if it exists (declaring it first makes the delete succeed either way)."""
+    try:
+        _nft(nft, f"table inet {table} {{}}\ndelete table inet {table}\n")
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        log.warning("removing nftables table %s: %s", table, e)
+
+
 def cleanup(rig_id: str, nft: str | None) -> None:
     """Remove a rig's nftables table and cgroups (its pod runner may be gone)."""
     if nft is not None:
-        table = table_name(rig_id)
-        try:
-            _nft(nft, f"table inet {table} {{}}\ndelete table inet {table}\n")
-        except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-            log.warning("removing nftables table %s: %s", table, e)
+        delete_table(nft, table_name(rig_id))
     mount = cgroup2_mount()
     if mount is not None:
         remove_cgroup(rig_cgroup_dir(mount, rig_id))
@@ -257,9 +257,5 @@ class PolicyAgent:
 
     def close(self) -> None:
         with self._lock:
-            cleanup_table = f"table inet {self.table} {{}}\ndelete table inet {self.table}\n"
-            try:
-                _nft(self.nft, cleanup_table)
-            except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-                log.warning("removing nftables table %s: %s", self.table, e)
+            delete_table(self.nft, self.table)
             self._loaded = None
