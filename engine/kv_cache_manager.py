@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvgate.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens, root_block_hash
+from kvgate.engine.block_table import BlockTable
 from kvgate.engine.kv_events import BlockStored
 from kvgate.engine.request import Request
 
@@ -29,11 +30,15 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 max_blocks_per_request: int = 64, max_requests: int = 64) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same block ids as rows of one array (block_table.py), for the runner's step inputs; sized for the
+        # expected requests and lengths (it grows past them).
+        self.block_table = BlockTable(max_blocks_per_request, max_requests)
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
 
@@ -88,9 +93,10 @@ class KVCacheManager:
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         # Blocks full of known tokens are hashed; one that an output placeholder completes (async scheduling) is
         # hashed by the request's next allocation, once the token is known.
-        num_full = min(total_tokens, request.num_tokens) // self.block_size
+        bs = self.block_size
+        num_full = min(total_tokens, len(request.all_token_ids)) // bs
         blocks = self.req_blocks.get(request.request_id)
-        if blocks is not None and not new_computed_blocks and cdiv(total_tokens, self.block_size) <= len(blocks) \
+        if blocks is not None and not new_computed_blocks and total_tokens <= len(blocks) * bs \
                 and (not self.enable_caching or num_full <= self._num_cached_blocks.get(request.request_id, 0)):
             return []  # most decode steps: the last block has room and fills no new block (nothing to hash)
         blocks = self.req_blocks.setdefault(request.request_id, [])
@@ -101,12 +107,16 @@ class KVCacheManager:
             if not blocks:
                 del self.req_blocks[request.request_id]
             return None
+        first_new = len(blocks)
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             self._num_cached_blocks[request.request_id] = len(blocks)
         new_blocks = self.pool.get_new_blocks(max(0, num_needed))
         blocks.extend(new_blocks)
+        if len(blocks) > first_new:
+            table = self.block_table
+            table.write(table.row(request.request_id), first_new, [b.block_id for b in blocks[first_new:]])
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_full)
         return new_blocks
@@ -143,12 +153,17 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        self.block_table.release(request.request_id)
         if blocks:
             # Tail blocks are the least likely to be shared: evict them first.
             self.pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def block_row(self, request_id: str) -> int:
+        """The request's row of block_table.ids (it holds blocks)."""
+        return self.block_table.row_of[request_id]
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -24,7 +24,7 @@ import torch
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import IncrementalDetokenizer
 from kvgate.engine.errors import ConfigError, InvalidRequestError, LoRAError
-from kvgate.engine.kv_cache_manager import KVCacheManager
+from kvgate.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvgate.engine.kv_event_publisher import create_publisher
 from kvgate.engine.kv_events import KVEventBatch
 from kvgate.engine.lora.manager import LoRAManager
@@ -120,7 +120,9 @@ class LLMEngine:
             )
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                               max_blocks_per_request=cdiv(self.max_model_len, config.block_size),
+                                               max_requests=config.max_num_seqs)
         self.lora = LoRAManager(config.max_loras, config.max_cpu_loras, self.runner.load_lora,
                                 self.runner.set_lora_slot) if config.enable_lora else None
         for lora_id, module in enumerate(config.lora_modules, start=1):

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvgate.engine.attention import AttentionMetadata
+from kvgate.engine.block_table import BlockTable
 from kvgate.engine.cuda_graphs import DEFAULT_MAX_CAPTURE_SIZE, GraphSet
 from kvgate.engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvgate.engine.cpu_allocator import keep_large_allocations_in_heap
@@ -78,6 +79,8 @@ class ModelRunner:
             self.shapes = GraphSet(min(config.max_num_seqs, config.max_num_batched_tokens),
                                    min(capture, config.max_num_batched_tokens))
         self._eager_causes: set[str] = set()
+        self._token_buffers: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._token_turn = 0
 
     # -- KV cache ---------------------------------------------------------------------------------
 
@@ -122,7 +125,9 @@ class ModelRunner:
         baseline = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
             prompt = _ProfileRequest(n)
-            step = SchedulerOutput([ScheduledRequest(prompt, n, list(range(self.num_blocks)))])
+            table = BlockTable(self.num_blocks, rows=1)
+            table.write(table.row("profile"), 0, list(range(self.num_blocks)))
+            step = SchedulerOutput([ScheduledRequest(prompt, n, 0)], block_table=table)
             _, hidden = self._run_model(step)
             rows = min(self.config.max_num_seqs, n)
             self.model.compute_logits(hidden[:rows]).float().softmax(-1)
@@ -204,7 +209,9 @@ class ModelRunner:
             self.lora_state.groups = [(slot, torch.from_numpy(rows).to(self.device))
                                       for slot, rows in batch.lora_rows.items()]
         if self.attention_backend == "sdpa":
-            seqs = [(s.start, s.num_new_tokens, s.block_ids) for s in out.scheduled]
+            table, bs = out.block_table.ids, self.block_size
+            seqs = [(s.start, s.num_new_tokens, table[s.block_row, :cdiv(s.start + s.num_new_tokens, bs)].tolist())
+                    for s in out.scheduled]
             meta = AttentionMetadata.build(seqs, self.block_size, self.device, self.model.num_kv_heads,
                                            self.num_blocks, self.sliding_window,
                                            slot_mapping=self.inputs.view("slot_mapping", batch.num_tokens))
@@ -255,7 +262,19 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, sampling)
         ids = [r.request_id for r in samplers]
         logprob_map = {rid: lp for rid, lp in zip(ids, logprobs)} if logprobs is not None else {}
-        return PendingStep.copy_back(ids, tokens, logprob_map)
+        return PendingStep.copy_back(ids, tokens, logprob_map, self._next_token_buffer())
+
+    def _next_token_buffer(self) -> tuple[torch.Tensor, torch.cuda.Event] | None:
+        """The pinned buffer and event a step's sampled ids come back through, in turn: three, because the engine
+        takes a step's tokens before it launches the step after next (two are queued at most), and allocating
+        pinned memory and an event each step cost host time on the critical path."""
+        if self.device.type != "cuda":
+            return None
+        if not self._token_buffers:
+            self._token_buffers = [(torch.empty(self.config.max_num_seqs, dtype=torch.int64, pin_memory=True),
+                                    torch.cuda.Event()) for _ in range(3)]
+        self._token_turn = (self._token_turn + 1) % len(self._token_buffers)
+        return self._token_buffers[self._token_turn]
 
 
 class PendingStep:
@@ -273,13 +292,17 @@ class PendingStep:
         return cls([], None, {})
 
     @classmethod
-    def copy_back(cls, ids: list[str], tokens: torch.Tensor, logprobs: dict) -> PendingStep:
+    def copy_back(cls, ids: list[str], tokens: torch.Tensor, logprobs: dict,
+                  host: tuple[torch.Tensor, torch.cuda.Event] | None = None) -> PendingStep:
+        """host: a pinned buffer (at least len(ids) int64) and an event for it, the runner's, reused in turn."""
         step = cls(ids, tokens, logprobs)
         if tokens.device.type == "cuda":
-            step._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            buffer, event = host if host is not None else (torch.empty(len(ids), dtype=torch.int64, pin_memory=True),
+                                                            torch.cuda.Event())
+            step._host = buffer[:len(ids)]
             step._host.copy_(tokens, non_blocking=True)
-            step._event = torch.cuda.Event()
-            step._event.record()
+            step._event = event
+            event.record()
         else:
             step._host = tokens
         return step

@@ -87,8 +87,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.logprobs is not None:
+        params = self.sampling_params
+        if params.logprobs is not None:
             self.logprobs = []
+        # Every id that can end it (EOS unless ignored, stop tokens): one set test per token in check_stop.
+        self._stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else params.eos_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,23 +118,23 @@ class Request:
         (sets status and stop_reason); True when it finished. The only place a request's end is decided."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
-        if self.grammar is not None:
-            self.grammar.accept(last)
-        if self.num_output_tokens >= params.min_tokens or self.grammar is not None:
-            # The EOS / stop token that ends a request is not part of its text.
+        grammar = self.grammar
+        if grammar is not None:
+            grammar.accept(last)
+        # The EOS / stop token that ends a request is not part of its text.
+        if last in self._stop_ids and (len(self.output_token_ids) >= params.min_tokens or grammar is not None):
             if not params.ignore_eos and last in params.eos_token_ids:
                 return self._finish(RequestStatus.FINISHED_STOPPED, self._grammar_error())
-            if last in params.stop_token_ids:
-                return self._finish(RequestStatus.FINISHED_STOPPED, last)
+            return self._finish(RequestStatus.FINISHED_STOPPED, last)
         if self.detokenizer is not None:
             stop = self.detokenizer.add_token(last)
             if stop is not None:
                 return self._finish(RequestStatus.FINISHED_STOPPED, stop)
-        if self.grammar is not None and (self.grammar.is_terminated or self.grammar.error is not None):
+        if grammar is not None and (grammar.is_terminated or grammar.error is not None):
             return self._finish(RequestStatus.FINISHED_STOPPED, self._grammar_error())
-        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and len(self.output_token_ids) >= params.max_tokens:
             return self._finish(RequestStatus.FINISHED_LENGTH)
-        if self.num_tokens >= self.max_model_len:
+        if len(self.all_token_ids) >= self.max_model_len:
             return self._finish(RequestStatus.FINISHED_LENGTH)
         return False
 

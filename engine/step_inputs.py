@@ -83,43 +83,63 @@ class StepInputs:
         a = self._np
         ids, bt = a["input_ids"], a["block_table"]
         bs = self.block_size
-        n = len(out.scheduled)
-        starts = np.empty(n, dtype=np.int64)
-        lens = np.empty(n, dtype=np.int64)
-        sample_idx = []
+        sched = out.scheduled
+        n = len(sched)
+        # Per sequence only what Python must read (its chunk's place and its tokens); the rest as arrays.
+        starts = np.array([s.start for s in sched], dtype=np.int64)
+        lens = np.array([s.num_new_tokens for s in sched], dtype=np.int64)
+        num_tokens = int(lens.sum())
         fill_rows, fill_src = [], []
-        lora_seqs: dict[int, list[int]] = {}
-        t = 0
-        for i, s in enumerate(out.scheduled):
-            r = s.request
-            start, k = s.start, s.num_new_tokens
-            starts[i], lens[i] = start, k
-            if k == 1:
-                if start < len(r.all_token_ids):
-                    ids[t] = r.all_token_ids[start]
-                else:  # an output placeholder: the running step samples it (only a decode computes one)
+        if num_tokens == n:  # decodes only (the common full batch): one token each
+            tokens = []
+            for i, s in enumerate(sched):
+                all_ids = s.request.all_token_ids
+                if s.start < len(all_ids):
+                    tokens.append(all_ids[s.start])
+                else:  # an output placeholder: the running step samples it
+                    tokens.append(0)
+                    fill_rows.append(i)
+                    fill_src.append(running_rows[s.request.request_id])
+            ids[:n] = tokens
+            sample_idx = None if all(s.samples for s in sched) else [i for i, s in enumerate(sched) if s.samples]
+        else:
+            t = 0
+            for s in sched:
+                r, start, k = s.request, s.start, s.num_new_tokens
+                if start + k <= len(r.all_token_ids):
+                    ids[t:t + k] = r.all_token_ids[start:start + k]
+                else:  # only a decode computes a placeholder (a chunk of one token)
                     ids[t] = 0
                     fill_rows.append(t)
                     fill_src.append(running_rows[r.request_id])
-            else:
-                ids[t:t + k] = r.all_token_ids[start:start + k]
-            num_blocks = -(-(start + k) // bs)
-            bt[i, :num_blocks] = s.block_ids[:num_blocks]
-            if s.samples:
-                sample_idx.append(i)
-            if r.lora_request is not None:
-                lora_seqs.setdefault(out.lora_slots[r.lora_request.lora_int_id], []).append(i)
-            t += k
-        num_tokens = t
+                t += k
+            sample_idx = [i for i, s in enumerate(sched) if s.samples]
+        seq_lens = starts + lens
+        if n:
+            # Each scheduled request's block ids: one gather of its rows of the KV cache manager's table.
+            cols = -(-int(seq_lens.max()) // bs)
+            rows = np.array([s.block_row for s in sched], dtype=np.intp)
+            bt[:n, :cols] = out.block_table.ids[rows, :cols]
+        lora_seqs: dict[int, list[int]] = {}
+        if out.lora_slots:
+            for i, s in enumerate(sched):
+                lora = s.request.lora_request
+                if lora is not None:
+                    lora_seqs.setdefault(out.lora_slots[lora.lora_int_id], []).append(i)
         qsl = a["query_start_loc"]
         qsl[0] = 0
         np.cumsum(lens, out=qsl[1:n + 1])
-        a["seq_lens"][:n] = starts + lens
-        seq_of_token = np.repeat(np.arange(n), lens)
-        positions = np.repeat(starts - qsl[:n], lens) + self._arange[:num_tokens]
+        a["seq_lens"][:n] = seq_lens
+        if num_tokens == n:
+            positions = starts
+            slot_rows = np.arange(n)
+        else:
+            slot_rows = np.repeat(np.arange(n), lens)
+            positions = np.repeat(starts - qsl[:n], lens) + self._arange[:num_tokens]
         a["positions"][:num_tokens] = positions
-        a["slot_mapping"][:num_tokens] = bt[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        a["sample_rows"][:len(sample_idx)] = qsl[1:n + 1][sample_idx] - 1
+        a["slot_mapping"][:num_tokens] = bt[slot_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        num_samples = n if sample_idx is None else len(sample_idx)
+        a["sample_rows"][:num_samples] = qsl[1:n + 1] - 1 if sample_idx is None else qsl[1:n + 1][sample_idx] - 1
 
         num_padded = padded_tokens or num_tokens
         seqs_padded = padded_seqs or n
@@ -141,12 +161,12 @@ class StepInputs:
             h, d = self._host, self.dev
             for name, size in (("input_ids", num_padded), ("positions", num_padded), ("slot_mapping", num_padded),
                                ("query_start_loc", seqs_padded + 1), ("seq_lens", seqs_padded),
-                               ("block_table", seqs_padded), ("sample_rows", len(sample_idx)),
+                               ("block_table", seqs_padded), ("sample_rows", num_samples),
                                ("fill_rows", num_fill), ("fill_src", num_fill)):
                 if size:
                     d[name][:size].copy_(h[name][:size], non_blocking=True)
         d = self.dev
-        return StepBatch(num_tokens, num_padded, seqs_padded, num_tokens == n, d["sample_rows"][:len(sample_idx)],
+        return StepBatch(num_tokens, num_padded, seqs_padded, num_tokens == n, d["sample_rows"][:num_samples],
                          lora_rows, d["fill_rows"][:num_fill] if num_fill else None,
                          d["fill_src"][:num_fill] if num_fill else None)
 
