@@ -236,7 +236,8 @@ def run_bench_engine(args: argparse.Namespace) -> int:
               flush=True)
         if decode["decode_steps"]:
             print(f"    decode-only steps: {decode['decode_steps']} (mean batch {decode['mean_batch']:.0f}), "
-                  f"{decode['mean_step_ms']:.2f} ms a step ({decode['mean_execute_ms']:.2f} ms in the runner) "
+                  f"{decode['mean_step_ms']:.2f} ms a step ({decode['mean_execute_ms']:.2f} ms in the runner; host "
+                  f"work {decode['mean_host_ms']:.2f} ms, waiting for the device {decode['mean_wait_ms']:.2f} ms) "
                   f"against a bound of {decode['mean_bound_ms']:.2f} ms (weights + KV at the copy bandwidth): "
                   f"{100 * decode['fraction_of_bound']:.1f}% of the bound "
                   f"({100 * decode['fraction_of_bound_execute']:.1f}% counting the runner alone); "

@@ -3,8 +3,10 @@
 A decode step must read every weight once and the K/V of every token in its sequences' contexts once; at the
 device's copy bandwidth (measured in the same run) that many bytes take the bound time. The step timer wraps an
 engine's step and its runner: for each step that queues a decode-only batch it records the wall time of the whole
-step (scheduling and output processing included: what a user waits for) and the time spent in the runner (inputs,
-launches, sampling, the wait for sampled tokens), against the bound of that batch's bytes.
+step (scheduling and output processing included: what a user waits for), the time spent in the runner (inputs,
+launches, sampling, the wait for sampled tokens) and of that the wait alone, against the bound of that batch's
+bytes. The step less its wait is the host's own work: with async scheduling it must stay under the device's time
+for the step to be device-bound.
 """
 
 from __future__ import annotations
@@ -89,18 +91,21 @@ class StepTimer:
             try:
                 return result()
             finally:
-                self._runner_s += time.perf_counter() - t1
+                waited = time.perf_counter() - t1
+                self._runner_s += waited
+                self._wait_s += waited
 
         launched.result = timed_result
         return launched
 
     def _timed_step(self, *args, **kwargs):
-        self._pending, self._runner_s = None, 0.0
+        self._pending, self._runner_s, self._wait_s = None, 0.0, 0.0
         t0 = time.perf_counter()
         outputs = self._step(*args, **kwargs)
         if self._pending is not None:
             self._pending["step_s"] = time.perf_counter() - t0
             self._pending["execute_s"] = self._runner_s
+            self._pending["wait_s"] = self._wait_s
             self.steps.append(self._pending)
         return outputs
 
@@ -111,6 +116,7 @@ class StepTimer:
         bound = sum(s["bytes"] for s in self.steps) / self.bandwidth
         step_s = sum(s["step_s"] for s in self.steps)
         execute_s = sum(s["execute_s"] for s in self.steps)
+        wait_s = sum(s["wait_s"] for s in self.steps)
         full = max(s["batch"] for s in self.steps)
         at_full = [s for s in self.steps if s["batch"] == full]
         return {
@@ -118,6 +124,10 @@ class StepTimer:
             "mean_batch": sum(s["batch"] for s in self.steps) / len(self.steps),
             "mean_step_ms": 1e3 * step_s / len(self.steps),
             "mean_execute_ms": 1e3 * execute_s / len(self.steps),
+            # The host's own work in a step (scheduling, inputs, launches, outputs) and its wait for sampled ids:
+            # a step with async scheduling is device-bound when it waits, host-bound when it does not.
+            "mean_host_ms": 1e3 * (step_s - wait_s) / len(self.steps),
+            "mean_wait_ms": 1e3 * wait_s / len(self.steps),
             "mean_bound_ms": 1e3 * bound / len(self.steps),
             "fraction_of_bound": bound / step_s,
             "fraction_of_bound_execute": bound / execute_s,

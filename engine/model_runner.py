@@ -239,8 +239,9 @@ class ModelRunner:
         # fights torch's threads: `kvgate bench structured-outputs --num-requests 128` (demo, 2 shared cores)
         # ran the half-constrained batch at 0.33x with the thread and 0.91x filling the masks in line.
         samplers = [s.request for s in out.scheduled if s.samples]
+        plain = all(r.plain_greedy for r in samplers)  # the common batch: an argmax, no per-row sampling state
         masks = None
-        if any(r.grammar is not None for r in samplers):
+        if not plain and any(r.grammar is not None for r in samplers):
             width = (self.vocab_size + 31) // 32
             if not self.fill_masks_in_thread:
                 masks = fill_bitmasks(samplers, width)
@@ -252,14 +253,17 @@ class ModelRunner:
         if not samplers:
             return PendingStep.done()
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
-        grammar = ([], None) if masks is None else masks if isinstance(masks, tuple) else masks.result()
-        dev = self.device
-        for r in samplers:  # a seeded request's own generator, made at its first token and kept on the request
-            if r.generator is None and r.sampling_params.seed is not None:
-                r.generator = torch.Generator(device=dev)
-                r.generator.manual_seed(r.sampling_params.seed)
-        sampling = SamplingBatch.build(samplers, self.vocab_size, dev, grammar)
-        tokens, logprobs = self.sampler(logits, sampling)
+        if plain:
+            tokens, logprobs = self.sampler.greedy(logits), None
+        else:
+            grammar = ([], None) if masks is None else masks if isinstance(masks, tuple) else masks.result()
+            dev = self.device
+            for r in samplers:  # a seeded request's own generator, made at its first token and kept on the request
+                if r.generator is None and r.sampling_params.seed is not None:
+                    r.generator = torch.Generator(device=dev)
+                    r.generator.manual_seed(r.sampling_params.seed)
+            sampling = SamplingBatch.build(samplers, self.vocab_size, dev, grammar)
+            tokens, logprobs = self.sampler(logits, sampling)
         ids = [r.request_id for r in samplers]
         logprob_map = {rid: lp for rid, lp in zip(ids, logprobs)} if logprobs is not None else {}
         return PendingStep.copy_back(ids, tokens, logprob_map, self._next_token_buffer())

@@ -140,14 +140,18 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 class Sampler:
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        """Greedy rows with nothing to mask: the argmax in the model's dtype is the argmax of its float32 copy (the
+        conversion is exact, ties stay ties, the first index wins), without a [B, V] float32 copy to write and read
+        (0.15 ms of a 4.2 ms decode step of 256 sequences on an H200, vocabulary 151,936)."""
+        return logits.argmax(dim=-1)
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, list | None]:
         """logits [B, V] (float32) -> (token ids [B], top logprobs per row or None)."""
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
         if batch.all_greedy and not (wants_logprobs or batch.banned or batch.grammar_rows or batch.repetition is not None):
-            # The argmax of the model's dtype is the argmax of its float32 copy (the conversion is exact, ties stay
-            # ties): no [B, V] float32 copy to write and read (0.15 ms of a 4.2 ms decode step of 256 sequences on
-            # an H200, vocabulary 151,936).
-            return logits.argmax(dim=-1), None
+            return self.greedy(logits), None
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         for row, ids in batch.banned:

@@ -234,10 +234,11 @@ class Scheduler:
         allocate = self.kv.allocate_slots
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_output_placeholders and self._ends_before_next_token(request):
-                i += 1  # async scheduling: its running step ends it
+            placeholders = request.num_output_placeholders
+            if placeholders and len(request.output_token_ids) + placeholders >= request.output_limit:
+                i += 1  # async scheduling: the tokens its running steps sample end it (max_tokens, context length)
                 continue
-            num_new = len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
+            num_new = len(request.all_token_ids) + placeholders - request.num_computed_tokens
             if num_new > budget:
                 num_new = budget
             while True:
@@ -322,14 +323,6 @@ class Scheduler:
                 lora_id = request.lora_request.lora_int_id
                 out.lora_slots[lora_id] = self.lora.slot_of(lora_id)
         return out
-
-    @staticmethod
-    def _ends_before_next_token(request: Request) -> bool:
-        """The tokens its scheduled steps sample reach max_tokens or the context length: it needs no more steps."""
-        outputs = request.num_output_tokens + request.num_output_placeholders
-        max_tokens = request.sampling_params.max_tokens
-        return (max_tokens is not None and outputs >= max_tokens) or \
-            request.num_tokens + request.num_output_placeholders >= request.max_model_len > 0
 
     def adapters_in_use(self) -> set[int]:
         """Ids of the adapters of every unfinished request."""

@@ -2,8 +2,8 @@
 
 1. The attention kernel alone on the bench's decode shape (qwen3-0.5b: 16 heads, 8 KV heads, head_dim 128, 256
    sequences of 37-640 tokens, bf16), for several launch settings, as bandwidth against the device's copy rate.
-2. The engine at a full decode batch: the host stages of a step (schedule, runner, update, outputs) and, inside the
-   runner, the device kernels by time (torch.profiler), over a few steps.
+2. The engine at a full decode batch: the host stages of a step (schedule, launch, update, the rest) apart from its
+   wait for the device, and the device kernels by time (torch.profiler), over a few steps.
 """
 
 from __future__ import annotations
@@ -43,23 +43,27 @@ def attention_sweep(bandwidth: float) -> None:
                     print(f"  tile {tile} warps {warps} stages {stages}: {type(exc).__name__} {exc}"[:200])
 
 
-def engine_profile() -> None:
+def engine_profile(model: str = "qwen3-0.5b", device: str = "cuda") -> None:
+    """model: a random model the bench builds, or "demo" (how this is checked on a CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     from kvgate.engine import LLM, SamplingParams
     from kvgate.engine.bench import _build_random_model
 
     folder = Path(tempfile.mkdtemp(prefix="kvgate-profile-"))
-    _build_random_model("qwen3-0.5b", folder, torch.bfloat16)
-    llm = LLM(str(folder), device="cuda", max_num_seqs=256, max_num_batched_tokens=8192)
+    if model == "demo":
+        folder = "demo"
+    else:
+        _build_random_model(model, folder, torch.bfloat16)
+    llm = LLM(str(folder), device=device, max_num_seqs=256, max_num_batched_tokens=8192)
     engine = llm.engine
     rng = random.Random(0)
     for i in range(256):
         engine.add_request(f"r{i}", [rng.randrange(256) for _ in range(rng.randint(37, 510))],
                            SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     for _ in range(12):  # the prefills, then decodes only
-        engine.step()
-    stages = {"schedule": 0.0, "runner": 0.0, "update": 0.0, "outputs+rest": 0.0}
+        engine.step(final_only=True)
+    stages = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "update": 0.0, "rest": 0.0}
     sched, run, upd = engine.scheduler.schedule, engine.runner.launch, engine.scheduler.update_from_output
 
     def timed(name, fn):
@@ -70,22 +74,33 @@ def engine_profile() -> None:
             return r
         return wrapper
 
+    def launch(*a, **k):
+        step = timed("launch", run)(*a, **k)
+        step.result = timed("wait", step.result)  # the wait for its sampled ids (the device's time shows here)
+        return step
+
     engine.scheduler.schedule = timed("schedule", sched)
-    engine.runner.launch = timed("runner", run)  # queueing: the wait for its tokens counts in outputs+rest
+    engine.runner.launch = launch
     engine.scheduler.update_from_output = timed("update", upd)
     n = 30
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     for _ in range(n):
-        engine.step()
+        engine.step(final_only=True)  # as LLM.generate and the bench step
     total = time.perf_counter() - t0
-    stages["outputs+rest"] = total - sum(v for k, v in stages.items() if k != "outputs+rest")
-    print(f"full decode batch: {1e3 * total / n:.2f} ms a step; " +
-          ", ".join(f"{k} {1e3 * v / n:.2f} ms" for k, v in stages.items()))
+    stages["rest"] = total - sum(v for k, v in stages.items() if k != "rest")
+    print(f"full decode batch (async scheduling {'on' if engine.async_scheduling else 'off'}): "
+          f"{1e3 * total / n:.2f} ms a step; host work {1e3 * (total - stages['wait']) / n:.2f} ms (" +
+          ", ".join(f"{k} {1e3 * v / n:.2f} ms" for k, v in stages.items() if k != "wait") +
+          f"), waiting for the device {1e3 * stages['wait'] / n:.2f} ms")
+    engine.scheduler.schedule, engine.runner.launch, engine.scheduler.update_from_output = sched, run, upd
+    if device != "cuda":
+        return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            engine.step()
-        torch.cuda.synchronize()
+            engine.step(final_only=True)
+        sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
