@@ -32,18 +32,18 @@ case ",$STAGES," in *,kernels,*)
 case ",$STAGES," in *,bench1024,*)
   # The bf16 first-token agreement with HF (and its floor) comes from bench256, whose HF baseline computes it on 256
   # prompts; over 1024 (--hf-first-tokens) it took longer than the rest of this stage on a slower host.
-  TAIL=16 stage bench1024 150 python3 -m kvgate bench engine --model qwen3-0.5b --device cuda --num-requests 1024 \
+  TAIL=16 stage bench1024 140 python3 -m kvgate bench engine --model qwen3-0.5b --device cuda --num-requests 1024 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --baselines none --compare-sync \
     --result-file "$OUT/bench1024.json" ;; esac
 case ",$STAGES," in *,profile,*)
-  TAIL=45 stage profile 60 python3 -m tests.engine.gpu_profile engine ;; esac
+  TAIL=45 stage profile 50 python3 -m tests.engine.gpu_profile engine ;; esac
 case ",$STAGES," in *,bench256,*)
-  TAIL=20 stage bench256 150 python3 -m kvgate bench engine --model qwen3-0.5b --device cuda --num-requests 256 \
+  TAIL=20 stage bench256 140 python3 -m kvgate bench engine --model qwen3-0.5b --device cuda --num-requests 256 \
     --baselines batched --hf-batch-size 64 --compare-eager --result-file "$OUT/bench256.json" ;; esac
 case ",$STAGES," in *,suites,*)
   # test_bench_prints_the_ratio runs the `kvgate` console script beside python3, which a --target install of the
   # wheel does not put there.
-  TAIL=30 KVGATE_TEST_DEVICE=cuda stage suites 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
+  TAIL=30 KVGATE_TEST_DEVICE=cuda stage suites 220 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
     tests/engine/test_async_scheduling.py tests/engine/test_hf_parity.py tests/engine/test_lora_parity.py \
     tests/engine/test_structured_outputs.py \
     --deselect tests/engine/test_structured_outputs.py::test_bench_prints_the_ratio ;; esac
