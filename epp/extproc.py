@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 
@@ -104,6 +105,16 @@ def find_usage(tail: bytes) -> tuple[int, int] | None:
     return None
 
 
+# A streamed chunk that carries generated text (completions' "text", chat's "content" or "reasoning_content", a
+# tool call): the first one marks the request's first token. Chat streams open with a role chunk whose content is
+# empty, which does not count.
+_TOKEN_CHUNK = re.compile(rb'"(?:text|content|reasoning_content)":\s*"(?!")|"tool_calls":\s*\[\s*\{')
+
+
+def has_token(chunk: bytes) -> bool:
+    return _TOKEN_CHUNK.search(chunk) is not None
+
+
 class _RequestStream:
     """State of one HTTP request as it passes through Envoy."""
 
@@ -128,6 +139,7 @@ class _RequestStream:
         self.tail = bytearray()
         self.released = False
         self.path_started: float | None = None  # perf_counter when the request's routing work began
+        self.streaming = False  # a routed request that asked for a streamed answer: its first token is timed
 
     def handle(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if msg.HasField("protocol_config"):
@@ -175,6 +187,8 @@ class _RequestStream:
                 response=pb.CommonResponse(header_mutation=mutation)))]
         if kind == "response_body":
             chunk = msg.response_body.body
+            if self.streaming and self.request.first_token_at is None and has_token(chunk):
+                self.request.first_token_at = time.monotonic()
             self.tail += chunk
             if len(self.tail) > _TAIL_BYTES:
                 del self.tail[: len(self.tail) - _TAIL_BYTES]
@@ -230,6 +244,7 @@ class _RequestStream:
             body["model"] = self.request.target_model
             rewritten = json.dumps(body).encode()
         self.picked = ordered[0].address
+        self.streaming = body.get("stream") is True
         value = ",".join(s.address for s in ordered)
         self._count(200)
         if self.request_full_duplex:

@@ -151,6 +151,38 @@ class EndpointGauges:
                 if key not in _KV_EVENT_GAUGES:
                     counts.add_metric([key], value)
             yield from (blocks, subscribed, counts)
+        latency = snapshot.plugin_stats.get("latency_model") or {}
+        if latency:
+            yield from _latency_model_families(latency)
+
+
+def _latency_model_families(values: Mapping[str, float]):
+    """predicted-latency-scorer's learned model: how often and how well it predicted, and per-request objectives.
+    Relative error over a window = rate(abs_error) / rate(measured)."""
+    observed = CounterMetricFamily("kvgate_epp_latency_observations", "Streamed responses whose TTFT / TPOT the "
+                                   "latency model was given (and had predicted at the pick).", labels=["kind"])
+    error = CounterMetricFamily("kvgate_epp_latency_prediction_abs_error_seconds", "Sum of |predicted - measured| "
+                                "over those responses.", labels=["kind"])
+    measured = CounterMetricFamily("kvgate_epp_latency_measured_seconds", "Sum of the measured values.",
+                                   labels=["kind"])
+    for kind in ("ttft", "tpot"):
+        observed.add_metric([kind], values.get(f"{kind}_observations", 0))
+        error.add_metric([kind], values.get(f"{kind}_abs_error_seconds", 0))
+        measured.add_metric([kind], values.get(f"{kind}_measured_seconds", 0))
+    objectives = CounterMetricFamily("kvgate_epp_latency_objectives", "Requests with x-slo-ttft-ms / x-slo-tpot-ms "
+                                     "objectives: stated, bad (ignored headers), unmeetable (no endpoint predicted "
+                                     "to meet them), met and missed (as measured).", labels=["result"])
+    for result, key in (("stated", "objectives"), ("bad", "objectives_bad"), ("unmeetable", "objectives_unmeetable"),
+                        ("met", "objectives_met"), ("missed", "objectives_missed")):
+        objectives.add_metric([result], values.get(key, 0))
+    relative = GaugeMetricFamily("kvgate_epp_latency_relative_error", "Quantiles of |predicted - measured| / "
+                                 "measured over the last 1000 responses.", labels=["kind", "quantile"])
+    for kind in ("ttft", "tpot"):
+        for q in (50, 90):
+            value = values.get(f"{kind}_relative_error_p{q}")
+            if value is not None:
+                relative.add_metric([kind, f"0.{q}"], value)
+    return observed, error, measured, objectives, relative
 
 
 class EppMetrics:

@@ -84,6 +84,9 @@ class LLMRequest:
     body: Mapping | None = field(default=None, repr=False, compare=False)
     # what plugins worked out before the scheduling cycle, off the event loop (Director.prepare), keyed by plugin
     prepared: dict = field(default_factory=dict, repr=False, compare=False)
+    # time.monotonic() when the first generated token passed the gateway (a streamed response's first chunk with
+    # text; set by the ext-proc response path): what the learned latency model trains its TTFT on
+    first_token_at: float | None = field(default=None, repr=False, compare=False)
 
     @property
     def estimated_prompt_tokens(self) -> int:

@@ -98,6 +98,17 @@ CONFIGURATIONS = [
                   _config([("precise-prefix-cache-scorer", 1, None), ("predicted-ttft-scorer", 3, None),
                            ("max-score-picker", None, None)]),
                   kv_events=True),
+    RoutingConfig("predicted-latency", "kvgate EPP: predicted-latency (TTFT learned online from the pool's "
+                  "streamed responses) 3 on the precise prefix match 1", "epp",
+                  _config([("precise-prefix-cache-scorer", 1, None), ("predicted-latency-scorer", 3, None),
+                           ("max-score-picker", None, None)]),
+                  kv_events=True),
+    # the same with the model held at its prior (the analytic TTFT model): what learning adds
+    RoutingConfig("predicted-latency-fixed", "predicted-latency with learning off (learn: false): the analytic "
+                  "model, its errors still measured", "epp",
+                  _config([("precise-prefix-cache-scorer", 1, None),
+                           ("predicted-latency-scorer", 3, {"learn": False}), ("max-score-picker", None, None)]),
+                  kv_events=True),
     RoutingConfig("sglang-router", "sglang-router --policy cache_aware over the replicas", "router",
                   router_cmd=("sglang-router", "launch", "--policy", "cache_aware")),
     RoutingConfig("vllm-router", "vllm-router --policy cache_aware over the replicas", "router",

@@ -77,6 +77,34 @@ def kv_event_counts(families: list) -> dict[str, int]:
             if family.name == "kvgate_epp_kv_events" for s in family.samples if s.name.endswith("_total")}
 
 
+def latency_model(families: list) -> dict | None:
+    """predicted-latency-scorer's model as the EPP exports it: per kind (ttft, tpot) the responses it learned from,
+    its mean relative error (sum |predicted - measured| / sum measured) and the p50 / p90 of the per-request
+    relative error over its last 1000; and the objectives counts. None when the EPP runs no such scorer."""
+    values: dict[str, dict] = {}
+    found = False
+    for family in families:
+        for s in family.samples:
+            if family.name == "kvgate_epp_latency_observations" and s.name.endswith("_total"):
+                values.setdefault(s.labels["kind"], {})["observations"] = int(s.value)
+                found = True
+            elif family.name in ("kvgate_epp_latency_prediction_abs_error_seconds",
+                                 "kvgate_epp_latency_measured_seconds") and s.name.endswith("_total"):
+                values.setdefault(s.labels["kind"], {})[family.name.rsplit("_", 2)[-2]] = s.value
+            elif family.name == "kvgate_epp_latency_relative_error":
+                values.setdefault(s.labels["kind"], {})[f"p{s.labels['quantile'][2:]}"] = round(s.value, 4)
+            elif family.name == "kvgate_epp_latency_objectives" and s.name.endswith("_total"):
+                values.setdefault("objectives", {})[s.labels["result"]] = int(s.value)
+    if not found:
+        return None
+    for kind in ("ttft", "tpot"):
+        v = values.get(kind, {})
+        error, measured = v.pop("error", None), v.pop("measured", None)
+        if error is not None and measured:
+            v["relative_error"] = round(error / measured, 4)
+    return values
+
+
 def epp_histograms(families: list) -> dict[str, dict]:
     """The EPP's decision and request-path histograms: {name: {"count", "sum", "buckets": {le: cumulative}}}."""
     out: dict[str, dict] = {}
@@ -232,6 +260,9 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
         result["logs"] = str(up.stack.workdir)
         if config.kind == "epp" and config.kv_events:
             result["epp_kv_events"] = kv_event_counts(epp_after)
+        model = latency_model(epp_after) if epp_after is not None else None
+        if model is not None:
+            result["epp_latency_model"] = model
         if died:
             result["errors"]["a process died"] = 1
             result["died"] = died

@@ -1,0 +1,203 @@
+"""predicted-latency-scorer (kvgate's own; llm-d's predicted-latency `slo-scorer` is the anchor): prefer the endpoint
+with the lowest TTFT as predicted by a model learned online from the pool's own responses, within the request's
+latency objectives when it states them.
+
+Prediction (scheduling/latency_model.py): TTFT(e) and TPOT(e) are linear in the endpoint's features at pick time —
+the analytic prefill wait of predicted-ttft-scorer, decoding and waiting requests, KV use, the request's uncached
+tokens there — with weights fitted by exponentially weighted ridge regression on every streamed response: its TTFT
+(pick to the first token the EPP sees in the response body) and TPOT ((end - first token) / (completion tokens -
+1), from the response's usage). Until responses arrive the TTFT model is the analytic one (the prior).
+
+Objectives (llm-d's headers): `x-slo-ttft-ms` and `x-slo-tpot-ms` (positive numbers, milliseconds; a header that is
+not one is ignored and counted). Endpoints predicted to meet every stated objective score in [0.5, 1] by predicted
+TTFT; the others in [0, 0.5) by how far they miss (the sum of the relative misses), so a request goes where its
+objectives are met if anywhere, else where it misses them least. Without objectives: by predicted TTFT alone.
+
+Parameters: defaultPrefillTokensPerSecond, decodeMsPerRunningRequest, prefixScorer (as predicted-ttft-scorer's, for
+the prior and the features), learn (default true; false keeps the prior: the analytic model, for comparison).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from kvgate.epp.scheduling import live_load
+from kvgate.epp.scheduling.framework import CycleState, Scorer
+from kvgate.epp.scheduling.latency_model import LatencyModel, tpot_features, ttft_features
+from kvgate.epp.scheduling.plugins._normalize import lower_is_better, per_snapshot
+from kvgate.epp.scheduling.plugins._params import bool_param, check_keys, float_param, str_param
+from kvgate.epp.scheduling.plugins._prefix_source import (PRODUCES_PICKED_UNCACHED, prefix_tokens,
+                                                              record_picked_uncached)
+from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import (DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
+                                                                 DEFAULT_PREFILL_TOKENS_PER_SECOND)
+from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
+from kvgate.epp.types import EndpointState, LLMRequest
+
+TTFT_OBJECTIVE_HEADER = "x-slo-ttft-ms"
+TPOT_OBJECTIVE_HEADER = "x-slo-tpot-ms"
+MAX_TRACKED = 65536  # requests picked and not yet finished whose features are kept (a bound, not a working size)
+MAX_OBJECTIVE_MS = 3_600_000.0
+
+
+def objective_ms(headers, name: str) -> float | None | str:
+    """A header's objective in ms; None when absent; "bad" when present but not a positive finite number."""
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        return "bad"
+    return ms if math.isfinite(ms) and 0 < ms <= MAX_OBJECTIVE_MS else "bad"
+
+
+class _Pick:
+    __slots__ = ("ttft_x", "ttft", "tpot_x", "tpot", "picked_at", "objectives_met")
+
+    def __init__(self, ttft_x, ttft, tpot_x, tpot, picked_at, objectives_met):
+        self.ttft_x, self.ttft, self.tpot_x, self.tpot = ttft_x, ttft, tpot_x, tpot
+        self.picked_at, self.objectives_met = picked_at, objectives_met
+
+
+class PredictedLatencyScorer(NeedsPrefixMatch, Scorer):
+    type_name = "predicted-latency-scorer"
+    stats_group = "latency_model"
+    produces = PRODUCES_PICKED_UNCACHED
+
+    def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
+                 decode_ms_per_running_request: float = DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
+                 prefix_source_name: str = "", learn: bool = True) -> None:
+        super().__init__()
+        self.default_rate = default_prefill_tokens_per_s
+        self.prefix_source_name = prefix_source_name
+        self.learn = learn
+        self.model = LatencyModel(decode_ms_per_running_request / 1000.0)
+        self._scraped_key = (self, "scraped")
+        self._cycle_key = (self, "predictions")
+        self._picks: OrderedDict[str, _Pick] = OrderedDict()
+        self.counts = {"objectives": 0, "objectives_bad": 0, "objectives_unmeetable": 0, "objectives_met": 0,
+                       "objectives_missed": 0, "untracked": 0}
+
+    def _scraped(self, endpoints: list[EndpointState]) -> tuple[np.ndarray, ...]:
+        n = len(endpoints)
+
+        def column(read):
+            return np.fromiter(map(read, endpoints), dtype=float, count=n)
+
+        return (column(lambda e: e.metrics.prefill_tokens_pending or 0),
+                column(lambda e: e.metrics.prefill_tokens_per_s or self.default_rate),
+                column(lambda e: e.metrics.running_requests),
+                column(lambda e: e.metrics.waiting_queue_size),
+                column(lambda e: e.metrics.kv_cache_usage))
+
+    def predict(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None):
+        """(TTFT features, predicted TTFT s, TPOT features, predicted TPOT s) per endpoint."""
+        pending, rate, running, waiting, kv = per_snapshot(self._scraped_key, cycle, endpoints, self._scraped)
+        prompt, cached = prefix_tokens(self, request, endpoints, cycle)
+        uncached = np.maximum(prompt - cached, 0.0)
+        wait = (pending + live_load.live_column(cycle, endpoints, "unseen_prompt") + uncached) / rate
+        decoding = running + live_load.live_column(cycle, endpoints, "unseen_requests")
+        tx = ttft_features(wait, decoding, waiting, kv, uncached)
+        px = tpot_features(decoding, kv)
+        return tx, self.model.ttft.predict(tx), px, self.model.tpot.predict(px)
+
+    def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
+              ) -> np.ndarray:
+        tx, ttft, px, tpot = self.predict(request, endpoints, cycle)
+        met = None
+        ttft_obj = objective_ms(request.headers, TTFT_OBJECTIVE_HEADER)
+        tpot_obj = objective_ms(request.headers, TPOT_OBJECTIVE_HEADER)
+        if "bad" in (ttft_obj, tpot_obj):
+            self.counts["objectives_bad"] += 1
+            ttft_obj = None if ttft_obj == "bad" else ttft_obj
+            tpot_obj = None if tpot_obj == "bad" else tpot_obj
+        if ttft_obj is None and tpot_obj is None:
+            scores = lower_is_better(ttft)
+        else:
+            self.counts["objectives"] += 1
+            miss = np.zeros_like(ttft)
+            if ttft_obj is not None:
+                miss += np.maximum(ttft / (ttft_obj / 1000.0) - 1.0, 0.0)
+            if tpot_obj is not None:
+                miss += np.maximum(tpot / (tpot_obj / 1000.0) - 1.0, 0.0)
+            met = miss == 0.0
+            scores = np.empty_like(ttft)
+            if met.any():
+                scores[met] = 0.5 + 0.5 * lower_is_better(ttft[met])
+            else:
+                self.counts["objectives_unmeetable"] += 1
+            if (~met).any():
+                scores[~met] = 0.499 * lower_is_better(miss[~met])
+        if cycle is not None:
+            cycle[self._cycle_key] = (endpoints, tx, ttft, px, tpot, met)
+        return scores
+
+    def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
+        record_picked_uncached(self, request, endpoint, cycle)
+        saved = cycle.get(self._cycle_key) if cycle is not None else None
+        if saved is None:
+            return
+        endpoints, tx, ttft, px, tpot, met = saved
+        i = next((i for i, e in enumerate(endpoints) if e is endpoint), None)
+        if i is None:
+            return
+        picks = self._picks
+        picks[request.request_id] = _Pick(tx[i], float(ttft[i]), px[i], float(tpot[i]), time.monotonic(),
+                                          None if met is None else bool(met[i]))
+        if len(picks) > MAX_TRACKED:  # responses that never reported (should not happen: extproc always releases)
+            picks.popitem(last=False)
+            self.counts["untracked"] += 1
+
+    def response_complete(self, request: LLMRequest, endpoint_address: str, prompt_tokens: int,
+                          completion_tokens: int) -> None:
+        pick = self._picks.pop(request.request_id, None)
+        if pick is None:
+            return
+        first = request.first_token_at
+        ttft = first - pick.picked_at if first is not None else None
+        tpot = None
+        if first is not None and completion_tokens >= 2:
+            tpot = (time.monotonic() - first) / (completion_tokens - 1)
+        if pick.objectives_met is not None and ttft is not None:
+            met = self._objectives_met(request, ttft, tpot)
+            self.counts["objectives_met" if met else "objectives_missed"] += 1
+        if self.learn:
+            self.model.observe(pick.ttft_x, pick.ttft, ttft, pick.tpot_x, pick.tpot, tpot)
+        else:  # the errors are still measured, so that a fixed model can be compared with a learned one
+            self.model.ttft_errors.add(pick.ttft, ttft) if ttft is not None else None
+            self.model.tpot_errors.add(pick.tpot, tpot) if tpot is not None else None
+
+    @staticmethod
+    def _objectives_met(request: LLMRequest, ttft: float, tpot: float | None) -> bool:
+        ttft_obj = objective_ms(request.headers, TTFT_OBJECTIVE_HEADER)
+        tpot_obj = objective_ms(request.headers, TPOT_OBJECTIVE_HEADER)
+        ok = not isinstance(ttft_obj, float) or ttft * 1000.0 <= ttft_obj
+        return ok and (not isinstance(tpot_obj, float) or tpot is None or tpot * 1000.0 <= tpot_obj)
+
+    def stats(self) -> dict[str, float]:
+        t, p = self.model.ttft_errors, self.model.tpot_errors
+        return {"ttft_observations": t.count, "ttft_abs_error_seconds": t.abs_error, "ttft_measured_seconds":
+                t.measured, "ttft_within_25pct": t.within_25pct, "tpot_observations": p.count,
+                "tpot_abs_error_seconds": p.abs_error, "tpot_measured_seconds": p.measured,
+                "tracked_requests": len(self._picks), **self.counts,
+                **{f"{kind}_relative_error_p{round(100 * q)}": v for kind, errors in (("ttft", t), ("tpot", p))
+                   for q, v in errors.recent_relative_errors().items()}}
+
+
+def factory(parameters: dict | None) -> PredictedLatencyScorer:
+    t = PredictedLatencyScorer.type_name
+    params = check_keys(parameters, {"defaultPrefillTokensPerSecond", "decodeMsPerRunningRequest",
+                                     "prefixScorer", "learn"}, t)
+    return PredictedLatencyScorer(
+        default_prefill_tokens_per_s=float_param(params, "defaultPrefillTokensPerSecond",
+                                                 DEFAULT_PREFILL_TOKENS_PER_SECOND, t, 0.0, 1e9,
+                                                 min_inclusive=False),
+        decode_ms_per_running_request=float_param(params, "decodeMsPerRunningRequest",
+                                                  DEFAULT_DECODE_MS_PER_RUNNING_REQUEST, t, 0.0, 60_000.0),
+        prefix_source_name=str_param(params, "prefixScorer", "", t),
+        learn=bool_param(params, "learn", True, t),
+    )

@@ -1,0 +1,152 @@
+"""predicted-latency-scorer and its online model: the prior is the analytic TTFT model, responses teach it the
+pool's real latency, per-request objectives (llm-d's x-slo-ttft-ms / x-slo-tpot-ms) steer the pick, and the
+ext-proc response path times the first token."""
+
+import time
+
+import numpy as np
+import pytest
+
+from kvgate.epp.extproc import has_token
+from kvgate.epp.scheduling.config import ConfigError, parse_config
+from kvgate.epp.scheduling.framework import CycleState, Scheduler
+from kvgate.epp.scheduling.latency_model import OnlineRidge
+from kvgate.epp.scheduling.live_load import LoadTracker
+from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
+from tests.epp.test_load_plugins import PROMPT, config, warmed
+
+
+def test_ridge_is_its_prior_without_data_and_learns_the_truth_with_it():
+    prior = np.array([0.0, 1.0, 0.0])
+    model = OnlineRidge(prior)
+    assert np.allclose(model.weights, prior)
+    rng = np.random.default_rng(0)
+    truth = np.array([0.05, 2.0, 0.3])
+    for _ in range(2000):
+        x = np.array([1.0, rng.uniform(0, 2), rng.uniform(0, 1)])
+        model.update(x, float(x @ truth + rng.normal(0, 0.01)))
+    assert model.weights == pytest.approx(truth, abs=0.02)
+    # The pool changes (a slower replica set): the forgetting model follows (old responses' weight halves every
+    # ~350 newer ones: after 3000, 0.25% of it is left).
+    changed = np.array([0.1, 3.0, 0.3])
+    for _ in range(3000):
+        x = np.array([1.0, rng.uniform(0, 2), rng.uniform(0, 1)])
+        model.update(x, float(x @ changed))
+    assert model.weights == pytest.approx(changed, abs=0.05)
+    assert (model.predict(np.array([[1.0, -5.0, 0.0]])) == 0.0).all()  # a latency is never negative
+
+
+def test_an_unexcited_direction_stays_at_the_prior():
+    model = OnlineRidge(np.array([0.0, 1.0, 0.5]))
+    for i in range(500):  # the third feature is always 0: nothing says what its weight is
+        x = np.array([1.0, (i % 7) / 7, 0.0])
+        model.update(x, float(0.2 + 1.5 * x[1]))
+    assert model.weights[2] == pytest.approx(0.5, abs=1e-6)
+    assert model.weights[:2] == pytest.approx([0.2, 1.5], abs=0.04)  # the prior still pulls a little
+
+
+def lat_state(address, pending=0, rate=None, running=0, waiting=0, kv=0.0):
+    m = EndpointMetrics(running_requests=running, waiting_queue_size=waiting, kv_cache_usage=kv,
+                        prefill_tokens_pending=pending, prefill_tokens_per_s=rate, updated_at=time.monotonic())
+    return EndpointState(Endpoint(address), m, stale=False)
+
+
+def scorer_and_states(extra: str = ""):
+    text = config("type: prefix-cache-scorer", "type: predicted-latency-scorer\n  parameters: "
+                  "{defaultPrefillTokensPerSecond: 1000, decodeMsPerRunningRequest: 2" + extra + "}")
+    scheduler = Scheduler(parse_config(text).scheduler)
+    scorer = scheduler.plugins_of_type("predicted-latency-scorer")[0]
+    states = [lat_state("a:1", pending=2000, rate=4000, running=10),
+              lat_state("b:1", pending=0, running=0),
+              lat_state("c:1", pending=0, rate=2000, running=50)]
+    warmed(scheduler, states, {"a:1": PROMPT})
+    return scheduler, scorer, states
+
+
+def request(rid="r1", headers=None, stream=True):
+    return LLMRequest(rid, "m", "m", PROMPT, headers=headers or {})
+
+
+def test_the_prior_is_the_analytic_ttft_model():
+    _, scorer, states = scorer_and_states()
+    _, ttft, _, tpot = scorer.predict(request(), states, CycleState(LoadTracker().view(states)))
+    # a: 2000 pending / 4000 + 10 × 2 ms; b: 160 uncached / 1000 (default rate); c: 160 / 2000 + 50 × 2 ms
+    assert ttft == pytest.approx([0.52, 0.16, 0.18])
+    assert list(tpot) == [0.0, 0.0, 0.0]  # unknown until measured
+
+
+def test_objectives_prefer_endpoints_that_meet_them():
+    _, scorer, states = scorer_and_states()
+    cycle = CycleState(LoadTracker().view(states))
+    plain = scorer.score(request(), states, cycle)
+    assert int(np.argmax(plain)) == 1  # b: lowest predicted TTFT
+    met = scorer.score(request(headers={"x-slo-ttft-ms": "200"}), states, cycle)
+    assert met[1] == 1.0 and met[2] >= 0.5 and met[0] < 0.5  # a misses 200 ms, b and c meet it
+    none = scorer.score(request(headers={"x-slo-ttft-ms": "10"}), states, cycle)
+    assert (none < 0.5).all() and int(np.argmax(none)) == 1  # no one meets it: the smallest miss wins
+    assert scorer.counts["objectives"] == 2 and scorer.counts["objectives_unmeetable"] == 1
+    bad = scorer.score(request(headers={"x-slo-ttft-ms": "soon", "x-slo-tpot-ms": "-3"}), states, cycle)
+    assert list(bad) == list(plain) and scorer.counts["objectives_bad"] == 1
+
+
+def test_responses_teach_the_model_the_pool_s_real_ttft():
+    """The pool is twice as slow as the analytic model thinks, plus 50 ms: after a few hundred streamed responses
+    the predictions follow the measurements, and the errors it reports shrink."""
+    scheduler, scorer, _ = scorer_and_states()
+    rng = np.random.default_rng(1)
+    errors = []
+    for i in range(600):
+        states = [lat_state(f"e{j}:1", pending=int(rng.integers(0, 8000)), rate=4000,
+                            running=int(rng.integers(0, 60))) for j in range(3)]
+        r = request(rid=f"q{i}")
+        cycle = CycleState(LoadTracker().view(states))
+        ordered = scheduler.schedule(r, states, cycle)
+        scheduler.on_picked(r, ordered[0], cycle)
+        pick = scorer._picks[r.request_id]
+        true_ttft = 0.05 + 2.0 * pick.ttft_x[1] + 0.002 * 100 * pick.ttft_x[2]
+        errors.append(abs(pick.ttft - true_ttft) / true_ttft)
+        r.first_token_at = pick.picked_at + true_ttft
+        scheduler.on_response_complete(r, ordered[0].address, 160, 1)
+    assert errors[0] > 0.3 and np.mean(errors[-100:]) < 0.05  # the prior: about half the real TTFT
+    stats = scorer.stats()
+    assert stats["ttft_observations"] == 600 and stats["tracked_requests"] == 0
+
+
+def test_learn_false_keeps_the_prior_but_measures_its_error():
+    scheduler, scorer, states = scorer_and_states(", learn: false")
+    r = request()
+    cycle = CycleState(LoadTracker().view(states))
+    ordered = scheduler.schedule(r, states, cycle)
+    scheduler.on_picked(r, ordered[0], cycle)
+    r.first_token_at = scorer._picks["r1"].picked_at + 1.0
+    scheduler.on_response_complete(r, ordered[0].address, 160, 1)
+    assert scorer.model.ttft.count == 0 and scorer.stats()["ttft_observations"] == 1
+
+
+def test_a_request_without_a_first_token_teaches_nothing():
+    scheduler, scorer, states = scorer_and_states()
+    r = request()
+    cycle = CycleState(LoadTracker().view(states))
+    scheduler.on_picked(r, scheduler.schedule(r, states, cycle)[0], cycle)
+    scheduler.on_response_complete(r, "b:1", 0, 0)  # an error answer, or not streamed
+    assert scorer.model.ttft.count == 0 and scorer.stats()["tracked_requests"] == 0
+
+
+@pytest.mark.parametrize("params, message", [("{learn: 3}", "learn"), ("{x: 1}", "unknown parameter"),
+                                             ("{defaultPrefillTokensPerSecond: 0}", "defaultPrefillTokensPerSecond")])
+def test_bad_parameters_are_named(params, message):
+    with pytest.raises(ConfigError, match=f"predicted-latency-scorer.*{message}"):
+        parse_config(config(f"type: predicted-latency-scorer\n  parameters: {params}"))
+
+
+@pytest.mark.parametrize("chunk, token", [
+    (b'data: {"choices":[{"index":0,"text":" Apache"}]}\n\n', True),
+    (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n', False),
+    (b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n', True),
+    (b'data: {"choices":[{"index":0,"delta":{"content":"\\"q"}}]}\n\n', True),
+    (b'data: {"choices":[{"index":0,"text":""}]}\n\n', False),
+    (b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"c1"}]}}]}\n\n', True),
+    (b'data: [DONE]\n\n', False),
+])
+def test_the_first_token_is_found_in_streamed_chunks(chunk, token):
+    assert has_token(chunk) is token
