@@ -29,11 +29,12 @@ from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.latency_model import LatencyModel, tpot_features, ttft_features
 from kvgate.epp.scheduling.plugins._normalize import lower_is_better, per_snapshot
-from kvgate.epp.scheduling.plugins._params import bool_param, check_keys, float_param, str_param
+from kvgate.epp.scheduling.plugins._params import bool_param, check_keys
 from kvgate.epp.scheduling.plugins._prefix_source import (PRODUCES_PICKED_UNCACHED, prefix_tokens,
                                                               record_picked_uncached)
-from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import (DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
-                                                                 DEFAULT_PREFILL_TOKENS_PER_SECOND)
+from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import (ANALYTIC_PARAMETERS,
+                                                                 DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
+                                                                 DEFAULT_PREFILL_TOKENS_PER_SECOND, analytic_params)
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -190,14 +191,5 @@ class PredictedLatencyScorer(NeedsPrefixMatch, Scorer):
 
 def factory(parameters: dict | None) -> PredictedLatencyScorer:
     t = PredictedLatencyScorer.type_name
-    params = check_keys(parameters, {"defaultPrefillTokensPerSecond", "decodeMsPerRunningRequest",
-                                     "prefixScorer", "learn"}, t)
-    return PredictedLatencyScorer(
-        default_prefill_tokens_per_s=float_param(params, "defaultPrefillTokensPerSecond",
-                                                 DEFAULT_PREFILL_TOKENS_PER_SECOND, t, 0.0, 1e9,
-                                                 min_inclusive=False),
-        decode_ms_per_running_request=float_param(params, "decodeMsPerRunningRequest",
-                                                  DEFAULT_DECODE_MS_PER_RUNNING_REQUEST, t, 0.0, 60_000.0),
-        prefix_source_name=str_param(params, "prefixScorer", "", t),
-        learn=bool_param(params, "learn", True, t),
-    )
+    params = check_keys(parameters, ANALYTIC_PARAMETERS | {"learn"}, t)
+    return PredictedLatencyScorer(**analytic_params(params, t), learn=bool_param(params, "learn", True, t))

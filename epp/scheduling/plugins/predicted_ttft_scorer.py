@@ -75,15 +75,21 @@ class PredictedTTFTScorer(NeedsPrefixMatch, Scorer):
         record_picked_uncached(self, request, endpoint, cycle)
 
 
+ANALYTIC_PARAMETERS = {"defaultPrefillTokensPerSecond", "decodeMsPerRunningRequest", "prefixScorer"}
+
+
+def analytic_params(params, plugin_type: str) -> dict:
+    """The analytic model's parameters (this scorer's, and predicted-latency-scorer's prior) as keyword arguments."""
+    return {
+        "default_prefill_tokens_per_s": float_param(params, "defaultPrefillTokensPerSecond",
+                                                    DEFAULT_PREFILL_TOKENS_PER_SECOND, plugin_type, 0.0, 1e9,
+                                                    min_inclusive=False),
+        "decode_ms_per_running_request": float_param(params, "decodeMsPerRunningRequest",
+                                                     DEFAULT_DECODE_MS_PER_RUNNING_REQUEST, plugin_type, 0.0, 60_000.0),
+        "prefix_source_name": str_param(params, "prefixScorer", "", plugin_type),
+    }
+
+
 def factory(parameters: dict | None) -> PredictedTTFTScorer:
     t = PredictedTTFTScorer.type_name
-    params = check_keys(parameters, {"defaultPrefillTokensPerSecond", "decodeMsPerRunningRequest",
-                                     "prefixScorer"}, t)
-    return PredictedTTFTScorer(
-        default_prefill_tokens_per_s=float_param(params, "defaultPrefillTokensPerSecond",
-                                                 DEFAULT_PREFILL_TOKENS_PER_SECOND, t, 0.0, 1e9,
-                                                 min_inclusive=False),
-        decode_ms_per_running_request=float_param(params, "decodeMsPerRunningRequest",
-                                                  DEFAULT_DECODE_MS_PER_RUNNING_REQUEST, t, 0.0, 60_000.0),
-        prefix_source_name=str_param(params, "prefixScorer", "", t),
-    )
+    return PredictedTTFTScorer(**analytic_params(check_keys(parameters, ANALYTIC_PARAMETERS, t), t))
