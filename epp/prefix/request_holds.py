@@ -22,7 +22,7 @@ from kvgate.epp.prefix.precise_index import PreciseIndex
 
 
 class RequestHolds:
-    """request id → (picked at, its block hashes, the endpoint), in pick order; at most the index's
+    """request id → (picked at, the block hashes it holds, the endpoint), in pick order; at most the index's
     `max_speculative` blocks held (the oldest requests released first). Time is the index's clock."""
 
     def __init__(self, index: PreciseIndex, max_hold_s: float) -> None:
@@ -36,12 +36,12 @@ class RequestHolds:
 
     def hold(self, request_id: str, hashes: list[int], address: str) -> None:
         """The request was picked for `address` (picked again, a retry: the new pick replaces the old hold)."""
-        self.index.hold(hashes, address)
+        held = self.index.hold(hashes, address)  # only the blocks it does not have yet: what is released later
         old = self._held.pop(request_id, None)
         if old is not None:
             self._release(old)
-        self._held[request_id] = (self.index.clock(), hashes, address)
-        self.blocks += len(hashes)
+        self._held[request_id] = (self.index.clock(), held, address)
+        self.blocks += len(held)
         self.sweep()
 
     def end(self, request_id: str) -> None:
