@@ -12,6 +12,7 @@ import time
 
 from kvgate.epp.protocol import OBJECTIVE_HEADER
 from kvgate.epp.scheduling.framework import CycleState
+from kvgate.epp.scheduling.latency_model import OBJECTIVES_UNMEETABLE
 from kvgate.epp.scheduling.live_load import PICKED_UNCACHED_TOKENS, LoadTracker
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -111,6 +112,9 @@ class Director:
         ordered = self.scheduler.schedule(request, states, cycle)
         if not ordered:
             raise RoutingError(503, "no eligible endpoint: every endpoint was filtered out")
+        if request.priority < 0 and cycle.get(OBJECTIVES_UNMEETABLE):
+            raise RoutingError(429, "no endpoint is predicted to meet this sheddable request's latency objectives "
+                                    "(x-slo-ttft-ms / x-slo-tpot-ms)")
         primary = ordered[0]
         self.scheduler.on_picked(request, primary, cycle)
         prompt = request.estimated_prompt_tokens

@@ -150,3 +150,33 @@ def test_bad_parameters_are_named(params, message):
 ])
 def test_the_first_token_is_found_in_streamed_chunks(chunk, token):
     assert has_token(chunk) is token
+
+
+def test_a_sheddable_request_whose_objectives_no_endpoint_meets_is_shed():
+    from kvgate.epp.admission import Admission
+    from kvgate.epp.datalayer import Datalayer
+    from kvgate.epp.datastore import Datastore
+    from kvgate.epp.director import Director, RoutingError
+    from kvgate.epp.protocol import OBJECTIVE_HEADER
+
+    layer = Datalayer()
+    addresses = ["10.0.0.1:8000", "10.0.0.2:8000"]
+    layer.set_endpoints([Endpoint(a) for a in addresses])
+    for a in addresses:  # scraped just now: 4000 prompt tokens to prefill at the default 1000 tokens/s = 4 s
+        c = layer._collectors[a]
+        c.metrics = EndpointMetrics(updated_at=time.monotonic(), prefill_tokens_pending=4000)
+        c.scrapes += 1
+    datastore = Datastore()
+    datastore.set_policies({"batch": -1, "chat": 0}, [])
+    text = config("type: predicted-latency-scorer\n  parameters: {defaultPrefillTokensPerSecond: 1000}")
+    d = Director(datastore, layer, Scheduler(parse_config(text).scheduler), Admission(), seed=1)
+
+    def ask(objective, ttft_ms):
+        return d.pick(LLMRequest("r", "m", "m", "hello", headers={OBJECTIVE_HEADER: objective,
+                                                                   "x-slo-ttft-ms": ttft_ms}))
+
+    with pytest.raises(RoutingError) as err:
+        ask("batch", "500")  # sheddable, 4 s predicted against 500 ms: shed
+    assert err.value.status == 429 and "latency objectives" in str(err.value)
+    assert ask("chat", "500")  # not sheddable: routed where it misses least
+    assert ask("batch", "10000")  # sheddable, but its objective can be met

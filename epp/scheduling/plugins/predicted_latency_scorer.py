@@ -11,7 +11,8 @@ tokens there — with weights fitted by exponentially weighted ridge regression 
 Objectives (llm-d's headers): `x-slo-ttft-ms` and `x-slo-tpot-ms` (positive numbers, milliseconds; a header that is
 not one is ignored and counted). Endpoints predicted to meet every stated objective score in [0.5, 1] by predicted
 TTFT; the others in [0, 0.5) by how far they miss (the sum of the relative misses), so a request goes where its
-objectives are met if anywhere, else where it misses them least. Without objectives: by predicted TTFT alone.
+objectives are met if anywhere, else where it misses them least — unless it is sheddable (priority < 0, from its
+InferenceObjective): then the director answers 429 (llm-d's rule). Without objectives: by predicted TTFT alone.
 
 Parameters: defaultPrefillTokensPerSecond, decodeMsPerRunningRequest, prefixScorer (as predicted-ttft-scorer's, for
 the prior and the features), learn (default true; false keeps the prior: the analytic model, for comparison).
@@ -27,7 +28,7 @@ import numpy as np
 
 from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Scorer
-from kvgate.epp.scheduling.latency_model import LatencyModel, tpot_features, ttft_features
+from kvgate.epp.scheduling.latency_model import OBJECTIVES_UNMEETABLE, LatencyModel, tpot_features, ttft_features
 from kvgate.epp.scheduling.plugins._normalize import lower_is_better, per_snapshot
 from kvgate.epp.scheduling.plugins._params import bool_param, check_keys
 from kvgate.epp.scheduling.plugins._prefix_source import (PRODUCES_PICKED_UNCACHED, prefix_tokens,
@@ -67,7 +68,7 @@ class _Pick:
 class PredictedLatencyScorer(NeedsPrefixMatch, Scorer):
     type_name = "predicted-latency-scorer"
     stats_group = "latency_model"
-    produces = PRODUCES_PICKED_UNCACHED
+    produces = property(lambda self: (*PRODUCES_PICKED_UNCACHED.fget(self), OBJECTIVES_UNMEETABLE))
 
     def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
                  decode_ms_per_running_request: float = DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
@@ -131,6 +132,8 @@ class PredictedLatencyScorer(NeedsPrefixMatch, Scorer):
                 scores[met] = 0.5 + 0.5 * lower_is_better(ttft[met])
             else:
                 self.counts["objectives_unmeetable"] += 1
+                if cycle is not None:
+                    cycle[OBJECTIVES_UNMEETABLE] = True
             if (~met).any():
                 scores[~met] = 0.499 * lower_is_better(miss[~met])
         if cycle is not None:
