@@ -105,9 +105,10 @@ class StreamLoad:
         return self.outcomes
 
     async def one(self, client: httpx.AsyncClient, seq: int, prompt: str | None = None,
-                  url: str | None = None, max_tokens: int | None = None) -> Outcome:
+                  url: str | None = None, max_tokens: int | None = None,
+                  headers: dict[str, str] | None = None) -> Outcome:
         """One streamed completion of `prompt` (default: a short prompt of its own per `seq`), to `url` (default:
-        the load's URLs in turn), of `max_tokens` (default: the load's)."""
+        the load's URLs in turn), of `max_tokens` (default: the load's), with extra request `headers`."""
         max_tokens = self.max_tokens if max_tokens is None else max_tokens
         out = Outcome(sent_at=time.monotonic(), max_tokens=max_tokens)
         self.outcomes.append(out)
@@ -116,7 +117,7 @@ class StreamLoad:
                 "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
         try:
             url = url.rstrip("/") if url else self.urls[seq % len(self.urls)]
-            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
                 out.headers_at, out.status, out.endpoint = time.monotonic(), r.status_code, r.headers.get(SERVED_BY)
                 if r.status_code != 200:
                     out.error = (await r.aread()).decode(errors="replace")[:200]

@@ -21,6 +21,9 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 
 # Client → EPP: the InferenceObjective whose priority applies (< 0: sheddable).
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+# Client → EPP: latency objectives in milliseconds (llm-d's predicted-latency headers; predicted-latency-scorer).
+TTFT_OBJECTIVE_HEADER = "x-slo-ttft-ms"
+TPOT_OBJECTIVE_HEADER = "x-slo-tpot-ms"
 
 # Conformance-only names: used by plugins that run only in configs that name them.
 TEST_ENDPOINT_SELECTION_HEADER = "test-epp-endpoint-selection"  # header-based-testing-filter

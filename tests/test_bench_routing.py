@@ -187,3 +187,24 @@ def test_shape_sets_and_command_line_shapes():
             parse_shape(bad)
     assert sim_engine_args(4096)[sim_engine_args(4096).index("--kv-cache-memory") + 1] == str(4096 * 131072)
     assert sim_engine_args(DEFAULT_KV_TOKENS) == SIM_ENGINE_ARGS
+
+
+def test_a_ttft_objective_knob_goes_with_every_request_and_is_judged_at_the_client():
+    from kvgate.bench_routing.runner import objectives_met
+    from kvgate.chaos.load import Outcome
+
+    shape = parse_shape("multi-tenant:ttft_objective_ms=500")
+    requests = arrivals(shape, 4, 2, 0)
+    assert requests and {r.ttft_objective_ms for r in requests} == {500.0}
+    assert {r.ttft_objective_ms for r in arrivals(WORKLOADS["multi-tenant"], 4, 2, 0)} == {0.0}
+    with pytest.raises(ValueError, match="TTFT objective"):
+        parse_shape("multi-tenant:ttft_objective_ms=-1")
+
+    def outcome(ttft_s, ok=True):
+        o = Outcome(sent_at=10.0, max_tokens=1)
+        o.status, o.first_token_at, o.ended_at, o.tokens, o.usage_tokens, o.done = 200, 10.0 + ttft_s, 11.0, 1, 1, ok
+        return o
+
+    got = objectives_met([outcome(0.2), outcome(0.7), outcome(0.1, ok=False)], requests[:3])
+    assert got == {"stated": 3, "met": 1, "share_met": 0.3333}
+    assert objectives_met([outcome(0.2)], arrivals(WORKLOADS["multi-tenant"], 4, 2, 0)[:1]) is None

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvgate.bench_routing.configurations import SIM_MODEL, RoutingConfig, router_program, sim_engine_args
 from kvgate.bench_routing.workloads import BenchRequest, WorkloadShape
 from kvgate.chaos.load import Outcome, StreamLoad
+from kvgate.epp.protocol import TTFT_OBJECTIVE_HEADER
 from kvgate.processes import free_port
 from kvgate.up import LocalStack, Stack, launch_local_stack
 
@@ -187,8 +188,10 @@ async def _drive(url: str, requests: list[BenchRequest], drain_s: float, tick: C
         async def one(seq: int, r: BenchRequest) -> Outcome:
             await asyncio.sleep(max(0.0, start + r.at - time.monotonic()))
             try:
+                headers = {TTFT_OBJECTIVE_HEADER: f"{r.ttft_objective_ms:g}"} if r.ttft_objective_ms > 0 else None
                 return await load.one(client, seq, r.prompt,
-                                      None if r.foreign is None else f"http://{replicas[r.foreign]}", r.max_tokens)
+                                      None if r.foreign is None else f"http://{replicas[r.foreign]}", r.max_tokens,
+                                      headers)
             finally:
                 tick()
         tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
@@ -237,6 +240,16 @@ def summarize(outcomes: list[Outcome], start: float, before: dict[str, dict], af
     }
 
 
+def objectives_met(outcomes: list[Outcome], requests: list[BenchRequest]) -> dict | None:
+    """Of the requests that stated a TTFT objective, how many got their first token within it, measured at the
+    client (a failed or shed request did not); None when none stated one."""
+    stated = [(o, r.ttft_objective_ms) for o, r in zip(outcomes, requests) if r.ttft_objective_ms > 0]
+    if not stated:
+        return None
+    met = sum(1 for o, ms in stated if o.ok() and (o.first_token_at - o.sent_at) * 1000 <= ms)
+    return {"stated": len(stated), "met": met, "share_met": round(met / len(stated), 4)}
+
+
 def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, requests: list[BenchRequest], *,
              replicas: int, drain_s: float, startup_timeout: float = 120.0,
              tick: Callable[[], None] = lambda: None) -> dict:
@@ -250,6 +263,9 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
         after = all_counters(up.endpoints)
         died = up.stack.dead()
         result = summarize(outcomes, start, before, after, len(requests))
+        objectives = objectives_met(outcomes, requests)
+        if objectives is not None:
+            result["ttft_objectives"] = objectives
         epp_after = epp_metrics(up.metrics_port) if config.kind == "epp" else None
         if epp_after is not None:
             result["epp_time"] = epp_time(epp_before, epp_histograms(epp_after))

@@ -68,14 +68,16 @@ class WorkloadShape:
     output_spread: float = 0.0
     burstiness: float = 1.0
     kv_tokens: int = DEFAULT_KV_TOKENS
+    # each request states a TTFT objective (llm-d's x-slo-ttft-ms header) of this many ms; 0: none
+    ttft_objective_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.generator not in KINDS:
             raise ValueError(f"unknown workload kind {self.generator!r}; known: {', '.join(KINDS)}")
         if self.output_len < 1 or self.kv_tokens < 256 or self.burstiness <= 0 or self.length_spread < 0 \
-                or self.output_spread < 0 or self.tenant_skew < 0:
+                or self.output_spread < 0 or self.tenant_skew < 0 or self.ttft_objective_ms < 0:
             raise ValueError(f"workload {self.name!r}: output_len ≥ 1, kv_tokens ≥ 256, burstiness > 0 and the "
-                             "spreads and skew ≥ 0")
+                             "spreads, skew and TTFT objective ≥ 0")
 
     @property
     def generator(self) -> str:
@@ -176,6 +178,7 @@ class BenchRequest:
     key: str  # tenant/user or conversation/turn: which prefix it reuses
     max_tokens: int = 32
     foreign: int | None = None  # the replica another gateway sends it to (not the router under test); None: ours
+    ttft_objective_ms: float = 0.0  # sent as x-slo-ttft-ms when > 0
 
 
 def _length(rng: random.Random, mean: int, spread: float) -> int:
@@ -247,7 +250,7 @@ def arrivals(shape: WorkloadShape, rate: float, duration_s: float, seed: int) ->
     prompts in the same order, just faster."""
     times = arrival_times(shape, rate, duration_s, seed)
     outputs = output_lengths(shape, len(times), seed)
-    return [BenchRequest(float(at), prompt, key, max_tokens)
+    return [BenchRequest(float(at), prompt, key, max_tokens, ttft_objective_ms=shape.ttft_objective_ms)
             for at, (key, prompt), max_tokens in zip(times, prompts(shape, len(times), seed), outputs)]
 
 

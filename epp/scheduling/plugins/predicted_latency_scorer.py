@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from kvgate.epp.protocol import TPOT_OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER
 from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.latency_model import OBJECTIVES_UNMEETABLE, LatencyModel, tpot_features, ttft_features
@@ -39,8 +40,6 @@ from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import (ANALYTIC_PARAME
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 
-TTFT_OBJECTIVE_HEADER = "x-slo-ttft-ms"
-TPOT_OBJECTIVE_HEADER = "x-slo-tpot-ms"
 MAX_TRACKED = 65536  # requests picked and not yet finished whose features are kept (a bound, not a working size)
 MAX_OBJECTIVE_MS = 3_600_000.0
 
