@@ -72,4 +72,3 @@ class IncrementalDetokenizer:
         delta = text[self._emitted : end]
         self._emitted = end
         return delta
-

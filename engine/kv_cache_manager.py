@@ -161,9 +161,5 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
-    def block_row(self, request_id: str) -> int:
-        """The request's row of block_table.ids (it holds blocks)."""
-        return self.block_table.row_of[request_id]
-
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

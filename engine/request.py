@@ -98,8 +98,7 @@ class Request:
         # penalties, a seeded generator): a batch of only such requests is sampled by an argmax alone.
         self.plain_greedy = (params.greedy and params.logprobs is None and not params.min_tokens
                              and params.structured_outputs is None and params.seed is None
-                             and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-                             and params.frequency_penalty == 0.0)
+                             and not params.has_penalties)
         # Every id that can end it (EOS unless ignored, stop tokens): one set test per token in check_stop.
         self._stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else params.eos_token_ids)
 

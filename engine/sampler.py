@@ -53,9 +53,7 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
         greedy = [p.greedy for p in ps]
-        needs_penalty = any(
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in ps
-        )
+        needs_penalty = any(p.has_penalties for p in ps)
         prompt_mask = output_counts = None
         if needs_penalty:
             prompt_mask = torch.zeros(len(ps), vocab_size, dtype=torch.bool, device=device)

@@ -51,8 +51,7 @@ def samples_from_host_state(request: Request) -> bool:
     """Its sampling reads its earlier output on the host (a grammar's mask, penalties' token counts), so its steps
     cannot be scheduled before the step before them has returned its token (no async scheduling)."""
     p = request.sampling_params  # a request has a grammar exactly when it asks for structured outputs
-    return (p.structured_outputs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0)
+    return p.structured_outputs is not None or p.has_penalties
 
 
 @dataclass(slots=True)

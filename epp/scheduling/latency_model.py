@@ -77,7 +77,6 @@ class ErrorStats:
     count: int = 0
     abs_error: float = 0.0
     measured: float = 0.0
-    within_25pct: int = 0
     recent: list[tuple[float, float]] = field(default_factory=list)  # (predicted, measured), the last RECENT
     RECENT = 1000
 
@@ -85,14 +84,9 @@ class ErrorStats:
         self.count += 1
         self.abs_error += abs(predicted - measured)
         self.measured += measured
-        self.within_25pct += abs(predicted - measured) <= 0.25 * measured
         self.recent.append((predicted, measured))
         if len(self.recent) > 2 * self.RECENT:
             del self.recent[: len(self.recent) - self.RECENT]
-
-    def relative_error(self) -> float:
-        """Mean absolute error over mean measured value (0 = perfect); NaN before any sample."""
-        return self.abs_error / self.measured if self.measured > 0 else math.nan
 
     def recent_relative_errors(self, quantiles=(0.5, 0.9)) -> dict[float, float]:
         """Quantiles of |predicted - measured| / measured over the last RECENT samples (empty before any)."""

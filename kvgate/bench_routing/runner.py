@@ -78,6 +78,10 @@ def kv_event_counts(families: list) -> dict[str, int]:
             if family.name == "kvgate_epp_kv_events" for s in family.samples if s.name.endswith("_total")}
 
 
+_LATENCY_SUMS = {"kvgate_epp_latency_prediction_abs_error_seconds": "error",
+                 "kvgate_epp_latency_measured_seconds": "measured"}
+
+
 def latency_model(families: list) -> dict | None:
     """predicted-latency-scorer's model as the EPP exports it: per kind (ttft, tpot) the responses it learned from,
     its mean relative error (sum |predicted - measured| / sum measured) and the p50 / p90 of the per-request
@@ -89,9 +93,8 @@ def latency_model(families: list) -> dict | None:
             if family.name == "kvgate_epp_latency_observations" and s.name.endswith("_total"):
                 values.setdefault(s.labels["kind"], {})["observations"] = int(s.value)
                 found = True
-            elif family.name in ("kvgate_epp_latency_prediction_abs_error_seconds",
-                                 "kvgate_epp_latency_measured_seconds") and s.name.endswith("_total"):
-                values.setdefault(s.labels["kind"], {})[family.name.rsplit("_", 2)[-2]] = s.value
+            elif family.name in _LATENCY_SUMS and s.name.endswith("_total"):
+                values.setdefault(s.labels["kind"], {})[_LATENCY_SUMS[family.name]] = s.value
             elif family.name == "kvgate_epp_latency_relative_error":
                 values.setdefault(s.labels["kind"], {})[f"p{s.labels['quantile'][2:]}"] = round(s.value, 4)
             elif family.name == "kvgate_epp_latency_objectives" and s.name.endswith("_total"):

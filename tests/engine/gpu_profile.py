@@ -50,10 +50,10 @@ def engine_profile(model: str = "qwen3-0.5b", device: str = "cuda") -> None:
     from kvgate.engine import LLM, SamplingParams
     from kvgate.engine.bench import _build_random_model
 
-    folder = Path(tempfile.mkdtemp(prefix="kvgate-profile-"))
     if model == "demo":
         folder = "demo"
     else:
+        folder = Path(tempfile.mkdtemp(prefix="kvgate-profile-"))
         _build_random_model(model, folder, torch.bfloat16)
     llm = LLM(str(folder), device=device, max_num_seqs=256, max_num_batched_tokens=8192)
     engine = llm.engine

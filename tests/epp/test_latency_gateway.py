@@ -8,8 +8,10 @@ import re
 import time
 
 import httpx
+import pytest
 from openai import OpenAI
 
+from tests.epp.test_stock_envoy import stock_envoy
 from tests.gateway import Gateway
 
 CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -28,11 +30,13 @@ def counter(text: str, name: str, label: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def test_streamed_responses_train_the_latency_model(tmp_path):
+@pytest.mark.parametrize("envoy", ["kvgate", "stock"])
+def test_streamed_responses_train_the_latency_model(tmp_path, envoy):
+    """Behind kvgate's Envoy config and behind upstream's stock one (ext_proc streaming the response body)."""
     (tmp_path / "logs").mkdir()
     # One replica three times slower than the other: the learned model sees it in its TTFTs.
     with Gateway(tmp_path / "logs", tmp_path / "cache", [SIM, [*SIM, "--sim-slowdown", "3"]],
-                 epp_args=["--config-text", CONFIG]) as gw:
+                 epp_args=["--config-text", CONFIG], envoy_config=stock_envoy if envoy == "stock" else None) as gw:
         client = OpenAI(base_url=f"{gw.url}/v1", api_key="none", timeout=60, max_retries=0)
         streamed = 0
         for i in range(24):

@@ -180,3 +180,17 @@ def test_a_sheddable_request_whose_objectives_no_endpoint_meets_is_shed():
     assert err.value.status == 429 and "latency objectives" in str(err.value)
     assert ask("chat", "500")  # not sheddable: routed where it misses least
     assert ask("batch", "10000")  # sheddable, but its objective can be met
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("3600000", 3_600_000.0),  # the bound: an hour
+    ("3600000.5", "bad"), ("0", "bad"), ("-5", "bad"), ("nan", "bad"), ("inf", "bad"), ("1e400", "bad"),
+    ("12abc", "bad"), ("9" * 60_000, "bad"),  # a header as long as Envoy lets through: refused, cheaply
+])
+def test_an_objective_header_is_a_positive_number_of_ms_up_to_an_hour(value, expected):
+    from kvgate.epp.scheduling.plugins.predicted_latency_scorer import objective_ms
+
+    started = time.perf_counter()
+    assert objective_ms({"x-slo-ttft-ms": value}, "x-slo-ttft-ms") == expected
+    assert time.perf_counter() - started < 1.0  # linear in the header (Envoy bounds it at 60 KiB by default)
+    assert objective_ms({}, "x-slo-ttft-ms") is None

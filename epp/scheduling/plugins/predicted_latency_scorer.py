@@ -27,17 +27,15 @@ from collections import OrderedDict
 import numpy as np
 
 from kvgate.epp.protocol import TPOT_OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER
-from kvgate.epp.scheduling import live_load
-from kvgate.epp.scheduling.framework import CycleState, Scorer
+from kvgate.epp.scheduling.framework import CycleState
 from kvgate.epp.scheduling.latency_model import OBJECTIVES_UNMEETABLE, LatencyModel, tpot_features, ttft_features
-from kvgate.epp.scheduling.plugins._normalize import lower_is_better, per_snapshot
+from kvgate.epp.scheduling.plugins._normalize import attribute_values, lower_is_better, per_snapshot
 from kvgate.epp.scheduling.plugins._params import bool_param, check_keys
-from kvgate.epp.scheduling.plugins._prefix_source import (PRODUCES_PICKED_UNCACHED, prefix_tokens,
-                                                              record_picked_uncached)
+from kvgate.epp.scheduling.plugins._prefix_source import PRODUCES_PICKED_UNCACHED
 from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import (ANALYTIC_PARAMETERS,
                                                                  DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
-                                                                 DEFAULT_PREFILL_TOKENS_PER_SECOND, analytic_params)
-from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
+                                                                 DEFAULT_PREFILL_TOKENS_PER_SECOND,
+                                                                 PredictedTTFTScorer, analytic_params)
 from kvgate.epp.types import EndpointState, LLMRequest
 
 MAX_TRACKED = 65536  # requests picked and not yet finished whose features are kept (a bound, not a working size)
@@ -64,7 +62,9 @@ class _Pick:
         self.picked_at, self.objectives_met = picked_at, objectives_met
 
 
-class PredictedLatencyScorer(NeedsPrefixMatch, Scorer):
+class PredictedLatencyScorer(PredictedTTFTScorer):
+    """predicted-ttft-scorer's terms (and parameters) as the model's features, its formula as the model's prior."""
+
     type_name = "predicted-latency-scorer"
     stats_group = "latency_model"
     produces = property(lambda self: (*PRODUCES_PICKED_UNCACHED.fget(self), OBJECTIVES_UNMEETABLE))
@@ -72,36 +72,25 @@ class PredictedLatencyScorer(NeedsPrefixMatch, Scorer):
     def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
                  decode_ms_per_running_request: float = DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
                  prefix_source_name: str = "", learn: bool = True) -> None:
-        super().__init__()
-        self.default_rate = default_prefill_tokens_per_s
-        self.prefix_source_name = prefix_source_name
+        super().__init__(default_prefill_tokens_per_s, decode_ms_per_running_request, prefix_source_name)
         self.learn = learn
-        self.model = LatencyModel(decode_ms_per_running_request / 1000.0)
-        self._scraped_key = (self, "scraped")
+        self.model = LatencyModel(self.decode_s)
+        self._queue_key = (self, "queue")
         self._cycle_key = (self, "predictions")
         self._picks: OrderedDict[str, _Pick] = OrderedDict()
         self.counts = {"objectives": 0, "objectives_bad": 0, "objectives_unmeetable": 0, "objectives_met": 0,
                        "objectives_missed": 0, "untracked": 0}
 
-    def _scraped(self, endpoints: list[EndpointState]) -> tuple[np.ndarray, ...]:
-        n = len(endpoints)
-
-        def column(read):
-            return np.fromiter(map(read, endpoints), dtype=float, count=n)
-
-        return (column(lambda e: e.metrics.prefill_tokens_pending or 0),
-                column(lambda e: e.metrics.prefill_tokens_per_s or self.default_rate),
-                column(lambda e: e.metrics.running_requests),
-                column(lambda e: e.metrics.waiting_queue_size),
-                column(lambda e: e.metrics.kv_cache_usage))
+    @staticmethod
+    def _queue(endpoints: list[EndpointState]) -> tuple[np.ndarray, np.ndarray]:
+        """(waiting, KV use) columns of the scraped metrics: once per snapshot."""
+        return attribute_values(endpoints, "metrics.waiting_queue_size"), attribute_values(
+            endpoints, "metrics.kv_cache_usage")
 
     def predict(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None):
         """(TTFT features, predicted TTFT s, TPOT features, predicted TPOT s) per endpoint."""
-        pending, rate, running, waiting, kv = per_snapshot(self._scraped_key, cycle, endpoints, self._scraped)
-        prompt, cached = prefix_tokens(self, request, endpoints, cycle)
-        uncached = np.maximum(prompt - cached, 0.0)
-        wait = (pending + live_load.live_column(cycle, endpoints, "unseen_prompt") + uncached) / rate
-        decoding = running + live_load.live_column(cycle, endpoints, "unseen_requests")
+        wait, decoding, uncached = self.terms(request, endpoints, cycle)
+        waiting, kv = per_snapshot(self._queue_key, cycle, endpoints, self._queue)
         tx = ttft_features(wait, decoding, waiting, kv, uncached)
         px = tpot_features(decoding, kv)
         return tx, self.model.ttft.predict(tx), px, self.model.tpot.predict(px)
@@ -140,7 +129,7 @@ class PredictedLatencyScorer(NeedsPrefixMatch, Scorer):
         return scores
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
-        record_picked_uncached(self, request, endpoint, cycle)
+        super().pre_request(request, endpoint, cycle)
         saved = cycle.get(self._cycle_key) if cycle is not None else None
         if saved is None:
             return
@@ -184,7 +173,7 @@ class PredictedLatencyScorer(NeedsPrefixMatch, Scorer):
     def stats(self) -> dict[str, float]:
         t, p = self.model.ttft_errors, self.model.tpot_errors
         return {"ttft_observations": t.count, "ttft_abs_error_seconds": t.abs_error, "ttft_measured_seconds":
-                t.measured, "ttft_within_25pct": t.within_25pct, "tpot_observations": p.count,
+                t.measured, "tpot_observations": p.count,
                 "tpot_abs_error_seconds": p.abs_error, "tpot_measured_seconds": p.measured,
                 "tracked_requests": len(self._picks), **self.counts,
                 **{f"{kind}_relative_error_p{round(100 * q)}": v for kind, errors in (("ttft", t), ("tpot", p))

@@ -58,14 +58,21 @@ class PredictedTTFTScorer(NeedsPrefixMatch, Scorer):
         running = np.fromiter((e.metrics.running_requests for e in endpoints), dtype=float, count=n)
         return pending, rate, running
 
+    def terms(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per endpoint: (the prefill wait (P + U + prompt - cached) / R in seconds, running + u, prompt - cached)."""
+        pending, rate, running = per_snapshot(self._scraped_key, cycle, endpoints, self._scraped)
+        prompt, cached = prefix_tokens(self, request, endpoints, cycle)
+        uncached = prompt - cached
+        wait = (pending + live_load.live_column(cycle, endpoints, "unseen_prompt") + uncached) / rate
+        decoding = running + live_load.live_column(cycle, endpoints, "unseen_requests")
+        return wait, decoding, uncached
+
     def predict(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
                 ) -> np.ndarray:
         """T(e) in seconds for each endpoint."""
-        pending, rate, running = per_snapshot(self._scraped_key, cycle, endpoints, self._scraped)
-        prompt, cached = prefix_tokens(self, request, endpoints, cycle)
-        backlog = pending + live_load.live_column(cycle, endpoints, "unseen_prompt") + (prompt - cached)
-        decoding = running + live_load.live_column(cycle, endpoints, "unseen_requests")
-        return backlog / rate + decoding * self.decode_s
+        wait, decoding, _ = self.terms(request, endpoints, cycle)
+        return wait + decoding * self.decode_s
 
     def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
               ) -> np.ndarray:
