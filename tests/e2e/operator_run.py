@@ -102,6 +102,6 @@ def stop_operator(proc: subprocess.Popen | None) -> None:
         proc.wait(timeout=5)
 
 
-def print_log_tail(log_path: Path, chars: int = 6000) -> None:
+def print_log_tail(log_path: Path, chars: int = 6000, what: str = "operator log") -> None:
     if log_path.exists():
-        print(f"--- operator log ({log_path}):\n" + log_path.read_text(errors="replace")[-chars:])
+        print(f"--- {what} ({log_path}):\n" + log_path.read_text(errors="replace")[-chars:])

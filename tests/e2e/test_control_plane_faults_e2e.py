@@ -29,6 +29,7 @@ from operator_run import is_ready, print_log_tail, sample_namespace, start_opera
 pytestmark = pytest.mark.e2e
 OUTAGE_S = float(os.environ.get("KVGATE_E2E_OUTAGE_S", "15"))
 MANAGED = "app.kubernetes.io/managed-by=kvgate-operator"
+KILL_ATTEMPTS = 5
 ENVOY = "app.kubernetes.io/name=kvgate-gateway,app.kubernetes.io/instance=inference-gateway"
 EPP = "app.kubernetes.io/name=kvgate-epp,app.kubernetes.io/instance=demo-pool"
 # What the operator makes for crds/samples/: (kind, name) -> the kind of its owner.
@@ -87,16 +88,27 @@ def test_operator_kill_and_api_server_outage(k8s, tmp_path):
     try:
         wait_default_service_account(client, ns, token=True)
         # --- 1. SIGKILL while applying ------------------------------------------------------------------------
-        operator = start_operator(k8s.kubeconfig, log_path)
-        for kind in ("GatewayClass", "InferencePool", "ModelServer", "InferenceObjective", "InferenceModelRewrite",
-                     "Gateway", "HTTPRoute"):
-            client.apply(docs[kind])
-        wait_for(lambda: owned(), timeout_s=30, interval_s=0.02, what="the operator's first object")
-        os.killpg(operator.pid, signal.SIGKILL)
-        operator.wait(timeout=10)
-        at_kill = {(o["kind"], o["metadata"]["name"]) for o in owned()}
-        mark(f"operator SIGKILLed with {len(at_kill)}/{len(EXPECTED)} of its objects made: {sorted(at_kill)}")
-        assert len(at_kill) < len(EXPECTED), "killed too late to be mid-reconcile"
+        # The kill lands after the first object is seen; a fast operator may have made them all by then (seen on
+        # a 2-core machine), which is no mid-reconcile kill: then its objects are deleted and the start repeated.
+        for attempt in range(1, KILL_ATTEMPTS + 1):
+            operator = start_operator(k8s.kubeconfig, log_path)
+            if attempt == 1:
+                for kind in ("GatewayClass", "InferencePool", "ModelServer", "InferenceObjective",
+                             "InferenceModelRewrite", "Gateway", "HTTPRoute"):
+                    client.apply(docs[kind])
+            wait_for(lambda: owned(), timeout_s=30, interval_s=0.02, what="the operator's first object")
+            os.killpg(operator.pid, signal.SIGKILL)
+            operator.wait(timeout=10)
+            at_kill = {(o["kind"], o["metadata"]["name"]) for o in owned()}
+            mark(f"operator SIGKILLed (try {attempt}) with {len(at_kill)}/{len(EXPECTED)} of its objects made: "
+                 f"{sorted(at_kill)}")
+            if len(at_kill) < len(EXPECTED):
+                break
+            for o in owned():
+                client.delete(made[o["kind"]], o["metadata"]["name"], ns, propagation="Background")
+            wait_for(lambda: not owned() and not pods(), timeout_s=90, what="the operator's objects and pods gone")
+        else:
+            pytest.fail(f"the operator finished all its objects before each of {KILL_ATTEMPTS} kills")
         restarted_at = time.monotonic()
         operator = start_operator(k8s.kubeconfig, log_path)
 

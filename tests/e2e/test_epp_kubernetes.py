@@ -13,6 +13,7 @@ import httpx
 import pytest
 from k8srig import crds, objects
 from k8srig.kube import CORE, DEPLOYMENT, delete_namespace, wait_default_service_account, wait_for
+from operator_run import print_log_tail
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +46,7 @@ def test_epp_follows_the_pool_and_its_pods(k8s, tmp_path):
                                "endpointPickerRef": {"name": "pool-epp", "port": {"number": 9002}}}})
         metrics_port = free_port()
         log = open(tmp_path / "epp.log", "wb")
-        epp = subprocess.Popen([KVGATE, "epp", "--pool-name", "pool", "--pool-namespace", ns,
+        epp = subprocess.Popen([KVGATE, "--log-level", "info", "epp", "--pool-name", "pool", "--pool-namespace", ns,
                                 "--grpc-port", str(free_port()), "--grpc-health-port", str(free_port()),
                                 "--metrics-port", str(metrics_port)], stdout=log, stderr=subprocess.STDOUT,
                                env=dict(os.environ, KUBECONFIG=str(k8s.kubeconfig)), start_new_session=True)
@@ -68,12 +69,20 @@ def test_epp_follows_the_pool_and_its_pods(k8s, tmp_path):
             want = ready_pod_endpoints()
             return len(want) == n and endpoints() == want
 
-        wait_for(lambda: converged(2), timeout_s=180, what="the EPP to scrape the pool's 2 ready pods")
-        for replicas in (3, 1):
-            client.patch(DEPLOYMENT, "llm", {"spec": {"replicas": replicas}}, ns)
-            start = time.monotonic()
-            wait_for(lambda: converged(replicas), timeout_s=180, what=f"the EPP to follow {replicas} pods")
-            print(f"[epp] followed the pool to {replicas} endpoints {time.monotonic() - start:.1f}s after scaling")
+        try:
+            wait_for(lambda: converged(2), timeout_s=180, what="the EPP to scrape the pool's 2 ready pods")
+            for replicas in (3, 1):
+                client.patch(DEPLOYMENT, "llm", {"spec": {"replicas": replicas}}, ns)
+                start = time.monotonic()
+                wait_for(lambda: converged(replicas), timeout_s=180, what=f"the EPP to follow {replicas} pods")
+                print(f"[epp] followed the pool to {replicas} endpoints {time.monotonic() - start:.1f}s after scaling")
+        except BaseException:
+            pods = client.list(CORE["Pod"], ns)["items"]
+            print(f"[epp] EPP exit code {epp.poll()}; it scrapes {sorted(endpoints())}; ready pods "
+                  f"{sorted(ready_pod_endpoints())}; pods "
+                  f"{[(p['metadata']['name'], p['status'].get('phase'), p['status'].get('podIP'), p['status'].get('conditions'), p['status'].get('containerStatuses')) for p in pods]}")
+            print_log_tail(tmp_path / "epp.log", what="EPP log")
+            raise
     finally:
         if epp is not None:
             os.killpg(epp.pid, 15)

@@ -40,6 +40,10 @@ case ",$STAGES," in *,profile,*)
 case ",$STAGES," in *,bench256,*)
   TAIL=20 stage bench256 140 python3 -m kvgate bench engine --model qwen3-0.5b --device cuda --num-requests 256 \
     --baselines batched --hf-batch-size 64 --compare-eager --result-file "$OUT/bench256.json" ;; esac
+case ",$STAGES," in *,bf16,*)
+  # The bf16 first-token check alone (no HF generate baseline): agreement, its floor, and the prompts bf16 decides.
+  TAIL=12 stage bf16 120 python3 -m kvgate bench engine --model qwen3-0.5b --device cuda --num-requests 256 \
+    --baselines none --hf-first-tokens --result-file "$OUT/bf16.json" ;; esac
 case ",$STAGES," in *,suites,*)
   # test_bench_prints_the_ratio runs the `kvgate` console script beside python3, which a --target install of the
   # wheel does not put there.

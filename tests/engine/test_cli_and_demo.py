@@ -1,6 +1,7 @@
 """The `kvgate` command as a user runs it, and the demo model's deterministic build."""
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -48,6 +49,21 @@ def test_bench_engine_runs(cache):
     assert r.returncode == 0, r.stderr
     for label in ("kvgate", "hf_single", "hf_batched_2", "greedy outputs identical to HF one-at-a-time: 3/3"):
         assert label in r.stdout
+
+
+def test_bench_engine_judges_bf16_first_tokens_against_hfs_own_rounding(cache, tmp_path):
+    """In bf16 the bench compares first tokens with HF bf16, and, on the prompts whose float32 margin bf16 rounding
+    cannot overturn (twice HF's own error), kvgate must agree on every one; each disagreement is a near tie."""
+    result = tmp_path / "bf16.json"
+    r = run(["bench", "engine", "--dtype", "bfloat16", "--num-requests", "24", "--output-len", "2",
+             "--max-prompt-len", "96", "--baselines", "none", "--hf-first-tokens", "--result-file", str(result)],
+            cache, timeout=400)
+    assert r.returncode == 0, r.stderr
+    decidable = json.loads(result.read_text())["results"]["first_token_floor"]["decidable"]
+    assert decidable["prompts"] >= 12, decidable
+    assert decidable["kvgate_vs_hf"] == 1.0 and decidable["hf_eager_vs_hf_sdpa"] == 1.0, decidable
+    assert all(gap <= 2 * decidable["noise_p99"] for gap in decidable["disagreements_float32_gap"]), decidable
+    assert "on the" in r.stdout and "prompts whose margin exceeds twice that" in r.stdout
 
 
 def test_demo_build_is_deterministic(tmp_path):
