@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -20,12 +21,16 @@ REPO = Path(__file__).resolve().parents[2]
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (held open together while chosen, so no two are the same)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def test_epp_follows_the_pool_and_its_pods(k8s, tmp_path):
@@ -44,10 +49,10 @@ def test_epp_follows_the_pool_and_its_pods(k8s, tmp_path):
                       "metadata": {"name": "pool", "namespace": ns},
                       "spec": {"selector": {"matchLabels": {"app": "llm"}}, "targetPorts": [{"number": 8000}],
                                "endpointPickerRef": {"name": "pool-epp", "port": {"number": 9002}}}})
-        metrics_port = free_port()
+        metrics_port, grpc_port, health_port = free_ports(3)
         log = open(tmp_path / "epp.log", "wb")
         epp = subprocess.Popen([KVGATE, "--log-level", "info", "epp", "--pool-name", "pool", "--pool-namespace", ns,
-                                "--grpc-port", str(free_port()), "--grpc-health-port", str(free_port()),
+                                "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port),
                                 "--metrics-port", str(metrics_port)], stdout=log, stderr=subprocess.STDOUT,
                                env=dict(os.environ, KUBECONFIG=str(k8s.kubeconfig)), start_new_session=True)
 
@@ -66,6 +71,7 @@ def test_epp_follows_the_pool_and_its_pods(k8s, tmp_path):
                     and not p["metadata"].get("deletionTimestamp")}
 
         def converged(n: int) -> bool:
+            assert epp.poll() is None, f"the EPP exited with {epp.returncode}"
             want = ready_pod_endpoints()
             return len(want) == n and endpoints() == want
 
