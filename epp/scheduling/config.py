@@ -386,6 +386,7 @@ plugins:
   parameters: {loadSignal: backlog, loadTolerance: 4, explorationProbability: 0}
 - type: precise-prefix-cache-scorer
 - type: prefix-group-balance-scorer
+  parameters: {balanceBy: tokens}
 - type: token-load-scorer
 - type: max-score-picker
 schedulingProfiles:

@@ -240,6 +240,27 @@ def test_group_balance_gives_a_homeless_prefix_to_the_endpoint_with_the_fewest_g
     assert list(scorer.score(req("tenant-6 system prompt"), states)) == [1.0, 1.0, 1.0]
 
 
+def test_group_balance_by_tokens_weighs_each_group_by_its_latest_prompt():
+    """balanceBy tokens: a homeless prefix goes where the groups' footprints (their latest prompts' tokens) sum
+    least — one long conversation outweighs two short ones, which counting groups would not see."""
+    by_tokens = create_plugin("prefix-group-balance-scorer", {"groupChars": 8, "balanceBy": "tokens"})
+    by_groups = create_plugin("prefix-group-balance-scorer", {"groupChars": 8})
+    states = [state("a:1"), state("b:1")]
+    for scorer in (by_tokens, by_groups):
+        scorer.pre_request(req("convo-1 " + "x" * 4000), states[0], None)  # ~1000 tokens on a, one group
+        scorer.pre_request(req("convo-2 short"), states[1], None)  # two small groups on b
+        scorer.pre_request(req("convo-3 short"), states[1], None)
+    assert list(by_groups.score(req("convo-4 new"), states)) == [1.0, 0.0]
+    assert list(by_tokens.score(req("convo-4 new"), states)) == [0.0, 1.0]
+    # a group's footprint is its latest prompt (a conversation grows; it is not counted twice)
+    by_tokens.pre_request(req("convo-2 " + "y" * 8000), states[1], None)
+    assert list(by_tokens.score(req("convo-4 new"), states)) == [1.0, 0.0]
+    # its own group does not count against the endpoint that has it
+    assert list(by_tokens.score(req("convo-1 again"), states)) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="balanceBy"):
+        create_plugin("prefix-group-balance-scorer", {"balanceBy": "bytes"})
+
+
 def test_group_balance_memory_is_bounded_per_endpoint():
     """Prompts with no shared prefix each make a group: past maxGroupsPerEndpoint the oldest goes first."""
     scorer = create_plugin("prefix-group-balance-scorer", {"groupChars": 9, "maxGroupsPerEndpoint": 3})
