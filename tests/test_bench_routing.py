@@ -6,6 +6,7 @@ rest on: identical request streams per rate, configurations skipped only for a m
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections import Counter
 
@@ -98,9 +99,12 @@ SHORT_SHAPE = "multi-tenant:output_spread=0.5"
 def test_short_run_end_to_end(tmp_path):
     result_file = tmp_path / "routing.json"
     # multi-tenant's prompts with spread output lengths: each request must get exactly its own max_tokens
+    # With two CPUs or more, the gateway tier runs pinned to one of them (--gateway-cpus), the rest on the others.
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = ["--gateway-cpus", str(cpus[0])] if len(cpus) >= 2 else []
     run = subprocess.run([KVGATE, "bench", "routing", "--short", "--workloads", SHORT_SHAPE,
                           "--configs", "round-robin,approximate", "--foreign-share", "0.1",
-                          "--result-file", str(result_file)],
+                          "--result-file", str(result_file), *pin],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and result_file.exists(), run.stdout + run.stderr[-3000:]
     result = json.loads(result_file.read_text())
@@ -136,6 +140,11 @@ def test_short_run_end_to_end(tmp_path):
     assert epp["decision"]["requests"] == epp["request_path"]["requests"] == routed, epp
     assert 0 < epp["decision"]["mean_ms"] <= epp["request_path"]["mean_ms"] <= epp["request_path"]["p99_ms_at_most"]
     assert "epp_time" not in cells["round-robin"]
+    if pin:
+        assert result["gateway_cpus"] == [cpus[0]]
+        for c in cells.values():  # Envoy (+ the EPP) on the first CPU, the engines on the others
+            assert c["cpus"]["gateway"] == [cpus[0]] and c["cpus"]["others"] == cpus[1:], c["cpus"]
+            assert c["cpus"]["threads_pinned"] > 10, c["cpus"]
     assert "multi-tenant" in run.stdout and "round-robin" in run.stdout and "routed p90" in run.stdout
     assert "EPP ms/req" in run.stdout
 

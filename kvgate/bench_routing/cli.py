@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from kvgate.bench_routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
+from kvgate.bench_routing.pinning import parse_cpus
 from kvgate.bench_routing.workloads import SHAPE_SETS, SHAPES, WORKLOADS, WorkloadShape, arrivals, parse_shape, \
     with_foreign
 
@@ -94,6 +95,10 @@ def add_bench_routing_parser(sub) -> None:
                         "under test; the same requests for every configuration (default 0)")
     p.add_argument("--short", action="store_true",
                    help=f"{SHORT['duration']:g} s per cell, rate {SHORT['rates']}/s unless --rates (the test suite's)")
+    p.add_argument("--gateway-cpus", default=None, metavar="CPUS",
+                   help="pin the gateway tier (Envoy + the EPP, or the external router) to these CPUs, e.g. 0 or "
+                        "0,2 or 1-3, and the engines and the load to the others: a slower machine's share for the "
+                        "routing decision, the same for every configuration (Linux; default: no pinning)")
     p.add_argument("--result-file", default=None, help="write every cell as JSON here")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT p90 and throughput vs rate (matplotlib)")
     p.set_defaults(func=run_bench_routing)
@@ -115,10 +120,17 @@ def run_bench_routing(args) -> int:
         raise SystemExit("kvgate bench routing: --replicas, --duration and --drain must be > 0")
     if not 0 <= args.foreign_share < 1:
         raise SystemExit(f"kvgate bench routing: --foreign-share must be in [0, 1), got {args.foreign_share:g}")
+    gateway_cpus = None
+    if args.gateway_cpus is not None:
+        try:
+            gateway_cpus = parse_cpus(args.gateway_cpus)
+        except ValueError as exc:
+            raise SystemExit(f"kvgate bench routing: --gateway-cpus: {exc}") from None
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the run, not after it
         raise SystemExit("kvgate bench routing: --plot needs matplotlib (pip install 'kvgate[bench]')")
     configs, result = [], {"replicas": args.replicas, "duration_s": args.duration, "drain_s": args.drain,
                            "seed": args.seed, "foreign_share": args.foreign_share, "rates": rates,
+                           "gateway_cpus": sorted(gateway_cpus) if gateway_cpus else None,
                            "configurations": {}, "workloads": {}}
     for name in wanted:
         why = unavailable(BY_NAME[name])
@@ -145,7 +157,7 @@ def run_bench_routing(args) -> int:
                 bar.set_description(f"{shape.name} {rate:g}/s {config.name}")
                 cell = {"configuration": config.name, "rate": rate,
                         **run_cell(workdir, config, shape, requests, replicas=args.replicas,
-                                   drain_s=args.drain, tick=lambda: bar.update(1))}
+                                   drain_s=args.drain, tick=lambda: bar.update(1), gateway_cpus=gateway_cpus)}
                 cells.append(cell)
                 failed |= cell["sent"] != cell["requests"]
     for workload in result["workloads"].values():

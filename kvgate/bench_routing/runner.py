@@ -17,6 +17,7 @@ what a lead is lost to.
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.bench_routing import pinning
 from kvgate.bench_routing.configurations import SIM_MODEL, RoutingConfig, router_program, sim_engine_args
 from kvgate.bench_routing.workloads import BenchRequest, WorkloadShape
 from kvgate.chaos.load import Outcome, StreamLoad
@@ -253,11 +255,23 @@ def objectives_met(outcomes: list[Outcome], requests: list[BenchRequest]) -> dic
     return {"stated": len(stated), "met": met, "share_met": round(met / len(stated), 4)}
 
 
+def _pin(stack, gateway_cpus: frozenset[int]) -> dict:
+    """The gateway tier on gateway_cpus, the rest of the stack and this process (the load) on the other CPUs."""
+    gateway, rest = pinning.split(gateway_cpus)
+    threads = 0
+    for child in stack.children:  # each child leads a process group of its own (start_group)
+        threads += pinning.pin_group(child.proc.pid, gateway if child.name in pinning.GATEWAY_CHILDREN else rest)
+    os.sched_setaffinity(0, rest)
+    return {"gateway": sorted(gateway), "others": sorted(rest), "threads_pinned": threads}
+
+
 def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, requests: list[BenchRequest], *,
              replicas: int, drain_s: float, startup_timeout: float = 120.0,
-             tick: Callable[[], None] = lambda: None) -> dict:
+             tick: Callable[[], None] = lambda: None, gateway_cpus: frozenset[int] | None = None) -> dict:
     up, url = _start(workdir, config, replicas, startup_timeout, sim_engine_args(shape.kv_tokens))
+    own_cpus = os.sched_getaffinity(0)
     try:
+        cpus = _pin(up.stack, gateway_cpus) if gateway_cpus else None
         # the readiness probe of a router sent one request: counted in `before`, so not in the deltas
         before = all_counters(up.endpoints)
         epp_before = epp_histograms(epp_metrics(up.metrics_port)) if config.kind == "epp" else None
@@ -277,6 +291,8 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
             result["routed"] = {"requests": len(routed), "ttft_s": _percentiles(
                 [o.first_token_at - o.sent_at for o in routed if o.ok()])}
         result["logs"] = str(up.stack.workdir)
+        if cpus is not None:
+            result["cpus"] = cpus
         if config.kind == "epp" and config.kv_events:
             result["epp_kv_events"] = kv_event_counts(epp_after)
         model = latency_model(epp_after) if epp_after is not None else None
@@ -288,3 +304,4 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
         return result
     finally:
         up.stack.stop()
+        os.sched_setaffinity(0, own_cpus)

@@ -1,0 +1,81 @@
+"""CPU pinning for `kvgate bench routing --gateway-cpus`: the gateway tier (Envoy + the EPP, or an external router)
+on its own CPUs, everything else of the cell (the sim engines and the bench's load generator) on the others — a
+slower machine's share for the routing decision, the same for every configuration (issue 23, must-show 3).
+
+Linux only (sched_setaffinity). A process is pinned with every thread it has and every process of its group
+(`start_group` gives each child a process group of its own): threads and processes started later inherit the
+affinity of the one that starts them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+# Which of a local stack's children (kvgate.up.Stack names) make the gateway tier.
+GATEWAY_CHILDREN = ("epp", "envoy", "router")
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """'0', '0,2', '1-3' (the taskset / cpuset list form) -> a set of CPUs this process may use; ValueError names
+    what is wrong."""
+    allowed = os.sched_getaffinity(0)
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r} (write e.g. 0 or 0,2 or 1-3)")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first or last - first > 4096:
+            raise ValueError(f"not a CPU range: {part!r}")
+        cpus.update(range(first, last + 1))
+    missing = sorted(cpus - allowed)
+    if missing:
+        raise ValueError(f"CPUs {missing} are not available here (available: {sorted(allowed)})")
+    return frozenset(cpus)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Every process in process group pgid."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    pids.append(int(entry.name))
+            except OSError:  # gone meanwhile
+                continue
+    return pids
+
+
+def pin_process(pid: int, cpus: Iterable[int]) -> int:
+    """Pin every thread of pid; the number of threads pinned (0 when the process is gone)."""
+    cpus = set(cpus)
+    pinned = 0
+    try:
+        tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+            pinned += 1
+        except OSError:  # the thread ended meanwhile
+            continue
+    return pinned
+
+
+def pin_group(pgid: int, cpus: Iterable[int]) -> int:
+    """Pin every thread of every process of group pgid; the number of threads pinned."""
+    cpus = set(cpus)
+    return sum(pin_process(pid, cpus) for pid in group_pids(pgid))
+
+
+def split(gateway: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
+    """(gateway CPUs, the others' CPUs): the others get what this process may use less the gateway's, or all of it
+    when nothing would be left (a one-CPU machine: pinning can only say where the gateway runs)."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    rest = allowed - gateway
+    return gateway, rest or allowed

@@ -1,0 +1,66 @@
+"""`kvgate bench routing --gateway-cpus`: CPU lists parsed as taskset writes them, and a whole process group pinned,
+every thread of every process, threads started later included (they inherit)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvgate.bench_routing import pinning
+
+CPUS = sorted(os.sched_getaffinity(0))
+
+# A process group: a parent with two extra threads and a child process, all sleeping until killed.
+PROGRAM = """
+import subprocess, sys, threading, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+for _ in range(2):
+    threading.Thread(target=time.sleep, args=(120,), daemon=True).start()
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_cpu_lists_parse_like_taskset():
+    assert pinning.parse_cpus(str(CPUS[0])) == {CPUS[0]}
+    assert pinning.parse_cpus(",".join(map(str, CPUS))) == set(CPUS)
+    if CPUS == list(range(CPUS[0], CPUS[-1] + 1)):
+        assert pinning.parse_cpus(f"{CPUS[0]}-{CPUS[-1]}") == set(CPUS)
+    for bad in ("", "a", "1-", "-1", "3-1", "0,,1", "0-99999"):
+        with pytest.raises(ValueError):
+            pinning.parse_cpus(bad)
+    with pytest.raises(ValueError, match="not available"):
+        pinning.parse_cpus(str(max(CPUS) + 1))
+
+
+def test_split_leaves_the_others_the_rest_or_everything():
+    gateway, rest = pinning.split(frozenset({CPUS[0]}))
+    assert gateway == {CPUS[0]}
+    assert rest == (set(CPUS) - {CPUS[0]} or set(CPUS))
+
+
+def test_a_process_group_is_pinned_whole():
+    proc = subprocess.Popen([sys.executable, "-c", PROGRAM], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        child = int(proc.stdout.readline())
+        pids = {proc.pid, child}
+        deadline = time.monotonic() + 10
+        while set(pinning.group_pids(proc.pid)) != pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(pinning.group_pids(proc.pid)) == pids
+        threads = pinning.pin_group(proc.pid, {CPUS[-1]})
+        assert threads >= 4  # the parent's main thread and two more, the child's main thread
+        for pid in pids:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                assert os.sched_getaffinity(int(task.name)) == {CPUS[-1]}
+        assert pinning.pin_process(2**22 + 12345, {CPUS[0]}) == 0  # no such process: nothing, no error
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
