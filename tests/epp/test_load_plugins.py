@@ -261,6 +261,26 @@ def test_group_balance_by_tokens_weighs_each_group_by_its_latest_prompt():
         create_plugin("prefix-group-balance-scorer", {"balanceBy": "bytes"})
 
 
+def test_group_balance_token_totals_follow_every_change():
+    """The per-endpoint footprint total is kept as groups come, grow, expire and overflow: always their sum."""
+    import random
+
+    now = [0.0]
+    scorer = create_plugin("prefix-group-balance-scorer", {"groupChars": 4, "balanceBy": "tokens",
+                                                           "windowSeconds": 5, "maxGroupsPerEndpoint": 6})
+    scorer.clock = lambda: now[0]
+    states = [state("a:1"), state("b:1")]
+    rng = random.Random(7)
+    for _ in range(500):
+        now[0] += rng.random()
+        e = rng.choice(states)
+        scorer.pre_request(req(f"g{rng.randrange(12):03d}" + "x" * rng.randrange(4, 400)), e, None)
+        scorer.score(req("g999 new"), states)  # expires what the window passed
+        for address, groups in scorer._groups.items():
+            assert scorer._tokens[address] == sum(tokens for _, tokens in groups.values())
+            assert len(groups) <= 6
+
+
 def test_group_balance_memory_is_bounded_per_endpoint():
     """Prompts with no shared prefix each make a group: past maxGroupsPerEndpoint the oldest goes first."""
     scorer = create_plugin("prefix-group-balance-scorer", {"groupChars": 9, "maxGroupsPerEndpoint": 3})

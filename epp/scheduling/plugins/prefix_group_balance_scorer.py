@@ -68,23 +68,31 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         self.clock = clock
         # address → group → (last pick, the prompt tokens of its latest request: its cache footprint), oldest first
         self._groups: dict[str, OrderedDict[int, tuple[float, int]]] = {}
+        self._tokens: dict[str, int] = {}  # address → the sum of its live groups' footprints (kept as they change)
 
     def group(self, request: LLMRequest) -> int:
         return xxhash.xxh3_64_intdigest(request.prompt[:self.group_chars].encode("utf-8", "surrogatepass"))
 
     def _live(self, address: str, now: float) -> OrderedDict[int, tuple[float, int]]:
-        groups = self._groups.setdefault(address, OrderedDict())
+        groups = self._groups.get(address)
+        if groups is None:
+            groups = self._groups[address] = OrderedDict()
+            self._tokens[address] = 0
         horizon = now - self.window_s
         while groups and next(iter(groups.values()))[0] < horizon:
-            groups.popitem(last=False)
+            self._drop_oldest(address, groups)
         return groups
 
-    def _load(self, groups: OrderedDict[int, tuple[float, int]], group: int) -> float:
-        """What e carries besides this request's own group: groups, or their prompts' tokens."""
+    def _drop_oldest(self, address: str, groups: OrderedDict[int, tuple[float, int]]) -> None:
+        _, (_, tokens) = groups.popitem(last=False)
+        self._tokens[address] -= tokens
+
+    def _load(self, address: str, groups: OrderedDict[int, tuple[float, int]], group: int) -> float:
+        """What e carries besides this request's own group: groups, or their prompts' tokens (O(1) either way)."""
         if self.balance_by == "groups":
             return len(groups) - (group in groups)
         own = groups.get(group)
-        return sum(tokens for _, tokens in groups.values()) - (own[1] if own else 0)
+        return self._tokens[address] - (own[1] if own else 0)
 
     def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
               ) -> np.ndarray:
@@ -95,7 +103,7 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         group, now = self.group(request), self.clock()
         counts = np.empty(n)
         for i, e in enumerate(endpoints):
-            counts[i] = self._load(self._live(e.address, now), group)
+            counts[i] = self._load(e.address, self._live(e.address, now), group)
         return lower_is_better(counts)
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
@@ -103,13 +111,16 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         groups = self._live(endpoint.address, now)
         group = self.group(request)
         tokens = prefix_tokens(self, request, [endpoint], cycle)[0] if self.balance_by == "tokens" else 0
+        old = groups.get(group)
         groups[group] = (now, tokens)
         groups.move_to_end(group)
+        self._tokens[endpoint.address] += tokens - (old[1] if old else 0)
         if len(groups) > self.max_groups:  # bounded: distinct prompts (no shared prefix) each make a group
-            groups.popitem(last=False)
+            self._drop_oldest(endpoint.address, groups)
 
     def remove_endpoint(self, address: str) -> None:
         self._groups.pop(address, None)
+        self._tokens.pop(address, None)
 
 
 def factory(parameters: dict | None) -> PrefixGroupBalanceScorer:
