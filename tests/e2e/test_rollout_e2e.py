@@ -139,6 +139,22 @@ def test_rollouts_under_streaming_load(k8s, tmp_path):
                 and st.get("updatedReplicas") == st.get("replicas") == st.get("readyReplicas") == replicas
                 and len(pods(selector)) == replicas and len(ready_ips(selector)) == replicas)
 
+    def epp_roll_state(seen: dict, old_uids: set) -> str:
+        """One line saying where an EPP roll stands, for a timeout's message; each EPP pod's log tail printed."""
+        status = client.get(DEPLOYMENT, "demo-pool-epp", ns).get("status") or {}
+        states = []
+        for p in pods(EPP):
+            md = p["metadata"]
+            states.append(f"{'old' if md['uid'] in old_uids else 'new'} {md['name']} "
+                          f"{p.get('status', {}).get('phase')} ready={is_ready(p)} "
+                          f"deleting={bool(md.get('deletionTimestamp'))}")
+            for log in (k8s.dir / "runner" / "pods").glob(f"{ns}_{md['name']}_{md['uid'][:8]}/*.log"):
+                print_log_tail(log, chars=3000, what=f"log of {md['name']}")
+        steps = ", ".join(f"{k} at {v:.1f}s" for k, v in seen.items()) or "none"
+        fields = {k: status.get(k) for k in ("replicas", "updatedReplicas", "readyReplicas", "observedGeneration")}
+        return (f"steps seen: {steps}; Deployment status {fields}; EPP pods: {'; '.join(states) or 'none'}; "
+                f"Envoy's EPP address {envoy_epp_address() or 'none'}")
+
     def envoy_epp_address() -> str:
         """The EPP pod IPs the Gateway's Envoy config names (its EPP cluster's EDS file)."""
         cm = client.get(CORE["ConfigMap"], "inference-gateway-envoy", ns)
@@ -202,9 +218,22 @@ def test_rollouts_under_streaming_load(k8s, tmp_path):
             address = envoy_epp_address()
             if address and address != old_epp_ip:
                 seen.setdefault("Envoy config names the new EPP pod", now)
-            return (rolled("demo-pool-epp", EPP, 1) and not {p["metadata"]["uid"] for p in pods(EPP)} & old_epp
+            epp_pods = pods(EPP)
+            for p in epp_pods:   # each step's time, so that a slow roll says which step was slow
+                if p["metadata"]["uid"] not in old_epp:
+                    seen.setdefault("new EPP pod created", now)
+                    if is_ready(p):
+                        seen.setdefault("new EPP pod Ready", now)
+                elif p["metadata"].get("deletionTimestamp"):
+                    seen.setdefault("old EPP pod deleting", now)
+            if not {p["metadata"]["uid"] for p in epp_pods} & old_epp:
+                seen.setdefault("old EPP pod gone", now)
+            return (rolled("demo-pool-epp", EPP, 1) and "old EPP pod gone" in seen
                     and "Envoy config names the new EPP pod" in seen)
-        wait_for(epp_rolled, timeout_s=90, interval_s=0.25, what="the EPP Deployment to roll, Envoy to follow")
+        try:
+            wait_for(epp_rolled, timeout_s=90, interval_s=0.25, what="the EPP Deployment to roll, Envoy to follow")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; {epp_roll_state(seen, old_epp)}") from None
         epp_ended = time.monotonic()
         mark(f"EPP rolled in {epp_ended - epp_began:.1f}s ({old_epp_ip} -> {envoy_epp_address()}; "
              + ", ".join(f"{k} at {v:.1f}s" for k, v in seen.items()) + ")")
