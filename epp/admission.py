@@ -10,6 +10,7 @@ in the queue at once, not one scrape round later.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from kvgate.epp.types import EndpointState, LLMRequest
@@ -39,6 +40,15 @@ class Admission:
         if unseen is None:
             return not any(self.has_headroom(e) for e in endpoints)
         return not any(self.has_headroom(e, u) for e, u in zip(endpoints, unseen))
+
+    def room(self, endpoints: Sequence[EndpointState], unseen: Sequence[float]) -> int:
+        """How many more requests the endpoints take before every one is saturated: per endpoint with headroom,
+        the queue threshold less its waiting and not-yet-scraped requests (flow control's dispatch gate)."""
+        total = 0
+        for e, u in zip(endpoints, unseen):
+            if self.has_headroom(e, u):
+                total += math.ceil(self.queue_depth_threshold - e.metrics.waiting_queue_size - u)
+        return total
 
     def admit(self, request: LLMRequest, endpoints: Sequence[EndpointState],
               unseen: Sequence[float] | None = None) -> bool:

@@ -18,11 +18,13 @@ from kvgate.epp.types import EndpointState, LLMRequest
 
 
 class RoutingError(Exception):
-    """A request that cannot be routed; answered with an ImmediateResponse of this HTTP status."""
+    """A request that cannot be routed; answered with an ImmediateResponse of this HTTP status (and headers, such
+    as flow control's retry-after)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
 
 
 class Director:
@@ -39,6 +41,9 @@ class Director:
         # echo backends) they are still routable. Standalone endpoints have no such gate: unscraped means unknown.
         self.trust_pool_readiness = trust_pool_readiness
         self.load = LoadTracker()
+        # flow_control.FlowController when the config's featureGates name flowControl (main wires it): requests
+        # wait in it while the pool is saturated, and legacy shedding (admission.admit) is off
+        self.flow = None
         self._uncached_from_plugins = scheduler.produces(PICKED_UNCACHED_TOKENS)
         self.in_flight = self.load.by_address  # address → AddressLoad (requests, tokens, flights)
         self._selected_from: list[EndpointState] | None = None  # the snapshot `_selected` was chosen from
@@ -83,21 +88,45 @@ class Director:
     def _in_flight_counts(self) -> dict[str, tuple[int, int]]:
         return self.load.counts()
 
-    def needs_prepare(self, request: LLMRequest) -> bool:
-        """Whether a plugin has slow work to do for this request before `pick` (see `prepare`)."""
-        return self.scheduler.needs_prepare(request)
+    def waits_before_pick(self, request: LLMRequest) -> bool:
+        """Whether the request has to wait before `pick`: for a plugin's slow work, or in flow control (see
+        `before_pick`)."""
+        return self.flow is not None or self.scheduler.needs_prepare(request)
 
-    async def prepare(self, request: LLMRequest) -> None:
+    async def before_pick(self, request: LLMRequest, body_bytes: int):
         """Plugins' slow per-request work (the precise prefix scorer tokenizing a long prompt), off the event loop
-        and each within its own time budget, so that no other decision waits on it; then `pick` (synchronous)."""
-        await self.scheduler.prepare(request)
+        and each within its own time budget, so that no other decision waits on it; then, with flow control, the
+        wait for room in the pool. Returns flow control's Grant (release it once `pick` returned or raised) or
+        None; raises RoutingError when flow control refuses the request."""
+        if self.scheduler.needs_prepare(request):
+            await self.scheduler.prepare(request)
+        if self.flow is None:
+            return None
+        self.classify(request)
+        return await self.flow.admit(request, body_bytes)
+
+    def classify(self, request: LLMRequest) -> None:
+        """The request's priority (its InferenceObjective) and target model (InferenceModelRewrite), once."""
+        if request.classified:
+            return
+        request.classified = True
+        request.priority = self.datastore.priority(request.headers.get(OBJECTIVE_HEADER))
+        if request.model:
+            request.target_model = self.datastore.rewrite(request.model, self.rng)
+
+    def dispatch_room(self) -> int:
+        """How many more requests the pool takes now, by the saturation detector (flow control's dispatch gate):
+        counted over the round's snapshot with this EPP's requests routed since the scrape."""
+        states = self.candidates(None, round_snapshot=True)
+        if not states:
+            return 0
+        load = self.load.view(self.datalayer.snapshot(self._in_flight_counts))
+        return self.admission.room(states, load.column("unseen_requests", states))
 
     def pick(self, request: LLMRequest, subset: list[str] | None = None) -> list[EndpointState]:
         """Ordered endpoints for the request (primary first); raises RoutingError (503 / 429)."""
         started = time.perf_counter()
-        request.priority = self.datastore.priority(request.headers.get(OBJECTIVE_HEADER))
-        if request.model:
-            request.target_model = self.datastore.rewrite(request.model, self.rng)
+        self.classify(request)
         states = self.candidates(subset, round_snapshot=True)
         if not states:
             why = ("the subset hint matches no ready endpoint of the pool" if subset is not None
@@ -105,8 +134,8 @@ class Director:
             raise RoutingError(503, f"no eligible endpoint: {why}")
         # The exact in-flight overlay, laid on the round's whole snapshot (columns map the candidates onto it).
         load = self.load.view(self.datalayer.snapshot(self._in_flight_counts))
-        if request.priority < 0 and not self.admission.admit(request, states,
-                                                              load.column("unseen_requests", states)):
+        if request.priority < 0 and self.flow is None and not self.admission.admit(
+                request, states, load.column("unseen_requests", states)):
             raise RoutingError(429, "the pool is saturated and this request is sheddable (priority < 0)")
         cycle = CycleState(load)  # this decision's plugin state, from scoring to the pick hook
         ordered = self.scheduler.schedule(request, states, cycle)
@@ -130,6 +159,8 @@ class Director:
         """The response ended (or broke): undo the in-flight accounting and tell the plugins."""
         self.load.release(request, address)
         self.scheduler.on_response_complete(request, address, prompt_tokens, completion_tokens)
+        if self.flow is not None:
+            self.flow.wake()  # its place in the pool is free: a held request may go
         if self.metrics is not None and (prompt_tokens or completion_tokens):
             self.metrics.tokens.labels(address, "prompt").inc(prompt_tokens)
             self.metrics.tokens.labels(address, "completion").inc(completion_tokens)

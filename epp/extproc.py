@@ -8,7 +8,9 @@ streamed back unchanged (or with the model rewritten). In BUFFERED mode the head
 and the decision rides on the body response. Requests without a body are decided at header time, as upstream
 does. The body is held only until the decision (then freed) and never beyond `max_body_bytes`: a larger one is
 answered 413 at once, without waiting for the rest. Every refusal is an ImmediateResponse with an OpenAI-shaped
-JSON body (400 malformed, 413 too large, 429 shed, 503 no eligible endpoint), never a broken stream.
+JSON body (400 malformed, 413 too large, 429 shed, 503 no eligible endpoint; flow control's 429 / 503 carry
+retry-after), never a broken stream. With flow control (epp/flow_control.py) a request waits between its body
+and the decision while the pool is saturated.
 Response path: every body chunk is echoed straight back (SSE tokens keep flowing), `usage` is read from
 the tail of the stream, and the in-flight accounting is released when the stream ends or breaks.
 """
@@ -78,11 +80,12 @@ def _destination(value: str, rewritten_body: bytes | None, *, buffered_body: boo
     return common, metadata
 
 
-def _immediate(status: int, message: str) -> pb.ProcessingResponse:
+def _immediate(status: int, message: str, headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
     kind = _ERROR_TYPES.get(status, "service_unavailable")
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
-    headers = pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))])
+    headers = pb.HeaderMutation(set_headers=[
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
+        for key, value in {"content-type": "application/json", **(headers or {})}.items()])
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status), headers=headers, body=body.encode(),
         details=f"kvgate_epp_{status}"))
@@ -204,13 +207,13 @@ class _RequestStream:
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 
-    def _refuse(self, status: int, message: str) -> pb.ProcessingResponse:
+    def _refuse(self, status: int, message: str, headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
         self.decided = True
         self.request = None
         self.deferred = None
         self.body = bytearray()
         self._count(status)
-        return _immediate(status, message)
+        return _immediate(status, message, headers)
 
     def _decide_on_body(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         self.path_started = time.perf_counter()
@@ -220,13 +223,13 @@ class _RequestStream:
             self.request, body = parse_request(rid, raw, self.headers)
         except BadRequest as exc:
             return [self._refuse(400, str(exc))]
-        if self.director.needs_prepare(self.request):
+        if self.director.waits_before_pick(self.request):
             self.deferred = (raw, body, end_of_stream, [])
             return []
         return self._pick(raw, body, end_of_stream)
 
     def decide(self) -> list[pb.ProcessingResponse]:
-        """The decision `_decide_on_body` deferred, once the director's prepare step is done."""
+        """The decision `_decide_on_body` deferred, once the director's before_pick step is done."""
         raw, body, end_of_stream, after = self.deferred
         self.deferred = None
         decided = self._pick(raw, body, end_of_stream)
@@ -314,9 +317,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     return
                 try:
                     responses = stream.handle(msg)
-                    if stream.deferred is not None:  # slow plugin work first, off the loop: others go on
-                        await self.director.prepare(stream.request)
-                        responses = stream.decide()
+                    if stream.deferred is not None:  # slow plugin work, flow control's wait: others go on
+                        responses = await self._decide_after_wait(stream)
                 except Exception:  # a bug must cost one request a clean 500, not the stream or the process
                     log.exception("ext-proc message failed")
                     if stream.decided:
@@ -327,3 +329,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         finally:
             self.active -= 1
             stream.release()  # the stream ended or broke: never leak in-flight accounting
+
+    async def _decide_after_wait(self, stream: _RequestStream) -> list[pb.ProcessingResponse]:
+        try:
+            grant = await self.director.before_pick(stream.request, len(stream.deferred[0]))
+        except RoutingError as exc:  # flow control's refusal: queue full, or the TTL passed
+            return [stream._refuse(exc.status, str(exc), exc.headers)]
+        try:
+            return stream.decide()
+        finally:
+            if grant is not None:
+                grant.release()

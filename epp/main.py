@@ -179,6 +179,15 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         else saturation.kv_cache_util_threshold)
     director = Director(datastore, datalayer, scheduler, admission, metrics,
                         trust_pool_readiness=bool(args.pool_name))
+    flow = config.flow_control
+    if flow.enabled:
+        from kvgate.epp.flow_control import FlowController
+
+        director.flow = FlowController(flow, director.dispatch_room, observe=metrics.observe_flow)
+        datalayer.round_listeners.append(director.flow.wake)
+        log.info("flow control on: requests wait while the pool is saturated (queue depth %d, KV %.2f), at most "
+                 "%d requests / %d bytes, TTL %g s, %d configured priority band(s)", admission.queue_depth_threshold,
+                 admission.kv_cache_threshold, flow.max_requests, flow.max_bytes, flow.default_ttl_s, len(flow.bands))
     metrics.watch(director)
 
     known: set[str] = set()
@@ -254,6 +263,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             watcher.stop()
         await health_server.stop(grace=0)
         await datalayer.stop()
+        if director.flow is not None:
+            director.flow.close()
         scheduler.stop()
         metrics_http.shutdown()
 

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 REPUBLISH_SECONDS = 1.0
+MAX_FLOW_LABELS = 100  # distinct fairness ids given their own flow-control histogram series
 
 
 class EndpointRow(NamedTuple):
@@ -39,6 +40,7 @@ class Snapshot(NamedTuple):
     rows: tuple[EndpointRow, ...] = ()
     staleness: float = 2.0
     plugin_stats: Mapping[str, Mapping[str, float]] = {}  # Scheduler.stats(): per stats group, summed
+    flow_rows: tuple[tuple[str, int, int, int], ...] | None = None  # FlowController.rows(); None: flow control off
 
 
 # The precise scorer's gauges; every other key of its stats is a cumulative count of KV-event batches or blocks.
@@ -90,7 +92,9 @@ class EndpointGauges:
                                  s.metrics.kv_cache_usage, s.metrics.updated_at, s.in_flight_requests, s.stale,
                                  s.available)
                      for s in states)
-        self.snapshot = Snapshot(rows, self.director.datalayer.staleness, self.director.scheduler.stats())
+        flow = getattr(self.director, "flow", None)
+        self.snapshot = Snapshot(rows, self.director.datalayer.staleness, self.director.scheduler.stats(),
+                                 flow.rows() if flow is not None else None)
         if self.tokens is not None:
             self.tokens.retain({row.address for row in rows})
 
@@ -154,6 +158,16 @@ class EndpointGauges:
         latency = snapshot.plugin_stats.get("latency_model") or {}
         if latency:
             yield from _latency_model_families(latency)
+        if snapshot.flow_rows is not None:
+            size = GaugeMetricFamily("inference_extension_flow_control_queue_size", "Requests held by flow control, "
+                                     "per flow and priority band.", labels=["fairness_id", "priority"])
+            held = GaugeMetricFamily("inference_extension_flow_control_queue_bytes", "Request bytes held by flow "
+                                     "control, per flow and priority band.", labels=["fairness_id", "priority"])
+            for flow_id, priority, count, nbytes in snapshot.flow_rows:
+                size.add_metric([flow_id, str(priority)], count)
+                held.add_metric([flow_id, str(priority)], nbytes)
+            yield size
+            yield held
 
 
 def _latency_model_families(values: Mapping[str, float]):
@@ -201,6 +215,23 @@ class EppMetrics:
         self.tokens = EndpointCounter(Counter("kvgate_epp_tokens", "Tokens served per endpoint, from response usage.",
                                               ["endpoint", "kind"], registry=r))
         self.gauges: EndpointGauges | None = None
+        # upstream's name and labels (its inference_pool and model labels aside): time in flow control per outcome
+        self.flow_seconds = Histogram(
+            "inference_extension_flow_control_request_queue_duration_seconds", "Time requests spend in flow control, "
+            "from their arrival to their outcome (Dispatched, RejectedCapacity, EvictedTTL, EvictedContextCancelled).",
+            ["fairness_id", "priority", "outcome"], registry=r,
+            buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
+        self._flow_ids: set[str] = set()
+
+    def observe_flow(self, flow_id: str, priority: int, outcome: str, seconds: float) -> None:
+        """FlowController's observer. Flow ids are client text: past MAX_FLOW_LABELS distinct ones the histogram
+        files the rest under "other" (its series live as long as the process)."""
+        if flow_id not in self._flow_ids:
+            if len(self._flow_ids) >= MAX_FLOW_LABELS:
+                flow_id = "other"
+            else:
+                self._flow_ids.add(flow_id)
+        self.flow_seconds.labels(flow_id, str(priority), outcome).observe(seconds)
 
     def watch(self, director) -> None:
         """Export the director's endpoints; call on the event loop. The datalayer's rounds publish the snapshot."""

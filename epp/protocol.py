@@ -24,6 +24,9 @@ OBJECTIVE_HEADER = "x-gateway-inference-objective"
 # Client → EPP: latency objectives in milliseconds (llm-d's predicted-latency headers; predicted-latency-scorer).
 TTFT_OBJECTIVE_HEADER = "x-slo-ttft-ms"
 TPOT_OBJECTIVE_HEADER = "x-slo-tpot-ms"
+# Client → EPP: the flow a request belongs to for flow control's fairness within a priority band (upstream's name;
+# without it the objective is the flow).
+FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 
 # Conformance-only names: used by plugins that run only in configs that name them.
 TEST_ENDPOINT_SELECTION_HEADER = "test-epp-endpoint-selection"  # header-based-testing-filter

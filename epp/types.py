@@ -87,6 +87,8 @@ class LLMRequest:
     # time.monotonic() when the first generated token passed the gateway (a streamed response's first chunk with
     # text; set by the ext-proc response path): what the learned latency model trains its TTFT on
     first_token_at: float | None = field(default=None, repr=False, compare=False)
+    # priority and target model worked out (Director.classify): before flow control, which orders by priority
+    classified: bool = field(default=False, repr=False, compare=False)
 
     @property
     def estimated_prompt_tokens(self) -> int:

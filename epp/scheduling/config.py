@@ -20,8 +20,9 @@ Defaults as upstream fills them: no schedulingProfiles → one `default` profile
 a profile without a picker gets a max-score-picker.
 Plugins that weigh cache hits against load (scheduling/prefix_match.py NeedsPrefixMatch) are given their
 profile's prefix scorer (the one named by their `prefixScorer` parameter, else the profile's only one).
-Other top-level sections upstream knows (featureGates,
-dataLayer, flowControl, parser, requestHandler) are accepted and ignored. More than one profile is refused, as
+`featureGates: [flowControl]` with a `flowControl` section turns on flow control (epp/flow_config.py; its
+fairness and ordering policies are plugins in `plugins:` that no profile lists). Other top-level sections upstream
+knows (other featureGates, dataLayer, parser, requestHandler) are accepted and ignored. More than one profile is refused, as
 upstream refuses it without a profile handler that runs several: kvgate's only handler is upstream's
 single-profile-handler, so a second profile would be parsed and never run.
 
@@ -44,6 +45,7 @@ from typing import Any
 import yaml
 
 from kvgate import bounded_yaml
+from kvgate.epp.flow_config import POLICY_TYPES, FlowConfigError, FlowControlConfig, parse_flow_control
 from kvgate.epp.scheduling.framework import (
     Filter,
     Picker,
@@ -71,8 +73,9 @@ SERVED_VERIFIER = "destination-endpoint-served-verifier"
 RESPONSE_PLUGIN_TYPES = {SERVED_VERIFIER}
 MAX_MESSAGE = 2000  # characters of a ConfigError (a Kubernetes condition message may have 32768)
 MAX_WEIGHT = 1_000_000  # scores are in [0, 1]: a larger weight only loses float precision for the others
-IGNORED_SECTIONS = {"featureGates", "dataLayer", "flowControl", "parser", "requestHandler", "data"}
-KNOWN_SECTIONS = {"apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector"} | IGNORED_SECTIONS
+IGNORED_SECTIONS = {"dataLayer", "parser", "requestHandler", "data"}
+KNOWN_SECTIONS = {"apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector", "featureGates",
+                  "flowControl"} | IGNORED_SECTIONS
 
 
 class ConfigError(ValueError):
@@ -110,6 +113,7 @@ class EppConfig:
     scheduler: SchedulerConfig
     saturation: SaturationConfig = field(default_factory=SaturationConfig)
     report_served_endpoint: bool = False  # a destination-endpoint-served-verifier is configured
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
 
     @property
     def returns_lists(self) -> bool:
@@ -185,19 +189,31 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
     if not isinstance(doc, Mapping):
         raise ConfigError(f"{source}: expected a mapping (an EndpointPickerConfig), got {type(doc).__name__}")
     _check_header(doc, source)
-    specs, response_plugins = doc.get("plugins"), []
+    specs, response_plugins, policy_plugins = doc.get("plugins"), [], []
     if isinstance(specs, list):
-        is_response = [isinstance(p, Mapping) and isinstance(p.get("type"), str)
-                       and p["type"] in RESPONSE_PLUGIN_TYPES for p in specs]
-        response_plugins = [p for p, r in zip(specs, is_response) if r]
-        specs = [p for p, r in zip(specs, is_response) if not r]
-    for spec in response_plugins:
+        def typed(p, kinds) -> bool:
+            return isinstance(p, Mapping) and isinstance(p.get("type"), str) and p["type"] in kinds
+        response_plugins = [p for p in specs if typed(p, RESPONSE_PLUGIN_TYPES)]
+        policy_plugins = [p for p in specs if typed(p, POLICY_TYPES)]
+        specs = [p for p in specs if not typed(p, RESPONSE_PLUGIN_TYPES | POLICY_TYPES)]
+    for spec in response_plugins + policy_plugins:
         _check_fields(spec, {"type", "name", "parameters"}, f"{source}: plugins ({spec['type']})")
     plugins = _build_plugins(specs, source)
     profiles = _build_profiles(doc.get("schedulingProfiles"), plugins, source)
     saturation = _saturation(doc.get("saturationDetector"), source)
+    policies = {}
+    for spec in policy_plugins:
+        name = spec.get("name") or spec["type"]
+        if not isinstance(name, str) or name in policies or name in plugins:
+            raise ConfigError(f"{source}: plugins: name {show(name)} is not a unique string")
+        policies[name] = spec["type"]
+    try:
+        flow_control = parse_flow_control(doc.get("flowControl"), doc.get("featureGates"), policies, source,
+                                          parse_duration, show)
+    except FlowConfigError as e:
+        raise ConfigError(str(e)) from e
     return EppConfig(scheduler=SchedulerConfig(profiles=profiles, plugins=plugins), saturation=saturation,
-                     report_served_endpoint=bool(response_plugins))
+                     report_served_endpoint=bool(response_plugins), flow_control=flow_control)
 
 
 def _check_header(doc: Mapping, source: str) -> None:
@@ -222,7 +238,7 @@ def _build_plugins(specs: Any, source: str) -> dict[str, Plugin]:
         if not isinstance(type_name, str) or not type_name:
             raise ConfigError(f"{where}: type is required")
         if type_name not in REGISTRY:
-            raise ConfigError(f"{where}: unknown plugin type {show(type_name)} (known: {', '.join(sorted({*REGISTRY, *RESPONSE_PLUGIN_TYPES}))})")
+            raise ConfigError(f"{where}: unknown plugin type {show(type_name)} (known: {', '.join(sorted({*REGISTRY, *RESPONSE_PLUGIN_TYPES, *POLICY_TYPES}))})")
         name = spec.get("name") or type_name
         if not isinstance(name, str):
             raise ConfigError(f"{where}: name must be a string")
