@@ -48,9 +48,13 @@ SIM = ["--backend", "sim", "--max-num-seqs", "2", "--sim-step-overhead-ms", "10"
 MAX_TOKENS = 16
 
 
-async def complete(client: httpx.AsyncClient, url: str, objective: str, i: int) -> tuple[float, httpx.Response]:
+async def complete(client: httpx.AsyncClient, url: str, objective: str, i: int,
+                   tenant: str | None = None) -> tuple[float, httpx.Response]:
     started = time.monotonic()
-    r = await client.post(f"{url}/v1/completions", headers={"x-gateway-inference-objective": objective},
+    headers = {"x-gateway-inference-objective": objective}
+    if tenant:
+        headers["x-gateway-inference-fairness-id"] = tenant
+    r = await client.post(f"{url}/v1/completions", headers=headers,
                           json={"model": "sim-model", "prompt": f"{objective} request {i}", "max_tokens": MAX_TOKENS})
     return time.monotonic() - started, r
 
@@ -74,8 +78,14 @@ def test_high_priority_goes_ahead_of_a_flood_and_nothing_is_lost(tmp_path):
                 for i in range(5):
                     high.append(await complete(client, gw.url, "interactive", 100 + i))
                 low = await asyncio.gather(*flood)
-                return alone, high, low
-        alone, high, low = asyncio.run(main())
+                # Fairness in one band: tenant A floods with 10x tenant B's requests, all at once.
+                sent = [("A", asyncio.create_task(complete(client, gw.url, "batch", i, "A"))) for i in range(60)]
+                sent += [("B", asyncio.create_task(complete(client, gw.url, "batch", i, "B"))) for i in range(6)]
+                tenants = {name: [] for name in "AB"}
+                for name, task in sent:
+                    tenants[name].append(await task)
+                return alone, high, low, tenants
+        alone, high, low, tenants = asyncio.run(main())
         metrics = gw.epp.metrics()
     assert all(whole(r) for _, r in high + low), [(r.status_code, r.text[:200]) for _, r in high + low
                                                  if not whole(r)][:3]
@@ -86,9 +96,16 @@ def test_high_priority_goes_ahead_of_a_flood_and_nothing_is_lost(tmp_path):
     # The flood waited in the EPP (a queue of dozens at four running), the high-priority requests did not wait
     # behind it: each finished well before the flood's typical request.
     assert max(high_s) < statistics.median(low_s) / 2
+    # Round-robin between the tenants' flows: B's six requests take turns with A's flood, so they finish in about
+    # the time six turns take, not behind sixty of A's (the median request of A's flood waits for thirty).
+    a_s, b_s = ([s for s, r in tenants[t] if whole(r)] for t in "AB")
+    assert len(a_s) == 60 and len(b_s) == 6
+    print(f"fairness: tenant B (6 requests) p50 {statistics.median(b_s):.3f}s max {max(b_s):.3f}s; tenant A (60) "
+          f"p50 {statistics.median(a_s):.3f}s max {max(a_s):.3f}s")
+    assert max(b_s) < statistics.median(a_s)
     queued = re.search(r'^inference_extension_flow_control_request_queue_duration_seconds_count\{fairness_id="batch",'
                        r'outcome="Dispatched",priority="-1"\} (\S+)$', metrics, re.M)
-    assert queued and float(queued.group(1)) == 60, metrics[-3000:]
+    assert queued and float(queued.group(1)) == 60, metrics[-3000:]  # the flood, each request dispatched once
 
 
 def test_scale_from_zero_queue_bound_and_ttl_through_envoy(tmp_path):
