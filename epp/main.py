@@ -9,6 +9,8 @@ import re
 import signal
 from functools import partial
 
+from kvgate.epp.leader import DEFAULT_LEASE_DURATION_S, DEFAULT_RENEW_DEADLINE_S, DEFAULT_RETRY_PERIOD_S
+
 log = logging.getLogger("kvgate.epp")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -106,6 +108,19 @@ def add_epp_parser(sub) -> None:
     p.add_argument("--drain-health", choices=("not-serving", "serving"), default="not-serving",
                    help="what the health service answers while draining: not-serving (default) for gateways that "
                         "address this EPP directly; serving behind a Service, whose one address must stay healthy")
+    ha = p.add_argument_group("high availability (Kubernetes mode)")
+    ha.add_argument("--ha-enable-leader-election", action="store_true",
+                    help="run as one of several replicas: a coordination.k8s.io Lease (upstream's name, in the "
+                         "pool's namespace) elects the one that reports ready; the others keep watching the pool "
+                         "and scraping it, so a failover finds a warm EPP, and answer NOT_SERVING until they lead")
+    ha.add_argument("--ha-lease-duration", type=duration_flag, default=DEFAULT_LEASE_DURATION_S,
+                    help="how long a leader that stopped renewing keeps the Lease (default "
+                         f"{DEFAULT_LEASE_DURATION_S:g} s; a leader that stops on SIGTERM releases it at once)")
+    ha.add_argument("--ha-renew-deadline", type=duration_flag, default=DEFAULT_RENEW_DEADLINE_S,
+                    help="a leader that could not renew for this long steps down (default "
+                         f"{DEFAULT_RENEW_DEADLINE_S:g} s)")
+    ha.add_argument("--ha-retry-period", type=duration_flag, default=DEFAULT_RETRY_PERIOD_S,
+                    help=f"how often candidates try and the leader renews (default {DEFAULT_RETRY_PERIOD_S:g} s)")
     p.add_argument("--refresh-metrics-interval", type=duration_flag, default=0.05)
     p.add_argument("--metrics-staleness-threshold", type=duration_flag, default=2.0)
     p.add_argument("--saturation-queue-depth", type=int, default=None,
@@ -241,7 +256,18 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             datastore.set_endpoints(parse_endpoints(args.endpoints or ""))
     log.info("EPP listening: ext-proc %s:%d, health %d, metrics %d", args.grpc_host, args.grpc_port,
              args.grpc_health_port, args.metrics_port)
-    ready, synced_at = False, None
+    # Readiness: SERVING once the EPP can route and, with leader election, while it leads (the protocol's rule
+    # for an active-passive EPP: followers are live but not ready). A leadership change wakes the loop at once.
+    elector, leading, wake = None, not args.ha_enable_leader_election, asyncio.Event()
+    if args.ha_enable_leader_election:
+        elector = start_elector(args, lambda now: loop.call_soon_threadsafe(set_leading, now))
+
+    def set_leading(now: bool) -> None:
+        nonlocal leading
+        leading = now
+        wake.set()
+
+    ready, synced_at, serving = False, None, False
     try:
         while not stop.is_set():
             if endpoints_file is not None:
@@ -251,13 +277,21 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
                 if can_route(director, datastore, loop.time() - synced_at):
                     ready = True
                     log.info("ready %.2f s after the pool's endpoints were known", loop.time() - synced_at)
-                    for name in READINESS_SERVICES:
-                        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            if (ready and leading) != serving:
+                serving = ready and leading
+                status = health_pb2.HealthCheckResponse.NOT_SERVING
+                if serving:
+                    status = health_pb2.HealthCheckResponse.SERVING
+                for name in READINESS_SERVICES:
+                    await health_servicer.set(name, status)
+            wake.clear()
             try:
-                await asyncio.wait_for(stop.wait(), timeout=0.5 if ready else 0.05)
+                await asyncio.wait_for(_first(stop.wait(), wake.wait()), timeout=0.5 if ready else 0.05)
             except asyncio.TimeoutError:
                 pass
     finally:
+        if elector is not None:  # release the Lease first: a follower takes over while this one drains
+            await loop.run_in_executor(None, elector.stop)
         await drain(server, extproc, health_servicer, args.shutdown_timeout, args.drain_health == "not-serving")
         if watcher is not None:
             watcher.stop()
@@ -267,6 +301,37 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             director.flow.close()
         scheduler.stop()
         metrics_http.shutdown()
+
+
+async def _first(*aws) -> None:
+    """Wait for the first of these awaitables; cancel the rest."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def start_elector(args: argparse.Namespace, on_change):
+    """Kubernetes mode's leader election over the pool's Lease (epp/leader.py), started."""
+    from kubernetes import client, config
+
+    from kvgate.epp.leader import LeaseElector, default_identity, lease_name
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    elector = LeaseElector(client.CoordinationV1Api(), lease_name(args.pool_namespace, args.pool_name),
+                           args.pool_namespace, default_identity(), on_change,
+                           lease_duration=args.ha_lease_duration, renew_deadline=args.ha_renew_deadline,
+                           retry_period=args.ha_retry_period)
+    log.info("leader election on: Lease %s/%s as %s (lease %g s, renew deadline %g s, retry %g s)",
+             args.pool_namespace, elector.name, elector.identity, args.ha_lease_duration, args.ha_renew_deadline,
+             args.ha_retry_period)
+    elector.start()
+    return elector
 
 
 def plugin_context(args: argparse.Namespace, deliver=None):
@@ -343,6 +408,13 @@ def run_epp(args: argparse.Namespace) -> int:
             raise SystemExit(f"kvgate epp: --tokenizer: {exc}") from exc
     if bool(args.pool_name) == bool(args.endpoints or args.endpoints_file):
         raise SystemExit("kvgate epp: give either --pool-name (Kubernetes mode) or --endpoints/--endpoints-file")
+    if args.ha_enable_leader_election and not args.pool_name:
+        raise SystemExit("kvgate epp: --ha-enable-leader-election needs Kubernetes mode (--pool-name): the Lease "
+                         "lives in the pool's namespace")
+    if args.ha_enable_leader_election and not (
+            0 < args.ha_retry_period < args.ha_renew_deadline < args.ha_lease_duration):
+        raise SystemExit("kvgate epp: leader election needs --ha-retry-period < --ha-renew-deadline < "
+                         "--ha-lease-duration")
     if args.endpoints:
         from kvgate.epp.datastore import parse_endpoints
 

@@ -266,7 +266,8 @@ def test_random_traffic_is_served_or_refused_exactly_once():
     asyncio.run(main())
 
 
-HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins: [{type: queue-scorer}]\n"
+HEADER = ("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+          "plugins: [{type: queue-scorer}]\n")
 
 
 def test_config_in_upstreams_shape():

@@ -1,0 +1,186 @@
+"""Active-passive high availability in Kubernetes mode: a coordination.k8s.io/v1 Lease elects the EPP replica that
+serves (`kvgate epp --ha-enable-leader-election`, upstream's flag and Lease name).
+
+client-go's algorithm: a candidate takes the Lease when it does not exist, when it holds it already, or when its
+holder has not renewed it for `lease_duration` as observed by this candidate (its own clock, from the moment it
+last saw the record change — never the holder's timestamps, so clock skew does not matter); every write is a
+replace at the read resourceVersion, so two candidates cannot both win. The leader renews every `retry_period`
+and steps down when it could not renew for `renew_deadline`. On stop (SIGTERM: a rollout or a deleted pod) the
+leader releases the Lease (empty holder, 1 s duration), so a follower takes over at its next try, one
+`retry_period` later, instead of waiting out the lease.
+
+kubernetes' own leaderelection module is not used: it has no way to stop or release, its API calls have no
+timeout (a silent connection would hang an election forever), and it sleeps in loops a stop cannot interrupt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+log = logging.getLogger(__name__)
+
+# client-go's (and controller-runtime's, so upstream EPP's) defaults
+DEFAULT_LEASE_DURATION_S = 15.0
+DEFAULT_RENEW_DEADLINE_S = 10.0
+DEFAULT_RETRY_PERIOD_S = 2.0
+REQUEST_TIMEOUT = (2.0, 5.0)  # (connect, read) seconds per Lease call: below the renew deadline
+CONFLICT, NOT_FOUND = 409, 404
+
+
+def lease_name(pool_namespace: str, pool_name: str) -> str:
+    """Upstream's Lease name for a pool's EPP (one per pool: pools never share an election)."""
+    return f"epp-{pool_namespace}-{pool_name}.gateway-api-inference-extension.sigs.k8s.io"
+
+
+def default_identity() -> str:
+    """The pod's name (HOSTNAME in a pod) and a random suffix: a restarted container is a new candidate."""
+    return f"{os.environ.get('HOSTNAME') or 'epp'}_{secrets.token_hex(4)}"
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class LeaseElector:
+    def __init__(self, api, name: str, namespace: str, identity: str, on_change: Callable[[bool], None], *,
+                 lease_duration: float = DEFAULT_LEASE_DURATION_S, renew_deadline: float = DEFAULT_RENEW_DEADLINE_S,
+                 retry_period: float = DEFAULT_RETRY_PERIOD_S, clock=time.monotonic) -> None:
+        """`api`: a kubernetes CoordinationV1Api. `on_change(leading)` is called from the election thread."""
+        if not 0 < retry_period < renew_deadline < lease_duration:
+            raise ValueError(f"lease timings must satisfy 0 < retry period ({retry_period}) < renew deadline "
+                             f"({renew_deadline}) < lease duration ({lease_duration})")
+        self.api, self.name, self.namespace, self.identity = api, name, namespace, identity
+        self.on_change = on_change
+        self.lease_duration, self.renew_deadline, self.retry_period = lease_duration, renew_deadline, retry_period
+        self._clock = clock
+        self.leading = False
+        self.holder: str | None = None  # the holder last seen
+        self._observed: tuple | None = None  # (holder, renewTime) last seen, and when it changed (our clock)
+        self._observed_at = 0.0
+        self._renewed_at = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- one attempt ----------------------------------------------------------------------------------------
+    def try_acquire_or_renew(self) -> bool:
+        from kubernetes.client import V1Lease, V1LeaseSpec, V1ObjectMeta
+        from kubernetes.client.rest import ApiException
+
+        now, mono = _now(), self._clock()
+        try:
+            lease = self.api.read_namespaced_lease(self.name, self.namespace, _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status != NOT_FOUND:
+                log.warning("leader election: reading Lease %s/%s failed: %s %s", self.namespace, self.name,
+                            e.status, e.reason)
+                return False
+            spec = V1LeaseSpec(holder_identity=self.identity, lease_duration_seconds=int(self.lease_duration),
+                               acquire_time=now, renew_time=now, lease_transitions=0)
+            try:
+                self.api.create_namespaced_lease(self.namespace, V1Lease(
+                    metadata=V1ObjectMeta(name=self.name, namespace=self.namespace), spec=spec),
+                    _request_timeout=REQUEST_TIMEOUT)
+            except ApiException as e2:
+                log.info("leader election: creating Lease %s/%s failed: %s %s", self.namespace, self.name,
+                         e2.status, e2.reason)
+                return False
+            self._observe(self.identity, now, mono)
+            return True
+        spec = lease.spec or V1LeaseSpec()
+        holder = spec.holder_identity or ""
+        self._observe(holder, spec.renew_time, mono)
+        duration = float(spec.lease_duration_seconds or self.lease_duration)
+        if holder and holder != self.identity and mono < self._observed_at + duration:
+            return False  # held by another candidate that renewed within its lease, as far as we have seen
+        transitions = spec.lease_transitions or 0
+        spec.acquire_time = spec.acquire_time if holder == self.identity else now
+        spec.lease_transitions = transitions if holder == self.identity else transitions + 1
+        spec.holder_identity, spec.renew_time = self.identity, now
+        spec.lease_duration_seconds = int(self.lease_duration)
+        lease.spec = spec
+        try:
+            self.api.replace_namespaced_lease(self.name, self.namespace, lease, _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as e:
+            if e.status != CONFLICT:
+                log.warning("leader election: updating Lease %s/%s failed: %s %s", self.namespace, self.name,
+                            e.status, e.reason)
+            return False  # a conflict: another candidate wrote first
+        self._observe(self.identity, now, mono)
+        return True
+
+    def _observe(self, holder: str, renew_time, mono: float) -> None:
+        record = (holder, renew_time)
+        if record != self._observed:
+            self._observed, self._observed_at = record, mono
+        if holder != self.holder:
+            if self.holder is not None:
+                log.info("leader election: the Lease is now held by %s", holder or "(nobody)")
+            self.holder = holder
+
+    def release(self) -> None:
+        """Give the Lease up (only if we hold it): followers take it at their next try."""
+        from kubernetes.client.rest import ApiException
+
+        if not self.leading:
+            return
+        try:
+            lease = self.api.read_namespaced_lease(self.name, self.namespace, _request_timeout=REQUEST_TIMEOUT)
+            if (lease.spec.holder_identity or "") != self.identity:
+                return
+            lease.spec.holder_identity = ""
+            lease.spec.lease_duration_seconds = 1
+            lease.spec.renew_time = _now()
+            self.api.replace_namespaced_lease(self.name, self.namespace, lease, _request_timeout=REQUEST_TIMEOUT)
+            log.info("leader election: released Lease %s/%s", self.namespace, self.name)
+        except ApiException as e:
+            log.warning("leader election: releasing Lease %s/%s failed: %s %s", self.namespace, self.name, e.status,
+                        e.reason)
+        finally:
+            self._set_leading(False)
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+    def _set_leading(self, leading: bool) -> None:
+        if leading != self.leading:
+            self.leading = leading
+            log.info("leader election: %s (%s)", "leading: this replica serves" if leading
+                     else "following: readiness NOT_SERVING, state kept warm", self.identity)
+            self.on_change(leading)
+
+    def step(self) -> None:
+        """One round: try, and lead or follow by the result and the renew deadline."""
+        if self.try_acquire_or_renew():
+            self._renewed_at = self._clock()
+            self._set_leading(True)
+        elif self.leading and self.holder not in (None, self.identity):
+            log.warning("leader election: %s holds the Lease now: stepping down", self.holder)
+            self._set_leading(False)
+        elif self.leading and self._clock() - self._renewed_at >= self.renew_deadline:
+            log.warning("leader election: could not renew the Lease for %.0f s: stepping down", self.renew_deadline)
+            self._set_leading(False)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception:  # a bug or an unexpected client error: never end the election silently
+                log.exception("leader election: round failed")
+                if self.leading and self._clock() - self._renewed_at >= self.renew_deadline:
+                    self._set_leading(False)
+            self._stop.wait(self.retry_period)
+
+    def stop(self, release: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=REQUEST_TIMEOUT[0] + REQUEST_TIMEOUT[1] + 1)
+        if release:
+            self.release()
