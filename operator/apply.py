@@ -63,6 +63,8 @@ def _kinds() -> dict[tuple[str, str], Kind]:
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+        Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+        Kind("policy/v1beta1", "PodDisruptionBudget", "poddisruptionbudgets"),  # Kubernetes < 1.21
         Kind("kvgate.dev/v1alpha1", "ModelServer", "modelservers"),
         Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
         Kind("gateway.networking.k8s.io/v1", "GatewayClass", "gatewayclasses", False),
@@ -87,6 +89,8 @@ CONFIGMAP = KINDS[("v1", "ConfigMap")]
 POD = KINDS[("v1", "Pod")]
 NAMESPACE = KINDS[("v1", "Namespace")]
 NETWORKPOLICY = KINDS[("networking.k8s.io/v1", "NetworkPolicy")]
+PDB = KINDS[("policy/v1", "PodDisruptionBudget")]
+PDB_V1BETA1 = KINDS[("policy/v1beta1", "PodDisruptionBudget")]
 
 
 def kind_of(api_version: str, kind: str) -> Kind:

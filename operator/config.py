@@ -21,5 +21,8 @@ class OperatorConfig:
     # A NetworkPolicy per managed pool's EPP (network_policy.py); the peers that may scrape every EPP's metrics.
     network_policy: bool = True
     epp_metrics_from: tuple = ()
+    # Pools may ask for more than one EPP replica (kvgate.dev/epp-replicas): leader election over a Lease, a
+    # PodDisruptionBudget. Off by default, and then the operator holds no Lease or PDB permissions.
+    epp_high_availability: bool = False
     # What ModelServers may use beyond the default (tenancy.py): --allow-host-path, --allow-image-prefix.
     tenant_policy: TenantPolicy = TenantPolicy()

@@ -14,17 +14,18 @@ import logging
 import kopf
 
 from kvgate.operator import naming
-from kvgate.operator.apply import (CONFIGMAP, GATEWAY, GATEWAYCLASS, HTTPROUTE, MODELSERVER, NETWORKPOLICY, POOL,
-                                   REFERENCEGRANT, SERVICE, ApiError, Kube, NameConflict, describe)
+from kvgate.operator.apply import (CONFIGMAP, GATEWAY, GATEWAYCLASS, HTTPROUTE, MODELSERVER, NETWORKPOLICY, PDB,
+                                   PDB_V1BETA1, POOL, REFERENCEGRANT, SERVICE, ApiError, Kube, NameConflict,
+                                   describe)
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.failures import REASON as FAILED, failure_message
 from kvgate.operator.gateway import is_our_class
 from kvgate.operator.network_policy import (desired_engine_network_policy, desired_network_policy,
                                             engine_policy_enabled, engine_policy_name, gateways_routing_to,
                                             policy_enabled)
-from kvgate.operator.pool import (choose_epp_config, epp_pool_status, epp_problems, epp_ref, epp_tokenizer_for_config,
-                                  manages_epp, referenced_config_name, render_epp_objects, running_note,
-                                  without_epp_status)
+from kvgate.operator.pool import (choose_epp_config, epp_pool_status, epp_problems, epp_ref, epp_replicas,
+                                  epp_tokenizer_for_config, manages_epp, pod_disruption_budget, referenced_config_name,
+                                  render_epp_objects, running_note, without_epp_status)
 
 log = logging.getLogger("kvgate.operator")
 
@@ -56,9 +57,13 @@ class InferencePoolReconciler:
         tokenizer = epp_tokenizer_for_config(choice.parsed, pool, modelservers)
         if tokenizer.problem:  # the EPP still runs (it routes without the precise scorer's hits); the status says why
             problems.append(tokenizer.problem)
+        replicas, replica_problem = self._replicas(pool)
+        if replica_problem:  # one EPP runs meanwhile
+            problems.append(replica_problem)
         # choice.config_yaml parses (choose_epp_config parsed it), so only the pool's own problems stop the EPP.
         objects = render_epp_objects(pool, self.config.epp_image, choice.config_yaml,
-                                     behind_service=self.config.epp_address_mode == "service", tokenizer=tokenizer) \
+                                     behind_service=self.config.epp_address_mode == "service", tokenizer=tokenizer,
+                                     replicas=replicas) \
             if choice.config_yaml is not None and not own_problems and not _conflicts(problems) else []
         for obj in objects:  # in order; a name taken by someone else stops the rest (the EPP needs them all)
             try:
@@ -66,6 +71,8 @@ class InferencePoolReconciler:
             except NameConflict as exc:
                 problems.append({"reason": exc.reason, "message": str(exc)})
                 break
+        if objects and self.config.epp_high_availability:
+            problems += self._apply_disruption_budget(pool, replicas)
         status = epp_pool_status(pool, problems, running_note(choice, bool(objects)))
         if problems and status["parents"] != (pool.get("status") or {}).get("parents"):  # once, not every resync
             log.warning("%s: %s", describe(pool), "; ".join(p["message"] for p in problems))
@@ -79,6 +86,39 @@ class InferencePoolReconciler:
         message = failure_message(failure)
         self.kube.patch_status(pool, epp_pool_status(pool, [{"reason": FAILED, "message": message}],
                                                      "The EPP keeps running what it ran."))
+
+    def _replicas(self, pool: dict) -> tuple[int, dict | None]:
+        """The EPP replicas to run, and the problem with what the pool asked, if any."""
+        try:
+            asked = epp_replicas(pool)
+        except ValueError as exc:
+            return 1, {"reason": "InvalidReplicas", "message": str(exc)}
+        if asked > 1 and not self.config.epp_high_availability:
+            return 1, {"reason": "HighAvailabilityDisabled",
+                       "message": f"{asked} EPP replicas asked, but this operator runs one per pool: start it with "
+                                  "--epp-high-availability enabled (the chart's eppHighAvailability.enabled)"}
+        return asked, None
+
+    def _apply_disruption_budget(self, pool: dict, replicas: int) -> list[dict]:
+        """With several replicas the EPP's PodDisruptionBudget (policy/v1, else v1beta1 on Kubernetes < 1.21);
+        with one, none (a budget of one pod would block node drains)."""
+        ns, name = naming.namespace_of(pool), naming.epp_name(pool)
+        if replicas == 1:
+            for kind in (PDB, PDB_V1BETA1):  # None also where that API version is not served
+                existing = self.kube.get(kind, name, ns)
+                if naming.is_managed(existing) and naming.is_owned_by(existing, pool):
+                    self.kube.delete(existing)
+            return []
+        for version in ("policy/v1", "policy/v1beta1"):
+            try:
+                self.kube.apply(pod_disruption_budget(pool, version))
+                return []
+            except NameConflict as exc:
+                return [{"reason": exc.reason, "message": str(exc)}]
+            except ApiError as exc:
+                if exc.status != 404 or version == "policy/v1beta1":
+                    raise
+        return []
 
     def _apply_epp_network_policy(self, pool: dict) -> list[dict]:
         """Apply (or, for an opted-out pool, delete) the EPP's NetworkPolicy; its problems."""

@@ -40,6 +40,11 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
                    help="write a NetworkPolicy per managed pool's EPP admitting ext-proc and health traffic only "
                         "from the pool's Gateways and metrics scrapes only from --epp-metrics-from (default "
                         "%(default)s; 'disabled' leaves policies already written in place)")
+    p.add_argument("--epp-high-availability", default="disabled", choices=["enabled", "disabled"],
+                   help="let pools ask for several EPP replicas (annotation kvgate.dev/epp-replicas, 1 to 5): "
+                        "active-passive by a Lease, spread across nodes, with a PodDisruptionBudget; the operator "
+                        "then needs Lease and PodDisruptionBudget permissions (the chart's "
+                        "eppHighAvailability.enabled) (default %(default)s)")
     p.add_argument("--epp-metrics-from", type=_metrics_peers, default=(), metavar="PEERS",
                    help="NetworkPolicy peers (a YAML or JSON list) allowed to scrape every EPP's metrics port, e.g. "
                         "'[{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}}]' "
@@ -85,6 +90,7 @@ def run_operator(args: argparse.Namespace) -> int:
                             namespace=args.namespace, epp_address_mode=args.epp_address_mode,
                             envoy_service_type=args.envoy_service_type, resync_s=args.resync_seconds,
                             network_policy=args.epp_network_policy == "enabled",
+                            epp_high_availability=args.epp_high_availability == "enabled",
                             epp_metrics_from=args.epp_metrics_from,
                             tenant_policy=TenantPolicy(allow_host_path=args.allow_host_path,
                                                        image_prefixes=tuple(args.allow_image_prefix)))

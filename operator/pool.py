@@ -30,12 +30,15 @@ from typing import NamedTuple
 
 from kvgate.epp.scheduling.config import (DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, ConfigError, EppConfig,
                                           parse_config)
+from kvgate.epp.leader import lease_name
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.modelserver import DEFAULT_MODEL, kv_events_ports, model_volume
 from kvgate.operator.spec_shape import pool_problems, pool_ref_name
 
 EPP_ANNOTATION = "kvgate.dev/endpoint-picker"
+REPLICAS_ANNOTATION = "kvgate.dev/epp-replicas"  # 1 (default) to MAX_EPP_REPLICAS; > 1 needs the operator's HA
+MAX_EPP_REPLICAS = 5
 CONFIG_ANNOTATION = "kvgate.dev/epp-config"  # <configmap>[/<key>] in the pool's namespace
 CONFIG_KEY = "epp.yaml"  # the key of the EPP's own ConfigMap, and of a referenced one unless named
 CONFIG_FILE = f"/config/{CONFIG_KEY}"
@@ -56,6 +59,18 @@ EPP_RBAC_RULES = [
     {"apiGroups": [naming.INFERENCE_X_GROUP], "resources": ["inferenceobjectives", "inferencemodelrewrites"],
      "verbs": ["get", "list", "watch"]},
 ]
+
+
+def epp_replicas(pool: dict) -> int:
+    """The EPP replicas the pool asks for (annotation kvgate.dev/epp-replicas); ValueError saying why a value is
+    not usable. More than one: active-passive, the leader elected over a Lease (epp/leader.py)."""
+    value = ((pool.get("metadata") or {}).get("annotations") or {}).get(REPLICAS_ANNOTATION)
+    if value is None:
+        return 1
+    if not isinstance(value, str) or not value.isdigit() or not 1 <= int(value) <= MAX_EPP_REPLICAS:
+        raise ValueError(f"annotation {REPLICAS_ANNOTATION}={str(value)[:40]!r}: expected a whole number from 1 "
+                         f"to {MAX_EPP_REPLICAS}")
+    return int(value)
 
 
 def epp_ref(pool: dict) -> dict:
@@ -101,10 +116,15 @@ def _service_account(pool: dict) -> dict:
             "metadata": naming.object_meta(naming.epp_name(pool), pool, _epp_labels(pool))}
 
 
-def _role(pool: dict) -> dict:
+def _role(pool: dict, replicas: int = 1) -> dict:
+    rules = [dict(rule) for rule in EPP_RBAC_RULES]
+    if replicas > 1:  # leader election: its one Lease (create cannot be limited to a name)
+        name = lease_name(naming.namespace_of(pool), naming.name_of(pool))
+        rules += [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+                  {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": [name],
+                   "verbs": ["get", "update"]}]
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": naming.object_meta(naming.epp_name(pool), pool, _epp_labels(pool)),
-            "rules": [dict(rule) for rule in EPP_RBAC_RULES]}
+            "metadata": naming.object_meta(naming.epp_name(pool), pool, _epp_labels(pool)), "rules": rules}
 
 
 def _role_binding(pool: dict) -> dict:
@@ -134,7 +154,8 @@ EPP_SHUTDOWN_TIMEOUT_S = 60
 EPP_TERMINATION_GRACE_S = EPP_PRE_STOP_SLEEP_S + EPP_SHUTDOWN_TIMEOUT_S + 10
 
 
-def epp_command(pool: dict, behind_service: bool = True, tokenizer: str | None = None) -> list[str]:
+def epp_command(pool: dict, behind_service: bool = True, tokenizer: str | None = None,
+                ha: bool = False) -> list[str]:
     """Behind its Service (the operator's default address mode) the draining EPP keeps answering SERVING: Envoy's
     one host for it is the Service, kept on the old pod by its health-check connection, and NOT_SERVING there
     would fail the whole pool over while the new pod serves. Addressed by pod IP, each pod is its own host and
@@ -144,16 +165,17 @@ def epp_command(pool: dict, behind_service: bool = True, tokenizer: str | None =
             "--grpc-health-port", str(naming.EPP_HEALTH_PORT), "--metrics-port", str(naming.EPP_METRICS_PORT),
             "--config-file", CONFIG_FILE, "--shutdown-timeout", str(EPP_SHUTDOWN_TIMEOUT_S),
             "--drain-health", "serving" if behind_service else "not-serving",
-            *(["--tokenizer", tokenizer] if tokenizer else [])]
+            *(["--tokenizer", tokenizer] if tokenizer else []), *(["--ha-enable-leader-election"] if ha else [])]
 
 
-def _epp_container(pool: dict, image: str, behind_service: bool, tokenizer: "EppTokenizer") -> dict:
+def _epp_container(pool: dict, image: str, behind_service: bool, tokenizer: "EppTokenizer",
+                   ha: bool = False) -> dict:
     # Kubernetes 1.20 has no gRPC probes: the probes check the health port's socket. Envoy itself
     # health-checks the EPP over gRPC (envoy_config), so traffic never depends on these probes alone.
     return {
         "name": "epp",
         "image": image,
-        "command": epp_command(pool, behind_service, tokenizer.path),
+        "command": epp_command(pool, behind_service, tokenizer.path, ha),
         "ports": [{"name": "grpc", "containerPort": naming.EPP_GRPC_PORT, "protocol": "TCP"},
                   {"name": "grpc-health", "containerPort": naming.EPP_HEALTH_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": naming.EPP_METRICS_PORT, "protocol": "TCP"}],
@@ -175,9 +197,16 @@ def epp_config_digest(config_yaml: str) -> str:
     return hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
 
 
-def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool, tokenizer: "EppTokenizer") -> dict:
+def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool, tokenizer: "EppTokenizer",
+                replicas: int = 1) -> dict:
     name = naming.epp_name(pool)
     selector = naming.selector_labels("epp", naming.name_of(pool))
+    # Replicas beyond one are followers: warm (watching, scraping), live, and NOT_SERVING on the gRPC readiness
+    # service Envoy health-checks until they lead. The kubelet's probe stays the socket's, so a rollout is not
+    # stuck behind a new pod that cannot lead while the old one holds the Lease.
+    spread = {"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": selector},
+                                            "topologyKey": "kubernetes.io/hostname"}}]}}} if replicas > 1 else {}
     # The EPP reads its config file once: a changed config must roll the pods, hence its digest on the template.
     pod_annotations = {"kvgate.dev/config-digest": epp_config_digest(config_yaml),
                        "prometheus.io/scrape": "true", "prometheus.io/port": str(naming.EPP_METRICS_PORT)}
@@ -185,7 +214,7 @@ def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool, 
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": naming.object_meta(name, pool, _epp_labels(pool)),
         "spec": {
-            "replicas": 1,  # the EPP keeps per-endpoint state (prefix index): one replica per pool
+            "replicas": replicas,  # one serves at a time (leader election when more)
             # A config change starts the new pod first and removes the old one once the new one is ready.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "selector": {"matchLabels": selector},
@@ -193,16 +222,25 @@ def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool, 
                 "metadata": {"labels": _epp_labels(pool), "annotations": pod_annotations},
                 "spec": {
                     "serviceAccountName": name,
-                    "containers": [_epp_container(pool, image, behind_service, tokenizer)],
+                    "containers": [_epp_container(pool, image, behind_service, tokenizer, replicas > 1)],
                     "volumes": [{"name": "config", "configMap": {"name": name}}, {"name": "tmp", "emptyDir": {}},
                                 *tokenizer.volumes],
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
                                         "seccompProfile": {"type": "RuntimeDefault"}},
                     "terminationGracePeriodSeconds": EPP_TERMINATION_GRACE_S,
+                    **spread,
                 },
             },
         },
     }
+
+
+def pod_disruption_budget(pool: dict, api_version: str = "policy/v1") -> dict:
+    """With several replicas: voluntary disruptions (drains, upgrades) take one EPP pod at a time."""
+    return {"apiVersion": api_version, "kind": "PodDisruptionBudget",
+            "metadata": naming.object_meta(naming.epp_name(pool), pool, _epp_labels(pool)),
+            "spec": {"maxUnavailable": 1,
+                     "selector": {"matchLabels": naming.selector_labels("epp", naming.name_of(pool))}}}
 
 
 def _service(pool: dict) -> dict:
@@ -256,11 +294,14 @@ def desired_epp_objects(pool: dict, image: str, config_yaml: str | None = None, 
 
 
 def render_epp_objects(pool: dict, image: str, config_yaml: str, behind_service: bool = True,
-                       tokenizer: "EppTokenizer | None" = None) -> list[dict]:
+                       tokenizer: "EppTokenizer | None" = None, replicas: int = 1) -> list[dict]:
     """desired_epp_objects without its checks, for a caller that made them already: a pool without
-    `epp_problems(pool, None)` and a config that parses (the reconciler parses each config once)."""
-    return [_service_account(pool), _role(pool), _role_binding(pool), _config_map(pool, config_yaml),
-            _deployment(pool, image, config_yaml, behind_service, tokenizer or EppTokenizer()), _service(pool)]
+    `epp_problems(pool, None)` and a config that parses (the reconciler parses each config once). `replicas` > 1:
+    leader election (the Role's Lease rules, the flag) and a PodDisruptionBudget (applied by the caller, which
+    knows the cluster's policy API version)."""
+    return [_service_account(pool), _role(pool, replicas), _role_binding(pool), _config_map(pool, config_yaml),
+            _deployment(pool, image, config_yaml, behind_service, tokenizer or EppTokenizer(), replicas),
+            _service(pool)]
 
 
 # --- the tokenizer of a precise EPP ---------------------------------------------------------------------------

@@ -87,6 +87,7 @@ VARIANTS = {
                          {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
                           "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]}},
                      BASE + Counter({"GatewayClass": 1})),
+    "epp-high-availability": ({"eppHighAvailability": {"enabled": True}}, BASE + Counter({"GatewayClass": 1})),
     "no-network-policy": ({"networkPolicy": {"enabled": False}, "watchNamespaces": ["team-a"]},
                           Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1,
                                    "RoleBinding": 1, "Deployment": 1, "GatewayClass": 1})),
@@ -361,6 +362,33 @@ def test_no_network_policy_rbac_when_policies_are_off():
         assert held == {**without, **CLUSTER_RULES}
 
 
+HA_RULES = {("coordination.k8s.io", "leases"): {"get", "create", "update"},
+            ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"}}
+
+
+def test_lease_and_budget_rbac_only_with_epp_high_availability():
+    objects = render(VARIANTS["epp-high-availability"][0])
+    held = {}
+    for role in (o for o in objects if o["kind"] in ("Role", "ClusterRole")):
+        held.update(grants(role))
+    assert held == {**NAMESPACED_RULES, **HA_RULES, **CLUSTER_RULES}
+    (pod,) = _operators(objects)
+    assert _operator_args(pod).epp_high_availability == "enabled"
+    (pod,) = _operators(render({}))
+    assert _operator_args(pod).epp_high_availability == "disabled"
+
+
+def test_operator_holds_what_the_ha_epp_role_grants():
+    """With HA on, the EPP Role of a pool with replicas also grants its Lease: the operator must hold that."""
+    from kvgate.operator.pool import _role
+
+    pool = {"metadata": {"name": "p", "namespace": "ns", "uid": "u"}}
+    for rule in _role(pool, replicas=2)["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                assert set(rule["verbs"]) <= {**NAMESPACED_RULES, **HA_RULES}.get((group, resource), set()), rule
+
+
 def test_operator_holds_what_the_epp_role_grants():
     """RBAC escalation prevention: the operator may only create the EPP Role if it holds its permissions."""
     from kvgate.operator.pool import EPP_RBAC_RULES
@@ -373,10 +401,11 @@ def test_operator_holds_what_the_epp_role_grants():
 
 
 def test_operator_holds_every_kind_it_applies():
-    """Every kind of the operator's API table (operator/apply.py KINDS) is covered by the rules."""
+    """Every kind of the operator's API table (operator/apply.py KINDS) is covered by the rules (PodDisruptionBudgets
+    by eppHighAvailability's)."""
     from kvgate.operator.apply import KINDS
 
-    rules = {**NAMESPACED_RULES, **CLUSTER_RULES}
+    rules = {**NAMESPACED_RULES, **CLUSTER_RULES, **HA_RULES}
     for kind in KINDS.values():
         group = kind.api_version.rpartition("/")[0]
         assert (group, kind.plural) in rules, kind

@@ -107,6 +107,16 @@ EPPs' policies, watched to put back one a user changed, deleted for a pool that 
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 {{- end }}
+{{- if .Values.eppHighAvailability.enabled }}
+# The EPPs' leader election (their Role grants these on their Lease; RBAC lets the operator grant only what it
+# holds) and their PodDisruptionBudgets.
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["get", "create", "update"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch", "delete"]
+{{- end }}
 - apiGroups: ["kvgate.dev"]
   resources: ["modelservers"]
   verbs: ["get", "list", "watch"]
