@@ -1,0 +1,139 @@
+"""EPP leader failover under streaming load on the rig (issue 22, must-show 1): the samples with their pool asking for
+two EPP replicas (annotation kvgate.dev/epp-replicas), run by `kvgate operator --epp-high-availability enabled`
+with its EPPs under their own ServiceAccount and Role (the Lease rules the operator grants: a 403 would show in
+their logs), and requests streamed through the Gateway while the leading EPP pod is deleted.
+
+The leader answers SERVING on the gRPC readiness Envoy health-checks, the follower NOT_SERVING; deleted, the
+leader sleeps in preStop (still leading), then on SIGTERM releases the Lease and drains; the follower takes the
+Lease at its next try and turns SERVING, and the Deployment's replacement pod comes up as the new follower.
+Printed: requests sent / failed during the failover, and how long until the follower served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from k8srig.kube import CORE, wait_default_service_account, wait_for
+from operator_run import is_ready, print_log_tail, sample_namespace, start_operator, stop_operator
+
+from kvgate.chaos.load import StreamLoad, Tally
+from kvgate.operator.naming import EPP_HEALTH_PORT
+from kvgate.operator.pool import REPLICAS_ANNOTATION
+
+pytestmark = pytest.mark.e2e
+ENGINES = "app=demo-llm"
+ENVOY = "app.kubernetes.io/name=kvgate-gateway,app.kubernetes.io/instance=inference-gateway"
+EPP = "app.kubernetes.io/name=kvgate-epp,app.kubernetes.io/instance=demo-pool"
+CONCURRENCY = 6
+MAX_TOKENS = 32
+
+
+def readiness(ip: str) -> str:
+    with grpc.insecure_channel(f"{ip}:{EPP_HEALTH_PORT}") as channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="readiness"), timeout=2).status
+        except grpc.RpcError as e:
+            return f"error {e.code().name}"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+def test_leader_failover_under_streaming_load(k8s, tmp_path):
+    client = k8s.client
+    t0 = time.monotonic()
+
+    def mark(what: str) -> None:
+        print(f"[failover] {time.monotonic() - t0:6.1f}s {what}", flush=True)
+
+    ns, class_name, docs = sample_namespace(k8s, "e2e-failover")
+    docs["InferencePool"]["metadata"].setdefault("annotations", {})[REPLICAS_ANNOTATION] = "2"
+    gw_res = client.resource_for("gateway.networking.k8s.io/v1", "Gateway", wait_s=30)
+    gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
+    for version, kind in (("kvgate.dev/v1alpha1", "ModelServer"), ("inference.networking.k8s.io/v1", "InferencePool"),
+                          ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+                          ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective")):
+        client.resource_for(version, kind, wait_s=30)
+    log_path = tmp_path / "operator.log"
+    operator = load = load_thread = None
+
+    def pods(selector: str) -> list[dict]:
+        return client.list(CORE["Pod"], ns, labelSelector=selector)["items"]
+
+    def ready_ips(selector: str) -> set[str]:
+        return {p["status"]["podIP"] for p in pods(selector) if is_ready(p)}
+
+    def epp_states() -> dict[str, str]:
+        return {ip: readiness(ip) for ip in ready_ips(EPP)}
+
+    def epp_logs() -> list:
+        return sorted((k8s.dir / "runner" / "pods").glob(f"{ns}_demo-pool-epp-*/*.log"))
+
+    try:
+        wait_default_service_account(client, ns, token=True)
+        operator = start_operator(k8s.kubeconfig, log_path, "--epp-high-availability", "enabled")
+        for kind in ("GatewayClass", "InferencePool", "ModelServer", "InferenceObjective", "InferenceModelRewrite",
+                     "Gateway", "HTTPRoute"):
+            client.apply(docs[kind])
+        wait_for(lambda: len(ready_ips(ENGINES)) == 2 and len(ready_ips(EPP)) == 2 and len(ready_ips(ENVOY)) == 1,
+                 timeout_s=120, interval_s=0.5, what="2 engine pods, 2 EPP pods and Envoy Ready")
+        states = wait_for(lambda: (s := epp_states()) and sorted(s.values()) == ["NOT_SERVING", "SERVING"] and s,
+                          timeout_s=60, what="one EPP leading (SERVING), the other following (NOT_SERVING)")
+        leader_ip = next(ip for ip, s in states.items() if s == "SERVING")
+        follower_ip = next(ip for ip, s in states.items() if s == "NOT_SERVING")
+        gateway = wait_for(lambda: (g := client.get(gw_res, "inference-gateway", ns)).get("status", {})
+                           .get("addresses") and g, timeout_s=30, what="the Gateway's address")
+        url = f"http://{gateway['status']['addresses'][0]['value']}:8080"
+        mark(f"leader {leader_ip}, follower {follower_ip}; Gateway at {url}")
+
+        load = StreamLoad(url, "demo", concurrency=CONCURRENCY, max_tokens=MAX_TOKENS, timeout_s=60)
+        load_thread = threading.Thread(target=lambda: asyncio.run(load.run()), name="stream-load", daemon=True)
+        load_thread.start()
+        wait_for(lambda: sum(o.ok(MAX_TOKENS) for o in load.outcomes) >= 20, timeout_s=60,
+                 what="streams served through the leading EPP")
+
+        leader_pod = next(p for p in pods(EPP) if p["status"].get("podIP") == leader_ip)
+        began = time.monotonic()
+        client.delete(CORE["Pod"], leader_pod["metadata"]["name"], ns)
+        wait_for(lambda: readiness(follower_ip) == "SERVING", timeout_s=60, interval_s=0.05,
+                 what="the follower to lead")
+        took_over = time.monotonic()
+        mark(f"follower {follower_ip} SERVING {took_over - began:.2f}s after the leader pod's deletion")
+        wait_for(lambda: leader_ip not in {p["status"].get("podIP") for p in pods(EPP)}, timeout_s=90,
+                 what="the old leader pod gone")
+        wait_for(lambda: len(ready_ips(EPP) - {follower_ip}) == 1, timeout_s=90,
+                 what="the Deployment's replacement EPP pod Ready")
+        (new_ip,) = ready_ips(EPP) - {follower_ip}
+        wait_for(lambda: readiness(new_ip) == "NOT_SERVING", timeout_s=30, what="the replacement to follow")
+        ended = time.monotonic()
+        mark(f"old leader gone, replacement {new_ip} following, {ended - began:.1f}s after the deletion")
+        time.sleep(3.0)  # traffic through the new leader
+        forbidden = [str(log) for log in epp_logs() if " 403" in log.read_text(errors="replace")]
+    except BaseException:
+        print_log_tail(log_path)
+        for log in epp_logs():
+            print_log_tail(log, chars=3000, what=str(log.parent.name))
+        raise
+    finally:
+        if load is not None:
+            load.stop()
+        if load_thread is not None:
+            load_thread.join(timeout=70)
+        stop_operator(operator)
+        client.delete(gc_res, class_name)
+        client.delete(CORE["Namespace"], ns)
+
+    outcomes = load.outcomes
+    window = [o for o in outcomes if began <= o.sent_at <= ended or o.running_at(began)]
+    tally, total = Tally.of(window, MAX_TOKENS), Tally.of(outcomes, MAX_TOKENS)
+    failed = [(round(o.sent_at - began, 2), o.status, o.error) for o in window if not o.ok(MAX_TOKENS)]
+    print(f"[failover] during the failover ({ended - began:.1f}s): sent {tally.sent}, succeeded {tally.succeeded}, "
+          f"failed {tally.failed}; whole load: sent {total.sent}, failed {total.failed}; the follower served "
+          f"{took_over - began:.2f}s after the deletion")
+    assert not forbidden, f"an EPP was refused by the API server (RBAC): {forbidden}"
+    assert tally.sent >= 20 and not failed, failed[:10]
+    assert total.failed == 0, total
