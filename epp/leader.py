@@ -7,7 +7,9 @@ last saw the record change — never the holder's timestamps, so clock skew does
 replace at the read resourceVersion, so two candidates cannot both win. The leader renews every `retry_period`
 and steps down when it could not renew for `renew_deadline`. On stop (SIGTERM: a rollout or a deleted pod) the
 leader releases the Lease (empty holder, 1 s duration), so a follower takes over at its next try, one
-`retry_period` later, instead of waiting out the lease.
+`retry_period` later, instead of waiting out the lease; the EPP keeps serving until it sees the successor's name on
+the Lease and Envoy had a health check's time to find the successor ready (epp/main.py), so that the gateway is
+never without a ready EPP.
 
 kubernetes' own leaderelection module is not used: it has no way to stop or release, its API calls have no
 timeout (a silent connection would hang an election forever), and it sleeps in loops a stop cannot interrupt.
@@ -50,8 +52,12 @@ def _now() -> datetime:
 class LeaseElector:
     def __init__(self, api, name: str, namespace: str, identity: str, on_change: Callable[[bool], None], *,
                  lease_duration: float = DEFAULT_LEASE_DURATION_S, renew_deadline: float = DEFAULT_RENEW_DEADLINE_S,
-                 retry_period: float = DEFAULT_RETRY_PERIOD_S, clock=time.monotonic) -> None:
-        """`api`: a kubernetes CoordinationV1Api. `on_change(leading)` is called from the election thread."""
+                 retry_period: float = DEFAULT_RETRY_PERIOD_S, clock=time.monotonic,
+                 can_lead: Callable[[], bool] = lambda: True) -> None:
+        """`api`: a kubernetes CoordinationV1Api. `on_change(leading)` is called from the election thread.
+        `can_lead()`: whether this candidate may take the Lease now — an EPP only once it can route, so that a
+        replica still starting (a rollout's new pod) never wins over a warm follower and leaves the gateway
+        without a ready EPP."""
         if not 0 < retry_period < renew_deadline < lease_duration:
             raise ValueError(f"lease timings must satisfy 0 < retry period ({retry_period}) < renew deadline "
                              f"({renew_deadline}) < lease duration ({lease_duration})")
@@ -59,6 +65,7 @@ class LeaseElector:
         self.on_change = on_change
         self.lease_duration, self.renew_deadline, self.retry_period = lease_duration, renew_deadline, retry_period
         self._clock = clock
+        self.can_lead = can_lead
         self.leading = False
         self.holder: str | None = None  # the holder last seen
         self._observed: tuple | None = None  # (holder, renewTime) last seen, and when it changed (our clock)
@@ -144,6 +151,23 @@ class LeaseElector:
         finally:
             self._set_leading(False)
 
+    def wait_for_successor(self, timeout_s: float, poll_s: float = 0.1) -> str | None:
+        """After `release`: the next holder once one has taken the Lease, or None after `timeout_s`."""
+        from kubernetes.client.rest import ApiException
+
+        deadline = self._clock() + timeout_s
+        while self._clock() < deadline:
+            try:
+                lease = self.api.read_namespaced_lease(self.name, self.namespace, _request_timeout=REQUEST_TIMEOUT)
+                holder = (lease.spec.holder_identity if lease.spec else "") or ""
+                if holder and holder != self.identity:
+                    return holder
+            except ApiException as e:
+                log.warning("leader election: reading Lease %s/%s failed: %s %s", self.namespace, self.name,
+                            e.status, e.reason)
+            time.sleep(poll_s)
+        return None
+
     # --- the loop ---------------------------------------------------------------------------------------------
     def _set_leading(self, leading: bool) -> None:
         if leading != self.leading:
@@ -154,6 +178,8 @@ class LeaseElector:
 
     def step(self) -> None:
         """One round: try, and lead or follow by the result and the renew deadline."""
+        if not self.leading and not self.can_lead():
+            return
         if self.try_acquire_or_renew():
             self._renewed_at = self._clock()
             self._set_leading(True)

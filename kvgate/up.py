@@ -173,16 +173,16 @@ class Stack:
             time.sleep(0.1)
 
 
-def epp_healthy_in_envoy(admin_port: int, cluster: str) -> bool:
-    """Whether Envoy's health check has found the EPP serving (its /clusters lists the host as healthy)."""
+def epp_healthy_in_envoy(admin_port: int, cluster: str, hosts: int = 1) -> bool:
+    """Whether Envoy's health check has found the EPP serving (its /clusters lists `hosts` hosts as healthy)."""
     import httpx
 
     try:
         text = httpx.get(f"http://127.0.0.1:{admin_port}/clusters", timeout=2).text
     except httpx.HTTPError:
         return False
-    return any(line.startswith(f"{cluster}::") and line.endswith("::health_flags::healthy")
-               for line in text.splitlines())
+    return sum(line.startswith(f"{cluster}::") and line.endswith("::health_flags::healthy")
+               for line in text.splitlines()) >= hosts
 
 
 @dataclass
@@ -199,6 +199,12 @@ class LocalStack:
     envoy_flavor: str
     engine_hosts: list[str] = field(default_factory=list)  # one per engine; empty: all on 127.0.0.1
     event_sockets: list[tuple[str, str]] = field(default_factory=list)  # each engine's KV-event (PUB, replay)
+    # more EPP replicas (epp-1, ...: active-active behind Envoy's EPP cluster): their metrics ports
+    extra_epp_metrics_ports: list[int] = field(default_factory=list)
+
+    @property
+    def epp_metrics_ports(self) -> list[int]:
+        return [self.metrics_port, *self.extra_epp_metrics_ports]
 
     @property
     def endpoints(self) -> list[str]:
@@ -226,7 +232,7 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
                        engine_hosts: list[str] | None = None,
                        engine_args_for: Callable[[int, str], list[str]] | None = None,
                        epp_args: list[str] = (), kv_events: bool = False,
-                       epp_kv_event_override: dict[int, str] | None = None) -> LocalStack:
+                       epp_kv_event_override: dict[int, str] | None = None, epp_replicas: int = 1) -> LocalStack:
     """Start N engines, the EPP over them and Envoy (`kvgate`: kvgate's rendered config; `upstream`: the stock
     upstream-shaped one; `round-robin`: Envoy's own round-robin over the engines and no EPP, a benchmark's
     baseline) in `stack`, and wait until a request can be routed. An EPP config whose picker returns
@@ -236,11 +242,15 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     KV-cache events on a PUB and a replay socket of its own, bound on the IPv6 loopback (vLLM binds an address
     with `::` or `*`, and connects to any other), and the EPP is told each one (--kv-events-endpoint);
     `epp_kv_event_override` tells it another PUB address for engine i (`kvgate bench hostile` binds a rogue
-    publisher there). Raises
+    publisher there). `epp_replicas` > 1 (kvgate's Envoy config only): that many EPPs over the same engines, each
+    a host of Envoy's EPP cluster, serving at once (active-active; each sees the engines' metrics and KV events,
+    and only its own in-flight requests). Raises
     RuntimeError if a child dies, TimeoutError past `startup_timeout`."""
     from kvgate.epp.scheduling.config import load_config
 
     epp_config = load_config(epp_config_file, epp_config_text)  # ConfigError before anything starts
+    if epp_replicas > 1 and envoy_flavor != "kvgate":
+        raise ValueError("several EPP replicas need kvgate's Envoy config (an EPP cluster of several hosts)")
     taken = port_taken(host, port)  # else Envoy alone would fail, after the engines had started, in its log
     if taken:
         raise RuntimeError(taken)
@@ -271,11 +281,14 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
                              for a in ("--kv-events-endpoint", f"{e}={pub},{replay}")),
                 *epp_tokenizer_args(model, kv_events, epp_args)]
     grpc_port, health_port, metrics_port, admin_port = (free_port() for _ in range(4))
+    extra_epps = [(free_port(), free_port(), free_port()) for _ in range(max(0, epp_replicas - 1))]
     with_epp = envoy_flavor != "round-robin"
     if with_epp:
-        stack.start("epp", [kvgate, "epp", "--endpoints", ",".join(endpoints), "--grpc-port", str(grpc_port),
-                            "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port),
-                            *epp_config_args, *epp_args])
+        for name, (grpc_i, health_i, metrics_i) in [("epp", (grpc_port, health_port, metrics_port)),
+                                                    *((f"epp-{i + 1}", ports) for i, ports in enumerate(extra_epps))]:
+            stack.start(name, [kvgate, "epp", "--endpoints", ",".join(endpoints), "--grpc-port", str(grpc_i),
+                               "--grpc-health-port", str(health_i), "--metrics-port", str(metrics_i),
+                               *epp_config_args, *epp_args])
     if envoy_flavor == "round-robin":
         from kvgate.envoy_config import render_round_robin
 
@@ -287,8 +300,10 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     else:
         route_timeouts, listener_timeouts, breakers = limits or (RouteTimeouts(), ListenerTimeouts(),
                                                                  CircuitBreakers())
+        epp_hosts = tuple(("127.0.0.1", g, h) for g, h, _ in [(grpc_port, health_port, None), *extra_epps]) \
+            if extra_epps else None
         pool = PoolBackend("local", "127.0.0.1", grpc_port, endpoints, fail_open, epp_health_port=health_port,
-                           circuit_breakers=breakers, fallbacks=epp_config.returns_lists)
+                           circuit_breakers=breakers, fallbacks=epp_config.returns_lists, epp_pods=epp_hosts)
         config = render_pool_gateway(pool, host, port, admin_port, route_timeouts=route_timeouts,
                                      listener_timeouts=listener_timeouts)
     (stack.workdir / "envoy.json").write_text(json.dumps(config, indent=2))
@@ -298,15 +313,16 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     for endpoint in endpoints:
         stack.wait_http(f"http://{endpoint}/health", deadline, "engine")
     if with_epp:
-        stack.wait_http(f"http://127.0.0.1:{metrics_port}/metrics", deadline, "EPP")
+        for port_i in [metrics_port, *(m for _, _, m in extra_epps)]:
+            stack.wait_http(f"http://127.0.0.1:{port_i}/metrics", deadline, "EPP")
     stack.wait_http(f"http://127.0.0.1:{admin_port}/ready", deadline, "Envoy")
     if envoy_flavor == "upstream":  # no health check on the EPP there: wait for the EPP's own readiness
         stack.wait_until(lambda: epp_ready(health_port), deadline, "the EPP to turn ready")
     elif with_epp:  # the EPP turns ready once it can route; until Envoy's health check saw that, FailClose answers 500
-        stack.wait_until(lambda: epp_healthy_in_envoy(admin_port, "epp-local"), deadline,
+        stack.wait_until(lambda: epp_healthy_in_envoy(admin_port, "epp-local", epp_replicas), deadline,
                          "Envoy to find the EPP ready")
     return LocalStack(stack, f"http://{host}:{port}", model, engine_ports, grpc_port, health_port, metrics_port,
-                      admin_port, envoy_flavor, hosts, event_sockets)
+                      admin_port, envoy_flavor, hosts, event_sockets, [m for _, _, m in extra_epps])
 
 
 def epp_ready(health_port: int) -> bool:

@@ -99,9 +99,16 @@ def add_bench_routing_parser(sub) -> None:
                    help="pin the gateway tier (Envoy + the EPP, or the external router) to these CPUs, e.g. 0 or "
                         "0,2 or 1-3, and the engines and the load to the others: a slower machine's share for the "
                         "routing decision, the same for every configuration (Linux; default: no pinning)")
+    p.add_argument("--epp-replicas", default="1", metavar="N[,N...]",
+                   help="EPP replicas serving at once behind Envoy (active-active: each sees the engines' metrics "
+                        "and KV events, only its own in-flight requests); each EPP configuration runs once per "
+                        "count, as NAME-xN for N > 1 (default 1)")
     p.add_argument("--result-file", default=None, help="write every cell as JSON here")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT p90 and throughput vs rate (matplotlib)")
     p.set_defaults(func=run_bench_routing)
+
+
+MAX_EPP_REPLICAS = 4
 
 
 def run_bench_routing(args) -> int:
@@ -120,6 +127,13 @@ def run_bench_routing(args) -> int:
         raise SystemExit("kvgate bench routing: --replicas, --duration and --drain must be > 0")
     if not 0 <= args.foreign_share < 1:
         raise SystemExit(f"kvgate bench routing: --foreign-share must be in [0, 1), got {args.foreign_share:g}")
+    try:
+        epp_replicas = sorted({int(n) for n in args.epp_replicas.split(",")})
+    except ValueError:
+        epp_replicas = []
+    if not epp_replicas or not all(1 <= n <= MAX_EPP_REPLICAS for n in epp_replicas):
+        raise SystemExit(f"kvgate bench routing: --epp-replicas takes counts from 1 to {MAX_EPP_REPLICAS}, "
+                         f"got {args.epp_replicas!r}")
     gateway_cpus = None
     if args.gateway_cpus is not None:
         try:
@@ -131,6 +145,7 @@ def run_bench_routing(args) -> int:
     configs, result = [], {"replicas": args.replicas, "duration_s": args.duration, "drain_s": args.drain,
                            "seed": args.seed, "foreign_share": args.foreign_share, "rates": rates,
                            "gateway_cpus": sorted(gateway_cpus) if gateway_cpus else None,
+                           "epp_replicas": epp_replicas,
                            "configurations": {}, "workloads": {}}
     for name in wanted:
         why = unavailable(BY_NAME[name])
@@ -147,17 +162,21 @@ def run_bench_routing(args) -> int:
                                 args.seed)) for s in shapes for r in rates]
     for shape, _, requests in plan:
         _fits(shape, requests)
-    total = sum(len(reqs) for _, _, reqs in plan) * len(configs)
+    runs = [(c, n) for c in configs for n in (epp_replicas if c.kind == "epp" else [1])]
+    total = sum(len(reqs) for _, _, reqs in plan) * len(runs)
     failed = False
     with tqdm(total=total, unit="req", file=sys.stderr, mininterval=1.0, leave=False) as bar:
         for shape, rate, requests in plan:
             cells = result["workloads"].setdefault(shape.name, {"what": shape.what, "knobs": shape.knobs(),
                                                                 "cells": []})["cells"]
-            for config in configs:
-                bar.set_description(f"{shape.name} {rate:g}/s {config.name}")
-                cell = {"configuration": config.name, "rate": rate,
+            for config, n in runs:
+                name = config.name if n == 1 else f"{config.name}-x{n}"
+                bar.set_description(f"{shape.name} {rate:g}/s {name}")
+                cell = {"configuration": name, "rate": rate,
+                        **({"epp_replicas": n} if config.kind == "epp" else {}),
                         **run_cell(workdir, config, shape, requests, replicas=args.replicas,
-                                   drain_s=args.drain, tick=lambda: bar.update(1), gateway_cpus=gateway_cpus)}
+                                   drain_s=args.drain, tick=lambda: bar.update(1), gateway_cpus=gateway_cpus,
+                                   epp_replicas=n)}
                 cells.append(cell)
                 failed |= cell["sent"] != cell["requests"]
     for workload in result["workloads"].values():

@@ -17,6 +17,11 @@ from pathlib import Path
 GATEWAY_CHILDREN = ("epp", "envoy", "router")
 
 
+def is_gateway(child_name: str) -> bool:
+    """The gateway tier: Envoy, a router, and every EPP replica (epp, epp-1, ...)."""
+    return child_name in GATEWAY_CHILDREN or child_name.startswith("epp-")
+
+
 def parse_cpus(text: str) -> frozenset[int]:
     """'0', '0,2', '1-3' (the taskset / cpuset list form) -> a set of CPUs this process may use; ValueError names
     what is wrong."""

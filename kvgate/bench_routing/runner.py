@@ -146,7 +146,7 @@ def epp_time(before: dict[str, dict], after: dict[str, dict]) -> dict:
 
 
 def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout: float,
-           engine_args: list[str]) -> tuple[LocalStack, str]:
+           engine_args: list[str], epp_replicas: int = 1) -> tuple[LocalStack, str]:
     """The stack for `config`, and the URL the load goes to."""
     stack = Stack(Path(tempfile.mkdtemp(prefix=f"{config.name}-", dir=workdir)))
     flavor = "kvgate" if config.kind == "epp" else "round-robin"  # a router brings its own load balancing
@@ -155,7 +155,7 @@ def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout:
             stack, replicas=replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=free_port(),
             epp_config_text=config.epp_config, engine_args=engine_args, envoy_flavor=flavor,
             engine_hosts=[f"127.0.0.{2 + i}" for i in range(replicas)], kv_events=config.kv_events,
-            startup_timeout=startup_timeout)
+            startup_timeout=startup_timeout, epp_replicas=epp_replicas if config.kind == "epp" else 1)
         url = up.url
         if config.kind == "router":
             port = free_port()
@@ -255,26 +255,40 @@ def objectives_met(outcomes: list[Outcome], requests: list[BenchRequest]) -> dic
     return {"stated": len(stated), "met": met, "share_met": round(met / len(stated), 4)}
 
 
+def _summed_histograms(up: LocalStack) -> dict[str, dict]:
+    """epp_histograms of every EPP replica of the stack, added up."""
+    total: dict[str, dict] = {}
+    for port in up.epp_metrics_ports:
+        for name, h in epp_histograms(epp_metrics(port)).items():
+            t = total.setdefault(name, {"count": 0.0, "sum": 0.0, "buckets": {}})
+            t["count"] += h["count"]
+            t["sum"] += h["sum"]
+            for le, c in h["buckets"].items():
+                t["buckets"][le] = t["buckets"].get(le, 0.0) + c
+    return total
+
+
 def _pin(stack, gateway_cpus: frozenset[int]) -> dict:
     """The gateway tier on gateway_cpus, the rest of the stack and this process (the load) on the other CPUs."""
     gateway, rest = pinning.split(gateway_cpus)
     threads = 0
     for child in stack.children:  # each child leads a process group of its own (start_group)
-        threads += pinning.pin_group(child.proc.pid, gateway if child.name in pinning.GATEWAY_CHILDREN else rest)
+        threads += pinning.pin_group(child.proc.pid, gateway if pinning.is_gateway(child.name) else rest)
     os.sched_setaffinity(0, rest)
     return {"gateway": sorted(gateway), "others": sorted(rest), "threads_pinned": threads}
 
 
 def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, requests: list[BenchRequest], *,
              replicas: int, drain_s: float, startup_timeout: float = 120.0,
-             tick: Callable[[], None] = lambda: None, gateway_cpus: frozenset[int] | None = None) -> dict:
-    up, url = _start(workdir, config, replicas, startup_timeout, sim_engine_args(shape.kv_tokens))
+             tick: Callable[[], None] = lambda: None, gateway_cpus: frozenset[int] | None = None,
+             epp_replicas: int = 1) -> dict:
+    up, url = _start(workdir, config, replicas, startup_timeout, sim_engine_args(shape.kv_tokens), epp_replicas)
     own_cpus = os.sched_getaffinity(0)
     try:
         cpus = _pin(up.stack, gateway_cpus) if gateway_cpus else None
         # the readiness probe of a router sent one request: counted in `before`, so not in the deltas
         before = all_counters(up.endpoints)
-        epp_before = epp_histograms(epp_metrics(up.metrics_port)) if config.kind == "epp" else None
+        epp_before = _summed_histograms(up) if config.kind == "epp" else None
         outcomes, start = asyncio.run(_drive(url, requests, drain_s, tick, up.endpoints))
         time.sleep(0.2)  # the last requests' counters
         after = all_counters(up.endpoints)
@@ -283,9 +297,9 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
         objectives = objectives_met(outcomes, requests)
         if objectives is not None:
             result["ttft_objectives"] = objectives
-        epp_after = epp_metrics(up.metrics_port) if config.kind == "epp" else None
+        epp_after = epp_metrics(up.metrics_port) if config.kind == "epp" else None  # the first EPP's
         if epp_after is not None:
-            result["epp_time"] = epp_time(epp_before, epp_histograms(epp_after))
+            result["epp_time"] = epp_time(epp_before, _summed_histograms(up))  # every replica's requests
         if any(r.foreign is not None for r in requests):  # the requests the configuration itself routed
             routed = [o for o, r in zip(outcomes, requests) if r.foreign is None]
             result["routed"] = {"requests": len(routed), "ttft_s": _percentiles(
