@@ -103,7 +103,7 @@ def test_short_run_end_to_end(tmp_path):
     cpus = sorted(os.sched_getaffinity(0))
     pin = ["--gateway-cpus", str(cpus[0])] if len(cpus) >= 2 else []
     run = subprocess.run([KVGATE, "bench", "routing", "--short", "--workloads", SHORT_SHAPE,
-                          "--configs", "round-robin,approximate", "--foreign-share", "0.1",
+                          "--configs", "round-robin,approximate", "--foreign-share", "0.1", "--epp-replicas", "1,2",
                           "--result-file", str(result_file), *pin],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and result_file.exists(), run.stdout + run.stderr[-3000:]
@@ -112,7 +112,9 @@ def test_short_run_end_to_end(tmp_path):
     workload = result["workloads"][SHORT_SHAPE]
     assert workload["knobs"]["output_spread"] == 0.5 and workload["knobs"]["kind"] == "multi-tenant"
     cells = {c["configuration"]: c for c in workload["cells"]}
-    assert set(cells) == {"round-robin", "approximate"}
+    # the EPP configuration once per --epp-replicas count: two EPPs serving at once behind Envoy as approximate-x2
+    assert set(cells) == {"round-robin", "approximate", "approximate-x2"} and result["epp_replicas"] == [1, 2]
+    assert cells["approximate-x2"]["epp_replicas"] == 2 and "epp_replicas" not in cells["round-robin"]
     requests = with_foreign(arrivals(parse_shape(SHORT_SHAPE), 6.0, 6.0, seed=0), 0.1, 4, seed=0)
     assert len({r.max_tokens for r in requests}) > 5
     expected = len(requests)
@@ -135,9 +137,12 @@ def test_short_run_end_to_end(tmp_path):
     round_robin = cells["round-robin"]["prefix_cache_hit_rate"]
     assert approximate >= 0.7 * ceiling and approximate > round_robin, (approximate, round_robin, ceiling)
     assert cells["approximate"]["vs_round_robin"]["output_tokens_per_s"] is not None
-    # the EPP's own time per request: every request it routed, the decision inside the request path
+    # the EPP's own time per request: every request it routed (both replicas' together), the decision inside the
+    # request path
+    for name in ("approximate", "approximate-x2"):
+        epp = cells[name]["epp_time"]
+        assert epp["decision"]["requests"] == epp["request_path"]["requests"] == routed, (name, epp)
     epp = cells["approximate"]["epp_time"]
-    assert epp["decision"]["requests"] == epp["request_path"]["requests"] == routed, epp
     assert 0 < epp["decision"]["mean_ms"] <= epp["request_path"]["mean_ms"] <= epp["request_path"]["p99_ms_at_most"]
     assert "epp_time" not in cells["round-robin"]
     if pin:

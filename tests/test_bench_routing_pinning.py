@@ -64,3 +64,8 @@ def test_a_process_group_is_pinned_whole():
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+def test_every_epp_replica_is_in_the_gateway_tier():
+    assert all(pinning.is_gateway(n) for n in ("epp", "epp-1", "epp-3", "envoy", "router"))
+    assert not any(pinning.is_gateway(n) for n in ("engine-0", "engine-12", "eppx"))
