@@ -39,6 +39,32 @@ schedulingProfiles:
 """
 
 
+def gateway_serves(url: str, model: str = "demo") -> bool:
+    """One short completion through a Gateway answers 200: its Envoy has its routes and a ready EPP."""
+    import httpx
+
+    try:
+        r = httpx.post(f"{url}/v1/completions", timeout=10, json={"model": model, "prompt": "Hello", "max_tokens": 2})
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
+
+
+def grpc_health(address: str, service: str) -> str:
+    """What the gRPC health service at `address` (host:port) answers for `service`: SERVING, NOT_SERVING, ...,
+    or "error <code>"."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                               timeout=2).status
+        except grpc.RpcError as e:
+            return f"error {e.code().name}"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
 def is_ready(pod: dict) -> bool:
     return (not pod["metadata"].get("deletionTimestamp") and bool(pod.get("status", {}).get("podIP"))
             and any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or []))

@@ -15,12 +15,10 @@ import asyncio
 import threading
 import time
 
-import grpc
-import httpx
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from k8srig.kube import CORE, wait_default_service_account, wait_for
-from operator_run import is_ready, print_log_tail, sample_namespace, start_operator, stop_operator
+from operator_run import (gateway_serves, grpc_health, is_ready, print_log_tail, sample_namespace, start_operator,
+                          stop_operator)
 
 from kvgate.chaos.load import StreamLoad, Tally
 from kvgate.operator.naming import EPP_HEALTH_PORT
@@ -35,13 +33,7 @@ MAX_TOKENS = 32
 
 
 def readiness(ip: str) -> str:
-    with grpc.insecure_channel(f"{ip}:{EPP_HEALTH_PORT}") as channel:
-        try:
-            status = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="readiness"), timeout=2).status
-        except grpc.RpcError as e:
-            return f"error {e.code().name}"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    return grpc_health(f"{ip}:{EPP_HEALTH_PORT}", "readiness")
 
 
 def test_leader_failover_under_streaming_load(k8s, tmp_path):
@@ -90,15 +82,8 @@ def test_leader_failover_under_streaming_load(k8s, tmp_path):
                            .get("addresses") and g, timeout_s=30, what="the Gateway's address")
         url = f"http://{gateway['status']['addresses'][0]['value']}:8080"
         mark(f"leader {leader_ip}, follower {follower_ip}; Gateway at {url}")
-
-        def served() -> bool:  # Envoy has the EPPs and has health-checked the leader ready
-            try:
-                r = httpx.post(f"{url}/v1/completions", timeout=10,
-                               json={"model": "demo", "prompt": "Hello", "max_tokens": 2})
-            except httpx.HTTPError:
-                return False
-            return r.status_code == 200
-        wait_for(served, timeout_s=60, interval_s=0.5, what="a completion served through the Gateway's address")
+        wait_for(lambda: gateway_serves(url), timeout_s=60, interval_s=0.5,  # the leader found ready by Envoy
+                 what="a completion served through the Gateway's address")
 
         load = StreamLoad(url, "demo", concurrency=CONCURRENCY, max_tokens=MAX_TOKENS, timeout_s=60)
         load_thread = threading.Thread(target=lambda: asyncio.run(load.run()), name="stream-load", daemon=True)

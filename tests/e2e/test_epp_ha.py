@@ -11,11 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from k8srig import crds
-from operator_run import print_log_tail
+from operator_run import grpc_health, print_log_tail
 from test_epp_kubernetes import free_ports
 
 pytestmark = pytest.mark.e2e
@@ -25,13 +23,7 @@ TIMINGS = ["--ha-lease-duration", "4s", "--ha-renew-deadline", "3s", "--ha-retry
 
 
 def health(port: int, service: str) -> str:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        try:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                               timeout=2).status
-        except grpc.RpcError as e:
-            return f"error {e.code().name}"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    return grpc_health(f"127.0.0.1:{port}", service)
 
 
 def test_follower_not_serving_then_leads_when_the_leader_stops(k8s, namespace, tmp_path):

@@ -23,10 +23,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-import httpx
 import pytest
 from k8srig.kube import CORE, DEPLOYMENT, ApiError, wait_default_service_account, wait_for
-from operator_run import TUNED_EPP_CONFIG, is_ready, print_log_tail, sample_namespace, start_operator, stop_operator
+from operator_run import (TUNED_EPP_CONFIG, gateway_serves, is_ready, print_log_tail, sample_namespace,
+                          start_operator, stop_operator)
 
 from kvgate.chaos.load import StreamLoad, Tally
 
@@ -173,15 +173,8 @@ def test_rollouts_under_streaming_load(k8s, tmp_path):
         gateway = wait_for(lambda: (g := client.get(gw_res, "inference-gateway", ns)).get("status", {})
                            .get("addresses") and g, timeout_s=30, what="the Gateway's address")
         url = f"http://{gateway['status']['addresses'][0]['value']}:8080"
-
-        def served() -> bool:
-            try:
-                r = httpx.post(f"{url}/v1/completions", timeout=10,
-                               json={"model": "demo", "prompt": "Hello", "max_tokens": 2})
-            except httpx.HTTPError:
-                return False
-            return r.status_code == 200
-        wait_for(served, timeout_s=60, interval_s=0.5, what="a completion served through the Gateway's address")
+        wait_for(lambda: gateway_serves(url), timeout_s=60, interval_s=0.5,
+                 what="a completion served through the Gateway's address")
         mark(f"samples serving through the Gateway at {url}")
 
         watch.start()
