@@ -46,7 +46,7 @@ QUEUED, GRANTED, GONE = "queued", "granted", "gone"
 
 @dataclass(eq=False)
 class _Ticket:
-    request: LLMRequest
+    request: LLMRequest | None  # None once it left the queue: the expiry heap keeps the ticket until its TTL
     flow_id: str
     priority: int
     size: int
@@ -210,8 +210,11 @@ class FlowController:
         return ticket
 
     def _remove(self, ticket: _Ticket) -> None:
-        """Out of the queue's counts (its heap entries go lazily)."""
+        """Out of the queue's counts (its heap entries go lazily, so the ticket lets go of the request and its
+        body now: the expiry heap keeps a let-go ticket until its TTL, and at saturation that is every request of
+        the last minute)."""
         ticket.state = GONE
+        ticket.request = None
         band = self._bands[ticket.priority]
         flow = band.flows[ticket.flow_id]
         flow.live -= 1

@@ -263,6 +263,8 @@ def test_random_traffic_is_served_or_refused_exactly_once():
         assert len(h.order) == len(set(h.order)) == outcomes["served"]
         assert sum(outcomes.values()) == 300 and outcomes["refused"] > 0 and outcomes["cancelled"] > 0
         assert fc.count == 0 and fc.bytes == 0 and fc._granted == 0 and not fc._bands
+        # tickets still in the expiry heap (until their TTL) no longer hold their request and its body
+        assert fc._expiry and all(ticket.request is None for _, _, ticket in fc._expiry)
     asyncio.run(main())
 
 
