@@ -139,7 +139,8 @@ class FlowController:
         if self.count == 0 and self._room() - self._granted > 0:  # nothing waits and there is room: no queue
             return self._grant_now(request, now)
         flow_id = flow_id_of(request)
-        band = self._band(request.priority)
+        # a band is kept only while it holds requests (or is configured): a refused request leaves none behind
+        band = self._bands.get(request.priority) or _Band(self.config.band(request.priority))
         limit = self._over_limit(band, size)
         if limit:
             self.rejected += 1
@@ -179,12 +180,6 @@ class FlowController:
             return f"{self.bytes} bytes held; this request's {size} exceed maxBytes"
         return ""
 
-    def _band(self, priority: int) -> _Band:
-        band = self._bands.get(priority)
-        if band is None:
-            band = self._bands[priority] = _Band(self.config.band(priority))
-        return band
-
     def _enqueue(self, request: LLMRequest, flow_id: str, band: _Band, size: int, now: float) -> _Ticket:
         seq = next(self._seq)
         expires_at = now + self.config.default_ttl_s
@@ -195,6 +190,7 @@ class FlowController:
             key = (seq,)
         ticket = _Ticket(request, flow_id, band.config.priority, size, now, expires_at, key,
                          asyncio.get_running_loop().create_future())
+        self._bands.setdefault(band.config.priority, band)
         flow = band.flows.get(flow_id)
         if flow is None:
             flow = band.flows[flow_id] = _Flow()

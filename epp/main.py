@@ -314,11 +314,15 @@ async def hand_over(elector, loop, was_leading: bool) -> None:
     healthy_panic_threshold 0 (kvgate's config) Envoy answers 500 while no EPP is ready (measured on the rig: 107
     of 226 streamed requests in the 1.2 s between the leader's NOT_SERVING and the follower's SERVING). Bounded:
     two retry periods and a second for a successor, then the drain goes on regardless."""
-    await loop.run_in_executor(None, elector.stop)
-    if not was_leading:
+    try:
+        await loop.run_in_executor(None, elector.stop)
+        if not was_leading:
+            return
+        successor = await loop.run_in_executor(None, elector.wait_for_successor,
+                                               2 * elector.retry_period + 1.0)
+    except Exception:  # the API server unreachable (a urllib3 error, not an ApiException): the drain still runs
+        log.exception("leader election: the hand-over failed; draining anyway")
         return
-    successor = await loop.run_in_executor(None, elector.wait_for_successor,
-                                           2 * elector.retry_period + 1.0)
     if successor is None:
         log.warning("leader election: no follower took the Lease; draining anyway")
         return

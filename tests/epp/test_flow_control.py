@@ -160,6 +160,7 @@ def test_a_full_band_answers_429_with_retry_after():
         assert not other_band.done() and fc.count == 3 and fc.bytes == 920
         await h.release(3)
         assert sorted(h.order) == ["1", "2", "4"] and fc.count == 0 and fc.bytes == 0
+        assert set(fc._bands) == {5}  # the configured band stays; the refused request made none
     asyncio.run(main())
 
 
