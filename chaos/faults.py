@@ -28,6 +28,7 @@ class Injected:
     victim: str | None = None  # the endpoint hit, for engine faults
     victim_in_flight: int | None = None  # what the victim's own metrics said it was running just before
     pid: int | None = None  # the process hit (EPP faults: recovery is a new one, ready)
+    epp: str | None = None  # the EPP child hit among active-passive replicas (recovery: another one leads)
 
 
 def _engine_in_flight(address: str) -> int | None:
@@ -96,6 +97,21 @@ def epp_drain(stack: LocalStack) -> Injected:
     at = time.monotonic()
     os.kill(pid, signal.SIGTERM)
     return Injected(at, pid=pid)
+
+
+def epp_leader_kill(stack: LocalStack) -> Injected:
+    """SIGKILL the leading EPP of active-passive replicas (the one whose health port answers SERVING): the streams
+    it carried break and new ones fail (FailClose) until a follower's lease wait ends, it leads and turns SERVING,
+    and Envoy's health check finds it. The supervisor restarts the killed one, which comes back as a follower."""
+    from kvgate.up import epp_ready
+
+    leaders = [name for name, _, health_port in stack.epps if epp_ready(health_port)]
+    if len(leaders) != 1:
+        raise RuntimeError(f"expected one leading EPP, found {leaders or 'none'} (logs: {stack.stack.workdir})")
+    pid = stack.child(leaders[0]).proc.pid
+    at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    return Injected(at, pid=pid, epp=leaders[0])
 
 
 def _in_background(attack, target: attacks.Target) -> Injected:

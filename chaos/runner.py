@@ -7,7 +7,11 @@ A row says how many requests were sent, succeeded (200, every token, usage, [DON
 running on the victim when it was hit (the victim's own metrics just before), how many failed requests the
 victim had not taken (no response headers from it: what routing and retries must avoid), how long the EPP took
 to take the victim out of rotation, and how long until things were back (the restarted replica in rotation
-again, or a new EPP process healthy in Envoy). Each scenario states its expectation, checked on the row.
+again, or a new EPP process healthy in Envoy; for active-passive EPPs, another EPP than the one killed healthy in
+Envoy: the follower leading — the killed one, restarted, only follows). Each scenario states its expectation,
+checked on the row (`verdict`); `until-follower-leads`: FailClose with two EPPs electing a leader over a lease
+file — what the dead leader carried and what arrives before the follower leads fails, and the follower must be
+healthy in Envoy within the lease duration, a retry period and two of Envoy's 1 s health checks.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from kvgate.chaos import attacks, faults
 from kvgate.chaos.load import Outcome, StreamLoad, tenant_prompts
 from kvgate.epp.scheduling.config import FALLBACK_CONFIG_YAML, KVGATE_PROFILE_FALLBACK_YAML
 from kvgate.processes import free_port
-from kvgate.up import LocalStack, Stack, epp_healthy_in_envoy, epp_ready, launch_local_stack
+from kvgate.up import EPP_LEASE_TIMINGS, LocalStack, Stack, epp_healthy_in_envoy, epp_ready, launch_local_stack
 
 SIM_MODEL = "sim-model"
 # Streams of a few seconds: long enough that a fault lands in the middle of many of them.
@@ -44,6 +48,11 @@ class StackShape:
     # kvgate's profile (precise prefix routing from engine KV events, the EPP tokenizing), the load over a few
     # tenants' shared prompts, and a rogue publisher bound where the EPP listens for the last engine's events
     kv_events: bool = False
+    # EPPs as hosts of Envoy's EPP cluster; with leader_election, active-passive over a lease file with these
+    # timings (lease duration, renew deadline, retry period, seconds)
+    epp_replicas: int = 1
+    leader_election: bool = False
+    lease_timings: tuple[float, float, float] = EPP_LEASE_TIMINGS
 
 
 @dataclass(frozen=True)
@@ -53,13 +62,17 @@ class Scenario:
     fault: Callable[[LocalStack], faults.Injected]
     shape: StackShape
     expect: str  # "no-failure" | "victim-only" | "victim-only-and-window" | "epp-streams" | "until-epp-back"
-    #              | "no-failure-cache-kept"
+    #              | "no-failure-cache-kept" | "until-follower-leads"
 
 
 # Scenarios sharing a stack shape run one after another on one stack (each waits for the last to heal).
 _KVGATE = StackShape(fallbacks=True, engine_loop="process")
 _PRECISE = StackShape(kv_events=True)
 HIT_RATE_SLACK = 0.15  # no-failure-cache-kept: the prefix-cache hit rate after the fault, at most this below before
+_LEADER = StackShape(epp_replicas=2, leader_election=True, lease_timings=(2.0, 1.5, 0.25))
+# until-follower-leads: the lease runs out (as the follower saw it: up to a retry period late), it leads, and
+# Envoy's next health check (1 s apart; a second one's slack) finds it SERVING
+LEADER_RECOVER_S = _LEADER.lease_timings[0] + _LEADER.lease_timings[2] + 2.0
 SCENARIOS = [
     Scenario("replica-kill", "SIGKILL a replica; kvgate's Envoy, EPP with fallbacks", faults.replica_kill,
              _KVGATE, "victim-only"),
@@ -77,6 +90,8 @@ SCENARIOS = [
              StackShape(fail_open=True), "no-failure"),
     Scenario("epp-kill-failopen", "SIGKILL the EPP, FailOpen", faults.epp_kill, StackShape(fail_open=True),
              "epp-streams"),
+    Scenario("epp-leader-kill", "SIGKILL the leading EPP of two (active-passive, a file lease: 2 s lease, 1.5 s "
+             "renew deadline, 0.25 s retry), FailClose", faults.epp_leader_kill, _LEADER, "until-follower-leads"),
     Scenario("kv-replay-flood", "2000 KV-event replay requests to every engine; kvgate's profile",
              faults.kv_replay_flood, _PRECISE, "no-failure-cache-kept"),
     Scenario("kv-rogue-publisher", "malformed KV-event batches where the EPP listens for an engine; kvgate's "
@@ -118,6 +133,8 @@ def verdict(expect: str, row: Row, epp_streams: int) -> bool:
         return row.failed <= epp_streams and row.recover_s is not None
     if expect == "until-epp-back":  # FailClose: refused until the EPP is back, then served
         return row.recover_s is not None
+    if expect == "until-follower-leads":  # FailClose: refused until the follower leads, within its lease's bound
+        return row.recover_s is not None and row.recover_s <= LEADER_RECOVER_S
     if expect == "no-failure-cache-kept":  # nothing lost, routing keeps its hit rate, the EPP still reads events
         return (row.failed == 0 and (row.kv_batches_after_fault or 0) > 0 and None not in (
             row.hit_rate_before, row.hit_rate_after) and row.hit_rate_after >= row.hit_rate_before - HIT_RATE_SLACK)
@@ -169,7 +186,8 @@ class StackPool:
                     stack, replicas=shape.replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=port,
                     fail_open=shape.fail_open, epp_config_text=config, envoy_flavor=shape.envoy,
                     engine_args=[*SIM_ENGINE_ARGS, "--engine-loop", shape.engine_loop],
-                    startup_timeout=self.startup_timeout, **kv)
+                    startup_timeout=self.startup_timeout, epp_replicas=shape.epp_replicas,
+                    epp_leader_election=shape.leader_election, epp_lease_timings=shape.lease_timings, **kv)
             except BaseException:
                 stack.stop()
                 self._close_rogue(d)
@@ -239,6 +257,17 @@ def _available(up: LocalStack, endpoint: str) -> bool | None:
     return _available_on(httpx, f"http://127.0.0.1:{up.metrics_port}/metrics", endpoint)
 
 
+def _healthy_epps(up: LocalStack) -> set[str]:
+    """The EPP children (by name) that Envoy's health check finds healthy now."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{up.admin_port}/clusters", timeout=2).text
+    except httpx.HTTPError:
+        return set()
+    by_port = {str(grpc_port): name for name, grpc_port, _ in up.epps}
+    return {by_port.get(line.split("::")[1].rsplit(":", 1)[-1], line.split("::")[1]) for line in text.splitlines()
+            if line.startswith("epp-local::") and line.endswith("::health_flags::healthy")}
+
+
 def _epp_back(up: LocalStack) -> bool:
     if up.envoy_flavor == "kvgate":
         return epp_healthy_in_envoy(up.admin_port, "epp-local")
@@ -273,8 +302,14 @@ async def run_scenario(pool: StackPool, scenario: Scenario, *, concurrency: int,
     injected = await asyncio.to_thread(scenario.fault, up)
     deadline = injected.at + hold_s
     poller = _Poller(up, injected.victim, injected.at, deadline + recover_within_s) if injected.victim else None
+    if injected.epp is not None:  # a leader killed: back once Envoy finds another EPP (the follower) ready
+        def back() -> bool:
+            return bool(_healthy_epps(up) - {injected.epp})
+    else:  # the EPP killed: back once its restarted process is healthy
+        def back() -> bool:
+            return up.child("epp").proc.pid != injected.pid and _epp_back(up)
     back_task = None if injected.victim or injected.pid is None else asyncio.create_task(_watch(
-        deadline + recover_within_s, lambda: up.child("epp").proc.pid != injected.pid and _epp_back(up), 0.05))
+        deadline + recover_within_s, back, 0.05))
     while time.monotonic() < deadline:
         await asyncio.sleep(0.2)
         tick()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 import signal
 import threading
@@ -112,11 +113,16 @@ def add_epp_parser(sub) -> None:
     p.add_argument("--drain-health", choices=("not-serving", "serving"), default="not-serving",
                    help="what the health service answers while draining: not-serving (default) for gateways that "
                         "address this EPP directly; serving behind a Service, whose one address must stay healthy")
-    ha = p.add_argument_group("high availability (Kubernetes mode)")
+    ha = p.add_argument_group("high availability (active-passive)")
     ha.add_argument("--ha-enable-leader-election", action="store_true",
                     help="run as one of several replicas: a coordination.k8s.io Lease (upstream's name, in the "
-                         "pool's namespace) elects the one that reports ready; the others keep watching the pool "
-                         "and scraping it, so a failover finds a warm EPP, and answer NOT_SERVING until they lead")
+                         "pool's namespace; --ha-lease-file standalone) elects the one that reports ready; the "
+                         "others keep watching the pool and scraping it, so a failover finds a warm EPP, and answer "
+                         "NOT_SERVING until they lead")
+    ha.add_argument("--ha-lease-file", metavar="PATH",
+                    help="standalone mode, replicas on one machine (a local stack as kvgate up runs, "
+                         "benchmarks): elect over a lease record in this file (created 0600; its directory must "
+                         "exist; flock-guarded) instead of a Kubernetes Lease, which Kubernetes mode always uses")
     ha.add_argument("--ha-lease-duration", type=duration_flag, default=DEFAULT_LEASE_DURATION_S,
                     help="how long a leader that stopped renewing keeps the Lease (default "
                          f"{DEFAULT_LEASE_DURATION_S:g} s; a leader that stops on SIGTERM releases it at once)")
@@ -342,22 +348,30 @@ async def _first(*aws) -> None:
 
 
 def start_elector(args: argparse.Namespace, on_change, can_lead):
-    """Kubernetes mode's leader election over the pool's Lease (epp/leader.py), started."""
-    from kubernetes import client, config
-
+    """Leader election (epp/leader.py), started: over the pool's Lease in Kubernetes mode, over `--ha-lease-file`
+    (epp/file_lease.py) standalone."""
     from kvgate.epp.leader import LeaseElector, default_identity, lease_name
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    elector = LeaseElector(client.CoordinationV1Api(), lease_name(args.pool_namespace, args.pool_name),
-                           args.pool_namespace, default_identity(), on_change,
+    if args.ha_lease_file:
+        from kvgate.epp.file_lease import FileLeaseApi
+
+        api, namespace, name = FileLeaseApi(args.ha_lease_file), "standalone", lease_name("standalone", "epp")
+        identity, where = f"{default_identity()}-pid{os.getpid()}", f"file {args.ha_lease_file}"
+    else:
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        api, namespace = client.CoordinationV1Api(), args.pool_namespace
+        name, identity = lease_name(args.pool_namespace, args.pool_name), default_identity()
+        where = f"Lease {namespace}/{name}"
+    elector = LeaseElector(api, name, namespace, identity, on_change,
                            lease_duration=args.ha_lease_duration, renew_deadline=args.ha_renew_deadline,
                            retry_period=args.ha_retry_period, can_lead=can_lead)
-    log.info("leader election on: Lease %s/%s as %s (lease %g s, renew deadline %g s, retry %g s)",
-             args.pool_namespace, elector.name, elector.identity, args.ha_lease_duration, args.ha_renew_deadline,
-             args.ha_retry_period)
+    log.info("leader election on: %s as %s (lease %g s, renew deadline %g s, retry %g s)", where,
+             elector.identity, args.ha_lease_duration, args.ha_renew_deadline, args.ha_retry_period)
     elector.start()
     return elector
 
@@ -436,9 +450,16 @@ def run_epp(args: argparse.Namespace) -> int:
             raise SystemExit(f"kvgate epp: --tokenizer: {exc}") from exc
     if bool(args.pool_name) == bool(args.endpoints or args.endpoints_file):
         raise SystemExit("kvgate epp: give either --pool-name (Kubernetes mode) or --endpoints/--endpoints-file")
-    if args.ha_enable_leader_election and not args.pool_name:
-        raise SystemExit("kvgate epp: --ha-enable-leader-election needs Kubernetes mode (--pool-name): the Lease "
-                         "lives in the pool's namespace")
+    if args.ha_lease_file and args.pool_name:
+        raise SystemExit("kvgate epp: --ha-lease-file is for standalone replicas on one machine; in Kubernetes mode "
+                         "(--pool-name) the Lease lives in the pool's namespace")
+    if args.ha_lease_file and not args.ha_enable_leader_election:
+        raise SystemExit("kvgate epp: --ha-lease-file needs --ha-enable-leader-election")
+    if args.ha_enable_leader_election and not (args.pool_name or args.ha_lease_file):
+        raise SystemExit("kvgate epp: --ha-enable-leader-election needs Kubernetes mode (--pool-name: the Lease "
+                         "lives in the pool's namespace) or, for replicas on one machine, --ha-lease-file PATH")
+    if args.ha_lease_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.ha_lease_file))):
+        raise SystemExit(f"kvgate epp: --ha-lease-file: no directory {os.path.dirname(args.ha_lease_file)!r}")
     if args.ha_enable_leader_election and not (
             0 < args.ha_retry_period < args.ha_renew_deadline < args.ha_lease_duration):
         raise SystemExit("kvgate epp: leader election needs --ha-retry-period < --ha-renew-deadline < "

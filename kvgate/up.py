@@ -173,6 +173,11 @@ class Stack:
             time.sleep(0.1)
 
 
+# Active-passive EPPs on one machine (launch_local_stack's epp_leader_election): lease duration, renew deadline and
+# retry period, seconds — a killed leader's follower leads about 2 s later (the Lease holds whole seconds).
+EPP_LEASE_TIMINGS = (2.0, 1.5, 0.25)
+
+
 def epp_healthy_in_envoy(admin_port: int, cluster: str, hosts: int = 1) -> bool:
     """Whether Envoy's health check has found the EPP serving (its /clusters lists `hosts` hosts as healthy)."""
     import httpx
@@ -199,12 +204,22 @@ class LocalStack:
     envoy_flavor: str
     engine_hosts: list[str] = field(default_factory=list)  # one per engine; empty: all on 127.0.0.1
     event_sockets: list[tuple[str, str]] = field(default_factory=list)  # each engine's KV-event (PUB, replay)
-    # more EPP replicas (epp-1, ...: active-active behind Envoy's EPP cluster): their metrics ports
+    # more EPP replicas (epp-1, ...: hosts of Envoy's EPP cluster, active-active or, with leader election,
+    # active-passive): their metrics, ext-proc and health ports
     extra_epp_metrics_ports: list[int] = field(default_factory=list)
+    extra_epp_grpc_ports: list[int] = field(default_factory=list)
+    extra_epp_health_ports: list[int] = field(default_factory=list)
 
     @property
     def epp_metrics_ports(self) -> list[int]:
         return [self.metrics_port, *self.extra_epp_metrics_ports]
+
+    @property
+    def epps(self) -> list[tuple[str, int, int]]:
+        """Every EPP child: (its name, ext-proc port, health port)."""
+        return [("epp", self.grpc_port, self.health_port),
+                *((f"epp-{i + 1}", g, h) for i, (g, h) in enumerate(zip(self.extra_epp_grpc_ports,
+                                                                         self.extra_epp_health_ports)))]
 
     @property
     def endpoints(self) -> list[str]:
@@ -232,7 +247,9 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
                        engine_hosts: list[str] | None = None,
                        engine_args_for: Callable[[int, str], list[str]] | None = None,
                        epp_args: list[str] = (), kv_events: bool = False,
-                       epp_kv_event_override: dict[int, str] | None = None, epp_replicas: int = 1) -> LocalStack:
+                       epp_kv_event_override: dict[int, str] | None = None, epp_replicas: int = 1,
+                       epp_leader_election: bool = False,
+                       epp_lease_timings: tuple[float, float, float] = EPP_LEASE_TIMINGS) -> LocalStack:
     """Start N engines, the EPP over them and Envoy (`kvgate`: kvgate's rendered config; `upstream`: the stock
     upstream-shaped one; `round-robin`: Envoy's own round-robin over the engines and no EPP, a benchmark's
     baseline) in `stack`, and wait until a request can be routed. An EPP config whose picker returns
@@ -244,13 +261,17 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     `epp_kv_event_override` tells it another PUB address for engine i (`kvgate bench hostile` binds a rogue
     publisher there). `epp_replicas` > 1 (kvgate's Envoy config only): that many EPPs over the same engines, each
     a host of Envoy's EPP cluster, serving at once (active-active; each sees the engines' metrics and KV events,
-    and only its own in-flight requests). Raises
-    RuntimeError if a child dies, TimeoutError past `startup_timeout`."""
+    and only its own in-flight requests). `epp_leader_election` with `epp_replicas` > 1: active-passive instead —
+    the EPPs elect a leader over a lease file in the stack's workdir (`--ha-lease-file`), with
+    `epp_lease_timings` (lease duration, renew deadline, retry period, seconds); only the leader answers SERVING,
+    so start-up waits for one EPP healthy in Envoy. Raises RuntimeError if a child dies, TimeoutError past
+    `startup_timeout`."""
     from kvgate.epp.scheduling.config import load_config
 
     epp_config = load_config(epp_config_file, epp_config_text)  # ConfigError before anything starts
     if epp_replicas > 1 and envoy_flavor != "kvgate":
         raise ValueError("several EPP replicas need kvgate's Envoy config (an EPP cluster of several hosts)")
+    leader_election = epp_leader_election and epp_replicas > 1
     taken = port_taken(host, port)  # else Envoy alone would fail, after the engines had started, in its log
     if taken:
         raise RuntimeError(taken)
@@ -280,6 +301,11 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     epp_args = [*epp_args, *(a for e, (pub, replay) in zip(endpoints, told)
                              for a in ("--kv-events-endpoint", f"{e}={pub},{replay}")),
                 *epp_tokenizer_args(model, kv_events, epp_args)]
+    if leader_election:
+        lease_s, renew_s, retry_s = epp_lease_timings
+        epp_args = [*epp_args, "--ha-enable-leader-election", "--ha-lease-file", str(stack.workdir / "epp.lease"),
+                    "--ha-lease-duration", f"{lease_s:g}", "--ha-renew-deadline", f"{renew_s:g}",
+                    "--ha-retry-period", f"{retry_s:g}"]
     grpc_port, health_port, metrics_port, admin_port = (free_port() for _ in range(4))
     extra_epps = [(free_port(), free_port(), free_port()) for _ in range(max(0, epp_replicas - 1))]
     with_epp = envoy_flavor != "round-robin"
@@ -319,10 +345,11 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     if envoy_flavor == "upstream":  # no health check on the EPP there: wait for the EPP's own readiness
         stack.wait_until(lambda: epp_ready(health_port), deadline, "the EPP to turn ready")
     elif with_epp:  # the EPP turns ready once it can route; until Envoy's health check saw that, FailClose answers 500
-        stack.wait_until(lambda: epp_healthy_in_envoy(admin_port, "epp-local", epp_replicas), deadline,
-                         "Envoy to find the EPP ready")
+        stack.wait_until(lambda: epp_healthy_in_envoy(admin_port, "epp-local", 1 if leader_election else epp_replicas),
+                         deadline, "Envoy to find the EPP ready")
     return LocalStack(stack, f"http://{host}:{port}", model, engine_ports, grpc_port, health_port, metrics_port,
-                      admin_port, envoy_flavor, hosts, event_sockets, [m for _, _, m in extra_epps])
+                      admin_port, envoy_flavor, hosts, event_sockets, [m for _, _, m in extra_epps],
+                      [g for g, _, _ in extra_epps], [h for _, h, _ in extra_epps])
 
 
 def epp_ready(health_port: int) -> bool:

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from kvgate.chaos.runner import SCENARIOS
+from kvgate.chaos.runner import LEADER_RECOVER_S, SCENARIOS
 from tests.procs import KVGATE
 
 pytestmark = pytest.mark.slow
@@ -50,6 +50,9 @@ def test_the_epp_going_away(chaos):
     assert rows["epp-kill-failopen"]["recover_s"] is not None
     assert rows["epp-kill-failopen"]["failed"] <= 32  # at most the streams it carried: new ones fail open
     assert rows["epp-kill-failclose"]["recover_s"] is not None  # refused while it is away, served once back
+    # Two EPPs over a file lease: the follower (not the killed leader, restarted) leads once the lease runs out
+    leader = rows["epp-leader-kill"]
+    assert leader["recover_s"] is not None and leader["recover_s"] <= LEADER_RECOVER_S, leader
 
 
 def test_kv_event_floods_and_rogues_cost_nothing(chaos):
