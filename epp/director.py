@@ -44,6 +44,9 @@ class Director:
         # flow_control.FlowController when the config's featureGates name flowControl (main wires it): requests
         # wait in it while the pool is saturated, and legacy shedding (admission.admit) is off
         self.flow = None
+        # peer_sync.PeerSync when active-active replicas share their picks (main wires it)
+        self.peers = None
+        self._pool_of, self._pool = None, frozenset()  # in_pool's set of the datastore's endpoint list
         self._uncached_from_plugins = scheduler.produces(PICKED_UNCACHED_TOKENS)
         self.in_flight = self.load.by_address  # address → AddressLoad (requests, tokens, flights)
         self._selected_from: list[EndpointState] | None = None  # the snapshot `_selected` was chosen from
@@ -150,7 +153,11 @@ class Director:
         # What the pick adds to the endpoint's prefill backlog: a prefix-aware plugin's pick hook says, if one is
         # configured to (it declares it produces the key), else the whole prompt.
         uncached = cycle.get(PICKED_UNCACHED_TOKENS, prompt) if self._uncached_from_plugins else prompt
-        self.load.add(request, primary.address, prompt + (request.max_tokens or 0), uncached)
+        tokens = prompt + (request.max_tokens or 0)
+        self.load.add(request, primary.address, tokens, uncached)
+        if self.peers is not None:
+            self.peers.publish_pick(request, primary.address, tokens, uncached,
+                                    self.scheduler.share_pick(request, primary, cycle))
         if self.metrics is not None:
             self.metrics.scheduling_seconds.observe(time.perf_counter() - started)
         return ordered
@@ -159,8 +166,28 @@ class Director:
         """The response ended (or broke): undo the in-flight accounting and tell the plugins."""
         self.load.release(request, address)
         self.scheduler.on_response_complete(request, address, prompt_tokens, completion_tokens)
+        if self.peers is not None:
+            self.peers.publish_done(request)
         if self.flow is not None:
             self.flow.wake()  # its place in the pool is free: a held request may go
         if self.metrics is not None and (prompt_tokens or completion_tokens):
             self.metrics.tokens.labels(address, "prompt").inc(prompt_tokens)
             self.metrics.tokens.labels(address, "completion").inc(completion_tokens)
+
+    # --- a peer replica's picks (epp/peer_sync.py): laid on this replica's state as if it had picked them ----------
+    def in_pool(self, address: str) -> bool:
+        endpoints = self.datastore.endpoints  # replaced, never changed in place, when the pool changes
+        if endpoints is not self._pool_of:
+            self._pool_of, self._pool = endpoints, {e.address for e in endpoints}
+        return address in self._pool
+
+    def peer_picked(self, flight, tokens: int, uncached: int, shared) -> None:
+        """`flight` (a PeerFlight: its pick id and endpoint) counts in the live load and the plugins' state."""
+        self.load.add(flight, flight.address, tokens, uncached)
+        self.scheduler.apply_peer_pick(flight.pick_id, flight.address, shared)
+
+    def peer_released(self, flight) -> None:
+        self.load.release(flight, flight.address)
+        self.scheduler.apply_peer_done(flight.pick_id, flight.address)
+        if self.flow is not None:
+            self.flow.wake()

@@ -45,6 +45,14 @@ def port_number(text: str) -> int:
     return int(text)
 
 
+def tcp_endpoint(text: str) -> str:
+    """A ZeroMQ tcp://HOST:PORT (an IPv6 host in brackets)."""
+    host, sep, port = text.removeprefix("tcp://").rpartition(":")
+    if not text.startswith("tcp://") or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT, got {text!r}")
+    return text
+
+
 def kv_events_endpoint(text: str) -> tuple[str, object]:
     """--kv-events-endpoint ENDPOINT=PUB[,REPLAY] → (endpoint address, its EventSource)."""
     from kvgate.epp.kv_events.sources import parse_event_endpoint
@@ -131,6 +139,13 @@ def add_epp_parser(sub) -> None:
                          f"{DEFAULT_RENEW_DEADLINE_S:g} s)")
     ha.add_argument("--ha-retry-period", type=duration_flag, default=DEFAULT_RETRY_PERIOD_S,
                     help=f"how often candidates try and the leader renews (default {DEFAULT_RETRY_PERIOD_S:g} s)")
+    peers = p.add_argument_group("active-active replicas (epp/peer_sync.py; off unless --peer-sync-bind is given)")
+    peers.add_argument("--peer-sync-bind", type=tcp_endpoint, metavar="tcp://HOST:PORT",
+                       help="publish this replica's picks here (a ZeroMQ PUB socket) for the other replicas serving "
+                            "the same pool, so that all decide on every replica's in-flight requests, held prefix "
+                            "blocks and prefix-group placements; listen on the address the peers reach, no wider")
+    peers.add_argument("--peer-sync-peer", type=tcp_endpoint, action="append", default=[], metavar="tcp://HOST:PORT",
+                       help="another replica's --peer-sync-bind (repeat per replica)")
     p.add_argument("--refresh-metrics-interval", type=duration_flag, default=0.05)
     p.add_argument("--metrics-staleness-threshold", type=duration_flag, default=2.0)
     p.add_argument("--saturation-queue-depth", type=int, default=None,
@@ -214,6 +229,19 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
                  "%d requests / %d bytes, TTL %g s, %d configured priority band(s)", admission.queue_depth_threshold,
                  admission.kv_cache_threshold, flow.max_requests, flow.max_bytes, flow.default_ttl_s, len(flow.bands))
     metrics.watch(director)
+    if args.peer_sync_bind:
+        import zmq
+
+        from kvgate.epp.metrics import PeerSyncCollector
+        from kvgate.epp.peer_sync import PeerSync
+
+        director.peers = PeerSync(director, args.peer_sync_bind, args.peer_sync_peer)
+        try:
+            director.peers.start()
+        except zmq.ZMQError as exc:
+            scheduler.stop()
+            raise SystemExit(f"kvgate epp: --peer-sync-bind {args.peer_sync_bind}: {exc}") from exc
+        metrics.registry.register(PeerSyncCollector(director.peers))
 
     known: set[str] = set()
 
@@ -310,6 +338,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await datalayer.stop()
         if director.flow is not None:
             director.flow.close()
+        if director.peers is not None:
+            director.peers.close()
         scheduler.stop()
         metrics_http.shutdown()
 
@@ -464,6 +494,8 @@ def run_epp(args: argparse.Namespace) -> int:
             0 < args.ha_retry_period < args.ha_renew_deadline < args.ha_lease_duration):
         raise SystemExit("kvgate epp: leader election needs --ha-retry-period < --ha-renew-deadline < "
                          "--ha-lease-duration")
+    if args.peer_sync_peer and not args.peer_sync_bind:
+        raise SystemExit("kvgate epp: --peer-sync-peer needs --peer-sync-bind (peers sync both ways)")
     if args.endpoints:
         from kvgate.epp.datastore import parse_endpoints
 

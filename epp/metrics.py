@@ -239,3 +239,25 @@ class EppMetrics:
         self.gauges.publish(force=True)
         director.datalayer.round_listeners.append(self.gauges.publish)
         self.registry.register(self.gauges)
+
+
+class PeerSyncCollector:
+    """Active-active peer sync (epp/peer_sync.py): its counts as of its last heartbeat (`PeerSync.published`,
+    replaced whole on the event loop; read here on the exporter's thread)."""
+
+    def __init__(self, sync) -> None:
+        self.sync = sync
+
+    def collect(self):
+        values = dict(self.sync.published)
+        events = CounterMetricFamily("kvgate_epp_peer_sync", "Peer sync messages and events: picks_sent, dones_sent, "
+                                     "picks_applied, dones_applied, bad_messages, foreign_endpoint (a peer's pick "
+                                     "of an endpoint not in this pool), peers_lost, flights_dropped.",
+                                     labels=["event"])
+        peers = GaugeMetricFamily("kvgate_epp_peer_sync_peers", "Peer replicas heard from within the timeout.")
+        flights = GaugeMetricFamily("kvgate_epp_peer_sync_flights", "Peers' requests in flight, as they told.")
+        peers.add_metric([], values.pop("peers", 0))
+        flights.add_metric([], values.pop("peer_flights", 0))
+        for key, value in sorted(values.items()):
+            events.add_metric([key], value)
+        yield from (events, peers, flights)

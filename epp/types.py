@@ -89,6 +89,8 @@ class LLMRequest:
     first_token_at: float | None = field(default=None, repr=False, compare=False)
     # priority and target model worked out (Director.classify): before flow control, which orders by priority
     classified: bool = field(default=False, repr=False, compare=False)
+    # this replica's pick number as its peers know it (epp/peer_sync.py), until the response's end is published
+    peer_seq: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def estimated_prompt_tokens(self) -> int:

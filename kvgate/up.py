@@ -248,7 +248,7 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
                        engine_args_for: Callable[[int, str], list[str]] | None = None,
                        epp_args: list[str] = (), kv_events: bool = False,
                        epp_kv_event_override: dict[int, str] | None = None, epp_replicas: int = 1,
-                       epp_leader_election: bool = False,
+                       epp_leader_election: bool = False, epp_peer_sync: bool = True,
                        epp_lease_timings: tuple[float, float, float] = EPP_LEASE_TIMINGS) -> LocalStack:
     """Start N engines, the EPP over them and Envoy (`kvgate`: kvgate's rendered config; `upstream`: the stock
     upstream-shaped one; `round-robin`: Envoy's own round-robin over the engines and no EPP, a benchmark's
@@ -261,11 +261,11 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     `epp_kv_event_override` tells it another PUB address for engine i (`kvgate bench hostile` binds a rogue
     publisher there). `epp_replicas` > 1 (kvgate's Envoy config only): that many EPPs over the same engines, each
     a host of Envoy's EPP cluster, serving at once (active-active; each sees the engines' metrics and KV events,
-    and only its own in-flight requests). `epp_leader_election` with `epp_replicas` > 1: active-passive instead —
-    the EPPs elect a leader over a lease file in the stack's workdir (`--ha-lease-file`), with
-    `epp_lease_timings` (lease duration, renew deadline, retry period, seconds); only the leader answers SERVING,
-    so start-up waits for one EPP healthy in Envoy. Raises RuntimeError if a child dies, TimeoutError past
-    `startup_timeout`."""
+    and, with `epp_peer_sync`, the others' picks: epp/peer_sync.py; without, only its own in-flight requests).
+    `epp_leader_election` with `epp_replicas` > 1: active-passive instead — the EPPs elect a leader over a lease
+    file in the stack's workdir (`--ha-lease-file`), with `epp_lease_timings` (lease duration, renew deadline,
+    retry period, seconds); only the leader answers SERVING, so start-up waits for one EPP healthy in Envoy.
+    Raises RuntimeError if a child dies, TimeoutError past `startup_timeout`."""
     from kvgate.epp.scheduling.config import load_config
 
     epp_config = load_config(epp_config_file, epp_config_text)  # ConfigError before anything starts
@@ -309,12 +309,19 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     grpc_port, health_port, metrics_port, admin_port = (free_port() for _ in range(4))
     extra_epps = [(free_port(), free_port(), free_port()) for _ in range(max(0, epp_replicas - 1))]
     with_epp = envoy_flavor != "round-robin"
+    # active-active replicas share their picks (epp/peer_sync.py), each publishing on a loopback port of its own
+    sync = [f"tcp://127.0.0.1:{free_port()}" for _ in range(epp_replicas)] \
+        if epp_peer_sync and epp_replicas > 1 and not leader_election else []
     if with_epp:
-        for name, (grpc_i, health_i, metrics_i) in [("epp", (grpc_port, health_port, metrics_port)),
-                                                    *((f"epp-{i + 1}", ports) for i, ports in enumerate(extra_epps))]:
+        for i, (name, (grpc_i, health_i, metrics_i)) in enumerate(
+                [("epp", (grpc_port, health_port, metrics_port)),
+                 *((f"epp-{i + 1}", ports) for i, ports in enumerate(extra_epps))]):
+            peer_args = [*("--peer-sync-bind", sync[i]),
+                         *(a for j, peer in enumerate(sync) if j != i for a in ("--peer-sync-peer", peer))] \
+                if sync else []
             stack.start(name, [kvgate, "epp", "--endpoints", ",".join(endpoints), "--grpc-port", str(grpc_i),
                                "--grpc-health-port", str(health_i), "--metrics-port", str(metrics_i),
-                               *epp_config_args, *epp_args])
+                               *epp_config_args, *epp_args, *peer_args])
     if envoy_flavor == "round-robin":
         from kvgate.envoy_config import render_round_robin
 

@@ -142,6 +142,11 @@ def test_short_run_end_to_end(tmp_path):
     for name in ("approximate", "approximate-x2"):
         epp = cells[name]["epp_time"]
         assert epp["decision"]["requests"] == epp["request_path"]["requests"] == routed, (name, epp)
+    # the two replicas shared their picks (epp/peer_sync.py): each applied the other's, none malformed
+    sync = cells["approximate-x2"]["epp_peer_sync"]
+    assert sync["picks_sent"] == routed and sync["picks_applied"] >= 0.9 * routed, sync
+    assert sync["bad_messages"] == sync["foreign_endpoint"] == 0, sync
+    assert "epp_peer_sync" not in cells["approximate"]
     epp = cells["approximate"]["epp_time"]
     assert 0 < epp["decision"]["mean_ms"] <= epp["request_path"]["mean_ms"] <= epp["request_path"]["p99_ms_at_most"]
     assert "epp_time" not in cells["round-robin"]

@@ -164,6 +164,21 @@ class Plugin:
     def remove_endpoint(self, address: str) -> None:
         """Called when `address` has left the pool."""
 
+    # Active-active replicas (epp/peer_sync.py): a plugin whose pre_request keeps state that decides later picks
+    # shares what a peer needs to replay the pick, as a list of ints, and replays its peers' picks.
+    def share_pick(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None
+                   ) -> list[int] | None:
+        """After pre_request: what a peer replica's `peer_pick` needs to record this pick (None: nothing). Peers
+        get at most peer_sync.MAX_SHARED_INTS of it, a prefix: order it so that a prefix still means something."""
+        return None
+
+    def peer_pick(self, pick_id: str, address: str, shared: list[int]) -> None:
+        """A peer replica picked `address` (in this replica's pool) for a request; `shared` is that replica's
+        share_pick, untrusted: check its shape, ignore what does not fit."""
+
+    def peer_done(self, pick_id: str, address: str) -> None:
+        """The peer's request `pick_id` ended (or the peer was forgotten)."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
@@ -436,7 +451,7 @@ class Scheduler:
                 raise ValueError(f"plugin {p.name!r} reads {', '.join(missing)} from the scheduling cycle, which no "
                                  f"configured plugin produces")
         hooks = ("start", "stop", "set_endpoints", "prepare", "pre_request", "response_complete", "remove_endpoint",
-                 "stats")
+                 "stats", "share_pick", "peer_pick", "peer_done")
         self._hooks = {h: [p for p in self.plugins if _overrides(p, h)] for h in hooks}
         self._pre_request = self._hooks["pre_request"]
         self._started: list[Plugin] = []
@@ -513,6 +528,30 @@ class Scheduler:
                              completion_tokens: int = 0) -> None:
         for p in self._hooks["response_complete"]:
             p.response_complete(request, endpoint_address, prompt_tokens, completion_tokens)
+
+    # -- active-active replicas (epp/peer_sync.py) -----------------------------------------------------------------
+
+    def share_pick(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None
+                   ) -> dict[str, list[int]]:
+        """Plugin name → its share of this pick, for the plugins that share one."""
+        shared = {}
+        for p in self._hooks["share_pick"]:
+            value = p.share_pick(request, endpoint, cycle)
+            if value is not None:
+                shared[p.name] = value
+        return shared
+
+    def apply_peer_pick(self, pick_id: str, address: str, shared: Mapping[str, list[int]]) -> None:
+        """A peer's pick: each plugin of the same name that replays picks gets its share (unknown names are
+        ignored: a peer of another version or config)."""
+        for p in self._hooks["peer_pick"]:
+            value = shared.get(p.name)
+            if value is not None:
+                p.peer_pick(pick_id, address, value)
+
+    def apply_peer_done(self, pick_id: str, address: str) -> None:
+        for p in self._hooks["peer_done"]:
+            p.peer_done(pick_id, address)
 
     # -- introspection ------------------------------------------------------------------------------------------
 

@@ -101,8 +101,11 @@ def add_bench_routing_parser(sub) -> None:
                         "routing decision, the same for every configuration (Linux; default: no pinning)")
     p.add_argument("--epp-replicas", default="1", metavar="N[,N...]",
                    help="EPP replicas serving at once behind Envoy (active-active: each sees the engines' metrics "
-                        "and KV events, only its own in-flight requests); each EPP configuration runs once per "
-                        "count, as NAME-xN for N > 1 (default 1)")
+                        "and KV events, and with --epp-peer-sync the others' picks); each EPP configuration runs "
+                        "once per count, as NAME-xN for N > 1 (default 1)")
+    p.add_argument("--epp-peer-sync", choices=("on", "off", "both"), default="on",
+                   help="N > 1 active replicas share their picks (epp/peer_sync.py): on (default), off (each "
+                        "knows only its own in-flight requests and placements; cells NAME-xN-nosync), or both")
     p.add_argument("--result-file", default=None, help="write every cell as JSON here")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT p90 and throughput vs rate (matplotlib)")
     p.set_defaults(func=run_bench_routing)
@@ -145,7 +148,7 @@ def run_bench_routing(args) -> int:
     configs, result = [], {"replicas": args.replicas, "duration_s": args.duration, "drain_s": args.drain,
                            "seed": args.seed, "foreign_share": args.foreign_share, "rates": rates,
                            "gateway_cpus": sorted(gateway_cpus) if gateway_cpus else None,
-                           "epp_replicas": epp_replicas,
+                           "epp_replicas": epp_replicas, "epp_peer_sync": args.epp_peer_sync,
                            "configurations": {}, "workloads": {}}
     for name in wanted:
         why = unavailable(BY_NAME[name])
@@ -162,21 +165,24 @@ def run_bench_routing(args) -> int:
                                 args.seed)) for s in shapes for r in rates]
     for shape, _, requests in plan:
         _fits(shape, requests)
-    runs = [(c, n) for c in configs for n in (epp_replicas if c.kind == "epp" else [1])]
+    syncs = {"on": [True], "off": [False], "both": [True, False]}[args.epp_peer_sync]
+    runs = [(c, n, sync) for c in configs for n in (epp_replicas if c.kind == "epp" else [1])
+            for sync in (syncs if n > 1 else [True])]
     total = sum(len(reqs) for _, _, reqs in plan) * len(runs)
     failed = False
     with tqdm(total=total, unit="req", file=sys.stderr, mininterval=1.0, leave=False) as bar:
         for shape, rate, requests in plan:
             cells = result["workloads"].setdefault(shape.name, {"what": shape.what, "knobs": shape.knobs(),
                                                                 "cells": []})["cells"]
-            for config, n in runs:
-                name = config.name if n == 1 else f"{config.name}-x{n}"
+            for config, n, sync in runs:
+                name = config.name if n == 1 else f"{config.name}-x{n}" + ("" if sync else "-nosync")
                 bar.set_description(f"{shape.name} {rate:g}/s {name}")
                 cell = {"configuration": name, "rate": rate,
                         **({"epp_replicas": n} if config.kind == "epp" else {}),
+                        **({"epp_peer_sync": sync} if n > 1 else {}),
                         **run_cell(workdir, config, shape, requests, replicas=args.replicas,
                                    drain_s=args.drain, tick=lambda: bar.update(1), gateway_cpus=gateway_cpus,
-                                   epp_replicas=n)}
+                                   epp_replicas=n, epp_peer_sync=sync)}
                 cells.append(cell)
                 failed |= cell["sent"] != cell["requests"]
     for workload in result["workloads"].values():

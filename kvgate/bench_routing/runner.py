@@ -146,7 +146,7 @@ def epp_time(before: dict[str, dict], after: dict[str, dict]) -> dict:
 
 
 def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout: float,
-           engine_args: list[str], epp_replicas: int = 1) -> tuple[LocalStack, str]:
+           engine_args: list[str], epp_replicas: int = 1, epp_peer_sync: bool = True) -> tuple[LocalStack, str]:
     """The stack for `config`, and the URL the load goes to."""
     stack = Stack(Path(tempfile.mkdtemp(prefix=f"{config.name}-", dir=workdir)))
     flavor = "kvgate" if config.kind == "epp" else "round-robin"  # a router brings its own load balancing
@@ -155,7 +155,8 @@ def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout:
             stack, replicas=replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=free_port(),
             epp_config_text=config.epp_config, engine_args=engine_args, envoy_flavor=flavor,
             engine_hosts=[f"127.0.0.{2 + i}" for i in range(replicas)], kv_events=config.kv_events,
-            startup_timeout=startup_timeout, epp_replicas=epp_replicas if config.kind == "epp" else 1)
+            startup_timeout=startup_timeout, epp_replicas=epp_replicas if config.kind == "epp" else 1,
+            epp_peer_sync=epp_peer_sync)
         url = up.url
         if config.kind == "router":
             port = free_port()
@@ -268,6 +269,19 @@ def _summed_histograms(up: LocalStack) -> dict[str, dict]:
     return total
 
 
+def peer_sync_counts(up: LocalStack) -> dict[str, int]:
+    """Active-active replicas' kvgate_epp_peer_sync counters (picks_sent, picks_applied, ...), added up over the
+    replicas ({} without peer sync); as of each replica's last heartbeat (0.5 s)."""
+    total: dict[str, int] = {}
+    for port in up.epp_metrics_ports:
+        for family in epp_metrics(port):
+            if family.name == "kvgate_epp_peer_sync":
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        total[s.labels["event"]] = total.get(s.labels["event"], 0) + int(s.value)
+    return total
+
+
 def _pin(stack, gateway_cpus: frozenset[int]) -> dict:
     """The gateway tier on gateway_cpus, the rest of the stack and this process (the load) on the other CPUs."""
     gateway, rest = pinning.split(gateway_cpus)
@@ -281,8 +295,9 @@ def _pin(stack, gateway_cpus: frozenset[int]) -> dict:
 def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, requests: list[BenchRequest], *,
              replicas: int, drain_s: float, startup_timeout: float = 120.0,
              tick: Callable[[], None] = lambda: None, gateway_cpus: frozenset[int] | None = None,
-             epp_replicas: int = 1) -> dict:
-    up, url = _start(workdir, config, replicas, startup_timeout, sim_engine_args(shape.kv_tokens), epp_replicas)
+             epp_replicas: int = 1, epp_peer_sync: bool = True) -> dict:
+    up, url = _start(workdir, config, replicas, startup_timeout, sim_engine_args(shape.kv_tokens), epp_replicas,
+                     epp_peer_sync)
     own_cpus = os.sched_getaffinity(0)
     try:
         cpus = _pin(up.stack, gateway_cpus) if gateway_cpus else None
@@ -309,6 +324,9 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
             result["cpus"] = cpus
         if config.kind == "epp" and config.kv_events:
             result["epp_kv_events"] = kv_event_counts(epp_after)
+        if config.kind == "epp" and epp_replicas > 1:
+            time.sleep(0.6)  # a heartbeat: the replicas publish their peer-sync counts with it
+            result["epp_peer_sync"] = peer_sync_counts(up)
         model = latency_model(epp_after) if epp_after is not None else None
         if model is not None:
             result["epp_latency_model"] = model

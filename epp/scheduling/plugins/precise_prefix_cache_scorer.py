@@ -69,6 +69,7 @@ DEFAULT_MAX_PREFIX_BLOCKS = 8192
 DEFAULT_MAX_SPECULATIVE = 100_000
 DEFAULT_INDEX_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_TOKENIZE_TIMEOUT_S = 0.5
+_PEER = "\0peer:"  # a peer's pick in RequestHolds: never a request id of this replica's (those come from headers)
 
 
 @dataclass
@@ -251,6 +252,27 @@ class PrecisePrefixCacheScorer(Scorer):
     def response_complete(self, request: LLMRequest, endpoint_address: str, prompt_tokens: int,
                           completion_tokens: int) -> None:
         self._held.end(request.request_id)
+
+    # Active-active (epp/peer_sync.py): a peer's pick holds its prompt's blocks here too, until its response ends,
+    # so that a burst to a new prefix split over two replicas goes where the first pick went.
+    def share_pick(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None
+                   ) -> list[int] | None:
+        m = self._analysis(request, cycle)
+        if m.degraded or m.tokens is None or self.index.speculative_ttl_s <= 0:
+            return None
+        block_size = self.block_size_of(endpoint)
+        hashes = self._hashes(m, block_size)
+        return [block_size, *hashes] if hashes else None
+
+    def peer_pick(self, pick_id: str, address: str, shared: list[int]) -> None:
+        if self.index.speculative_ttl_s <= 0 or len(shared) < 2 or len(shared) > self.max_prefix_blocks + 1:
+            return
+        if self.index.block_sizes.get(address, shared[0]) != shared[0]:
+            return  # blocks of another size than the endpoint's events announce: they could never match
+        self._held.hold(_PEER + pick_id, shared[1:], address)
+
+    def peer_done(self, pick_id: str, address: str) -> None:
+        self._held.end(_PEER + pick_id)
 
     def stats(self) -> dict[str, float]:
         return {"index_size": self.index.size(), "speculative_entries": self.index.speculative_size(),

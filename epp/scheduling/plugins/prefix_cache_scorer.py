@@ -41,6 +41,7 @@ DEFAULT_BLOCK_SIZE = 64  # characters: 16 tokens × ~4 characters per token
 DEFAULT_MAX_PREFIX_BLOCKS = 256
 DEFAULT_LRU_CAPACITY_PER_SERVER = 31250  # upstream's sizing: ~500K cached tokens / 16 per block
 CHARS_PER_TOKEN = 4
+MAX_PEER_CAPACITY = 1 << 31  # a peer's per-endpoint LRU capacity past this is not an engine's (peer_pick drops it)
 
 
 class PrefixCacheScorer(Scorer):
@@ -155,6 +156,18 @@ class PrefixCacheScorer(Scorer):
         self.hit_blocks += matched
         self.total_blocks += len(hashes)
         self.index.add(hashes, endpoint.address, self.capacity_for(endpoint))
+
+    # Active-active (epp/peer_sync.py): a peer's pick teaches this replica's index as its own does, so that
+    # replicas learn one history — the divergence for which upstream warns against active-active with this scorer.
+    def share_pick(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None
+                   ) -> list[int] | None:
+        scored = cycle.get(self) if cycle is not None else None
+        hashes = scored[0] if scored is not None else self.hashes(request, [endpoint])
+        return [self.capacity_for(endpoint), *hashes] if hashes else None
+
+    def peer_pick(self, pick_id: str, address: str, shared: list[int]) -> None:
+        if len(shared) >= 2 and 1 <= shared[0] <= MAX_PEER_CAPACITY:
+            self.index.add(shared[1:], address, shared[0])
 
     def remove_endpoint(self, address: str) -> None:
         self.index.remove(address)

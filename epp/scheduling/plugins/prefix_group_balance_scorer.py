@@ -47,6 +47,7 @@ DEFAULT_WINDOW_S = 60.0
 DEFAULT_AFFINITY_THRESHOLD = 0.8
 DEFAULT_MAX_GROUPS = 4096
 BALANCE_BY = ("groups", "tokens")
+MAX_GROUP_TOKENS = 1 << 32  # a peer's footprint for a group past this is not a prompt's (peer_pick drops it)
 
 
 class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
@@ -107,16 +108,29 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         return lower_is_better(counts)
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
-        now = self.clock()
-        groups = self._live(endpoint.address, now)
-        group = self.group(request)
         tokens = prefix_tokens(self, request, [endpoint], cycle)[0] if self.balance_by == "tokens" else 0
+        self._record(endpoint.address, self.group(request), int(tokens))
+
+    def _record(self, address: str, group: int, tokens: int) -> None:
+        now = self.clock()
+        groups = self._live(address, now)
         old = groups.get(group)
         groups[group] = (now, tokens)
         groups.move_to_end(group)
-        self._tokens[endpoint.address] += tokens - (old[1] if old else 0)
+        self._tokens[address] += tokens - (old[1] if old else 0)
         if len(groups) > self.max_groups:  # bounded: distinct prompts (no shared prefix) each make a group
-            self._drop_oldest(endpoint.address, groups)
+            self._drop_oldest(address, groups)
+
+    # Active-active (epp/peer_sync.py): a peer's placements count as this replica's own, so that both balance
+    # groups over the same record.
+    def share_pick(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None
+                   ) -> list[int]:
+        group = self.group(request)  # pre_request has just recorded it, with its footprint
+        return [group, self._groups[endpoint.address][group][1]]
+
+    def peer_pick(self, pick_id: str, address: str, shared: list[int]) -> None:
+        if len(shared) == 2 and 0 <= shared[0] < 1 << 64 and 0 <= shared[1] <= MAX_GROUP_TOKENS:
+            self._record(address, shared[0], shared[1])
 
     def remove_endpoint(self, address: str) -> None:
         self._groups.pop(address, None)
