@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -25,6 +26,9 @@ def add_bench_epp_parser(sub) -> None:
     p.add_argument("--request-rate", type=float, default=25.0, help="requests/s for the latency comparison")
     p.add_argument("--parts", default="scheduling,latency",
                    help="comma-separated: scheduling (decision time), latency (Envoy + EPP)")
+    p.add_argument("--epp-cpus", default=None, metavar="CPUS",
+                   help="latency part: pin the EPP to these CPUs (e.g. 0; Linux) and the engine, both Envoys and "
+                        "the load to the others — the EPP on a core of its own; default: no pinning (shared cores)")
     p.add_argument("--result-file", default=None)
     p.set_defaults(func=run_bench_epp)
 
@@ -49,14 +53,31 @@ async def _timed_requests(url: str, n: int, rate: float, headers: dict, tag: str
     return latencies
 
 
-def measure_added_latency(n: int, rate: float) -> dict:
-    """Envoy + EPP vs Envoy routing by a client-set header, to the same sim engine, same request stream."""
+ROUNDS = 5  # the latency part's alternating rounds (each path n / ROUNDS requests a round)
+
+
+def _pin_epp(procs: list, epp, epp_cpus: frozenset[int]) -> dict:
+    """The EPP's process group on epp_cpus; every other process started here, and this one (the load), on the
+    rest."""
+    from kvgate.bench_routing import pinning
+
+    mine, rest = pinning.split(epp_cpus)
+    threads = sum(pinning.pin_group(p.pid, mine if p is epp else rest) for p in procs)
+    os.sched_setaffinity(0, rest)
+    return {"epp": sorted(mine), "others": sorted(rest), "threads_pinned": threads}
+
+
+def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None = None) -> dict:
+    """Envoy + EPP vs Envoy routing by a client-set header, to the same sim engine, same request stream; with
+    `epp_cpus`, the EPP pinned to those CPUs and everything else to the others."""
+    from kvgate.bench_routing.runner import epp_histograms, epp_metrics, epp_time
     from kvgate.envoy_config import PoolBackend, envoy_binary, render_direct
     from kvgate.gateway_routes import render_pool_gateway
 
     kvgate = str(Path(sys.executable).parent / "kvgate")
     work = Path(tempfile.mkdtemp(prefix="kvgate-bench-epp-"))
     procs = []
+    own_cpus, pinned = os.sched_getaffinity(0), None
     try:
         port = free_port()
         procs.append(start_group([kvgate, "serve", "sim-model", "--backend", "sim", "--port", str(port),
@@ -64,9 +85,9 @@ def measure_added_latency(n: int, rate: float) -> dict:
         wait_http_ok(f"http://127.0.0.1:{port}/health", 120)
         endpoint = f"127.0.0.1:{port}"
         grpc, health, metrics = free_port(), free_port(), free_port()
-        procs.append(start_group([kvgate, "epp", "--endpoints", endpoint, "--grpc-port", str(grpc),
-                                  "--grpc-health-port", str(health), "--metrics-port", str(metrics)],
-                                 work / "epp.log"))
+        epp = start_group([kvgate, "epp", "--endpoints", endpoint, "--grpc-port", str(grpc),
+                           "--grpc-health-port", str(health), "--metrics-port", str(metrics)], work / "epp.log")
+        procs.append(epp)
         wait_http_ok(f"http://127.0.0.1:{metrics}/metrics", 120)
         gw_port, gw_admin, direct_port, direct_admin = (free_port() for _ in range(4))
         (work / "gw.json").write_text(json.dumps(render_pool_gateway(
@@ -78,17 +99,34 @@ def measure_added_latency(n: int, rate: float) -> dict:
                                      work / f"envoy-{name}.log"))
         wait_http_ok(f"http://127.0.0.1:{gw_admin}/ready", 120)
         wait_http_ok(f"http://127.0.0.1:{direct_admin}/ready", 120)
+        pinned = _pin_epp(procs, epp, epp_cpus) if epp_cpus else None
         time.sleep(0.5)  # first scrapes
         warm = 20
         direct_header = {DESTINATION_HEADER: endpoint}
         asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", warm, rate, {}, "warm-epp"))
         asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", warm, rate, direct_header, "warm-direct"))
-        via_epp = asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", n, rate, {}, "epp"))
-        direct = asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", n, rate, direct_header, "direct"))
+        # Alternating rounds, so that a drift of the machine's load (the engine's latency moved by ±2 ms between
+        # runs of 1000 requests at 100/s) falls on both paths alike; the added p50 is also taken per round.
+        epp_before = epp_histograms(epp_metrics(metrics))
+        via_epp, direct, rounds = [], [], []
+        per_round = max(1, n // ROUNDS)
+        for k in range(ROUNDS):
+            e = asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", per_round, rate, {}, f"epp{k}"))
+            d = asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", per_round, rate, direct_header,
+                                            f"direct{k}"))
+            via_epp += e
+            direct += d
+            if e and d:
+                rounds.append(1000 * (float(np.percentile(e, 50)) - float(np.percentile(d, 50))))
+        # the EPP's own share: from a request's body to its routing answer, inside the EPP (the rest of what it adds
+        # is gRPC messages and Envoy's ext_proc work)
+        inside = epp_time(epp_before, epp_histograms(epp_metrics(metrics)))
     finally:
         for p in reversed(procs):
             stop_group(p)
-    out = {}
+        os.sched_setaffinity(0, own_cpus)
+    out = {"rate": rate, "requests": n, "cpus": pinned, "added_p50_ms_per_round": [round(r, 3) for r in rounds],
+           "added_p50_ms_median_of_rounds": float(np.median(rounds)) if rounds else None, "inside_epp": inside}
     for name, values in (("envoy_epp", via_epp), ("envoy_direct", direct)):
         a = np.asarray(values) * 1000
         out[name] = {"ok": len(values), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
@@ -127,14 +165,33 @@ def run_bench_epp(args: argparse.Namespace) -> int:
         for key, r in grid.items():
             print(f"  {key:>9}  {r['match_us']:7.2f}  baseline {r['set_intersection_us']:9.2f}  "
                   f"({r['set_intersection_us'] / r['match_us']:.0f}x faster)")
+    epp_cpus = None
+    if args.epp_cpus is not None:
+        from kvgate.bench_routing.pinning import parse_cpus
+
+        try:
+            epp_cpus = parse_cpus(args.epp_cpus)
+        except ValueError as exc:
+            raise SystemExit(f"kvgate bench epp: --epp-cpus: {exc}") from None
+        if not os.sched_getaffinity(0) - epp_cpus:
+            raise SystemExit("kvgate bench epp: --epp-cpus must leave a CPU for the rest")
     if "latency" in parts:
-        lat = results["latency"] = measure_added_latency(args.latency_requests, args.request_rate)
-        print(f"\nlatency at {args.request_rate:g} req/s, {args.latency_requests} requests (1 output token):")
+        lat = results["latency"] = measure_added_latency(args.latency_requests, args.request_rate, epp_cpus)
+        where = f"the EPP on CPUs {lat['cpus']['epp']}, the rest on {lat['cpus']['others']}" if epp_cpus \
+            else "shared cores"
+        print(f"\nlatency at {args.request_rate:g} req/s, {args.latency_requests} requests (1 output token), "
+              f"{where}:")
         print(f"  Envoy + EPP      p50 {lat['envoy_epp']['p50_ms']:.2f} ms  p99 {lat['envoy_epp']['p99_ms']:.2f} ms")
         print(f"  Envoy direct     p50 {lat['envoy_direct']['p50_ms']:.2f} ms  "
               f"p99 {lat['envoy_direct']['p99_ms']:.2f} ms")
         print(f"  added by the EPP p50 {lat['added_p50_ms']:+.2f} ms ({lat['ratio_p50']:.2f}x)  "
               f"p99 {lat['added_p99_ms']:+.2f} ms ({lat['ratio_p99']:.2f}x)", flush=True)
+        print(f"  added p50 per round (ms): {', '.join(f'{r:+.2f}' for r in lat['added_p50_ms_per_round'])}; "
+              f"median {lat['added_p50_ms_median_of_rounds']:+.2f} ms", flush=True)
+        inside = lat["inside_epp"].get("request_path")
+        if inside:
+            print(f"  inside the EPP (body to routing answer, its own histogram): mean {inside['mean_ms']:.3f} ms, "
+                  f"p99 ≤ {inside['p99_ms_at_most']} ms", flush=True)
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(results, indent=2))
     return 0

@@ -159,8 +159,9 @@ def epp_command(pool: dict, behind_service: bool = True, tokenizer: str | None =
     """Behind its Service (the operator's default address mode) the draining EPP keeps answering SERVING: Envoy's
     one host for it is the Service, kept on the old pod by its health-check connection, and NOT_SERVING there
     would fail the whole pool over while the new pod serves. Addressed by pod IP, each pod is its own host and
-    NOT_SERVING takes just the old one out."""
-    return ["kvgate", "epp", "--pool-name", naming.name_of(pool), "--pool-namespace", naming.namespace_of(pool),
+    NOT_SERVING takes just the old one out. It logs at info (the CLI's default is warning): pool changes, readiness
+    and leadership changes belong in a pod's log."""
+    return ["kvgate", "--log-level", "info", "epp", "--pool-name", naming.name_of(pool), "--pool-namespace", naming.namespace_of(pool),
             "--grpc-host", "0.0.0.0", "--grpc-port", str(naming.EPP_GRPC_PORT),
             "--grpc-health-port", str(naming.EPP_HEALTH_PORT), "--metrics-port", str(naming.EPP_METRICS_PORT),
             "--config-file", CONFIG_FILE, "--shutdown-timeout", str(EPP_SHUTDOWN_TIMEOUT_S),

@@ -25,7 +25,7 @@ def test_sample_pool_epp_objects(samples):
         assert naming.is_managed(obj) and obj["metadata"]["namespace"] == "default"
     k = _by_kind(objs)
     (c,) = k["Deployment"]["spec"]["template"]["spec"]["containers"]
-    assert c["command"] == ["kvgate", "epp", "--pool-name", "demo-pool", "--pool-namespace", "default",
+    assert c["command"] == ["kvgate", "--log-level", "info", "epp", "--pool-name", "demo-pool", "--pool-namespace", "default",
                             "--grpc-host", "0.0.0.0", "--grpc-port", "9002", "--grpc-health-port", "9003",
                             "--metrics-port", "9090", "--config-file", "/config/epp.yaml", "--shutdown-timeout", "60",
                             "--drain-health", "serving"]
