@@ -137,12 +137,16 @@ def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None =
 
 
 def run_bench_epp(args: argparse.Namespace) -> int:
+    from kvgate.bench_routing.pinning import cpus_flag
     from kvgate.epp.scheduling.bench import bench_prefix_match, bench_scheduling
 
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = parts - {"scheduling", "latency"}
     if unknown:
         raise SystemExit(f"kvgate bench epp: unknown part(s) {', '.join(sorted(unknown))}")
+    epp_cpus = cpus_flag(args.epp_cpus, "--epp-cpus", "kvgate bench epp")  # before a long scheduling part
+    if epp_cpus is not None and not os.sched_getaffinity(0) - epp_cpus:
+        raise SystemExit("kvgate bench epp: --epp-cpus must leave a CPU for the rest")
     results: dict = {"scheduling": {}, "prefix_match_us": None, "latency": None}
     if "scheduling" in parts:
         print("decision = schedule + on_picked, queue 2 / kv-cache 2 / prefix 3 / max-score picker (1 endpoint), "
@@ -165,16 +169,6 @@ def run_bench_epp(args: argparse.Namespace) -> int:
         for key, r in grid.items():
             print(f"  {key:>9}  {r['match_us']:7.2f}  baseline {r['set_intersection_us']:9.2f}  "
                   f"({r['set_intersection_us'] / r['match_us']:.0f}x faster)")
-    epp_cpus = None
-    if args.epp_cpus is not None:
-        from kvgate.bench_routing.pinning import parse_cpus
-
-        try:
-            epp_cpus = parse_cpus(args.epp_cpus)
-        except ValueError as exc:
-            raise SystemExit(f"kvgate bench epp: --epp-cpus: {exc}") from None
-        if not os.sched_getaffinity(0) - epp_cpus:
-            raise SystemExit("kvgate bench epp: --epp-cpus must leave a CPU for the rest")
     if "latency" in parts:
         lat = results["latency"] = measure_added_latency(args.latency_requests, args.request_rate, epp_cpus)
         where = f"the EPP on CPUs {lat['cpus']['epp']}, the rest on {lat['cpus']['others']}" if epp_cpus \

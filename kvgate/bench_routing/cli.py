@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from kvgate.bench_routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
-from kvgate.bench_routing.pinning import parse_cpus
+from kvgate.bench_routing.pinning import cpus_flag
 from kvgate.bench_routing.workloads import SHAPE_SETS, SHAPES, WORKLOADS, WorkloadShape, arrivals, parse_shape, \
     with_foreign
 
@@ -137,12 +137,7 @@ def run_bench_routing(args) -> int:
     if not epp_replicas or not all(1 <= n <= MAX_EPP_REPLICAS for n in epp_replicas):
         raise SystemExit(f"kvgate bench routing: --epp-replicas takes counts from 1 to {MAX_EPP_REPLICAS}, "
                          f"got {args.epp_replicas!r}")
-    gateway_cpus = None
-    if args.gateway_cpus is not None:
-        try:
-            gateway_cpus = parse_cpus(args.gateway_cpus)
-        except ValueError as exc:
-            raise SystemExit(f"kvgate bench routing: --gateway-cpus: {exc}") from None
+    gateway_cpus = cpus_flag(args.gateway_cpus, "--gateway-cpus", "kvgate bench routing")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the run, not after it
         raise SystemExit("kvgate bench routing: --plot needs matplotlib (pip install 'kvgate[bench]')")
     configs, result = [], {"replicas": args.replicas, "duration_s": args.duration, "drain_s": args.drain,

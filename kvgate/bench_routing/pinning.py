@@ -42,6 +42,16 @@ def parse_cpus(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
+def cpus_flag(value: str | None, flag: str, command: str) -> frozenset[int] | None:
+    """A command's CPU-list flag: None when not given, else parse_cpus' set; SystemExit naming the flag."""
+    if value is None:
+        return None
+    try:
+        return parse_cpus(value)
+    except ValueError as exc:
+        raise SystemExit(f"{command}: {flag}: {exc}") from None
+
+
 def group_pids(pgid: int) -> list[int]:
     """Every process in process group pgid."""
     pids = []

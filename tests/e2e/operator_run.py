@@ -10,6 +10,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from k8srig import crds, objects
@@ -68,6 +69,28 @@ def grpc_health(address: str, service: str) -> str:
 def is_ready(pod: dict) -> bool:
     return (not pod["metadata"].get("deletionTimestamp") and bool(pod.get("status", {}).get("podIP"))
             and any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or []))
+
+
+# The samples' kinds and their API versions (samples() below makes one object of each).
+SAMPLE_KINDS = {"ModelServer": "kvgate.dev/v1alpha1", "InferencePool": "inference.networking.k8s.io/v1",
+                "Gateway": "gateway.networking.k8s.io/v1", "GatewayClass": "gateway.networking.k8s.io/v1",
+                "HTTPRoute": "gateway.networking.k8s.io/v1",
+                "InferenceObjective": "inference.networking.x-k8s.io/v1alpha2"}
+
+
+def sample_resources(client, wait_s: float = 30) -> dict:
+    """Each sample kind's API resource, by kind, once the API server serves it (its CRD may be just installed)."""
+    return {kind: client.resource_for(version, kind, wait_s=wait_s) for kind, version in SAMPLE_KINDS.items()}
+
+
+class Stages:
+    """A long e2e test's progress in its log: `mark(what)` prints the seconds since the test began (`t0`)."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag, self.t0 = tag, time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        print(f"[{self.tag}] {time.monotonic() - self.t0:6.1f}s {what}", flush=True)
 
 
 def sample_namespace(k8s, prefix: str) -> tuple[str, str, dict[str, dict]]:

@@ -24,7 +24,8 @@ from collections import Counter
 import httpx
 import pytest
 from k8srig.kube import CORE, DEPLOYMENT, wait_default_service_account, wait_for
-from operator_run import is_ready, print_log_tail, sample_namespace, start_operator, stop_operator
+from operator_run import (Stages, is_ready, print_log_tail, sample_namespace, sample_resources, start_operator,
+                          stop_operator)
 
 pytestmark = pytest.mark.e2e
 OUTAGE_S = float(os.environ.get("KVGATE_E2E_OUTAGE_S", "15"))
@@ -51,19 +52,11 @@ EXPECTED = {
 
 def test_operator_kill_and_api_server_outage(k8s, tmp_path):
     client = k8s.client
-    t0 = time.monotonic()
-
-    def mark(what: str) -> None:
-        print(f"[cp-faults] {time.monotonic() - t0:6.1f}s {what}", flush=True)
-
+    mark = Stages("cp-faults")
     ns, class_name, docs = sample_namespace(k8s, "e2e-cpfaults")
-    ms_res = client.resource_for("kvgate.dev/v1alpha1", "ModelServer", wait_s=30)
-    gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
-    for version, kind in (("gateway.networking.k8s.io/v1", "Gateway"), ("gateway.networking.k8s.io/v1", "HTTPRoute"),
-                          ("inference.networking.k8s.io/v1", "InferencePool")):
-        client.resource_for(version, kind, wait_s=30)
-    owner_res = {kind: client.resource_for(docs[kind]["apiVersion"], kind)
-                 for kind in ("ModelServer", "InferencePool", "Gateway")}
+    res = sample_resources(client)
+    ms_res, gc_res = res["ModelServer"], res["GatewayClass"]
+    owner_res = {kind: res[kind] for kind in ("ModelServer", "InferencePool", "Gateway")}
     made = {kind: client.resource_for(version, kind) for version, kind in (
         ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ConfigMap"), ("v1", "ServiceAccount"),
         ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),

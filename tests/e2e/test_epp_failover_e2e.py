@@ -17,8 +17,8 @@ import time
 
 import pytest
 from k8srig.kube import CORE, wait_default_service_account, wait_for
-from operator_run import (gateway_serves, grpc_health, is_ready, print_log_tail, sample_namespace, start_operator,
-                          stop_operator)
+from operator_run import (Stages, gateway_serves, grpc_health, is_ready, print_log_tail, sample_namespace,
+                          sample_resources, start_operator, stop_operator)
 
 from kvgate.chaos.load import StreamLoad, Tally
 from kvgate.operator.naming import EPP_HEALTH_PORT
@@ -38,19 +38,11 @@ def readiness(ip: str) -> str:
 
 def test_leader_failover_under_streaming_load(k8s, tmp_path):
     client = k8s.client
-    t0 = time.monotonic()
-
-    def mark(what: str) -> None:
-        print(f"[failover] {time.monotonic() - t0:6.1f}s {what}", flush=True)
-
+    mark = Stages("failover")
     ns, class_name, docs = sample_namespace(k8s, "e2e-failover")
     docs["InferencePool"]["metadata"].setdefault("annotations", {})[REPLICAS_ANNOTATION] = "2"
-    gw_res = client.resource_for("gateway.networking.k8s.io/v1", "Gateway", wait_s=30)
-    gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
-    for version, kind in (("kvgate.dev/v1alpha1", "ModelServer"), ("inference.networking.k8s.io/v1", "InferencePool"),
-                          ("gateway.networking.k8s.io/v1", "HTTPRoute"),
-                          ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective")):
-        client.resource_for(version, kind, wait_s=30)
+    res = sample_resources(client)
+    gw_res, gc_res = res["Gateway"], res["GatewayClass"]
     log_path = tmp_path / "operator.log"
     operator = load = load_thread = None
 

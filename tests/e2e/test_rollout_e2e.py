@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import pytest
 from k8srig.kube import CORE, DEPLOYMENT, ApiError, wait_default_service_account, wait_for
-from operator_run import (TUNED_EPP_CONFIG, gateway_serves, is_ready, print_log_tail, sample_namespace,
-                          start_operator, stop_operator)
+from operator_run import (TUNED_EPP_CONFIG, Stages, gateway_serves, is_ready, print_log_tail, sample_namespace,
+                          sample_resources, start_operator, stop_operator)
 
 from kvgate.chaos.load import StreamLoad, Tally
 
@@ -105,19 +105,11 @@ class PodWatch:
 
 def test_rollouts_under_streaming_load(k8s, tmp_path):
     client = k8s.client
-    t0 = time.monotonic()
-
-    def mark(what: str) -> None:
-        print(f"[rollout] {time.monotonic() - t0:6.1f}s {what}", flush=True)
-
+    mark = Stages("rollout")
+    t0 = mark.t0
     ns, class_name, docs = sample_namespace(k8s, "e2e-rollout")
-    ms_res = client.resource_for("kvgate.dev/v1alpha1", "ModelServer", wait_s=30)
-    pool_res = client.resource_for("inference.networking.k8s.io/v1", "InferencePool", wait_s=30)
-    gw_res = client.resource_for("gateway.networking.k8s.io/v1", "Gateway", wait_s=30)
-    gc_res = client.resource_for("gateway.networking.k8s.io/v1", "GatewayClass", wait_s=30)
-    for version, kind in (("gateway.networking.k8s.io/v1", "HTTPRoute"),
-                          ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective")):
-        client.resource_for(version, kind, wait_s=30)
+    res = sample_resources(client)
+    ms_res, pool_res, gw_res, gc_res = res["ModelServer"], res["InferencePool"], res["Gateway"], res["GatewayClass"]
     log_path = tmp_path / "operator.log"
     operator = None
     watch = PodWatch(client, ns)
