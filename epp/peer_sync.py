@@ -28,7 +28,7 @@ Limits, by design:
   (`max_flight_s`) or the sender goes silent.
 - A peer silent for `peer_timeout_s` (crashed, partitioned) is forgotten: its flights leave the live load, its
   holds are released. A restarted replica has a new identity.
-- Trust: a peer can only add what its own picks would (bounded: flights per peer, blocks per pick, the
+- Trust: a peer can only add what its own picks would (bounded: peers, flights per peer, blocks per pick, the
   scorers' own caps) for endpoints of this replica's pool; anything else is dropped and counted. The socket
   listens where `--peer-sync-bind` says (the local stack: the loopback); it is off unless given.
 """
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 256 * 1024  # a Pick of a prompt at the precise scorer's 8192-block cap is ~75 KB
 MAX_SHARED_INTS = 8194  # a plugin's share: the precise scorer's block size and up to 8192 hashes (and one spare)
 MAX_PLUGINS = 16
+MAX_PEERS = 64  # origins heard from within the timeout; messages from more are dropped (a replica set is small)
 MAX_FLIGHTS_PER_PEER = 20_000  # far above what one EPP has in flight; the oldest go first past it
 RECEIVE_HWM = 20_000  # messages queued from all peers before ZeroMQ drops (PUB/SUB never blocks a sender)
 SEND_HWM = 20_000
@@ -123,7 +124,7 @@ class PeerSync:
         self._tasks: list[asyncio.Task] = []
         self.published: dict[str, float] = {}  # stats() as of the last heartbeat (metrics.py exports it)
         self.counts = {"picks_sent": 0, "dones_sent": 0, "picks_applied": 0, "dones_applied": 0,
-                       "bad_messages": 0, "foreign_endpoint": 0, "peers_lost": 0, "flights_dropped": 0}
+                       "bad_messages": 0, "foreign_endpoint": 0, "peers_lost": 0, "flights_dropped": 0, "too_many_peers": 0}
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -159,6 +160,7 @@ class PeerSync:
 
     # --- this replica's picks -----------------------------------------------------------------------------------
     def publish_pick(self, request, address: str, tokens: int, uncached: int, shared: dict[str, list[int]]) -> None:
+        self.publish_done(request)  # picked again (never today: one decision a request): end the old pick first
         self._seq += 1
         request.peer_seq = self._seq
         if len(shared) > MAX_PLUGINS or any(len(v) > MAX_SHARED_INTS for v in shared.values()):
@@ -208,6 +210,9 @@ class PeerSync:
         now = self.clock()
         peer = self._peers.get(message.origin)
         if peer is None:
+            if len(self._peers) >= MAX_PEERS:
+                self.counts["too_many_peers"] += 1
+                return
             peer = self._peers[message.origin] = _Peer(now)
             log.info("peer sync: peer %s joined", message.origin)
         peer.seen_at = now

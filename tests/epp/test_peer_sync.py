@@ -147,8 +147,13 @@ def test_hostile_and_foreign_messages_are_dropped_and_counted():
         with pytest.raises(msgspec.DecodeError):
             decoder.decode(data)
     assert isinstance(decoder.decode(msgspec.msgpack.encode(Beat("x"))), Beat)
-    # a flood of one peer's picks stays bounded
+    # a flood of one peer's picks stays bounded, and so does a flood of peers
     from kvgate.epp import peer_sync
+
+    for k in range(peer_sync.MAX_PEERS + 10):
+        sync.apply(Beat(f"p{k}"))
+    assert sync.stats()["peers"] == peer_sync.MAX_PEERS and sync.counts["too_many_peers"] == 11  # "x" and 63 more
+    sync._peers.clear()
 
     for seq in range(peer_sync.MAX_FLIGHTS_PER_PEER + 50):
         sync.apply(Pick("y", seq, ADDRESSES[1], 1, 1, {}))
