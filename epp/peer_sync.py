@@ -124,7 +124,8 @@ class PeerSync:
         self._tasks: list[asyncio.Task] = []
         self.published: dict[str, float] = {}  # stats() as of the last heartbeat (metrics.py exports it)
         self.counts = {"picks_sent": 0, "dones_sent": 0, "picks_applied": 0, "dones_applied": 0,
-                       "bad_messages": 0, "foreign_endpoint": 0, "peers_lost": 0, "flights_dropped": 0, "too_many_peers": 0}
+                       "bad_messages": 0, "foreign_endpoint": 0, "peers_lost": 0, "flights_dropped": 0,
+                       "too_many_peers": 0}
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
