@@ -106,6 +106,12 @@ def add_bench_routing_parser(sub) -> None:
     p.add_argument("--epp-peer-sync", choices=("on", "off", "both"), default="on",
                    help="N > 1 active replicas share their picks (epp/peer_sync.py): on (default), off (each "
                         "knows only its own in-flight requests and placements; cells NAME-xN-nosync), or both")
+    p.add_argument("--find-saturation", action="store_true",
+                   help="instead of the sweep: per shape, the rate at which round-robin's TTFT p90 reaches "
+                        "--saturation-factor x its value at 1 req/s (a ramp from 4 req/s x1.5, then bisection; "
+                        "cells of --duration seconds; bench_routing/saturation.py)")
+    p.add_argument("--saturation-factor", type=float, default=10.0, metavar="X",
+                   help="--find-saturation's target, x the light-load TTFT p90 (default 10: issue 23's saturation)")
     p.add_argument("--result-file", default=None, help="write every cell as JSON here")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT p90 and throughput vs rate (matplotlib)")
     p.set_defaults(func=run_bench_routing)
@@ -156,6 +162,18 @@ def run_bench_routing(args) -> int:
     if not configs:
         raise SystemExit("kvgate bench routing: no configuration can run")
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-routing-"))
+    if args.find_saturation:
+        from kvgate.bench_routing.saturation import run_find_saturation
+
+        if not args.saturation_factor > 1:
+            raise SystemExit("kvgate bench routing: --saturation-factor must be > 1")
+        for shape in shapes:
+            _fits(shape, arrivals(shape, 4.0, args.duration, args.seed))
+        found = run_find_saturation(args, shapes, workdir)
+        print(f"logs: {workdir}")
+        if args.result_file:
+            Path(args.result_file).write_text(json.dumps(found, indent=2))
+        return 0
     plan = [(s, r, with_foreign(arrivals(s, r, args.duration, args.seed), args.foreign_share, args.replicas,
                                 args.seed)) for s in shapes for r in rates]
     for shape, _, requests in plan:

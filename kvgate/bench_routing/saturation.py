@@ -1,0 +1,113 @@
+"""`kvgate bench routing --find-saturation`: each workload shape's saturation rate, where the routing comparison
+is to be made (issue 23, must-show 1: "at saturation: round-robin's TTFT p90 ≥ 10× its light-load value").
+
+A rate that saturates one shape is idle or hopeless for another: at 18 req/s on 4 sim replicas, multi-tenant queues
+a little, while no-reuse and mixed-lengths are far past capacity — flow control held their requests 6 and 14 s on
+average (issue 23's notes), so every router queues the same and the comparison says nothing. So the sweep's rate is
+found per shape, with round-robin (the baseline every configuration is judged against):
+
+    light       round-robin's TTFT p90 at `light_rate` (default 1 req/s: no queue)
+    target      factor × light (default 10)
+    ramp        rates start_rate × growth^k until one reaches the target (or max_rate / max_probes)
+    bisect      `bisect_steps` geometric midpoints between the last rate below the target and the first above
+    saturation  the lowest probed rate whose p90 reached the target (None: none did within the bounds)
+
+TTFT p90 is noisy and only roughly monotone in the rate, so the answer is a probed rate, with every probe reported,
+not an interpolation. `measure(rate)` runs one cell and returns its TTFT p90 in seconds (None: the cell failed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+DEFAULT_FACTOR = 10.0
+DEFAULT_LIGHT_RATE = 1.0
+DEFAULT_START_RATE = 4.0
+DEFAULT_GROWTH = 1.5
+DEFAULT_MAX_RATE = 200.0
+DEFAULT_MAX_PROBES = 10
+DEFAULT_BISECT_STEPS = 2
+
+
+@dataclass
+class Saturation:
+    light_rate: float
+    light_p90_s: float | None
+    target_p90_s: float | None
+    rate: float | None  # the lowest probed rate at or past the target; None when no probe reached it
+    probes: list[tuple[float, float | None]] = field(default_factory=list)  # (rate, TTFT p90 s) in probing order
+
+    def as_dict(self) -> dict:
+        return {"light_rate": self.light_rate, "light_p90_s": self.light_p90_s, "target_p90_s": self.target_p90_s,
+                "saturation_rate": self.rate, "probes": [{"rate": round(r, 3), "ttft_p90_s": p} for r, p in
+                                                         self.probes]}
+
+
+def find_saturation(measure: Callable[[float], float | None], *, factor: float = DEFAULT_FACTOR,
+                    light_rate: float = DEFAULT_LIGHT_RATE, start_rate: float = DEFAULT_START_RATE,
+                    growth: float = DEFAULT_GROWTH, max_rate: float = DEFAULT_MAX_RATE,
+                    max_probes: int = DEFAULT_MAX_PROBES, bisect_steps: int = DEFAULT_BISECT_STEPS) -> Saturation:
+    if not (factor > 1 and 0 < light_rate < start_rate <= max_rate and growth > 1 and max_probes >= 2
+            and bisect_steps >= 0):
+        raise ValueError("saturation search needs factor > 1, 0 < light rate < start rate <= max rate, growth > 1, "
+                         "at least 2 probes and bisect steps >= 0")
+    light = measure(light_rate)
+    found = Saturation(light_rate, light, None, None, [(light_rate, light)])
+    if light is None or light <= 0:
+        return found  # the light cell failed: nothing to scale a target from
+    found.target_p90_s = target = factor * light
+    below, above, rate = light_rate, None, start_rate
+    while len(found.probes) < max_probes and rate <= max_rate:
+        p90 = measure(rate)
+        found.probes.append((rate, p90))
+        if p90 is not None and p90 >= target:
+            above = rate
+            break
+        below, rate = rate, rate * growth
+    for _ in range(bisect_steps):
+        if above is None or len(found.probes) >= max_probes:
+            break
+        mid = (below * above) ** 0.5
+        p90 = measure(mid)
+        found.probes.append((mid, p90))
+        if p90 is not None and p90 >= target:
+            above = mid
+        else:
+            below = mid
+    found.rate = above
+    return found
+
+
+def run_find_saturation(args, shapes, workdir) -> dict:
+    """`--find-saturation`: find_saturation per shape with round-robin cells of `--duration` seconds (`--seed`'s
+    requests at each probed rate); a table per shape and the result dict (`--result-file`)."""
+    import sys
+
+    from tqdm import tqdm
+
+    from kvgate.bench_routing.configurations import BY_NAME
+    from kvgate.bench_routing.runner import run_cell
+    from kvgate.bench_routing.workloads import arrivals
+
+    round_robin = BY_NAME["round-robin"]
+    result = {"find_saturation": {"factor": args.saturation_factor, "duration_s": args.duration,
+                                  "seed": args.seed, "replicas": args.replicas}, "workloads": {}}
+    for shape in shapes:
+        with tqdm(total=DEFAULT_MAX_PROBES, unit="probe", file=sys.stderr, leave=False) as bar:
+            def measure(rate: float) -> float | None:
+                bar.set_description(f"{shape.name} round-robin {rate:.2f}/s")
+                requests = arrivals(shape, rate, args.duration, args.seed)
+                cell = run_cell(workdir, round_robin, shape, requests, replicas=args.replicas, drain_s=args.drain)
+                bar.update(1)
+                ok = cell["succeeded"] == cell["requests"] and cell["requests"] > 0
+                return cell["ttft_s"]["p90"] if ok else None
+
+            found = find_saturation(measure, factor=args.saturation_factor)
+        result["workloads"][shape.name] = {"what": shape.what, "knobs": shape.knobs(), **found.as_dict()}
+        probes = ", ".join(f"{r:.2f}/s {p:.2f} s" if p is not None else f"{r:.2f}/s failed" for r, p in found.probes)
+        rate = f"{found.rate:.2f} req/s" if found.rate is not None else "not reached"
+        light = f"{found.light_p90_s:.2f} s" if found.light_p90_s is not None else "failed"
+        print(f"{shape.name}: saturation {rate} (round-robin TTFT p90 {light} at {found.light_rate:g}/s, target "
+              f"{args.saturation_factor:g}x); probes: {probes}", flush=True)
+    return result
