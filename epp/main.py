@@ -46,9 +46,10 @@ def port_number(text: str) -> int:
 
 
 def tcp_endpoint(text: str) -> str:
-    """A ZeroMQ tcp://HOST:PORT (an IPv6 host in brackets)."""
-    host, sep, port = text.removeprefix("tcp://").rpartition(":")
-    if not text.startswith("tcp://") or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    """--peer-sync-bind / --peer-sync-peer: a ZeroMQ tcp://HOST:PORT, checked as --kv-events-endpoint's sockets."""
+    from kvgate.epp.kv_events.sources import is_tcp_socket
+
+    if not is_tcp_socket(text):
         raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT, got {text!r}")
     return text
 

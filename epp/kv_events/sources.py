@@ -48,6 +48,11 @@ def event_source(endpoint, port: int | None, replay_port: int | None, topic: str
                        f"tcp://{host}:{replay_port}" if replay_port else None, topic)
 
 
+def is_tcp_socket(text: str) -> bool:
+    """A ZeroMQ tcp://HOST:PORT (an IPv6 host in brackets) with a port in 1-65535."""
+    return bool(_TCP_SOCKET.fullmatch(text)) and 0 < int(text.rpartition(":")[2]) < 65536
+
+
 def parse_event_endpoint(text: str) -> EventSource:
     """`ENDPOINT=PUB[,REPLAY]` (`kvgate epp --kv-events-endpoint`), e.g. 127.0.0.2:8000=tcp://[::1]:5557 — where one
     endpoint publishes when it is not at its own IP (engines sharing a host); ValueError naming the problem."""
@@ -58,7 +63,7 @@ def parse_event_endpoint(text: str) -> EventSource:
         raise ValueError(f"{text!r} is not ENDPOINT=PUB[,REPLAY]")
     parse_endpoint(address.strip())
     parts = [p.strip() for p in sockets.split(",")]
-    if len(parts) > 2 or not all(_TCP_SOCKET.fullmatch(p) for p in parts):
+    if len(parts) > 2 or not all(is_tcp_socket(p) for p in parts):
         raise ValueError(f"{text!r}: expected one or two tcp://HOST:PORT sockets after '='")
     return EventSource(address.strip(), parts[0], parts[1] if len(parts) == 2 else None)
 

@@ -192,3 +192,15 @@ def test_two_replicas_over_zeromq_on_the_loopback():
             b.peers.close()
 
     asyncio.run(main())
+
+
+def test_peer_sync_flags_take_the_kv_event_sockets_form():
+    import argparse
+
+    from kvgate.epp.main import tcp_endpoint
+
+    for good in ("tcp://127.0.0.1:5557", "tcp://[::1]:5557", "tcp://epp-0.epp.ns:5557"):
+        assert tcp_endpoint(good) == good
+    for bad in ("127.0.0.1:5557", "tcp://:5557", "tcp://h:0", "tcp://h:70000", "tcp://*:5557", "tcp://h:x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            tcp_endpoint(bad)
