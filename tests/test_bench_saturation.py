@@ -3,9 +3,13 @@ measured-p90 functions whose answer is known."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
-from kvgate.bench_routing.saturation import find_saturation
+from kvgate.bench_routing.cli import _rates_per_shape, _shapes
+from kvgate.bench_routing.saturation import cell_p90, find_saturation, rates_from_result
 
 
 def queue(capacity: float, light: float = 0.1):
@@ -50,3 +54,38 @@ def test_bad_bounds_are_refused():
     for kwargs in ({"factor": 1}, {"light_rate": 5, "start_rate": 4}, {"growth": 1}, {"max_probes": 1}):
         with pytest.raises(ValueError):
             find_saturation(lambda rate: 1.0, **kwargs)
+
+
+def test_a_cell_that_left_requests_queued_is_past_capacity_not_failed():
+    base = {"requests": 10, "sent": 10, "succeeded": 10, "errors": {}, "ttft_s": {"p90": 0.4}}
+    assert cell_p90(base) == 0.4
+    drained = {**base, "succeeded": 7, "errors": {"unfinished 60 s after the last arrival": 3}}
+    assert math.isinf(cell_p90(drained))
+    assert cell_p90({**drained, "errors": {"unfinished 60 s after the last arrival": 2, "HTTP 503": 1}}) is None
+    assert cell_p90({**base, "sent": 9}) is None and cell_p90({**base, "requests": 0, "sent": 0}) is None
+    answers = iter([0.2, 0.5, float("inf"), 1.0, 1.5])
+    found = find_saturation(lambda rate: next(answers), bisect_steps=2)
+    assert found.rate == 6.0 and found.as_dict()["probes"][2] == {"rate": 6.0, "ttft_p90_s": None, "unfinished": True}
+    json.dumps(found.as_dict(), allow_nan=False)  # strict JSON: no Infinity
+
+
+def test_rates_saturation_runs_each_shape_at_its_own_rate(tmp_path):
+    shapes = _shapes("multi-tenant,no-reuse", None)
+    found = tmp_path / "found.json"
+    found.write_text(json.dumps({"find_saturation": {"factor": 10}, "workloads": {
+        "multi-tenant": {"saturation_rate": 14.9}, "no-reuse": {"saturation_rate": 18.3},
+        "multi-turn": {"saturation_rate": None}, "bad": {"saturation_rate": True}}}))
+    assert rates_from_result(found) == {"multi-tenant": 14.9, "no-reuse": 18.3}
+    assert _rates_per_shape(f"saturation:{found}", shapes) == {"multi-tenant": [14.9], "no-reuse": [18.3]}
+    assert _rates_per_shape("2,6", shapes) == {"multi-tenant": [2.0, 6.0], "no-reuse": [2.0, 6.0]}
+    with pytest.raises(SystemExit, match="no saturation rate for multi-turn"):
+        _rates_per_shape(f"saturation:{found}", _shapes("multi-turn", None))
+    for text in ('{"workloads": {}}', "[1, 2]", "not json"):
+        found.write_text(text)
+        with pytest.raises(SystemExit, match="saturation:"):
+            _rates_per_shape(f"saturation:{found}", shapes)
+    with pytest.raises(SystemExit, match="--rates"):
+        _rates_per_shape(f"saturation:{tmp_path / 'missing.json'}", shapes)
+    with pytest.raises(SystemExit, match="saturation or saturation:FILE"):
+        _rates_per_shape("saturation=x", shapes)
+

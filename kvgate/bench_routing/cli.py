@@ -70,6 +70,30 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _rates_per_shape(text: str, shapes: list[WorkloadShape]) -> dict[str, list[float]]:
+    """--rates: the same numbers for every shape, or `saturation` (each shape at its own saturation rate, the
+    frozen table saturation.SATURATION_RATES) or `saturation:FILE` (a --find-saturation result file)."""
+    if not text.startswith("saturation"):
+        rates = _rates(text)
+        return {s.name: rates for s in shapes}
+    from kvgate.bench_routing.saturation import SATURATION_RATES, rates_from_result
+
+    found = SATURATION_RATES
+    if text != "saturation":
+        if not text.startswith("saturation:"):
+            raise SystemExit(f"kvgate bench routing: --rates takes numbers, saturation or saturation:FILE, "
+                             f"got {text!r}")
+        try:
+            found = rates_from_result(Path(text.split(":", 1)[1]))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"kvgate bench routing: --rates {text}: {exc}") from None
+    missing = [s.name for s in shapes if s.name not in found]
+    if missing:
+        raise SystemExit(f"kvgate bench routing: no saturation rate for {', '.join(missing)} (run --find-saturation "
+                         f"on them and pass its result as --rates saturation:FILE)")
+    return {s.name: [found[s.name]] for s in shapes}
+
+
 def add_bench_routing_parser(sub) -> None:
     p = sub.add_parser("routing", help="routing configurations vs round-robin and cache-aware routers: "
                                        "throughput, TTFT, prefix-cache hit rate over a rate sweep")
@@ -83,7 +107,10 @@ def add_bench_routing_parser(sub) -> None:
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGURATIONS),
                    help=f"comma-separated, of: {', '.join(BY_NAME)} (those whose plugins or router are "
                         "missing are skipped with a note)")
-    p.add_argument("--rates", default=None, help=f"requests/s, comma-separated (default {DEFAULT_RATES})")
+    p.add_argument("--rates", default=None,
+                   help=f"requests/s, comma-separated (default {DEFAULT_RATES}); or 'saturation': each shape at its "
+                        "own saturation rate (bench_routing/saturation.py SATURATION_RATES, found by "
+                        "--find-saturation), or 'saturation:FILE' from a --find-saturation result file")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per cell (default 30)")
     p.add_argument("--drain", type=float, default=60.0,
                    help="seconds after the last arrival before unfinished requests count as failed (default 60)")
@@ -112,6 +139,13 @@ def add_bench_routing_parser(sub) -> None:
                         "cells of --duration seconds; bench_routing/saturation.py)")
     p.add_argument("--saturation-factor", type=float, default=10.0, metavar="X",
                    help="--find-saturation's target, x the light-load TTFT p90 (default 10: issue 23's saturation)")
+    p.add_argument("--saturation-start", type=float, default=4.0, metavar="RATE",
+                   help="--find-saturation's first ramp rate in req/s (default 4; the light cell runs at 1)")
+    p.add_argument("--lead", default=None, metavar="FILE,FILE,...",
+                   help="run nothing: from result files of the same sweep with different seeds, --lead-subject's "
+                        "TTFT p90 and tok/s lead over the best router per shape and seed, and whether it clears "
+                        "issue 23's bars on every seed (bench_routing/lead.py; --plot, --result-file)")
+    p.add_argument("--lead-subject", default="kvgate", metavar="NAME", help="the configuration --lead judges")
     p.add_argument("--result-file", default=None, help="write every cell as JSON here")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT p90 and throughput vs rate (matplotlib)")
     p.set_defaults(func=run_bench_routing)
@@ -120,18 +154,42 @@ def add_bench_routing_parser(sub) -> None:
 MAX_EPP_REPLICAS = 4
 
 
+def _run_lead(args) -> int:
+    from kvgate.bench_routing.lead import leads, load_results, plot_leads, print_leads
+
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("kvgate bench routing: --plot needs matplotlib (pip install 'kvgate[bench]')")
+    try:
+        results = load_results([Path(f.strip()) for f in args.lead.split(",") if f.strip()])
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"kvgate bench routing: --lead: {exc}") from None
+    found = leads(results, args.lead_subject)
+    if not found:
+        raise SystemExit(f"kvgate bench routing: --lead: no shape has both {args.lead_subject} and a router cell")
+    print_leads(found, args.lead_subject)
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps({"subject": args.lead_subject, "shapes": found}, indent=2))
+    if args.plot:
+        plot_leads(found, args.plot, args.lead_subject)
+        print(f"plot: {args.plot}")
+    return 0 if all(e["leads"] for e in found.values()) else 1
+
+
 def run_bench_routing(args) -> int:
     from tqdm import tqdm
 
     from kvgate.bench_routing.report import add_ratios, plot, print_tables
     from kvgate.bench_routing.runner import run_cell
 
+    if args.lead:
+        return _run_lead(args)
     if args.short:
         args.rates, args.duration, args.drain = args.rates or SHORT["rates"], SHORT["duration"], SHORT["drain"]
     args.rates = args.rates or DEFAULT_RATES
     shapes = _shapes(args.workloads, args.shapes)
     wanted = _names(args.configs, BY_NAME, "configuration(s)")
-    rates = _rates(args.rates)
+    shape_rates = _rates_per_shape(args.rates, shapes)
+    rates = sorted({r for rs in shape_rates.values() for r in rs})
     if args.replicas < 1 or args.duration <= 0 or args.drain <= 0:
         raise SystemExit("kvgate bench routing: --replicas, --duration and --drain must be > 0")
     if not 0 <= args.foreign_share < 1:
@@ -148,6 +206,7 @@ def run_bench_routing(args) -> int:
         raise SystemExit("kvgate bench routing: --plot needs matplotlib (pip install 'kvgate[bench]')")
     configs, result = [], {"replicas": args.replicas, "duration_s": args.duration, "drain_s": args.drain,
                            "seed": args.seed, "foreign_share": args.foreign_share, "rates": rates,
+                           "rates_per_shape": shape_rates,
                            "gateway_cpus": sorted(gateway_cpus) if gateway_cpus else None,
                            "epp_replicas": epp_replicas, "epp_peer_sync": args.epp_peer_sync,
                            "configurations": {}, "workloads": {}}
@@ -165,8 +224,8 @@ def run_bench_routing(args) -> int:
     if args.find_saturation:
         from kvgate.bench_routing.saturation import run_find_saturation
 
-        if not args.saturation_factor > 1:
-            raise SystemExit("kvgate bench routing: --saturation-factor must be > 1")
+        if not args.saturation_factor > 1 or not 1 < args.saturation_start <= 200:
+            raise SystemExit("kvgate bench routing: --saturation-factor must be > 1 and --saturation-start in (1, 200]")
         for shape in shapes:
             _fits(shape, arrivals(shape, 4.0, args.duration, args.seed))
         found = run_find_saturation(args, shapes, workdir)
@@ -175,7 +234,7 @@ def run_bench_routing(args) -> int:
             Path(args.result_file).write_text(json.dumps(found, indent=2))
         return 0
     plan = [(s, r, with_foreign(arrivals(s, r, args.duration, args.seed), args.foreign_share, args.replicas,
-                                args.seed)) for s in shapes for r in rates]
+                                args.seed)) for s in shapes for r in shape_rates[s.name]]
     for shape, _, requests in plan:
         _fits(shape, requests)
     syncs = {"on": [True], "off": [False], "both": [True, False]}[args.epp_peer_sync]

@@ -13,13 +13,17 @@ found per shape, with round-robin (the baseline every configuration is judged ag
     saturation  the lowest probed rate whose p90 reached the target (None: none did within the bounds)
 
 TTFT p90 is noisy and only roughly monotone in the rate, so the answer is a probed rate, with every probe reported,
-not an interpolation. `measure(rate)` runs one cell and returns its TTFT p90 in seconds (None: the cell failed).
+not an interpolation. A cell whose only losses are requests still queued when its drain ended is past the target
+(`cell_p90`: inf). `measure(rate)` runs one cell and returns its TTFT p90 in seconds (None: the cell failed).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_FACTOR = 10.0
 DEFAULT_LIGHT_RATE = 1.0
@@ -28,6 +32,29 @@ DEFAULT_GROWTH = 1.5
 DEFAULT_MAX_RATE = 200.0
 DEFAULT_MAX_PROBES = 10
 DEFAULT_BISECT_STEPS = 2
+
+
+# Each shape's saturation rate on the bench's 4 sim replicas, as found by `--find-saturation` (the table in
+# docs/benchmarks.md says by which run): what `--rates saturation` runs each shape at. Frozen like the held-out set:
+# rates are not re-found to suit a profile.
+SATURATION_RATES: dict[str, float] = {}
+MAX_RESULT_BYTES = 1 << 20
+
+
+def rates_from_result(path: Path) -> dict[str, float]:
+    """Shape -> saturation rate from a `--find-saturation --result-file` (shapes it did not saturate left out)."""
+    if path.stat().st_size > MAX_RESULT_BYTES:
+        raise ValueError(f"{path} is over {MAX_RESULT_BYTES} bytes: not a --find-saturation result")
+    data = json.loads(path.read_text())
+    workloads = data.get("workloads") if isinstance(data, dict) and "find_saturation" in data else None
+    if not isinstance(workloads, dict):
+        raise ValueError(f"{path} is not a --find-saturation result (no find_saturation / workloads)")
+    rates = {}
+    for name, found in workloads.items():
+        rate = found.get("saturation_rate") if isinstance(found, dict) else None
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate <= 1000:
+            rates[str(name)] = float(rate)
+    return rates
 
 
 @dataclass
@@ -40,8 +67,13 @@ class Saturation:
 
     def as_dict(self) -> dict:
         return {"light_rate": self.light_rate, "light_p90_s": self.light_p90_s, "target_p90_s": self.target_p90_s,
-                "saturation_rate": self.rate, "probes": [{"rate": round(r, 3), "ttft_p90_s": p} for r, p in
-                                                         self.probes]}
+                "saturation_rate": self.rate, "probes": [_probe(r, p) for r, p in self.probes]}
+
+
+def _probe(rate: float, p90: float | None) -> dict:
+    if p90 is not None and math.isinf(p90):  # JSON has no infinity: requests were left unfinished
+        return {"rate": round(rate, 3), "ttft_p90_s": None, "unfinished": True}
+    return {"rate": round(rate, 3), "ttft_p90_s": p90}
 
 
 def find_saturation(measure: Callable[[float], float | None], *, factor: float = DEFAULT_FACTOR,
@@ -79,6 +111,19 @@ def find_saturation(measure: Callable[[float], float | None], *, factor: float =
     return found
 
 
+def cell_p90(cell: dict) -> float | None:
+    """A round-robin cell's TTFT p90 for the search: past capacity, requests still queued when the drain ends
+    (`unfinished ...` in the cell's errors) have no first token — a cell that lost only those is past the target
+    (inf), not a failed cell; any other failure is (None)."""
+    if cell["requests"] <= 0 or cell["sent"] != cell["requests"]:
+        return None
+    if cell["succeeded"] == cell["requests"]:
+        return cell["ttft_s"]["p90"]
+    if all(kind.startswith("unfinished") for kind in cell["errors"]):
+        return float("inf")
+    return None
+
+
 def run_find_saturation(args, shapes, workdir) -> dict:
     """`--find-saturation`: find_saturation per shape with round-robin cells of `--duration` seconds (`--seed`'s
     requests at each probed rate); a table per shape and the result dict (`--result-file`)."""
@@ -91,7 +136,8 @@ def run_find_saturation(args, shapes, workdir) -> dict:
     from kvgate.bench_routing.workloads import arrivals
 
     round_robin = BY_NAME["round-robin"]
-    result = {"find_saturation": {"factor": args.saturation_factor, "duration_s": args.duration,
+    result = {"find_saturation": {"factor": args.saturation_factor, "start_rate": args.saturation_start,
+                                  "duration_s": args.duration, "drain_s": args.drain,
                                   "seed": args.seed, "replicas": args.replicas}, "workloads": {}}
     for shape in shapes:
         with tqdm(total=DEFAULT_MAX_PROBES, unit="probe", file=sys.stderr, leave=False) as bar:
@@ -100,12 +146,12 @@ def run_find_saturation(args, shapes, workdir) -> dict:
                 requests = arrivals(shape, rate, args.duration, args.seed)
                 cell = run_cell(workdir, round_robin, shape, requests, replicas=args.replicas, drain_s=args.drain)
                 bar.update(1)
-                ok = cell["succeeded"] == cell["requests"] and cell["requests"] > 0
-                return cell["ttft_s"]["p90"] if ok else None
+                return cell_p90(cell)
 
-            found = find_saturation(measure, factor=args.saturation_factor)
+            found = find_saturation(measure, factor=args.saturation_factor, start_rate=args.saturation_start)
         result["workloads"][shape.name] = {"what": shape.what, "knobs": shape.knobs(), **found.as_dict()}
-        probes = ", ".join(f"{r:.2f}/s {p:.2f} s" if p is not None else f"{r:.2f}/s failed" for r, p in found.probes)
+        probes = ", ".join(f"{r:.2f}/s " + ("failed" if p is None else "unfinished" if math.isinf(p) else f"{p:.2f} s")
+                           for r, p in found.probes)
         rate = f"{found.rate:.2f} req/s" if found.rate is not None else "not reached"
         light = f"{found.light_p90_s:.2f} s" if found.light_p90_s is not None else "failed"
         print(f"{shape.name}: saturation {rate} (round-robin TTFT p90 {light} at {found.light_rate:g}/s, target "

@@ -1,0 +1,120 @@
+"""`kvgate bench routing --lead FILE,FILE,...`: issue 23's must-show 1 read off result files of the same sweep run
+with different seeds (typically `--rates saturation --configs kvgate,sglang-router,vllm-router --seed S`).
+
+Per shape and seed: the subject's (`--lead-subject`, default kvgate) TTFT p90 and output tok/s against the best
+external router's in that file at the same rate — the lowest p90 and the highest tok/s, each taken on its own, as
+report.add_ratios does —, as ratios where above 1 means the subject is ahead:
+
+    p90 lead  = best router's TTFT p90 / subject's TTFT p90       (the issue's bar: >= 1.5 on every seed)
+    tok lead  = subject's output tok/s / best router's output tok/s   (>= 1.0 on every seed)
+
+A shape leads when every seed clears both bars. A cell with failed requests counts as not leading (its p90 is over
+the requests that made it). The table, the verdict per shape, and with `--plot` one panel per ratio, each seed a
+point per shape, the bars drawn in.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvgate.bench_routing.configurations import EXTERNAL_ROUTERS
+
+P90_BAR, TOK_BAR = 1.5, 1.0
+MAX_RESULT_BYTES = 64 << 20
+
+
+def load_results(paths: list[Path]) -> list[dict]:
+    results = []
+    for path in paths:
+        if path.stat().st_size > MAX_RESULT_BYTES:
+            raise ValueError(f"{path} is over {MAX_RESULT_BYTES >> 20} MiB: not a bench routing result")
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("workloads"), dict) or "seed" not in data:
+            raise ValueError(f"{path} is not a `kvgate bench routing --result-file` of a sweep")
+        results.append(data)
+    return results
+
+
+def _lead_of(cells: list[dict], subject: str) -> dict | None:
+    """The subject's lead over the best router in one shape's cells of one file (None: a side is missing)."""
+    mine = next((c for c in cells if c.get("configuration") == subject), None)
+    routers = [c for c in cells if c.get("configuration") in EXTERNAL_ROUTERS and c.get("rate") == (mine or {})
+               .get("rate")]
+    if mine is None or not routers:
+        return None
+    router_p90s = [c["ttft_s"]["p90"] for c in routers if c["ttft_s"]["p90"] is not None and not c["failed"]]
+    best_p90 = min(router_p90s) if router_p90s else None
+    best_tok = max(c["output_tokens_per_s"] for c in routers)
+    p90 = mine["ttft_s"]["p90"]
+    ok = not mine["failed"]
+    return {"rate": mine["rate"], "p90_s": p90, "best_router_p90_s": best_p90,
+            "tok_s": mine["output_tokens_per_s"], "best_router_tok_s": best_tok, "failed": mine["failed"],
+            "p90_lead": round(best_p90 / p90, 3) if ok and p90 and best_p90 else None,
+            "tok_lead": round(mine["output_tokens_per_s"] / best_tok, 3) if ok and best_tok else None}
+
+
+def leads(results: list[dict], subject: str = "kvgate") -> dict[str, dict]:
+    """shape -> {"seeds": {seed: lead}, "leads": bool}, shapes in the order the files first name them."""
+    out: dict[str, dict] = {}
+    for result in results:
+        for shape, workload in result["workloads"].items():
+            lead = _lead_of(workload.get("cells", []), subject)
+            if lead is not None:
+                out.setdefault(shape, {"seeds": {}})["seeds"][str(result["seed"])] = lead
+    for entry in out.values():
+        seeds = entry["seeds"].values()
+        entry["leads"] = all(s["p90_lead"] is not None and s["p90_lead"] >= P90_BAR and s["tok_lead"] is not None
+                             and s["tok_lead"] >= TOK_BAR for s in seeds)
+    return out
+
+
+def print_leads(found: dict[str, dict], subject: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{subject} against the best of {' / '.join(EXTERNAL_ROUTERS)}, per seed (p90 lead: router p90 "
+                    f"÷ {subject}'s, bar {P90_BAR}; tok lead: {subject}'s tok/s ÷ router's, bar {TOK_BAR})",
+              title_justify="left")
+    for name in ("shape", "rate/s", "seeds", f"{subject} p90 s", "router p90 s", "p90 lead", "tok lead", "leads"):
+        t.add_column(name, justify="left" if name == "shape" else "right")
+
+    def joined(seeds, key, fmt):
+        return " / ".join("-" if s[key] is None else format(s[key], fmt) for s in seeds)
+    for shape, entry in found.items():
+        seeds = list(entry["seeds"].values())
+        t.add_row(shape, " / ".join(f"{s['rate']:g}" for s in seeds), " / ".join(entry["seeds"]),
+                  joined(seeds, "p90_s", ".2f"), joined(seeds, "best_router_p90_s", ".2f"),
+                  joined(seeds, "p90_lead", ".2f"), joined(seeds, "tok_lead", ".2f"),
+                  "yes" if entry["leads"] else "no")
+    Console(width=200).print(t)
+
+
+def plot_leads(found: dict[str, dict], path: str, subject: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    shapes = list(found)
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.1 * len(shapes) + 3), 4.2))
+    for ax, key, bar, title, scale in (
+            (axes[0], "p90_lead", P90_BAR, f"TTFT p90: best router's ÷ {subject}'s", "log"),
+            (axes[1], "tok_lead", TOK_BAR, f"output tok/s: {subject}'s ÷ best router's", "linear")):
+        for x, shape in enumerate(shapes):
+            values = [s[key] for s in found[shape]["seeds"].values() if s[key] is not None]
+            ax.scatter([x] * len(values), values, color="tab:green" if found[shape]["leads"] else "tab:red",
+                       zorder=3)
+        ax.axhline(bar, color="black", linestyle="--", linewidth=1, label=f"bar {bar:g}")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(shapes)), shapes, rotation=40, ha="right")
+        ax.set(title=title, yscale=scale)
+        if scale == "log":
+            ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20]))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
