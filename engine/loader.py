@@ -1,13 +1,29 @@
-"""Load an HF model folder: config, tokenizer, safetensors weights (single file or sharded)."""
+"""Load an HF model folder: config, tokenizer, and the safetensors weights (single file or sharded), memory-mapped.
+
+The weights are never read into a state dict: each file is mapped read-only, its header checked (offsets inside
+the file, known dtypes, shape x item size equal to the byte span, no two tensors sharing bytes), each tensor is a
+zero-copy view of the mapped bytes, and the model's `load_weights` writes it into its parameter with one `copy_`
+(the dtype conversion, and on CUDA the host-to-device transfer, happen in that copy). The pages a tensor was read
+from are dropped from the process (madvise DONTNEED; they stay in the page cache) once it is copied, so the load's
+peak memory is the parameters plus about one tensor. `kvgate bench load` (engine/bench_load.py) measures it
+against transformers' `from_pretrained` and the loader this replaced.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import mmap
+import os
+import struct
+import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from torch import nn
 
 from kvgate.engine.errors import ModelLoadError
 
@@ -43,8 +59,14 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
     path = Path(model_path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = set(weight_map.values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise ModelLoadError(f"cannot read {index}: {exc!r}") from None
+        if not all(isinstance(n, str) and n and Path(n).name == n and n not in (".", "..") for n in names):
+            raise ModelLoadError(f"{index}: the weight_map must name files of the folder itself")
+        files = sorted(path / f for f in names)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(f"sharded checkpoint in {str(path)!r} lacks {', '.join(missing)}")
@@ -57,8 +79,213 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_path: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in safetensors_files(model_path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+# safetensors dtype names -> torch dtypes (unsigned 16/32/64-bit ints are left out: no model weights use them).
+SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit on the JSON header
+
+
+class SafetensorsFile:
+    """One .safetensors file, memory-mapped read-only, with its header checked: every tensor's bytes lie inside the
+    file, its dtype is known, its shape times the item size is its byte span, and no two tensors share bytes. A
+    corrupt or hostile file raises ModelLoadError here, before any tensor is read, and nothing is allocated for it
+    beyond its (bounded) header.
+
+    The mapping lives as long as this object or any tensor view of it (each view keeps a reference to the mmap
+    object), so it is never unmapped under a view: drop them all and it is unmapped."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < 8:
+                    raise ModelLoadError(f"{self.path}: {size} bytes, too short for a safetensors file")
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as exc:
+            raise ModelLoadError(f"cannot map {self.path}: {exc}") from None
+        (header_len,) = struct.unpack("<Q", self._map[:8])
+        if header_len > MAX_HEADER_BYTES:
+            raise ModelLoadError(f"{self.path}: header length {header_len} is over the {MAX_HEADER_BYTES >> 20} MiB "
+                                 "limit (not a safetensors file, or a corrupt one)")
+        if 8 + header_len > size:
+            raise ModelLoadError(f"{self.path}: header length {header_len} runs past the end of the file "
+                                 f"({size} bytes)")
+        self._data_start = 8 + header_len
+        self.entries = self._parse_header(bytes(self._map[8:self._data_start]), size - self._data_start)
+
+    def _parse_header(self, raw: bytes, data_len: int) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+        """name -> (dtype, shape, begin, end), begin/end relative to the data section."""
+        where = str(self.path)
+
+        def no_duplicates(pairs):
+            keys = [k for k, _ in pairs]
+            if len(set(keys)) != len(keys):
+                raise ModelLoadError(f"{where}: the header names a key twice")
+            return dict(pairs)
+
+        try:
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON (JSONDecodeError is a ValueError)
+            raise ModelLoadError(f"{where}: the header is not valid JSON: {exc!s:.200}") from None
+        if not isinstance(header, dict):
+            raise ModelLoadError(f"{where}: the header is not a JSON object")
+        entries = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if not isinstance(info, dict):
+                raise ModelLoadError(f"{where}: tensor {name!r}: its header entry is not an object")
+            dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+            if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+                raise ModelLoadError(f"{where}: tensor {name!r} has an unknown dtype {dtype!r:.40} (known: "
+                                     f"{', '.join(SAFETENSORS_DTYPES)})")
+            if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+                raise ModelLoadError(f"{where}: tensor {name!r} has an invalid shape {shape!r:.80}")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+                    and offsets[0] <= offsets[1]):
+                raise ModelLoadError(f"{where}: tensor {name!r} has invalid data_offsets {offsets!r:.80}")
+            begin, end = offsets
+            if end > data_len:
+                raise ModelLoadError(f"{where}: tensor {name!r} spans bytes [{begin}, {end}) of a data section of "
+                                     f"{data_len} bytes (offsets out of range: a truncated or corrupt file)")
+            torch_dtype = SAFETENSORS_DTYPES[dtype]
+            nbytes = math.prod(shape) * torch_dtype.itemsize
+            if nbytes != end - begin:
+                raise ModelLoadError(f"{where}: tensor {name!r} of shape {shape} and dtype {dtype} needs {nbytes} "
+                                     f"bytes, but its data_offsets span {end - begin}")
+            entries[name] = (torch_dtype, tuple(shape), begin, end)
+        previous = None
+        for name, (_, _, begin, end) in sorted(entries.items(), key=lambda e: (e[1][2], e[1][3])):
+            if previous is not None and begin < previous[1]:
+                raise ModelLoadError(f"{where}: tensors {previous[0]!r} and {name!r} overlap (bytes [{begin}, "
+                                     f"{previous[1]}) of the data section)")
+            if end > begin:
+                previous = (name, end)
+        return entries
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A zero-copy, read-only view of the mapped bytes (never write to it)."""
+        dtype, shape, begin, end = self.entries[name]
+        if begin == end:
+            return torch.empty(shape, dtype=dtype)
+        start = self._data_start + begin
+        if start % dtype.itemsize:  # a misaligned tensor (no writer of the format makes one): an aligned copy
+            return torch.frombuffer(bytearray(self._map[start:self._data_start + end]), dtype=dtype).view(shape)
+        with warnings.catch_warnings():  # torch warns that the buffer is read-only: the views are only read
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(self._map, dtype=dtype, count=(end - begin) // dtype.itemsize,
+                                    offset=start).view(shape)
+
+    def release(self, name: str) -> None:
+        """Drop the pages of `name`'s bytes from this process (they stay in the page cache; a later read of them
+        faults them in again), so a load holds about one tensor's pages of the file at a time."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        _, _, begin, end = self.entries[name]
+        first = (self._data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, first, self._data_start + end - first)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def open_safetensors(model_path: str | Path) -> list[SafetensorsFile]:
+    """The folder's safetensors files, mapped and checked; a tensor in two files is a load error."""
+    files = [SafetensorsFile(f) for f in safetensors_files(model_path)]
+    owner: dict[str, Path] = {}
+    for f in files:
+        for name in f.entries:
+            if name in owner:
+                raise ModelLoadError(f"tensor {name!r} is in both {owner[name].name} and {f.path.name}")
+            owner[name] = f.path
+    return files
+
+
+def iterate_weights(files: list[SafetensorsFile]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, zero-copy view) of every tensor, file by file in the order of its bytes."""
+    for f in files:
+        for name in sorted(f.entries, key=lambda n: f.entries[n][2]):
+            yield name, f.tensor(name)
+
+
+def load_safetensors(model, model_path: str | Path, workers: int = 1) -> None:
+    """Write the folder's weights into `model`'s parameters (allocated, on any device) through its load_weights.
+
+    workers > 1 runs the copies on that many threads (copy_ releases the GIL) while this thread maps the names
+    and checks the shapes; load_weights' own checks (unknown tensor, wrong shape, missing weights) are the same.
+    On the CPU it does not help, so the engine loads with one: `kvgate bench load --loaders mmap --mmap-workers
+    1,2,4 --rounds 5` (Qwen2-0.5B's shapes, bf16, warm page cache; 2-core machine, shared; 2026-11-27), time to
+    ready, best / median of 5, for 1, 2 and 4 threads: unsharded 0.38 / 0.45, 0.36 / 0.38, 0.37 / 0.41 s; in 6
+    shards 0.42 / 0.46, 0.41 / 0.45, 0.40 / 0.42 s. That is within the machine's noise: torch's copy_ already runs
+    on both cores, and most of the time is the kernel faulting in the parameters' fresh pages. 4 threads raised the
+    unsharded peak RSS by 220 MiB (more tensors' pages mapped at once). Unmeasured on CUDA, where the copies are
+    pageable host-to-device transfers: the knob stays for that measurement."""
+    files = open_safetensors(model_path)
+    owner = {name: f for f in files for name in f.entries}
+
+    def copy(name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
+        dest.copy_(tensor)
+        owner[name].release(name)
+
+    if workers <= 1:
+        model.load_weights(iterate_weights(files), copy)
+        return
+    pending = []
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvgate-load") as pool:  # exit waits for all
+        model.load_weights(iterate_weights(files), lambda *args: pending.append(pool.submit(copy, *args)))
+    for future in pending:
+        future.result()
+
+
+def load_model(hf_config, model_path: str | Path, device: torch.device, dtype: torch.dtype, max_positions: int,
+               workers: int = 1, weights: Iterator[tuple[str, torch.Tensor]] | None = None):
+    """Our model of hf_config's architecture on `device` in `dtype`, with the folder's weights: built on the meta
+    device, allocated uninitialised, then every parameter written once (load_safetensors). weights: (name, tensor)
+    pairs to load instead of the folder's (the load benchmark's reference loader)."""
+    from kvgate.engine.models import resolve_model_class
+    from kvgate.engine.models.layers import RotaryEmbedding
+
+    model_cls = resolve_model_class(hf_config)
+    with torch.device("meta"), _no_random_init():
+        model = model_cls(hf_config, max_positions=max_positions)
+    # to_empty's empty_like of a meta tensor goes through torch's Python refs, whose first use imports sympy (0.4 s):
+    # the same allocation (uninitialised, floating-point tensors in `dtype`) with torch.empty instead.
+    model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
+    model.tie_weights()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_buffers(device)
+    if weights is None:
+        load_safetensors(model, model_path, workers)
+    else:
+        model.load_weights(weights)
+    return model.eval()
+
+
+@contextmanager
+def _no_random_init() -> Iterator[None]:
+    """torch.nn.init's random fills as no-ops while the model is built on the meta device (every parameter is then
+    written from the checkpoint, and load_weights checks that none is missed). On meta they fill nothing, but the
+    first one in a process imports torch._dynamo: 0.9 s and about 80 MB of RSS on the 2-core machine, which the
+    engine otherwise never imports. What transformers' no_init_weights does too; not thread-safe (module-level)."""
+    saved = {name: getattr(nn.init, name) for name in _RANDOM_INITS}
+    for name in _RANDOM_INITS:
+        setattr(nn.init, name, _keep)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+_RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                 "xavier_normal_", "orthogonal_", "sparse_")
+
+
+def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor

@@ -15,12 +15,11 @@ from kvgate.engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvgate.engine.cpu_allocator import keep_large_allocations_in_heap
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
-from kvgate.engine.loader import iterate_weights
+from kvgate.engine.loader import load_model
 from kvgate.engine.lora.adapter import LoRAWeights, load_lora_weights
 from kvgate.engine.lora.layers import add_lora_layers, module_shapes, set_slot
 from kvgate.engine.lora.request import LoRARequest
-from kvgate.engine.models import resolve_model_class
-from kvgate.engine.models.layers import RotaryEmbedding, use_fused_kernels
+from kvgate.engine.models.layers import use_fused_kernels
 from kvgate.engine.sampler import Sampler, SamplingBatch
 from kvgate.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvgate.engine.step_inputs import StepInputs
@@ -42,16 +41,7 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         if device.type == "cpu":
             keep_large_allocations_in_heap()
-        model_cls = resolve_model_class(hf_config)
-        with torch.device("meta"):
-            model = model_cls(hf_config, max_positions=max_model_len)
-        model = model.to(dtype=dtype).to_empty(device=device)
-        model.tie_weights()
-        for module in model.modules():
-            if isinstance(module, RotaryEmbedding):
-                module.reset_buffers(device)
-        model.load_weights(iterate_weights(config.model, dtype))
-        self.model = model.eval()
+        self.model = model = load_model(hf_config, config.model, device, dtype, max_model_len)
         self.lora_state = self.lora_layers = None
         if config.enable_lora:  # after the base weights: the wrapped projections keep them as they are
             self.lora_state, self.lora_layers = add_lora_layers(model, config.max_loras, config.max_lora_rank)

@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgate.bench_serve import add_bench_engine_loop_parser, add_bench_serve_parser
     from kvgate.conformance.cli import add_conformance_parser
     from kvgate.engine.bench import add_bench_engine_parser
+    from kvgate.engine.bench_load import add_bench_load_parser
     from kvgate.engine.bench_structured import add_bench_structured_parser
     from kvgate.engine.cli_args import add_engine_args
     from kvgate.engine.server.cli import add_serve_parser
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     add_bench_engine_parser(bench_sub)
+    add_bench_load_parser(bench_sub)
     add_bench_structured_parser(bench_sub)
     add_bench_serve_parser(bench_sub)
     add_bench_engine_loop_parser(bench_sub)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -89,7 +89,11 @@ class LlamaForCausalLM(nn.Module):
         q, kv = attn.q_size, attn.kv_size
         return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     copy: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        """Write checkpoint tensors (HF names, any dtype) into the parameters: each one lands in its parameter,
+        or its rows of a fused one, with one copy (dtype conversion included). copy(name, dest, tensor), when
+        given, does that copy instead of dest.copy_(tensor) (engine/loader.py's may queue it on a thread pool)."""
         params = dict(self.named_parameters())
         # Every row of every parameter must be written exactly once; track what the checkpoint covered.
         expected = {name: p.shape[0] for name, p in params.items()}
@@ -110,8 +114,12 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"checkpoint tensor {name!r} does not belong to {type(self).__name__}")
             dest = param.data[rows]
             if dest.shape != tensor.shape:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dest.shape)}")
+            if copy is None:
+                dest.copy_(tensor)
+            else:
+                copy(name, dest, tensor)
             covered[target] = covered.get(target, 0) + tensor.shape[0]
         if self.tie_word_embeddings:
             covered.pop("lm_head.weight", None)
