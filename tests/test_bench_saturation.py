@@ -9,7 +9,8 @@ import math
 import pytest
 
 from kvgate.bench_routing.cli import _rates_per_shape, _shapes
-from kvgate.bench_routing.saturation import cell_p90, find_saturation, rates_from_result
+from kvgate.bench_routing.saturation import SATURATION_RATES, cell_p90, find_saturation, rates_from_result
+from kvgate.bench_routing.workloads import SHAPES
 
 
 def queue(capacity: float, light: float = 0.1):
@@ -89,3 +90,6 @@ def test_rates_saturation_runs_each_shape_at_its_own_rate(tmp_path):
     with pytest.raises(SystemExit, match="saturation or saturation:FILE"):
         _rates_per_shape("saturation=x", shapes)
 
+
+def test_every_named_shape_has_a_frozen_saturation_rate():
+    assert set(SATURATION_RATES) == set(SHAPES) and all(0 < r <= 1000 for r in SATURATION_RATES.values())

@@ -228,10 +228,8 @@ def run_bench_routing(args) -> int:
             raise SystemExit("kvgate bench routing: --saturation-factor must be > 1 and --saturation-start in (1, 200]")
         for shape in shapes:
             _fits(shape, arrivals(shape, 4.0, args.duration, args.seed))
-        found = run_find_saturation(args, shapes, workdir)
+        run_find_saturation(args, shapes, workdir)  # writes --result-file as it goes
         print(f"logs: {workdir}")
-        if args.result_file:
-            Path(args.result_file).write_text(json.dumps(found, indent=2))
         return 0
     plan = [(s, r, with_foreign(arrivals(s, r, args.duration, args.seed), args.foreign_share, args.replicas,
                                 args.seed)) for s in shapes for r in shape_rates[s.name]]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -292,12 +293,26 @@ def _pin(stack, gateway_cpus: frozenset[int]) -> dict:
     return {"gateway": sorted(gateway), "others": sorted(rest), "threads_pinned": threads}
 
 
+# A stack that does not come up is started once more: free_port() hands out a port that another process on the
+# machine may take before Envoy binds it (seen once in a 40-minute --find-saturation run), and one such race
+# should not end a sweep.
+START_ATTEMPTS = 2
+
+
 def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, requests: list[BenchRequest], *,
              replicas: int, drain_s: float, startup_timeout: float = 120.0,
              tick: Callable[[], None] = lambda: None, gateway_cpus: frozenset[int] | None = None,
              epp_replicas: int = 1, epp_peer_sync: bool = True) -> dict:
-    up, url = _start(workdir, config, replicas, startup_timeout, sim_engine_args(shape.kv_tokens), epp_replicas,
-                     epp_peer_sync)
+    for attempt in range(START_ATTEMPTS):
+        try:
+            up, url = _start(workdir, config, replicas, startup_timeout, sim_engine_args(shape.kv_tokens),
+                             epp_replicas, epp_peer_sync)
+            break
+        except RuntimeError as exc:  # a process exited or never came up: the stack is stopped
+            if attempt + 1 == START_ATTEMPTS:
+                raise
+            print(f"kvgate bench routing: {config.name} did not start ({exc}); once more on fresh ports",
+                  file=sys.stderr)
     own_cpus = os.sched_getaffinity(0)
     try:
         cpus = _pin(up.stack, gateway_cpus) if gateway_cpus else None
@@ -320,6 +335,8 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
             result["routed"] = {"requests": len(routed), "ttft_s": _percentiles(
                 [o.first_token_at - o.sent_at for o in routed if o.ok()])}
         result["logs"] = str(up.stack.workdir)
+        if attempt:
+            result["start_attempts"] = attempt + 1
         if cpus is not None:
             result["cpus"] = cpus
         if config.kind == "epp" and config.kv_events:

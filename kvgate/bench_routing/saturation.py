@@ -34,10 +34,14 @@ DEFAULT_MAX_PROBES = 10
 DEFAULT_BISECT_STEPS = 2
 
 
-# Each shape's saturation rate on the bench's 4 sim replicas, as found by `--find-saturation` (the table in
-# docs/benchmarks.md says by which run): what `--rates saturation` runs each shape at. Frozen like the held-out set:
-# rates are not re-found to suit a profile.
-SATURATION_RATES: dict[str, float] = {}
+# Each shape's saturation rate on the bench's 4 sim replicas, as found by `--find-saturation --shapes
+# tuning,held-out --duration 20 --drain 20 --saturation-start 6 --seed 0` on 2026-11-27 (2-core machine; every probe
+# in docs/benchmarks.md): what `--rates saturation` runs each shape at. Frozen like the held-out set: rates are not
+# re-found to suit a profile.
+SATURATION_RATES: dict[str, float] = {
+    "multi-tenant": 16.53, "multi-turn": 14.94, "no-reuse": 18.30, "many-tenants": 22.41, "bursty-tenants": 16.53,
+    "hot-tenant": 22.41, "long-output": 8.13, "small-kv": 9.00, "deep-chat": 9.96, "mixed-lengths": 16.53,
+}
 MAX_RESULT_BYTES = 1 << 20
 
 
@@ -150,6 +154,8 @@ def run_find_saturation(args, shapes, workdir) -> dict:
 
             found = find_saturation(measure, factor=args.saturation_factor, start_rate=args.saturation_start)
         result["workloads"][shape.name] = {"what": shape.what, "knobs": shape.knobs(), **found.as_dict()}
+        if args.result_file:  # after every shape: a search of many shapes takes most of an hour
+            Path(args.result_file).write_text(json.dumps(result, indent=2))
         probes = ", ".join(f"{r:.2f}/s " + ("failed" if p is None else "unfinished" if math.isinf(p) else f"{p:.2f} s")
                            for r, p in found.probes)
         rate = f"{found.rate:.2f} req/s" if found.rate is not None else "not reached"
