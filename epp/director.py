@@ -106,7 +106,11 @@ class Director:
         if self.flow is None:
             return None
         self.classify(request)
-        return await self.flow.admit(request, body_bytes)
+        started = time.perf_counter()
+        try:
+            return await self.flow.admit(request, body_bytes)
+        finally:
+            request.flow_wait_s = time.perf_counter() - started
 
     def classify(self, request: LLMRequest) -> None:
         """The request's priority (its InferenceObjective) and target model (InferenceModelRewrite), once."""

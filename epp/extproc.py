@@ -278,9 +278,11 @@ class _RequestStream:
         return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
 
     def _observe_path(self) -> None:
-        """A routed request's time in the EPP, from its body (or headers) to the decision (prepare included)."""
+        """A routed request's time in the EPP, from its body (or headers) to the decision (prepare included, flow
+        control's wait not)."""
         if self.metrics is not None and self.path_started is not None:
-            self.metrics.request_path_seconds.observe(time.perf_counter() - self.path_started)
+            waited = self.request.flow_wait_s if self.request is not None else 0.0
+            self.metrics.request_path_seconds.observe(max(0.0, time.perf_counter() - self.path_started - waited))
 
     def _count(self, code: int) -> None:
         if self.metrics is not None:

@@ -21,8 +21,12 @@
 
 Quantities take Kubernetes' forms (5000, "1Gi", "500M"); durations Go's ("30s", "1m30s"). Fairness policies:
 global-strict-fairness-policy (every flow of a band in one order, so a flood can starve the others) and
-round-robin-fairness-policy (the band's flows take turns). Ordering within a flow: fcfs-ordering-policy, or
-edf-ordering-policy (earliest deadline first: arrival + the request's x-slo-ttft-ms, else + the TTL). Every limit is
+round-robin-fairness-policy (the band's flows take turns). Ordering within a flow: fcfs-ordering-policy,
+edf-ordering-policy (earliest deadline first: arrival + the request's x-slo-ttft-ms, else + the TTL), or kvgate's
+shortest-prompt-first-ordering-policy (arrival + `msPerPromptToken` (2) ms per prompt token as the EPP estimates
+it, characters / 4: short prompts leave before long ones that came a little earlier, and a long one waits at most
+its length × msPerPromptToken behind them — shortest-job-first with aging, which at saturation cuts the TTFT of
+most requests for the wait of the longest; `kvgate bench routing` numbers in docs/benchmarks.md). Every limit is
 finite: a pool cannot be made to hold unbounded memory by a config that leaves them out.
 """
 
@@ -40,8 +44,9 @@ GLOBAL_STRICT = "global-strict-fairness-policy"
 ROUND_ROBIN = "round-robin-fairness-policy"
 FCFS = "fcfs-ordering-policy"
 EDF = "edf-ordering-policy"
+SPF = "shortest-prompt-first-ordering-policy"  # kvgate's
 FAIRNESS_POLICIES = {GLOBAL_STRICT, ROUND_ROBIN}
-ORDERING_POLICIES = {FCFS, EDF}
+ORDERING_POLICIES = {FCFS, EDF, SPF}
 POLICY_TYPES = FAIRNESS_POLICIES | ORDERING_POLICIES
 # upstream's defaults (issue 22): 5000 requests and 1 GB per band, 60 s TTL
 DEFAULT_MAX_REQUESTS = 5000
@@ -49,6 +54,8 @@ DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_TTL_S = 60.0
 MAX_PRIORITY_BANDS = 64  # configured entries; bands made from the template are bounded by the requests they hold
 MAX_LIMIT = 1 << 50  # past a petabyte (or a quadrillion requests) a limit is a typo
+DEFAULT_MS_PER_PROMPT_TOKEN = 2.0  # shortest-prompt-first's aging (measured with this value; not tuned on held-out)
+MAX_MS_PER_PROMPT_TOKEN = 1000.0
 
 
 class FlowConfigError(ValueError):
@@ -62,6 +69,7 @@ class BandConfig:
     max_bytes: int = DEFAULT_MAX_BYTES
     fairness: str = GLOBAL_STRICT
     ordering: str = FCFS
+    ms_per_prompt_token: float = DEFAULT_MS_PER_PROMPT_TOKEN  # shortest-prompt-first's parameter
 
 
 @dataclass(frozen=True)
@@ -80,8 +88,10 @@ class FlowControlConfig:
 
 
 def parse_flow_control(section: Any, feature_gates: Any, policy_plugins: Mapping[str, str], where: str,
-                       parse_duration, show) -> FlowControlConfig:
-    """`policy_plugins`: name → type of the fairness / ordering policy plugins the config declares."""
+                       parse_duration, show, policy_parameters: Mapping[str, Any] | None = None) -> FlowControlConfig:
+    """`policy_plugins`: name → type of the fairness / ordering policy plugins the config declares;
+    `policy_parameters`: name → their `parameters` (only shortest-prompt-first-ordering-policy takes any)."""
+    params = _policy_parameters(policy_plugins, policy_parameters or {}, where, show)
     if feature_gates is None:
         gates = []
     elif isinstance(feature_gates, list) and all(isinstance(g, str) for g in feature_gates):
@@ -104,8 +114,8 @@ def parse_flow_control(section: Any, feature_gates: Any, policy_plugins: Mapping
             raise FlowConfigError(f"{where}: defaultRequestTTL: {e}") from e
     template = BandConfig(max_requests=max_requests, max_bytes=max_bytes)
     if section.get("defaultPriorityBand") is not None:
-        template = _band(section["defaultPriorityBand"], template, policy_plugins, f"{where}: defaultPriorityBand",
-                         show, needs_priority=False)
+        template = _band(section["defaultPriorityBand"], template, policy_plugins, params,
+                         f"{where}: defaultPriorityBand", show, needs_priority=False)
     bands: dict[int, BandConfig] = {}
     entries = section.get("priorityBands")
     if entries is not None:
@@ -114,7 +124,8 @@ def parse_flow_control(section: Any, feature_gates: Any, policy_plugins: Mapping
         if len(entries) > MAX_PRIORITY_BANDS:
             raise FlowConfigError(f"{where}: priorityBands has {len(entries)} entries (at most {MAX_PRIORITY_BANDS})")
         for i, entry in enumerate(entries):
-            band = _band(entry, template, policy_plugins, f"{where}: priorityBands[{i}]", show, needs_priority=True)
+            band = _band(entry, template, policy_plugins, params, f"{where}: priorityBands[{i}]", show,
+                         needs_priority=True)
             if band.priority in bands:
                 raise FlowConfigError(f"{where}: priorityBands[{i}]: priority {band.priority} is named twice")
             bands[band.priority] = band
@@ -160,8 +171,29 @@ def _policy(spec: Mapping, key: str, kinds: set[str], default: str, policy_plugi
     return kind
 
 
-def _band(spec: Any, template: BandConfig, policy_plugins: Mapping[str, str], where: str, show,
-          needs_priority: bool) -> BandConfig:
+def _policy_parameters(policy_plugins: Mapping[str, str], parameters: Mapping[str, Any], where: str,
+                       show) -> dict[str, float]:
+    """name → msPerPromptToken of each shortest-prompt-first plugin (its default when it has no parameters)."""
+    out = {}
+    for name, kind in policy_plugins.items():
+        if kind != SPF:
+            continue
+        spec = parameters.get(name)
+        if spec is None:
+            out[name] = DEFAULT_MS_PER_PROMPT_TOKEN
+            continue
+        _fields(spec, {"msPerPromptToken"}, f"{where}: plugins ({name}) parameters", show)
+        value = spec.get("msPerPromptToken", DEFAULT_MS_PER_PROMPT_TOKEN)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not 0 <= value <= MAX_MS_PER_PROMPT_TOKEN:
+            raise FlowConfigError(f"{where}: plugins ({name}): msPerPromptToken must be a number from 0 to "
+                                  f"{MAX_MS_PER_PROMPT_TOKEN:g}, got {show(value)}")
+        out[name] = float(value)
+    return out
+
+
+def _band(spec: Any, template: BandConfig, policy_plugins: Mapping[str, str], params: Mapping[str, float],
+          where: str, show, needs_priority: bool) -> BandConfig:
     allowed = {"maxRequests", "maxBytes", "fairnessPolicyRef", "orderingPolicyRef"}
     _fields(spec, allowed | ({"priority"} if needs_priority else set()), where, show)
     priority = 0
@@ -169,10 +201,13 @@ def _band(spec: Any, template: BandConfig, policy_plugins: Mapping[str, str], wh
         priority = spec.get("priority")
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 1 << 31:
             raise FlowConfigError(f"{where}: priority must be an integer, got {show(priority)}")
+    ordering = _policy(spec, "orderingPolicyRef", ORDERING_POLICIES, template.ordering, policy_plugins, where, show)
+    ms_per_token = template.ms_per_prompt_token
+    if "orderingPolicyRef" in spec:  # a declared plugin's parameters, or the default for the bare type name
+        ms_per_token = params.get(spec["orderingPolicyRef"], DEFAULT_MS_PER_PROMPT_TOKEN)
     return BandConfig(priority=priority,
                       max_requests=_quantity(spec, "maxRequests", template.max_requests, where, show),
                       max_bytes=_quantity(spec, "maxBytes", template.max_bytes, where, show),
                       fairness=_policy(spec, "fairnessPolicyRef", FAIRNESS_POLICIES, template.fairness,
                                        policy_plugins, where, show),
-                      ordering=_policy(spec, "orderingPolicyRef", ORDERING_POLICIES, template.ordering,
-                                       policy_plugins, where, show))
+                      ordering=ordering, ms_per_prompt_token=ms_per_token)

@@ -5,9 +5,10 @@ leaves (late binding), not of the moment it came.
 Dispatch: strict priority between bands (InferenceObjective priority, higher first); within a band the fairness
 policy picks a flow (flow id: the `x-gateway-inference-fairness-id` header, else the objective, else "default") —
 round-robin takes turns, global-strict takes the band's best request whatever its flow; within a flow the ordering
-policy picks (FCFS, or EDF by arrival + x-slo-ttft-ms). A request leaves when the pool has room: the saturation
-detector's headroom summed over endpoints (each endpoint's queue threshold minus its waiting and not-yet-scraped
-requests; none on an endpoint with stale metrics or a full KV cache), less the requests let go and not yet routed.
+policy picks (FCFS, EDF by arrival + x-slo-ttft-ms, or shortest prompt first with aging). A request leaves when the
+pool has room: the saturation detector's headroom summed over endpoints (each endpoint's queue threshold minus its
+waiting and not-yet-scraped requests; none on an endpoint with stale metrics or a full KV cache), less the requests
+let go and not yet routed.
 The dispatcher runs while anything waits, on every response's end and every scrape round, else every `poll_s`.
 
 Bounds: requests and bytes per band and overall (429 when full), a TTL (429 for sheddable requests, 503 for the
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgate.epp.director import RoutingError
-from kvgate.epp.flow_config import EDF, ROUND_ROBIN, BandConfig, FlowControlConfig
+from kvgate.epp.flow_config import EDF, ROUND_ROBIN, SPF, BandConfig, FlowControlConfig
 from kvgate.epp.protocol import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER
 from kvgate.epp.types import LLMRequest
 
@@ -186,6 +187,8 @@ class FlowController:
         if band.config.ordering == EDF:
             slo = _slo_ttft_s(request)
             key = (now + slo if slo is not None else expires_at, seq)
+        elif band.config.ordering == SPF:
+            key = (now + band.config.ms_per_prompt_token / 1000 * request.estimated_prompt_tokens, seq)
         else:
             key = (seq,)
         ticket = _Ticket(request, flow_id, band.config.priority, size, now, expires_at, key,

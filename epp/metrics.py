@@ -206,7 +206,8 @@ class EppMetrics:
         self.requests = Counter("kvgate_epp_requests", "Requests by result code (200 = routed).", ["code"], registry=r)
         self.request_path_seconds = Histogram(
             "kvgate_epp_request_path_duration_seconds", "Time on a routed request's path in the EPP: from its body "
-            "(or headers, without one) to the routing answer — body parse, slow plugin work, the decision.",
+            "(or headers, without one) to the routing answer — body parse, slow plugin work, the decision; flow "
+            "control's wait left out (its queue duration histogram has it).",
             registry=r, buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                  1.0, 2.5))
         self.scheduling_seconds = Histogram(

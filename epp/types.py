@@ -91,6 +91,9 @@ class LLMRequest:
     classified: bool = field(default=False, repr=False, compare=False)
     # this replica's pick number as its peers know it (epp/peer_sync.py), until the response's end is published
     peer_seq: int | None = field(default=None, repr=False, compare=False)
+    # seconds it waited in flow control's queue (Director.before_pick): not the EPP's work, so the request-path
+    # histogram leaves it out (flow control's own histogram has it)
+    flow_wait_s: float = field(default=0.0, repr=False, compare=False)
 
     @property
     def estimated_prompt_tokens(self) -> int:

@@ -201,15 +201,17 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
     plugins = _build_plugins(specs, source)
     profiles = _build_profiles(doc.get("schedulingProfiles"), plugins, source)
     saturation = _saturation(doc.get("saturationDetector"), source)
-    policies = {}
+    policies, policy_parameters = {}, {}
     for spec in policy_plugins:
         name = spec.get("name") or spec["type"]
         if not isinstance(name, str) or name in policies or name in plugins:
             raise ConfigError(f"{source}: plugins: name {show(name)} is not a unique string")
         policies[name] = spec["type"]
+        if spec.get("parameters") is not None:
+            policy_parameters[name] = spec["parameters"]
     try:
         flow_control = parse_flow_control(doc.get("flowControl"), doc.get("featureGates"), policies, source,
-                                          parse_duration, show)
+                                          parse_duration, show, policy_parameters)
     except FlowConfigError as e:
         raise ConfigError(str(e)) from e
     return EppConfig(scheduler=SchedulerConfig(profiles=profiles, plugins=plugins), saturation=saturation,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from kvgate.epp.flow_config import SPF
 from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML
 
 SIM_MODEL = "sim-model"
@@ -49,6 +50,14 @@ def _config(plugins: list[tuple[str, float | None, dict | None]]) -> str:
     refs = [{"pluginRef": t, **({"weight": w} if w is not None else {})} for t, w, _ in plugins]
     return _HEADER + yaml.safe_dump({"plugins": specs, "schedulingProfiles": [{"name": "default", "plugins": refs}]},
                                     sort_keys=False)
+
+
+def with_flow_control(profile_yaml: str, ordering: str, queue_depth: int = 2, kv_util: float = 0.95) -> str:
+    """`profile_yaml` with flow control on: held in the EPP while every endpoint has `queue_depth` waiting requests
+    or a KV cache `kv_util` full, leaving in `ordering` (a built-in ordering policy's type name)."""
+    text = profile_yaml.replace("plugins:\n", "featureGates: [flowControl]\nplugins:\n", 1)
+    return text + (f"saturationDetector: {{queueDepthThreshold: {queue_depth}, kvCacheUtilThreshold: {kv_util}}}\n"
+                   f"flowControl:\n  defaultPriorityBand:\n    orderingPolicyRef: {ordering}\n")
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,10 @@ CONFIGURATIONS = [
     RoutingConfig("kvgate", "kvgate's profile for kvgate engines (epp/scheduling/config.py KVGATE_PROFILE_YAML): "
                   "prefix-cache-affinity filter on the exact prefill backlog (loadTolerance 4, no exploration), "
                   "then precise prefix 3, prefix-group balance 3, token-load 1", "epp", KVGATE_PROFILE_YAML,
+                  kv_events=True),
+    RoutingConfig("kvgate-spf", "kvgate's profile + flow control: requests wait in the EPP while every replica has 2 "
+                  "waiting (or its KV cache 95% full) and leave shortest prompt first, aged 2 ms per prompt token "
+                  "(epp/flow_config.py)", "epp", with_flow_control(KVGATE_PROFILE_YAML, SPF),
                   kv_events=True),
     # kvgate's profile with the approximate prefix scorer in place of the precise one, no KV events: what precise
     # prefix information is worth with the rest of the profile unchanged

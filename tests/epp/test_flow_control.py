@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kvgate.epp.director import RoutingError
-from kvgate.epp.flow_config import EDF, FCFS, GLOBAL_STRICT, ROUND_ROBIN, BandConfig, FlowControlConfig
+from kvgate.epp.flow_config import EDF, FCFS, GLOBAL_STRICT, ROUND_ROBIN, SPF, BandConfig, FlowControlConfig
 from kvgate.epp.flow_control import FlowController
 from kvgate.epp.types import LLMRequest
 
@@ -137,6 +137,27 @@ def test_edf_orders_by_the_requests_ttft_objective():
         await settle()
         await h.release(3)
         assert h.order == ["fast", "slow", "none"]
+    asyncio.run(main())
+
+
+def test_shortest_prompt_first_ages_long_prompts_instead_of_starving_them():
+    async def main():
+        pool, now = Pool(), [100.0]
+        fc = FlowController(config(ordering=SPF, ms_per_prompt_token=2.0), pool.room, poll_s=0.01,
+                            clock=lambda: now[0])
+        h = Harness(fc, pool)
+
+        async def submit(name: str, chars: int, at: float) -> None:
+            now[0] = at
+            h.submit(LLMRequest(request_id=name, model="m", target_model="m", prompt="x" * chars))
+            await settle()  # queued at `at`
+        # keys: arrival + 2 ms per estimated token (characters / 4)
+        await submit("long", 8000, 100.0)    # 100 + 4.0 s
+        await submit("mid", 2000, 100.5)     # 100.5 + 1.0 s
+        await submit("short", 200, 101.0)    # 101 + 0.1 s
+        await submit("late", 200, 105.0)     # 105 + 0.1 s: a short prompt 5 s later waits behind "long"
+        await h.release(4)
+        assert h.order == ["short", "mid", "long", "late"]
     asyncio.run(main())
 
 
@@ -294,7 +315,30 @@ flowControl:
     assert not parse_config(HEADER + "flowControl: {maxRequests: 10}").flow_control.enabled  # no gate: off
 
 
+def test_shortest_prompt_first_takes_its_aging_from_its_plugin():
+    from kvgate.epp.scheduling.config import parse_config
+    c = parse_config(HEADER.replace("plugins: [{type: queue-scorer}]\n", "") + """featureGates: [flowControl]
+plugins:
+- type: queue-scorer
+- type: shortest-prompt-first-ordering-policy
+  name: spf
+  parameters: {msPerPromptToken: 0.5}
+flowControl:
+  defaultPriorityBand: {orderingPolicyRef: spf}
+  priorityBands:
+  - {priority: 1, orderingPolicyRef: shortest-prompt-first-ordering-policy}
+  - {priority: 2}
+""").flow_control
+    assert c.default_band.ordering == SPF and c.default_band.ms_per_prompt_token == 0.5
+    assert c.bands[1].ordering == SPF and c.bands[1].ms_per_prompt_token == 2.0  # the bare type: its default
+    assert c.bands[2].ms_per_prompt_token == 0.5 and c.band(9).ordering == SPF  # from the template
+
+
 @pytest.mark.parametrize("section, says", [
+    ("plugins: [{type: queue-scorer}, {type: shortest-prompt-first-ordering-policy, parameters: {msPerPromptToken: "
+     "-1}}]", "msPerPromptToken must be a number"),
+    ("plugins: [{type: queue-scorer}, {type: shortest-prompt-first-ordering-policy, parameters: {aging: 1}}]",
+     "unknown field"),
     ("featureGates: flowControl", "featureGates must be a list"),
     ("flowControl: {maxBytes: -1}", "maxBytes must be a positive whole quantity"),
     ("flowControl: {maxRequests: 1.5}", "maxRequests must be a quantity"),
