@@ -15,10 +15,10 @@ point per shape, the bars drawn in.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kvgate.bench_routing.configurations import EXTERNAL_ROUTERS
+from kvgate.bench_routing.report import best_router, load_result_file
 
 P90_BAR, TOK_BAR = 1.5, 1.0
 MAX_RESULT_BYTES = 64 << 20
@@ -27,9 +27,7 @@ MAX_RESULT_BYTES = 64 << 20
 def load_results(paths: list[Path]) -> list[dict]:
     results = []
     for path in paths:
-        if path.stat().st_size > MAX_RESULT_BYTES:
-            raise ValueError(f"{path} is over {MAX_RESULT_BYTES >> 20} MiB: not a bench routing result")
-        data = json.loads(path.read_text())
+        data = load_result_file(path, MAX_RESULT_BYTES)
         if not isinstance(data, dict) or not isinstance(data.get("workloads"), dict) or "seed" not in data:
             raise ValueError(f"{path} is not a `kvgate bench routing --result-file` of a sweep")
         results.append(data)
@@ -39,13 +37,13 @@ def load_results(paths: list[Path]) -> list[dict]:
 def _lead_of(cells: list[dict], subject: str) -> dict | None:
     """The subject's lead over the best router in one shape's cells of one file (None: a side is missing)."""
     mine = next((c for c in cells if c.get("configuration") == subject), None)
-    routers = [c for c in cells if c.get("configuration") in EXTERNAL_ROUTERS and c.get("rate") == (mine or {})
-               .get("rate")]
-    if mine is None or not routers:
+    if mine is None:
         return None
-    router_p90s = [c["ttft_s"]["p90"] for c in routers if c["ttft_s"]["p90"] is not None and not c["failed"]]
-    best_p90 = min(router_p90s) if router_p90s else None
-    best_tok = max(c["output_tokens_per_s"] for c in routers)
+    routers = [c for c in cells if c.get("configuration") in EXTERNAL_ROUTERS and c.get("rate") == mine["rate"]]
+    if not routers:
+        return None
+    best_p90 = best_router([c for c in routers if not c["failed"]])[0]  # a router that lost requests is not best
+    best_tok = best_router(routers)[1]
     p90 = mine["ttft_s"]["p90"]
     ok = not mine["failed"]
     return {"rate": mine["rate"], "p90_s": p90, "best_router_p90_s": best_p90,

@@ -6,11 +6,28 @@ sglang-router / vllm-router, each taken on its own)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from kvgate.bench_routing.configurations import EXTERNAL_ROUTERS
 
 
 def _ratio(a, b) -> float | None:
     return round(a / b, 3) if a is not None and b else None
+
+
+def best_router(routers: list[dict]) -> tuple[float | None, float | None]:
+    """The best of some router cells, each measure on its own: the lowest TTFT p90 and the highest output tok/s
+    (None where there is none)."""
+    p90s = [c["ttft_s"]["p90"] for c in routers if c["ttft_s"]["p90"] is not None]
+    return (min(p90s) if p90s else None), max((c["output_tokens_per_s"] for c in routers), default=None)
+
+
+def load_result_file(path: Path, max_bytes: int) -> object:
+    """A `--result-file` read back as JSON, refused (ValueError) past max_bytes before it is read."""
+    if path.stat().st_size > max_bytes:
+        raise ValueError(f"{path} is over {max_bytes} bytes: not a kvgate bench routing result")
+    return json.loads(path.read_text())
 
 
 def add_ratios(cells: list[dict]) -> None:
@@ -24,11 +41,9 @@ def add_ratios(cells: list[dict]) -> None:
                 "output_tokens_per_s": _ratio(cell["output_tokens_per_s"], rr["output_tokens_per_s"]),
                 "ttft_p90": _ratio(cell["ttft_s"]["p90"], rr["ttft_s"]["p90"])}
         if routers:
-            p90s = [c["ttft_s"]["p90"] for c in routers if c["ttft_s"]["p90"] is not None]
-            cell["vs_best_router"] = {
-                "output_tokens_per_s": _ratio(cell["output_tokens_per_s"],
-                                              max(c["output_tokens_per_s"] for c in routers)),
-                "ttft_p90": _ratio(cell["ttft_s"]["p90"], min(p90s) if p90s else None)}
+            best_p90, best_tok = best_router(routers)
+            cell["vs_best_router"] = {"output_tokens_per_s": _ratio(cell["output_tokens_per_s"], best_tok),
+                                      "ttft_p90": _ratio(cell["ttft_s"]["p90"], best_p90)}
 
 
 def _num(value, fmt: str) -> str:

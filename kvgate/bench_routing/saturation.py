@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvgate.bench_routing.report import load_result_file
+
 DEFAULT_FACTOR = 10.0
 DEFAULT_LIGHT_RATE = 1.0
 DEFAULT_START_RATE = 4.0
@@ -47,9 +49,7 @@ MAX_RESULT_BYTES = 1 << 20
 
 def rates_from_result(path: Path) -> dict[str, float]:
     """Shape -> saturation rate from a `--find-saturation --result-file` (shapes it did not saturate left out)."""
-    if path.stat().st_size > MAX_RESULT_BYTES:
-        raise ValueError(f"{path} is over {MAX_RESULT_BYTES} bytes: not a --find-saturation result")
-    data = json.loads(path.read_text())
+    data = load_result_file(path, MAX_RESULT_BYTES)
     workloads = data.get("workloads") if isinstance(data, dict) and "find_saturation" in data else None
     if not isinstance(workloads, dict):
         raise ValueError(f"{path} is not a --find-saturation result (no find_saturation / workloads)")
