@@ -3,6 +3,7 @@ result files, on files whose answer is known."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -35,8 +36,10 @@ def test_lead_needs_every_seed_over_both_bars(tmp_path, capsys):
         })))
         files.append(f)
     out, plot = tmp_path / "lead.json", tmp_path / "lead.png"
-    rc = main(["bench", "routing", "--lead", ",".join(map(str, files)), "--result-file", str(out),
-               "--plot", str(plot)])
+    # the plot only where the bench extra (matplotlib) is installed: `make test` installs the test extra alone
+    plotting = importlib.util.find_spec("matplotlib") is not None
+    rc = main(["bench", "routing", "--lead", ",".join(map(str, files)), "--result-file", str(out)]
+              + (["--plot", str(plot)] if plotting else []))
     assert rc == 1  # not every shape leads
     found = json.loads(out.read_text())["shapes"]
     assert set(found) == {"a", "b", "c"}
@@ -44,7 +47,7 @@ def test_lead_needs_every_seed_over_both_bars(tmp_path, capsys):
     assert found["a"]["seeds"]["1"]["tok_lead"] == pytest.approx(520 / 500)
     assert not found["b"]["leads"] and found["b"]["seeds"]["0"]["tok_lead"] == pytest.approx(500 / 501, abs=1e-3)
     assert not found["c"]["leads"] and found["c"]["seeds"]["1"]["p90_lead"] == 1.2
-    assert plot.stat().st_size > 10_000
+    assert plot.stat().st_size > 10_000 if plotting else not plot.exists()
     text = capsys.readouterr().out
     assert "2.50 / 1.67" in text and "yes" in text
 
