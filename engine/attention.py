@@ -14,6 +14,8 @@ slots or indexing along an inner dimension.
 - Multi-token chunks (prefills) run one SDPA call each: plain causal when the chunk is the whole context,
   else a mask offset by the cached prefix.
 The gather indices and masks are built once per step and shared by all layers.
+
+A quantized cache (kv_quant.py) is quantized as it is written and its gathered rows dequantized as they are read.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvgate.engine.kv_quant import QuantizedKVCache
 
 
 @dataclass
@@ -51,7 +55,7 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSeq]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                scale: float) -> torch.Tensor:
         return paged_attention(q, k, v.contiguous(), kv_cache, self, scale)
 
@@ -141,15 +145,24 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    kv_cache: torch.Tensor,  # [2, Hkv, num_slots, D]
+    kv_cache: torch.Tensor | QuantizedKVCache,  # [2, Hkv, num_slots, D]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     bs = meta.block_size
+    if isinstance(kv_cache, QuantizedKVCache):
+        # Fresh K/V come back dequantized: a prefill attends to the values its later reads will see.
+        k, v = kv_cache.store(k, v, meta.slot_mapping)
+
+        def gather(i: int, rows: torch.Tensor) -> torch.Tensor:
+            return kv_cache.gather(i, rows, bs, q.dtype)
+    else:
+        kv_cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        kv_cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+
+        def gather(i: int, rows: torch.Tensor) -> torch.Tensor:
+            return _gather_blocks(kv_cache[i], rows, bs)
+    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     out = torch.empty_like(q)
 
     for p in meta.prefills:
@@ -158,8 +171,8 @@ def paged_attention(
         if p.rows is None:
             ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, Lk, D]
         else:
-            ks = _gather_blocks(k_cache, p.rows, bs)[:, : p.context_len]
-            vs = _gather_blocks(v_cache, p.rows, bs)[:, : p.context_len]
+            ks = gather(0, p.rows)[:, : p.context_len]
+            vs = gather(1, p.rows)[:, : p.context_len]
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
                                            enable_gqa=num_heads != num_kv_heads)
         out[rows] = o.transpose(0, 1)
@@ -167,8 +180,8 @@ def paged_attention(
     group_size = num_heads // num_kv_heads
     for g in meta.decodes:
         batch = g.token_idx.shape[0]
-        kd = _gather_blocks(k_cache, g.rows, bs).view(num_kv_heads, batch, -1, head_dim)
-        vd = _gather_blocks(v_cache, g.rows, bs).view(num_kv_heads, batch, -1, head_dim)
+        kd = gather(0, g.rows).view(num_kv_heads, batch, -1, head_dim)
+        vd = gather(1, g.rows).view(num_kv_heads, batch, -1, head_dim)
         qd = q[g.token_idx].view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
         out[g.token_idx] = o.transpose(0, 1).reshape(batch, num_heads, head_dim)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from kvgate.engine.config import EngineConfig
+from kvgate.engine.config import KV_CACHE_DTYPES, EngineConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -43,6 +43,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="bytes for the KV cache, e.g. 2GiB (default: measured on GPU, 1 GiB on CPU)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache values: auto (the model's dtype) or one byte each with a float32 scale per token "
+                        "and KV head, about twice the tokens of bf16 in the same memory (fp8 = fp8_e4m3; "
+                        "default: auto)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step launches its kernels one by one (default: graphs on CUDA)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -121,6 +125,7 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,

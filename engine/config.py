@@ -10,6 +10,9 @@ from kvgate.engine.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+# --kv-cache-dtype values (vLLM's names; kv_quant.py imports torch, so the list lives here)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
 # dtype names -> torch attribute names (torch itself is imported only when a device or dtype is resolved)
 _DTYPES = {
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -39,6 +42,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     kv_cache_memory: int | None = None  # bytes; None = automatic
+    # vLLM's --kv-cache-dtype: auto (the model's dtype) or a quantized cache (kv_quant.py); fp8 = fp8_e4m3
+    kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     # The GPU path (vLLM's flags): --enforce-eager turns CUDA graphs off; graphs of mixed prefill+decode steps are
@@ -77,6 +82,9 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                              f"{self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ConfigError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")
         if self.max_cudagraph_capture_size is not None and (

@@ -158,9 +158,9 @@ class LLMEngine:
             self.kv_cache_manager.pool.kv_events = []
             if not config.enable_prefix_caching:
                 log.warning("KV-cache events are on but prefix caching is off: no block will be announced")
-        log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d, async scheduling %s",
-                 self.model_name, self.device, self.dtype, num_blocks, config.block_size, self.max_model_len,
-                 "on" if self.async_scheduling else "off")
+        log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (kv cache dtype %s), max_model_len %d, "
+                 "async scheduling %s", self.model_name, self.device, self.dtype, num_blocks, config.block_size,
+                 config.kv_cache_dtype, self.max_model_len, "on" if self.async_scheduling else "off")
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from kvgate.engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvgate.engine.cpu_allocator import keep_large_allocations_in_heap
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
+from kvgate.engine.kv_quant import QuantizedKVCache, kv_bytes_per_token_head, kv_quant_spec
 from kvgate.engine.loader import load_model
 from kvgate.engine.lora.adapter import LoRAWeights, load_lora_weights
 from kvgate.engine.lora.layers import add_lora_layers, module_shapes, set_slot
@@ -53,7 +54,8 @@ class ModelRunner:
         # Structured-output masks beside the forward pass (see execute); started by the first constrained request.
         self.fill_masks_in_thread = device.type != "cpu"
         self._mask_pool: ThreadPoolExecutor | None = None
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_quant = kv_quant_spec(config.kv_cache_dtype)  # None: K/V in the model's dtype
+        self.kv_caches: list[torch.Tensor | QuantizedKVCache] = []
         self.num_blocks = 0
         self.attention_backend = choose_attention_backend(config.attention_backend, device)
         if self.attention_backend == "triton":
@@ -76,8 +78,10 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
+        """K and V of every layer for one block, scales of a quantized cache included."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.model.num_kv_heads * self.model.head_dim * elem
+        per_head = kv_bytes_per_token_head(self.model.head_dim, elem, self.kv_quant)
+        return 2 * self.num_layers * self.block_size * self.model.num_kv_heads * per_head
 
     def determine_num_blocks(self) -> int:
         cfg = self.config
@@ -100,7 +104,12 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
         shape = (2, self.model.num_kv_heads, num_blocks * self.block_size, self.model.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        if self.kv_quant is None:
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                              for _ in range(self.num_layers)]
+        else:
+            self.kv_caches = [QuantizedKVCache.allocate(shape, self.kv_quant, self.device)
+                              for _ in range(self.num_layers)]
         self.num_blocks = num_blocks
         if capture_graphs and self.shapes is not None and self.device.type == "cuda":
             self._capture_graphs()

@@ -27,6 +27,7 @@ import xxhash
 
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.errors import ConfigError
+from kvgate.engine.kv_quant import kv_bytes_per_token_head, kv_quant_spec
 from kvgate.engine.lora.adapter import AdapterConfig, read_adapter_config
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.request import Logprob, Request
@@ -47,6 +48,9 @@ class SimProfile:
     decode_ms_per_seq: float = 0.05
     ms_per_context_token: float = 0.00005  # 128 KiB of K/V per token read at ~2.6 TB/s
     kv_bytes_per_token: int = 131072  # 32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes
+    # The modelled head_dim: with --kv-cache-dtype int8/fp8 a token takes kv_bytes_per_token / 2 bytes (one per
+    # value instead of bf16's two) plus a float32 scale per head_dim values, as the torch backend's cache does.
+    head_dim: int = 128
     kv_cache_memory: int = 56 * 2**30  # 80 GB x 0.9 minus 16 GB of weights
     max_model_len: int = 32768
     slowdown: float = 1.0  # multiplies every cost: a slower (or busier) replica
@@ -77,6 +81,8 @@ class SimProfile:
         for f in fields(profile):
             if getattr(profile, f.name) < 0:
                 raise ConfigError(f"sim profile: {f.name} must be >= 0")
+        if profile.head_dim < 1:
+            raise ConfigError("sim profile: head_dim must be >= 1")
         return profile
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
@@ -120,11 +126,19 @@ class SimModelRunner:
             num_blocks = self.config.num_gpu_blocks_override
         else:
             memory = self.config.kv_cache_memory or self.profile.kv_cache_memory
-            num_blocks = memory // (self.profile.kv_bytes_per_token * self.block_size)
+            num_blocks = memory // (self.kv_bytes_per_token * self.block_size)
         if num_blocks * self.block_size < self.max_model_len:
             raise ConfigError(f"the simulated KV cache holds {num_blocks * self.block_size} tokens, fewer than "
                               f"max_model_len {self.max_model_len}")
         return num_blocks
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The profile's bf16 bytes a token, scaled as ModelRunner.bytes_per_block scales for --kv-cache-dtype."""
+        spec = kv_quant_spec(self.config.kv_cache_dtype)
+        bf16_elem, head_dim = 2, self.profile.head_dim
+        per_head = kv_bytes_per_token_head(head_dim, bf16_elem, spec)
+        return self.profile.kv_bytes_per_token * per_head // (head_dim * bf16_elem)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks

@@ -16,6 +16,9 @@ the padded shapes of a captured CUDA graph, so the same launch serves any mix of
 Softmax is online (FlashAttention's running max and sum) in float32; float32 inputs use IEEE products (tf32 would
 break token parity with HF in float32).
 
+A quantized cache (kv_quant.py: int8 or fp8 values, a float32 scale per token and KV head) is quantized by its own
+store kernel and dequantized inside the attention kernel as each K/V tile is loaded (QUANT), never copied out.
+
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported), which is how
 the test suite checks them against the SDPA path without a GPU.
 """
@@ -26,6 +29,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from kvgate.engine.kv_quant import QuantizedKVCache
 
 try:
     import triton
@@ -102,14 +107,63 @@ if HAS_TRITON:
         tl.store(dst, k, mask=ok)
         tl.store(dst + stride_cache_kv, v, mask=ok)
 
+    @triton.jit
+    def _round_half_even(x):
+        # 1.5 * 2**23: adding it leaves no fraction bits, so the add rounds to an integer (to even) for |x| < 2**22;
+        # libdevice's rint is not available under the interpreter.
+        return (x + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _quantize(x, dtype: tl.constexpr, QMAX: tl.constexpr, FP8_MANTISSA: tl.constexpr, FP8_EMIN: tl.constexpr):
+        """One head vector x [BLOCK_D] float32 (masked lanes 0) -> (values in dtype, float32 scale), kv_quant.py's
+        arithmetic: IEEE divisions, round half to even."""
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-12), QMAX)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+        if FP8_MANTISSA == 0:  # int8
+            return _round_half_even(y).to(dtype), scale
+        # fp8: round to the fp8 grid in float32 first (the spacing at |y|'s exponent, subnormals below the smallest
+        # normal exponent), so the conversion is exact: the interpreter's float32 -> fp8 conversion rounds wrongly
+        # when rounding carries into the exponent.
+        a = tl.abs(y)
+        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, FP8_EMIN)
+        inv_ulp = ((127 + FP8_MANTISSA - e) << 23).to(tl.float32, bitcast=True)  # 2**(mantissa - e), exact
+        ulp = ((127 - FP8_MANTISSA + e) << 23).to(tl.float32, bitcast=True)
+        r = _round_half_even(a * inv_ulp) * ulp
+        return tl.where(y < 0, -r, r).to(dtype), scale
+
+    @triton.jit
+    def _store_kv_quant_kernel(k_ptr, v_ptr, cache_ptr, scales_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
+                               stride_vh, stride_cache_kv, stride_cache_h, stride_cache_s, stride_scale_kv,
+                               stride_scale_h, D: tl.constexpr, BLOCK_D: tl.constexpr, QMAX: tl.constexpr,
+                               FP8_MANTISSA: tl.constexpr, FP8_EMIN: tl.constexpr):
+        """_store_kv_kernel for a quantized cache (kv_quant.py): each head vector with its own scale."""
+        t = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        slot = tl.load(slot_ptr + t)
+        if slot < 0:
+            return
+        offs = tl.arange(0, BLOCK_D)
+        ok = offs < D
+        dtype = cache_ptr.dtype.element_ty
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs, mask=ok, other=0.0).to(tl.float32)
+        kq, ks = _quantize(k, dtype, QMAX, FP8_MANTISSA, FP8_EMIN)
+        vq, vs = _quantize(v, dtype, QMAX, FP8_MANTISSA, FP8_EMIN)
+        dst = cache_ptr + h * stride_cache_h + slot * stride_cache_s + offs
+        tl.store(dst, kq, mask=ok)
+        tl.store(dst + stride_cache_kv, vq, mask=ok)
+        scale_dst = scales_ptr + h * stride_scale_h + slot
+        tl.store(scale_dst, ks)
+        tl.store(scale_dst + stride_scale_kv, vs)
+
     @triton.jit(do_not_specialize=["num_seqs"])
     def _paged_attention_kernel(
-        q_ptr, o_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, scale, num_seqs,
+        q_ptr, o_ptr, cache_ptr, scales_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, scale, num_seqs,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cache_kv, stride_cache_h, stride_cache_s,
-        stride_bt,
+        stride_scale_kv, stride_scale_h, stride_bt,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
-        ONLY: tl.constexpr,
+        ONLY: tl.constexpr, QUANT: tl.constexpr,
     ):
         qb = tl.program_id(0)
         # int64: a cache stride between 2**31 and 2**32 reaches the kernel as uint32 (Triton types arguments by
@@ -160,6 +214,8 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         k_base = cache_ptr + kvh * stride_cache_h
         v_base = k_base + stride_cache_kv
+        ks_base = scales_ptr + kvh * stride_scale_h  # QUANT only: a float32 scale per slot
+        vs_base = ks_base + stride_scale_kv
         for start in range(kv_begin, kv_end, TILE):
             offs_n = start + tl.arange(0, TILE)
             n_ok = offs_n < kv_end
@@ -167,6 +223,9 @@ if HAS_TRITON:
             slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
             k = tl.load(k_base + slot[None, :] * stride_cache_s + offs_d[:, None],
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, TILE]
+            if QUANT:  # dequantized in registers, in the query's dtype for the dot
+                k_scale = tl.load(ks_base + slot, mask=n_ok, other=0.0)
+                k = (k.to(tl.float32) * k_scale[None, :]).to(q_ptr.dtype.element_ty)
             if IEEE:
                 s = tl.dot(q, k, input_precision="ieee")
             else:
@@ -183,6 +242,9 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + slot[:, None] * stride_cache_s + offs_d[None, :],
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE, BLOCK_D]
+            if QUANT:
+                v_scale = tl.load(vs_base + slot, mask=n_ok, other=0.0)
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q_ptr.dtype.element_ty)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -194,10 +256,19 @@ if HAS_TRITON:
                  acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
+             slot_mapping: torch.Tensor) -> None:
     """k, v: [T, Hkv, D] (last dim contiguous) -> the cache at slot_mapping[t]; slots < 0 are skipped."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
+        return
+    if isinstance(kv_cache, QuantizedKVCache):
+        spec, data, scales = kv_cache.spec, kv_cache.values(), kv_cache.scales
+        _store_kv_quant_kernel[(num_tokens, num_kv_heads)](
+            k, v, data, scales, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            data.stride(0), data.stride(1), data.stride(2), scales.stride(0), scales.stride(1),
+            D=head_dim, BLOCK_D=next_power_of_2(head_dim), QMAX=spec.qmax, FP8_MANTISSA=spec.mantissa_bits,
+            FP8_EMIN=spec.min_exponent)
         return
     _store_kv_kernel[(num_tokens, num_kv_heads)](
         k, v, kv_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -207,7 +278,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    kv_cache: torch.Tensor,  # [2, Hkv, num_slots, D]
+    kv_cache: torch.Tensor | QuantizedKVCache,  # [2, Hkv, num_slots, D]
     out: torch.Tensor,  # [T, H, D]
     block_table: torch.Tensor,  # [S, max_blocks] int32
     seq_lens: torch.Tensor,  # [S] int32: tokens in the cache after this step
@@ -235,12 +306,15 @@ def paged_attention(
     tile, num_stages = fit_shared_memory(tile or launch["tile"], num_stages or launch["num_stages"], block_d,
                                          q.element_size(), q.device)
     grid = (grid_size(num_tokens, min(num_seqs, num_tokens), block_q), num_kv_heads)
+    quant = isinstance(kv_cache, QuantizedKVCache)
+    data, scales = (kv_cache.values(), kv_cache.scales) if quant else (kv_cache, kv_cache)  # unread if not quant
     _paged_attention_kernel[grid](
-        q, out, kv_cache, block_table, seq_lens, query_start_loc, scale, num_seqs,
+        q, out, data, scales, block_table, seq_lens, query_start_loc, scale, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0),
+        data.stride(0), data.stride(1), data.stride(2), scales.stride(0), scales.stride(1), block_table.stride(0),
         G=g, D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_SIZE=block_size, TILE=tile, WINDOW=sliding_window or 0, IEEE=q.dtype == torch.float32, ONLY=only,
+        QUANT=quant,
         num_warps=num_warps or launch["num_warps"], num_stages=num_stages,
     )
     return out
@@ -258,7 +332,7 @@ class TritonAttentionMetadata:
     decode_only: bool
     sliding_window: int | None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                scale: float) -> torch.Tensor:
         store_kv(k, v, kv_cache, self.slot_mapping)
         out = torch.empty_like(q)

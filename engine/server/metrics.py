@@ -77,9 +77,11 @@ class EngineStatsCollector:
                 family.add_metric(values, 0)
         yield from (running, waiting, usage, queries, hits, preemptions)
         if info is not None:
+            # cache_dtype: the --kv-cache-dtype value as given ("auto", "fp8", ...), as vLLM labels it
             cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
-                                      labels=["block_size", "num_gpu_blocks", "model_name"])
-            cache.add_metric([str(info.block_size), str(info.num_blocks), self.model_name], 1)
+                                      labels=["block_size", "cache_dtype", "num_gpu_blocks", "model_name"])
+            cache.add_metric([str(info.block_size), self.llm.config.kv_cache_dtype, str(info.num_blocks),
+                              self.model_name], 1)
             yield cache
         lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])

@@ -36,19 +36,33 @@ def make_config(family: str):
     raise ValueError(family)
 
 
-def build_tiny_model(family: str, folder: Path, seed: int = 0):
-    """Save a random HF model of `family` to `folder`; returns the HF model (fp32, eval mode)."""
+# Weight std of build_tiny_model's smooth variant: (q/k projections, the other matrices, embeddings and LM head).
+# The default (0.2 everywhere) makes attention sharp and generation chaotic: any perturbation (bf16 weights alone)
+# changes most 64-token greedy outputs. Small q/k/v/o/MLP weights and a wide embedding/LM head keep greedy margins
+# wide while attention still decides the output (tests/engine/test_kv_cache_dtype.py measures both).
+SMOOTH_STDS = (0.03, 0.05, 0.5)
+
+
+def build_tiny_model(family: str, folder: Path, seed: int = 0, config=None, stds: tuple | None = None):
+    """Save a random HF model of `family` (or of `config`) to `folder`; returns the HF model (fp32, eval mode).
+    stds: (q/k, other matrices, embeddings and LM head) weight std; None: 0.2 for all."""
     from transformers import AutoModelForCausalLM
 
     from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
 
-    config = make_config(family)
+    config = config or make_config(family)
+    qk_std, matrix_std, embed_std = stds or (0.2, 0.2, 0.2)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # wider than the default init so greedy choices are not near-ties
         for name, p in model.named_parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.2)
+                if "q_proj" in name or "k_proj" in name:
+                    p.normal_(0.0, qk_std)
+                elif "embed" in name or "lm_head" in name:
+                    p.normal_(0.0, embed_std)
+                else:
+                    p.normal_(0.0, matrix_std)
             elif "bias" in name:
                 p.normal_(0.0, 0.1)
     model.eval()
