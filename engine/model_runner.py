@@ -54,10 +54,14 @@ class ModelRunner:
         # Structured-output masks beside the forward pass (see execute); started by the first constrained request.
         self.fill_masks_in_thread = device.type != "cpu"
         self._mask_pool: ThreadPoolExecutor | None = None
-        self.kv_quant = kv_quant_spec(config.kv_cache_dtype)  # None: K/V in the model's dtype
         self.kv_caches: list[torch.Tensor | QuantizedKVCache] = []
         self.num_blocks = 0
+        self.kv_quant = kv_quant_spec(config.kv_cache_dtype)  # None: K/V in the model's dtype
         self.attention_backend = choose_attention_backend(config.attention_backend, device)
+        if (self.kv_quant is not None and self.kv_quant.value_dtype != torch.int8 and self.attention_backend == "triton"
+                and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)):
+            raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype} on the Triton kernels needs fp8 conversions "
+                              "(compute capability 8.9+: Ada, Hopper): use int8, or attention_backend sdpa")
         if self.attention_backend == "triton":
             use_fused_kernels(self.model)
         self.inputs = StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
