@@ -137,12 +137,17 @@ SHAPES = {
     "mixed-lengths": _shape("mixed-lengths", "no-reuse", "random prompts ~1200 tokens (spread 0.8), ~64 output "
                             "tokens (spread 0.8), bursty (CV 2)", length_spread=0.8, output_len=64,
                             output_spread=0.8, burstiness=2.0),
+    # held-out-2, frozen on 2026-11-27 before the capacity-aware group balance (prompted by small-kv, which it
+    # then no longer judges cleanly) was measured on it
+    "small-kv-turns": _shape("small-kv-turns", "multi-turn", "multi-turn on replicas with half the KV (4096 tokens)",
+                             kv_tokens=4096),
 }
 
 SHAPE_SETS = {
     "base": ("multi-tenant", "multi-turn", "no-reuse"),
     "tuning": ("multi-tenant", "multi-turn", "no-reuse", "many-tenants", "bursty-tenants"),
     "held-out": ("hot-tenant", "long-output", "small-kv", "deep-chat", "mixed-lengths"),
+    "held-out-2": ("small-kv-turns",),
 }
 
 
