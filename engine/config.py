@@ -68,8 +68,20 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: tuple = ()
+    # vLLM's --speculative-config: a SpeculativeConfig (spec_decode.py), or its dict; None = no speculation.
+    speculative_config: object | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            from kvgate.engine.spec_decode import SpeculativeConfig
+
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config is not None:
+            if self.backend != "torch":
+                raise ConfigError("speculative decoding needs the torch backend (the sim has no model to verify with)")
+            # A step's drafts are proposed from the request's tokens, which async scheduling does not have yet.
+            if self.async_scheduling:
+                raise ConfigError("speculative decoding runs with synchronous scheduling: drop --async-scheduling")
         if self.backend not in ("torch", "sim"):
             raise ConfigError(f"backend must be torch or sim, got {self.backend!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -150,6 +150,17 @@ class KVCacheManager:
                            cache_salt=request.cache_salt, first_block_index=first,
                            lora_id=lora.lora_int_id if lora else None, lora_name=lora.lora_name if lora else None)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past its first num_tokens positions (the slots of rejected draft tokens). They
+        were never hashed: a block is cached only once full of the request's known tokens."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(extra))
+
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)

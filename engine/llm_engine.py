@@ -34,6 +34,7 @@ from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.runner import Runner, StepResult, load_model
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import Scheduler, SchedulerOutput
+from kvgate.engine.spec_decode import NgramProposer, SpecDecodeStats
 from kvgate.engine.structured_output import StructuredOutputManager
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class EngineStats:
     max_lora: int = 0
     running_lora_adapters: list[str] = dataclasses.field(default_factory=list)
     waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)
+    # Speculative decoding's counters (vLLM's vllm:spec_decode_*); None when it is off.
+    spec_decode: SpecDecodeStats | None = None
 
 
 @dataclass(eq=False)
@@ -137,7 +140,13 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             lora=self.lora,
+            proposer=NgramProposer(config.speculative_config, self.max_model_len)
+            if config.speculative_config is not None else None,
         )
+        self.spec_stats: SpecDecodeStats | None = None
+        if config.speculative_config is not None:
+            self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * config.speculative_config.num_speculative_tokens)
+            self.scheduler.spec_stats = self.spec_stats
         self.eos_token_ids = _eos_token_ids(config.model, self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -150,7 +159,7 @@ class LLMEngine:
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None else (
-            config.backend == "torch" and self.device.type == "cuda")
+            config.backend == "torch" and self.device.type == "cuda" and config.speculative_config is None)
         self._queued: _QueuedStep | None = None  # async scheduling: the step the device is running
         # Last: it opens sockets, which nothing after it could close if it raised.
         self.kv_event_publisher = create_publisher(config.kv_events_config)
@@ -159,8 +168,9 @@ class LLMEngine:
             if not config.enable_prefix_caching:
                 log.warning("KV-cache events are on but prefix caching is off: no block will be announced")
         log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (kv cache dtype %s), max_model_len %d, "
-                 "async scheduling %s", self.model_name, self.device, self.dtype, num_blocks, config.block_size,
-                 config.kv_cache_dtype, self.max_model_len, "on" if self.async_scheduling else "off")
+                 "async scheduling %s, speculative decoding %s", self.model_name, self.device, self.dtype, num_blocks,
+                 config.block_size, config.kv_cache_dtype, self.max_model_len,
+                 "on" if self.async_scheduling else "off", config.speculative_config or "off")
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -385,7 +395,8 @@ class LLMEngine:
             logprobs=request.logprobs,
             cumulative_logprob=child.cumulative_logprob if request.logprobs is not None else None,
             delta_text=detokenizer.next_delta(finished),
-            delta_token_ids=[token],
+            delta_token_ids=[token] if request.num_step_tokens <= 1 else
+            request.output_token_ids[-request.num_step_tokens:],
         )
         parent_id = child.parent_id
         parent = self._parents[parent_id]
@@ -427,6 +438,8 @@ class LLMEngine:
             prefix_cache_hits=kv.prefix_stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefill_tokens_pending=self.scheduler.num_prefill_tokens_pending,
+            spec_decode=dataclasses.replace(self.spec_stats, accepted_per_pos=list(self.spec_stats.accepted_per_pos))
+            if self.spec_stats is not None else None,
             **self._lora_stats(),
         )
 

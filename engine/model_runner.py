@@ -23,6 +23,7 @@ from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.models.layers import use_fused_kernels
 from kvgate.engine.sampler import Sampler, SamplingBatch
 from kvgate.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvgate.engine.spec_decode import verify_greedy, verify_sampled
 from kvgate.engine.step_inputs import StepInputs
 from kvgate.engine.structured_output import fill_bitmasks
 from kvgate.engine.triton_attention import HAS_TRITON, TritonAttentionMetadata
@@ -132,7 +133,8 @@ class ModelRunner:
             table.write(table.row("profile"), 0, list(range(self.num_blocks)))
             step = SchedulerOutput([ScheduledRequest(prompt, n, 0)], block_table=table)
             _, hidden = self._run_model(step)
-            rows = min(self.config.max_num_seqs, n)
+            spec = self.config.speculative_config  # a speculating request samples at 1 + K rows
+            rows = min(self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)), n)
             self.model.compute_logits(hidden[:rows]).float().softmax(-1)
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - baseline
@@ -256,20 +258,64 @@ class ModelRunner:
         if not samplers:
             return PendingStep.done()
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
-        if plain:
-            tokens, logprobs = self.sampler.greedy(logits), None
-        else:
-            grammar = ([], None) if masks is None else masks if isinstance(masks, tuple) else masks.result()
-            dev = self.device
-            for r in samplers:  # a seeded request's own generator, made at its first token and kept on the request
-                if r.generator is None and r.sampling_params.seed is not None:
-                    r.generator = torch.Generator(device=dev)
-                    r.generator.manual_seed(r.sampling_params.seed)
-            sampling = SamplingBatch.build(samplers, self.vocab_size, dev, grammar)
-            tokens, logprobs = self.sampler(logits, sampling)
+        if out.has_drafts:
+            return self._verify_drafts(out, samplers, logits, plain, masks)
+        tokens, logprobs = self._sample(samplers, logits, plain, masks)
         ids = [r.request_id for r in samplers]
         logprob_map = {rid: lp for rid, lp in zip(ids, logprobs)} if logprobs is not None else {}
         return PendingStep.copy_back(ids, tokens, logprob_map, self._next_token_buffer())
+
+    def _sample(self, samplers: list, logits: torch.Tensor, plain: bool, masks) -> tuple[torch.Tensor, list | None]:
+        """One token per sampling request from its row of logits."""
+        if plain:
+            return self.sampler.greedy(logits), None
+        grammar = ([], None) if masks is None else masks if isinstance(masks, tuple) else masks.result()
+        dev = self.device
+        for r in samplers:  # a seeded request's own generator, made at its first token and kept on the request
+            if r.generator is None and r.sampling_params.seed is not None:
+                r.generator = torch.Generator(device=dev)
+                r.generator.manual_seed(r.sampling_params.seed)
+        sampling = SamplingBatch.build(samplers, self.vocab_size, dev, grammar)
+        return self.sampler(logits, sampling)
+
+    def _verify_drafts(self, out: SchedulerOutput, samplers: list, logits: torch.Tensor, plain: bool,
+                       masks) -> PendingStep:
+        """A step with draft tokens (speculative decoding; synchronous scheduling): logits has 1 + len(draft) rows
+        for a speculating request, one for any other. Every request first samples from its last row as usual (the
+        others' tokens, exactly as without speculation); a speculating request's tokens are then its verified
+        drafts and the token after them (spec_decode.py), {request id: [tokens]}."""
+        last_rows, greedy, sampled = [], [], []
+        row = 0
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            if s.draft is not None:
+                (greedy if s.request.sampling_params.greedy else sampled).append((s.request, s.draft, row))
+                row += len(s.draft)
+            last_rows.append(row)
+            row += 1
+        tokens, logprobs = self._sample(samplers, logits[last_rows], plain, masks)
+        ids = [r.request_id for r in samplers]
+        results: dict[str, int | list[int]] = dict(zip(ids, tokens.tolist()))
+        if greedy:
+            index = torch.tensor([i for _, d, r0 in greedy for i in range(r0, r0 + len(d) + 1)], device=self.device)
+            target = self.sampler.greedy(logits.index_select(0, index)).tolist()
+            offset = 0
+            for request, draft, _ in greedy:
+                results[request.request_id] = verify_greedy(target[offset:offset + len(draft) + 1], draft)
+                offset += len(draft) + 1
+        if sampled:
+            expanded = [r for r, d, _ in sampled for _ in range(len(d) + 1)]
+            index = torch.tensor([i for _, d, r0 in sampled for i in range(r0, r0 + len(d) + 1)], device=self.device)
+            probs = self.sampler.probs(logits.index_select(0, index),
+                                       SamplingBatch.build(expanded, self.vocab_size, self.device))
+            offset = 0
+            for request, draft, _ in sampled:
+                rows = probs[offset:offset + len(draft) + 1]
+                results[request.request_id] = verify_sampled(rows, draft, request.generator)
+                offset += len(draft) + 1
+        logprob_map = {rid: lp for rid, lp in zip(ids, logprobs)} if logprobs is not None else {}
+        return PendingStep.ready(results, logprob_map)
 
     def _next_token_buffer(self) -> tuple[torch.Tensor, torch.cuda.Event] | None:
         """The pinned buffer and event a step's sampled ids come back through, in turn: three, because the engine
@@ -292,7 +338,14 @@ class PendingStep:
     def __init__(self, ids: list[str], tokens: torch.Tensor | None, logprobs: dict) -> None:
         self.ids, self.tokens, self.logprobs = ids, tokens, logprobs
         self.rows = {rid: i for i, rid in enumerate(ids)}
-        self._host = self._event = None
+        self._host = self._event = self._ready = None
+
+    @classmethod
+    def ready(cls, results: dict, logprobs: dict) -> PendingStep:
+        """A step whose tokens are already on the host (a speculative step verifies its drafts there)."""
+        step = cls(list(results), None, logprobs)
+        step._ready = results
+        return step
 
     @classmethod
     def done(cls) -> PendingStep:
@@ -315,6 +368,8 @@ class PendingStep:
         return step
 
     def result(self) -> tuple[dict[str, int], dict[str, dict]]:
+        if self._ready is not None:
+            return self._ready, self.logprobs
         if self.tokens is None:
             return {}, {}
         if self._event is not None:

@@ -33,6 +33,7 @@ from kvgate.engine.errors import LoRAError
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.lora.manager import LoRAManager
 from kvgate.engine.request import Request, RequestStatus
+from kvgate.engine.spec_decode import speculation_eligible
 
 
 def prefill_tokens_pending(request: Request) -> int:
@@ -61,6 +62,9 @@ class ScheduledRequest:
     block_row: int  # the request's row of SchedulerOutput.block_table (its block ids)
     start: int = 0  # the request's computed tokens before this chunk: the chunk is tokens [start, start + new)
     samples: bool = False  # the chunk reaches the end of the request's tokens, so a token is sampled
+    # Speculative decoding: draft tokens computed after the request's last token in this chunk (num_new_tokens
+    # counts them); the step verifies them and returns the accepted ones plus one (spec_decode.py).
+    draft: list[int] | None = None
 
 
 @dataclass
@@ -74,6 +78,7 @@ class SchedulerOutput:
     # Requests ended with an error while scheduling (an adapter whose files could not be read again): the engine
     # reports them to their callers (LLMEngine.take_failures).
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    has_drafts: bool = False  # some request carries draft tokens (speculative decoding)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -151,8 +156,11 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         lora: LoRAManager | None = None,
+        proposer=None,
     ) -> None:
         self.kv = kv_cache_manager
+        self.proposer = proposer  # spec_decode.NgramProposer: drafts for decoding requests; None = no speculation
+        self.spec_stats = None  # spec_decode.SpecDecodeStats when speculating (the engine sets it)
         self.lora = lora  # with LoRA on: a waiting request is admitted only once its adapter holds a slot
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -227,6 +235,8 @@ class Scheduler:
         out = SchedulerOutput(block_table=self.kv.block_table)
         budget = self.max_num_batched_tokens
         chunk: dict[str, int] = {}  # request id -> tokens scheduled this step
+        drafts: dict[str, list[int]] = {}  # request id -> draft tokens scheduled after its last token
+        proposer = self.proposer
 
         # 1. Running requests, oldest first.
         i = 0
@@ -238,14 +248,25 @@ class Scheduler:
                 i += 1  # async scheduling: the tokens its running steps sample end it (max_tokens, context length)
                 continue
             num_new = len(request.all_token_ids) + placeholders - request.num_computed_tokens
+            draft = None
+            if proposer is not None and num_new == 1 and not placeholders and speculation_eligible(request):
+                # Drafts past max_tokens or the budget would be computed for nothing.
+                draft = proposer.propose(request.all_token_ids,
+                                         min(budget, request.output_limit - request.num_output_tokens) - 1) or None
+                if draft:
+                    num_new += len(draft)
             if num_new > budget:
                 num_new = budget
             while True:
                 if allocate(request, num_new) is not None:
                     break
+                if draft:  # no room for the drafts: a plain decode before anyone is preempted
+                    draft, num_new = None, 1
+                    continue
                 victim = self._pick_victim()
                 if victim.request_id in chunk:  # already scheduled this step (priority policy)
                     budget += chunk.pop(victim.request_id)
+                    drafts.pop(victim.request_id, None)
                     i -= 1
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -254,6 +275,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 break  # it preempted itself: nothing else fits this step
             chunk[request.request_id] = num_new
+            if draft:
+                drafts[request.request_id] = draft
             budget -= num_new
             i += 1
 
@@ -296,6 +319,7 @@ class Scheduler:
             chunk[request.request_id] = num_new
             budget -= num_new
 
+        out.has_drafts = bool(drafts)
         for request in reversed(skipped):  # back in their places
             self.waiting.add(request, front=True)
         scheduled, rows = out.scheduled, self.kv.block_table.row_of
@@ -305,8 +329,15 @@ class Scheduler:
                 continue
             # The chunk, with the request's computed tokens advanced past it and a placeholder for what it samples.
             start = request.num_computed_tokens
+            draft = drafts.get(request.request_id) if drafts else None
             samples = start + num_new == len(request.all_token_ids) + request.num_output_placeholders
-            if num_new == 1 and samples and (request.output_token_ids or request.num_output_placeholders):
+            if draft is not None:  # its last token and the drafts; rolled back to what is accepted (update)
+                before = prefill_tokens_pending(request)
+                request.num_computed_tokens = start + num_new
+                request.num_output_placeholders += 1
+                self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
+                samples = True
+            elif num_new == 1 and samples and (request.output_token_ids or request.num_output_placeholders):
                 # A decode (one token after earlier output) has no prefill backlog before or after: the common
                 # case of a full batch skips the bookkeeping.
                 request.num_computed_tokens = start + 1
@@ -317,7 +348,7 @@ class Scheduler:
                 if samples:
                     request.num_output_placeholders += 1
                 self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
-            scheduled.append(ScheduledRequest(request, num_new, rows[request.request_id], start, samples))
+            scheduled.append(ScheduledRequest(request, num_new, rows[request.request_id], start, samples, draft))
             if request.lora_request is not None:
                 lora_id = request.lora_request.lora_int_id
                 out.lora_slots[lora_id] = self.lora.slot_of(lora_id)
@@ -346,6 +377,11 @@ class Scheduler:
             if not s.samples or request.status >= FINISHED:
                 continue
             token = sampled[request.request_id]  # a runner samples every row whose chunk samples
+            if s.draft is not None:
+                self._update_speculated(s, token)
+                progressed.append(request)
+                continue
+            request.num_step_tokens = 1
             running = request.status == RUNNING
             if running:
                 request.num_output_placeholders -= 1
@@ -357,12 +393,41 @@ class Scheduler:
                 self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
             progressed.append(request)
             if request.check_stop():
-                self.num_prefill_tokens_pending -= prefill_tokens_pending(request)
-                self.num_host_bound -= samples_from_host_state(request)
-                self.requests.pop(request.request_id, None)
-                if running:
-                    self.running.remove(request)
-                else:
-                    self.waiting.remove(request)
-                self.kv.free(request)
+                self._finished(request, running)
         return progressed
+
+    def _finished(self, request: Request, running: bool) -> None:
+        self.num_prefill_tokens_pending -= prefill_tokens_pending(request)
+        self.num_host_bound -= samples_from_host_state(request)
+        self.requests.pop(request.request_id, None)
+        if running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+
+    def _update_speculated(self, s: ScheduledRequest, tokens: list[int]) -> None:
+        """A speculating request's step: `tokens` are its accepted drafts and the target's next token. Its computed
+        tokens go back to what was accepted (the rejected drafts' K/V are garbage, overwritten when those positions
+        are computed for real), the blocks that held only rejected positions are freed, and the tokens are appended
+        one by one up to the first that ends it. Speculation runs with synchronous scheduling, so the request is
+        still running: nothing was scheduled between its step and this update."""
+        request = s.request
+        accepted = len(tokens) - 1
+        if self.spec_stats is not None:
+            self.spec_stats.record(len(s.draft), accepted)
+        before = prefill_tokens_pending(request)
+        request.num_output_placeholders -= 1
+        request.num_computed_tokens -= len(s.draft) - accepted
+        finished = False
+        for n, token in enumerate(tokens, start=1):
+            request.append_output_token(token)
+            if request.check_stop():
+                finished = True
+                break
+        request.num_step_tokens = n
+        self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
+        if finished:
+            self._finished(request, True)
+        else:
+            self.kv.trim(request, request.num_tokens)

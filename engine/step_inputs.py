@@ -56,7 +56,8 @@ class StepInputs:
                 "query_start_loc": host(max_seqs + 1, torch.int32),
                 "seq_lens": host(max_seqs, torch.int32),
                 "block_table": host((max_seqs, max_blocks_per_seq), torch.int32),
-                "sample_rows": host(max_seqs, torch.int64),
+                # a row per sampling sequence, or 1 + its drafts (speculative decoding): at most one per token
+                "sample_rows": host(max(max_seqs, max_tokens), torch.int64),
                 "fill_rows": host(max_seqs, torch.int64),
                 "fill_src": host(max_seqs, torch.int64),
             }
@@ -106,7 +107,10 @@ class StepInputs:
             t = 0
             for s in sched:
                 r, start, k = s.request, s.start, s.num_new_tokens
-                if start + k <= len(r.all_token_ids):
+                if s.draft is not None:  # its last token, then the drafts to verify
+                    ids[t] = r.all_token_ids[start]
+                    ids[t + 1:t + k] = s.draft
+                elif start + k <= len(r.all_token_ids):
                     ids[t:t + k] = r.all_token_ids[start:start + k]
                 else:  # only a decode computes a placeholder (a chunk of one token)
                     ids[t] = 0
@@ -140,6 +144,12 @@ class StepInputs:
         a["slot_mapping"][:num_tokens] = bt[slot_rows, positions // bs].astype(np.int64) * bs + positions % bs
         num_samples = n if sample_idx is None else len(sample_idx)
         a["sample_rows"][:num_samples] = qsl[1:n + 1] - 1 if sample_idx is None else qsl[1:n + 1][sample_idx] - 1
+        if out.has_drafts:  # a speculating sequence's logits at its last token and at each draft
+            rows = [np.arange(qsl[i + 1] - 1 - len(s.draft), qsl[i + 1]) if s.draft is not None else [qsl[i + 1] - 1]
+                    for i, s in enumerate(sched) if s.samples]
+            rows = np.concatenate(rows)
+            num_samples = len(rows)
+            a["sample_rows"][:num_samples] = rows
 
         num_padded = padded_tokens or num_tokens
         seqs_padded = padded_seqs or n

@@ -1,0 +1,164 @@
+"""Speculative decoding by prompt lookup (vLLM's `--speculative-config '{"method": "ngram", ...}'`).
+
+The scheduler asks `NgramProposer` for up to K draft tokens per decoding request: the tokens that followed the
+earliest earlier occurrence of the longest n-gram (prompt_lookup_max down to prompt_lookup_min) that ends the
+request's tokens. The step computes the request's last token and its drafts together (one chunk of 1 + K positions in
+the same forward pass as everything else), and the runner verifies the drafts here: greedy rows accept while the
+draft equals the argmax; sampled rows accept a draft x with probability p(x) (an n-gram draft is one token for sure,
+q = one-hot), else draw from max(p - q, 0) normalised, which keeps the target distribution. The step's tokens are the
+accepted drafts and one more (the target's token at the first rejection, or the bonus token after the last draft).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvgate.engine.errors import ConfigError
+
+METHODS = ("ngram", "draft_model")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--speculative-config is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError('--speculative-config must be a JSON object, e.g. {"method": "ngram", '
+                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4}')
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SpeculativeConfig:
+        unknown = sorted(set(data) - set(_KEYS))
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; known: {', '.join(_KEYS)}")
+        method = data.get("method")
+        if method is None and data.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
+            method = "ngram"
+        if method == "[ngram]":
+            method = "ngram"
+        if method not in METHODS:
+            raise ConfigError(f"--speculative-config: method must be ngram, got {method!r}")
+        if method == "draft_model":
+            raise ConfigError("--speculative-config: method draft_model is not supported yet (use ngram)")
+        k = data.get("num_speculative_tokens")
+        lo, hi = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
+        for name, value in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"--speculative-config: {name} must be a positive integer, got {value!r}")
+        if k is None:
+            raise ConfigError("--speculative-config: num_speculative_tokens is required")
+        # vLLM's defaults: both 5 when neither is given, else the one given for both.
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if lo > hi:
+            raise ConfigError(f"--speculative-config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        return cls(method, k, lo, hi)
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.max_model_len = max_model_len
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to min(K, limit) tokens that followed the longest n-gram ending `tokens` where it occurred earliest
+        before; [] when none of n in [min, max] occurs earlier (vLLM's ngram proposer)."""
+        total = len(tokens)
+        k = min(self.k, limit, self.max_model_len - total)
+        if k <= 0 or total <= self.min_n:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        head = arr[:-1]  # an occurrence must end before the last token (not the suffix itself)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(head, n)
+            hits = np.flatnonzero((windows == arr[total - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[0]) + n
+                return arr[start:start + k].tolist()
+        return []
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters behind vLLM's vllm:spec_decode_* metrics (since the engine started)."""
+
+    num_drafts: int = 0  # requests that carried drafts in a step
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [K]: drafts accepted at position i
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a speculating step yields per request on average (1 + accepted drafts)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+def speculation_eligible(request) -> bool:
+    """Requests whose sampling reads per-token host state (grammars, penalties, min_tokens' bans, logprobs per
+    token) are not speculated: their rows would need that state advanced through each draft."""
+    p = request.sampling_params
+    return (p.structured_outputs is None and p.logprobs is None and not p.min_tokens and not p.has_penalties
+            and request.grammar is None)
+
+
+def verify_greedy(target: list[int], draft: list[int]) -> list[int]:
+    """target: the argmax at each of the 1 + len(draft) positions. Accept drafts while they equal the target's
+    choice; the target's token at the first mismatch (or the bonus after the last draft) ends the run."""
+    out = []
+    for x, t in zip(draft, target):
+        if x != t:
+            out.append(t)
+            return out
+        out.append(x)
+    out.append(target[len(draft)])
+    return out
+
+
+def verify_sampled(probs: torch.Tensor, draft: list[int], generator: torch.Generator | None) -> list[int]:
+    """probs [1 + len(draft), V]: the target's (processed) distribution at each position. Rejection sampling with a
+    one-hot draft distribution: accept x with probability p(x); at the first rejection draw from p without x
+    (max(p - q, 0) normalised); after the last draft, the bonus token from the last row."""
+    d = len(draft)
+    dev = probs.device
+    index = torch.tensor(draft, dtype=torch.long, device=dev)
+    p_draft = probs[torch.arange(d, device=dev), index] if d else probs.new_zeros(0)
+    uniform = torch.rand(d, generator=generator, device=dev)
+    residual = probs.clone()
+    if d:
+        residual[torch.arange(d, device=dev), index] = 0.0
+    noise = torch.empty_like(residual).exponential_(generator=generator)
+    candidates = residual.div_(noise).argmax(dim=-1).tolist()  # exponential race: a draw from each row's residual
+    accepted = (uniform < p_draft).tolist()
+    out = []
+    for j in range(d):
+        if not accepted[j]:
+            out.append(candidates[j])
+            return out
+        out.append(draft[j])
+    out.append(candidates[d])
+    return out

@@ -1,0 +1,258 @@
+"""Speculative decoding by prompt lookup (--speculative-config, method ngram): greedy outputs identical to
+non-speculative greedy (and HF) in every scheduling mode, rejection sampling that keeps the target distribution,
+rejected tokens never in the prefix cache, and the flag's validation."""
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from kvgate.engine import LLM, SamplingParams
+from kvgate.engine.block_pool import hash_block_tokens, root_block_hash
+from kvgate.engine.errors import ConfigError
+from kvgate.engine.kv_cache_manager import cdiv
+from kvgate.engine.spec_decode import NgramProposer, SpeculativeConfig, verify_greedy, verify_sampled
+
+MAX_NEW = 24
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+MODES = {
+    "prefix-caching": dict(enable_prefix_caching=True),
+    "chunked-prefill": dict(max_num_batched_tokens=16),
+    "preemption": dict(num_gpu_blocks_override=12, max_num_seqs=16),
+}
+
+
+def repetitive_prompts() -> list[list[int]]:
+    """Prompts that quote themselves (so drafts are proposed), of mixed lengths, two sharing a 2-block prefix."""
+    rng = random.Random(4321)
+    prompts = []
+    for n in (5, 9, 12, 17, 20, 6, 11, 3):
+        text = [rng.randrange(256) for _ in range(n)]
+        prompts.append((text * 4)[:3 * n + 2])
+    shared = prompts[4][:32]
+    prompts.append(shared + [7, 8, 9, 7, 8])
+    prompts.append(shared + [1, 2, 3])
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_model_dir):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            _, model = tiny_model_dir(family)
+            outs = []
+            for prompt in repetitive_prompts():
+                with torch.no_grad():
+                    gen = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                                         do_sample=False, eos_token_id=None, pad_token_id=0)
+                outs.append(gen[0, len(prompt):].tolist())
+            cache[family] = outs
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_with_ngram_speculation_matches_hf(family, mode, tiny_model_dir, hf_reference):
+    folder, _ = tiny_model_dir(family)
+    expected = hf_reference(family)
+    llm = LLM(str(folder), max_model_len=128, speculative_config=SPEC, **MODES[mode])
+    prompts = repetitive_prompts()
+    # One request asks for logprobs: it is not speculated, and shares the batches of those that are.
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1 if i == 3 else None)
+              for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        assert o.outputs[0].token_ids == e, f"{family}/{mode}: prompt {i} diverges from HF"
+    spec = llm.engine.stats().spec_decode
+    assert spec.num_accepted_tokens > 0, spec  # drafts were proposed and some accepted: the check is not vacuous
+    assert spec.num_draft_tokens > spec.num_accepted_tokens, spec  # and some rejected, rolled back
+    assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
+    stats = llm.engine.stats()
+    if mode == "preemption":
+        assert stats.num_preemptions > 0
+    if mode == "prefix-caching":
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in again] == expected
+        assert sum(o.num_cached_tokens for o in again) > 0
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_stops_inside_an_accepted_run_match_plain_decoding(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    plain = LLM(str(folder), max_model_len=128)
+    spec = LLM(str(folder), max_model_len=128, speculative_config=SPEC)
+    prompts = [{"prompt_token_ids": p} for p in repetitive_prompts()]
+    free = [o.outputs[0].token_ids for o in plain.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))]
+    # A stop token that each output meets mid-way, and max_tokens cutting runs short.
+    stop_ids = [out[len(out) // 2] for out in free[:4]]
+    for params in (SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=stop_ids, ignore_eos=True),
+                   SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+                   SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop=["\x10"], ignore_eos=True)):
+        want = plain.generate(prompts, params)
+        got = spec.generate(prompts, params)
+        for w, g in zip(want, got):
+            assert (g.outputs[0].token_ids, g.outputs[0].finish_reason, g.outputs[0].stop_reason, g.outputs[0].text) \
+                == (w.outputs[0].token_ids, w.outputs[0].finish_reason, w.outputs[0].stop_reason, w.outputs[0].text)
+    assert spec.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_rejected_tokens_never_enter_the_prefix_cache(tiny_model_dir):
+    """Every cached block hash is one of a real token sequence's (prompt + output) blocks, and the blocks of rejected
+    drafts are freed at once: a request never holds a block past its tokens. With block size 4 and K = 8, rejected
+    runs cross block boundaries, so hashing a draft or keeping its block would fail here."""
+    folder, _ = tiny_model_dir("qwen3")
+    llm = LLM(str(folder), max_model_len=128, block_size=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 2})
+    engine, kv = llm.engine, llm.engine.kv_cache_manager
+    prompts = repetitive_prompts()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs[o.request_id] = o.outputs[0].token_ids
+        for r in engine.scheduler.running:  # the next token's slot is allocated by the next step
+            assert len(kv.req_blocks.get(r.request_id, ())) <= cdiv(r.num_tokens, 4), r.request_id
+    spec = engine.stats().spec_decode
+    assert spec.num_draft_tokens - spec.num_accepted_tokens >= 20, spec
+    valid = set()
+    for i, p in enumerate(prompts):
+        tokens, parent = p + outputs[str(i)], root_block_hash((None,))
+        for b in range(len(tokens) // 4):
+            parent = hash_block_tokens(parent, tokens[4 * b:4 * b + 4])
+            valid.add(parent)
+    cached = set(kv.pool.cached)
+    assert cached and cached <= valid
+    # The cached K/V are the accepted tokens' own: continuing from a cached prompt + output gives plain greedy.
+    plain = LLM(str(folder), max_model_len=128, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    follow = [{"prompt_token_ids": p + outputs[str(i)][:-1]} for i, p in enumerate(prompts)]
+    got = llm.generate(follow, params)
+    assert sum(o.num_cached_tokens for o in got) > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain.generate(follow, params)]
+
+
+# -- sampling keeps the distribution ------------------------------------------------------------------------------
+
+
+def chi_square_p(counts_a: Counter, counts_b: Counter) -> float:
+    """Two-sample chi-square test of homogeneity (bins with < 10 draws in all merged into one): the p-value."""
+    keys = [k for k in set(counts_a) | set(counts_b) if counts_a[k] + counts_b[k] >= 10]
+    rest_a = sum(counts_a.values()) - sum(counts_a[k] for k in keys)
+    rest_b = sum(counts_b.values()) - sum(counts_b[k] for k in keys)
+    table = torch.tensor([[counts_a[k] for k in keys] + [rest_a], [counts_b[k] for k in keys] + [rest_b]],
+                         dtype=torch.float64)
+    table = table[:, table.sum(0) > 0]
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    df = table.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def test_rejection_sampler_draws_the_target_distribution():
+    """verify_sampled alone, 40k draws: the first token follows p0 whatever the draft, the second (after an accepted
+    draft) follows p1, and the bonus token follows the last row."""
+    torch.manual_seed(0)
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.6, 0.1, 0.1, 0.1], [0.3, 0.3, 0.2, 0.1, 0.1]])
+    first, second, third = Counter(), Counter(), Counter()
+    n = 40_000
+    for _ in range(n):
+        out = verify_sampled(p, [0, 1], None)
+        first[out[0]] += 1
+        if out[0] == 0:
+            second[out[1]] += 1
+            if out[1] == 1:
+                third[out[2]] += 1
+    for counts, row in ((first, p[0]), (second, p[1]), (third, p[2])):
+        total = sum(counts.values())
+        expected = Counter({t: round(float(row[t]) * total) for t in range(5)})
+        assert chi_square_p(counts, expected) > 1e-3, (counts, row)
+    assert first[4] == 0  # never a token of probability 0
+    assert verify_greedy([3, 4, 5], [3, 9]) == [3, 4] and verify_greedy([3, 4, 5], [3, 4]) == [3, 4, 5]
+
+
+class FixedDraft:
+    """A deterministic proposer like ngram (drafts are a function of the tokens: q is one-hot), whose drafts are
+    the target's likely tokens, so that acceptance is frequent and a wrong residual would show."""
+
+    def __init__(self, draft):
+        self.draft = draft
+
+    def propose(self, tokens, limit):
+        return self.draft[:limit]
+
+
+def test_sampling_with_speculation_keeps_the_distribution(tiny_model_dir):
+    """10k requests each way (20k draws a position), one prompt (prefix-cached), temperature 0.4: the second to
+    fourth tokens' distributions with speculation agree with plain sampling (two-sample chi-square), with drafts both
+    accepted and rejected."""
+    folder, _ = tiny_model_dir("qwen2")
+    prompt = repetitive_prompts()[1]
+    params = SamplingParams(temperature=0.4, max_tokens=4, ignore_eos=True)
+    n = 10_000
+    torch.manual_seed(1)
+    plain = LLM(str(folder), max_model_len=128, max_num_seqs=256, max_num_batched_tokens=1024)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": prompt}] * n, params)]
+    common = Counter(t[1] for t in want).most_common(2)
+    spec = LLM(str(folder), max_model_len=128, max_num_seqs=256, max_num_batched_tokens=1024,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1})
+    spec.engine.scheduler.proposer = FixedDraft([common[0][0], Counter(t[2] for t in want).most_common(1)[0][0]])
+    got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": prompt}] * n, params)]
+    stats = spec.engine.stats().spec_decode
+    assert stats.num_accepted_tokens > 0.2 * stats.num_draft_tokens, stats
+    assert stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    for position in (1, 2, 3):
+        pvalue = chi_square_p(Counter(t[position] for t in got), Counter(t[position] for t in want))
+        print(f"token {position + 1}: chi-square p = {pvalue:.3f} ({stats})")
+        assert pvalue > 1e-3, (position, pvalue)
+    assert chi_square_p(Counter(t[0] for t in got), Counter(t[0] for t in want)) > 1e-3
+
+
+# -- the proposer and the flag ------------------------------------------------------------------------------------
+
+
+def test_ngram_proposer_follows_vllm():
+    def propose(tokens, lo, hi, k, limit=99, max_model_len=1024):
+        return NgramProposer(SpeculativeConfig("ngram", k, lo, hi), max_model_len).propose(tokens, limit)
+
+    assert propose([1, 2, 3, 4, 2, 3], 2, 3, 4) == [4, 2, 3]  # vLLM's docstring example
+    assert propose([1, 2, 3, 4, 1, 2, 3], 2, 2, 2) == [4, 1]
+    assert propose([5, 9, 1, 2, 3, 7, 2, 3, 8, 1, 2, 3], 2, 3, 2) == [7, 2]  # the longest n-gram wins
+    assert propose([2, 3, 4, 2, 3, 5, 2, 3], 2, 2, 1) == [4]  # its earliest occurrence
+    assert propose([1, 2, 3, 4], 1, 3, 4) == []  # no match
+    assert propose([1, 2, 1, 2, 1, 2], 2, 2, 4, limit=1) == [1]
+    assert propose([1, 2, 1, 2], 1, 1, 4, max_model_len=5) == [1]  # never past max_model_len
+
+
+@pytest.mark.parametrize("text, error", [
+    ("{", "not valid JSON"),
+    ('["ngram"]', "JSON object"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be ngram"),
+    ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}', "not supported yet"),
+    ('{"method": "ngram"}', "num_speculative_tokens is required"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integer"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "<="),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "unknown key"),
+])
+def test_bad_speculative_config_is_a_config_error(text, error):
+    with pytest.raises(ConfigError, match=error):
+        SpeculativeConfig.from_json(text)
+
+
+def test_speculative_config_defaults_as_vllm():
+    assert SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3}') == \
+        SpeculativeConfig("ngram", 3, 5, 5)
+    assert SpeculativeConfig.from_dict({"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": 4}) \
+        == SpeculativeConfig("ngram", 3, 4, 4)
+    from kvgate.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="torch backend"):
+        EngineConfig(model="x", backend="sim", speculative_config=SPEC)
+    with pytest.raises(ConfigError, match="async"):
+        EngineConfig(model="x", async_scheduling=True, speculative_config=SPEC)
