@@ -6,6 +6,8 @@
    once: while both wait they are served 1:1 (round-robin fairness).
 2. Scale from zero: requests sent to a pool with no endpoint are held and served once one appears; past the queue's
    bound they are refused with 429, past the TTL with 503, each with retry-after and an OpenAI-style JSON body.
+3. kvgate's shortest-prompt-first ordering: short prompts overtake a queue of long ones (with the aging parameter at
+   0, i.e. arrival order, the same test fails: the short ones finished with the last long ones, 4.6 s against 0.8).
 """
 
 from __future__ import annotations
@@ -166,3 +168,47 @@ def test_scale_from_zero_queue_bound_and_ttl_through_envoy(tmp_path):
     assert [r.status_code for _, r in refused] == [429, 429], [(r.status_code, r.text) for _, r in refused]
     assert all(r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error" for _, r in refused)
     assert len(served) == 4 and all(whole(r) for _, r in served), [(r.status_code, r.text[:200]) for _, r in served]
+
+
+SPF_CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- type: queue-scorer
+- type: shortest-prompt-first-ordering-policy
+  parameters: {msPerPromptToken: %s}
+saturationDetector: {queueDepthThreshold: 1, kvCacheUtilThreshold: 0.95}
+flowControl:
+  defaultPriorityBand: {orderingPolicyRef: shortest-prompt-first-ordering-policy}
+"""
+
+
+def test_shortest_prompt_first_lets_short_prompts_overtake_a_queue_of_long_ones(tmp_path):
+    """kvgate's shortest-prompt-first ordering behind the stock Envoy config: short prompts sent after a queue of
+    long ones leave the EPP first (in arrival order they would wait for nearly all of them), and every request of
+    both is served once, whole."""
+    (tmp_path / "logs").mkdir()
+    long_prompt = "a long document to summarise. " * 130  # ~3900 characters: ~975 estimated tokens, ~2 s of aging
+    with Gateway(tmp_path / "logs", tmp_path / "cache", [SIM, SIM], envoy_config=stock_envoy,
+                 epp_args=["--config-text", SPF_CONFIG % 2]) as gw:
+        async def send(client: httpx.AsyncClient, prompt: str) -> tuple[float, httpx.Response]:
+            started = time.monotonic()
+            r = await client.post(f"{gw.url}/v1/completions",
+                                  json={"model": "sim-model", "prompt": prompt, "max_tokens": MAX_TOKENS})
+            return time.monotonic() - started, r
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=None)) as client:
+                longs = [asyncio.create_task(send(client, f"{i} {long_prompt}")) for i in range(40)]
+                await asyncio.sleep(0.5)  # the long prompts fill the engines and the EPP's queue
+                shorts = await asyncio.gather(*(send(client, f"short question {i}") for i in range(5)))
+                return await asyncio.gather(*longs), shorts
+        longs, shorts = asyncio.run(main())
+    assert all(whole(r) for _, r in longs + shorts), [(r.status_code, r.text[:200]) for _, r in longs + shorts
+                                                      if not whole(r)][:3]
+    long_s, short_s = sorted(s for s, _ in longs), [s for s, _ in shorts]
+    print(f"long prompts: p50 {statistics.median(long_s):.3f}s, max {long_s[-1]:.3f}s; short prompts sent 0.5 s "
+          f"later: max {max(short_s):.3f}s")
+    # ~36 long requests were still queued when the short ones came: first come first served, the short ones would
+    # finish with the last long ones; shortest first, they leave at the next free slot.
+    assert max(short_s) < statistics.median(long_s) / 2, (short_s, statistics.median(long_s))
