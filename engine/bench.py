@@ -36,6 +36,10 @@ def add_bench_engine_parser(sub) -> None:
     p.add_argument("--baselines", default="single,batched",
                    help="HF runs to compare with: single, batched, both (default) or none")
     p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--workload", choices=["random", "quote"], default=None,
+                   help="random: random prompts; quote: each prompt is a random text followed by the start of it "
+                        "again, to be continued (repetitive: prompt lookup finds drafts) (default: quote with "
+                        "--speculative-config, else random)")
     p.add_argument("--hf-first-tokens", action="store_true",
                    help="check every prompt's first generated token against HF's own forward pass of that prompt "
                         "alone (no padding), also with --baselines none (always done when a baseline runs)")
@@ -72,6 +76,17 @@ def _build_random_model(name: str, folder: Path, dtype) -> None:
 def make_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(min(vocab, 256)) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def make_quote_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    """Prompts that quote a text: a random text, then its first part again (so its continuation is in the prompt)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        length = rng.randint(lo, hi)
+        text = [rng.randrange(min(vocab, 256)) for _ in range(max(1, (2 * length) // 3))]
+        prompts.append((text + text)[:length])
+    return prompts
 
 
 def _sync(device) -> None:
@@ -188,6 +203,18 @@ def _reduced_precision_floor(model_path, dtype, device, prompts, ours: list[int]
     return floor
 
 
+def _spec_decode_summary(before, after) -> dict:
+    """The speculative-decoding counters of the timed run alone (the warm-up's taken off)."""
+    drafts = after.num_drafts - before.num_drafts
+    draft_tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    per_pos = [a - b for a, b in zip(after.accepted_per_pos, before.accepted_per_pos)]
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "acceptance_rate_per_pos": [round(a / drafts, 3) if drafts else 0.0 for a in per_pos],
+            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0}
+
+
 def run_bench_engine(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
@@ -214,6 +241,10 @@ def run_bench_engine(args: argparse.Namespace) -> int:
     config = engine_config_from_args(model_path, args)
     results: dict[str, dict] = {}
     runs = [("kvgate", config)]
+    spec = config.speculative_config
+    if spec is not None:  # the same run without speculation first: the speed-up's baseline
+        runs = [("kvgate", dataclasses.replace(config, speculative_config=None)), ("kvgate_spec", config)]
+    workload = args.workload or ("quote" if spec is not None else "random")
     if args.compare_eager and not config.enforce_eager:
         runs.append(("kvgate_eager", dataclasses.replace(config, enforce_eager=True)))
     if args.compare_sync and config.async_scheduling is not False:
@@ -226,13 +257,14 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         device, dtype = engine.device, engine.dtype
         if ours_tokens is None:
             max_prompt = min(args.max_prompt_len, engine.max_model_len - args.output_len)
-            prompts = make_workload(args.num_requests, min(args.min_prompt_len, max_prompt), max_prompt,
-                                    engine.vocab_size, args.workload_seed)
+            make = make_quote_workload if workload == "quote" else make_workload
+            prompts = make(args.num_requests, min(args.min_prompt_len, max_prompt), max_prompt, engine.vocab_size,
+                           args.workload_seed)
             n_out = args.num_requests * args.output_len
             params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
             print(f"workload: {args.num_requests} requests, prompts {min(map(len, prompts))}-"
                   f"{max(map(len, prompts))} tokens (mean {sum(map(len, prompts)) / len(prompts):.0f}), "
-                  f"{args.output_len} output tokens each, greedy | model {args.model} | device {device} | "
+                  f"{args.output_len} output tokens each, greedy, {workload} | model {args.model} | device {device} | "
                   f"dtype {dtype}", flush=True)
             bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 27))
             print(f"device copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
@@ -250,11 +282,14 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         # The sim backend (--backend sim) has no weights: no bound to compare with, only the engine's own time.
         timer = StepTimer(engine, bandwidth, weight_bytes(runner.model), kv_bytes_per_token(runner)) \
             if hasattr(runner, "model") else None
+        spec_before = engine.stats().spec_decode
         _sync(device)
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         _sync(device)
         elapsed = time.perf_counter() - t0
+        if spec_before is not None:
+            info["spec_decode"] = _spec_decode_summary(spec_before, engine.stats().spec_decode)
         if timer is not None:
             timer.close()
         tokens = [o.outputs[0].token_ids for o in outs]
@@ -269,6 +304,13 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         results[label] = {"seconds": elapsed, "output_tokens_per_s": n_out / elapsed, **info, "decode": decode}
         print(f"  {label}: {elapsed:.2f} s (async scheduling {'on' if engine.async_scheduling else 'off'})",
               flush=True)
+        if "spec_decode" in info:
+            s = info["spec_decode"]
+            print(f"    speculative decoding ({spec.method}, K={spec.num_speculative_tokens}, n-grams "
+                  f"{spec.prompt_lookup_min}-{spec.prompt_lookup_max}): {s['num_drafts']} drafts, "
+                  f"{s['num_accepted_tokens']}/{s['num_draft_tokens']} draft tokens accepted "
+                  f"({100 * s['acceptance_rate']:.1f}%; per position {s['acceptance_rate_per_pos']}), "
+                  f"mean acceptance length {s['mean_acceptance_length']:.2f}", flush=True)
         if decode["decode_steps"]:
             print(f"    decode-only steps: {decode['decode_steps']} (mean batch {decode['mean_batch']:.0f}), "
                   f"{decode['mean_step_ms']:.2f} ms a step ({decode['mean_execute_ms']:.2f} ms in the runner; host "
@@ -282,6 +324,14 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    if spec is not None:
+        s = results["kvgate_spec"]
+        s["speedup_vs_no_speculation"] = results["kvgate"]["seconds"] / s["seconds"]
+        print(f"speculative decoding: mean acceptance length {s['spec_decode']['mean_acceptance_length']:.2f}, "
+              f"speed-up {s['speedup_vs_no_speculation']:.2f}x against the same run without speculation "
+              f"({results['kvgate']['seconds']:.2f} s -> {s['seconds']:.2f} s); greedy outputs identical: "
+              f"{s['greedy_identical_to_kvgate']}", flush=True)
 
     baselines = {"both": ["single", "batched"], "none": []}.get(args.baselines, args.baselines.split(","))
     hf_single = hf_outputs = None

@@ -69,6 +69,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; vLLM\'s keys (buffer_steps, '
                         "hwm, max_queue_size too). tcp://*:PORT listens on all interfaces; tcp://HOST:PORT connects "
                         "to a collector (default: off)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding by prompt lookup, vLLM's flag: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": K, \"prompt_lookup_min\": a, \"prompt_lookup_max\": b}' drafts "
+                        "up to K tokens that followed the last a..b-gram earlier in the request, verified in one "
+                        "forward pass (lookup defaults: 5; draft_model is not supported yet; default: off)")
     lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve PEFT LoRA adapters over the base model, each as a model name (default: off)")
@@ -103,6 +108,11 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         from kvgate.engine.kv_events import KVEventsConfig
 
         kv_events_config = KVEventsConfig.from_json(args.kv_events_config)
+    speculative_config = None
+    if getattr(args, "speculative_config", None) is not None:
+        from kvgate.engine.spec_decode import SpeculativeConfig
+
+        speculative_config = SpeculativeConfig.from_json(args.speculative_config)
     sim_profile = None
     if args.backend == "sim":
         from kvgate.engine.sim_runner import SimProfile
@@ -139,4 +149,5 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         lora_modules=tuple(args.lora_modules),
+        speculative_config=speculative_config,
     )

@@ -28,6 +28,28 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
 PREFILL_PENDING = "kvgate:num_prefill_tokens_pending"
 
 
+# vLLM's speculative-decoding counters (only with --speculative-config): name -> (help, SpecDecodeStats field)
+SPEC_DECODE = {
+    "vllm:spec_decode_num_drafts": ("Number of spec decoding drafts.", "num_drafts"),
+    "vllm:spec_decode_num_draft_tokens": ("Number of draft tokens.", "num_draft_tokens"),
+    "vllm:spec_decode_num_accepted_tokens": ("Number of accepted tokens.", "num_accepted_tokens"),
+    "vllm:spec_decode_num_accepted_tokens_per_pos": ("Accepted tokens per draft position.", "accepted_per_pos"),
+}
+
+
+def spec_decode_families(spec, model_name: str):
+    for name, (text, field) in SPEC_DECODE.items():
+        value = getattr(spec, field)
+        if isinstance(value, list):  # one series per draft position, as vLLM labels them
+            family = CounterMetricFamily(name, text, labels=["model_name", "position"])
+            for position, count in enumerate(value):
+                family.add_metric([model_name, str(position)], count)
+        else:
+            family = CounterMetricFamily(name, text, labels=["model_name"])
+            family.add_metric([model_name], value)
+        yield family
+
+
 class EngineStatsCollector:
     """Reads AsyncLLM.stats/info when scraped."""
 
@@ -42,7 +64,7 @@ class EngineStatsCollector:
                     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                     "vllm:cache_config_info", "vllm:lora_requests_info", PREFILL_PENDING)] + \
                [CounterMetricFamily(name, name) for name in (
-                   "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")]
+                   "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions", *SPEC_DECODE)]
 
     def collect(self):
         stats, info = self.llm.stats, self.llm.info
@@ -76,6 +98,8 @@ class EngineStatsCollector:
             for family in (running, waiting, usage, queries, hits, preemptions):
                 family.add_metric(values, 0)
         yield from (running, waiting, usage, queries, hits, preemptions)
+        if stats is not None and stats.spec_decode is not None:
+            yield from spec_decode_families(stats.spec_decode, self.model_name)
         if info is not None:
             # cache_dtype: the --kv-cache-dtype value as given ("auto", "fp8", ...), as vLLM labels it
             cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",

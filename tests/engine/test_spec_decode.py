@@ -256,3 +256,39 @@ def test_speculative_config_defaults_as_vllm():
         EngineConfig(model="x", backend="sim", speculative_config=SPEC)
     with pytest.raises(ConfigError, match="async"):
         EngineConfig(model="x", async_scheduling=True, speculative_config=SPEC)
+
+
+def test_bad_speculative_config_on_the_command_line_is_one_line(tiny_model_dir, capsys):
+    from kvgate.cli import main
+
+    folder, _ = tiny_model_dir("llama")
+    capsys.readouterr()
+    assert main(["generate", str(folder), "--prompt", "x", "--speculative-config", '{"method": "eagle"}']) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "method must be ngram" in err and "Traceback" not in err
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}'
+    assert main(["generate", str(folder), "--prompt", "abcabc", "--max-tokens", "6", "--speculative-config", spec]) == 0
+
+
+def test_spec_decode_metrics_as_vllm_names_them():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvgate.engine.server.metrics import spec_decode_families
+    from kvgate.engine.spec_decode import SpecDecodeStats
+
+    class Source:
+        def collect(self):
+            stats = SpecDecodeStats(accepted_per_pos=[0, 0])
+            stats.record(2, 1)
+            stats.record(2, 2)
+            yield from spec_decode_families(stats, "m")
+
+    registry = CollectorRegistry()
+    registry.register(Source())
+    text = generate_latest(registry).decode()
+    for line in ('vllm:spec_decode_num_drafts_total{model_name="m"} 2.0',
+                 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 4.0',
+                 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 3.0',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0'):
+        assert line in text, text
