@@ -13,6 +13,9 @@ slots or indexing along an inner dimension.
   Everything stays contiguous, and GQA needs no copies.
 - Multi-token chunks (prefills) run one SDPA call each: plain causal when the chunk is the whole context,
   else a mask offset by the cached prefix.
+- Speculative decoding's verification chunks (a decode's token and its K drafts) are batched like decodes, in
+  groups of similar length, with their K + 1 queries a sequence (padded to the group's longest) each masked
+  causally: one SDPA call a group instead of one a chunk.
 The gather indices and masks are built once per step and shared by all layers.
 
 A quantized cache (kv_quant.py) is quantized as it is written and its gathered rows dequantized as they are read.
@@ -20,7 +23,7 @@ A quantized cache (kv_quant.py) is quantized as it is written and its gathered r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +47,17 @@ class DecodeGroup:
     mask: torch.Tensor  # [1, B, 1, max_blocks * block_size] bool
 
 
+@dataclass
+class VerifyGroup:
+    """Short chunks after a cached context (speculative decoding's last token + drafts), Q queries a sequence."""
+    token_idx: torch.Tensor  # [B * Q] rows of the flat batch, a sequence's last repeated where it has fewer than Q
+    rows: torch.Tensor  # [Hkv * B * max_blocks] (head, block) cache rows, see block_rows()
+    mask: torch.Tensor  # [1, B, Q * G, max_blocks * block_size] bool, G = query heads per KV head
+    queries: int  # Q
+    keep: torch.Tensor  # [num real queries] positions in token_idx that are not padding
+    keep_idx: torch.Tensor  # [num real queries] their rows of the flat batch
+
+
 # A decode group's longest block table is at most this many times its shortest.
 DECODE_GROUP_SPREAD = 1.5
 
@@ -54,6 +68,7 @@ class AttentionMetadata:
     block_size: int
     decodes: list[DecodeGroup]
     prefills: list[PrefillSeq]
+    verifies: list[VerifyGroup] = field(default_factory=list)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                scale: float) -> torch.Tensor:
@@ -69,16 +84,20 @@ class AttentionMetadata:
         num_cache_blocks: int,
         sliding_window: int | None = None,
         slot_mapping: torch.Tensor | None = None,
+        verify: list[bool] | None = None,
+        num_heads: int | None = None,
     ) -> "AttentionMetadata":
         """seqs: (num_computed_tokens, num_new_tokens, block_ids) per sequence, in batch order; slot_mapping: the
-        step's slots when the caller has them already (step_inputs.py), else computed here."""
+        step's slots when the caller has them already (step_inputs.py), else computed here. verify: per sequence,
+        whether its chunk is a speculative verification (batched in VerifyGroups; needs num_heads)."""
         slots: list[int] = []
         decode_idx: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
+        verifying: list[tuple[int, int, int, list[int]]] = []  # (start, computed, new, block ids)
         start = 0
-        for computed, new, block_ids in seqs:
+        for i, (computed, new, block_ids) in enumerate(seqs):
             ctx = computed + new
             if slot_mapping is None:
                 slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(computed, ctx))
@@ -87,6 +106,8 @@ class AttentionMetadata:
                 decode_idx.append(start)
                 decode_tables.append(block_ids[:num_blocks])
                 decode_lens.append(ctx)
+            elif verify is not None and verify[i] and computed > 0:
+                verifying.append((start, computed, new, block_ids[:num_blocks]))
             else:
                 mask = None
                 if computed > 0 or (sliding_window is not None and ctx > sliding_window):
@@ -107,9 +128,17 @@ class AttentionMetadata:
             decodes.append(_decode_group([decode_idx[i] for i in group], [decode_tables[i] for i in group],
                                          [decode_lens[i] for i in group], block_size, device, num_kv_heads,
                                          num_cache_blocks, sliding_window))
+        verifies = []
+        verifying.sort(key=lambda v: len(v[3]))
+        while verifying:
+            limit = len(verifying[0][3]) * DECODE_GROUP_SPREAD
+            cut = next((j for j, v in enumerate(verifying) if len(v[3]) > limit), len(verifying))
+            verifies.append(_verify_group(verifying[:cut], block_size, device, num_kv_heads, num_heads,
+                                          num_cache_blocks, sliding_window))
+            verifying = verifying[cut:]
         if slot_mapping is None:
             slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        return cls(slot_mapping, block_size, decodes, prefills)
+        return cls(slot_mapping, block_size, decodes, prefills, verifies)
 
 
 def _decode_group(token_idx, tables, lens, block_size, device, num_kv_heads, num_cache_blocks,
@@ -124,6 +153,31 @@ def _decode_group(token_idx, tables, lens, block_size, device, num_kv_heads, num
         mask &= key_pos >= (lens_t[:, None] - sliding_window)
     return DecodeGroup(torch.tensor(token_idx, dtype=torch.long, device=device),
                        block_rows(blocks, num_kv_heads, num_cache_blocks), mask[None, :, None, :])
+
+
+def _verify_group(seqs, block_size, device, num_kv_heads, num_heads, num_cache_blocks, sliding_window) -> VerifyGroup:
+    """seqs: (batch start, computed, new, block ids). Query j of a sequence sees keys up to its own position."""
+    queries = max(new for _, _, new, _ in seqs)
+    max_blocks = max(len(t) for *_, t in seqs)
+    blocks = torch.tensor([t + [0] * (max_blocks - len(t)) for *_, t in seqs], dtype=torch.long, device=device)
+    token_idx, lens, keep, keep_idx = [], [], [], []
+    for b, (start, computed, new, _) in enumerate(seqs):
+        for j in range(queries):
+            token_idx.append(start + min(j, new - 1))  # padding repeats the last query (its output is dropped)
+            lens.append(computed + min(j, new - 1) + 1)
+            if j < new:
+                keep.append(b * queries + j)
+                keep_idx.append(start + j)
+    lens_t = torch.tensor(lens, device=device)[:, None]
+    key_pos = torch.arange(max_blocks * block_size, device=device)[None, :]
+    mask = key_pos < lens_t
+    if sliding_window is not None:
+        mask &= key_pos >= lens_t - sliding_window
+    group = num_heads // num_kv_heads
+    mask = mask.view(len(seqs), queries, 1, -1).expand(-1, -1, group, -1).reshape(1, len(seqs), queries * group, -1)
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return VerifyGroup(as_tensor(token_idx), block_rows(blocks.view(-1), num_kv_heads, num_cache_blocks), mask,
+                       queries, as_tensor(keep), as_tensor(keep_idx))
 
 
 def block_rows(block_ids: torch.Tensor, num_kv_heads: int, num_cache_blocks: int) -> torch.Tensor:
@@ -185,6 +239,16 @@ def paged_attention(
         qd = q[g.token_idx].view(batch, num_kv_heads, group_size, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
         out[g.token_idx] = o.transpose(0, 1).reshape(batch, num_heads, head_dim)
+
+    for g in meta.verifies:
+        batch, nq = g.mask.shape[1], g.queries
+        kd = gather(0, g.rows).view(num_kv_heads, batch, -1, head_dim)
+        vd = gather(1, g.rows).view(num_kv_heads, batch, -1, head_dim)
+        qv = q[g.token_idx].view(batch, nq, num_kv_heads, group_size, head_dim).permute(2, 0, 1, 3, 4)
+        o = F.scaled_dot_product_attention(qv.reshape(num_kv_heads, batch, nq * group_size, head_dim), kd, vd,
+                                           attn_mask=g.mask, scale=scale)  # [Hkv, B, Q * G, D]
+        o = o.view(num_kv_heads, batch, nq, group_size, head_dim).permute(1, 2, 0, 3, 4)
+        out[g.keep_idx] = o.reshape(batch * nq, num_heads, head_dim)[g.keep]
     return out
 
 

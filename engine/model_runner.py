@@ -219,7 +219,9 @@ class ModelRunner:
                     for s in out.scheduled]
             meta = AttentionMetadata.build(seqs, self.block_size, self.device, self.model.num_kv_heads,
                                            self.num_blocks, self.sliding_window,
-                                           slot_mapping=self.inputs.view("slot_mapping", batch.num_tokens))
+                                           slot_mapping=self.inputs.view("slot_mapping", batch.num_tokens),
+                                           verify=[s.draft is not None for s in out.scheduled]
+                                           if out.has_drafts else None, num_heads=self.model.num_heads)
             view = self.inputs.view
             hidden = self.model(view("input_ids", batch.num_tokens), view("positions", batch.num_tokens),
                                 self.kv_caches, meta)

@@ -84,6 +84,8 @@ class Request:
     # Its own random source, so a seeded request draws the same tokens whatever it is batched with: a
     # torch.Generator for a seeded request on the torch runner (None: the global one), the sim's random.Random.
     generator: object | None = field(default=None, repr=False)
+    # The speculative proposer's state kept between steps (spec_decode.py: the ngram proposer's NgramIndex).
+    spec_state: object | None = field(default=None, repr=False)
     # Output tokens its last step added: 1, or more when speculative decoding accepted drafts.
     num_step_tokens: int = 0
 

@@ -251,8 +251,8 @@ class Scheduler:
             draft = None
             if proposer is not None and num_new == 1 and not placeholders and speculation_eligible(request):
                 # Drafts past max_tokens or the budget would be computed for nothing.
-                draft = proposer.propose(request.all_token_ids,
-                                         min(budget, request.output_limit - request.num_output_tokens) - 1) or None
+                draft = proposer.propose_for(request,
+                                             min(budget, request.output_limit - request.num_output_tokens) - 1) or None
                 if draft:
                     num_new += len(draft)
             if num_new > budget:

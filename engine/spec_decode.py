@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kvgate.engine.errors import ConfigError
@@ -72,28 +71,61 @@ class SpeculativeConfig:
         return cls(method, k, lo, hi)
 
 
+class NgramIndex:
+    """The earliest start of every n-gram (n in [min_n, max_n]) of a request's tokens, extended as they grow: a
+    lookup is then a dict probe per n instead of a search of the whole context. Searching with numpy each step
+    (sliding windows over the tokens) cost 0.7 ms of host time a step at 8 requests of ~400 tokens (demo,
+    `kvgate bench engine --num-requests 8 --output-len 192 --max-prompt-len 256`, K=4, n 2-4), 13% of the run;
+    this costs a few microseconds a request. Memory: one dict entry per distinct n-gram per n (~150 bytes), freed
+    with the request."""
+
+    __slots__ = ("first", "end")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.first: dict[int, dict[tuple, int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.end = 0  # n-grams ending before this position are indexed
+
+    def extend(self, tokens: list[int], end: int) -> None:
+        """Index the n-grams tokens[i:i + n] with self.end < i + n <= end."""
+        if end < self.end:  # the tokens were replaced (never by the scheduler): start again
+            for first in self.first.values():
+                first.clear()
+            self.end = 0
+        for n, first in self.first.items():
+            for i in range(max(0, self.end - n + 1), end - n + 1):
+                first.setdefault(tuple(tokens[i:i + n]), i)
+        self.end = max(self.end, end)
+
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_model_len = max_model_len
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
+    def propose(self, tokens: list[int], limit: int, index: NgramIndex | None = None) -> list[int]:
         """Up to min(K, limit) tokens that followed the longest n-gram ending `tokens` where it occurred earliest
-        before; [] when none of n in [min, max] occurs earlier (vLLM's ngram proposer)."""
+        before; [] when none of n in [min, max] occurs earlier (vLLM's ngram proposer). index: the request's
+        NgramIndex over these tokens, kept between calls (see propose_for); a throwaway one without it."""
         total = len(tokens)
         k = min(self.k, limit, self.max_model_len - total)
         if k <= 0 or total <= self.min_n:
             return []
-        arr = np.asarray(tokens, dtype=np.int64)
-        head = arr[:-1]  # an occurrence must end before the last token (not the suffix itself)
+        if index is None:
+            index = NgramIndex(self.min_n, self.max_n)
+        index.extend(tokens, total - 1)  # an occurrence must end before the last token (not the suffix itself)
+        first = index.first
         for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(head, n)
-            hits = np.flatnonzero((windows == arr[total - n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[0]) + n
-                return arr[start:start + k].tolist()
+            start = first[n].get(tuple(tokens[total - n:]))
+            if start is not None:
+                return tokens[start + n:start + n + k]
         return []
+
+    def propose_for(self, request, limit: int) -> list[int]:
+        """propose() over a request's tokens, with the request keeping its NgramIndex (request.spec_state)."""
+        if request.spec_state is None:
+            request.spec_state = NgramIndex(self.min_n, self.max_n)
+        return self.propose(request.all_token_ids, limit, request.spec_state)
 
 
 @dataclass

@@ -62,7 +62,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         attn = self.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         window = getattr(config, "sliding_window", None)
         if window is not None and getattr(config, "use_sliding_window", True) is False:
             window = None

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from kvgate.engine import LLM, SamplingParams
+from kvgate.engine.attention import AttentionMetadata, paged_attention
 from kvgate.engine.block_pool import hash_block_tokens, root_block_hash
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
 from kvgate.engine.spec_decode import NgramProposer, SpeculativeConfig, verify_greedy, verify_sampled
+from tests.engine.paged_reference import random_paged_batch, reference_attention
 
 MAX_NEW = 24
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -184,7 +186,7 @@ class FixedDraft:
     def __init__(self, draft):
         self.draft = draft
 
-    def propose(self, tokens, limit):
+    def propose_for(self, request, limit):
         return self.draft[:limit]
 
 
@@ -214,6 +216,26 @@ def test_sampling_with_speculation_keeps_the_distribution(tiny_model_dir):
     assert chi_square_p(Counter(t[0] for t in got), Counter(t[0] for t in want)) > 1e-3
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_verification_chunks_batched_in_attention_match_the_reference(window):
+    """Verification chunks (a decode's token + drafts over a cached context) go through the torch path's batched
+    groups, beside decodes and prefills: every query equals float64 attention, padding queries dropped."""
+    seqs = [(5, 1), (3, 5), (16, 3), (47, 5), (0, 20), (30, 2), (12, 1), (60, 4), (15, 5)]
+    verify = [new > 1 and cached > 0 for cached, new in seqs]
+    heads, kv_heads, head_dim, bs = 8, 2, 16, 4
+    q, cache, table, lens, starts = random_paged_batch(seqs, heads, kv_heads, head_dim, bs, torch.float32, "cpu")
+    meta_seqs = [(c, n, table[i].tolist()) for i, (c, n) in enumerate(seqs)]
+    meta = AttentionMetadata.build(meta_seqs, bs, torch.device("cpu"), kv_heads, cache.shape[2] // bs, window,
+                                   verify=verify, num_heads=heads)
+    assert sum(g.keep.numel() for g in meta.verifies) == sum(n for (_, n), v in zip(seqs, verify) if v)
+    assert len(meta.verifies) >= 2 and len(meta.prefills) == 1  # grouped by length; the prefill on its own
+    k = cache[0][:, meta.slot_mapping].transpose(0, 1)  # the new tokens' K/V are already in the cache
+    v = cache[1][:, meta.slot_mapping].transpose(0, 1)
+    got = paged_attention(q, k, v, cache.clone(), meta, head_dim**-0.5)
+    want = reference_attention(q, cache, table, lens, starts, head_dim**-0.5, bs, window)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
 # -- the proposer and the flag ------------------------------------------------------------------------------------
 
 
@@ -228,6 +250,36 @@ def test_ngram_proposer_follows_vllm():
     assert propose([1, 2, 3, 4], 1, 3, 4) == []  # no match
     assert propose([1, 2, 1, 2, 1, 2], 2, 2, 4, limit=1) == [1]
     assert propose([1, 2, 1, 2], 1, 1, 4, max_model_len=5) == [1]  # never past max_model_len
+
+
+def brute_force_proposal(tokens, lo, hi, k):
+    """The definition: the tokens after the earliest earlier occurrence of the longest suffix n-gram."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for i in range(len(tokens) - n):  # an occurrence ends before the last token
+            if tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def test_ngram_index_kept_by_the_request_proposes_as_a_fresh_search():
+    """The incremental index (extended as a request's tokens grow, one or several at a time, as accepted drafts
+    add them) proposes exactly what a search of the whole token list does, at every length."""
+    rng = random.Random(7)
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, 1, 4), 10_000)
+
+    class Req:
+        spec_state = None
+        all_token_ids: list
+
+    for trial in range(20):
+        req = Req()
+        req.all_token_ids = [rng.randrange(6) for _ in range(rng.randint(1, 12))]
+        while len(req.all_token_ids) < 150:
+            want = brute_force_proposal(req.all_token_ids, 1, 4, 3)
+            assert proposer.propose_for(req, 99) == want, (trial, req.all_token_ids)
+            req.all_token_ids += [rng.randrange(6) for _ in range(rng.choice((1, 1, 2, 4)))]
+        assert want, "drafts were found (a small alphabet repeats)"
 
 
 @pytest.mark.parametrize("text, error", [
