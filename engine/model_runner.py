@@ -296,16 +296,18 @@ class ModelRunner:
                 row += len(s.draft)
             last_rows.append(row)
             row += 1
-        tokens, logprobs = self._sample(samplers, logits[last_rows], plain, masks)
+        # Greedy rows are verified against one argmax of every row, read back once; an all-greedy plain batch takes
+        # its other tokens from it too (the argmax _sample would compute).
+        argmax = self.sampler.greedy(logits).tolist() if greedy else None
         ids = [r.request_id for r in samplers]
-        results: dict[str, int | list[int]] = dict(zip(ids, tokens.tolist()))
-        if greedy:
-            index = torch.tensor([i for _, d, r0 in greedy for i in range(r0, r0 + len(d) + 1)], device=self.device)
-            target = self.sampler.greedy(logits.index_select(0, index)).tolist()
-            offset = 0
-            for request, draft, _ in greedy:
-                results[request.request_id] = verify_greedy(target[offset:offset + len(draft) + 1], draft)
-                offset += len(draft) + 1
+        if plain and argmax is not None:
+            tokens, logprobs = [argmax[i] for i in last_rows], None
+        else:
+            sampled_last, logprobs = self._sample(samplers, logits[last_rows], plain, masks)
+            tokens = sampled_last.tolist()
+        results: dict[str, int | list[int]] = dict(zip(ids, tokens))
+        for request, draft, r0 in greedy:
+            results[request.request_id] = verify_greedy(argmax[r0:r0 + len(draft) + 1], draft)
         if sampled:
             expanded = [r for r, d, _ in sampled for _ in range(len(d) + 1)]
             index = torch.tensor([i for _, d, r0 in sampled for i in range(r0, r0 + len(d) + 1)], device=self.device)
