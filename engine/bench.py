@@ -26,7 +26,8 @@ def add_bench_engine_parser(sub) -> None:
 
     p = sub.add_parser("engine", help="engine throughput against HF transformers generate")
     p.add_argument("--model", default="demo",
-                   help="'demo' (default), a random model built here (" + ", ".join(RANDOM_MODELS) +
+                   help="'demo' (default), 'copier' (a tiny model trained here to quote its prompt, for speculative "
+                        "decoding), a random model built here (" + ", ".join(RANDOM_MODELS) +
                         "), or a local HF folder")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--min-prompt-len", type=int, default=32)

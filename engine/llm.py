@@ -16,11 +16,16 @@ PromptType = str | list[int] | dict
 
 
 def resolve_model_path(model: str) -> str:
-    """`demo` names the built-in demo model (built on first use); anything else is a local folder."""
+    """`demo` names the built-in demo model (built on first use), `copier` the tiny model trained here to quote
+    its prompt (engine/copier.py); anything else is a local folder."""
     if model == "demo":
         from kvgate.engine.demo import ensure_demo_model
 
         return str(ensure_demo_model())
+    if model == "copier":
+        from kvgate.engine.copier import ensure_copier_model
+
+        return str(ensure_copier_model())
     return model
 
 
