@@ -54,10 +54,15 @@ def test_lead_needs_every_seed_over_both_bars(tmp_path, capsys):
 
 def test_a_failed_subject_cell_does_not_lead_and_bad_files_are_refused(tmp_path):
     f = tmp_path / "s0.json"
-    f.write_text(json.dumps(result(0, {"a": [cell("kvgate", 0.1, 900, failed=3), cell("sglang-router", 2.0, 500)]})))
+    f.write_text(json.dumps(result(0, {"a": [cell("kvgate", 0.1, 900, failed=3), cell("sglang-router", 2.0, 500)],
+                                       # routers that lost requests count at their measured p90, a lower bound
+                                       "b": [cell("kvgate", 1.0, 600), cell("sglang-router", 4.0, 400, failed=2),
+                                             cell("vllm-router", 3.0, 410, failed=1)]})))
     out = tmp_path / "lead.json"
     assert main(["bench", "routing", "--lead", str(f), "--result-file", str(out)]) == 1
-    assert json.loads(out.read_text())["shapes"]["a"]["seeds"]["0"]["p90_lead"] is None
+    found = json.loads(out.read_text())["shapes"]
+    assert found["a"]["seeds"]["0"]["p90_lead"] is None
+    assert found["b"]["seeds"]["0"]["p90_lead"] == 3.0 and found["b"]["leads"]
     for text in ("[]", '{"workloads": {}}', "{"):
         f.write_text(text)
         with pytest.raises(SystemExit, match="--lead"):
