@@ -70,10 +70,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "hwm, max_queue_size too). tcp://*:PORT listens on all interfaces; tcp://HOST:PORT connects "
                         "to a collector (default: off)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="speculative decoding by prompt lookup, vLLM's flag: '{\"method\": \"ngram\", "
+                   help="speculative decoding, vLLM's flag: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": K, \"prompt_lookup_min\": a, \"prompt_lookup_max\": b}' drafts "
-                        "up to K tokens that followed the last a..b-gram earlier in the request, verified in one "
-                        "forward pass (lookup defaults: 5; draft_model is not supported yet; default: off)")
+                        "up to K tokens that followed the last a..b-gram earlier in the request (lookup defaults: 5); "
+                        "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K}' has a "
+                        "smaller model of the same tokenizer draft K tokens; drafts are verified in one forward pass "
+                        "(default: off)")
     lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve PEFT LoRA adapters over the base model, each as a model name (default: off)")

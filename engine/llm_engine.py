@@ -140,8 +140,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             lora=self.lora,
-            proposer=NgramProposer(config.speculative_config, self.max_model_len)
-            if config.speculative_config is not None else None,
+            proposer=self._proposer(),
         )
         self.spec_stats: SpecDecodeStats | None = None
         if config.speculative_config is not None:
@@ -171,6 +170,15 @@ class LLMEngine:
                  "async scheduling %s, speculative decoding %s", self.model_name, self.device, self.dtype, num_blocks,
                  config.block_size, config.kv_cache_dtype, self.max_model_len,
                  "on" if self.async_scheduling else "off", config.speculative_config or "off")
+
+    def _proposer(self):
+        """Who drafts for speculative decoding: the n-gram lookup, or the runner's draft model; None = no one."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if spec.method == "draft_model":
+            return self.runner.draft
+        return NgramProposer(spec, self.max_model_len)
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -58,6 +58,12 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor | QuantizedKVCache] = []
         self.num_blocks = 0
         self.kv_quant = kv_quant_spec(config.kv_cache_dtype)  # None: K/V in the model's dtype
+        spec = config.speculative_config
+        self.draft = None  # draft_model.DraftModelProposer: a draft model with its own KV cache of our block ids
+        if spec is not None and spec.method == "draft_model":
+            from kvgate.engine.draft_model import DraftModelProposer
+
+            self.draft = DraftModelProposer(spec, config, hf_config, device, dtype, max_model_len, self.kv_quant)
         self.attention_backend = choose_attention_backend(config.attention_backend, device)
         if (self.kv_quant is not None and self.kv_quant.value_dtype != torch.int8 and self.attention_backend == "triton"
                 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)):
@@ -83,10 +89,11 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of every layer for one block, scales of a quantized cache included."""
+        """K and V of every layer for one block, scales of a quantized cache included (and the draft model's)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_head = kv_bytes_per_token_head(self.model.head_dim, elem, self.kv_quant)
-        return 2 * self.num_layers * self.block_size * self.model.num_kv_heads * per_head
+        draft = self.draft.bytes_per_block(self.block_size) if self.draft is not None else 0
+        return 2 * self.num_layers * self.block_size * self.model.num_kv_heads * per_head + draft
 
     def determine_num_blocks(self) -> int:
         cfg = self.config
@@ -116,6 +123,8 @@ class ModelRunner:
             self.kv_caches = [QuantizedKVCache.allocate(shape, self.kv_quant, self.device)
                               for _ in range(self.num_layers)]
         self.num_blocks = num_blocks
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks)
         if capture_graphs and self.shapes is not None and self.device.type == "cuda":
             self._capture_graphs()
 
@@ -139,6 +148,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - baseline
         self.kv_caches = []
+        if self.draft is not None:
+            self.draft.kv_caches = []
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
@@ -292,7 +303,8 @@ class ModelRunner:
             if not s.samples:
                 continue
             if s.draft is not None:
-                (greedy if s.request.sampling_params.greedy else sampled).append((s.request, s.draft, row))
+                (greedy if s.request.sampling_params.greedy else sampled).append((s.request, s.draft, row,
+                                                                                   s.draft_probs))
                 row += len(s.draft)
             last_rows.append(row)
             row += 1
@@ -306,17 +318,18 @@ class ModelRunner:
             sampled_last, logprobs = self._sample(samplers, logits[last_rows], plain, masks)
             tokens = sampled_last.tolist()
         results: dict[str, int | list[int]] = dict(zip(ids, tokens))
-        for request, draft, r0 in greedy:
+        for request, draft, r0, _ in greedy:
             results[request.request_id] = verify_greedy(argmax[r0:r0 + len(draft) + 1], draft)
         if sampled:
-            expanded = [r for r, d, _ in sampled for _ in range(len(d) + 1)]
-            index = torch.tensor([i for _, d, r0 in sampled for i in range(r0, r0 + len(d) + 1)], device=self.device)
+            expanded = [r for r, d, *_ in sampled for _ in range(len(d) + 1)]
+            index = torch.tensor([i for _, d, r0, _ in sampled for i in range(r0, r0 + len(d) + 1)],
+                                 device=self.device)
             probs = self.sampler.probs(logits.index_select(0, index),
                                        SamplingBatch.build(expanded, self.vocab_size, self.device))
             offset = 0
-            for request, draft, _ in sampled:
+            for request, draft, _, q in sampled:
                 rows = probs[offset:offset + len(draft) + 1]
-                results[request.request_id] = verify_sampled(rows, draft, request.generator)
+                results[request.request_id] = verify_sampled(rows, draft, request.generator, q)
                 offset += len(draft) + 1
         logprob_map = {rid: lp for rid, lp in zip(ids, logprobs)} if logprobs is not None else {}
         return PendingStep.ready(results, logprob_map)

@@ -65,6 +65,7 @@ class ScheduledRequest:
     # Speculative decoding: draft tokens computed after the request's last token in this chunk (num_new_tokens
     # counts them); the step verifies them and returns the accepted ones plus one (spec_decode.py).
     draft: list[int] | None = None
+    draft_probs: object | None = None  # [len(draft), V]: the q each draft was sampled from (a draft model's)
 
 
 @dataclass
@@ -279,6 +280,17 @@ class Scheduler:
                 drafts[request.request_id] = draft
             budget -= num_new
             i += 1
+        draft_probs = {}
+        if drafts and hasattr(proposer, "propose_batch"):
+            # A draft model proposes for all of the step's drafting requests at once (draft_model.py): their chunks
+            # were sized and allocated above with placeholders, which cover every slot the draft writes.
+            ids = list(drafts)
+            proposed = proposer.propose_batch([self.requests[rid] for rid in ids], [len(drafts[rid]) for rid in ids],
+                                              self.kv.block_table)
+            for rid, (tokens, q) in zip(ids, proposed):
+                drafts[rid] = tokens
+                if q is not None:
+                    draft_probs[rid] = q
 
         # 2. Waiting requests, unless this step had to preempt (memory is tight). One whose adapter cannot get a
         # slot (all hold adapters with running requests) waits without holding up those behind it.
@@ -348,7 +360,8 @@ class Scheduler:
                 if samples:
                     request.num_output_placeholders += 1
                 self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
-            scheduled.append(ScheduledRequest(request, num_new, rows[request.request_id], start, samples, draft))
+            scheduled.append(ScheduledRequest(request, num_new, rows[request.request_id], start, samples, draft,
+                                              draft_probs.get(request.request_id) if draft_probs else None))
             if request.lora_request is not None:
                 lora_id = request.lora_request.lora_int_id
                 out.lora_slots[lora_id] = self.lora.slot_of(lora_id)

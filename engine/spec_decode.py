@@ -1,4 +1,5 @@
-"""Speculative decoding by prompt lookup (vLLM's `--speculative-config '{"method": "ngram", ...}'`).
+"""Speculative decoding (vLLM's `--speculative-config`): by prompt lookup (`"method": "ngram"`, here) or with a
+draft model (`"method": "draft_model"`, draft_model.py, whose q rows verify_sampled takes).
 
 The scheduler asks `NgramProposer` for up to K draft tokens per decoding request: the tokens that followed the
 earliest earlier occurrence of the longest n-gram (prompt_lookup_max down to prompt_lookup_min) that ends the
@@ -28,6 +29,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
+    model: str | None = None  # draft_model: the draft's folder (or demo / copier)
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -48,12 +50,12 @@ class SpeculativeConfig:
         method = data.get("method")
         if method is None and data.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
             method = "ngram"
+        if method is None and isinstance(data.get("model"), str):  # vLLM infers a draft model from a model alone
+            method = "draft_model"
         if method == "[ngram]":
             method = "ngram"
         if method not in METHODS:
-            raise ConfigError(f"--speculative-config: method must be ngram, got {method!r}")
-        if method == "draft_model":
-            raise ConfigError("--speculative-config: method draft_model is not supported yet (use ngram)")
+            raise ConfigError(f"--speculative-config: method must be ngram or draft_model, got {method!r}")
         k = data.get("num_speculative_tokens")
         lo, hi = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
         for name, value in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
@@ -61,6 +63,13 @@ class SpeculativeConfig:
                 raise ConfigError(f"--speculative-config: {name} must be a positive integer, got {value!r}")
         if k is None:
             raise ConfigError("--speculative-config: num_speculative_tokens is required")
+        if method == "draft_model":
+            model = data.get("model")
+            if not isinstance(model, str) or not model:
+                raise ConfigError("--speculative-config: method draft_model needs \"model\": the draft model's folder")
+            if lo is not None or hi is not None:
+                raise ConfigError("--speculative-config: prompt_lookup_min/max are ngram keys, not draft_model's")
+            return cls(method, k, 0, 0, model)
         # vLLM's defaults: both 5 when neither is given, else the one given for both.
         if lo is None and hi is None:
             lo = hi = 5
@@ -172,17 +181,22 @@ def verify_greedy(target: list[int], draft: list[int]) -> list[int]:
     return out
 
 
-def verify_sampled(probs: torch.Tensor, draft: list[int], generator: torch.Generator | None) -> list[int]:
-    """probs [1 + len(draft), V]: the target's (processed) distribution at each position. Rejection sampling with a
-    one-hot draft distribution: accept x with probability p(x); at the first rejection draw from p without x
-    (max(p - q, 0) normalised); after the last draft, the bonus token from the last row."""
+def verify_sampled(probs: torch.Tensor, draft: list[int], generator: torch.Generator | None,
+                   draft_probs: torch.Tensor | None = None) -> list[int]:
+    """probs [1 + len(draft), V]: the target's (processed) distribution at each position; draft_probs
+    [len(draft), V]: the distribution q each draft was sampled from (a draft model's), None for a one-hot q (ngram).
+    Rejection sampling: accept x with probability min(1, p(x) / q(x)); at the first rejection draw from
+    max(p - q, 0) normalised; after the last draft, the bonus token from the last row."""
     d = len(draft)
     dev = probs.device
     index = torch.tensor(draft, dtype=torch.long, device=dev)
     p_draft = probs[torch.arange(d, device=dev), index] if d else probs.new_zeros(0)
     uniform = torch.rand(d, generator=generator, device=dev)
     residual = probs.clone()
-    if d:
+    if d and draft_probs is not None:
+        p_draft = p_draft / draft_probs[torch.arange(d, device=dev), index]  # q(x) > 0: x was drawn from q
+        residual[:d] = (residual[:d] - draft_probs).clamp_min_(0.0)
+    elif d:  # q one-hot: max(p - q, 0) is p without x (p(x) <= 1)
         residual[torch.arange(d, device=dev), index] = 0.0
     noise = torch.empty_like(residual).exponential_(generator=generator)
     candidates = residual.div_(noise).argmax(dim=-1).tolist()  # exponential race: a draw from each row's residual

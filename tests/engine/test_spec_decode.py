@@ -286,7 +286,7 @@ def test_ngram_index_kept_by_the_request_proposes_as_a_fresh_search():
     ("{", "not valid JSON"),
     ('["ngram"]', "JSON object"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be ngram"),
-    ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}', "not supported yet"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integer"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "<="),

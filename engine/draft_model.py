@@ -1,0 +1,224 @@
+"""Speculative decoding with a draft model (vLLM's `{"method": "draft_model", "model": PATH, ...}`).
+
+A second, smaller model of the same vocabulary, in the same process, on the target's device and dtype, proposes the
+K drafts of each decoding request. Its KV cache is paged like the target's and shares the target's block ids: the
+same blocks and slots, its own per-layer tensors of the same number of blocks (its bytes per block are added to the
+target's, so the block count stays honest). A request's blocks are allocated by the scheduler for the target's
+chunk (its last token + K drafts), which covers every slot the draft writes this step.
+
+Each request remembers how many of its tokens the draft has computed (`DraftState`). Per step, for the step's
+drafting requests together: one forward computes what the draft has not (the whole context when the request first
+drafts, then usually just the last token, two after a fully accepted run), whose last rows give the first drafts,
+then K - 1 single-token forwards give the rest. Rejected drafts need no rollback here: the draft's computed count is
+clipped to the target's, and a position is recomputed before it is read. After a preemption the request's blocks are
+new, so the draft starts again from 0. Prefix-cache hits do not carry over to the draft: the draft computes each
+request's context itself when it first drafts for it (whether a shared block holds the draft's K/V is not tracked).
+
+Drafts: the argmax for greedy requests; for sampled ones a draw from q, the draft's distribution after the
+request's temperature, min-p, top-k and top-p (as the target's rows are processed); q's rows go to the verifier for
+the rejection sampler (spec_decode.verify_sampled). The draft runs the torch SDPA path eagerly, on CUDA too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgate.engine.attention import AttentionMetadata
+from kvgate.engine.block_table import BlockTable
+from kvgate.engine.errors import ConfigError
+from kvgate.engine.kv_cache_manager import cdiv
+from kvgate.engine.kv_quant import QuantizedKVCache, kv_bytes_per_token_head
+from kvgate.engine.loader import load_hf_config, load_model, load_tokenizer
+from kvgate.engine.sampler import Sampler, SamplingBatch
+from kvgate.engine.spec_decode import SpeculativeConfig
+
+
+class DraftState:
+    """A request's draft-side progress: tokens whose K/V the draft holds, valid while its preemptions are these."""
+
+    __slots__ = ("computed", "preemptions")
+
+    def __init__(self, preemptions: int) -> None:
+        self.computed = 0
+        self.preemptions = preemptions
+
+
+class DraftModelProposer:
+    def __init__(self, spec: SpeculativeConfig, config, target_hf_config, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, kv_quant) -> None:
+        from kvgate.engine.llm import resolve_model_path  # llm.py imports the engine, which imports this
+
+        path = resolve_model_path(spec.model)
+        hf = load_hf_config(path)
+        draft_vocab, target_vocab = hf.vocab_size, target_hf_config.vocab_size
+        if draft_vocab > target_vocab:
+            raise ConfigError(f"--speculative-config: the draft model's vocab_size {draft_vocab} exceeds the target's "
+                              f"{target_vocab}: the draft must use the target's tokenizer")
+        _check_same_tokenizer(load_tokenizer(path), load_tokenizer(config.model, config.tokenizer))
+        limit = getattr(hf, "max_position_embeddings", None)
+        if limit is not None and limit < max_model_len:
+            raise ConfigError(f"--speculative-config: the draft model's max_position_embeddings {limit} is below "
+                              f"max_model_len {max_model_len}")
+        self.k = spec.num_speculative_tokens
+        self.device, self.dtype, self.kv_quant = device, dtype, kv_quant
+        self.max_model_len, self.block_size = max_model_len, config.block_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.vocab_size, self.target_vocab_size = draft_vocab, target_vocab
+        self.model = load_model(hf, path, device, dtype, max_model_len)
+        self.num_layers = hf.num_hidden_layers
+        window = self.model.sliding_window
+        self.sliding_window = window if window is not None and window < max_model_len else None
+        self.kv_caches: list = []
+        self.num_blocks = 0
+        self.sampler = Sampler()
+
+    # -- KV cache ---------------------------------------------------------------------------------
+
+    def bytes_per_block(self, block_size: int) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_head = kv_bytes_per_token_head(self.model.head_dim, elem, self.kv_quant)
+        return 2 * self.num_layers * block_size * self.model.num_kv_heads * per_head
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, self.model.num_kv_heads, num_blocks * self.block_size, self.model.head_dim)
+        if self.kv_quant is None:
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        else:
+            self.kv_caches = [QuantizedKVCache.allocate(shape, self.kv_quant, self.device)
+                              for _ in range(self.num_layers)]
+        self.num_blocks = num_blocks
+
+    # -- proposing --------------------------------------------------------------------------------
+
+    def propose_for(self, request, limit: int) -> list[int]:
+        """The number of drafts only (placeholders): the scheduler sizes the request's chunk with it, and
+        propose_batch fills them once the step's drafting requests are known."""
+        return [0] * max(min(self.k, limit, self.max_model_len - request.num_tokens), 0)
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: list, lengths: list[int], block_table: BlockTable) -> list[tuple[list, object]]:
+        """(drafts, q rows [len, target vocab] or None for a greedy request) for each request, lengths[i] drafts
+        each; a request's last token is its only one the target has not computed."""
+        dev = self.device
+        tables = []
+        for r in requests:
+            state = r.spec_state
+            if state is None or state.preemptions != r.num_preemptions:
+                state = r.spec_state = DraftState(r.num_preemptions)
+            # Rejected drafts of the last step: the draft's K/V holds only what the target accepted.
+            state.computed = min(state.computed, r.num_computed_tokens)
+            row = block_table.row_of[r.request_id]
+            tables.append(block_table.ids[row, :cdiv(r.num_tokens + lengths[len(tables)], self.block_size)].tolist())
+        for r in requests:  # seeded requests draw their drafts from their own generator, as their tokens
+            if r.generator is None and r.sampling_params.seed is not None:
+                r.generator = torch.Generator(device=dev)
+                r.generator.manual_seed(r.sampling_params.seed)
+        sampling = None
+        if not all(r.sampling_params.greedy for r in requests):
+            sampling = SamplingBatch.build(requests, self.target_vocab_size, dev)
+        logits = self._catch_up(requests, tables)
+        drafts: list[list[int]] = [[] for _ in requests]
+        qs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = list(range(len(requests)))
+        for j in range(max(lengths)):
+            tokens = self._choose(logits, [requests[i] for i in active], sampling, active, qs)
+            for i, t in zip(active, tokens):
+                drafts[i].append(t)
+            active_next = [n for n, i in enumerate(active) if len(drafts[i]) < lengths[i]]
+            if not active_next:
+                break
+            active = [active[n] for n in active_next]
+            # The next draft: one token each, the last draft at the position after it.
+            seqs, ids = [], []
+            for i in active:
+                r = requests[i]
+                pos = r.num_tokens + len(drafts[i]) - 1
+                seqs.append((pos, 1, tables[i]))
+                ids.append(drafts[i][-1])
+                r.spec_state.computed = pos + 1
+            logits = self._forward(seqs, ids, [s[0] for s in seqs])
+        out = []
+        for i, r in enumerate(requests):
+            q = torch.stack(qs[i]) if qs[i] else None
+            out.append((drafts[i], q))
+        return out
+
+    def _catch_up(self, requests: list, tables: list) -> torch.Tensor:
+        """The draft over each request's tokens it has not computed, in forwards of at most max_num_batched_tokens
+        tokens; returns the logits at each request's last token, [len(requests), draft vocab]."""
+        last = [None] * len(requests)
+        while True:
+            seqs, ids, positions, owners = [], [], [], []
+            budget = self.max_num_batched_tokens
+            for i, r in enumerate(requests):
+                start = r.spec_state.computed
+                n = min(r.num_tokens - start, budget)
+                if n <= 0 or last[i] is not None:
+                    continue
+                seqs.append((start, n, tables[i]))
+                ids += r.all_token_ids[start:start + n]
+                positions += range(start, start + n)
+                owners.append((i, start + n == r.num_tokens))
+                r.spec_state.computed = start + n
+                budget -= n
+                if budget == 0:
+                    break
+            if not seqs:
+                break
+            hidden_rows = self._forward(seqs, ids, positions, all_rows=True)
+            end = 0
+            for (i, done), (_, n, _) in zip(owners, seqs):
+                end += n
+                if done:
+                    last[i] = hidden_rows[end - 1]
+        return self.model.compute_logits(torch.stack(last))
+
+    def _forward(self, seqs: list, ids: list[int], positions, all_rows: bool = False) -> torch.Tensor:
+        """One forward of the draft over chunks (computed, new, block ids); the hidden rows (all_rows) or the
+        logits of each chunk's last row."""
+        dev = self.device
+        meta = AttentionMetadata.build(seqs, self.block_size, dev, self.model.num_kv_heads, self.num_blocks,
+                                       self.sliding_window)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                            torch.tensor(list(positions), dtype=torch.long, device=dev), self.kv_caches, meta)
+        if all_rows:
+            return hidden
+        return self.model.compute_logits(hidden)  # single-token chunks: a row each
+
+    def _choose(self, logits: torch.Tensor, requests: list, sampling: SamplingBatch | None, active: list[int],
+                qs: list) -> list[int]:
+        """A draft per row: the argmax for greedy requests, else a draw from q (kept in qs for the verifier)."""
+        if sampling is None:
+            return self.sampler.greedy(logits).tolist()
+        if self.vocab_size < self.target_vocab_size:  # q over the target's vocabulary: 0 past the draft's
+            pad = logits.new_full((logits.shape[0], self.target_vocab_size - self.vocab_size), float("-inf"))
+            logits = torch.cat([logits, pad], dim=-1)
+        rows = torch.tensor(active, device=self.device)
+        batch = _select_rows(sampling, rows, active)
+        probs = self.sampler.probs(logits, batch)
+        noise = self.sampler._exponential_noise(probs, batch.generators)
+        sampled = probs.div(noise).argmax(dim=-1)
+        greedy = logits.argmax(dim=-1)
+        tokens = torch.where(batch.greedy, greedy, sampled).tolist()
+        for n, (i, r) in enumerate(zip(active, requests)):
+            if not r.sampling_params.greedy:
+                qs[i].append(probs[n])
+        return tokens
+
+
+def _select_rows(batch: SamplingBatch, rows: torch.Tensor, index: list[int]) -> SamplingBatch:
+    """The sampling tensors of some of the batch's rows (the requests still drafting)."""
+    pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+    return SamplingBatch(temperature=pick(batch.temperature), greedy=pick(batch.greedy), top_k=pick(batch.top_k),
+                         top_p=pick(batch.top_p), min_p=pick(batch.min_p), repetition=None, presence=None,
+                         frequency=None, prompt_mask=None, output_counts=None, banned=[],
+                         generators=[batch.generators[i] for i in index], num_logprobs=[None] * len(index))
+
+
+def _check_same_tokenizer(draft, target) -> None:
+    """Every token of the draft's vocabulary has the same id in the target's (its ids mean the same text)."""
+    target_vocab = target.get_vocab()
+    for token, token_id in draft.get_vocab().items():
+        if target_vocab.get(token) != token_id:
+            raise ConfigError(f"--speculative-config: the draft model's tokenizer differs from the target's (token "
+                              f"{token!r} is id {token_id} in the draft, {target_vocab.get(token)} in the target)")
