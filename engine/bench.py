@@ -307,8 +307,10 @@ def run_bench_engine(args: argparse.Namespace) -> int:
               flush=True)
         if "spec_decode" in info:
             s = info["spec_decode"]
-            print(f"    speculative decoding ({spec.method}, K={spec.num_speculative_tokens}, n-grams "
-                  f"{spec.prompt_lookup_min}-{spec.prompt_lookup_max}): {s['num_drafts']} drafts, "
+            source = (f"draft model {spec.model}" if spec.method == "draft_model"
+                      else f"n-grams {spec.prompt_lookup_min}-{spec.prompt_lookup_max}")
+            print(f"    speculative decoding ({spec.method}, K={spec.num_speculative_tokens}, {source}): "
+                  f"{s['num_drafts']} drafts, "
                   f"{s['num_accepted_tokens']}/{s['num_draft_tokens']} draft tokens accepted "
                   f"({100 * s['acceptance_rate']:.1f}%; per position {s['acceptance_rate_per_pos']}), "
                   f"mean acceptance length {s['mean_acceptance_length']:.2f}", flush=True)
