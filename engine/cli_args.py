@@ -35,12 +35,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=["torch", "sim"], default="torch",
                    help="torch: run the model; sim: a timing model, no weights (default: torch)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto, float32, bfloat16 or float16 (default auto: the checkpoint's on GPU, bfloat16 for "
+                        "float32 checkpoints, float16 below compute capability 8.0; float32 on CPU)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch (default: 128)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most requests in one batch (default: 128, or the KV cache's blocks when fewer)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: 2048)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's, lowered to what the KV cache holds)")
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch's CPU threads (default: OMP_NUM_THREADS when set, else the CPUs this process may "
+                        "use: its affinity and cgroup quota, not the node's cores)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="bytes for the KV cache, e.g. 2GiB (default: measured on GPU, 1 GiB on CPU)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
@@ -145,6 +152,7 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
+        cpu_threads=getattr(args, "cpu_threads", None),
         kv_events_config=kv_events_config,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,

@@ -24,6 +24,10 @@ _DTYPES = {
 # (or less, when max_num_seqs full-length sequences need less).
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
+# max_num_seqs and max_num_batched_tokens when not given (vLLM's); auto_config.py may lower max_num_seqs to fit.
+DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
 # vLLM's largest supported --max-lora-rank.
 MAX_LORA_RANK = 512
 
@@ -38,8 +42,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"
     block_size: int = 16
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    # None: derived at start (auto_config.py), as are max_model_len, dtype and cpu_threads.
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     kv_cache_memory: int | None = None  # bytes; None = automatic
     # vLLM's --kv-cache-dtype: auto (the model's dtype) or a quantized cache (kv_quant.py); fp8 = fp8_e4m3
@@ -60,6 +65,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    cpu_threads: int | None = None  # torch's intra-op threads; None: OMP_NUM_THREADS, else the pod's CPUs
     kv_events_config: object | None = None  # KVEventsConfig (kv_events.py); None = no KV-cache events
     # Multi-LoRA (vLLM's flags): adapters resident for a batch, their largest rank, adapters kept loaded in host
     # memory (None = max_loras), and the adapters served from the start (LoRAModulePath, engine/lora/request.py).
@@ -84,8 +90,10 @@ class EngineConfig:
                 raise ConfigError("speculative decoding runs with synchronous scheduling: drop --async-scheduling")
         if self.backend not in ("torch", "sim"):
             raise ConfigError(f"backend must be torch or sim, got {self.backend!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_threads"):
             value = getattr(self, name)
+            if name != "block_size" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.block_size & (self.block_size - 1):
@@ -134,17 +142,10 @@ class EngineConfig:
         return device
 
     def resolve_dtype(self, hf_config, device: "torch.device") -> "torch.dtype":
-        """auto: the checkpoint's dtype on GPU; float32 on CPU (half-precision matmuls are slow there)."""
-        import torch
+        """The dtype auto_config.resolve_dtype gives (and says why)."""
+        from kvgate.engine.auto_config import resolve_dtype
 
-        if self.dtype != "auto":
-            return getattr(torch, _DTYPES[self.dtype])
-        if device.type == "cpu":
-            return torch.float32
-        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(dtype, str):
-            dtype = getattr(torch, _DTYPES.get(dtype, "float32"))
-        return torch.bfloat16 if dtype in (None, torch.float32) else dtype
+        return resolve_dtype(self, hf_config, device)[0]
 
     def resolve_max_model_len(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None)

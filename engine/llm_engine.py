@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgate.engine.auto_config import fit_to_kv_cache, kv_cache_source
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import IncrementalDetokenizer
 from kvgate.engine.errors import ConfigError, InvalidRequestError, LoRAError
@@ -107,21 +108,35 @@ def _eos_token_ids(model_path: str, hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def resolve_config(config: EngineConfig):
+    """The model loaded and every setting resolved, the KV cache sized but not allocated: (LoadedModel, the resolved
+    config, max_model_len, KV blocks). The settings (loaded.settings) are logged; `kvgate serve --print-config`
+    prints them instead of serving."""
+    loaded = load_model(config)  # the only place the torch and sim backends differ (runner.py)
+    num_blocks = loaded.runner.determine_num_blocks()
+    loaded.settings.add("kv_cache_blocks", num_blocks, kv_cache_source(config, loaded.runner.device.type))
+    resolved, max_model_len = fit_to_kv_cache(config, loaded.config, loaded.max_model_len, num_blocks,
+                                              loaded.settings)
+    loaded.runner.max_model_len = max_model_len
+    if not resolved.enable_chunked_prefill and resolved.max_num_batched_tokens < max_model_len:
+        raise ConfigError(
+            f"without chunked prefill, max_num_batched_tokens ({resolved.max_num_batched_tokens}) must be "
+            f">= max_model_len ({max_model_len})"
+        )
+    loaded.settings.log()
+    return loaded, resolved, max_model_len, num_blocks
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.model_name = config.served_model_name or config.model
         torch.manual_seed(config.seed)
-        loaded = load_model(config)  # the only place the torch and sim backends differ (runner.py)
+        # What was not given is derived here (auto_config.py); self.config is the resolved config.
+        loaded, config, self.max_model_len, num_blocks = resolve_config(config)
+        self.config, self.settings = config, loaded.settings
         self.runner: Runner = loaded.runner
-        self.tokenizer, self.hf_config, self.max_model_len = loaded.tokenizer, loaded.hf_config, loaded.max_model_len
+        self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
         self.device, self.dtype = self.runner.device, self.runner.dtype
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
-                f">= max_model_len ({self.max_model_len})"
-            )
-        num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                                max_blocks_per_request=cdiv(self.max_model_len, config.block_size),

@@ -96,6 +96,7 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.model.num_kv_heads * per_head + draft
 
     def determine_num_blocks(self) -> int:
+        """Blocks the KV cache gets (whether max_model_len fits is auto_config.fit_to_kv_cache's to say)."""
         cfg = self.config
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override
@@ -106,12 +107,6 @@ class ModelRunner:
         else:
             full = cfg.max_num_seqs * cdiv(self.max_model_len, self.block_size) * self.bytes_per_block
             num_blocks = min(CPU_DEFAULT_KV_CACHE_BYTES, full) // self.bytes_per_block
-        if num_blocks * self.block_size < self.max_model_len:
-            raise ConfigError(
-                f"the KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks of "
-                f"{self.bytes_per_block} bytes), fewer than max_model_len {self.max_model_len}: "
-                "give it more memory (kv_cache_memory) or lower max_model_len"
-            )
         return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from kvgate.engine.auto_config import GIVEN, Settings, apply_cpu_threads, resolve_dtype, resolve_step_budget
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.loader import load_hf_config, load_tokenizer
 from kvgate.engine.lora.request import LoRARequest
@@ -53,10 +54,13 @@ class LoadedModel:
     runner: Runner
     tokenizer: object
     hf_config: object
-    max_model_len: int
+    max_model_len: int  # the model's or the given one; auto_config.fit_to_kv_cache may lower it
+    config: EngineConfig  # with max_num_batched_tokens resolved and max_num_seqs at its upper bound
+    settings: Settings  # what was derived so far, and why
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
+    settings = Settings()
     if config.backend == "sim":
         from kvgate.engine.sim_runner import SimModelRunner, SimProfile, sim_hf_config
 
@@ -64,16 +68,23 @@ def load_model(config: EngineConfig) -> LoadedModel:
         tokenizer = load_tokenizer(_sim_tokenizer_path(config))
         hf_config = sim_hf_config(profile, tokenizer)
         max_model_len = config.resolve_max_model_len(hf_config)
+        config = resolve_step_budget(config, max_model_len, settings)
         return LoadedModel(SimModelRunner(config, profile, tokenizer, max_model_len), tokenizer, hf_config,
-                           max_model_len)
+                           max_model_len, config, settings)
     from kvgate.engine.model_runner import ModelRunner
 
     hf_config = load_hf_config(config.model)
     tokenizer = load_tokenizer(config.model, config.tokenizer)
     device = config.resolve_device()
+    settings.add("device", device, GIVEN if config.device != "auto" else
+                 "auto: " + ("a CUDA device" if device.type == "cuda" else "torch sees no CUDA device"))
+    apply_cpu_threads(config.cpu_threads, settings)  # before the weights load: the loader's copies use them
+    dtype, why = resolve_dtype(config, hf_config, device)
+    settings.add("dtype", str(dtype).removeprefix("torch."), why)
     max_model_len = config.resolve_max_model_len(hf_config)
-    runner = ModelRunner(config, hf_config, device, config.resolve_dtype(hf_config, device), max_model_len)
-    return LoadedModel(runner, tokenizer, hf_config, max_model_len)
+    config = resolve_step_budget(config, max_model_len, settings)
+    runner = ModelRunner(config, hf_config, device, dtype, max_model_len)
+    return LoadedModel(runner, tokenizer, hf_config, max_model_len, config, settings)
 
 
 def _sim_tokenizer_path(config: EngineConfig) -> str:

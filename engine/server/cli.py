@@ -38,6 +38,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                    help="the model's tool-call syntax, for --enable-auto-tool-choice (hermes: <tool_call>{json}"
                         "</tool_call>, Hermes 2 Pro / Qwen2.5 / Qwen3 templates)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print every engine setting with its source (given, or why it was derived from the device "
+                        "and the model) and exit without serving; loads the model but allocates no KV cache (on "
+                        "CUDA the memory profile's forward runs)")
     p.add_argument("--uvicorn-log-level", default="warning")
     add_limit_args(p)
     add_engine_args(p)
@@ -61,6 +65,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(model_path, args)
     served = args.served_model_name or args.model
     config.served_model_name = served
+    if args.print_config:
+        return print_config(config)
     engine_loop = args.engine_loop
     if engine_loop == "auto":
         engine_loop = "process" if args.backend == "torch" else "thread"
@@ -87,4 +93,19 @@ def run_serve(args: argparse.Namespace) -> int:
     if fatal:
         print(f"kvgate serve: error: {fatal[0]}", file=sys.stderr)
         return 1
+    return 0
+
+
+def print_config(config) -> int:
+    """`kvgate serve --print-config`: the settings the engine would start with, and where each came from."""
+    from kvgate.engine.errors import EngineError
+    from kvgate.engine.llm_engine import resolve_config
+
+    try:
+        loaded, *_ = resolve_config(config)
+    except EngineError as exc:
+        print(f"kvgate serve: error: {exc}", file=sys.stderr)
+        return 1
+    loaded.runner.close()
+    print("\n".join(loaded.settings.lines()))
     return 0

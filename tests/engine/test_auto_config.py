@@ -1,0 +1,117 @@
+"""Settings the engine derives when not given (engine/auto_config.py): CPU threads from cgroup trees, dtype by GPU,
+max_model_len and max_num_seqs fitted to the KV cache, and `kvgate serve --print-config`."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvgate.engine import auto_config
+from kvgate.engine.auto_config import (Settings, available_cpus, resolve_cpu_threads, resolve_dtype,
+                                       resolve_step_budget)
+from kvgate.engine.config import EngineConfig
+from kvgate.engine.errors import ConfigError
+from kvgate.engine.llm import LLM
+from kvgate.engine.sampling_params import SamplingParams
+
+KVGATE = str(Path(sys.executable).parent / "kvgate")
+
+
+def _tree(root: Path, files: dict) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("files, affinity, threads", [
+    ({"cpu.max": "max 100000\n"}, 6, 6),  # v2, no quota: the affinity
+    ({"cpu.max": "150000 100000\n"}, 8, 2),  # v2, 1.5 CPUs round up
+    ({"cpu.max": "400000 100000\n"}, 3, 3),  # affinity smaller than the quota
+    ({"cpu.max": "20000 100000\n"}, 4, 1),  # a fifth of a CPU: at least one thread
+    ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 16, 3),  # v1
+    ({"cpu,cpuacct/cpu.cfs_quota_us": "250000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 16, 3),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, 5, 5),  # v1, no quota
+    ({}, 7, 7),  # no CPU controller at all
+])
+def test_threads_from_cgroup_quota_and_affinity(tmp_path, files, affinity, threads):
+    n, why = available_cpus(affinity, _tree(tmp_path, files))
+    assert n == threads
+    assert f"affinity {affinity}" in why
+
+
+def test_threads_given_then_omp_num_threads_then_derived():
+    assert resolve_cpu_threads(3, {"OMP_NUM_THREADS": "5"}) == (3, "given")
+    assert resolve_cpu_threads(None, {"OMP_NUM_THREADS": "5"}) == (5, "OMP_NUM_THREADS")
+    n, why = resolve_cpu_threads(None, {"OMP_NUM_THREADS": "bad"})  # not a count: derived from this process
+    assert n == available_cpus(len(os.sched_getaffinity(0)))[0] and "affinity" in why
+
+
+@pytest.mark.parametrize("checkpoint, capability, dtype", [
+    ("float32", (8, 0), torch.bfloat16), ("float32", (7, 5), torch.float16), ("bfloat16", (7, 0), torch.float16),
+    ("float16", (9, 0), torch.float16), ("bfloat16", (9, 0), torch.bfloat16),
+])
+def test_gpu_dtype_falls_back_to_fp16_without_bf16(monkeypatch, checkpoint, capability, dtype):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    config = EngineConfig(model="m")
+    got, why = resolve_dtype(config, SimpleNamespace(dtype=checkpoint), torch.device("cuda"))
+    assert got == dtype
+    assert ("no bfloat16" in why) == (dtype == torch.float16 and checkpoint != "float16")
+
+
+def test_cpu_dtype_is_float32_with_the_measured_reason_and_given_wins():
+    config = EngineConfig(model="m")
+    assert resolve_dtype(config, SimpleNamespace(dtype="bfloat16"), torch.device("cpu")) == (
+        torch.float32, auto_config.CPU_DTYPE_REASON)
+    assert resolve_dtype(EngineConfig(model="m", dtype="bf16"), None, torch.device("cpu")) == (torch.bfloat16, "given")
+
+
+def test_step_budget_default_given_and_without_chunked_prefill():
+    s = Settings()
+    assert resolve_step_budget(EngineConfig(model="m"), 4096, s).max_num_batched_tokens == 2048
+    assert resolve_step_budget(EngineConfig(model="m", max_num_batched_tokens=64), 4096, s).max_num_batched_tokens == 64
+    no_chunks = EngineConfig(model="m", enable_chunked_prefill=False)
+    assert resolve_step_budget(no_chunks, 4096, s).max_num_batched_tokens == 4096
+    assert [x.source for x in s.items][1] == "given" and "chunked prefill" in s.items[2].source
+
+
+def test_max_model_len_and_max_num_seqs_lowered_to_a_small_kv_cache():
+    llm = LLM("demo", kv_cache_memory=1 << 20)  # the demo model in float32: 16 blocks of 16 tokens in 1 MiB
+    engine = llm.engine
+    assert engine.runner.num_blocks == 16
+    assert engine.max_model_len == 16 * 16 < engine.hf_config.max_position_embeddings
+    assert engine.config.max_num_seqs == 16 and engine.scheduler.max_num_seqs == 16
+    assert "the model's 4096, lowered to what the KV cache holds" in engine.settings.get("max_model_len").source
+    assert "lowered to the KV cache's 16 blocks" in engine.settings.get("max_num_seqs").source
+    out = llm.generate(["a"] * 40, SamplingParams(max_tokens=4))  # more than max_num_seqs: they wait their turn
+    assert [len(o.outputs[0].token_ids) for o in out] == [4] * 40
+    with pytest.raises(ConfigError, match="fewer than max_model_len 1024"):
+        LLM("demo", kv_cache_memory=1 << 20, max_model_len=1024)
+
+
+def test_given_values_are_kept():
+    engine = LLM("demo", kv_cache_memory=1 << 20, max_num_seqs=64, max_model_len=256).engine
+    assert (engine.config.max_num_seqs, engine.max_model_len) == (64, 256)
+    assert engine.settings.get("max_num_seqs").source == engine.settings.get("max_model_len").source == "given"
+
+
+def test_serve_print_config_prints_every_setting_and_exits(tmp_path):
+    env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([KVGATE, "serve", "demo", "--print-config", "--max-num-seqs", "8", "--cpu-threads", "1",
+                        "--port", "1"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line for line in r.stdout.splitlines()}
+    assert set(rows) == {"device", "cpu_threads", "dtype", "max_num_batched_tokens", "kv_cache_blocks",
+                         "max_model_len", "max_num_seqs"}
+    assert rows["max_num_seqs"].split()[1:] == ["8", "(given)"]
+    assert rows["cpu_threads"].split()[1:] == ["1", "(given)"]
+    assert "float32" in rows["dtype"] and "(given)" not in rows["dtype"]
+    assert "4096  (the model's)" in rows["max_model_len"]
+    assert "serving" not in r.stderr  # it never started the server (port 1 could not be bound anyway)
+    bad = subprocess.run([KVGATE, "serve", "demo", "--print-config", "--kv-cache-memory", "1MiB", "--max-model-len",
+                          "1024"], capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 1 and "fewer than max_model_len" in bad.stderr
