@@ -13,7 +13,7 @@ from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.spec_decode import SpeculativeConfig
 from tests.engine import test_spec_decode
-from tests.engine.test_spec_decode import MAX_NEW, MODES, chi_square_p, repetitive_prompts
+from tests.engine.test_spec_decode import MAX_NEW, MODES, check_speculative_greedy, chi_square_p, repetitive_prompts
 from tests.engine.tiny_models import build_tiny_model, make_config
 
 K = 3
@@ -50,27 +50,8 @@ def spec_config(folder, k=K):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_with_a_draft_model_matches_hf(family, mode, tiny_model_dir, draft_dir, hf_reference):
     folder, _ = tiny_model_dir(family)
-    expected = hf_reference(family)
     llm = LLM(str(folder), max_model_len=128, speculative_config=spec_config(draft_dir(family)), **MODES[mode])
-    prompts = repetitive_prompts()
-    # One request asks for logprobs: it is not speculated, and shares the batches of those that are.
-    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1 if i == 3 else None)
-              for i in range(len(prompts))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    for i, (o, e) in enumerate(zip(outs, expected)):
-        assert o.outputs[0].token_ids == e, f"{family}/{mode}: prompt {i} diverges from HF"
-    spec = llm.engine.stats().spec_decode
-    assert spec.num_accepted_tokens > 0, spec  # drafts accepted and rejected: the check is not vacuous
-    assert spec.num_draft_tokens > spec.num_accepted_tokens, spec
-    assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
-    stats = llm.engine.stats()
-    if mode == "preemption":
-        assert stats.num_preemptions > 0
-    if mode == "prefix-caching":
-        again = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        assert [o.outputs[0].token_ids for o in again] == expected
-        assert sum(o.num_cached_tokens for o in again) > 0
-    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+    check_speculative_greedy(llm, hf_reference(family), family, mode)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

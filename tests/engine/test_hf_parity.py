@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvgate.engine import LLM, SamplingParams
+from tests.engine.tiny_models import hf_greedy
 
 MAX_NEW = 24
 PROMPT_LENGTHS = [3, 7, 15, 16, 17, 33, 48, 70, 5, 40]
@@ -36,14 +37,7 @@ def hf_reference(tiny_model_dir):
 
     def get(family):
         if family not in cache:
-            _, model = tiny_model_dir(family)
-            outs = []
-            for prompt in make_prompts():
-                with torch.no_grad():
-                    gen = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                                         do_sample=False, eos_token_id=None, pad_token_id=0)
-                outs.append(gen[0, len(prompt):].tolist())
-            cache[family] = outs
+            cache[family] = hf_greedy(tiny_model_dir(family)[1], make_prompts(), MAX_NEW)
         return cache[family]
 
     return get
@@ -82,12 +76,7 @@ def test_mistral_sliding_window_matches_hf(tmp_path):
     model.save_pretrained(str(tmp_path), safe_serialization=True)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     prompts = make_prompts()
-    expected = []
-    for prompt in prompts:
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected.append(gen[0, len(prompt):].tolist())
+    expected = hf_greedy(model, prompts, MAX_NEW)
     llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=32)
     assert llm.engine.runner.sliding_window == 24
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -15,6 +15,7 @@ from kvgate.engine.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
 from kvgate.engine.spec_decode import NgramProposer, SpeculativeConfig, verify_greedy, verify_sampled
 from tests.engine.paged_reference import random_paged_batch, reference_attention
+from tests.engine.tiny_models import hf_greedy
 
 MAX_NEW = 24
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -44,34 +45,25 @@ def hf_reference(tiny_model_dir):
 
     def get(family):
         if family not in cache:
-            _, model = tiny_model_dir(family)
-            outs = []
-            for prompt in repetitive_prompts():
-                with torch.no_grad():
-                    gen = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                                         do_sample=False, eos_token_id=None, pad_token_id=0)
-                outs.append(gen[0, len(prompt):].tolist())
-            cache[family] = outs
+            cache[family] = hf_greedy(tiny_model_dir(family)[1], repetitive_prompts(), MAX_NEW)
         return cache[family]
 
     return get
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_with_ngram_speculation_matches_hf(family, mode, tiny_model_dir, hf_reference):
-    folder, _ = tiny_model_dir(family)
-    expected = hf_reference(family)
-    llm = LLM(str(folder), max_model_len=128, speculative_config=SPEC, **MODES[mode])
+def check_speculative_greedy(llm: LLM, expected: list[list[int]], label: str, mode: str) -> None:
+    """The repetitive prompts through a speculating engine, one request asking for logprobs (not speculated, in the
+    same batches): every output equals `expected`, drafts were both accepted and rejected (so the check is not
+    vacuous), the mode did what it names, and nothing is left running or holding blocks."""
     prompts = repetitive_prompts()
-    # One request asks for logprobs: it is not speculated, and shares the batches of those that are.
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1 if i == 3 else None)
               for i in range(len(prompts))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for i, (o, e) in enumerate(zip(outs, expected)):
-        assert o.outputs[0].token_ids == e, f"{family}/{mode}: prompt {i} diverges from HF"
+        assert o.outputs[0].token_ids == e, f"{label}/{mode}: prompt {i} diverges from HF"
     spec = llm.engine.stats().spec_decode
-    assert spec.num_accepted_tokens > 0, spec  # drafts were proposed and some accepted: the check is not vacuous
-    assert spec.num_draft_tokens > spec.num_accepted_tokens, spec  # and some rejected, rolled back
+    assert spec.num_accepted_tokens > 0, spec
+    assert spec.num_draft_tokens > spec.num_accepted_tokens, spec  # some rejected, rolled back
     assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
     stats = llm.engine.stats()
     if mode == "preemption":
@@ -81,6 +73,13 @@ def test_greedy_with_ngram_speculation_matches_hf(family, mode, tiny_model_dir, 
         assert [o.outputs[0].token_ids for o in again] == expected
         assert sum(o.num_cached_tokens for o in again) > 0
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_with_ngram_speculation_matches_hf(family, mode, tiny_model_dir, hf_reference):
+    folder, _ = tiny_model_dir(family)
+    llm = LLM(str(folder), max_model_len=128, speculative_config=SPEC, **MODES[mode])
+    check_speculative_greedy(llm, hf_reference(family), family, mode)
 
 
 def test_stops_inside_an_accepted_run_match_plain_decoding(tiny_model_dir):

@@ -69,3 +69,14 @@ def build_tiny_model(family: str, folder: Path, seed: int = 0, config=None, stds
     model.save_pretrained(str(folder), safe_serialization=True)
     write_tokenizer_files(build_byte_tokenizer(), folder, config.max_position_embeddings)
     return model
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """HF transformers' own greedy continuation of each prompt, exactly max_new tokens (no EOS stop)."""
+    outs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(gen[0, len(prompt):].tolist())
+    return outs
