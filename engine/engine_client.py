@@ -126,8 +126,8 @@ class ProcessEngineClient(EngineClient):
     async def start(self, on_result: OnResult, on_death: OnDeath) -> tuple[EngineInfo, object]:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._process = ctx.Process(target=_process_main, args=(self.config, child), name="kvgate-engine",
-                                    daemon=True)
+        self._process = ctx.Process(target=_process_main, args=(self.config, child, _log_setup()),
+                                    name="kvgate-engine", daemon=True)
         self._process.start()
         child.close()
         self._conn = parent
@@ -199,8 +199,19 @@ def make_engine_client(engine_loop: str, config: EngineConfig) -> EngineClient:
     return ENGINE_CLIENTS[engine_loop](config)
 
 
-def _process_main(config: EngineConfig, conn) -> None:
+def _log_setup() -> tuple[int, str | None]:
+    """The server's root log level and format, for the engine process (spawned, it starts with neither, and its
+    start-up lines, the derived settings among them, would be lost)."""
+    root = logging.getLogger()
+    fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)
+    return root.level, fmt
+
+
+def _process_main(config: EngineConfig, conn, log_setup: tuple[int, str | None] = (logging.WARNING, None)) -> None:
     """Entry point of the engine process: build the engine, report, then loop on the pipe."""
+    level, fmt = log_setup
+    if fmt is not None:
+        logging.basicConfig(level=level, format=fmt)
     try:
         engine = LLMEngine(config)
     except Exception as exc:  # noqa: BLE001 - the front re-raises it

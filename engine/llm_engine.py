@@ -114,7 +114,9 @@ def resolve_config(config: EngineConfig):
     prints them instead of serving."""
     loaded = load_model(config)  # the only place the torch and sim backends differ (runner.py)
     num_blocks = loaded.runner.determine_num_blocks()
-    loaded.settings.add("kv_cache_blocks", num_blocks, kv_cache_source(config, loaded.runner.device.type))
+    size = num_blocks * loaded.runner.bytes_per_block / 2**20
+    loaded.settings.add("kv_cache_blocks", f"{num_blocks} ({size:.1f} MiB)",
+                        kv_cache_source(config, loaded.runner.device.type))
     resolved, max_model_len = fit_to_kv_cache(config, loaded.config, loaded.max_model_len, num_blocks,
                                               loaded.settings)
     loaded.runner.max_model_len = max_model_len

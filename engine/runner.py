@@ -28,6 +28,10 @@ class Runner(Protocol):
     device: torch.device
     dtype: torch.dtype
 
+    @property
+    def bytes_per_block(self) -> int:
+        """KV-cache bytes of one block (every layer's K and V)."""
+
     def determine_num_blocks(self) -> int:
         """KV blocks that fit the memory it may use."""
 

@@ -137,6 +137,10 @@ class SimModelRunner:
         per_head = kv_bytes_per_token_head(head_dim, bf16_elem, spec)
         return self.profile.kv_bytes_per_token * per_head // (head_dim * bf16_elem)
 
+    @property
+    def bytes_per_block(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
 

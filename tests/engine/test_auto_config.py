@@ -4,6 +4,7 @@ max_model_len and max_num_seqs fitted to the KV cache, and `kvgate serve --print
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from kvgate.engine.config import EngineConfig
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.llm import LLM
 from kvgate.engine.sampling_params import SamplingParams
+from kvgate.processes import free_port, stop_group
 
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 
@@ -115,3 +117,25 @@ def test_serve_print_config_prints_every_setting_and_exits(tmp_path):
     bad = subprocess.run([KVGATE, "serve", "demo", "--print-config", "--kv-cache-memory", "1MiB", "--max-model-len",
                           "1024"], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 1 and "fewer than max_model_len" in bad.stderr
+
+
+def test_served_engine_logs_its_settings_first(tmp_path):
+    """The engine process (spawned) logs at the server's --log-level: its settings come before `engine ready`."""
+    env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([KVGATE, "--log-level", "info", "serve", "demo", "--port", str(free_port("127.0.0.1")),
+                                 "--kv-cache-memory", "64MiB"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 90
+            while "engine ready" not in log_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            stop_group(proc)
+    lines = [line.split("auto_config: config: ", 1)[1] for line in log_path.read_text().splitlines()
+             if "auto_config: config:" in line]
+    assert [line.split()[0] for line in lines] == ["device", "cpu_threads", "dtype", "max_num_batched_tokens",
+                                                   "kv_cache_blocks", "max_model_len", "max_num_seqs"]
+    assert lines[1].split()[1:] == ["1", "(OMP_NUM_THREADS)"]
+    assert lines[4].split()[1:] == ["1024", "(64.0", "MiB)", "(given", "(kv_cache_memory))"]
