@@ -19,12 +19,45 @@ log = logging.getLogger(__name__)
 
 GIVEN = "given"
 
-# CPU dtype: float32 unless given. Measured on this project's 2-core Xeon (avx512_bf16, no AMX; torch 2.13 CPU),
-# `python -m kvgate.engine.auto_config` style A/B in the same process, alternating, 7 rounds, medians (see
-# docs/engine.md "Derived settings"): bfloat16 was no faster than float32 at the engine's batch sizes, so the
-# default stays float32 (bf16 would also change outputs against HF's float32).
-CPU_DTYPE_REASON = ("float32 on CPU: bfloat16 measured no faster here (AVX512-BF16 without AMX; "
-                    "docs/engine.md, Derived settings) and changes outputs")
+# CPU dtype. bfloat16 halves the bytes each step reads; with AVX512-BF16 (or AMX) the CPU also multiplies it
+# natively. `python -m kvgate.engine.bench_cpu_dtype --rounds 7` on this project's 2-core Xeon (avx512_bf16, no AMX,
+# torch 2.13, idle machine), bf16 speed-up over float32, medians of 7 alternating rounds, decode b=1/8/32/128 and a
+# 512-token prefill:
+#   demo (hidden 256, 4 layers)        0.84-0.87x / 1.06-1.13x / 1.24-1.25x / 1.35-1.48x / 1.44-1.49x (two runs)
+#   hidden 512, 2 layers               1.81x / 2.19x / 2.44x / 2.50x / 2.26x
+#   Qwen2.5-0.5B-shaped, 2 layers      2.26-2.46x / 3.19-3.48x / 3.30-3.54x / 3.31-3.49x / 2.99-3.07x (two runs)
+# So bfloat16 where the CPU has the instructions and the model is at least hidden 512 (clearly faster there, >= 1.3x
+# at every batch); float32 for smaller models (not clearly faster at small batches) and CPUs without them. The
+# tests' tiny models (hidden 64, the demo's 256) stay float32 on every CPU, so parity with HF in float32 holds.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+CPU_BF16_MIN_HIDDEN = 512
+
+
+def cpu_bf16_flags(cpuinfo: str) -> list[str]:
+    """The bfloat16 instruction sets among the first CPU's flags in /proc/cpuinfo text (x86)."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            return [f for f in CPU_BF16_FLAGS if f in flags]
+    return []
+
+
+def cpu_dtype(hidden_size: int, bf16_flags: list[str]) -> tuple[str, str]:
+    """(dtype name, why) on CPU when not given: the rule and measurement above."""
+    if not bf16_flags:
+        return "float32", "float32 on CPU: no AVX512-BF16/AMX (bfloat16 would be converted, not multiplied)"
+    if hidden_size < CPU_BF16_MIN_HIDDEN:
+        return "float32", (f"float32 on CPU: hidden size {hidden_size} < {CPU_BF16_MIN_HIDDEN}, where bfloat16 "
+                           "measured no clear gain (auto_config.py)")
+    return "bfloat16", (f"bfloat16 on CPU: {'+'.join(bf16_flags)}, hidden size {hidden_size} >= "
+                        f"{CPU_BF16_MIN_HIDDEN} (measured 1.8-3.5x over float32, auto_config.py)")
+
+
+def read_cpuinfo(path: str = "/proc/cpuinfo") -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:  # not Linux: no flags known, float32
+        return ""
 
 
 @dataclass
@@ -112,7 +145,7 @@ def apply_cpu_threads(given: int | None, settings: Settings) -> None:
 
 def resolve_dtype(config, hf_config, device) -> tuple[object, str]:
     """(torch dtype, why). GPU: the checkpoint's dtype, bfloat16 for float32 checkpoints, float16 where the GPU has
-    no bfloat16 (compute capability < 8.0). CPU: float32 (CPU_DTYPE_REASON)."""
+    no bfloat16 (compute capability < 8.0). CPU: cpu_dtype."""
     import torch
 
     from kvgate.engine.config import _DTYPES
@@ -120,7 +153,8 @@ def resolve_dtype(config, hf_config, device) -> tuple[object, str]:
     if config.dtype != "auto":
         return getattr(torch, _DTYPES[config.dtype]), GIVEN
     if device.type == "cpu":
-        return torch.float32, CPU_DTYPE_REASON
+        name, why = cpu_dtype(int(getattr(hf_config, "hidden_size", 0) or 0), cpu_bf16_flags(read_cpuinfo()))
+        return getattr(torch, name), why
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, _DTYPES.get(dtype, "float32"))

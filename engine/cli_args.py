@@ -37,7 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto",
                    help="auto, float32, bfloat16 or float16 (default auto: the checkpoint's on GPU, bfloat16 for "
-                        "float32 checkpoints, float16 below compute capability 8.0; float32 on CPU)")
+                        "float32 checkpoints, float16 below compute capability 8.0; on CPU bfloat16 with "
+                        "AVX512-BF16/AMX for hidden sizes >= 512, else float32)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most requests in one batch (default: 128, or the KV cache's blocks when fewer)")

@@ -65,10 +65,29 @@ def test_gpu_dtype_falls_back_to_fp16_without_bf16(monkeypatch, checkpoint, capa
     assert ("no bfloat16" in why) == (dtype == torch.float16 and checkpoint != "float16")
 
 
-def test_cpu_dtype_is_float32_with_the_measured_reason_and_given_wins():
-    config = EngineConfig(model="m")
-    assert resolve_dtype(config, SimpleNamespace(dtype="bfloat16"), torch.device("cpu")) == (
-        torch.float32, auto_config.CPU_DTYPE_REASON)
+CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f {}\nbogomips\t: 4000\n"
+
+
+@pytest.mark.parametrize("extra, hidden, dtype", [
+    ("avx512_bf16", 896, "bfloat16"), ("amx_bf16 amx_tile", 512, "bfloat16"),
+    ("avx512_bf16", 256, "float32"),  # the demo's size: bfloat16 measured no clear gain
+    ("", 4096, "float32"),  # no bf16 instructions
+])
+def test_cpu_dtype_by_flags_and_model_size(extra, hidden, dtype):
+    name, why = auto_config.cpu_dtype(hidden, auto_config.cpu_bf16_flags(CPUINFO.format(extra)))
+    assert name == dtype and why.startswith(dtype)
+
+
+def test_test_models_stay_float32_on_any_cpu(tiny_model_dir):
+    """The suite compares with HF in float32 through the default dtype: whatever this CPU's flags, tiny models and
+    the demo resolve to float32."""
+    from kvgate.engine.loader import load_hf_config
+    from kvgate.engine.llm import resolve_model_path
+
+    for path in (str(tiny_model_dir("qwen2")[0]), resolve_model_path("demo")):
+        hidden = load_hf_config(path).hidden_size
+        assert auto_config.cpu_dtype(hidden, ["avx512_bf16", "amx_bf16"])[0] == "float32"
+        assert resolve_dtype(EngineConfig(model=path), load_hf_config(path), torch.device("cpu"))[0] == torch.float32
     assert resolve_dtype(EngineConfig(model="m", dtype="bf16"), None, torch.device("cpu")) == (torch.bfloat16, "given")
 
 
