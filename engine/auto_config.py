@@ -92,23 +92,32 @@ class Settings:
 
 def cgroup_cpu_quota(root: str | Path = "/sys/fs/cgroup") -> tuple[float | None, str]:
     """CPUs the cgroup's quota allows (None: no quota) and the file it came from: cgroup v2 cpu.max, else v1
-    cpu.cfs_quota_us / cpu.cfs_period_us (-1 = no quota)."""
+    cpu.cfs_quota_us / cpu.cfs_period_us (-1 = no quota). A file that does not parse counts as no quota (the
+    affinity still bounds the threads) rather than stopping the engine."""
     root = Path(root)
     v2 = root / "cpu.max"
-    if v2.is_file():
-        quota, _, period = v2.read_text().strip().partition(" ")
-        if quota == "max":
-            return None, str(v2)
-        return int(quota) / int(period or 100000), str(v2)
-    for folder in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
-        quota_file = root / folder / "cpu.cfs_quota_us"
-        if quota_file.is_file():
-            quota = int(quota_file.read_text().strip())
-            if quota <= 0:
-                return None, str(quota_file)
-            period = int((root / folder / "cpu.cfs_period_us").read_text().strip())
-            return quota / period, str(quota_file)
+    try:
+        if v2.is_file():
+            quota, _, period = v2.read_text().strip().partition(" ")
+            if quota == "max":
+                return None, str(v2)
+            return _ratio(int(quota), int(period or 100000), v2)
+        for folder in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+            quota_file = root / folder / "cpu.cfs_quota_us"
+            if quota_file.is_file():
+                quota = int(quota_file.read_text().strip())
+                if quota <= 0:
+                    return None, str(quota_file)
+                return _ratio(quota, int((root / folder / "cpu.cfs_period_us").read_text().strip()), quota_file)
+    except (OSError, ValueError) as exc:
+        return None, f"cgroup CPU quota unreadable ({exc})"
     return None, "no cgroup CPU controller"
+
+
+def _ratio(quota: int, period: int, where: Path) -> tuple[float | None, str]:
+    if quota <= 0 or period <= 0:
+        return None, f"{where}: quota {quota} / period {period} is no limit"
+    return quota / period, str(where)
 
 
 def available_cpus(affinity: int, root: str | Path = "/sys/fs/cgroup") -> tuple[int, str]:

@@ -39,6 +39,10 @@ def _tree(root: Path, files: dict) -> Path:
     ({"cpu,cpuacct/cpu.cfs_quota_us": "250000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 16, 3),
     ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, 5, 5),  # v1, no quota
     ({}, 7, 7),  # no CPU controller at all
+    # files that do not parse: no quota, the affinity bounds the threads (the engine still starts)
+    ({"cpu.max": "lots 100000\n"}, 4, 4),
+    ({"cpu.max": "100000 0\n"}, 4, 4),
+    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "\n"}, 3, 3),
 ])
 def test_threads_from_cgroup_quota_and_affinity(tmp_path, files, affinity, threads):
     n, why = available_cpus(affinity, _tree(tmp_path, files))
