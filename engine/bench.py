@@ -206,14 +206,13 @@ def _reduced_precision_floor(model_path, dtype, device, prompts, ours: list[int]
 
 def _spec_decode_summary(before, after) -> dict:
     """The speculative-decoding counters of the timed run alone (the warm-up's taken off)."""
-    drafts = after.num_drafts - before.num_drafts
-    draft_tokens = after.num_draft_tokens - before.num_draft_tokens
-    accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    per_pos = [a - b for a, b in zip(after.accepted_per_pos, before.accepted_per_pos)]
-    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
-            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-            "acceptance_rate_per_pos": [round(a / drafts, 3) if drafts else 0.0 for a in per_pos],
-            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0}
+    s = after.since(before)
+    return {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens,
+            "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
+            "acceptance_rate_per_pos": [round(a / s.num_drafts, 3) if s.num_drafts else 0.0
+                                        for a in s.accepted_per_pos],
+            "mean_acceptance_length": s.mean_acceptance_length}
 
 
 def run_bench_engine(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ from kvgate.engine.attention import AttentionMetadata
 from kvgate.engine.block_table import BlockTable
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
-from kvgate.engine.kv_quant import QuantizedKVCache, kv_bytes_per_token_head
+from kvgate.engine.kv_quant import allocate_kv_caches, kv_bytes_per_block
 from kvgate.engine.loader import load_hf_config, load_model, load_tokenizer
 from kvgate.engine.sampler import Sampler, SamplingBatch
 from kvgate.engine.spec_decode import SpeculativeConfig
@@ -75,17 +75,11 @@ class DraftModelProposer:
     # -- KV cache ---------------------------------------------------------------------------------
 
     def bytes_per_block(self, block_size: int) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_head = kv_bytes_per_token_head(self.model.head_dim, elem, self.kv_quant)
-        return 2 * self.num_layers * block_size * self.model.num_kv_heads * per_head
+        return kv_bytes_per_block(self.model, self.num_layers, block_size, self.dtype, self.kv_quant)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, self.model.num_kv_heads, num_blocks * self.block_size, self.model.head_dim)
-        if self.kv_quant is None:
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        else:
-            self.kv_caches = [QuantizedKVCache.allocate(shape, self.kv_quant, self.device)
-                              for _ in range(self.num_layers)]
+        self.kv_caches = allocate_kv_caches(self.model, self.num_layers, num_blocks, self.block_size, self.dtype,
+                                            self.kv_quant, self.device)
         self.num_blocks = num_blocks
 
     # -- proposing --------------------------------------------------------------------------------

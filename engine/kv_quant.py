@@ -57,6 +57,22 @@ def kv_bytes_per_token_head(head_dim: int, model_elem_size: int, spec: KVQuant |
     return head_dim + SCALE_DTYPE.itemsize
 
 
+def kv_bytes_per_block(model, num_layers: int, block_size: int, dtype: torch.dtype, spec: KVQuant | None) -> int:
+    """K and V of every layer of `model` (its num_kv_heads, head_dim) for one block, a quantized cache's scales
+    included: what a block costs the target model's cache and a draft model's alike."""
+    per_head = kv_bytes_per_token_head(model.head_dim, torch.empty((), dtype=dtype).element_size(), spec)
+    return 2 * num_layers * block_size * model.num_kv_heads * per_head
+
+
+def allocate_kv_caches(model, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       spec: KVQuant | None, device: torch.device) -> list:
+    """One cache per layer, [2, Hkv, num_blocks * block_size, D]: in the model's dtype (spec None) or quantized."""
+    shape = (2, model.num_kv_heads, num_blocks * block_size, model.head_dim)
+    if spec is None:
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    return [QuantizedKVCache.allocate(shape, spec, device) for _ in range(num_layers)]
+
+
 def quantize(x: torch.Tensor, spec: KVQuant) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (values [..., D] in spec.storage_dtype, scales [...] float32)."""
     xf = x.float()

@@ -15,7 +15,7 @@ from kvgate.engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvgate.engine.cpu_allocator import keep_large_allocations_in_heap
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
-from kvgate.engine.kv_quant import QuantizedKVCache, kv_bytes_per_token_head, kv_quant_spec
+from kvgate.engine.kv_quant import QuantizedKVCache, allocate_kv_caches, kv_bytes_per_block, kv_quant_spec
 from kvgate.engine.loader import load_model
 from kvgate.engine.lora.adapter import LoRAWeights, load_lora_weights
 from kvgate.engine.lora.layers import add_lora_layers, module_shapes, set_slot
@@ -90,10 +90,8 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """K and V of every layer for one block, scales of a quantized cache included (and the draft model's)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_head = kv_bytes_per_token_head(self.model.head_dim, elem, self.kv_quant)
         draft = self.draft.bytes_per_block(self.block_size) if self.draft is not None else 0
-        return 2 * self.num_layers * self.block_size * self.model.num_kv_heads * per_head + draft
+        return kv_bytes_per_block(self.model, self.num_layers, self.block_size, self.dtype, self.kv_quant) + draft
 
     def determine_num_blocks(self) -> int:
         """Blocks the KV cache gets (whether max_model_len fits is auto_config.fit_to_kv_cache's to say)."""
@@ -110,13 +108,8 @@ class ModelRunner:
         return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
-        shape = (2, self.model.num_kv_heads, num_blocks * self.block_size, self.model.head_dim)
-        if self.kv_quant is None:
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                              for _ in range(self.num_layers)]
-        else:
-            self.kv_caches = [QuantizedKVCache.allocate(shape, self.kv_quant, self.device)
-                              for _ in range(self.num_layers)]
+        self.kv_caches = allocate_kv_caches(self.model, self.num_layers, num_blocks, self.block_size, self.dtype,
+                                            self.kv_quant, self.device)
         self.num_blocks = num_blocks
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)

@@ -153,6 +153,12 @@ class SpecDecodeStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
+    def since(self, before: SpecDecodeStats) -> SpecDecodeStats:
+        """The counts added after `before` (a copy taken earlier)."""
+        return SpecDecodeStats(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
+                               self.num_accepted_tokens - before.num_accepted_tokens,
+                               [a - b for a, b in zip(self.accepted_per_pos, before.accepted_per_pos)])
+
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens a speculating step yields per request on average (1 + accepted drafts)."""
