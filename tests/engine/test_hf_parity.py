@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvgate.engine import LLM, SamplingParams
-from tests.engine.tiny_models import hf_greedy
+from tests.engine.tiny_models import hf_greedy, hf_greedy_by_family
 
 MAX_NEW = 24
 PROMPT_LENGTHS = [3, 7, 15, 16, 17, 33, 48, 70, 5, 40]
@@ -33,14 +33,7 @@ def make_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_reference(tiny_model_dir):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = hf_greedy(tiny_model_dir(family)[1], make_prompts(), MAX_NEW)
-        return cache[family]
-
-    return get
+    return hf_greedy_by_family(tiny_model_dir, make_prompts(), MAX_NEW)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

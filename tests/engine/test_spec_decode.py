@@ -15,7 +15,7 @@ from kvgate.engine.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
 from kvgate.engine.spec_decode import NgramProposer, SpeculativeConfig, verify_greedy, verify_sampled
 from tests.engine.paged_reference import random_paged_batch, reference_attention
-from tests.engine.tiny_models import hf_greedy
+from tests.engine.tiny_models import hf_greedy_by_family
 
 MAX_NEW = 24
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -41,14 +41,7 @@ def repetitive_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_reference(tiny_model_dir):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = hf_greedy(tiny_model_dir(family)[1], repetitive_prompts(), MAX_NEW)
-        return cache[family]
-
-    return get
+    return hf_greedy_by_family(tiny_model_dir, repetitive_prompts(), MAX_NEW)
 
 
 def check_speculative_greedy(llm: LLM, expected: list[list[int]], label: str, mode: str) -> None:

@@ -80,3 +80,15 @@ def hf_greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
                                  do_sample=False, eos_token_id=None, pad_token_id=0)
         outs.append(gen[0, len(prompt):].tolist())
     return outs
+
+
+def hf_greedy_by_family(tiny_model_dir, prompts: list[list[int]], max_new: int):
+    """family -> hf_greedy over the family's tiny model (tiny_model_dir's), computed once per family."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(family: str) -> list[list[int]]:
+        if family not in cache:
+            cache[family] = hf_greedy(tiny_model_dir(family)[1], prompts, max_new)
+        return cache[family]
+
+    return get
