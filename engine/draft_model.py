@@ -30,7 +30,7 @@ from kvgate.engine.kv_cache_manager import cdiv
 from kvgate.engine.kv_quant import allocate_kv_caches, kv_bytes_per_block
 from kvgate.engine.loader import load_hf_config, load_model, load_tokenizer
 from kvgate.engine.sampler import Sampler, SamplingBatch
-from kvgate.engine.spec_decode import SpeculativeConfig
+from kvgate.engine.spec_decode import Proposer, SpeculativeConfig
 
 
 class DraftState:
@@ -43,7 +43,7 @@ class DraftState:
         self.preemptions = preemptions
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     def __init__(self, spec: SpeculativeConfig, config, target_hf_config, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, kv_quant) -> None:
         from kvgate.engine.llm import resolve_model_path  # llm.py imports the engine, which imports this
@@ -84,16 +84,17 @@ class DraftModelProposer:
 
     # -- proposing --------------------------------------------------------------------------------
 
-    def propose_for(self, request, limit: int) -> list[int]:
-        """The number of drafts only (placeholders): the scheduler sizes the request's chunk with it, and
-        propose_batch fills them once the step's drafting requests are known."""
+    def reserve(self, request, limit: int) -> list[int]:
+        """Phase one: the number of drafts only (placeholders). The scheduler sizes and allocates the request's
+        chunk with it, and fill drafts them once the step's drafting requests are known."""
         return [0] * max(min(self.k, limit, self.max_model_len - request.num_tokens), 0)
 
     @torch.inference_mode()
-    def propose_batch(self, requests: list, lengths: list[int], block_table: BlockTable) -> list[tuple[list, object]]:
-        """(drafts, q rows [len, target vocab] or None for a greedy request) for each request, lengths[i] drafts
-        each; a request's last token is its only one the target has not computed."""
+    def fill(self, requests: list, drafts: list[list[int]], block_table: BlockTable) -> list[tuple[list, object]]:
+        """Phase two: (drafts, q rows [len, target vocab] or None for a greedy request) for each request, as many
+        drafts as its placeholders; a request's last token is its only one the target has not computed."""
         dev = self.device
+        lengths = [len(d) for d in drafts]
         tables = []
         for r in requests:
             state = r.spec_state
@@ -111,14 +112,14 @@ class DraftModelProposer:
         if not all(r.sampling_params.greedy for r in requests):
             sampling = SamplingBatch.build(requests, self.target_vocab_size, dev)
         logits = self._catch_up(requests, tables)
-        drafts: list[list[int]] = [[] for _ in requests]
+        proposed: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))
         for j in range(max(lengths)):
             tokens = self._choose(logits, [requests[i] for i in active], sampling, active, qs)
             for i, t in zip(active, tokens):
-                drafts[i].append(t)
-            active_next = [n for n, i in enumerate(active) if len(drafts[i]) < lengths[i]]
+                proposed[i].append(t)
+            active_next = [n for n, i in enumerate(active) if len(proposed[i]) < lengths[i]]
             if not active_next:
                 break
             active = [active[n] for n in active_next]
@@ -126,15 +127,15 @@ class DraftModelProposer:
             seqs, ids = [], []
             for i in active:
                 r = requests[i]
-                pos = r.num_tokens + len(drafts[i]) - 1
+                pos = r.num_tokens + len(proposed[i]) - 1
                 seqs.append((pos, 1, tables[i]))
-                ids.append(drafts[i][-1])
+                ids.append(proposed[i][-1])
                 r.spec_state.computed = pos + 1
             logits = self._forward(seqs, ids, [s[0] for s in seqs])
         out = []
         for i, r in enumerate(requests):
             q = torch.stack(qs[i]) if qs[i] else None
-            out.append((drafts[i], q))
+            out.append((proposed[i], q))
         return out
 
     def _catch_up(self, requests: list, tables: list) -> torch.Tensor:

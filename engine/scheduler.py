@@ -160,7 +160,8 @@ class Scheduler:
         proposer=None,
     ) -> None:
         self.kv = kv_cache_manager
-        self.proposer = proposer  # spec_decode.NgramProposer: drafts for decoding requests; None = no speculation
+        # spec_decode.Proposer (n-grams or a draft model): drafts for decoding requests; None = no speculation
+        self.proposer = proposer
         self.spec_stats = None  # spec_decode.SpecDecodeStats when speculating (the engine sets it)
         self.lora = lora  # with LoRA on: a waiting request is admitted only once its adapter holds a slot
         self.max_num_seqs = max_num_seqs
@@ -251,9 +252,10 @@ class Scheduler:
             num_new = len(request.all_token_ids) + placeholders - request.num_computed_tokens
             draft = None
             if proposer is not None and num_new == 1 and not placeholders and speculation_eligible(request):
-                # Drafts past max_tokens or the budget would be computed for nothing.
-                draft = proposer.propose_for(request,
-                                             min(budget, request.output_limit - request.num_output_tokens) - 1) or None
+                # The proposer's phase one (spec_decode.Proposer). Drafts past max_tokens or the budget would be
+                # computed for nothing.
+                draft = proposer.reserve(request,
+                                         min(budget, request.output_limit - request.num_output_tokens) - 1) or None
                 if draft:
                     num_new += len(draft)
             if num_new > budget:
@@ -281,12 +283,12 @@ class Scheduler:
             budget -= num_new
             i += 1
         draft_probs = {}
-        if drafts and hasattr(proposer, "propose_batch"):
-            # A draft model proposes for all of the step's drafting requests at once (draft_model.py): their chunks
-            # were sized and allocated above with placeholders, which cover every slot the draft writes.
+        if drafts:
+            # The proposer's phase two, for all of the step's drafting requests at once, their chunks sized and
+            # allocated above (a draft model drafts here, into slots those chunks cover; ngram's are already made).
             ids = list(drafts)
-            proposed = proposer.propose_batch([self.requests[rid] for rid in ids], [len(drafts[rid]) for rid in ids],
-                                              self.kv.block_table)
+            proposed = proposer.fill([self.requests[rid] for rid in ids], [drafts[rid] for rid in ids],
+                                     self.kv.block_table)
             for rid, (tokens, q) in zip(ids, proposed):
                 drafts[rid] = tokens
                 if q is not None:

@@ -1,7 +1,9 @@
 """Speculative decoding (vLLM's `--speculative-config`): by prompt lookup (`"method": "ngram"`, here) or with a
 draft model (`"method": "draft_model"`, draft_model.py, whose q rows verify_sampled takes).
 
-The scheduler asks `NgramProposer` for up to K draft tokens per decoding request: the tokens that followed the
+Both proposers implement `Proposer`, the scheduler's two phases a step (reserve each decoding request's drafts while
+sizing chunks, then fill the step's drafts in one call). The scheduler asks `NgramProposer` for up to K draft tokens per
+decoding request: the tokens that followed the
 earliest earlier occurrence of the longest n-gram (prompt_lookup_max down to prompt_lookup_min) that ends the
 request's tokens. The step computes the request's last token and its drafts together (one chunk of 1 + K positions in
 the same forward pass as everything else), and the runner verifies the drafts here: greedy rows accept while the
@@ -106,7 +108,28 @@ class NgramIndex:
         self.end = max(self.end, end)
 
 
-class NgramProposer:
+class Proposer:
+    """Who drafts for speculative decoding, in the scheduler's two phases a step:
+
+    1. `reserve(request, limit)`, per decoding request while the scheduler sizes the step's chunks: the request's
+       drafts this step, at most `limit` of them ([] for none). Their number sizes its chunk (its last token and the
+       drafts), whose blocks the scheduler then allocates. The tokens are the drafts themselves where the proposer
+       has them at once (ngram), else placeholders of the length it reserves (a draft model, which drafts for the
+       whole step in one batched run and needs the chunks' blocks first: it writes its K/V into their slots).
+    2. `fill(requests, drafts, block_table)`, once per step that has drafts, after every chunk is sized and
+       allocated: for each drafting request (in the order given) its draft tokens, as many as reserved, and q
+       ([len, target vocab]: the distribution each draft was sampled from; None for a one-hot q).
+    """
+
+    def reserve(self, request, limit: int) -> list[int]:
+        raise NotImplementedError
+
+    def fill(self, requests: list, drafts: list[list[int]], block_table) -> list[tuple[list[int], object]]:
+        """The tokens phase one gave are the drafts, q one-hot (ngram, and any proposer that drafts at once)."""
+        return [(draft, None) for draft in drafts]
+
+
+class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
@@ -115,7 +138,7 @@ class NgramProposer:
     def propose(self, tokens: list[int], limit: int, index: NgramIndex | None = None) -> list[int]:
         """Up to min(K, limit) tokens that followed the longest n-gram ending `tokens` where it occurred earliest
         before; [] when none of n in [min, max] occurs earlier (vLLM's ngram proposer). index: the request's
-        NgramIndex over these tokens, kept between calls (see propose_for); a throwaway one without it."""
+        NgramIndex over these tokens, kept between calls (see reserve); a throwaway one without it."""
         total = len(tokens)
         k = min(self.k, limit, self.max_model_len - total)
         if k <= 0 or total <= self.min_n:
@@ -130,8 +153,9 @@ class NgramProposer:
                 return tokens[start + n:start + n + k]
         return []
 
-    def propose_for(self, request, limit: int) -> list[int]:
-        """propose() over a request's tokens, with the request keeping its NgramIndex (request.spec_state)."""
+    def reserve(self, request, limit: int) -> list[int]:
+        """Phase one: the drafts themselves, propose() over the request's tokens, with the request keeping its
+        NgramIndex (request.spec_state). Phase two (fill) is Proposer's: these tokens, q one-hot."""
         if request.spec_state is None:
             request.spec_state = NgramIndex(self.min_n, self.max_n)
         return self.propose(request.all_token_ids, limit, request.spec_state)

@@ -13,7 +13,7 @@ from kvgate.engine.attention import AttentionMetadata, paged_attention
 from kvgate.engine.block_pool import hash_block_tokens, root_block_hash
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
-from kvgate.engine.spec_decode import NgramProposer, SpeculativeConfig, verify_greedy, verify_sampled
+from kvgate.engine.spec_decode import NgramProposer, Proposer, SpeculativeConfig, verify_greedy, verify_sampled
 from tests.engine.paged_reference import random_paged_batch, reference_attention
 from tests.engine.tiny_models import hf_greedy_by_family
 
@@ -171,14 +171,14 @@ def test_rejection_sampler_draws_the_target_distribution():
     assert verify_greedy([3, 4, 5], [3, 9]) == [3, 4] and verify_greedy([3, 4, 5], [3, 4]) == [3, 4, 5]
 
 
-class FixedDraft:
+class FixedDraft(Proposer):
     """A deterministic proposer like ngram (drafts are a function of the tokens: q is one-hot), whose drafts are
     the target's likely tokens, so that acceptance is frequent and a wrong residual would show."""
 
     def __init__(self, draft):
         self.draft = draft
 
-    def propose_for(self, request, limit):
+    def reserve(self, request, limit):
         return self.draft[:limit]
 
 
@@ -269,7 +269,7 @@ def test_ngram_index_kept_by_the_request_proposes_as_a_fresh_search():
         req.all_token_ids = [rng.randrange(6) for _ in range(rng.randint(1, 12))]
         while len(req.all_token_ids) < 150:
             want = brute_force_proposal(req.all_token_ids, 1, 4, 3)
-            assert proposer.propose_for(req, 99) == want, (trial, req.all_token_ids)
+            assert proposer.reserve(req, 99) == want, (trial, req.all_token_ids)
             req.all_token_ids += [rng.randrange(6) for _ in range(rng.choice((1, 1, 2, 4)))]
         assert want, "drafts were found (a small alphabet repeats)"
 
