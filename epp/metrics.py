@@ -34,6 +34,7 @@ class EndpointRow(NamedTuple):
     in_flight_requests: int
     stale: bool  # when published: old numbers or failing scrapes (age is re-checked at scrape time)
     available: bool = True  # in rotation: scraped at least once and its scrapes are not failing
+    prefill_tokens_per_s: float | None = None  # the datalayer's online estimate (None: not yet measured)
 
 
 class Snapshot(NamedTuple):
@@ -90,7 +91,7 @@ class EndpointGauges:
         states = self.director.states()  # every endpoint, stale ones included
         rows = tuple(EndpointRow(s.address, s.metrics.waiting_queue_size, s.metrics.running_requests,
                                  s.metrics.kv_cache_usage, s.metrics.updated_at, s.in_flight_requests, s.stale,
-                                 s.available)
+                                 s.available, s.metrics.prefill_tokens_per_s)
                      for s in states)
         flow = getattr(self.director, "flow", None)
         self.snapshot = Snapshot(rows, self.director.datalayer.staleness, self.director.scheduler.stats(),
@@ -116,6 +117,9 @@ class EndpointGauges:
         available = GaugeMetricFamily("kvgate_epp_endpoint_available",
                                       "1 while the endpoint is in rotation (scraped, its scrapes not failing).",
                                       labels=["endpoint"])
+        rate = GaugeMetricFamily("kvgate_epp_endpoint_prefill_tokens_per_second",
+                                 "Prompt tokens computed per busy second, estimated online from the engine's "
+                                 "prefix-cache counters (only endpoints measured so far).", labels=["endpoint"])
         now = time.monotonic()
         for row in snapshot.rows:
             labels = [row.address]
@@ -127,7 +131,9 @@ class EndpointGauges:
             age.add_metric(labels, seconds)
             flight.add_metric(labels, row.in_flight_requests)
             available.add_metric(labels, 1.0 if row.available else 0.0)
-        yield from (queue, kv, running, stale, age, flight, available)
+            if row.prefill_tokens_per_s is not None:
+                rate.add_metric(labels, row.prefill_tokens_per_s)
+        yield from (queue, kv, running, stale, age, flight, available, rate)
         values = snapshot.plugin_stats.get("prefix_index") or {}
         if values:
             size = GaugeMetricFamily("kvgate_epp_prefix_index_size", "Block hashes in the prefix index.")

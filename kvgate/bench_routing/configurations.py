@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,14 @@ def sim_engine_args(kv_tokens: int) -> list[str]:
     """SIM_ENGINE_ARGS with `kv_tokens` of KV per replica (a context no longer than the cache holds)."""
     return ["--sim-prefill-ms-per-token", "0.2", "--sim-max-model-len", str(min(8192, kv_tokens)),
             "--kv-cache-memory", str(kv_tokens * SIM_BYTES_PER_TOKEN)]
+
+
+def replica_slowdown_args(replicas: int, slow_replicas: int, slowdown: float) -> Callable[[int, str], list[str]]:
+    """launch_local_stack's engine_args_for: the last `slow_replicas` of `replicas` run `slowdown` times slower
+    (a router that breaks ties towards its first worker meets a fast one)."""
+    def args_for(i: int, host: str) -> list[str]:
+        return ["--sim-slowdown", f"{slowdown:g}"] if slowdown != 1.0 and i >= replicas - slow_replicas else []
+    return args_for
 
 _HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 

@@ -29,7 +29,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.bench_routing import pinning
-from kvgate.bench_routing.configurations import SIM_MODEL, RoutingConfig, router_program, sim_engine_args
+from kvgate.bench_routing.configurations import (SIM_MODEL, RoutingConfig, replica_slowdown_args, router_program,
+                                                  sim_engine_args)
 from kvgate.bench_routing.workloads import BenchRequest, WorkloadShape
 from kvgate.chaos.load import Outcome, StreamLoad
 from kvgate.epp.protocol import TTFT_OBJECTIVE_HEADER
@@ -147,7 +148,8 @@ def epp_time(before: dict[str, dict], after: dict[str, dict]) -> dict:
 
 
 def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout: float,
-           engine_args: list[str], epp_replicas: int = 1, epp_peer_sync: bool = True) -> tuple[LocalStack, str]:
+           engine_args: list[str], epp_replicas: int = 1, epp_peer_sync: bool = True,
+           engine_args_for: Callable[[int, str], list[str]] | None = None) -> tuple[LocalStack, str]:
     """The stack for `config`, and the URL the load goes to."""
     stack = Stack(Path(tempfile.mkdtemp(prefix=f"{config.name}-", dir=workdir)))
     flavor = "kvgate" if config.kind == "epp" else "round-robin"  # a router brings its own load balancing
@@ -157,7 +159,7 @@ def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout:
             epp_config_text=config.epp_config, engine_args=engine_args, envoy_flavor=flavor,
             engine_hosts=[f"127.0.0.{2 + i}" for i in range(replicas)], kv_events=config.kv_events,
             startup_timeout=startup_timeout, epp_replicas=epp_replicas if config.kind == "epp" else 1,
-            epp_peer_sync=epp_peer_sync)
+            epp_peer_sync=epp_peer_sync, engine_args_for=engine_args_for)
         url = up.url
         if config.kind == "router":
             port = free_port()
@@ -306,7 +308,8 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
     for attempt in range(START_ATTEMPTS):
         try:
             up, url = _start(workdir, config, replicas, startup_timeout, sim_engine_args(shape.kv_tokens),
-                             epp_replicas, epp_peer_sync)
+                             epp_replicas, epp_peer_sync,
+                             replica_slowdown_args(replicas, shape.slow_replicas, shape.slowdown))
             break
         except RuntimeError as exc:  # a process exited or never came up: the stack is stopped
             if attempt + 1 == START_ATTEMPTS:

@@ -16,7 +16,9 @@ characters is its length in tokens (the sim backend's byte tokenizer).
 Knobs every kind has: `length_spread` (question / prompt lengths drawn lognormal around their set length with this
 sigma; 0: fixed), `output_len` and `output_spread` (each request's max_tokens, likewise), `burstiness` (the
 coefficient of variation of the gaps between arrivals: 1 is Poisson, above 1 Gamma-distributed gaps, i.e. bursts
-and lulls at the same mean rate), `kv_tokens` (the KV cache of each sim replica, in tokens).
+and lulls at the same mean rate), `kv_tokens` (the KV cache of each sim replica, in tokens), `slow_replicas` and
+`slowdown` (the last `slow_replicas` replicas run `slowdown` times slower — every cost of the sim's timing model,
+`--sim-slowdown` — a pool of mixed hardware, e.g. two GPU generations behind one InferencePool).
 
 Shapes are named (SHAPES), grouped in sets (SHAPE_SETS: the tuning set the default profile may be tuned on, and a
 held-out set frozen before any tuning, never used to choose weights), or written on the command line as
@@ -42,6 +44,7 @@ from kvgate.bench_serve import random_text
 KINDS = ("multi-tenant", "multi-turn", "no-reuse")
 DEFAULT_KV_TOKENS = 8192  # the sim replicas' KV cache (configurations.SIM_ENGINE_ARGS sizes it the same)
 MAX_LENGTH_FACTOR = 4.0  # a drawn length stays within [1/4, 4] × the set length
+MAX_SLOWDOWN = 100.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class WorkloadShape:
     output_spread: float = 0.0
     burstiness: float = 1.0
     kv_tokens: int = DEFAULT_KV_TOKENS
+    slow_replicas: int = 0
+    slowdown: float = 1.0
     # each request states a TTFT objective (llm-d's x-slo-ttft-ms header) of this many ms; 0: none
     ttft_objective_ms: float = 0.0
 
@@ -75,9 +80,10 @@ class WorkloadShape:
         if self.generator not in KINDS:
             raise ValueError(f"unknown workload kind {self.generator!r}; known: {', '.join(KINDS)}")
         if self.output_len < 1 or self.kv_tokens < 256 or self.burstiness <= 0 or self.length_spread < 0 \
-                or self.output_spread < 0 or self.tenant_skew < 0 or self.ttft_objective_ms < 0:
-            raise ValueError(f"workload {self.name!r}: output_len ≥ 1, kv_tokens ≥ 256, burstiness > 0 and the "
-                             "spreads, skew and TTFT objective ≥ 0")
+                or self.output_spread < 0 or self.tenant_skew < 0 or self.ttft_objective_ms < 0 \
+                or self.slow_replicas < 0 or not 1.0 <= self.slowdown <= MAX_SLOWDOWN:
+            raise ValueError(f"workload {self.name!r}: output_len ≥ 1, kv_tokens ≥ 256, burstiness > 0, the "
+                             f"spreads, skew, TTFT objective and slow_replicas ≥ 0, 1 ≤ slowdown ≤ {MAX_SLOWDOWN:g}")
 
     @property
     def generator(self) -> str:
@@ -137,6 +143,12 @@ SHAPES = {
     "mixed-lengths": _shape("mixed-lengths", "no-reuse", "random prompts ~1200 tokens (spread 0.8), ~64 output "
                             "tokens (spread 0.8), bursty (CV 2)", length_spread=0.8, output_len=64,
                             output_spread=0.8, burstiness=2.0),
+    # mixed hardware, defined on 2026-11-27 together with the speed-aware load signals (loadUnit: seconds) they were
+    # built for: a tuning set of its own, not held out
+    "mixed-speed": _shape("mixed-speed", "multi-tenant", "multi-tenant on a pool of mixed hardware: 2 of the 4 "
+                          "replicas 2x slower", slow_replicas=2, slowdown=2.0),
+    "mixed-speed-no-reuse": _shape("mixed-speed-no-reuse", "no-reuse", "no-reuse on a pool of mixed hardware: 2 of "
+                                   "the 4 replicas 2x slower", slow_replicas=2, slowdown=2.0),
     # held-out-2, frozen on 2026-11-27 before the capacity-aware group balance (prompted by small-kv, which it
     # then no longer judges cleanly) was measured on it
     "small-kv-turns": _shape("small-kv-turns", "multi-turn", "multi-turn on replicas with half the KV (4096 tokens)",
@@ -148,6 +160,7 @@ SHAPE_SETS = {
     "tuning": ("multi-tenant", "multi-turn", "no-reuse", "many-tenants", "bursty-tenants"),
     "held-out": ("hot-tenant", "long-output", "small-kv", "deep-chat", "mixed-lengths"),
     "held-out-2": ("small-kv-turns",),
+    "mixed-hardware": ("mixed-speed", "mixed-speed-no-reuse"),
 }
 
 

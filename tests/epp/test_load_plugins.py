@@ -213,6 +213,60 @@ def test_affinity_backlog_adds_the_uncached_tokens_routed_since_the_scrape():
     assert f.filter(req(), states, CycleState(tracker.view(states))) is states  # 97 > 96
 
 
+def test_affinity_in_seconds_weighs_each_side_by_its_speed():
+    """loadUnit seconds: a pool of mixed hardware. a (warm, 160 of 160 cached) is half as fast as c (cold): its
+    backlog costs twice the time, and the prefill c would do costs c's time, not a's."""
+    scheduler, _, _ = affinity()
+    seconds = create_plugin("prefix-cache-affinity-filter", {"loadSignal": "backlog", "loadUnit": "seconds",
+                                                             "explorationProbability": 0})
+    seconds.prefix_source = scheduler.plugins_of_type("prefix-cache-affinity-filter")[0].prefix_source
+    states = [ttft_state("a:1", pending=0, rate=1000), ttft_state("b:1", pending=10_000, rate=2000),
+              ttft_state("c:1", pending=0, rate=2000)]
+    # in c's seconds: saved = 160 / 1 (c computes all 160) - 0 / 0.5 = 160; a's backlog counts L / 0.5
+    states[0].metrics.prefill_tokens_pending = 80
+    assert addresses(seconds.filter(req(), states, loads(states, {}))) == ["a:1"]  # 160 ≤ 160
+    states[0].metrics.prefill_tokens_pending = 81
+    assert seconds.filter(req(), states, loads(states, {})) is states  # 162 > 160
+    tokens = create_plugin("prefix-cache-affinity-filter", {"loadSignal": "backlog", "explorationProbability": 0})
+    tokens.prefix_source = seconds.prefix_source
+    assert addresses(tokens.filter(req(), states, loads(states, {}))) == ["a:1"]  # in tokens: 81 ≤ 160
+    # a uniform pool (rates within the estimate's noise) routes exactly as in tokens
+    for s, rate in zip(states, (1900, 2000, 2100)):
+        s.metrics.prefill_tokens_per_s = rate
+    states[0].metrics.prefill_tokens_pending = 160
+    assert addresses(seconds.filter(req(), states, loads(states, {}))) == ["a:1"]
+    states[0].metrics.prefill_tokens_pending = 161
+    assert seconds.filter(req(), states, loads(states, {})) is states
+
+
+def test_relative_speed_fills_unmeasured_endpoints_and_ignores_small_differences():
+    from kvgate.epp.scheduling.plugins._relative_speed import SAME_SPEED, relative_speed
+
+    def speeds(*rates):
+        return list(relative_speed([ttft_state(f"e{i}:1", rate=r) for i, r in enumerate(rates)]))
+
+    assert speeds(None, None) == [1.0, 1.0]  # nothing measured: alike
+    assert speeds(4000, 1000, 4000, None) == pytest.approx([1.0, 0.25, 1.0, 1.0])  # unmeasured: the measured median
+    assert speeds(1000, 1000 * SAME_SPEED, 1000 * SAME_SPEED - 1) == pytest.approx([1.0, 1.0, SAME_SPEED - 0.001])
+    assert speeds(0.0, 500) == [1.0, 1.0]  # a zero rate is no measurement
+
+
+def test_load_scorers_in_seconds_prefer_the_faster_endpoint_for_the_same_tokens():
+    states = [ttft_state("a:1", rate=1000), ttft_state("b:1", rate=2000)]
+    cycle = loads(states, {"a:1": 300, "b:1": 500})
+    by_tokens = create_plugin("token-load-scorer", None)
+    by_seconds = create_plugin("token-load-scorer", {"loadUnit": "seconds"})
+    assert list(by_tokens.score(req(), states, cycle)) == [1.0, 0.0]
+    assert list(by_seconds.score(req(), states, cycle)) == [0.0, 1.0]  # 600 against 500 of b's seconds
+    groups = create_plugin("prefix-group-balance-scorer", {"groupChars": 8, "loadUnit": "seconds"})
+    groups.pre_request(req("tenant-1 " + "x" * 900), states[0], None)  # ~300 tokens on the slow a
+    groups.pre_request(req("tenant-2 " + "x" * 1500), states[1], None)  # ~500 on the fast b
+    assert list(groups.score(req("tenant-3 new"), states)) == [0.0, 1.0]
+    for plugin in ("token-load-scorer", "prefix-group-balance-scorer", "prefix-cache-affinity-filter"):
+        with pytest.raises(ValueError, match="loadUnit must be one of tokens, seconds"):
+            create_plugin(plugin, {"loadUnit": "minutes"})
+
+
 # -------------------------------------------------------------------------------- prefix-group-balance-scorer
 
 def test_group_balance_gives_a_homeless_prefix_to_the_endpoint_with_the_fewest_groups():

@@ -8,6 +8,7 @@ from typing import Any
 # Counts and sizes beyond any real pool (2^40 index bytes, blocks, endpoints): larger is a typo, and would
 # overflow the float and numpy arithmetic the plugins do with them.
 MAX_INT_PARAM = 1 << 40
+LOAD_UNITS = ("tokens", "seconds")  # loadUnit: seconds divides a load by the endpoint's relative speed
 
 
 def _quote(value: Any) -> str:
@@ -65,3 +66,15 @@ def str_param(params: Mapping[str, Any], key: str, default: str, plugin_type: st
         raise ValueError(f"{plugin_type}: parameter {key} must be a string of at most 253 characters, "
                          f"got {_quote(value)}")
     return value
+
+
+def choice_param(params: Mapping[str, Any], key: str, default: str, choices: tuple[str, ...], plugin_type: str) -> str:
+    value = params.get(key, default)
+    if value not in choices:
+        raise ValueError(f"{plugin_type}: parameter {key} must be one of {', '.join(choices)}, got {_quote(value)}")
+    return value
+
+
+def load_unit_param(params: Mapping[str, Any], plugin_type: str) -> str:
+    """loadUnit: tokens (default) or seconds (plugins/_relative_speed.py)."""
+    return choice_param(params, "loadUnit", "tokens", LOAD_UNITS, plugin_type)

@@ -25,10 +25,19 @@ compares the prefill backlog with the prefill tokens saved, both in tokens the s
 rate, so loadTolerance 1 means "leave only when the warm endpoint's first token would come later". Why not
 in-flight tokens: a warm endpoint's in-flight requests are mostly cached and cost it little, yet counted whole
 they broke stickiness under load (`kvgate bench routing`, multi-tenant, 24 req/s: TTFT p90 2.17 s with tokens).
+Pools of mixed speed (loadUnit seconds): a token of backlog on a replica half as fast costs twice the time, so
+both sides of the comparison convert to the fastest replica's seconds with each endpoint's relative prefill speed
+s(e) (plugins/_relative_speed.py, from the datalayer's online rate estimates; 1 for every endpoint of a uniform
+pool, where the rule is the one above):
+
+    w*, c*  = argmin of L(e) / s(e) on each side
+    saved   = (prompt - cached(c*)) / s(c*) - (prompt - cached(w*)) / s(w*)
+    keep only warm   iff   L(w*)/s(w*) - L(c*)/s(c*) ≤ loadTolerance × saved
+
 Parameters: affinityThreshold (0, 1] = 0.80, explorationProbability [0, 1] = 0.01, loadTolerance ≥ 0 = 1.0 (0:
 leave warm endpoints as soon as they carry more load than the coldest; large: always sticky; above 1 values the
-cache a spill would pollute), loadSignal auto | backlog | tokens = auto, prefixScorer = the profile's only prefix
-scorer.
+cache a spill would pollute), loadSignal auto | backlog | tokens = auto, loadUnit tokens | seconds = tokens,
+prefixScorer = the profile's only prefix scorer.
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ import xxhash
 
 from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Filter
-from kvgate.epp.scheduling.plugins._params import check_keys, float_param, str_param
+from kvgate.epp.scheduling.plugins._params import LOAD_UNITS, check_keys, float_param, load_unit_param, str_param
+from kvgate.epp.scheduling.plugins._relative_speed import relative_speed
 from kvgate.epp.scheduling.plugins._prefix_source import (PRODUCES_PICKED_UNCACHED, prefix_tokens,
                                                               record_picked_uncached)
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
@@ -56,8 +66,11 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
 
     def __init__(self, affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD,
                  exploration_probability: float = DEFAULT_EXPLORATION_PROBABILITY, load_tolerance: float = 1.0,
-                 prefix_source_name: str = "", load_signal: str = "auto") -> None:
+                 prefix_source_name: str = "", load_signal: str = "auto", load_unit: str = "tokens") -> None:
         super().__init__()
+        if load_unit not in LOAD_UNITS:
+            raise ValueError(f"load_unit must be one of {', '.join(LOAD_UNITS)}, got {load_unit!r}")
+        self.load_unit = load_unit
         self.affinity_threshold = affinity_threshold
         self.exploration_probability = exploration_probability
         self.load_tolerance = load_tolerance
@@ -73,9 +86,16 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
         if not warm.any() or warm.all():
             return endpoints
         load = self._load(cycle, endpoints)
+        if self.load_unit == "seconds":
+            speed = relative_speed(endpoints, cycle)
+            load = load / speed
         w = _argmin_where(load, warm)
         c = _argmin_where(load, ~warm)
-        if load[w] - load[c] > self.load_tolerance * (cached[w] - cached[c]):
+        if self.load_unit == "seconds":  # the prefill each side would still do, in the fastest replica's seconds
+            saved = (prompt - cached[c]) / speed[c] - (prompt - cached[w]) / speed[w]
+        else:
+            saved = cached[w] - cached[c]
+        if load[w] - load[c] > self.load_tolerance * saved:
             return endpoints
         return [e for e, keep in zip(endpoints, warm) if keep]
 
@@ -103,10 +123,11 @@ def _argmin_where(values: np.ndarray, mask: np.ndarray) -> int:
 def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
     t = PrefixCacheAffinityFilter.type_name
     params = check_keys(parameters, {"affinityThreshold", "explorationProbability", "loadTolerance",
-                                     "loadSignal", "prefixScorer"}, t)
+                                     "loadSignal", "prefixScorer", "loadUnit"}, t)
     signal = params.get("loadSignal", "auto")
     if signal not in LOAD_SIGNALS:
         raise ValueError(f"{t}: parameter loadSignal must be one of {', '.join(LOAD_SIGNALS)}, got {signal!r}")
+    unit = load_unit_param(params, t)
     return PrefixCacheAffinityFilter(
         affinity_threshold=float_param(params, "affinityThreshold", DEFAULT_AFFINITY_THRESHOLD, t, 0.0, 1.0,
                                        min_inclusive=False),
@@ -115,4 +136,5 @@ def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
         load_tolerance=float_param(params, "loadTolerance", 1.0, t, 0.0),
         prefix_source_name=str_param(params, "prefixScorer", "", t),
         load_signal=signal,
+        load_unit=unit,
     )

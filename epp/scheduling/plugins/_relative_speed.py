@@ -1,0 +1,50 @@
+"""Each endpoint's prefill speed relative to the pool's fastest: load signals in seconds instead of tokens.
+
+A pool may mix hardware (two GPU generations behind one InferencePool, or a replica sharing its node): a token of
+prefill backlog on a replica half as fast holds a new request's first token back twice as long. The datalayer
+estimates every engine's prefill rate online from its own counters (datalayer/prefill_rate.py), so a load
+measured in tokens converts to seconds of the fastest replica:
+
+    R(e)    = e's estimated prefill rate (tokens/s); unmeasured (not yet busy long enough, or an engine without the
+              counters): the median of the measured ones; none measured: every endpoint alike
+    s(e)    = R(e) / max R                                      1 for the fastest, 0.5 for one half as fast
+    s(e)    = 1  where s(e) ≥ SAME_SPEED                        closer than that counts as the same hardware
+    load_s(e) = load_tokens(e) / s(e)
+
+Why SAME_SPEED: the estimate of one engine wanders by ±10-15% with its batch mix (a step that also decodes
+computes fewer prompt tokens a second); read as real, that noise would reshuffle a pool of equal replicas, which
+routes exactly as by tokens with every s(e) = 1. A pool whose replicas differ by less than 1/SAME_SPEED (1.25×)
+is treated as uniform.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvgate.epp.scheduling.framework import CycleState
+from kvgate.epp.scheduling.plugins._normalize import per_snapshot
+from kvgate.epp.types import EndpointState
+
+SAME_SPEED = 0.8
+_KEY = "kvgate.relative-speed"
+
+
+def relative_speed(endpoints: list[EndpointState], cycle: CycleState | None = None) -> np.ndarray:
+    """s(e) for `endpoints` (cached in the cycle's snapshot: the rates change only with a scrape)."""
+    return per_snapshot(_KEY, cycle, endpoints, _compute)
+
+
+def _compute(endpoints: list[EndpointState]) -> np.ndarray:
+    rates = np.fromiter((e.metrics.prefill_tokens_per_s or np.nan for e in endpoints), dtype=float,
+                        count=len(endpoints))
+    known = rates[np.isfinite(rates) & (rates > 0)]
+    if known.size == 0:
+        return np.ones(len(endpoints))
+    rates = np.where(np.isfinite(rates) & (rates > 0), rates, np.median(known))
+    speed = rates / rates.max()
+    return np.where(speed >= SAME_SPEED, 1.0, speed)
+
+
+def in_seconds(load: np.ndarray, endpoints: list[EndpointState], cycle: CycleState | None, unit: str) -> np.ndarray:
+    """`load` (tokens, aligned with `endpoints`) as is for unit "tokens", divided by s(e) for "seconds"."""
+    return load if unit == "tokens" else load / relative_speed(endpoints, cycle)
