@@ -150,6 +150,10 @@ def test_short_run_end_to_end(tmp_path):
     epp = cells["approximate"]["epp_time"]
     assert 0 < epp["decision"]["mean_ms"] <= epp["request_path"]["mean_ms"] <= epp["request_path"]["p99_ms_at_most"]
     assert "epp_time" not in cells["round-robin"]
+    # the EPP's prefill-rate estimates, per endpoint it has measured (the sim: 0.2 ms a prompt token, ≤ 5000/s)
+    rates = cells["approximate"]["epp_prefill_rates"]
+    assert set(rates) <= set(cells["approximate"]["served_per_endpoint"]), rates
+    assert all(0 < r < 10_000 for r in rates.values()), rates
     if pin:
         assert result["gateway_cpus"] == [cpus[0]]
         for c in cells.values():  # Envoy (+ the EPP) on the first CPU, the engines on the others

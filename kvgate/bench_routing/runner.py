@@ -82,6 +82,13 @@ def kv_event_counts(families: list) -> dict[str, int]:
             if family.name == "kvgate_epp_kv_events" for s in family.samples if s.name.endswith("_total")}
 
 
+def prefill_rates(families: list) -> dict[str, float]:
+    """The EPP's online prefill-rate estimate per endpoint (tokens/s; endpoints not yet measured left out): what
+    the speed-aware load signals (loadUnit: seconds) divide by."""
+    return {s.labels["endpoint"]: round(s.value, 1) for family in families
+            if family.name == "kvgate_epp_endpoint_prefill_tokens_per_second" for s in family.samples}
+
+
 _LATENCY_SUMS = {"kvgate_epp_latency_prediction_abs_error_seconds": "error",
                  "kvgate_epp_latency_measured_seconds": "measured"}
 
@@ -344,6 +351,8 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
             result["cpus"] = cpus
         if config.kind == "epp" and config.kv_events:
             result["epp_kv_events"] = kv_event_counts(epp_after)
+        if epp_after is not None:
+            result["epp_prefill_rates"] = prefill_rates(epp_after)
         if config.kind == "epp" and epp_replicas > 1:
             time.sleep(0.6)  # a heartbeat: the replicas publish their peer-sync counts with it
             result["epp_peer_sync"] = peer_sync_counts(up)
