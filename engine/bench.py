@@ -49,6 +49,9 @@ def add_bench_engine_parser(sub) -> None:
     p.add_argument("--compare-sync", action="store_true",
                    help="also run kvgate with --no-async-scheduling (each step waits for the one before) on the "
                         "same workload, side by side")
+    p.add_argument("--compare-no-backoff", action="store_true",
+                   help="with --speculative-config: also run the speculation with adaptive drafting off (every "
+                        "step drafts, as in vLLM; EngineConfig.speculative_backoff_threshold 0), side by side")
     p.add_argument("--result-file", default=None, help="also write the results as JSON here")
     add_engine_args(p)
     p.set_defaults(func=run_bench_engine)
@@ -212,7 +215,7 @@ def _spec_decode_summary(before, after) -> dict:
             "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
             "acceptance_rate_per_pos": [round(a / s.num_drafts, 3) if s.num_drafts else 0.0
                                         for a in s.accepted_per_pos],
-            "mean_acceptance_length": s.mean_acceptance_length}
+            "mean_acceptance_length": s.mean_acceptance_length, "num_paused_steps": s.num_paused_steps}
 
 
 def run_bench_engine(args: argparse.Namespace) -> int:
@@ -245,6 +248,8 @@ def run_bench_engine(args: argparse.Namespace) -> int:
     if spec is not None:  # the same run without speculation first: the speed-up's baseline
         runs = [("kvgate", dataclasses.replace(config, speculative_config=None)), ("kvgate_spec", config)]
     workload = args.workload or ("quote" if spec is not None else "random")
+    if args.compare_no_backoff and spec is not None and config.speculative_backoff_threshold > 0:
+        runs.append(("kvgate_spec_no_backoff", dataclasses.replace(config, speculative_backoff_threshold=0.0)))
     if args.compare_eager and not config.enforce_eager:
         runs.append(("kvgate_eager", dataclasses.replace(config, enforce_eager=True)))
     if args.compare_sync and config.async_scheduling is not False:
@@ -312,7 +317,8 @@ def run_bench_engine(args: argparse.Namespace) -> int:
                   f"{s['num_drafts']} drafts, "
                   f"{s['num_accepted_tokens']}/{s['num_draft_tokens']} draft tokens accepted "
                   f"({100 * s['acceptance_rate']:.1f}%; per position {s['acceptance_rate_per_pos']}), "
-                  f"mean acceptance length {s['mean_acceptance_length']:.2f}", flush=True)
+                  f"mean acceptance length {s['mean_acceptance_length']:.2f}; decode steps without drafts by "
+                  f"adaptive drafting {s['num_paused_steps']}", flush=True)
         if decode["decode_steps"]:
             print(f"    decode-only steps: {decode['decode_steps']} (mean batch {decode['mean_batch']:.0f}), "
                   f"{decode['mean_step_ms']:.2f} ms a step ({decode['mean_execute_ms']:.2f} ms in the runner; host "
@@ -334,6 +340,12 @@ def run_bench_engine(args: argparse.Namespace) -> int:
               f"speed-up {s['speedup_vs_no_speculation']:.2f}x against the same run without speculation "
               f"({results['kvgate']['seconds']:.2f} s -> {s['seconds']:.2f} s); greedy outputs identical: "
               f"{s['greedy_identical_to_kvgate']}", flush=True)
+        if "kvgate_spec_no_backoff" in results:
+            s = results["kvgate_spec_no_backoff"]
+            s["speedup_vs_no_speculation"] = results["kvgate"]["seconds"] / s["seconds"]
+            print(f"  without adaptive drafting: mean acceptance length "
+                  f"{s['spec_decode']['mean_acceptance_length']:.2f}, speed-up {s['speedup_vs_no_speculation']:.2f}x "
+                  f"({s['seconds']:.2f} s); greedy outputs identical: {s['greedy_identical_to_kvgate']}", flush=True)
 
     baselines = {"both": ["single", "batched"], "none": []}.get(args.baselines, args.baselines.split(","))
     hf_single = hf_outputs = None

@@ -76,6 +76,10 @@ class EngineConfig:
     lora_modules: tuple = ()
     # vLLM's --speculative-config: a SpeculativeConfig (spec_decode.py), or its dict; None = no speculation.
     speculative_config: object | None = None
+    # Adaptive drafting (spec_decode.DraftBackoff; no vLLM counterpart, so not a --speculative-config key): a request
+    # whose moving average of accepted drafts per drafted step falls below this pauses drafting, for pauses that
+    # double while probes fail; 0 drafts every step (vLLM's behaviour). Applies to ngram and draft_model alike.
+    speculative_backoff_threshold: float = 0.25
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
@@ -88,6 +92,9 @@ class EngineConfig:
             # A step's drafts are proposed from the request's tokens, which async scheduling does not have yet.
             if self.async_scheduling:
                 raise ConfigError("speculative decoding runs with synchronous scheduling: drop --async-scheduling")
+        threshold = self.speculative_backoff_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
+            raise ConfigError(f"speculative_backoff_threshold must be a number >= 0, got {threshold!r}")
         if self.backend not in ("torch", "sim"):
             raise ConfigError(f"backend must be torch or sim, got {self.backend!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_threads"):

@@ -35,7 +35,7 @@ from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.runner import Runner, StepResult, load_model
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import Scheduler, SchedulerOutput
-from kvgate.engine.spec_decode import NgramProposer, SpecDecodeStats
+from kvgate.engine.spec_decode import DraftBackoff, NgramProposer, SpecDecodeStats
 from kvgate.engine.structured_output import StructuredOutputManager
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,8 @@ class LLMEngine:
         if config.speculative_config is not None:
             self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * config.speculative_config.num_speculative_tokens)
             self.scheduler.spec_stats = self.spec_stats
+            if config.speculative_backoff_threshold > 0:
+                self.scheduler.draft_backoff = DraftBackoff(config.speculative_backoff_threshold, self.spec_stats)
         self.eos_token_ids = _eos_token_ids(config.model, self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)

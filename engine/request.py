@@ -86,6 +86,8 @@ class Request:
     generator: object | None = field(default=None, repr=False)
     # The speculative proposer's state kept between steps (spec_decode.py: the ngram proposer's NgramIndex).
     spec_state: object | None = field(default=None, repr=False)
+    # Its drafts' acceptance record for adaptive drafting (spec_decode.DraftBackoff); None until it first drafts.
+    draft_backoff: object | None = field(default=None, repr=False)
     # Output tokens its last step added: 1, or more when speculative decoding accepted drafts.
     num_step_tokens: int = 0
 

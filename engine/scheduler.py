@@ -163,6 +163,7 @@ class Scheduler:
         # spec_decode.Proposer (n-grams or a draft model): drafts for decoding requests; None = no speculation
         self.proposer = proposer
         self.spec_stats = None  # spec_decode.SpecDecodeStats when speculating (the engine sets it)
+        self.draft_backoff = None  # spec_decode.DraftBackoff: pauses drafting for requests whose drafts fail
         self.lora = lora  # with LoRA on: a waiting request is admitted only once its adapter holds a slot
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -238,7 +239,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunk: dict[str, int] = {}  # request id -> tokens scheduled this step
         drafts: dict[str, list[int]] = {}  # request id -> draft tokens scheduled after its last token
-        proposer = self.proposer
+        proposer, backoff = self.proposer, self.draft_backoff
 
         # 1. Running requests, oldest first.
         i = 0
@@ -251,7 +252,10 @@ class Scheduler:
                 continue
             num_new = len(request.all_token_ids) + placeholders - request.num_computed_tokens
             draft = None
-            if proposer is not None and num_new == 1 and not placeholders and speculation_eligible(request):
+            # Adaptive drafting (backoff) holds back a request whose drafts keep being rejected: they would cost
+            # K positions a step for nothing (spec_decode.DraftBackoff); outputs are the same either way.
+            if (proposer is not None and num_new == 1 and not placeholders and speculation_eligible(request)
+                    and (backoff is None or backoff.allows(request))):
                 # The proposer's phase one (spec_decode.Proposer). Drafts past max_tokens or the budget would be
                 # computed for nothing.
                 draft = proposer.reserve(request,
@@ -431,6 +435,8 @@ class Scheduler:
         accepted = len(tokens) - 1
         if self.spec_stats is not None:
             self.spec_stats.record(len(s.draft), accepted)
+        if self.draft_backoff is not None:
+            self.draft_backoff.record(request, accepted)
         before = prefill_tokens_pending(request)
         request.num_output_placeholders -= 1
         request.num_computed_tokens -= len(s.draft) - accepted

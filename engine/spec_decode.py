@@ -161,6 +161,65 @@ class NgramProposer(Proposer):
         return self.propose(request.all_token_ids, limit, request.spec_state)
 
 
+class _BackoffState:
+    """A request's drafting record: `estimate` (accepted drafts per drafted step, a moving average), `pause` (the
+    last pause in steps; 0 while drafting every step) and `skip` (steps of the current pause still to wait)."""
+
+    __slots__ = ("estimate", "pause", "skip")
+
+    def __init__(self, estimate: float) -> None:
+        self.estimate, self.pause, self.skip = estimate, 0, 0
+
+
+class DraftBackoff:
+    """Adaptive drafting (EngineConfig.speculative_backoff_threshold): a request whose drafts keep being rejected
+    stops paying for them. Why: a drafted step computes K more positions for the request (a draft model also runs K
+    forwards for it) whether or not anything is accepted, so on text the proposer cannot predict speculation is a
+    pure cost, per request: vLLM drafts every step regardless.
+
+    Per request, `estimate` is the mean number of drafts accepted per drafted step, an exponential moving average
+    (the latest step weighs WEIGHT), starting at PRIOR x the threshold: a request that drafts and accepts nothing
+    falls below the threshold after 3 such steps. Below it, the request stops drafting for `pause` of its decode
+    steps, then drafts again once (a probe): if the estimate is still below, the next pause is twice as long (up to
+    MAX_PAUSE); once it is back at the threshold (from about 0, a probe that accepts 2 x threshold drafts), drafting
+    resumes every step and the pause starts again from FIRST_PAUSE. Steps in which the proposer has no draft (no
+    n-gram match) change nothing: a probe is the next step that has drafts.
+
+    Outputs never change: greedy verification yields the target's argmax whether or not a step drafts, and rejection
+    sampling keeps the target distribution in every step it runs in, whatever decided beforehand to draft."""
+
+    WEIGHT = 0.5
+    PRIOR = 4.0
+    FIRST_PAUSE = 1
+    MAX_PAUSE = 32
+
+    def __init__(self, threshold: float, stats: SpecDecodeStats | None = None) -> None:
+        self.threshold = threshold
+        self.stats = stats  # counts the paused steps (SpecDecodeStats.num_paused_steps)
+
+    def allows(self, request) -> bool:
+        """Whether the request may draft in this step: asked once for each decode step it is scheduled for."""
+        state = request.draft_backoff
+        if state is None or not state.skip:
+            return True
+        state.skip -= 1
+        if self.stats is not None:
+            self.stats.num_paused_steps += 1
+        return False
+
+    def record(self, request, num_accepted: int) -> None:
+        """A drafted step of the request's accepted `num_accepted` drafts."""
+        state = request.draft_backoff
+        if state is None:
+            state = request.draft_backoff = _BackoffState(self.PRIOR * self.threshold)
+        state.estimate += self.WEIGHT * (num_accepted - state.estimate)
+        if state.estimate >= self.threshold:
+            state.pause = 0
+        else:
+            state.pause = min(2 * state.pause, self.MAX_PAUSE) if state.pause else self.FIRST_PAUSE
+            state.skip = state.pause
+
+
 @dataclass
 class SpecDecodeStats:
     """Counters behind vLLM's vllm:spec_decode_* metrics (since the engine started)."""
@@ -169,6 +228,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [K]: drafts accepted at position i
+    num_paused_steps: int = 0  # decode steps in which DraftBackoff held a request's drafting back (not vLLM's)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -181,7 +241,8 @@ class SpecDecodeStats:
         """The counts added after `before` (a copy taken earlier)."""
         return SpecDecodeStats(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
                                self.num_accepted_tokens - before.num_accepted_tokens,
-                               [a - b for a, b in zip(self.accepted_per_pos, before.accepted_per_pos)])
+                               [a - b for a, b in zip(self.accepted_per_pos, before.accepted_per_pos)],
+                               self.num_paused_steps - before.num_paused_steps)
 
     @property
     def mean_acceptance_length(self) -> float:

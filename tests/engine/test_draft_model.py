@@ -68,6 +68,20 @@ def test_the_target_as_its_own_draft_accepts_every_draft(mode, tiny_model_dir):
     assert spec.num_draft_tokens > 100 and spec.num_accepted_tokens == spec.num_draft_tokens, spec
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_with_a_draft_model_paused_by_backoff_matches_hf(mode, tiny_model_dir, draft_dir, hf_reference):
+    """Adaptive drafting with a threshold the one-layer draft often misses (2 accepted drafts a step), so requests
+    pause and probe: the draft then catches up over the tokens it skipped (its K/V written late into the request's
+    blocks, also after preemption and in chunked prefill) and outputs stay identical to HF's."""
+    folder, _ = tiny_model_dir("llama")
+    llm = LLM(str(folder), max_model_len=128, speculative_config=spec_config(draft_dir("llama")),
+              speculative_backoff_threshold=2.0, **MODES[mode])
+    check_speculative_greedy(llm, hf_reference("llama"), "llama", mode)
+    spec = llm.engine.stats().spec_decode
+    # Pauses, and more drafted steps than each request's first 3: probes after pauses (56 against 30 when written).
+    assert spec.num_paused_steps > 0 and spec.num_drafts > 3 * len(repetitive_prompts()), spec
+
+
 def test_sampling_with_a_draft_model_keeps_the_distribution(tiny_model_dir, draft_dir):
     """10k requests each way (20k draws a position), temperature 0.8 and top-k 40: with a draft model whose q differs
     from the target's p (so acceptance is min(1, p/q) and a rejection draws from max(p - q, 0)), the first to fourth

@@ -13,7 +13,8 @@ from kvgate.engine.attention import AttentionMetadata, paged_attention
 from kvgate.engine.block_pool import hash_block_tokens, root_block_hash
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
-from kvgate.engine.spec_decode import NgramProposer, Proposer, SpeculativeConfig, verify_greedy, verify_sampled
+from kvgate.engine.spec_decode import (DraftBackoff, NgramProposer, Proposer, SpecDecodeStats, SpeculativeConfig,
+                                       verify_greedy, verify_sampled)
 from tests.engine.paged_reference import random_paged_batch, reference_attention
 from tests.engine.tiny_models import hf_greedy_by_family
 
@@ -132,6 +133,86 @@ def test_rejected_tokens_never_enter_the_prefix_cache(tiny_model_dir):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain.generate(follow, params)]
 
 
+# -- adaptive drafting ---------------------------------------------------------------------------------------------
+
+
+def drive_backoff(backoff: DraftBackoff, request, accepted, steps: int) -> list[int]:
+    """`steps` decode steps of one request whose every drafted step accepts accepted(i) drafts (i: its drafted
+    steps so far); returns the steps in which it drafted."""
+    drafted = []
+    for step in range(steps):
+        if backoff.allows(request):
+            backoff.record(request, accepted(len(drafted)))
+            drafted.append(step)
+    return drafted
+
+
+def test_backoff_pauses_rejected_drafting_with_doubling_gaps_and_resumes_on_success():
+    class Req:
+        draft_backoff = None
+
+    stats = SpecDecodeStats(accepted_per_pos=[0] * 4)
+    backoff, req = DraftBackoff(0.25, stats), Req()
+    # Every draft rejected: 3 drafted steps bring the estimate (prior 1.0, halved by each) below 0.25, then probes
+    # after pauses of 1, 2, 4, ... steps, capped at 32.
+    drafted = drive_backoff(backoff, req, lambda i: 0, 106)
+    pauses = [b - a - 1 for a, b in zip(drafted, drafted[1:])]
+    assert pauses == [0, 0, 1, 2, 4, 8, 16, 32, 32], drafted
+    assert stats.num_paused_steps == 106 - len(drafted)
+    # A probe that accepts a draft lifts the estimate back over the threshold: drafting resumes every step while
+    # drafts are accepted, and the next pause starts again from 1 step.
+    while backoff.allows(req) is False:
+        pass
+    backoff.record(req, 1)
+    assert drive_backoff(backoff, req, lambda i: 1, 10) == list(range(10))
+    drafted = drive_backoff(backoff, req, lambda i: 0, 16)
+    pauses = [b - a - 1 for a, b in zip(drafted, drafted[1:])]
+    assert drafted[:2] == [0, 1] and [p for p in pauses if p] == [1, 2, 4], drafted
+    # Partial acceptance above the threshold never pauses.
+    req2 = Req()
+    assert drive_backoff(backoff, req2, lambda i: i % 2, 50) == list(range(50))
+
+
+def test_backoff_keeps_greedy_outputs_where_drafts_fail():
+    """The demo model (random weights: it does not continue the text it quotes) with n-grams from 1, so drafts are
+    proposed in most steps and nearly all rejected: with adaptive drafting on, the outputs equal plain greedy's
+    and speculation's without it, drafting pauses (far fewer draft tokens), and the counters add up."""
+    from kvgate.engine.bench import make_quote_workload
+
+    prompts = [{"prompt_token_ids": p} for p in make_quote_workload(8, 96, 160, 256, 0)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    want = [o.outputs[0].token_ids for o in LLM("demo", max_model_len=256).generate(prompts, params)]
+    stats = {}
+    for threshold in (0.0, 0.25):
+        llm = LLM("demo", max_model_len=256, speculative_config=spec, speculative_backoff_threshold=threshold)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want, threshold
+        stats[threshold] = s = llm.engine.stats().spec_decode
+        assert sum(s.accepted_per_pos) == s.num_accepted_tokens <= s.num_draft_tokens <= 4 * s.num_drafts, s
+        assert s.num_accepted_tokens < 0.05 * s.num_draft_tokens, s  # the drafts do fail
+    off, on = stats[0.0], stats[0.25]
+    assert off.num_paused_steps == 0 and on.num_paused_steps > 0.5 * 8 * 64, on
+    assert 0 < on.num_drafts < 0.5 * off.num_drafts, (on, off)  # 74 against 258 when written
+
+
+def test_bench_engine_compares_with_and_without_backoff(tmp_path, capsys):
+    import json
+
+    from kvgate.cli import main
+
+    out = tmp_path / "bench.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}'
+    assert main(["bench", "engine", "--model", "demo", "--baselines", "none", "--num-requests", "2", "--output-len",
+                 "24", "--min-prompt-len", "64", "--max-prompt-len", "96", "--speculative-config", spec,
+                 "--compare-no-backoff", "--result-file", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    on, off = results["kvgate_spec"], results["kvgate_spec_no_backoff"]
+    assert on["greedy_identical_to_kvgate"] == off["greedy_identical_to_kvgate"] == "2/2"
+    assert on["spec_decode"]["num_paused_steps"] > 0 == off["spec_decode"]["num_paused_steps"]
+    assert on["spec_decode"]["num_drafts"] < off["spec_decode"]["num_drafts"]
+    assert "without adaptive drafting" in capsys.readouterr().out
+
+
 # -- sampling keeps the distribution ------------------------------------------------------------------------------
 
 
@@ -182,10 +263,19 @@ class FixedDraft(Proposer):
         return self.draft[:limit]
 
 
-def test_sampling_with_speculation_keeps_the_distribution(tiny_model_dir):
+class PausingBackoff(DraftBackoff):
+    """Adaptive drafting that acts within 4 tokens: from an estimate of 0, a drafted step that accepts nothing
+    pauses the next step, one that accepts a draft does not. So whether a request drafts depends on its earlier
+    random draws: a wrong assumption that this keeps the distribution would show in the later positions."""
+
+    PRIOR = 0.0
+
+
+@pytest.mark.parametrize("adaptive", ["default", "pausing"])
+def test_sampling_with_speculation_keeps_the_distribution(adaptive, tiny_model_dir):
     """10k requests each way (20k draws a position), one prompt (prefix-cached), temperature 0.4: the second to
     fourth tokens' distributions with speculation agree with plain sampling (two-sample chi-square), with drafts both
-    accepted and rejected."""
+    accepted and rejected; also while adaptive drafting pauses requests after their rejections."""
     folder, _ = tiny_model_dir("qwen2")
     prompt = repetitive_prompts()[1]
     params = SamplingParams(temperature=0.4, max_tokens=4, ignore_eos=True)
@@ -197,8 +287,11 @@ def test_sampling_with_speculation_keeps_the_distribution(tiny_model_dir):
     spec = LLM(str(folder), max_model_len=128, max_num_seqs=256, max_num_batched_tokens=1024,
                speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1})
     spec.engine.scheduler.proposer = FixedDraft([common[0][0], Counter(t[2] for t in want).most_common(1)[0][0]])
+    if adaptive == "pausing":
+        spec.engine.scheduler.draft_backoff = PausingBackoff(0.5, spec.engine.spec_stats)
     got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": prompt}] * n, params)]
     stats = spec.engine.stats().spec_decode
+    assert (stats.num_paused_steps > 0.1 * n) == (adaptive == "pausing"), stats
     assert stats.num_accepted_tokens > 0.2 * stats.num_draft_tokens, stats
     assert stats.num_accepted_tokens < stats.num_draft_tokens, stats
     for position in (1, 2, 3):
@@ -300,6 +393,9 @@ def test_speculative_config_defaults_as_vllm():
         EngineConfig(model="x", backend="sim", speculative_config=SPEC)
     with pytest.raises(ConfigError, match="async"):
         EngineConfig(model="x", async_scheduling=True, speculative_config=SPEC)
+    for bad in (-1, "0.5", True, float("nan")):
+        with pytest.raises(ConfigError, match="speculative_backoff_threshold"):
+            EngineConfig(model="x", speculative_config=SPEC, speculative_backoff_threshold=bad)
 
 
 def test_bad_speculative_config_on_the_command_line_is_one_line(tiny_model_dir, capsys):
