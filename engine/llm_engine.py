@@ -64,6 +64,17 @@ class EngineStats:
     waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)
     # Speculative decoding's counters (vLLM's vllm:spec_decode_*); None when it is off.
     spec_decode: SpecDecodeStats | None = None
+    # The engine's own prefill timing (kvgate:prefill_tokens_computed / kvgate:prefill_step_seconds): prompt tokens
+    # computed, and the wall seconds of the steps that computed them, each counted whole — how fast this replica
+    # drains a prefill backlog under its batch mix, whatever its load (a router's speed signal).
+    prefill_tokens_computed: int = 0
+    prefill_step_seconds: float = 0.0
+
+
+def prefill_tokens(out: SchedulerOutput) -> int:
+    """Prompt (or recomputed) tokens a step computes: every token of a chunk but the one it samples from and the
+    drafts it verifies — a decode computes none."""
+    return sum(s.num_new_tokens - (1 + len(s.draft or ())) if s.samples else s.num_new_tokens for s in out.scheduled)
 
 
 @dataclass(eq=False)
@@ -160,6 +171,8 @@ class LLMEngine:
             proposer=self._proposer(),
         )
         self.spec_stats: SpecDecodeStats | None = None
+        self.prefill_tokens_computed = 0  # EngineStats' prefill timing
+        self.prefill_step_seconds = 0.0
         if config.speculative_config is not None:
             self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * config.speculative_config.num_speculative_tokens)
             self.scheduler.spec_stats = self.spec_stats
@@ -354,6 +367,7 @@ class LLMEngine:
 
         With async scheduling the tokens returned are those of the batch queued by the step before, taken after
         this step's batch is queued: the host's work on them runs while the device runs this step's batch."""
+        started = time.perf_counter()
         self._admit_built_grammars()
         overlap = self.async_scheduling and self.scheduler.num_host_bound == 0
         outputs = []
@@ -373,6 +387,10 @@ class LLMEngine:
         self._queued = _QueuedStep(out, result, events)
         if not overlap:
             outputs += self._take(final_only)
+        computed = prefill_tokens(out)
+        if computed > 0:  # with async scheduling the wait is for the step before: the same in a steady stream
+            self.prefill_tokens_computed += computed
+            self.prefill_step_seconds += time.perf_counter() - started
         return outputs
 
     def _take(self, final_only: bool) -> list[RequestOutput]:
@@ -467,6 +485,7 @@ class LLMEngine:
             num_prefill_tokens_pending=self.scheduler.num_prefill_tokens_pending,
             spec_decode=dataclasses.replace(self.spec_stats, accepted_per_pos=list(self.spec_stats.accepted_per_pos))
             if self.spec_stats is not None else None,
+            prefill_tokens_computed=self.prefill_tokens_computed, prefill_step_seconds=self.prefill_step_seconds,
             **self._lora_stats(),
         )
 

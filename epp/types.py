@@ -41,8 +41,13 @@ class EndpointMetrics:
     # vllm:prefix_cache_queries_total / _hits_total (tokens, counted at admission); None = not exported
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
-    # the engine's prefill throughput, estimated online from those counters (datalayer/prefill_rate.py)
+    # kvgate engines: kvgate:prefill_tokens_computed_total / kvgate:prefill_step_seconds_total (their own timing)
+    prefill_tokens_computed: float | None = None
+    prefill_step_seconds: float | None = None
+    # the engine's prefill throughput, estimated online from those counters (datalayer/prefill_rate.py); timed:
+    # from the engine's own step timing (exact at any load), else from the prefix-cache counters while busy
     prefill_tokens_per_s: float | None = None
+    prefill_rate_timed: bool = False
     updated_at: float = 0.0  # time.monotonic() of the last successful scrape; 0 = never
 
 

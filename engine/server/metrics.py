@@ -26,6 +26,10 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
 # requests — the exact prefill backlog, updated every engine step. Defined in scheduler.prefill_tokens_pending;
 # requests the server handed to the engine loop that it has not reported yet count in full.
 PREFILL_PENDING = "kvgate:num_prefill_tokens_pending"
+# The engine's own prefill timing, from which a router learns how fast this replica prefills (a pool may mix
+# hardware): prompt tokens computed, and the seconds of the engine steps that computed them.
+PREFILL_TOKENS = "kvgate:prefill_tokens_computed"
+PREFILL_SECONDS = "kvgate:prefill_step_seconds"
 
 
 # vLLM's speculative-decoding counters (only with --speculative-config): name -> (help, SpecDecodeStats field)
@@ -64,7 +68,8 @@ class EngineStatsCollector:
                     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                     "vllm:cache_config_info", "vllm:lora_requests_info", PREFILL_PENDING)] + \
                [CounterMetricFamily(name, name) for name in (
-                   "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions", *SPEC_DECODE)]
+                   "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions", PREFILL_TOKENS,
+                   PREFILL_SECONDS, *SPEC_DECODE)]
 
     def collect(self):
         stats, info = self.llm.stats, self.llm.info
@@ -85,6 +90,13 @@ class EngineStatsCollector:
                                     "from the prefix cache) across waiting and running requests.", labels=labels)
         pending.add_metric(values, self.llm.num_prefill_tokens_pending)
         yield pending
+        computed = CounterMetricFamily(PREFILL_TOKENS, "Prompt tokens whose K/V the engine computed (prefix-cache "
+                                       "hits not counted; recomputation after preemption counted).", labels=labels)
+        seconds = CounterMetricFamily(PREFILL_SECONDS, "Seconds of the engine steps that computed prompt tokens "
+                                      "(each such step counted whole).", labels=labels)
+        computed.add_metric(values, stats.prefill_tokens_computed if stats is not None else 0)
+        seconds.add_metric(values, stats.prefill_step_seconds if stats is not None else 0.0)
+        yield from (computed, seconds)
         if stats is not None:
             running.add_metric(values, stats.num_running)
             # Requests the server accepted that the engine has not picked up yet count as waiting too.

@@ -155,6 +155,7 @@ class EndpointCollector:
                 log.warning("scraping %s failed: %s", self.endpoint.metrics_url, str(e) or type(e).__name__)
             return
         metrics.prefill_tokens_per_s = self.prefill_rate.update(metrics)
+        metrics.prefill_rate_timed = self.prefill_rate.timed and metrics.prefill_tokens_per_s is not None
         self.scrapes += 1
         self.consecutive_failures = 0
         if self.failing:

@@ -34,13 +34,16 @@ class Dialect:
     prefill_pending: Series | None = None  # prompt tokens still to prefill (kvgate's gauge), summed
     prefix_queries: Series | None = None  # prompt tokens looked up in the prefix cache (counter), summed
     prefix_hits: Series | None = None  # of those, found cached (counter), summed
+    prefill_computed: Series | None = None  # prompt tokens the engine computed (kvgate's counter), summed
+    prefill_seconds: Series | None = None  # seconds of the steps that computed them (kvgate's counter), summed
     name_filter: bool = False  # the engine serves prometheus_client's exposition, which honours ?name[]=
 
     def families(self) -> tuple[str, ...]:
         """The sample names this dialect reads, in a stable order."""
         names: list[str] = []
         for series in (*self.waiting, *self.running, *self.kv_usage, self.block_size, self.num_blocks,
-                       self.prefill_pending, self.prefix_queries, self.prefix_hits):
+                       self.prefill_pending, self.prefix_queries, self.prefix_hits, self.prefill_computed,
+                       self.prefill_seconds):
             if series is not None and series.name not in names:
                 names.append(series.name)
         for name in (self.lora_info, self.cache_info):
@@ -74,6 +77,9 @@ DIALECTS: dict[str, Dialect] = {
         prefill_pending=Series("kvgate:num_prefill_tokens_pending"),
         prefix_queries=Series("vllm:prefix_cache_queries_total"),
         prefix_hits=Series("vllm:prefix_cache_hits_total"),
+        # kvgate engines time their own prefill steps: the exact rate where present
+        prefill_computed=Series("kvgate:prefill_tokens_computed_total"),
+        prefill_seconds=Series("kvgate:prefill_step_seconds_total"),
         name_filter=True,
     ),
     "sglang": Dialect(

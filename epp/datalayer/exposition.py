@@ -151,6 +151,10 @@ def parse_metrics(text: str, dialect: Dialect, updated_at: float = 0.0) -> Endpo
         queries, hits = _values(text, dialect.prefix_queries), _values(text, dialect.prefix_hits)
         if queries and hits:
             m.prefix_cache_queries, m.prefix_cache_hits = sum(queries), sum(hits)
+    if dialect.prefill_computed is not None and dialect.prefill_seconds is not None:
+        computed, seconds = _values(text, dialect.prefill_computed), _values(text, dialect.prefill_seconds)
+        if computed and seconds:
+            m.prefill_tokens_computed, m.prefill_step_seconds = sum(computed), sum(seconds)
     return m
 
 

@@ -1,6 +1,15 @@
 """An engine's prefill throughput (prompt tokens computed per second), estimated online from its scrapes.
 
-kvgate engines (like vLLM) count, at admission, the prompt tokens looked up in the prefix cache and those found
+kvgate engines time their own prefill (engine/llm_engine.py): kvgate:prefill_tokens_computed_total counts the
+prompt tokens they computed and kvgate:prefill_step_seconds_total the seconds of the steps that computed them, so
+
+    estimate (timed) = Σ decayed Δtokens / Σ decayed Δseconds
+
+exact at any load: a lightly loaded engine prefills each prompt in its own steps and is timed doing it. Where they
+are exported this is the estimate (EndpointMetrics.prefill_rate_timed), trusted once MIN_BUSY_S of prefill steps
+have been seen.
+
+Otherwise (vLLM engines) the estimate comes from the prefix-cache counters. kvgate engines (like vLLM) count, at admission, the prompt tokens looked up in the prefix cache and those found
 there (vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total); their difference is the prompt tokens the
 engine had to compute. Between two scrapes during which its prefill backlog (kvgate:num_prefill_tokens_pending)
 never emptied, the engine was prefilling the whole time, so
@@ -10,7 +19,12 @@ never emptied, the engine was prefilling the whole time, so
 
 a time-weighted mean over the last ~HALF_LIFE_S seconds of busy time: an admission counted in one interval and
 computed over the next ones (chunked prefill) averages out. No estimate (None) until MIN_BUSY_S of busy time has
-been seen: consumers use their configured default until then. Engines without the counters get None.
+been seen: consumers use their configured default until then. Engines without the counters get None. This one is
+only right while the engine stays backlogged: admissions then follow the compute, but an engine that keeps up
+admits each prompt as it arrives, so its estimate follows its arrivals (measured in `kvgate bench routing
+--workloads mixed-speed-no-reuse`: four replicas given equal shares, two of them 2x slower, all estimated at
+~2100-2200 tokens/s, where the timed estimate separates them) — so the speed-aware load signals
+(scheduling/plugins/_relative_speed.py) read timed estimates only.
 """
 
 from __future__ import annotations
@@ -26,16 +40,25 @@ MIN_BUSY_S = 0.5  # busy seconds observed before the estimate is trusted (10 scr
 class PrefillRateEstimator:
     """One endpoint's estimator; feed it every scrape's metrics in order."""
 
-    __slots__ = ("_last", "_tokens", "_busy", "_trusted")
+    __slots__ = ("_last", "_tokens", "_busy", "_trusted", "_timed", "timed")
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self, timed: bool = False) -> None:
         self._last: tuple[float, float, int] | None = None  # (updated_at, computed tokens, pending)
         self._tokens = 0.0
         self._busy = 0.0
         self._trusted = False  # MIN_BUSY_S seen: the ratio stays valid while idle (both sums decay alike)
+        self._timed: tuple[float, float, float] | None = None  # (updated_at, tokens computed, step seconds)
+        self.timed = timed  # the estimate comes from the engine's own step timing
 
     def update(self, m: EndpointMetrics) -> float | None:
         """The estimate after this scrape (tokens/s), or None while unmeasured."""
+        if m.prefill_tokens_computed is not None and m.prefill_step_seconds is not None:
+            return self._update_timed(m.updated_at, m.prefill_tokens_computed, m.prefill_step_seconds)
+        if self.timed:  # the engine stopped exporting its timing (replaced by another build): start over
+            self._reset()
         if m.prefix_cache_queries is None or m.prefix_cache_hits is None or m.prefill_tokens_pending is None:
             self._last = None
             return self.estimate()
@@ -53,6 +76,22 @@ class PrefillRateEstimator:
             self._tokens += done
             self._busy += dt
             self._trusted = self._trusted or self._busy >= MIN_BUSY_S
+        return self.estimate()
+
+    def _update_timed(self, at: float, tokens: float, seconds: float) -> float | None:
+        if not self.timed:
+            self._reset(timed=True)
+        last, self._timed = self._timed, (at, tokens, seconds)
+        if last is None:
+            return self.estimate()
+        dt, done, spent = at - last[0], tokens - last[1], seconds - last[2]
+        # a clock oddity, a restarted engine (counters reset) or numbers no engine reports: skip the interval
+        if not (dt > 0 and done >= 0 and spent >= 0 and math.isfinite(done) and math.isfinite(spent)):
+            return self.estimate()
+        decay = math.exp(-dt * math.log(2) / HALF_LIFE_S)
+        self._tokens = self._tokens * decay + done
+        self._busy = self._busy * decay + spent
+        self._trusted = self._trusted or self._busy >= MIN_BUSY_S
         return self.estimate()
 
     def estimate(self) -> float | None:

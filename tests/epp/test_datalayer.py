@@ -413,9 +413,10 @@ def test_against_a_real_kvgate_sim_engine(tmp_path):
             assert samples == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
                                "vllm:lora_requests_info", "vllm:cache_config_info",
                                "kvgate:num_prefill_tokens_pending", "vllm:prefix_cache_queries_total",
-                               "vllm:prefix_cache_hits_total"}
+                               "vllm:prefix_cache_hits_total", "kvgate:prefill_tokens_computed_total",
+                               "kvgate:prefill_step_seconds_total"}
             assert m.prefill_tokens_pending == 0 and m.prefix_cache_queries == m.prefix_cache_hits == 0
-            assert "vllm:request_queue_time_seconds" in whole and len(page) < 0.7 * len(whole)  # 3 more families read
+            assert "vllm:request_queue_time_seconds" in whole and len(page) < 0.7 * len(whole)  # 5 more families read
             busy = []
             async with httpx.AsyncClient(timeout=60) as client:
                 body = {"model": "sim-8b", "prompt": "hello " * 200, "max_tokens": 64, "ignore_eos": True}
@@ -433,6 +434,11 @@ def test_against_a_real_kvgate_sim_engine(tmp_path):
             # the engine's prefix-cache counters (the prefill-rate estimator's input) came through the filter
             await wait_until(lambda: (layer.states()[0].metrics.prefix_cache_queries or 0) >= 6 * 200, timeout=5.0)
             assert layer.states()[0].metrics.prefill_tokens_pending == 0
+            # and the engine's own prefill timing, from which the rate comes: the prompt tokens it did not find
+            # cached (six alike), but each prompt's last, which is computed like a decode's
+            m = layer.states()[0].metrics
+            assert 0 < m.prefill_tokens_computed <= m.prefix_cache_queries - m.prefix_cache_hits
+            assert m.prefill_step_seconds > 0
         finally:
             await layer.stop()
 

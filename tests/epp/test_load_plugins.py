@@ -400,6 +400,7 @@ def test_no_hit_lru_without_a_prefix_scorer_treats_every_request_as_cold_and_bou
 
 def ttft_state(address, pending=None, rate=None, running=0):
     m = EndpointMetrics(running_requests=running, prefill_tokens_pending=pending, prefill_tokens_per_s=rate,
+                        prefill_rate_timed=rate is not None,
                         updated_at=time.monotonic())
     return EndpointState(Endpoint(address), m, stale=False)
 
@@ -475,6 +476,31 @@ def test_prefill_rate_counts_only_intervals_busy_throughout():
     assert est.update(EndpointMetrics(updated_at=t + 0.1)) == pytest.approx(rate)  # engine without the metrics
 
 
+def timed_at(t, computed, seconds, pending=0):
+    return EndpointMetrics(prefill_tokens_computed=computed, prefill_step_seconds=seconds,
+                           prefix_cache_queries=0.0, prefix_cache_hits=0.0, prefill_tokens_pending=pending,
+                           updated_at=t)
+
+
+def test_prefill_rate_from_the_engines_own_timing_holds_at_any_load():
+    """kvgate engines time their prefill steps: the rate is tokens ÷ step seconds whether the engine is backlogged
+    or idles between prompts (where the admission-based estimate would follow the arrivals instead)."""
+    est = PrefillRateEstimator()
+    assert est.update(timed_at(0.0, 0, 0.0)) is None and est.timed
+    t, computed, seconds = 0.0, 0, 0.0
+    for _ in range(20):  # one 1000-token prompt a second, prefilled in 0.1 s (10k tokens/s), the engine idle between
+        t, computed, seconds = t + 1.0, computed + 1000, seconds + 0.1
+        rate = est.update(timed_at(t, computed, seconds))
+    assert rate == pytest.approx(10_000)
+    assert est.update(timed_at(t + 5, computed, seconds)) == pytest.approx(10_000)  # idle keeps it
+    assert est.update(timed_at(t + 6, 0, 0.0)) == pytest.approx(10_000)  # a restart (counters reset): skipped
+    for bad in (float("nan"), float("inf")):
+        assert est.update(timed_at(t + 7, bad, 1.0)) == pytest.approx(10_000)
+    # an engine that stops timing itself (replaced by another build) starts over on the old method
+    est.update(metrics_at(t + 8, 0, 100))
+    assert not est.timed and est.estimate() is None
+
+
 def test_the_vllm_dialect_reads_the_backlog_gauge_and_prefix_counters():
     page = ('vllm:num_requests_waiting{model_name="m"} 1.0\n'
             'kvgate:num_prefill_tokens_pending{model_name="m"} 4096.0\n'
@@ -482,6 +508,11 @@ def test_the_vllm_dialect_reads_the_backlog_gauge_and_prefix_counters():
             'vllm:prefix_cache_hits_total{model_name="m"} 3000.0\n')
     m = parse_metrics(page, DIALECTS["vllm"], 1.0)
     assert (m.prefill_tokens_pending, m.prefix_cache_queries, m.prefix_cache_hits) == (4096, 9000.0, 3000.0)
+    assert (m.prefill_tokens_computed, m.prefill_step_seconds) == (None, None)
+    timed = page + ('kvgate:prefill_tokens_computed_total{model_name="m"} 6000.0\n'
+                    'kvgate:prefill_step_seconds_total{model_name="m"} 1.5\n')
+    m = parse_metrics(timed, DIALECTS["vllm"], 1.0)
+    assert (m.prefill_tokens_computed, m.prefill_step_seconds) == (6000.0, 1.5)
     m = parse_metrics('vllm:num_requests_waiting{model_name="m"} 1.0\n', DIALECTS["vllm"], 1.0)
     assert (m.prefill_tokens_pending, m.prefix_cache_queries) == (None, None)
     assert not math.isnan(np.float64(m.waiting_queue_size))

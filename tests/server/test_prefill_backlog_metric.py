@@ -51,4 +51,10 @@ def test_gauge_follows_the_prefill_backlog_exactly(kvgate_cache, engine_loop):
         assert observed <= possible_values(), sorted(observed - possible_values())
         # it moved through the states: with all three queued, then chunk by chunk
         assert max(observed) >= PROMPT * 2 and len(observed - {0}) >= 7, sorted(observed)
-        assert scrape(server.url)["kvgate:num_prefill_tokens_pending"] == 0
+        after = scrape(server.url)
+        assert after["kvgate:num_prefill_tokens_pending"] == 0
+        # the engine timed its own prefill: every prompt token but the last (computed like a decode's), and the
+        # steps that computed them — the sim sleeps its modelled 3 ms a token + 6 ms a step at least
+        computed, seconds = after["kvgate:prefill_tokens_computed_total"], after["kvgate:prefill_step_seconds_total"]
+        assert computed == NUM_PROMPTS * (PROMPT - 1)
+        assert 150 < computed / seconds <= CHUNK / (CHUNK * 0.003 + 0.006), (computed, seconds)

@@ -5,8 +5,9 @@ prefill backlog on a replica half as fast holds a new request's first token back
 estimates every engine's prefill rate online from its own counters (datalayer/prefill_rate.py), so a load
 measured in tokens converts to seconds of the fastest replica:
 
-    R(e)    = e's estimated prefill rate (tokens/s); unmeasured (not yet busy long enough, or an engine without the
-              counters): the median of the measured ones; none measured: every endpoint alike
+    R(e)    = e's prefill rate (tokens/s) as the engine's own step timing gives it; unmeasured (not yet prefilled
+              long enough, or an engine that does not time itself, e.g. vLLM): the median of the measured ones;
+              none measured: every endpoint alike
     s(e)    = R(e) / max R                                      1 for the fastest, 0.5 for one half as fast
     s(e)    = 1  where s(e) ≥ SAME_SPEED                        closer than that counts as the same hardware
     load_s(e) = load_tokens(e) / s(e)
@@ -35,8 +36,10 @@ def relative_speed(endpoints: list[EndpointState], cycle: CycleState | None = No
 
 
 def _compute(endpoints: list[EndpointState]) -> np.ndarray:
-    rates = np.fromiter((e.metrics.prefill_tokens_per_s or np.nan for e in endpoints), dtype=float,
-                        count=len(endpoints))
+    # only rates the engines timed themselves: one inferred from admissions follows the arrivals of an engine that
+    # keeps up (datalayer/prefill_rate.py), and routing by it starves whichever replica got less
+    rates = np.fromiter(((e.metrics.prefill_tokens_per_s or np.nan) if e.metrics.prefill_rate_timed else np.nan
+                         for e in endpoints), dtype=float, count=len(endpoints))
     known = rates[np.isfinite(rates) & (rates > 0)]
     if known.size == 0:
         return np.ones(len(endpoints))
