@@ -9,9 +9,9 @@ exact at any load: a lightly loaded engine prefills each prompt in its own steps
 are exported this is the estimate (EndpointMetrics.prefill_rate_timed), trusted once MIN_BUSY_S of prefill steps
 have been seen.
 
-Otherwise (vLLM engines) the estimate comes from the prefix-cache counters. kvgate engines (like vLLM) count, at admission, the prompt tokens looked up in the prefix cache and those found
-there (vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total); their difference is the prompt tokens the
-engine had to compute. Between two scrapes during which its prefill backlog (kvgate:num_prefill_tokens_pending)
+Otherwise (vLLM engines) the estimate comes from the prefix-cache counters. vLLM (and kvgate) engines count, at
+admission, the prompt tokens looked up in the prefix cache and those found there (vllm:prefix_cache_queries_total,
+vllm:prefix_cache_hits_total); their difference is the prompt tokens the engine had to compute. Between two scrapes during which its prefill backlog (kvgate:num_prefill_tokens_pending)
 never emptied, the engine was prefilling the whole time, so
 
     sample rate  = Δ(queries - hits) / Δt                    (only intervals with backlog at both ends)
