@@ -11,8 +11,9 @@ have been seen.
 
 Otherwise (vLLM engines) the estimate comes from the prefix-cache counters. vLLM (and kvgate) engines count, at
 admission, the prompt tokens looked up in the prefix cache and those found there (vllm:prefix_cache_queries_total,
-vllm:prefix_cache_hits_total); their difference is the prompt tokens the engine had to compute. Between two scrapes during which its prefill backlog (kvgate:num_prefill_tokens_pending)
-never emptied, the engine was prefilling the whole time, so
+vllm:prefix_cache_hits_total); their difference is the prompt tokens the engine had to compute. Between two scrapes
+during which its prefill backlog (kvgate:num_prefill_tokens_pending) never emptied, the engine was prefilling the
+whole time, so
 
     sample rate  = Δ(queries - hits) / Δt                    (only intervals with backlog at both ends)
     estimate     = Σ decayed Δ(queries - hits) / Σ decayed Δt, each term decayed by exp(-age / HALF_LIFE_S·ln2)
