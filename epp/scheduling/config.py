@@ -394,18 +394,21 @@ def parse_duration(value: Any) -> float:
 # `kvgate bench routing`, multi-tenant workload; the numbers are in docs/benchmarks.md): stay on the
 # endpoint that holds the prompt until its prefill backlog costs more than 4x what the hit saves (no random
 # exploration: a needless spill evicts another prefix), score the exact cached prefix from KV events, give a
-# prefix nobody holds to the endpoint serving the fewest prefix groups, and break ties on in-flight tokens. Needs
-# the engines' KV events (`kvgate up --profile kvgate` turns them on; in Kubernetes, spec.engine.kvEvents).
+# prefix nobody holds to the endpoint serving the fewest prefix groups, and break ties on in-flight tokens. Loads
+# in seconds (loadUnit): in a pool of mixed hardware each endpoint's load counts by how fast it prefills, as its
+# engine times itself (kvgate bench routing --shapes mixed-hardware; a uniform pool routes exactly as in tokens).
+# Needs the engines' KV events (`kvgate up --profile kvgate` turns them on; in Kubernetes, spec.engine.kvEvents).
 KVGATE_PROFILE_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
 - type: prefix-cache-affinity-filter
-  parameters: {loadSignal: backlog, loadTolerance: 4, explorationProbability: 0}
+  parameters: {loadSignal: backlog, loadTolerance: 4, explorationProbability: 0, loadUnit: seconds}
 - type: precise-prefix-cache-scorer
 - type: prefix-group-balance-scorer
-  parameters: {balanceBy: tokens}
+  parameters: {balanceBy: tokens, loadUnit: seconds}
 - type: token-load-scorer
+  parameters: {loadUnit: seconds}
 - type: max-score-picker
 schedulingProfiles:
 - name: default
