@@ -104,7 +104,7 @@ CONFIGURATIONS = [
                   kv_events=True),
     RoutingConfig("kvgate", "kvgate's profile for kvgate engines (epp/scheduling/config.py KVGATE_PROFILE_YAML): "
                   "prefix-cache-affinity filter on the exact prefill backlog (loadTolerance 4, no exploration), "
-                  "then precise prefix 3, prefix-group balance 3, token-load 1", "epp", KVGATE_PROFILE_YAML,
+                  "then precise prefix 3, prefix-group balance 3, token-load 1; loads in seconds of prefill", "epp", KVGATE_PROFILE_YAML,
                   kv_events=True),
     RoutingConfig("kvgate-spf", "kvgate's profile + flow control: requests wait in the EPP while every replica has 2 "
                   "waiting (or its KV cache 95% full) and leave shortest prompt first, aged 2 ms per prompt token "

@@ -139,3 +139,29 @@ def test_a_burst_of_sheddable_requests_is_shed_once_it_fills_the_queues_within_t
         director.pick(sheddable[8])
     assert err.value.status == 429
     director.pick(LLMRequest("critical", "m", "m", "c" * 300))  # priority 0 is never shed
+
+
+def test_kvgates_profile_shares_a_mixed_pool_by_prefill_speed():
+    """A pool of mixed hardware (two replicas prefilling half as fast, as their engines time it): kvgate's profile
+    gives the fast ones about twice the work of the slow ones; the same profile in tokens shares it evenly (which
+    left the slow replicas' queues growing: `kvgate bench routing --shapes mixed-hardware`), and a uniform pool
+    whose timed rates differ by a few percent spreads evenly as before."""
+    from kvgate.epp.scheduling.config import KVGATE_PROFILE_YAML
+
+    def shares(profile: str, rates: list[float]) -> list[int]:
+        director, layer = one_round_director(parse_config(profile))
+        for a, rate in zip(ADDRESSES, rates):
+            m = layer._collectors[a].metrics
+            m.prefill_tokens_per_s, m.prefill_rate_timed = rate, True
+        counts = Counter(a for _, a in burst(director, 300))
+        return [counts[a] for a in ADDRESSES]
+
+    fast, slow = 4000.0, 2000.0
+    mixed = shares(KVGATE_PROFILE_YAML, [fast, fast, slow, slow])
+    assert min(mixed[:2]) > 1.7 * max(mixed[2:]), mixed
+    in_tokens = KVGATE_PROFILE_YAML.replace(", loadUnit: seconds}", "}").replace("  parameters: {loadUnit: seconds}\n",
+                                                                                  "")
+    assert "loadUnit" not in in_tokens
+    assert max(shares(in_tokens, [fast, fast, slow, slow])) - min(shares(in_tokens, [fast, fast, slow, slow])) <= 2
+    uniform = shares(KVGATE_PROFILE_YAML, [4000.0, 3900.0, 4100.0, 4000.0])
+    assert max(uniform) - min(uniform) <= 2, uniform
