@@ -240,7 +240,7 @@ def test_affinity_in_seconds_weighs_each_side_by_its_speed():
 
 
 def test_relative_speed_fills_unmeasured_endpoints_and_ignores_small_differences():
-    from kvgate.epp.scheduling.plugins._relative_speed import SAME_SPEED, relative_speed
+    from kvgate.epp.scheduling.plugins._relative_speed import MIN_SPEED, SAME_SPEED, relative_speed
 
     def speeds(*rates):
         return list(relative_speed([ttft_state(f"e{i}:1", rate=r) for i, r in enumerate(rates)]))
@@ -249,6 +249,7 @@ def test_relative_speed_fills_unmeasured_endpoints_and_ignores_small_differences
     assert speeds(4000, 1000, 4000, None) == pytest.approx([1.0, 0.25, 1.0, 1.0])  # unmeasured: the measured median
     assert speeds(1000, 1000 * SAME_SPEED, 1000 * SAME_SPEED - 1) == pytest.approx([1.0, 1.0, SAME_SPEED - 0.001])
     assert speeds(0.0, 500) == [1.0, 1.0]  # a zero rate is no measurement
+    assert speeds(1e12, 1000) == [1.0, MIN_SPEED]  # an absurd claim weighs the others ×10 at most
 
 
 def test_load_scorers_in_seconds_prefer_the_faster_endpoint_for_the_same_tokens():

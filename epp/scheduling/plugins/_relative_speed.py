@@ -10,6 +10,8 @@ measured in tokens converts to seconds of the fastest replica:
               none measured: every endpoint alike
     s(e)    = R(e) / max R                                      1 for the fastest, 0.5 for one half as fast
     s(e)    = 1  where s(e) ≥ SAME_SPEED                        closer than that counts as the same hardware
+    s(e)    ≥ MIN_SPEED (0.1)                                   one engine reporting absurd speed (a bug, a
+                                                                hostile pod) weighs the others' loads ×10 at most
     load_s(e) = load_tokens(e) / s(e)
 
 Why SAME_SPEED: an engine's timed rate moves with its batch mix (a step that also decodes takes longer for its
@@ -29,6 +31,7 @@ from kvgate.epp.scheduling.plugins._normalize import per_snapshot
 from kvgate.epp.types import EndpointState
 
 SAME_SPEED = 0.8
+MIN_SPEED = 0.1
 _KEY = "kvgate.relative-speed"
 
 
@@ -47,7 +50,7 @@ def _compute(endpoints: list[EndpointState]) -> np.ndarray:
         return np.ones(len(endpoints))
     rates = np.where(np.isfinite(rates) & (rates > 0), rates, np.median(known))
     speed = rates / rates.max()
-    return np.where(speed >= SAME_SPEED, 1.0, speed)
+    return np.where(speed >= SAME_SPEED, 1.0, np.maximum(speed, MIN_SPEED))
 
 
 def in_seconds(load: np.ndarray, endpoints: list[EndpointState], cycle: CycleState | None, unit: str) -> np.ndarray:
