@@ -15,7 +15,7 @@ import yaml
 
 from kvgate.bench_routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
 from kvgate.bench_routing.report import add_ratios
-from kvgate.bench_routing.configurations import SIM_ENGINE_ARGS, replica_slowdown_args, sim_engine_args
+from kvgate.bench_routing.configurations import SIM_ENGINE_ARGS, sim_engine_args, slow_replica_args
 from kvgate.bench_routing.workloads import (DEFAULT_KV_TOKENS, SHAPE_SETS, SHAPES, WORKLOADS, arrivals, parse_shape,
                                             with_foreign)
 from kvgate.epp.scheduling.config import parse_config
@@ -207,16 +207,20 @@ def test_shape_sets_and_command_line_shapes():
     for bad, says in (("nope", "unknown workload"), ("multi-tenant:tenants", "knob=value"),
                       ("multi-tenant:colour=3", "knob=value"), ("no-reuse:prompt_len=x", "needs a number"),
                       ("multi-tenant:burstiness=0", "burstiness > 0"), ("no-reuse:slowdown=0.5", "slowdown"),
-                      ("no-reuse:slow_replicas=-1", "slow_replicas")):
+                      ("no-reuse:slow_replicas=-1", "slow_replicas"), ("no-reuse:slow_kv_tokens=100", "slow_kv")):
         with pytest.raises(ValueError, match=says):
             parse_shape(bad)
     assert sim_engine_args(4096)[sim_engine_args(4096).index("--kv-cache-memory") + 1] == str(4096 * 131072)
     assert sim_engine_args(DEFAULT_KV_TOKENS) == SIM_ENGINE_ARGS
     # mixed hardware: the last slow_replicas engines get --sim-slowdown
     mixed = SHAPES["mixed-speed"]
-    args_for = replica_slowdown_args(4, mixed.slow_replicas, mixed.slowdown)
+    args_for = slow_replica_args(4, mixed.slow_replicas, mixed.slowdown)
     assert [args_for(i, "h") for i in range(4)] == [[], [], ["--sim-slowdown", "2"], ["--sim-slowdown", "2"]]
-    assert replica_slowdown_args(4, 0, 1.0)(3, "h") == [] and replica_slowdown_args(2, 4, 3.0)(0, "h") != []
+    assert slow_replica_args(4, 0, 1.0)(3, "h") == [] and slow_replica_args(2, 4, 3.0)(0, "h") != []
+    generations = SHAPES["mixed-generations"]  # older cards: slower and with half the KV
+    slow = slow_replica_args(4, generations.slow_replicas, generations.slowdown, generations.slow_kv_tokens)(3, "h")
+    assert slow[:2] == ["--sim-slowdown", "2"] and slow[2:] == sim_engine_args(4096)
+    assert generations.context_tokens() == 4096 and SHAPES["mixed-speed"].context_tokens() == 8192
 
 
 def test_a_ttft_objective_knob_goes_with_every_request_and_is_judged_at_the_client():

@@ -52,8 +52,8 @@ def _shapes(workloads: str | None, sets: str | None) -> list[WorkloadShape]:
 
 
 def _fits(shape: WorkloadShape, requests) -> None:
-    """Every request fits the sim replicas' context (min(8192, kv_tokens) tokens; a character is a token)."""
-    limit = min(8192, shape.kv_tokens)
+    """Every request fits every sim replica's context (WorkloadShape.context_tokens; a character is a token)."""
+    limit = shape.context_tokens()
     longest = max((len(r.prompt) + r.max_tokens for r in requests), default=0)
     if longest > limit:
         raise SystemExit(f"kvgate bench routing: workload {shape.name!r} has a request of {longest} tokens with its "

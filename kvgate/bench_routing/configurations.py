@@ -43,11 +43,16 @@ def sim_engine_args(kv_tokens: int) -> list[str]:
             "--kv-cache-memory", str(kv_tokens * SIM_BYTES_PER_TOKEN)]
 
 
-def replica_slowdown_args(replicas: int, slow_replicas: int, slowdown: float) -> Callable[[int, str], list[str]]:
-    """launch_local_stack's engine_args_for: the last `slow_replicas` of `replicas` run `slowdown` times slower
-    (a router that breaks ties towards its first worker meets a fast one)."""
+def slow_replica_args(replicas: int, slow_replicas: int, slowdown: float, slow_kv_tokens: int = 0
+                      ) -> Callable[[int, str], list[str]]:
+    """launch_local_stack's engine_args_for: the last `slow_replicas` of `replicas` run `slowdown` times slower,
+    with `slow_kv_tokens` of KV when > 0 (later flags win over SIM_ENGINE_ARGS'); a router that breaks ties towards
+    its first worker meets a fast one."""
     def args_for(i: int, host: str) -> list[str]:
-        return ["--sim-slowdown", f"{slowdown:g}"] if slowdown != 1.0 and i >= replicas - slow_replicas else []
+        if i < replicas - slow_replicas:
+            return []
+        return (["--sim-slowdown", f"{slowdown:g}"] if slowdown != 1.0 else []) + \
+            (sim_engine_args(slow_kv_tokens) if slow_kv_tokens else [])
     return args_for
 
 _HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"

@@ -29,7 +29,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.bench_routing import pinning
-from kvgate.bench_routing.configurations import (SIM_MODEL, RoutingConfig, replica_slowdown_args, router_program,
+from kvgate.bench_routing.configurations import (SIM_MODEL, RoutingConfig, router_program, slow_replica_args,
                                                   sim_engine_args)
 from kvgate.bench_routing.workloads import BenchRequest, WorkloadShape
 from kvgate.chaos.load import Outcome, StreamLoad
@@ -316,7 +316,7 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
         try:
             up, url = _start(workdir, config, replicas, startup_timeout, sim_engine_args(shape.kv_tokens),
                              epp_replicas, epp_peer_sync,
-                             replica_slowdown_args(replicas, shape.slow_replicas, shape.slowdown))
+                             slow_replica_args(replicas, shape.slow_replicas, shape.slowdown, shape.slow_kv_tokens))
             break
         except RuntimeError as exc:  # a process exited or never came up: the stack is stopped
             if attempt + 1 == START_ATTEMPTS:

@@ -18,7 +18,8 @@ sigma; 0: fixed), `output_len` and `output_spread` (each request's max_tokens, l
 coefficient of variation of the gaps between arrivals: 1 is Poisson, above 1 Gamma-distributed gaps, i.e. bursts
 and lulls at the same mean rate), `kv_tokens` (the KV cache of each sim replica, in tokens), `slow_replicas` and
 `slowdown` (the last `slow_replicas` replicas run `slowdown` times slower — every cost of the sim's timing model,
-`--sim-slowdown` — a pool of mixed hardware, e.g. two GPU generations behind one InferencePool).
+`--sim-slowdown` — a pool of mixed hardware, e.g. two GPU generations behind one InferencePool) and `slow_kv_tokens`
+(those replicas' KV cache, when it differs: 0 = kv_tokens).
 
 Shapes are named (SHAPES), grouped in sets (SHAPE_SETS: the tuning set the default profile may be tuned on, and a
 held-out set frozen before any tuning, never used to choose weights), or written on the command line as
@@ -73,6 +74,7 @@ class WorkloadShape:
     kv_tokens: int = DEFAULT_KV_TOKENS
     slow_replicas: int = 0
     slowdown: float = 1.0
+    slow_kv_tokens: int = 0
     # each request states a TTFT objective (llm-d's x-slo-ttft-ms header) of this many ms; 0: none
     ttft_objective_ms: float = 0.0
 
@@ -81,9 +83,11 @@ class WorkloadShape:
             raise ValueError(f"unknown workload kind {self.generator!r}; known: {', '.join(KINDS)}")
         if self.output_len < 1 or self.kv_tokens < 256 or self.burstiness <= 0 or self.length_spread < 0 \
                 or self.output_spread < 0 or self.tenant_skew < 0 or self.ttft_objective_ms < 0 \
-                or self.slow_replicas < 0 or not 1.0 <= self.slowdown <= MAX_SLOWDOWN:
-            raise ValueError(f"workload {self.name!r}: output_len ≥ 1, kv_tokens ≥ 256, burstiness > 0, the "
-                             f"spreads, skew, TTFT objective and slow_replicas ≥ 0, 1 ≤ slowdown ≤ {MAX_SLOWDOWN:g}")
+                or self.slow_replicas < 0 or not 1.0 <= self.slowdown <= MAX_SLOWDOWN \
+                or 0 < self.slow_kv_tokens < 256 or self.slow_kv_tokens < 0:
+            raise ValueError(f"workload {self.name!r}: output_len ≥ 1, kv_tokens and slow_kv_tokens ≥ 256 (0: "
+                             "kv_tokens), burstiness > 0, the spreads, skew, TTFT objective and slow_replicas ≥ 0, "
+                             f"1 ≤ slowdown ≤ {MAX_SLOWDOWN:g}")
 
     @property
     def generator(self) -> str:
@@ -96,6 +100,12 @@ class WorkloadShape:
         if self.generator == "multi-turn":
             return self.conversations * (self.system_len + self.max_turns * (self.question_len + self.reply_len))
         return 0
+
+    def context_tokens(self) -> int:
+        """The longest request (prompt + output) every replica takes: min(8192, the smallest KV cache)."""
+        smallest = min(self.kv_tokens, self.slow_kv_tokens) if self.slow_replicas and self.slow_kv_tokens else \
+            self.kv_tokens
+        return min(8192, smallest)
 
     def knobs(self) -> dict:
         """The shape's settings (for the result file)."""
@@ -149,6 +159,9 @@ SHAPES = {
                           "replicas 2x slower", slow_replicas=2, slowdown=2.0),
     "mixed-speed-no-reuse": _shape("mixed-speed-no-reuse", "no-reuse", "no-reuse on a pool of mixed hardware: 2 of "
                                    "the 4 replicas 2x slower", slow_replicas=2, slowdown=2.0),
+    "mixed-generations": _shape("mixed-generations", "multi-tenant", "multi-tenant on two GPU generations: 2 of the "
+                                "4 replicas 2x slower with half the KV (4096 tokens)", slow_replicas=2, slowdown=2.0,
+                                slow_kv_tokens=4096),
     # held-out-2, frozen on 2026-11-27 before the capacity-aware group balance (prompted by small-kv, which it
     # then no longer judges cleanly) was measured on it
     "small-kv-turns": _shape("small-kv-turns", "multi-turn", "multi-turn on replicas with half the KV (4096 tokens)",
@@ -160,7 +173,7 @@ SHAPE_SETS = {
     "tuning": ("multi-tenant", "multi-turn", "no-reuse", "many-tenants", "bursty-tenants"),
     "held-out": ("hot-tenant", "long-output", "small-kv", "deep-chat", "mixed-lengths"),
     "held-out-2": ("small-kv-turns",),
-    "mixed-hardware": ("mixed-speed", "mixed-speed-no-reuse"),
+    "mixed-hardware": ("mixed-speed", "mixed-speed-no-reuse", "mixed-generations"),
 }
 
 

@@ -316,6 +316,25 @@ def test_group_balance_by_tokens_weighs_each_group_by_its_latest_prompt():
         create_plugin("prefix-group-balance-scorer", {"balanceBy": "bytes"})
 
 
+def test_group_balance_counts_footprints_as_shares_of_each_endpoints_kv():
+    """Mixed hardware: a replica with half the KV cache is given half the groups' footprint (its scraped
+    num_kv_blocks × block_size); equal caches, or caches unknown, change nothing."""
+    def states(blocks_a, blocks_b):
+        return [EndpointState(Endpoint(a), EndpointMetrics(num_kv_blocks=n, kv_block_size=16 if n else None,
+                                                           updated_at=time.monotonic()), stale=False)
+                for a, n in (("a:1", blocks_a), ("b:1", blocks_b))]
+
+    scorer = create_plugin("prefix-group-balance-scorer", {"groupChars": 8, "balanceBy": "tokens"})
+    big_small = states(512, 256)
+    scorer.pre_request(req("tenant-1 " + "x" * 4000), big_small[0], None)  # ~1000 tokens on a (8192 tokens of KV)
+    scorer.pre_request(req("tenant-2 " + "x" * 2400), big_small[1], None)  # ~600 on b (4096): 1200 of a's scale
+    assert list(scorer.score(req("tenant-3 new"), big_small)) == [1.0, 0.0]
+    assert list(scorer.score(req("tenant-3 new"), states(512, 512))) == [0.0, 1.0]
+    assert list(scorer.score(req("tenant-3 new"), states(None, None))) == [0.0, 1.0]
+    scorer.kv_capacity_shares = False  # kvCapacityShares: false
+    assert list(scorer.score(req("tenant-3 new"), big_small)) == [0.0, 1.0]
+
+
 def test_group_balance_token_totals_follow_every_change():
     """The per-endpoint footprint total is kept as groups come, grow, expire and overflow: always their sum."""
     import random

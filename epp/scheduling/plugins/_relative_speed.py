@@ -1,4 +1,5 @@
-"""Each endpoint's prefill speed relative to the pool's fastest: load signals in seconds instead of tokens.
+"""Each endpoint's prefill speed relative to the pool's fastest (load signals in seconds instead of tokens), and its
+KV capacity relative to the pool's largest (cache footprints as shares of what each endpoint holds).
 
 A pool may mix hardware (two GPU generations behind one InferencePool, or a replica sharing its node): a token of
 prefill backlog on a replica half as fast holds a new request's first token back twice as long. The datalayer
@@ -20,6 +21,12 @@ seeds: e.g. 4182 / 4480 tokens/s under multi-tenant load, 4861 / 4861 and 2429 /
 slower replica's difference stands far outside that. Read as real, small differences would reshuffle a pool of equal
 replicas, which with every s(e) = 1 routes exactly as by tokens: a pool whose replicas differ by less than
 1/SAME_SPEED (1.25×) is treated as uniform.
+
+KV capacity, likewise (a 40 GB and an 80 GB card hold different caches):
+
+    C(e)    = e's KV cache in tokens (num_kv_blocks × block_size, from vllm:cache_config_info); unknown: the median of
+              the known ones; none known: every endpoint alike
+    k(e)    = C(e) / max C, 1 where ≥ SAME_SPEED, at least MIN_SPEED
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from kvgate.epp.types import EndpointState
 SAME_SPEED = 0.8
 MIN_SPEED = 0.1
 _KEY = "kvgate.relative-speed"
+_KV_KEY = "kvgate.relative-kv-capacity"
 
 
 def relative_speed(endpoints: list[EndpointState], cycle: CycleState | None = None) -> np.ndarray:
@@ -40,17 +48,34 @@ def relative_speed(endpoints: list[EndpointState], cycle: CycleState | None = No
     return per_snapshot(_KEY, cycle, endpoints, _compute)
 
 
+def relative_kv_capacity(endpoints: list[EndpointState], cycle: CycleState | None = None) -> np.ndarray:
+    """k(e) for `endpoints` (cached in the cycle's snapshot)."""
+    return per_snapshot(_KV_KEY, cycle, endpoints, _compute_kv)
+
+
+def _compute_kv(endpoints: list[EndpointState]) -> np.ndarray:
+    return _relative(np.fromiter((e.metrics.num_kv_blocks * e.metrics.kv_block_size
+                                  if e.metrics.num_kv_blocks and e.metrics.kv_block_size else np.nan
+                                  for e in endpoints), dtype=float, count=len(endpoints)))
+
+
 def _compute(endpoints: list[EndpointState]) -> np.ndarray:
     # only rates the engines timed themselves: one inferred from admissions follows the arrivals of an engine that
     # keeps up (datalayer/prefill_rate.py), and routing by it starves whichever replica got less
     rates = np.fromiter(((e.metrics.prefill_tokens_per_s or np.nan) if e.metrics.prefill_rate_timed else np.nan
                          for e in endpoints), dtype=float, count=len(endpoints))
-    known = rates[np.isfinite(rates) & (rates > 0)]
-    if known.size == 0:
-        return np.ones(len(endpoints))
-    rates = np.where(np.isfinite(rates) & (rates > 0), rates, np.median(known))
-    speed = rates / rates.max()
-    return np.where(speed >= SAME_SPEED, 1.0, np.maximum(speed, MIN_SPEED))
+    return _relative(rates)
+
+
+def _relative(values: np.ndarray) -> np.ndarray:
+    """Each value ÷ the largest, unknown (NaN, ≤ 0) ones at the known median, snapped to 1 within SAME_SPEED and
+    kept ≥ MIN_SPEED."""
+    measured = np.isfinite(values) & (values > 0)
+    if not measured.any():
+        return np.ones(len(values))
+    values = np.where(measured, values, np.median(values[measured]))
+    ratio = values / values.max()
+    return np.where(ratio >= SAME_SPEED, 1.0, np.maximum(ratio, MIN_SPEED))
 
 
 def in_seconds(load: np.ndarray, endpoints: list[EndpointState], cycle: CycleState | None, unit: str) -> np.ndarray:

@@ -19,8 +19,10 @@ cold-picked); this spreads the groups themselves. Parameters: groupChars ≥ 1 =
 affinityThreshold (0, 1] = 0.8 (the affinity filter's), prefixScorer = the profile's only prefix scorer,
 maxGroupsPerEndpoint ≥ 1 = 4096 (memory: the oldest group goes first past it; ~100 bytes a group, so ≤ ~0.4 MB
 an endpoint however many distinct prompts arrive within the window), balanceBy groups | tokens = groups, loadUnit
-tokens | seconds = tokens (seconds: G'(e) / s(e), s(e) the endpoint's relative prefill speed,
-plugins/_relative_speed.py: in a pool of mixed hardware a replica half as fast is given half the groups' traffic).
+tokens | seconds = tokens. In a pool of mixed hardware (plugins/_relative_speed.py) G'(e) counts as a share of e's
+KV capacity relative to the largest, k(e) — a replica with half the KV is given half the groups — and with loadUnit
+seconds of the tighter of k(e) and its relative prefill speed s(e): G'(e) / min(k(e), s(e)); kvCapacityShares
+true | false = true (false: footprints in tokens whatever each endpoint holds).
 
 Why tokens in kvgate's profile: when groups differ in size (conversations of 1 to 10 turns, `kvgate bench routing
 --workloads multi-turn`, 18 req/s, seeds 0-2) counting them piles long ones together; weighing by footprint took
@@ -39,8 +41,9 @@ import xxhash
 
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._normalize import lower_is_better
-from kvgate.epp.scheduling.plugins._params import check_keys, float_param, int_param, load_unit_param, str_param
-from kvgate.epp.scheduling.plugins._relative_speed import in_seconds
+from kvgate.epp.scheduling.plugins._params import (bool_param, check_keys, float_param, int_param, load_unit_param,
+                                                       str_param)
+from kvgate.epp.scheduling.plugins._relative_speed import relative_kv_capacity, relative_speed
 from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
@@ -59,9 +62,10 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
     def __init__(self, group_chars: int = DEFAULT_GROUP_CHARS, window_s: float = DEFAULT_WINDOW_S,
                  affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD, prefix_source_name: str = "",
                  max_groups: int = DEFAULT_MAX_GROUPS, clock: Callable[[], float] = time.monotonic,
-                 balance_by: str = "groups", load_unit: str = "tokens") -> None:
+                 balance_by: str = "groups", load_unit: str = "tokens", kv_capacity_shares: bool = True) -> None:
         super().__init__()
         self.load_unit = load_unit
+        self.kv_capacity_shares = kv_capacity_shares
         if balance_by not in BALANCE_BY:
             raise ValueError(f"balance_by must be one of {', '.join(BALANCE_BY)}, got {balance_by!r}")
         self.balance_by = balance_by
@@ -109,7 +113,12 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         counts = np.empty(n)
         for i, e in enumerate(endpoints):
             counts[i] = self._load(e.address, self._live(e.address, now), group)
-        return lower_is_better(in_seconds(counts, endpoints, cycle, self.load_unit))
+        # the tighter of the endpoint's two resources: its cache (footprints as a share of its KV capacity) and, in
+        # seconds, its speed — a replica with half the KV, or half the speed, is given half the groups
+        share = relative_kv_capacity(endpoints, cycle) if self.kv_capacity_shares else 1.0
+        if self.load_unit == "seconds":
+            share = np.minimum(share, relative_speed(endpoints, cycle))
+        return lower_is_better(counts / share)
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
         tokens = prefix_tokens(self, request, [endpoint], cycle)[0] if self.balance_by == "tokens" else 0
@@ -144,7 +153,7 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
 def factory(parameters: dict | None) -> PrefixGroupBalanceScorer:
     t = PrefixGroupBalanceScorer.type_name
     params = check_keys(parameters, {"groupChars", "windowSeconds", "affinityThreshold", "prefixScorer",
-                                     "maxGroupsPerEndpoint", "balanceBy", "loadUnit"}, t)
+                                     "maxGroupsPerEndpoint", "balanceBy", "loadUnit", "kvCapacityShares"}, t)
     balance_by = params.get("balanceBy", "groups")
     if balance_by not in BALANCE_BY:
         raise ValueError(f"{t}: parameter balanceBy must be one of {', '.join(BALANCE_BY)}, got {balance_by!r}")
@@ -157,4 +166,5 @@ def factory(parameters: dict | None) -> PrefixGroupBalanceScorer:
         max_groups=int_param(params, "maxGroupsPerEndpoint", DEFAULT_MAX_GROUPS, t, 1),
         balance_by=balance_by,
         load_unit=load_unit_param(params, t),
+        kv_capacity_shares=bool_param(params, "kvCapacityShares", True, t),
     )
