@@ -43,28 +43,36 @@ class DraftState:
         self.preemptions = preemptions
 
 
+def resolve_draft(spec: SpeculativeConfig, config, target_hf_config, max_model_len: int) -> tuple[str, object]:
+    """The draft model's folder and HF config, checked against the target (vocabulary, tokenizer, positions) before
+    any of its weights is read."""
+    from kvgate.engine.llm import resolve_model_path  # llm.py imports the engine, which imports this
+
+    path = resolve_model_path(spec.model)
+    hf = load_hf_config(path)
+    draft_vocab, target_vocab = hf.vocab_size, target_hf_config.vocab_size
+    if draft_vocab > target_vocab:
+        raise ConfigError(f"--speculative-config: the draft model's vocab_size {draft_vocab} exceeds the target's "
+                          f"{target_vocab}: the draft must use the target's tokenizer")
+    _check_same_tokenizer(load_tokenizer(path), load_tokenizer(config.model, config.tokenizer))
+    limit = getattr(hf, "max_position_embeddings", None)
+    if limit is not None and limit < max_model_len:
+        raise ConfigError(f"--speculative-config: the draft model's max_position_embeddings {limit} is below "
+                          f"max_model_len {max_model_len}")
+    return path, hf
+
+
 class DraftModelProposer(Proposer):
     def __init__(self, spec: SpeculativeConfig, config, target_hf_config, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, kv_quant) -> None:
-        from kvgate.engine.llm import resolve_model_path  # llm.py imports the engine, which imports this
-
-        path = resolve_model_path(spec.model)
-        hf = load_hf_config(path)
-        draft_vocab, target_vocab = hf.vocab_size, target_hf_config.vocab_size
-        if draft_vocab > target_vocab:
-            raise ConfigError(f"--speculative-config: the draft model's vocab_size {draft_vocab} exceeds the target's "
-                              f"{target_vocab}: the draft must use the target's tokenizer")
-        _check_same_tokenizer(load_tokenizer(path), load_tokenizer(config.model, config.tokenizer))
-        limit = getattr(hf, "max_position_embeddings", None)
-        if limit is not None and limit < max_model_len:
-            raise ConfigError(f"--speculative-config: the draft model's max_position_embeddings {limit} is below "
-                              f"max_model_len {max_model_len}")
+                 max_model_len: int, kv_quant, read_weights: bool = True) -> None:
+        """read_weights False: its parameters allocated, not read (loader.load_model; --print-config's profile)."""
+        path, hf = resolve_draft(spec, config, target_hf_config, max_model_len)
         self.k = spec.num_speculative_tokens
         self.device, self.dtype, self.kv_quant = device, dtype, kv_quant
         self.max_model_len, self.block_size = max_model_len, config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.vocab_size, self.target_vocab_size = draft_vocab, target_vocab
-        self.model = load_model(hf, path, device, dtype, max_model_len)
+        self.vocab_size, self.target_vocab_size = hf.vocab_size, target_hf_config.vocab_size
+        self.model = load_model(hf, path, device, dtype, max_model_len, read_weights=read_weights)
         self.num_layers = hf.num_hidden_layers
         window = self.model.sliding_window
         self.sliding_window = window if window is not None and window < max_model_len else None

@@ -119,11 +119,12 @@ def _eos_token_ids(model_path: str, hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def resolve_config(config: EngineConfig):
+def resolve_config(config: EngineConfig, read_weights: bool = True):
     """The model loaded and every setting resolved, the KV cache sized but not allocated: (LoadedModel, the resolved
     config, max_model_len, KV blocks). The settings (loaded.settings) are logged; `kvgate serve --print-config`
-    prints them instead of serving."""
-    loaded = load_model(config)  # the only place the torch and sim backends differ (runner.py)
+    prints them instead of serving, with read_weights False: the same settings, and no byte of the weights read
+    (runner.plan_model; its runner cannot run a step)."""
+    loaded = load_model(config, read_weights)  # the only place the torch and sim backends differ (runner.py)
     num_blocks = loaded.runner.determine_num_blocks()
     size = num_blocks * loaded.runner.bytes_per_block / 2**20
     loaded.settings.add("kv_cache_blocks", f"{num_blocks} ({size:.1f} MiB)",

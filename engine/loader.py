@@ -97,25 +97,31 @@ class SafetensorsFile:
     The mapping lives as long as this object or any tensor view of it (each view keeps a reference to the mmap
     object), so it is never unmapped under a view: drop them all and it is unmapped."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, map_data: bool = True) -> None:
+        """map_data False: the header alone is read (and checked the same, against the file's size), nothing is
+        mapped and tensor() cannot be called (`kvgate serve --print-config` reads the weights' shapes so)."""
         self.path = Path(path)
+        self._map = None
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size < 8:
                     raise ModelLoadError(f"{self.path}: {size} bytes, too short for a safetensors file")
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                if map_data:
+                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                (header_len,) = struct.unpack("<Q", self._map[:8] if map_data else f.read(8))
+                if header_len > MAX_HEADER_BYTES:
+                    raise ModelLoadError(f"{self.path}: header length {header_len} is over the "
+                                         f"{MAX_HEADER_BYTES >> 20} MiB limit (not a safetensors file, or a corrupt "
+                                         "one)")
+                if 8 + header_len > size:
+                    raise ModelLoadError(f"{self.path}: header length {header_len} runs past the end of the file "
+                                         f"({size} bytes)")
+                raw = bytes(self._map[8:8 + header_len]) if map_data else f.read(header_len)
         except OSError as exc:
-            raise ModelLoadError(f"cannot map {self.path}: {exc}") from None
-        (header_len,) = struct.unpack("<Q", self._map[:8])
-        if header_len > MAX_HEADER_BYTES:
-            raise ModelLoadError(f"{self.path}: header length {header_len} is over the {MAX_HEADER_BYTES >> 20} MiB "
-                                 "limit (not a safetensors file, or a corrupt one)")
-        if 8 + header_len > size:
-            raise ModelLoadError(f"{self.path}: header length {header_len} runs past the end of the file "
-                                 f"({size} bytes)")
+            raise ModelLoadError(f"cannot {'map' if map_data else 'read'} {self.path}: {exc}") from None
         self._data_start = 8 + header_len
-        self.entries = self._parse_header(bytes(self._map[8:self._data_start]), size - self._data_start)
+        self.entries = self._parse_header(raw, size - self._data_start)
 
     def _parse_header(self, raw: bytes, data_len: int) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
         """name -> (dtype, shape, begin, end), begin/end relative to the data section."""
@@ -169,6 +175,8 @@ class SafetensorsFile:
 
     def tensor(self, name: str) -> torch.Tensor:
         """A zero-copy, read-only view of the mapped bytes (never write to it)."""
+        if self._map is None:
+            raise RuntimeError(f"{self.path} was opened for its header only (map_data False)")
         dtype, shape, begin, end = self.entries[name]
         if begin == end:
             return torch.empty(shape, dtype=dtype)
@@ -194,9 +202,10 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def open_safetensors(model_path: str | Path) -> list[SafetensorsFile]:
-    """The folder's safetensors files, mapped and checked; a tensor in two files is a load error."""
-    files = [SafetensorsFile(f) for f in safetensors_files(model_path)]
+def open_safetensors(model_path: str | Path, map_data: bool = True) -> list[SafetensorsFile]:
+    """The folder's safetensors files, mapped (map_data False: their headers only read) and checked; a tensor in
+    two files is a load error."""
+    files = [SafetensorsFile(f, map_data) for f in safetensors_files(model_path)]
     owner: dict[str, Path] = {}
     for f in files:
         for name in f.entries:
@@ -242,11 +251,10 @@ def load_safetensors(model, model_path: str | Path, workers: int = 1) -> None:
         future.result()
 
 
-def load_model(hf_config, model_path: str | Path, device: torch.device, dtype: torch.dtype, max_positions: int,
-               workers: int = 1, weights: Iterator[tuple[str, torch.Tensor]] | None = None):
-    """Our model of hf_config's architecture on `device` in `dtype`, with the folder's weights: built on the meta
-    device, allocated uninitialised, then every parameter written once (load_safetensors). weights: (name, tensor)
-    pairs to load instead of the folder's (the load benchmark's reference loader)."""
+def build_model(hf_config, device: torch.device, dtype: torch.dtype, max_positions: int):
+    """Our model of hf_config's architecture on `device`, its floating-point parameters in `dtype`, allocated but
+    not written (uninitialised): built on the meta device, then allocated. On the meta device nothing is allocated
+    (the shapes and dtypes alone, for checkpoint_weight_bytes)."""
     from kvgate.engine.models import resolve_model_class
     from kvgate.engine.models.layers import RotaryEmbedding
 
@@ -257,14 +265,48 @@ def load_model(hf_config, model_path: str | Path, device: torch.device, dtype: t
     # the same allocation (uninitialised, floating-point tensors in `dtype`) with torch.empty instead.
     model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
     model.tie_weights()
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.reset_buffers(device)
+    if torch.device(device).type != "meta":
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reset_buffers(device)
+    return model
+
+
+def load_model(hf_config, model_path: str | Path, device: torch.device, dtype: torch.dtype, max_positions: int,
+               workers: int = 1, weights: Iterator[tuple[str, torch.Tensor]] | None = None, read_weights: bool = True):
+    """Our model of hf_config's architecture on `device` in `dtype`, with the folder's weights: built and allocated
+    (build_model), then every parameter written once (load_safetensors). weights: (name, tensor) pairs to load
+    instead of the folder's (the load benchmark's reference loader). read_weights False: the parameters stay
+    uninitialised and no byte of the checkpoint is read (`kvgate serve --print-config`'s CUDA memory profile, whose
+    memory use does not depend on the values)."""
+    model = build_model(hf_config, device, dtype, max_positions)
+    if not read_weights:
+        return model.eval()
     if weights is None:
         load_safetensors(model, model_path, workers)
     else:
         model.load_weights(weights)
     return model.eval()
+
+
+def checkpoint_weight_bytes(model, model_path: str | Path) -> tuple[int, int]:
+    """(bytes, tensors) the folder's weights take in `model`'s parameters, each tensor counted at its parameter's
+    dtype (the one the engine casts it to), from the safetensors headers alone: every file's header is read and
+    checked as for a load, and every tensor against the model as load_weights checks it (it belongs to the model,
+    its shape fits, no parameter is left unwritten, a tied LM head is skipped), but no byte of tensor data is read.
+    model: build_model's, on the meta device."""
+    files = open_safetensors(model_path, map_data=False)
+    total = count = 0
+
+    def add(name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
+        nonlocal total, count
+        total += tensor.numel() * dest.element_size()
+        count += 1
+
+    shapes = ((name, torch.empty(shape, dtype=dtype, device="meta"))
+              for f in files for name, (dtype, shape, _, _) in f.entries.items())
+    model.load_weights(shapes, add)
+    return total, count
 
 
 @contextmanager

@@ -33,7 +33,10 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int) -> None:
+                 max_model_len: int, read_weights: bool = True) -> None:
+        """read_weights False: the parameters (the draft model's too) are allocated but not read from the checkpoint
+        (uninitialised), for `kvgate serve --print-config`'s CUDA memory profile: the same runner and allocations
+        as a start, so the same KV cache size, without the time to read the weights."""
         self.config = config
         self.hf_config = hf_config
         self.device = device
@@ -43,7 +46,8 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         if device.type == "cpu":
             keep_large_allocations_in_heap()
-        self.model = model = load_model(hf_config, config.model, device, dtype, max_model_len)
+        self.model = model = load_model(hf_config, config.model, device, dtype, max_model_len,
+                                        read_weights=read_weights)
         self.lora_state = self.lora_layers = None
         if config.enable_lora:  # after the base weights: the wrapped projections keep them as they are
             self.lora_state, self.lora_layers = add_lora_layers(model, config.max_loras, config.max_lora_rank)
@@ -63,12 +67,10 @@ class ModelRunner:
         if spec is not None and spec.method == "draft_model":
             from kvgate.engine.draft_model import DraftModelProposer
 
-            self.draft = DraftModelProposer(spec, config, hf_config, device, dtype, max_model_len, self.kv_quant)
+            self.draft = DraftModelProposer(spec, config, hf_config, device, dtype, max_model_len, self.kv_quant,
+                                            read_weights)
         self.attention_backend = choose_attention_backend(config.attention_backend, device)
-        if (self.kv_quant is not None and self.kv_quant.value_dtype != torch.int8 and self.attention_backend == "triton"
-                and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)):
-            raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype} on the Triton kernels needs fp8 conversions "
-                              "(compute capability 8.9+: Ada, Hopper): use int8, or attention_backend sdpa")
+        check_kv_cache_backend(config.kv_cache_dtype, self.kv_quant, self.attention_backend, device)
         if self.attention_backend == "triton":
             use_fused_kernels(self.model)
         self.inputs = StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
@@ -95,17 +97,8 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         """Blocks the KV cache gets (whether max_model_len fits is auto_config.fit_to_kv_cache's to say)."""
-        cfg = self.config
-        if cfg.num_gpu_blocks_override is not None:
-            num_blocks = cfg.num_gpu_blocks_override
-        elif cfg.kv_cache_memory is not None:
-            num_blocks = cfg.kv_cache_memory // self.bytes_per_block
-        elif self.device.type == "cuda":
-            num_blocks = self._profile_cuda_kv_bytes() // self.bytes_per_block
-        else:
-            full = cfg.max_num_seqs * cdiv(self.max_model_len, self.block_size) * self.bytes_per_block
-            num_blocks = min(CPU_DEFAULT_KV_CACHE_BYTES, full) // self.bytes_per_block
-        return num_blocks
+        return kv_cache_blocks(self.config, self.device, self.bytes_per_block, self.max_model_len,
+                               self._profile_cuda_kv_bytes)
 
     def allocate_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
         self.kv_caches = allocate_kv_caches(self.model, self.num_layers, num_blocks, self.block_size, self.dtype,
@@ -390,6 +383,33 @@ class _ProfileRequest:
         self.num_computed_tokens = 0
         self.num_tokens = n
         self.lora_request = None
+
+
+def kv_cache_is_measured(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the KV cache's size comes from the CUDA memory profile (a forward pass of the loaded model)."""
+    return config.num_gpu_blocks_override is None and config.kv_cache_memory is None and device.type == "cuda"
+
+
+def kv_cache_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int, max_model_len: int,
+                    profile_cuda) -> int:
+    """KV blocks: num_gpu_blocks_override; kv_cache_memory's; on CUDA what profile_cuda() measures (bytes); on CPU
+    CPU_DEFAULT_KV_CACHE_BYTES' or, when fewer, max_num_seqs sequences of max_model_len tokens'. What ModelRunner
+    gets and `kvgate serve --print-config` prints (runner.RunnerPlan) alike."""
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory // bytes_per_block
+    if kv_cache_is_measured(config, device):
+        return profile_cuda() // bytes_per_block
+    full = config.max_num_seqs * cdiv(max_model_len, config.block_size) * bytes_per_block
+    return min(CPU_DEFAULT_KV_CACHE_BYTES, full) // bytes_per_block
+
+
+def check_kv_cache_backend(kv_cache_dtype: str, kv_quant, attention_backend: str, device: torch.device) -> None:
+    if (kv_quant is not None and kv_quant.value_dtype != torch.int8 and attention_backend == "triton"
+            and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ConfigError(f"kv_cache_dtype {kv_cache_dtype} on the Triton kernels needs fp8 conversions "
+                          "(compute capability 8.9+: Ada, Hopper): use int8, or attention_backend sdpa")
 
 
 def choose_attention_backend(name: str, device: torch.device) -> str:

@@ -63,7 +63,9 @@ class LoadedModel:
     settings: Settings  # what was derived so far, and why
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, read_weights: bool = True) -> LoadedModel:
+    """read_weights False (`kvgate serve --print-config`): the same settings without reading a byte of the weights
+    (plan_model)."""
     settings = Settings()
     if config.backend == "sim":
         from kvgate.engine.sim_runner import SimModelRunner, SimProfile, sim_hf_config
@@ -75,8 +77,18 @@ def load_model(config: EngineConfig) -> LoadedModel:
         config = resolve_step_budget(config, max_model_len, settings)
         return LoadedModel(SimModelRunner(config, profile, tokenizer, max_model_len), tokenizer, hf_config,
                            max_model_len, config, settings)
+    if not read_weights:
+        return plan_model(config, settings)
     from kvgate.engine.model_runner import ModelRunner
 
+    hf_config, tokenizer, device, dtype, max_model_len = _resolve_model(config, settings)
+    config = resolve_step_budget(config, max_model_len, settings)
+    runner = ModelRunner(config, hf_config, device, dtype, max_model_len)
+    return LoadedModel(runner, tokenizer, hf_config, max_model_len, config, settings)
+
+
+def _resolve_model(config: EngineConfig, settings: Settings):
+    """What comes before the weights: the HF config and tokenizer, device, threads, dtype and context length."""
     hf_config = load_hf_config(config.model)
     tokenizer = load_tokenizer(config.model, config.tokenizer)
     device = config.resolve_device()
@@ -86,9 +98,76 @@ def load_model(config: EngineConfig) -> LoadedModel:
     dtype, why = resolve_dtype(config, hf_config, device)
     settings.add("dtype", str(dtype).removeprefix("torch."), why)
     max_model_len = config.resolve_max_model_len(hf_config)
+    return hf_config, tokenizer, device, dtype, max_model_len
+
+
+def plan_model(config: EngineConfig, settings: Settings) -> LoadedModel:
+    """load_model's settings without its weights (`kvgate serve --print-config`): the architecture from config.json,
+    the weights' sizes from their safetensors headers (checked against the model as a load checks them, each tensor
+    counted at the dtype the engine casts it to; printed as `weights` and `draft_weights`, which a start does not
+    log), the KV cache's bytes per block from the architecture. Its runner is a RunnerPlan, which sizes the KV cache
+    as ModelRunner does; only a CUDA memory profile needs a ModelRunner, built with its parameters allocated but
+    not read (read_weights False): that profile measures the device's memory after a forward pass, which needs the
+    model on the device, but not the values of its weights."""
+    from kvgate.engine.kv_quant import kv_quant_spec
+    from kvgate.engine.loader import build_model, checkpoint_weight_bytes
+    from kvgate.engine.model_runner import (ModelRunner, check_kv_cache_backend, choose_attention_backend,
+                                            kv_cache_is_measured)
+
+    hf_config, tokenizer, device, dtype, max_model_len = _resolve_model(config, settings)
+    meta = torch.device("meta")
+    model = build_model(hf_config, meta, dtype, max_model_len)
+    _add_weights(settings, "weights", config.model, checkpoint_weight_bytes(model, config.model), dtype)
+    models = [(model, hf_config.num_hidden_layers)]
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        from kvgate.engine.draft_model import resolve_draft
+
+        path, draft_hf = resolve_draft(spec, config, hf_config, max_model_len)
+        draft = build_model(draft_hf, meta, dtype, max_model_len)
+        _add_weights(settings, "draft_weights", path, checkpoint_weight_bytes(draft, path), dtype)
+        models.append((draft, draft_hf.num_hidden_layers))
     config = resolve_step_budget(config, max_model_len, settings)
-    runner = ModelRunner(config, hf_config, device, dtype, max_model_len)
+    if kv_cache_is_measured(config, device):
+        runner = ModelRunner(config, hf_config, device, dtype, max_model_len, read_weights=False)
+    else:
+        kv_quant = kv_quant_spec(config.kv_cache_dtype)
+        check_kv_cache_backend(config.kv_cache_dtype, kv_quant, choose_attention_backend(config.attention_backend,
+                                                                                         device), device)
+        runner = RunnerPlan(config, device, dtype, max_model_len, models, kv_quant)
     return LoadedModel(runner, tokenizer, hf_config, max_model_len, config, settings)
+
+
+def _add_weights(settings: Settings, name: str, path: str, sized: tuple[int, int], dtype: torch.dtype) -> None:
+    nbytes, tensors = sized
+    size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    settings.add(name, size, f"{nbytes} bytes: {tensors} tensors as {str(dtype).removeprefix('torch.')}, from the "
+                 f"safetensors headers in {path}")
+
+
+class RunnerPlan:
+    """A runner's KV-cache sizing without its model: bytes per block from the meta-device models' shapes (the target
+    and a draft model), the blocks as ModelRunner.determine_num_blocks gives them. It cannot run a step."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 models: list[tuple[object, int]], kv_quant) -> None:
+        self.config, self.device, self.dtype, self.max_model_len = config, device, dtype, max_model_len
+        self.models, self.kv_quant = models, kv_quant
+
+    @property
+    def bytes_per_block(self) -> int:
+        from kvgate.engine.kv_quant import kv_bytes_per_block
+
+        return sum(kv_bytes_per_block(model, layers, self.config.block_size, self.dtype, self.kv_quant)
+                   for model, layers in self.models)
+
+    def determine_num_blocks(self) -> int:
+        from kvgate.engine.model_runner import kv_cache_blocks
+
+        return kv_cache_blocks(self.config, self.device, self.bytes_per_block, self.max_model_len, None)
+
+    def close(self) -> None:
+        pass
 
 
 def _sim_tokenizer_path(config: EngineConfig) -> str:

@@ -40,8 +40,10 @@ def add_serve_parser(sub) -> None:
                         "</tool_call>, Hermes 2 Pro / Qwen2.5 / Qwen3 templates)")
     p.add_argument("--print-config", action="store_true",
                    help="print every engine setting with its source (given, or why it was derived from the device "
-                        "and the model) and exit without serving; loads the model but allocates no KV cache (on "
-                        "CUDA the memory profile's forward runs)")
+                        "and the model) and the weights' size, and exit without serving; reads the model's "
+                        "config.json and safetensors headers but not its weights, and allocates no KV cache (on CUDA, "
+                        "unless the KV cache's size is given, the memory profile's forward runs on uninitialised "
+                        "weights)")
     p.add_argument("--uvicorn-log-level", default="warning")
     add_limit_args(p)
     add_engine_args(p)
@@ -102,7 +104,7 @@ def print_config(config) -> int:
     from kvgate.engine.llm_engine import resolve_config
 
     try:
-        loaded, *_ = resolve_config(config)
+        loaded, *_ = resolve_config(config, read_weights=False)
     except EngineError as exc:
         print(f"kvgate serve: error: {exc}", file=sys.stderr)
         return 1

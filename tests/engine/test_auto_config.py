@@ -130,7 +130,7 @@ def test_serve_print_config_prints_every_setting_and_exits(tmp_path):
                         "--port", "1"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     rows = {line.split()[0]: line for line in r.stdout.splitlines()}
-    assert set(rows) == {"device", "cpu_threads", "dtype", "max_num_batched_tokens", "kv_cache_blocks",
+    assert set(rows) == {"device", "cpu_threads", "dtype", "weights", "max_num_batched_tokens", "kv_cache_blocks",
                          "max_model_len", "max_num_seqs"}
     assert rows["max_num_seqs"].split()[1:] == ["8", "(given)"]
     assert rows["cpu_threads"].split()[1:] == ["1", "(given)"]
