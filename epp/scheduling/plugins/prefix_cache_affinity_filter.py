@@ -27,7 +27,7 @@ in-flight tokens: a warm endpoint's in-flight requests are mostly cached and cos
 they broke stickiness under load (`kvgate bench routing`, multi-tenant, 24 req/s: TTFT p90 2.17 s with tokens).
 Pools of mixed speed (loadUnit seconds): a token of backlog on a replica half as fast costs twice the time, so
 both sides of the comparison convert to the fastest replica's seconds with each endpoint's relative prefill speed
-s(e) (plugins/_relative_speed.py, from the datalayer's online rate estimates; 1 for every endpoint of a uniform
+s(e) (plugins/_relative_speed.py, from the engines' own prefill timing; 1 for every endpoint of a uniform
 pool, where the rule is the one above):
 
     w*, c*  = argmin of L(e) / s(e) on each side
