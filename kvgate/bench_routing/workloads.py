@@ -19,7 +19,7 @@ coefficient of variation of the gaps between arrivals: 1 is Poisson, above 1 Gam
 and lulls at the same mean rate), `kv_tokens` (the KV cache of each sim replica, in tokens), `slow_replicas` and
 `slowdown` (the last `slow_replicas` replicas run `slowdown` times slower — every cost of the sim's timing model,
 `--sim-slowdown` — a pool of mixed hardware, e.g. two GPU generations behind one InferencePool) and `slow_kv_tokens`
-(those replicas' KV cache, when it differs: 0 = kv_tokens).
+(those replicas' KV cache, when it differs: 0 = kv_tokens; with slowdown 1 they differ in memory only).
 
 Shapes are named (SHAPES), grouped in sets (SHAPE_SETS: the tuning set the default profile may be tuned on, and a
 held-out set frozen before any tuning, never used to choose weights), or written on the command line as
@@ -162,6 +162,8 @@ SHAPES = {
     "mixed-generations": _shape("mixed-generations", "multi-tenant", "multi-tenant on two GPU generations: 2 of the "
                                 "4 replicas 2x slower with half the KV (4096 tokens)", slow_replicas=2, slowdown=2.0,
                                 slow_kv_tokens=4096),
+    "mixed-kv": _shape("mixed-kv", "multi-tenant", "multi-tenant on cards of two memory sizes: 2 of the 4 replicas "
+                       "with half the KV (4096 tokens), as fast as the others", slow_replicas=2, slow_kv_tokens=4096),
     # held-out-2, frozen on 2026-11-27 before the capacity-aware group balance (prompted by small-kv, which it
     # then no longer judges cleanly) was measured on it
     "small-kv-turns": _shape("small-kv-turns", "multi-turn", "multi-turn on replicas with half the KV (4096 tokens)",
@@ -173,7 +175,7 @@ SHAPE_SETS = {
     "tuning": ("multi-tenant", "multi-turn", "no-reuse", "many-tenants", "bursty-tenants"),
     "held-out": ("hot-tenant", "long-output", "small-kv", "deep-chat", "mixed-lengths"),
     "held-out-2": ("small-kv-turns",),
-    "mixed-hardware": ("mixed-speed", "mixed-speed-no-reuse", "mixed-generations"),
+    "mixed-hardware": ("mixed-speed", "mixed-speed-no-reuse", "mixed-generations", "mixed-kv"),
 }
 
 
