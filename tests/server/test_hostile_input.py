@@ -106,11 +106,13 @@ def test_body_limit_is_413_for_declared_and_chunked_bodies(server):
 
 def test_tokenization_is_off_the_event_loop_and_time_bounded(kvgate_cache):
     """A prompt that takes longer than --tokenize-timeout (0.5 s here) to tokenize is a 400, and while it is
-    being tokenized the server keeps answering (measured: ~0.9 s for this 900 KiB prompt). Its own server: under
-    this max_model_len the prompt is not refused as over-long before it is tokenized whole."""
+    being tokenized the server keeps answering. Its own server: under this max_model_len the prompt is not refused
+    as over-long before it is tokenized whole. The prompt is sized to take well over the timeout on a fast idle
+    machine (2.7 MiB: 1.28-1.32 s to tokenize on 2026-11-27, where the 900 KiB one this test used before took
+    0.33-0.43 s and was, after 0.5 s, no longer refused but served)."""
     async def main(url):
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            slow = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a b " * 230000}))
+            slow = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a b " * 690000}))
             await asyncio.sleep(0.05)
             took = []
             while not slow.done():
@@ -120,7 +122,7 @@ def test_tokenization_is_off_the_event_loop_and_time_bounded(kvgate_cache):
                 await asyncio.sleep(0.02)
             return await slow, sorted(took)
 
-    with KvgateServe("sim", "--backend", "sim", "--sim-max-model-len", str(2**21), "--kv-cache-memory", str(2**40),
+    with KvgateServe("sim", "--backend", "sim", "--sim-max-model-len", str(2**22), "--kv-cache-memory", str(2**40),
                      "--tokenize-timeout", "0.5", cache_dir=kvgate_cache) as server:
         r, took = asyncio.run(main(server.url))
     _assert_error(r, 400, "prompt", "--tokenize-timeout")
