@@ -55,6 +55,7 @@ def slow_replica_args(replicas: int, slow_replicas: int, slowdown: float, slow_k
             (sim_engine_args(slow_kv_tokens) if slow_kv_tokens else [])
     return args_for
 
+
 _HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 
 
