@@ -47,7 +47,8 @@ import xxhash
 
 from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Filter
-from kvgate.epp.scheduling.plugins._params import LOAD_UNITS, check_keys, float_param, load_unit_param, str_param
+from kvgate.epp.scheduling.plugins._params import (LOAD_UNITS, check_keys, choice_param, float_param, load_unit_param,
+                                                       str_param)
 from kvgate.epp.scheduling.plugins._relative_speed import relative_speed
 from kvgate.epp.scheduling.plugins._prefix_source import (PRODUCES_PICKED_UNCACHED, prefix_tokens,
                                                               record_picked_uncached)
@@ -124,9 +125,7 @@ def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
     t = PrefixCacheAffinityFilter.type_name
     params = check_keys(parameters, {"affinityThreshold", "explorationProbability", "loadTolerance",
                                      "loadSignal", "prefixScorer", "loadUnit"}, t)
-    signal = params.get("loadSignal", "auto")
-    if signal not in LOAD_SIGNALS:
-        raise ValueError(f"{t}: parameter loadSignal must be one of {', '.join(LOAD_SIGNALS)}, got {signal!r}")
+    signal = choice_param(params, "loadSignal", "auto", LOAD_SIGNALS, t)
     unit = load_unit_param(params, t)
     return PrefixCacheAffinityFilter(
         affinity_threshold=float_param(params, "affinityThreshold", DEFAULT_AFFINITY_THRESHOLD, t, 0.0, 1.0,

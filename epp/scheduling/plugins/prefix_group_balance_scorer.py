@@ -41,8 +41,8 @@ import xxhash
 
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._normalize import lower_is_better
-from kvgate.epp.scheduling.plugins._params import (bool_param, check_keys, float_param, int_param, load_unit_param,
-                                                       str_param)
+from kvgate.epp.scheduling.plugins._params import (bool_param, check_keys, choice_param, float_param, int_param,
+                                                       load_unit_param, str_param)
 from kvgate.epp.scheduling.plugins._relative_speed import relative_kv_capacity, relative_speed
 from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
@@ -154,9 +154,7 @@ def factory(parameters: dict | None) -> PrefixGroupBalanceScorer:
     t = PrefixGroupBalanceScorer.type_name
     params = check_keys(parameters, {"groupChars", "windowSeconds", "affinityThreshold", "prefixScorer",
                                      "maxGroupsPerEndpoint", "balanceBy", "loadUnit", "kvCapacityShares"}, t)
-    balance_by = params.get("balanceBy", "groups")
-    if balance_by not in BALANCE_BY:
-        raise ValueError(f"{t}: parameter balanceBy must be one of {', '.join(BALANCE_BY)}, got {balance_by!r}")
+    balance_by = choice_param(params, "balanceBy", "groups", BALANCE_BY, t)
     return PrefixGroupBalanceScorer(
         group_chars=int_param(params, "groupChars", DEFAULT_GROUP_CHARS, t, 1),
         window_s=float_param(params, "windowSeconds", DEFAULT_WINDOW_S, t, 0.0, min_inclusive=False),
