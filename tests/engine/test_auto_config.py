@@ -142,22 +142,27 @@ def test_serve_print_config_prints_every_setting_and_exits(tmp_path):
     assert bad.returncode == 1 and "fewer than max_model_len" in bad.stderr
 
 
-def test_served_engine_logs_its_settings_first(tmp_path):
-    """The engine process (spawned) logs at the server's --log-level: its settings come before `engine ready`."""
-    env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+def served_settings(tmp_path: Path, model: str, flags: list[str], env: dict, timeout_s: float) -> list[str]:
+    """`kvgate serve MODEL FLAGS` started until `engine ready` (or its exit, or timeout_s), stopped: the settings
+    lines its engine logged (what follows "auto_config: config: "), in order."""
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([KVGATE, "--log-level", "info", "serve", "demo", "--port", str(free_port("127.0.0.1")),
-                                 "--kv-cache-memory", "64MiB"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen([KVGATE, "--log-level", "info", "serve", model, "--port", str(free_port("127.0.0.1")),
+                                 *flags], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            deadline = time.monotonic() + 90
+            deadline = time.monotonic() + timeout_s
             while "engine ready" not in log_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.2)
         finally:
             stop_group(proc)
-    lines = [line.split("auto_config: config: ", 1)[1] for line in log_path.read_text().splitlines()
-             if "auto_config: config:" in line]
+    return [line.split("auto_config: config: ", 1)[1] for line in log_path.read_text().splitlines()
+            if "auto_config: config:" in line]
+
+
+def test_served_engine_logs_its_settings_first(tmp_path):
+    """The engine process (spawned) logs at the server's --log-level: its settings come before `engine ready`."""
+    env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    lines = served_settings(tmp_path, "demo", ["--kv-cache-memory", "64MiB"], env, 90)
     assert [line.split()[0] for line in lines] == ["device", "cpu_threads", "dtype", "max_num_batched_tokens",
                                                    "kv_cache_blocks", "max_model_len", "max_num_seqs"]
     assert lines[1].split()[1:] == ["1", "(OMP_NUM_THREADS)"]

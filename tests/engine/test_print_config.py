@@ -13,7 +13,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from kvgate.cli import build_parser, main
 from kvgate.engine import loader
 from kvgate.engine.cli_args import engine_config_from_args
 from kvgate.engine.llm import LLM, resolve_model_path
-from kvgate.processes import free_port, stop_group
+from tests.engine.test_auto_config import served_settings
 
 WEIGHT_ROWS = ("weights", "draft_weights")
 # The comparisons in this process run on the CPU: on CUDA the memory profile of a second model in the same process
@@ -230,18 +229,6 @@ def test_print_config_on_cuda(checkpoints, tmp_path, draft):
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     printed = [tuple(line.split(None, 1)) for line in r.stdout.splitlines()]
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([KVGATE, "--log-level", "info", "serve", model, "--port",
-                                 str(free_port("127.0.0.1")), *flags], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            deadline = time.monotonic() + 300
-            while "engine ready" not in log_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-        finally:
-            stop_group(proc)
-    logged = [tuple(line.split("auto_config: config: ", 1)[1].split(None, 1))
-              for line in log_path.read_text().splitlines() if "auto_config: config:" in line]
+    logged = [tuple(line.split(None, 1)) for line in served_settings(tmp_path, model, flags, env, 300)]
     assert dict(printed)["device"].startswith("cuda") and "measured" in dict(printed)["kv_cache_blocks"]
     assert [row for row in printed if row[0] not in WEIGHT_ROWS] == logged
