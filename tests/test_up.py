@@ -189,7 +189,8 @@ def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path, 
         while True:
             text = httpx.get(metrics_url.group(1), timeout=5).text
             stored = metric(text, 'kvgate_epp_kv_events_total\\{event="blocks_stored"\\}')
-            if stored > 0 or time.monotonic() > deadline:
+            # the event counter is live; the index gauge comes from a snapshot the EPP publishes up to 1 s later
+            if (stored > 0 and metric(text, "kvgate_epp_precise_index_blocks") > 0) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert metric(text, "kvgate_epp_kv_events_subscribed_endpoints") == 2, text
