@@ -84,6 +84,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K}' has a "
                         "smaller model of the same tokenizer draft K tokens; drafts are verified in one forward pass "
                         "(default: off)")
+    g.add_argument("--speculative-backoff-threshold", type=float, metavar="ACCEPTED",
+                   default=EngineConfig.speculative_backoff_threshold,
+                   help="adaptive drafting (kvgate's own; vLLM drafts every step): a request whose moving average "
+                        "of drafts accepted per drafted step falls below this pauses drafting, 1, 2, 4 .. 32 steps "
+                        "while probes fail; 0 drafts every step (default: %(default)s; docs/engine.md)")
     lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve PEFT LoRA adapters over the base model, each as a model name (default: off)")
@@ -161,4 +166,6 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         max_cpu_loras=args.max_cpu_loras,
         lora_modules=tuple(args.lora_modules),
         speculative_config=speculative_config,
+        speculative_backoff_threshold=getattr(args, "speculative_backoff_threshold",
+                                              EngineConfig.speculative_backoff_threshold),
     )

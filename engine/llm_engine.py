@@ -202,7 +202,15 @@ class LLMEngine:
         log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (kv cache dtype %s), max_model_len %d, "
                  "async scheduling %s, speculative decoding %s", self.model_name, self.device, self.dtype, num_blocks,
                  config.block_size, config.kv_cache_dtype, self.max_model_len,
-                 "on" if self.async_scheduling else "off", config.speculative_config or "off")
+                 "on" if self.async_scheduling else "off", self._speculation_summary())
+
+    def _speculation_summary(self) -> str:
+        config = self.config
+        if config.speculative_config is None:
+            return "off"
+        threshold = config.speculative_backoff_threshold
+        return (f"{config.speculative_config}, adaptive drafting "
+                + (f"below {threshold:g} accepted drafts per drafted step" if threshold > 0 else "off"))
 
     def _proposer(self):
         """Who drafts for speculative decoding: the n-gram lookup, or the runner's draft model; None = no one."""

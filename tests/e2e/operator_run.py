@@ -151,6 +151,31 @@ def stop_operator(proc: subprocess.Popen | None) -> None:
         proc.wait(timeout=5)
 
 
+def pod_story(k8s, namespace: str, selector: str, lines: int = 12) -> str:
+    """Where each pod of `selector` stands, as the kubelet sees it, for a timeout's message: bound node, phase,
+    conditions, each container's state with its reason, and the rig pod runner's log lines that name the pod
+    (a pod stuck Pending before any container started leaves no log of its own)."""
+    runner_log = getattr(k8s, "dir", None) and Path(k8s.dir) / "logs" / "pod-runner.log"
+    runner_lines = runner_log.read_text(errors="replace").splitlines() if runner_log and runner_log.exists() else []
+    out = []
+    for p in k8s.client.list(CORE["Pod"], namespace, labelSelector=selector)["items"]:
+        md, st = p["metadata"], p.get("status") or {}
+        conds = ", ".join(f"{c['type']}={c['status']}" + (f" ({c['reason']})" if c.get("reason") else "")
+                          for c in st.get("conditions") or [])
+        containers = []
+        for c in st.get("containerStatuses") or []:
+            state, detail = next(iter((c.get("state") or {"unknown": {}}).items()))
+            why = " ".join(str(detail[k]) for k in ("reason", "message", "exitCode") if detail.get(k) is not None)
+            containers.append(f"{c['name']} {state}{' ' + why if why else ''} restarts={c.get('restartCount')}")
+        mine = [line for line in runner_lines if md["name"] in line][-lines:]
+        out.append(f"pod {md['name']} node={p['spec'].get('nodeName')} phase={st.get('phase')} "
+                   f"deleting={bool(md.get('deletionTimestamp'))} conditions [{conds}] "
+                   f"containers [{'; '.join(containers)}]\n  pod runner on it:\n    " + "\n    ".join(mine or ["(nothing)"]))
+    warnings = [line for line in runner_lines if " WARNING " in line or " ERROR " in line][-lines:]
+    out.append("pod runner warnings (last):\n    " + "\n    ".join(warnings or ["(none)"]))
+    return "\n".join(out)
+
+
 def print_log_tail(log_path: Path, chars: int = 6000, what: str = "operator log") -> None:
     if log_path.exists():
         print(f"--- {what} ({log_path}):\n" + log_path.read_text(errors="replace")[-chars:])

@@ -161,6 +161,68 @@ def test_a_pod_keeps_its_volumes_while_the_api_server_is_unreachable(tmp_path):
     assert worker.mounts_ready and "refused" in worker.volume_error.lower(), worker.volume_error
 
 
+def test_a_binding_the_api_server_refuses_is_tried_again(tmp_path, monkeypatch):
+    """A kube-scheduler retries a pod it failed to bind; the rig's runner once logged the failure and left the
+    pod Pending for good (no further watch event comes for a pod nobody bound). The fake API server answers the
+    first binding 500, the second 201; a deleted pod is not bound again."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from k8srig import podrunner
+    monkeypatch.setattr(podrunner, "BIND_RETRY_S", 0.05)
+    bindings: list[str] = []
+    deleted: set[str] = set()
+
+    class FakeApi(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def _answer(self, code: int, doc: dict) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            name = self.path.rsplit("/", 1)[1]
+            md = {"name": name, "namespace": "ns", "uid": f"uid-{name}"}
+            if name in deleted:
+                md["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+            self._answer(200, {"metadata": md, "spec": {"containers": []}})
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            name = self.path.split("/")[-2]
+            bindings.append(name)
+            if bindings.count(name) == 1:
+                self._answer(500, {"kind": "Status", "message": "etcdserver: request timed out", "code": 500})
+            else:
+                self._answer(201, {"kind": "Status", "status": "Success"})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeApi)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    runner = Runner(Client(Kubeconfig(server=f"http://127.0.0.1:{server.server_address[1]}", ca_pem=None)),
+                    node_name="n", run_dir=tmp_path, pod_network="127.99", images=None,
+                    backoff_base_s=1, backoff_cap_s=1)
+    retries = threading.Thread(target=runner.bind_retry_loop, daemon=True)
+    try:
+        deleted.add("gone")
+        for name in ("p", "gone"):
+            runner.bind({"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}"}, "spec": {}})
+        assert set(runner.unbound) == {("ns", "p"), ("ns", "gone")}
+        retries.start()
+        deadline = time.monotonic() + 10
+        while runner.unbound and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not runner.unbound and bindings.count("p") == 2 and bindings.count("gone") == 1, bindings
+    finally:
+        runner.stop_event.set()
+        retries.join(timeout=5)
+        server.shutdown()
+        server.server_close()
+
+
 def test_resource_paths_and_kubeconfig_round_trip(tmp_path):
     pods = Resource("v1", "Pod", "pods", True)
     assert pods.path("ns", "p", "status") == "/api/v1/namespaces/ns/pods/p/status"

@@ -17,8 +17,8 @@ from collections import Counter
 import httpx
 import pytest
 from k8srig.kube import CORE, DEPLOYMENT, ApiError, wait_default_service_account, wait_for
-from operator_run import (TUNED_EPP_CONFIG, condition_status, is_ready, print_log_tail, sample_namespace,
-                          start_operator, stop_operator)
+from operator_run import (TUNED_EPP_CONFIG, condition_status, is_ready, pod_story, print_log_tail,
+                          sample_namespace, start_operator, stop_operator)
 
 pytestmark = pytest.mark.e2e
 MANAGED = "app.kubernetes.io/managed-by=kvgate-operator"
@@ -275,7 +275,11 @@ def test_operator_runs_the_samples(k8s, tmp_path):
             st = dep.get("status") or {}
             return (st.get("observedGeneration") == dep["metadata"]["generation"]
                     and st.get("updatedReplicas") == st.get("replicas") == st.get("readyReplicas") == 1)
-        wait_for(epp_rolled, timeout_s=60, what="the rolled EPP Ready, the old pod gone")
+        try:
+            wait_for(epp_rolled, timeout_s=60, what="the rolled EPP Ready, the old pod gone")
+        except TimeoutError:
+            print(pod_story(k8s, ns, "app.kubernetes.io/name=kvgate-epp,app.kubernetes.io/instance=demo-pool"))
+            raise
         tuned_digest = epp_digest()
         served.clear()
         wait_for(completion_served, timeout_s=60, interval_s=1, what="a completion served by the rolled EPP")

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import pytest
 from k8srig.kube import CORE, DEPLOYMENT, ApiError, wait_default_service_account, wait_for
-from operator_run import (TUNED_EPP_CONFIG, Stages, gateway_serves, is_ready, print_log_tail, sample_namespace,
-                          sample_resources, start_operator, stop_operator)
+from operator_run import (TUNED_EPP_CONFIG, Stages, gateway_serves, is_ready, pod_story, print_log_tail,
+                          sample_namespace, sample_resources, start_operator, stop_operator)
 
 from kvgate.chaos.load import StreamLoad, Tally
 
@@ -218,6 +218,7 @@ def test_rollouts_under_streaming_load(k8s, tmp_path):
         try:
             wait_for(epp_rolled, timeout_s=90, interval_s=0.25, what="the EPP Deployment to roll, Envoy to follow")
         except TimeoutError as e:
+            print(pod_story(k8s, ns, EPP))
             raise TimeoutError(f"{e}; {epp_roll_state(seen, old_epp)}") from None
         epp_ended = time.monotonic()
         mark(f"EPP rolled in {epp_ended - epp_began:.1f}s ({old_epp_ip} -> {envoy_epp_address()}; "

@@ -2,6 +2,7 @@
 non-speculative greedy (and HF) in every scheduling mode, rejection sampling that keeps the target distribution,
 rejected tokens never in the prefix cache, and the flag's validation."""
 
+import logging
 import random
 from collections import Counter
 
@@ -398,7 +399,9 @@ def test_speculative_config_defaults_as_vllm():
             EngineConfig(model="x", speculative_config=SPEC, speculative_backoff_threshold=bad)
 
 
-def test_bad_speculative_config_on_the_command_line_is_one_line(tiny_model_dir, capsys):
+def test_speculation_flags_on_the_command_line(tiny_model_dir, capsys, caplog):
+    """A bad --speculative-config or --speculative-backoff-threshold is a one-line error; the threshold
+    reaches the engine (its start line says which adaptive drafting runs)."""
     from kvgate.cli import main
 
     folder, _ = tiny_model_dir("llama")
@@ -407,7 +410,18 @@ def test_bad_speculative_config_on_the_command_line_is_one_line(tiny_model_dir, 
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "method must be ngram" in err and "Traceback" not in err
     spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}'
-    assert main(["generate", str(folder), "--prompt", "abcabc", "--max-tokens", "6", "--speculative-config", spec]) == 0
+    assert main(["generate", str(folder), "--prompt", "x", "--speculative-config", spec,
+                 "--speculative-backoff-threshold", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "speculative_backoff_threshold must be a number >= 0" in err
+    with caplog.at_level(logging.INFO, logger="kvgate.engine"):
+        assert main(["generate", str(folder), "--prompt", "abcabc", "--max-tokens", "6",
+                     "--speculative-config", spec]) == 0
+        assert main(["generate", str(folder), "--prompt", "abcabc", "--max-tokens", "6",
+                     "--speculative-config", spec, "--speculative-backoff-threshold", "0"]) == 0
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
+    assert "adaptive drafting below 0.25 accepted drafts per drafted step" in ready[0], ready
+    assert "adaptive drafting off" in ready[1], ready
 
 
 def test_spec_decode_metrics_as_vllm_names_them():

@@ -44,6 +44,9 @@ log = logging.getLogger("k8srig.podrunner")
 TICK_S = 0.2                 # worker loop period (probe timing resolution)
 VOLUME_REFRESH_S = 1.0       # how often referenced ConfigMaps/Secrets are re-read
 HEARTBEAT_S = 5.0            # node lease renewal and status heartbeat
+RELIST_S = 30.0              # the pod watch lists every pod anew this often: a missed event or a crashed worker
+                             # strands no pod for long (a watch lasts 30 s: at most ~60 s)
+BIND_RETRY_S = 1.0           # a binding the API server refused is tried again this often (the scheduler's backoff)
 STOP_GRACE_CAP_S = 30.0      # upper bound on any pod's termination grace period here
 PRE_STOP_MIN_TERM_S = 2.0    # the kubelet's extra grace for SIGTERM after preStop used up the period
 HOST_IP = "127.0.0.1"
@@ -531,6 +534,7 @@ class Runner:
         self.stop_event = threading.Event()
         self.workers: dict[tuple[str, str], PodWorker] = {}
         self.workers_lock = threading.Lock()
+        self.unbound: dict[tuple[str, str], str] = {}   # pods whose binding failed: key -> uid (bind_retry_loop)
         self._next_ip = 1
         self.api_port = int(client.config.server.rsplit(":", 1)[1].rstrip("/"))
         self.marker_env = {k: v for k, v in os.environ.items() if k == "K8SRIG_ID"}
@@ -621,15 +625,40 @@ class Runner:
 
     # pods --------------------------------------------------------------------------------------------------
     def bind(self, pod: dict) -> None:
+        """Bind a pending pod to this node. A binding the API server refuses (overloaded, timed out, restarting)
+        is tried again by bind_retry_loop: no further watch event may come for a pod nobody has bound."""
         md = pod["metadata"]
+        key = (md["namespace"], md["name"])
         body = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": md["name"], "uid": md["uid"]},
                 "target": {"apiVersion": "v1", "kind": "Node", "name": self.node_name}}
         try:
             self.client.request("POST", CORE["Pod"].path(md["namespace"], md["name"], "binding"), body)
             log.info("%s/%s: bound to %s", md["namespace"], md["name"], self.node_name)
-        except ApiError as e:
-            if e.status not in (404, 409):
-                log.warning("%s/%s: binding failed: %s", md["namespace"], md["name"], e)
+        except (ApiError, OSError) as e:
+            if getattr(e, "status", None) not in (404, 409):   # 404: gone; 409: already bound
+                log.warning("%s/%s: binding failed (trying again in %.0fs): %s", *key, BIND_RETRY_S, e)
+                with self.workers_lock:
+                    self.unbound[key] = md["uid"]
+                return
+        with self.workers_lock:
+            self.unbound.pop(key, None)
+
+    def bind_retry_loop(self) -> None:
+        while not self.stop_event.wait(BIND_RETRY_S):
+            with self.workers_lock:
+                pending = list(self.unbound.items())
+            for key, uid in pending:
+                try:
+                    pod = self.client.get_or_none(CORE["Pod"], key[1], key[0])
+                except (ApiError, OSError) as e:
+                    log.warning("%s/%s: reading the pod to bind it: %s", *key, e)
+                    continue
+                if (pod is None or pod["metadata"]["uid"] != uid or pod["metadata"].get("deletionTimestamp")
+                        or (pod.get("spec") or {}).get("nodeName")):
+                    with self.workers_lock:
+                        self.unbound.pop(key, None)
+                    continue
+                self.bind(pod)
 
     def observe(self, event_type: str, pod: dict) -> None:
         md, spec = pod["metadata"], pod.get("spec") or {}
@@ -669,10 +698,11 @@ class Runner:
             self.policy.wake()
 
     def pods_loop(self) -> None:
-        rv = None
+        rv, listed_at = None, 0.0
         while not self.stop_event.is_set():
             try:
-                if rv is None:
+                if rv is None or time.monotonic() - listed_at > RELIST_S:
+                    listed_at = time.monotonic()
                     listing = self.client.list(CORE["Pod"])
                     rv = listing["metadata"]["resourceVersion"]
                     seen = set()
@@ -705,6 +735,7 @@ class Runner:
         self.register_node()
         threads = [threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True),
                    threading.Thread(target=self.pods_loop, name="pods", daemon=True),
+                   threading.Thread(target=self.bind_retry_loop, name="bind-retry", daemon=True),
                    threading.Thread(target=ServiceProxy(self.client).run, args=(self.stop_event,),
                                     name="service-proxy", daemon=True)]
         if self.policy is not None:
