@@ -223,6 +223,46 @@ def test_a_binding_the_api_server_refuses_is_tried_again(tmp_path, monkeypatch):
         server.server_close()
 
 
+def test_a_late_event_for_a_pod_run_to_its_end_starts_no_second_worker(tmp_path):
+    """The watch lags a worker's final delete: a MODIFIED event for the deleted pod can arrive after its worker left
+    the runner's table. A second worker then started for the same UID, made the same cgroup path, which the first
+    removed as it left; every NetworkPolicy load failed on the missing path from then on, and each pod created
+    later stayed Pending (CI, `test_rollouts_under_streaming_load`). Now the UID is remembered, a pod whose cgroup is
+    gone is left out of the ruleset, and a worker waiting for the network gives up once its pod is gone."""
+    from types import SimpleNamespace
+    client = Client(Kubeconfig(server=f"http://127.0.0.1:{_free_port()}", ca_pem=None))  # nobody listens there
+    runner = Runner(client, node_name="n", run_dir=tmp_path, pod_network="127.99", images=None,
+                    backoff_base_s=1, backoff_cap_s=1)
+    pod = {"metadata": {"name": "p", "namespace": "ns", "uid": "u1", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+           "spec": {"nodeName": "n", "containers": [{"name": "c", "image": "busybox"}]},
+           "status": {"phase": "Running"}}
+    worker = PodWorker(runner, pod)
+    runner.workers[worker.key] = worker
+    worker.completed = True            # as after its final delete
+    runner.worker_done(worker)
+    runner.observe("MODIFIED", pod)
+    assert runner.workers == {} and "u1" in runner.finished
+
+    crashed = PodWorker(runner, {**pod, "metadata": {**pod["metadata"], "uid": "u2"}})
+    runner.workers[crashed.key] = crashed
+    runner.worker_done(crashed)        # not completed (a crash): the next list may start it again
+    assert "u2" not in runner.finished
+
+    runner.cgroups = SimpleNamespace(nft_path=str)
+    worker.cgroup = tmp_path / "cgroup-removed"
+    assert worker.policy_info() is None
+    worker.cgroup.mkdir()
+    assert worker.policy_info().name == "p"
+
+    runner.policy = SimpleNamespace(sync=lambda: (_ for _ in ()).throw(RuntimeError("nft -f failed")))
+    runner.cgroups = SimpleNamespace(create=lambda uid: tmp_path / f"pod-{uid}")
+    waiting = PodWorker(runner, {**pod, "metadata": {**pod["metadata"], "uid": "u3"}})
+    waiting.mark_gone()
+    began = time.monotonic()
+    assert waiting.join_network(runner.stop_event) is False and waiting.completed
+    assert time.monotonic() - began < 0.5
+
+
 def test_resource_paths_and_kubeconfig_round_trip(tmp_path):
     pods = Resource("v1", "Pod", "pods", True)
     assert pods.path("ns", "p", "status") == "/api/v1/namespaces/ns/pods/p/status"

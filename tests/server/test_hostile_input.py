@@ -104,15 +104,24 @@ def test_body_limit_is_413_for_declared_and_chunked_bodies(server):
     assert _post(server, "/v1/completions", {"prompt": "still fine", "max_tokens": 2}).status_code == 200
 
 
+MAX_PROBE_BODY = 32 * 2**20   # the slow prompt's ceiling (its server takes bodies this large; 2^24 tokens)
+
+
 def test_tokenization_is_off_the_event_loop_and_time_bounded(kvgate_cache):
     """A prompt that takes longer than --tokenize-timeout (0.5 s here) to tokenize is a 400, and while it is
     being tokenized the server keeps answering. Its own server: under this max_model_len the prompt is not refused
-    as over-long before it is tokenized whole. The prompt is sized to take well over the timeout on a fast idle
-    machine (2.7 MiB: 1.28-1.32 s to tokenize on 2026-11-27, where the 900 KiB one this test used before took
-    0.33-0.43 s and was, after 0.5 s, no longer refused but served)."""
+    as over-long before it is tokenized whole. The prompt is sized from the server's own tokenizing speed (a
+    200 KB /tokenize first) to take ~2.5 s, 5x the timeout, at least 2.7 MiB: a fixed 900 KiB prompt once took
+    0.33-0.43 s on a fast idle machine and was, after 0.5 s, no longer refused but served (a million-token
+    prefill that outlived the test)."""
     async def main(url):
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            slow = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a b " * 690000}))
+            probe = "a b " * 50000
+            start = time.monotonic()
+            assert (await client.post("/tokenize", json={"prompt": probe})).status_code == 200
+            per_byte = (time.monotonic() - start) / len(probe)
+            repeats = min(MAX_PROBE_BODY // 4, max(690000, int(2.5 / per_byte / 4)))
+            slow = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a b " * repeats}))
             await asyncio.sleep(0.05)
             took = []
             while not slow.done():
@@ -122,8 +131,9 @@ def test_tokenization_is_off_the_event_loop_and_time_bounded(kvgate_cache):
                 await asyncio.sleep(0.02)
             return await slow, sorted(took)
 
-    with KvgateServe("sim", "--backend", "sim", "--sim-max-model-len", str(2**22), "--kv-cache-memory", str(2**40),
-                     "--tokenize-timeout", "0.5", cache_dir=kvgate_cache) as server:
+    with KvgateServe("sim", "--backend", "sim", "--sim-max-model-len", str(2**25), "--kv-cache-memory", str(2**40),
+                     "--tokenize-timeout", "0.5", "--max-request-body-bytes", str(MAX_PROBE_BODY + 2**20),
+                     cache_dir=kvgate_cache) as server:
         r, took = asyncio.run(main(server.url))
     _assert_error(r, 400, "prompt", "--tokenize-timeout")
     # Tokenized on the loop, /health would wait out the whole tokenization (≥ 0.5 s) and answer once or twice;

@@ -46,6 +46,7 @@ VOLUME_REFRESH_S = 1.0       # how often referenced ConfigMaps/Secrets are re-re
 HEARTBEAT_S = 5.0            # node lease renewal and status heartbeat
 RELIST_S = 30.0              # the pod watch lists every pod anew this often: a missed event or a crashed worker
                              # strands no pod for long (a watch lasts 30 s: at most ~60 s)
+FINISHED_MEMORY_S = 600.0    # how long the runner remembers a pod UID it ran to its end (late events ignored)
 BIND_RETRY_S = 1.0           # a binding the API server refused is tried again this often (the scheduler's backoff)
 STOP_GRACE_CAP_S = 30.0      # upper bound on any pod's termination grace period here
 PRE_STOP_MIN_TERM_S = 2.0    # the kubelet's extra grace for SIGTERM after preStop used up the period
@@ -170,6 +171,7 @@ class PodWorker(threading.Thread):
         self.lock = threading.Lock()
         self.pod = pod
         self.gone = False                   # the API object no longer exists
+        self.completed = False              # ran to the pod's end (deleted, or gone): never to be run again here
         self.ip = runner.allocate_ip()
         self.dir = runner.run_dir / "pods" / f"{md['namespace']}_{md['name']}_{md['uid'][:8]}"
         self.init_slots = [ContainerSlot(c, init=True) for c in pod["spec"].get("initContainers") or []]
@@ -197,7 +199,8 @@ class PodWorker(threading.Thread):
         return podnet.PodCgroups.wrap(argv, self.cgroup) if self.cgroup is not None else argv
 
     def policy_info(self) -> netpol.PodInfo | None:
-        if self.cgroup is None:
+        # No cgroup (yet, or any more): nothing of the pod's to isolate, and nft refuses a rule naming a missing one.
+        if self.cgroup is None or not self.cgroup.is_dir():
             return None
         with self.lock:
             md, spec = self.pod["metadata"], self.pod["spec"]
@@ -455,9 +458,9 @@ class PodWorker(threading.Thread):
             log.exception("%s/%s: worker crashed; stopping its containers", *self.key)
             self.stop_all(1.0)
         finally:
-            self.runner.worker_done(self)
-            if self.cgroup is not None:
+            if self.cgroup is not None:  # before leaving the runner's table: no later worker may share its path
                 podnet.remove_cgroup(self.cgroup)
+            self.runner.worker_done(self)
 
     def join_network(self, stop: threading.Event) -> bool:
         """With NetworkPolicy enforced: the pod's cgroup, and its rules loaded, before any container starts."""
@@ -465,6 +468,10 @@ class PodWorker(threading.Thread):
             return True
         self.cgroup = self.runner.cgroups.create(self.uid)
         while not stop.is_set():
+            with self.lock:
+                if self.gone:
+                    self.completed = True
+                    return False
             try:
                 self.runner.policy.sync()
                 return True
@@ -483,6 +490,7 @@ class PodWorker(threading.Thread):
                 pod, gone = self.pod, self.gone
             if gone:
                 self.stop_all(1.0)
+                self.completed = True
                 return
             if pod["metadata"].get("deletionTimestamp"):
                 grace = self.grace_s()
@@ -499,6 +507,7 @@ class PodWorker(threading.Thread):
                         time.sleep(1)
                         continue
                 log.info("%s/%s: deleted", *self.key)
+                self.completed = True
                 return
             if now >= self.next_volume_refresh:
                 self.refresh_volumes(pod)
@@ -535,6 +544,7 @@ class Runner:
         self.workers: dict[tuple[str, str], PodWorker] = {}
         self.workers_lock = threading.Lock()
         self.unbound: dict[tuple[str, str], str] = {}   # pods whose binding failed: key -> uid (bind_retry_loop)
+        self.finished: dict[str, float] = {}  # uids of pods this node deleted or saw gone -> when (see observe)
         self._next_ip = 1
         self.api_port = int(client.config.server.rsplit(":", 1)[1].rstrip("/"))
         self.marker_env = {k: v for k, v in os.environ.items() if k == "K8SRIG_ID"}
@@ -679,6 +689,12 @@ class Runner:
         if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") and key not in self.workers:
             return
         with self.workers_lock:
+            if md["uid"] in self.finished:
+                # A late event (the watch lags the worker's final delete) for a pod this node already ran to
+                # its end: a kubelet never starts a pod UID twice. (A second worker here once shared the first
+                # one's cgroup path, which the first removed as it left: every NetworkPolicy load then failed
+                # on the missing path, and every pod created after it stayed Pending.)
+                return
             w = self.workers.get(key)
             if w is not None and w.uid != md["uid"]:
                 w.mark_gone()       # an old pod of the same name; its worker finishes on its own
@@ -694,6 +710,11 @@ class Runner:
         with self.workers_lock:
             if self.workers.get(worker.key) is worker:
                 del self.workers[worker.key]
+            if worker.completed:
+                now = time.monotonic()
+                self.finished[worker.uid] = now
+                for uid in [u for u, t in self.finished.items() if now - t > FINISHED_MEMORY_S]:
+                    del self.finished[uid]
         if self.policy is not None:
             self.policy.wake()
 
