@@ -37,10 +37,12 @@ def add_bench_engine_parser(sub) -> None:
     p.add_argument("--baselines", default="single,batched",
                    help="HF runs to compare with: single, batched, both (default) or none")
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--workload", choices=["random", "quote"], default=None,
+    p.add_argument("--workload", choices=["random", "quote", "shared-prefix"], default=None,
                    help="random: random prompts; quote: each prompt is a random text followed by the start of it "
-                        "again, to be continued (repetitive: prompt lookup finds drafts) (default: quote with "
-                        "--speculative-config, else random)")
+                        "again, to be continued (repetitive: prompt lookup finds drafts); shared-prefix: one random "
+                        "text of --min-prompt-len tokens (a system prompt) followed by each prompt's own random "
+                        "tokens, up to --max-prompt-len in all (default: quote with --speculative-config, else "
+                        "random)")
     p.add_argument("--hf-first-tokens", action="store_true",
                    help="check every prompt's first generated token against HF's own forward pass of that prompt "
                         "alone (no padding), also with --baselines none (always done when a baseline runs)")
@@ -52,6 +54,9 @@ def add_bench_engine_parser(sub) -> None:
     p.add_argument("--compare-no-backoff", action="store_true",
                    help="with --speculative-config: also run the speculation with adaptive drafting off (every "
                         "step drafts, as in vLLM; EngineConfig.speculative_backoff_threshold 0), side by side")
+    p.add_argument("--compare-no-draft-reuse", action="store_true",
+                   help="with a draft model: also run the speculation with the draft's prefix reuse off (it computes "
+                        "every request's context itself; draft_model.py), side by side")
     p.add_argument("--result-file", default=None, help="also write the results as JSON here")
     add_engine_args(p)
     p.set_defaults(func=run_bench_engine)
@@ -91,6 +96,15 @@ def make_quote_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list
         text = [rng.randrange(min(vocab, 256)) for _ in range(max(1, (2 * length) // 3))]
         prompts.append((text + text)[:length])
     return prompts
+
+
+def make_shared_prefix_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    """Prompts of one shared random text of lo tokens (a system prompt), each followed by 1 to hi - lo tokens of its
+    own (at least one)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(min(vocab, 256)) for _ in range(lo)]
+    return [prefix + [rng.randrange(min(vocab, 256)) for _ in range(rng.randint(1, max(1, hi - lo)))]
+            for _ in range(n)]
 
 
 def _sync(device) -> None:
@@ -250,6 +264,8 @@ def run_bench_engine(args: argparse.Namespace) -> int:
     workload = args.workload or ("quote" if spec is not None else "random")
     if args.compare_no_backoff and spec is not None and config.speculative_backoff_threshold > 0:
         runs.append(("kvgate_spec_no_backoff", dataclasses.replace(config, speculative_backoff_threshold=0.0)))
+    if args.compare_no_draft_reuse and spec is not None and spec.method == "draft_model":
+        runs.append(("kvgate_spec_no_draft_reuse", config))
     if args.compare_eager and not config.enforce_eager:
         runs.append(("kvgate_eager", dataclasses.replace(config, enforce_eager=True)))
     if args.compare_sync and config.async_scheduling is not False:
@@ -259,10 +275,13 @@ def run_bench_engine(args: argparse.Namespace) -> int:
     for label, run_config in runs:
         llm = LLM.from_config(run_config)
         engine = llm.engine
+        if label == "kvgate_spec_no_draft_reuse":
+            engine.runner.draft.reuse_prefix = False
         device, dtype = engine.device, engine.dtype
         if ours_tokens is None:
             max_prompt = min(args.max_prompt_len, engine.max_model_len - args.output_len)
-            make = make_quote_workload if workload == "quote" else make_workload
+            make = {"quote": make_quote_workload, "shared-prefix": make_shared_prefix_workload}.get(workload,
+                                                                                                  make_workload)
             prompts = make(args.num_requests, min(args.min_prompt_len, max_prompt), max_prompt, engine.vocab_size,
                            args.workload_seed)
             n_out = args.num_requests * args.output_len
@@ -288,6 +307,8 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         timer = StepTimer(engine, bandwidth, weight_bytes(runner.model), kv_bytes_per_token(runner)) \
             if hasattr(runner, "model") else None
         spec_before = engine.stats().spec_decode
+        draft = getattr(runner, "draft", None)  # a draft model's proposer: its own counters (prefix reuse)
+        draft_before = dataclasses.replace(draft.stats) if draft is not None else None
         _sync(device)
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -295,6 +316,8 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - t0
         if spec_before is not None:
             info["spec_decode"] = _spec_decode_summary(spec_before, engine.stats().spec_decode)
+            if draft is not None:
+                info["spec_decode"]["draft_model"] = dataclasses.asdict(draft.stats.since(draft_before))
         if timer is not None:
             timer.close()
         tokens = [o.outputs[0].token_ids for o in outs]
@@ -319,6 +342,10 @@ def run_bench_engine(args: argparse.Namespace) -> int:
                   f"({100 * s['acceptance_rate']:.1f}%; per position {s['acceptance_rate_per_pos']}), "
                   f"mean acceptance length {s['mean_acceptance_length']:.2f}; decode steps without drafts by "
                   f"adaptive drafting {s['num_paused_steps']}", flush=True)
+            if "draft_model" in s:
+                d = s["draft_model"]
+                print(f"    draft model: {d['computed_tokens']} positions computed ({d['catch_up_tokens']} catching up "
+                      f"on context), {d['reused_tokens']} context positions skipped by prefix reuse", flush=True)
         if decode["decode_steps"]:
             print(f"    decode-only steps: {decode['decode_steps']} (mean batch {decode['mean_batch']:.0f}), "
                   f"{decode['mean_step_ms']:.2f} ms a step ({decode['mean_execute_ms']:.2f} ms in the runner; host "
@@ -345,6 +372,13 @@ def run_bench_engine(args: argparse.Namespace) -> int:
             s["speedup_vs_no_speculation"] = results["kvgate"]["seconds"] / s["seconds"]
             print(f"  without adaptive drafting: mean acceptance length "
                   f"{s['spec_decode']['mean_acceptance_length']:.2f}, speed-up {s['speedup_vs_no_speculation']:.2f}x "
+                  f"({s['seconds']:.2f} s); greedy outputs identical: {s['greedy_identical_to_kvgate']}", flush=True)
+        if "kvgate_spec_no_draft_reuse" in results:
+            s = results["kvgate_spec_no_draft_reuse"]
+            s["speedup_vs_no_speculation"] = results["kvgate"]["seconds"] / s["seconds"]
+            with_reuse = results["kvgate_spec"]["spec_decode"]["draft_model"]["computed_tokens"]
+            print(f"  without the draft's prefix reuse: {s['spec_decode']['draft_model']['computed_tokens']} draft "
+                  f"positions computed against {with_reuse}, speed-up {s['speedup_vs_no_speculation']:.2f}x "
                   f"({s['seconds']:.2f} s); greedy outputs identical: {s['greedy_identical_to_kvgate']}", flush=True)
 
     baselines = {"both": ["single", "batched"], "none": []}.get(args.baselines, args.baselines.split(","))

@@ -7,12 +7,27 @@ target's, so the block count stays honest). A request's blocks are allocated by 
 chunk (its last token + K drafts), which covers every slot the draft writes this step.
 
 Each request remembers how many of its tokens the draft has computed (`DraftState`). Per step, for the step's
-drafting requests together: one forward computes what the draft has not (the whole context when the request first
-drafts, then usually just the last token, two after a fully accepted run), whose last rows give the first drafts,
-then K - 1 single-token forwards give the rest. Rejected drafts need no rollback here: the draft's computed count is
-clipped to the target's, and a position is recomputed before it is read. After a preemption the request's blocks are
-new, so the draft starts again from 0. Prefix-cache hits do not carry over to the draft: the draft computes each
-request's context itself when it first drafts for it (whether a shared block holds the draft's K/V is not tracked).
+drafting requests together: one forward computes what the draft has not (the context when the request first drafts,
+less what prefix reuse skips, then usually just the last token, two after a fully accepted run), whose last rows
+give the first drafts, then K - 1 single-token forwards give the rest. Rejected drafts need no rollback here: the
+draft's computed count is clipped to the target's, and a position is recomputed before it is read.
+
+Prefix reuse: prefix-cache hits carry over to the draft where its K/V in the blocks is known to be valid. The
+proposer keeps, per block id, the hash of the block whose content the draft's K/V there was computed for
+(`block_hashes`): set at the end of a step for each full block (of known tokens: never the tail, never draft
+positions) whose every position the request's draft has computed (its positions below `DraftState.computed`, which
+stay valid: those of rejected drafts are clipped off before anything reads them), cleared whenever the draft
+writes any position of the block (for any request; a full block is shared only by requests of equal content, and
+whoever writes it computes all of it that step, so it is re-set at the step's end). A block's hash chains its
+parent's, so an equal hash means equal content of the block and everything before it; the draft's K/V in a block
+changes only when the draft writes it, so an equal hash stays valid through eviction, reallocation and the target
+writing the block for other content (the draft never wrote it then). When a request first drafts (also after a
+preemption, whose blocks are new), its computation starts after the longest run of leading full blocks whose
+tracked hash equals the request's own hash of that block (the manager's chained hashes, request.block_hashes: the
+hash the pool gives the block; empty with prefix caching off, so nothing is reused then), never the last token,
+whose row gives the first draft. Requests that first draft in the same step share too: a later one's run may go
+through full blocks that an earlier one's catch-up computes in this step (`pending`), and it then catches up in a
+forward after all of the first ones. `stats` counts what the draft computed and what reuse skipped.
 
 Drafts: the argmax for greedy requests; for sampled ones a draw from q, the draft's distribution after the
 request's temperature, min-p, top-k and top-p (as the target's rows are processed); q's rows go to the verifier for
@@ -20,6 +35,8 @@ the rejection sampler (spec_decode.verify_sampled). The draft runs the torch SDP
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -34,13 +51,30 @@ from kvgate.engine.spec_decode import Proposer, SpeculativeConfig
 
 
 class DraftState:
-    """A request's draft-side progress: tokens whose K/V the draft holds, valid while its preemptions are these."""
+    """A request's draft-side progress: tokens whose K/V the draft holds, valid while its preemptions are these, its
+    leading full blocks whose hash the proposer has recorded as the draft's (`marked`), and the tokens its draft
+    skipped at the start by prefix reuse (`reused`)."""
 
-    __slots__ = ("computed", "preemptions")
+    __slots__ = ("computed", "preemptions", "marked", "reused")
 
     def __init__(self, preemptions: int) -> None:
         self.computed = 0
         self.preemptions = preemptions
+        self.marked = 0
+        self.reused = 0
+
+
+@dataclass
+class DraftStats:
+    """The draft's work since the proposer was built, in positions (tokens)."""
+
+    computed_tokens: int = 0  # positions the draft ran its forwards over (catching up and drafting)
+    catch_up_tokens: int = 0  # of those, the context it caught up on (prefix reuse shrinks these)
+    reused_tokens: int = 0  # context positions skipped: a full block's K/V already the draft's (prefix reuse)
+
+    def since(self, before: DraftStats) -> DraftStats:
+        return DraftStats(self.computed_tokens - before.computed_tokens,
+                          self.catch_up_tokens - before.catch_up_tokens, self.reused_tokens - before.reused_tokens)
 
 
 def resolve_draft(spec: SpeculativeConfig, config, target_hf_config, max_model_len: int) -> tuple[str, object]:
@@ -78,6 +112,10 @@ class DraftModelProposer(Proposer):
         self.sliding_window = window if window is not None and window < max_model_len else None
         self.kv_caches: list = []
         self.num_blocks = 0
+        # Per block id: the hash of the block content the draft's K/V there was computed for (None: unknown).
+        self.block_hashes: list[bytes | None] = []
+        self.reuse_prefix = True  # False: no prefix reuse (tests and bench --compare-no-draft-reuse compare)
+        self.stats = DraftStats()
         self.sampler = Sampler()
 
     # -- KV cache ---------------------------------------------------------------------------------
@@ -89,6 +127,7 @@ class DraftModelProposer(Proposer):
         self.kv_caches = allocate_kv_caches(self.model, self.num_layers, num_blocks, self.block_size, self.dtype,
                                             self.kv_quant, self.device)
         self.num_blocks = num_blocks
+        self.block_hashes = [None] * num_blocks
 
     # -- proposing --------------------------------------------------------------------------------
 
@@ -104,14 +143,32 @@ class DraftModelProposer(Proposer):
         dev = self.device
         lengths = [len(d) for d in drafts]
         tables = []
-        for r in requests:
+        tracked, bs = self.block_hashes, self.block_size
+        # Full blocks (id -> hash) that the step's first catch-up computes, and who may start only after it: those
+        # whose reused run goes through such blocks (requests of a shared prefix that first draft together).
+        pending: dict[int, bytes] = {}
+        first, after = [], []
+        for i, r in enumerate(requests):
             state = r.spec_state
             if state is None or state.preemptions != r.num_preemptions:
                 state = r.spec_state = DraftState(r.num_preemptions)
             # Rejected drafts of the last step: the draft's K/V holds only what the target accepted.
             state.computed = min(state.computed, r.num_computed_tokens)
+            state.marked = min(state.marked, state.computed // bs)
             row = block_table.row_of[r.request_id]
-            tables.append(block_table.ids[row, :cdiv(r.num_tokens + lengths[len(tables)], self.block_size)].tolist())
+            table = block_table.ids[row, :cdiv(r.num_tokens + lengths[i], bs)].tolist()
+            tables.append(table)
+            waits = state.computed == 0 and self.reuse_prefix and self._reuse(r, table, pending)
+            # Every position the draft writes this step is in these blocks: their old K/V is gone.
+            for b in table[state.computed // bs:]:
+                tracked[b] = None
+            if waits:
+                after.append(i)
+            else:
+                first.append(i)
+                hashes = r.block_hashes
+                for n in range(state.computed // bs, min(r.num_tokens // bs, len(hashes))):
+                    pending[table[n]] = hashes[n]
         for r in requests:  # seeded requests draw their drafts from their own generator, as their tokens
             if r.generator is None and r.sampling_params.seed is not None:
                 r.generator = torch.Generator(device=dev)
@@ -119,7 +176,10 @@ class DraftModelProposer(Proposer):
         sampling = None
         if not all(r.sampling_params.greedy for r in requests):
             sampling = SamplingBatch.build(requests, self.target_vocab_size, dev)
-        logits = self._catch_up(requests, tables)
+        last: list = [None] * len(requests)
+        self._catch_up(requests, tables, first, last)
+        self._catch_up(requests, tables, after, last)  # their reused run ends in blocks computed just now
+        logits = self.model.compute_logits(torch.stack(last))
         proposed: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))
@@ -139,21 +199,53 @@ class DraftModelProposer(Proposer):
                 seqs.append((pos, 1, tables[i]))
                 ids.append(proposed[i][-1])
                 r.spec_state.computed = pos + 1
+            self.stats.computed_tokens += len(seqs)
             logits = self._forward(seqs, ids, [s[0] for s in seqs])
+        for r, table in zip(requests, tables):
+            self._mark(r, table)
         out = []
         for i, r in enumerate(requests):
             q = torch.stack(qs[i]) if qs[i] else None
             out.append((proposed[i], q))
         return out
 
-    def _catch_up(self, requests: list, tables: list) -> torch.Tensor:
-        """The draft over each request's tokens it has not computed, in forwards of at most max_num_batched_tokens
-        tokens; returns the logits at each request's last token, [len(requests), draft vocab]."""
-        last = [None] * len(requests)
-        while True:
+    def _reuse(self, request, table: list[int], pending: dict[int, bytes]) -> bool:
+        """A request's first drafting (a new DraftState): skip the longest run of its leading full blocks whose K/V
+        the draft holds (the block's tracked hash is the request's hash of it) or computes in this step's first
+        catch-up (pending), never its last token; True if the run needs pending blocks (it catches up after)."""
+        hashes, tracked, bs = request.block_hashes, self.block_hashes, self.block_size
+        limit = min((request.num_tokens - 1) // bs, len(hashes))
+        n, waits = 0, False
+        while n < limit:
+            block, block_hash = table[n], hashes[n]
+            if tracked[block] != block_hash:
+                if pending.get(block) != block_hash:
+                    break
+                waits = True
+            n += 1
+        state = request.spec_state
+        state.computed = state.reused = n * bs
+        state.marked = n
+        self.stats.reused_tokens += n * bs
+        return waits
+
+    def _mark(self, request, table: list[int]) -> None:
+        """After the step's draft forwards: record the request's full blocks (of known tokens) that its draft has
+        now computed in full as holding the draft's K/V for their hash."""
+        state, hashes = request.spec_state, request.block_hashes
+        end = min(min(state.computed, request.num_tokens) // self.block_size, len(hashes))
+        for i in range(state.marked, end):
+            self.block_hashes[table[i]] = hashes[i]
+        state.marked = max(state.marked, end)
+
+    def _catch_up(self, requests: list, tables: list, which: list[int], last: list) -> None:
+        """The draft over the tokens it has not computed of requests[i] for i in which, in forwards of at most
+        max_num_batched_tokens tokens; last[i]: the hidden row at the request's last token."""
+        while which:
             seqs, ids, positions, owners = [], [], [], []
             budget = self.max_num_batched_tokens
-            for i, r in enumerate(requests):
+            for i in which:
+                r = requests[i]
                 start = r.spec_state.computed
                 n = min(r.num_tokens - start, budget)
                 if n <= 0 or last[i] is not None:
@@ -168,13 +260,14 @@ class DraftModelProposer(Proposer):
                     break
             if not seqs:
                 break
+            self.stats.computed_tokens += len(ids)
+            self.stats.catch_up_tokens += len(ids)
             hidden_rows = self._forward(seqs, ids, positions, all_rows=True)
             end = 0
             for (i, done), (_, n, _) in zip(owners, seqs):
                 end += n
                 if done:
                     last[i] = hidden_rows[end - 1]
-        return self.model.compute_logits(torch.stack(last))
 
     def _forward(self, seqs: list, ids: list[int], positions, all_rows: bool = False) -> torch.Tensor:
         """One forward of the draft over chunks (computed, new, block ids); the hidden rows (all_rows) or the

@@ -1,20 +1,25 @@
 """Speculative decoding with a draft model (--speculative-config, method draft_model): greedy outputs identical to
 non-speculative greedy (and HF) in every scheduling mode, a draft that is the target itself accepts every draft,
-sampling with a different draft keeps the target distribution, and the config's checks."""
+sampling with a different draft keeps the target distribution, prefix reuse of the draft's K/V (shared prefixes
+drafted once, nothing stale reused after eviction or preemption), and the config's checks."""
 
 import copy
+import random
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvgate.engine import LLM, SamplingParams
+from kvgate.engine.block_pool import hash_block_tokens, root_block_hash
 from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
+from kvgate.engine.draft_model import DraftState
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.spec_decode import SpeculativeConfig
 from tests.engine import test_spec_decode
 from tests.engine.test_spec_decode import MAX_NEW, MODES, check_speculative_greedy, chi_square_p, repetitive_prompts
-from tests.engine.tiny_models import build_tiny_model, make_config
+from tests.engine.tiny_models import build_tiny_model, hf_greedy, make_config
 
 K = 3
 hf_reference = test_spec_decode.hf_reference  # the ngram tests' fixture: HF's greedy outputs per family
@@ -52,6 +57,8 @@ def test_greedy_with_a_draft_model_matches_hf(family, mode, tiny_model_dir, draf
     folder, _ = tiny_model_dir(family)
     llm = LLM(str(folder), max_model_len=128, speculative_config=spec_config(draft_dir(family)), **MODES[mode])
     check_speculative_greedy(llm, hf_reference(family), family, mode)
+    if mode == "prefix-caching":  # the second round's drafts start after the prefixes the first round's computed
+        assert llm.engine.runner.draft.stats.reused_tokens > 0, llm.engine.runner.draft.stats
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -129,3 +136,189 @@ def test_draft_model_config_as_vllm():
         SpeculativeConfig("draft_model", 3, 0, 0, "/m")
     # vLLM infers the method from a model alone
     assert SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 3}).method == "draft_model"
+
+
+# -- prefix reuse: the draft's K/V of a shared prefix computed once ----------------------------------------------
+
+
+def shared_prefix_prompts(n: int, seed: int = 11, prefix_len: int = 70) -> list[list[int]]:
+    """n prompts of one shared prefix (4 full blocks of 16 and 6 tokens) and tails of their own (1-13 tokens); no
+    token 0 (HF generate would take it for padding)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 256) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(1, 256) for _ in range(rng.randrange(1, 14))] for _ in range(n)]
+
+
+def greedy(max_tokens=MAX_NEW, logprobs=None):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+
+
+def check_draft_blocks(engine) -> int:
+    """With the target as its own draft: every block whose draft K/V the proposer records as some content's (a block
+    hash) holds the K/V the target holds for that content, in each layer, wherever the pool still has a block of
+    that hash (the target's K/V is computed once hashed, with synchronous scheduling). A stale record (the draft
+    wrote the block for other content since) fails here whether or not a request reuses it. Returns the blocks
+    compared."""
+    draft, target, pool = engine.runner.draft, engine.runner, engine.kv_cache_manager.pool
+    bs, compared = draft.block_size, 0
+    for block_id, block_hash in enumerate(draft.block_hashes):
+        cached = pool.get_cached_block(block_hash) if block_hash is not None else None
+        if cached is None:
+            continue
+        mine = slice(block_id * bs, (block_id + 1) * bs)
+        theirs = slice(cached.block_id * bs, (cached.block_id + 1) * bs)
+        for draft_cache, target_cache in zip(draft.kv_caches, target.kv_caches):
+            torch.testing.assert_close(draft_cache[:, :, mine], target_cache[:, :, theirs], atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"block {block_id}: stale draft K/V ({m})")
+        compared += 1
+    return compared
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_a_shared_prefix_is_drafted_once(reuse, tiny_model_dir, draft_dir):
+    """Requests sharing a 70-token prefix, one after another then together (the one-layer draft): greedy outputs
+    equal plain greedy and HF's with prefix reuse on and off, and with it on, a request's first drafting computes
+    only its tail past the 4 shared full blocks (64 tokens), from the second request on; off, all of it. Then all
+    of them at once on a new engine: they first draft in the same step, where one computes the prefix and the
+    others start after it."""
+    folder, model = tiny_model_dir("llama")
+    prompts = shared_prefix_prompts(6)
+    want = hf_greedy(model, prompts, MAX_NEW)
+    plain = LLM(str(folder), max_model_len=128)
+    assert [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], greedy())] \
+        == want
+    llm = LLM(str(folder), max_model_len=128, speculative_config=spec_config(draft_dir("llama")))
+    engine, draft = llm.engine, llm.engine.runner.draft
+    draft.reuse_prefix = reuse
+    got = {}
+    for i, prompt in enumerate(prompts[:3]):  # one at a time: each starts drafting after the one before ended
+        before = copy.copy(draft.stats)
+        engine.add_request(str(i), prompt, greedy())
+        first = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    got[o.request_id] = o.outputs[0].token_ids
+            request = engine.scheduler.requests.get(str(i))
+            if first is None and request is not None and request.spec_state is not None:
+                first = draft.stats.since(before)  # its first drafting step: prompt + first token caught up on
+        skipped = 64 if reuse and i > 0 else 0
+        assert (first.reused_tokens, first.catch_up_tokens) == (skipped, len(prompt) + 1 - skipped), (i, first)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[3:]], greedy())  # together, the prefix cached
+    assert [got[str(i)] for i in range(3)] + [o.outputs[0].token_ids for o in outs] == want
+    spec = engine.stats().spec_decode
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec  # drafts both accepted and rejected
+    assert draft.stats.reused_tokens == (5 * 64 if reuse else 0), draft.stats
+
+    llm = LLM(str(folder), max_model_len=128, speculative_config=spec_config(draft_dir("llama")))
+    engine, draft = llm.engine, llm.engine.runner.draft
+    draft.reuse_prefix = reuse
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy())
+    got, first = {}, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = o.outputs[0].token_ids
+        if first is None and engine.stats().spec_decode.num_drafts:
+            first = copy.copy(draft.stats)  # the step in which all six first drafted
+            assert engine.stats().spec_decode.num_drafts == len(prompts)
+    assert [got[str(i)] for i in range(len(prompts))] == want
+    skipped = 5 * 64 if reuse else 0
+    assert (first.reused_tokens, first.catch_up_tokens) == (skipped, sum(len(p) + 1 for p in prompts) - skipped)
+
+
+def test_no_stale_draft_kv_after_eviction(tiny_model_dir):
+    """A KV cache of 12 blocks of 16 (with the target as its own draft): rounds of two requests of a shared prefix
+    and two of other text (one of them not speculated: logprobs), so the shared prefix's blocks are evicted and
+    handed to other text (written by the target alone, or by the draft too), requests are preempted, and the prefix is
+    computed again. After every step no block's record is stale (check_draft_blocks), every draft is accepted (the
+    draft's K/V is the target's), outputs equal plain greedy, and reuse happened where it was valid."""
+    folder, _ = tiny_model_dir("llama")
+    rng = random.Random(7)
+    prefix = [rng.randrange(1, 256) for _ in range(64)]
+    rounds = []
+    for _ in range(5):
+        batch = [(prefix + [rng.randrange(1, 256) for _ in range(rng.randrange(1, 14))], None) for _ in range(2)]
+        batch += [([rng.randrange(1, 256) for _ in range(rng.randrange(40, 90))], logprobs)
+                  for logprobs in (None, 1)]
+        rounds.append(batch)
+    plain = LLM(str(folder), max_model_len=128)
+    want = [[o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p, _ in batch],
+                                                             [greedy(16, lp) for _, lp in batch])] for batch in rounds]
+    llm = LLM(str(folder), max_model_len=128, num_gpu_blocks_override=12, max_num_seqs=16,
+              speculative_config=spec_config(folder))
+    engine = llm.engine
+    first_block = hash_block_tokens(root_block_hash((None,)), prefix[:16])
+    evicted = compared = 0
+    for k, batch in enumerate(rounds):
+        evicted += engine.kv_cache_manager.pool.get_cached_block(first_block) is None
+        for i, (prompt, logprobs) in enumerate(batch):
+            engine.add_request(f"{k}-{i}", prompt, greedy(16, logprobs))
+        got = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    got[o.request_id] = o.outputs[0].token_ids
+            compared += check_draft_blocks(engine)
+        assert [got[f"{k}-{i}"] for i in range(len(batch))] == want[k], k
+    stats = engine.stats()
+    spec, draft = stats.spec_decode, engine.runner.draft.stats
+    assert spec.num_draft_tokens > 100 and spec.num_accepted_tokens == spec.num_draft_tokens, spec
+    assert evicted >= 2 and stats.num_preemptions > 0 and compared > 100, (evicted, stats.num_preemptions, compared)
+    assert draft.reused_tokens > 0, draft
+
+
+def test_a_preempted_request_reuses_its_own_blocks(tiny_model_dir):
+    """Preemption (12 blocks for requests of a shared 70-token prefix, the target as its own draft): a request that
+    comes back finds its blocks in the prefix cache, and its new draft state starts after those whose K/V the draft
+    computed before; every draft is accepted, outputs equal plain greedy."""
+    folder, _ = tiny_model_dir("llama")
+    prompts = shared_prefix_prompts(6, seed=3)
+    plain = LLM(str(folder), max_model_len=128)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], greedy())]
+    llm = LLM(str(folder), max_model_len=128, speculative_config=spec_config(folder), **MODES["preemption"])
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy())
+    got, resumed, compared = {}, {}, 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = o.outputs[0].token_ids
+        for r in engine.scheduler.running:
+            if r.num_preemptions and r.spec_state is not None and r.spec_state.preemptions == r.num_preemptions:
+                resumed.setdefault((r.request_id, r.num_preemptions), r.spec_state.reused)
+        compared += check_draft_blocks(engine)
+    assert [got[str(i)] for i in range(len(prompts))] == want
+    spec = engine.stats().spec_decode
+    assert spec.num_draft_tokens > 50 and spec.num_accepted_tokens == spec.num_draft_tokens, spec
+    assert engine.stats().num_preemptions > 0 and resumed, resumed
+    assert any(reused > 0 for reused in resumed.values()) and compared > 0, (resumed, compared)
+
+
+def test_reuse_leaves_the_last_token_and_stops_at_other_content(tiny_model_dir):
+    """The run of reused blocks alone (DraftModelProposer._reuse over a request's hashes and block ids): never the
+    block of the last token (its row gives the first draft), up to the first block recorded for other content or
+    not at all, and through a block of this step's first catch-up (then the request catches up after it)."""
+    folder, _ = tiny_model_dir("llama")
+    draft = LLM(str(folder), max_model_len=128, speculative_config=spec_config(folder)).engine.runner.draft
+    hashes, table = [bytes([n]) * 16 for n in range(3)], [5, 7, 9]
+    for block, block_hash in zip(table, hashes):
+        draft.block_hashes[block] = block_hash
+
+    def reuse(num_tokens, pending=None):
+        request = SimpleNamespace(block_hashes=hashes[:num_tokens // 16], num_tokens=num_tokens,
+                                  spec_state=DraftState(0))
+        waits = draft._reuse(request, table, pending or {})
+        return request.spec_state.computed, waits
+
+    assert reuse(48) == (32, False)  # the three blocks are the draft's, but the last token is in the third
+    assert reuse(49) == (48, False)
+    assert reuse(20) == (16, False)
+    draft.block_hashes[7] = hashes[2]  # the draft wrote block 7 for other content since
+    assert reuse(49) == (16, False)
+    assert reuse(49, {7: hashes[1]}) == (48, True)
+    assert reuse(49, {7: hashes[2]}) == (16, False)
+    draft.block_hashes[5] = None
+    assert reuse(49) == (0, False)
