@@ -104,7 +104,7 @@ def test_short_run_end_to_end(tmp_path):
     pin = ["--gateway-cpus", str(cpus[0])] if len(cpus) >= 2 else []
     run = subprocess.run([KVGATE, "bench", "routing", "--short", "--workloads", SHORT_SHAPE,
                           "--configs", "round-robin,approximate", "--foreign-share", "0.1", "--epp-replicas", "1,2",
-                          "--result-file", str(result_file), *pin],
+                          "--result-file", str(result_file), "--per-request", *pin],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and result_file.exists(), run.stdout + run.stderr[-3000:]
     result = json.loads(result_file.read_text())
@@ -125,6 +125,13 @@ def test_short_run_end_to_end(tmp_path):
         assert c["routed"]["requests"] == routed and c["routed"]["ttft_s"]["p90"] > 0, c
         assert sum(c["served_per_endpoint"].values()) == expected and len(c["served_per_endpoint"]) == 4, c
         assert c["output_tokens_per_s"] > 0 and 0 < c["ttft_s"]["p50"] <= c["ttft_s"]["p90"] <= c["ttft_s"]["p99"]
+        # --per-request: a row per request, in arrival order, each naming the engine that served it (the engine's
+        # own answer header, through Envoy or straight): they add up to the engines' own success counters
+        rows = c["per_request"]
+        assert [r["key"] for r in rows] == [r.key for r in requests] and all(r["failure"] is None for r in rows)
+        assert Counter(r["endpoint"] for r in rows) == Counter(c["served_per_endpoint"]), (name, rows[:3])
+        ttfts = sorted(r["ttft_s"] for r in rows)
+        assert abs(ttfts[len(ttfts) // 2] - c["ttft_s"]["p50"]) < 0.01, (name, c["ttft_s"])
         # every prompt token was a cache query, on the engines' own counters
         assert c["prefix_cache_queries"] >= expected * 2300 and 0 <= c["prefix_cache_hit_rate"] <= 1, c
     # The prefix scorer keeps each tenant on one replica: judged against the hit rate that placement gives (every

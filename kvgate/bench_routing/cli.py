@@ -147,6 +147,9 @@ def add_bench_routing_parser(sub) -> None:
                         "issue 23's bars on every seed (bench_routing/lead.py; --plot, --result-file)")
     p.add_argument("--lead-subject", default="kvgate", metavar="NAME", help="the configuration --lead judges")
     p.add_argument("--result-file", default=None, help="write every cell as JSON here")
+    p.add_argument("--per-request", action="store_true",
+                   help="with --result-file: each cell also lists its requests (arrival, prefix key, prompt and "
+                        "output size, the engine that served it, status, TTFT), to see which requests set a tail")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT p90 and throughput vs rate (matplotlib)")
     p.set_defaults(func=run_bench_routing)
 
@@ -252,7 +255,7 @@ def run_bench_routing(args) -> int:
                         **({"epp_peer_sync": sync} if n > 1 else {}),
                         **run_cell(workdir, config, shape, requests, replicas=args.replicas,
                                    drain_s=args.drain, tick=lambda: bar.update(1), gateway_cpus=gateway_cpus,
-                                   epp_replicas=n, epp_peer_sync=sync)}
+                                   epp_replicas=n, epp_peer_sync=sync, per_request=args.per_request)}
                 cells.append(cell)
                 failed |= cell["sent"] != cell["requests"]
     for workload in result["workloads"].values():

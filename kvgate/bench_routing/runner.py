@@ -256,6 +256,20 @@ def summarize(outcomes: list[Outcome], start: float, before: dict[str, dict], af
     }
 
 
+def request_records(outcomes: list[Outcome], requests: list[BenchRequest], start: float) -> list[dict]:
+    """One row per request, in arrival order (`--per-request`): when it was sent (s after the start), its prefix key
+    (tenant/user or conversation/turn), prompt characters and max_tokens, the engine that served it (its
+    x-kvgate-endpoint answer header; None where no answer came), HTTP status, TTFT and the failure, if any."""
+    rows = []
+    for o, r in zip(outcomes, requests):
+        ttft = o.first_token_at - o.sent_at if o.first_token_at is not None else None
+        rows.append({"sent_s": round(o.sent_at - start, 4), "key": r.key, "prompt_chars": len(r.prompt),
+                     "max_tokens": r.max_tokens, "endpoint": o.endpoint, "status": o.status,
+                     "ttft_s": None if ttft is None else round(ttft, 4),
+                     "failure": None if o.ok() else o.failure_kind()})
+    return rows
+
+
 def objectives_met(outcomes: list[Outcome], requests: list[BenchRequest]) -> dict | None:
     """Of the requests that stated a TTFT objective, how many got their first token within it, measured at the
     client (a failed or shed request did not); None when none stated one."""
@@ -311,7 +325,7 @@ START_ATTEMPTS = 2
 def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, requests: list[BenchRequest], *,
              replicas: int, drain_s: float, startup_timeout: float = 120.0,
              tick: Callable[[], None] = lambda: None, gateway_cpus: frozenset[int] | None = None,
-             epp_replicas: int = 1, epp_peer_sync: bool = True) -> dict:
+             epp_replicas: int = 1, epp_peer_sync: bool = True, per_request: bool = False) -> dict:
     for attempt in range(START_ATTEMPTS):
         try:
             up, url = _start(workdir, config, replicas, startup_timeout, sim_engine_args(shape.kv_tokens),
@@ -345,6 +359,8 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
             result["routed"] = {"requests": len(routed), "ttft_s": _percentiles(
                 [o.first_token_at - o.sent_at for o in routed if o.ok()])}
         result["logs"] = str(up.stack.workdir)
+        if per_request:
+            result["per_request"] = request_records(outcomes, requests, start)
         if attempt:
             result["start_attempts"] = attempt + 1
         if cpus is not None:
