@@ -2,7 +2,8 @@
 
     python -m k8srig.podrunner --kubeconfig KC --run-dir DIR [--node-name N] [--pod-network 127.1]
 
-It registers the Node and keeps its status and Lease fresh; binds pending pods to it (the scheduler's job);
+It registers the Node and keeps its status and Lease fresh; binds pending pods to it (the scheduler's job; a
+binding the API server refuses is tried again), watching every pod and listing them anew every 30 s;
 and for each pod bound to it runs a worker that materialises ConfigMap/Secret/emptyDir/downwardAPI volumes
 (refreshed when they change, with the kubelet's ..data symlink swap), starts each container as a process
 group (see images.py for which program stands in for which image), runs readiness/liveness/startup probes,
