@@ -205,7 +205,7 @@ def test_knobs_do_what_they_say():
 
 
 def test_shape_sets_and_command_line_shapes():
-    for held_out in ("held-out", "held-out-2"):  # judged on, never tuned on
+    for held_out in ("held-out", "held-out-2", "held-out-3"):  # judged on, never tuned on
         assert not set(SHAPE_SETS[held_out]) & set(SHAPE_SETS["tuning"])
     assert all(name in SHAPES for names in SHAPE_SETS.values() for name in names)
     custom = parse_shape("multi-tenant:tenants=32,burstiness=2.5,kv_tokens=4096")

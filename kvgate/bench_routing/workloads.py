@@ -168,6 +168,11 @@ SHAPES = {
     # then no longer judges cleanly) was measured on it
     "small-kv-turns": _shape("small-kv-turns", "multi-turn", "multi-turn on replicas with half the KV (4096 tokens)",
                              kv_tokens=4096),
+    # held-out-3, frozen on 2026-11-27 before the prefill-interference scorer (prompted by hot-tenant's per-request
+    # diagnosis, which it then no longer judges cleanly) was measured on it
+    "skewed-tenants": _shape("skewed-tenants", "multi-tenant", "16 tenants, Zipf-skewed (s=0.8: the first asks "
+                             "~23%, the second ~13%), 1500-token system prompts, 6 users each", tenants=16,
+                             tenant_skew=0.8, system_len=1500, users_per_tenant=6),
 }
 
 SHAPE_SETS = {
@@ -175,6 +180,7 @@ SHAPE_SETS = {
     "tuning": ("multi-tenant", "multi-turn", "no-reuse", "many-tenants", "bursty-tenants"),
     "held-out": ("hot-tenant", "long-output", "small-kv", "deep-chat", "mixed-lengths"),
     "held-out-2": ("small-kv-turns",),
+    "held-out-3": ("skewed-tenants",),
     "mixed-hardware": ("mixed-speed", "mixed-speed-no-reuse", "mixed-generations", "mixed-kv"),
 }
 
