@@ -42,12 +42,14 @@ DEFAULT_BISECT_STEPS = 2
 # re-found to suit a profile. small-kv-turns (held-out-2) the same way with `--workloads small-kv-turns`, later that
 # day (probes 1 / 6 / 9 / 13.5 / 11.02 / 9.96 req/s: round-robin's p90 0.19 / 0.39 / 0.84 / 4.99 / 1.95 / 1.65 s).
 # The mixed-hardware set with `--workloads mixed-speed,mixed-speed-no-reuse --duration 15 --drain 30` on 2026-11-27
-# (every probe in docs/benchmarks.md), mixed-generations and mixed-kv the same way later that day.
+# (every probe in docs/benchmarks.md), mixed-generations and mixed-kv the same way later that day. skewed-tenants
+# (held-out-3) with `--workloads skewed-tenants --duration 20 --drain 20 --saturation-start 6 --seed 0` on 2026-11-27
+# (probes 1 / 6 / 9 / 13.5 / 20.25 / 16.53 / 18.3 req/s: p90 0.39 / 0.39 / 0.46 / 1.68 / 4.13 / 2.05 / 3.47 s).
 SATURATION_RATES: dict[str, float] = {
     "multi-tenant": 16.53, "multi-turn": 14.94, "no-reuse": 18.30, "many-tenants": 22.41, "bursty-tenants": 16.53,
     "hot-tenant": 22.41, "long-output": 8.13, "small-kv": 9.00, "deep-chat": 9.96, "mixed-lengths": 16.53,
     "small-kv-turns": 11.02, "mixed-speed": 9.00, "mixed-speed-no-reuse": 12.20,
-    "mixed-generations": 8.13, "mixed-kv": 11.02,
+    "mixed-generations": 8.13, "mixed-kv": 11.02, "skewed-tenants": 20.25,
 }
 MAX_RESULT_BYTES = 1 << 20
 
