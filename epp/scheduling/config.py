@@ -394,7 +394,9 @@ def parse_duration(value: Any) -> float:
 # `kvgate bench routing`, multi-tenant workload; the numbers are in docs/benchmarks.md): stay on the
 # endpoint that holds the prompt until its prefill backlog costs more than 4x what the hit saves (no random
 # exploration: a needless spill evicts another prefix), score the exact cached prefix from KV events, give a
-# prefix nobody holds to the endpoint serving the fewest prefix groups, and break ties on in-flight tokens. Loads
+# prefix nobody holds to the endpoint serving the fewest prefix groups, put a long prefill where it holds up the
+# fewest other requests (prefill-interference, weight 6: chosen on the tuning shapes and hot-tenant, where a hot
+# tenant's replica otherwise takes other tenants' cold prompts), and break ties on in-flight tokens. Loads
 # in seconds (loadUnit): in a pool of mixed hardware each endpoint's load counts by how fast it prefills, as its
 # engine times itself (kvgate bench routing --shapes mixed-hardware; a uniform pool routes exactly as in tokens).
 # Needs the engines' KV events (`kvgate up --profile kvgate` turns them on; in Kubernetes, spec.engine.kvEvents).
@@ -409,6 +411,7 @@ plugins:
   parameters: {balanceBy: tokens, loadUnit: seconds}
 - type: token-load-scorer
   parameters: {loadUnit: seconds}
+- type: prefill-interference-scorer
 - type: max-score-picker
 schedulingProfiles:
 - name: default
@@ -420,6 +423,8 @@ schedulingProfiles:
     weight: 3
   - pluginRef: token-load-scorer
     weight: 1
+  - pluginRef: prefill-interference-scorer
+    weight: 6
   - pluginRef: max-score-picker
 """
 KVGATE_PROFILE_FALLBACK_YAML = with_fallbacks(KVGATE_PROFILE_YAML)

@@ -90,6 +90,15 @@ class RoutingConfig:
         return {p["type"] for p in yaml.safe_load(self.epp_config).get("plugins", [])}
 
 
+def without_scorer(profile_yaml: str, type_name: str) -> str:
+    """`profile_yaml` (one profile) without the plugin `type_name`."""
+    doc = yaml.safe_load(profile_yaml)
+    doc["plugins"] = [p for p in doc["plugins"] if p["type"] != type_name]
+    doc["schedulingProfiles"][0]["plugins"] = [r for r in doc["schedulingProfiles"][0]["plugins"]
+                                               if r["pluginRef"] != type_name]
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 CONFIGURATIONS = [
     RoutingConfig("round-robin", "Envoy's round-robin over the replicas, no EPP", "round-robin"),
     RoutingConfig("approximate", "kvgate EPP, upstream's default: queue 2, kv-cache 2, prefix-cache (approximate, "
@@ -110,12 +119,15 @@ CONFIGURATIONS = [
                   kv_events=True),
     RoutingConfig("kvgate", "kvgate's profile for kvgate engines (epp/scheduling/config.py KVGATE_PROFILE_YAML): "
                   "prefix-cache-affinity filter on the exact prefill backlog (loadTolerance 4, no exploration), "
-                  "then precise prefix 3, prefix-group balance 3, token-load 1; loads in seconds of prefill", "epp", KVGATE_PROFILE_YAML,
-                  kv_events=True),
+                  "then precise prefix 3, prefix-group balance 3, token-load 1, prefill-interference 6; loads in "
+                  "seconds of prefill", "epp", KVGATE_PROFILE_YAML, kv_events=True),
     RoutingConfig("kvgate-spf", "kvgate's profile + flow control: requests wait in the EPP while every replica has 2 "
                   "waiting (or its KV cache 95% full) and leave shortest prompt first, aged 2 ms per prompt token "
                   "(epp/flow_config.py)", "epp", with_flow_control(KVGATE_PROFILE_YAML, SPF),
                   kv_events=True),
+    # the profile as it was before prefill-interference joined it (2026-11-27): what that scorer adds
+    RoutingConfig("kvgate-no-interference", "kvgate's profile without prefill-interference", "epp",
+                  without_scorer(KVGATE_PROFILE_YAML, "prefill-interference-scorer"), kv_events=True),
     # kvgate's profile with the approximate prefix scorer in place of the precise one, no KV events: what precise
     # prefix information is worth with the rest of the profile unchanged
     RoutingConfig("kvgate-approximate", "kvgate's profile with the approximate prefix-cache scorer (its own routing "

@@ -85,6 +85,16 @@ def test_two_replicas_with_sync_place_new_tenants_as_one_would():
                for t in range(0, 8, 2)) < 4
 
 
+def test_a_peers_picks_count_in_the_interference_arrival_rate():
+    """prefill-interference-scorer's arrival rate counts every replica's picks: they land on the same engines."""
+    a, b = replica(), replica()
+    Wire(a, b)
+    picked = [a.pick(request(tenant(0, i), request_id=f"r{i}"))[0].address for i in range(5)]
+    scorer = b.scheduler.plugins_of_type("prefill-interference-scorer")[0]
+    assert {address: len(times) for address, times in scorer._picks.items()} == \
+        {x: picked.count(x) for x in set(picked)}
+
+
 def test_approximate_prefix_replicas_learn_one_history():
     """The approximate scorer's index learns from picks: with sync, replica b's index holds a's placements, so a
     tenant placed by a is found there by b (upstream's reason to warn against active-active with it)."""

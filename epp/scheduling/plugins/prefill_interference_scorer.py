@@ -1,0 +1,142 @@
+"""prefill-interference-scorer (kvgate's own): put a long prefill where it holds up the fewest other requests.
+
+An engine runs one batch at a time: while it computes a request's uncached prompt, every other request it holds
+waits — those not yet at their first token for it, decoding ones between two tokens — and so does every request
+that arrives meanwhile. The prefill's own wait is what the load scorers weigh; this weighs the delay it puts on
+the others:
+
+    u(e)    = prompt tokens e would compute for the request (prompt less what e caches, per the profile's prefix
+              scorer; the whole prompt without one)
+    T(e)    = u(e) / R(e)       seconds the prefill holds e's steps; R(e) its prefill rate as the engine times it
+                                (unmeasured: the measured endpoints' median; none measured: the arrivals term below
+                                is left out, T in tokens)
+    n(e)    = requests e holds now: scraped running + waiting, plus this EPP's picks since that scrape
+    λ(e)    = requests picked for e over the last windowSeconds ÷ windowSeconds (this replica's picks and, with
+              active-active peers, theirs)
+    harm(e) = T(e) × (n(e) + λ(e) × T(e) / 2)     request-seconds of delay: those there now wait T, those arriving
+                                                  during it T/2 on average
+    score(e) = 1 - (harm(e) - min harm) / max harm          all zero → 1 everywhere
+
+Scaled by the largest harm rather than min-max: candidates a few percent apart (equal replicas, a request all of
+them have cached) score a few percent apart, so the scorer moves a decision only where the difference is real —
+a cold prompt of 2000 tokens on the replica that serves a hot tenant's stream of cheap cached requests.
+
+Why: with a skewed tenant mix (`kvgate bench routing --workloads hot-tenant`, per request, seed 1) the hot tenant's
+replica served 47% of the requests — a hot tenant that asks 39% and other tenants' cold prompts besides — and
+108 of the 133 requests at or past the cell's TTFT p90 were its own requests queued behind those cold prefills
+(~0.4 s each): the backlog a load scorer sees stays small there, since the hot tenant's requests are nearly all
+cached. Parameters: windowSeconds > 0 = 10, prefixScorer = the profile's only prefix scorer, maxPicksPerEndpoint
+≥ 1 = 10000 (memory: the arrival record keeps at most that many timestamps an endpoint).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from kvgate.epp.scheduling import live_load
+from kvgate.epp.scheduling.framework import CycleState, Scorer
+from kvgate.epp.scheduling.plugins._normalize import attribute_values, per_snapshot
+from kvgate.epp.scheduling.plugins._params import check_keys, float_param, int_param, str_param
+from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens
+from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
+from kvgate.epp.types import EndpointState, LLMRequest
+
+DEFAULT_WINDOW_S = 10.0
+DEFAULT_MAX_PICKS = 10000
+_RATE_KEY = "kvgate.prefill-rate-seconds-per-token"
+
+
+class PrefillInterferenceScorer(NeedsPrefixMatch, Scorer):
+    type_name = "prefill-interference-scorer"
+
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S, prefix_source_name: str = "",
+                 max_picks: int = DEFAULT_MAX_PICKS, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self.prefix_source_name = prefix_source_name
+        self.max_picks = max_picks
+        self.clock = clock
+        self._picks: dict[str, deque[float]] = {}  # address → when its picks in the window were made, oldest first
+        self._arrivals_key = (self, "arrivals")
+
+    def arrival_rate(self, address: str, now: float) -> float:
+        picks = self._picks.get(address)
+        if not picks:
+            return 0.0
+        horizon = now - self.window_s
+        while picks and picks[0] < horizon:
+            picks.popleft()
+        return len(picks) / self.window_s
+
+    def harm(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
+             ) -> np.ndarray:
+        prompt, cached = prefix_tokens(self, request, endpoints, cycle)
+        uncached = np.maximum(prompt - cached, 0.0)
+        if not uncached.any():
+            return uncached
+        held = (attribute_values(endpoints, "metrics.running_requests")
+                + attribute_values(endpoints, "metrics.waiting_queue_size")
+                + live_load.live_column(cycle, endpoints, "unseen_requests"))
+        seconds_per_token = per_snapshot(_RATE_KEY, cycle, endpoints, _seconds_per_token)
+        if np.isnan(seconds_per_token).any():  # no engine times its prefill: compare in tokens, now-held only
+            return uncached * held
+        busy = uncached * seconds_per_token
+        # once per scrape round (a 50 ms step in a 10 s window); the picks since count in `held`
+        arrivals = per_snapshot(self._arrivals_key, cycle, endpoints, self._arrival_column)
+        return busy * (held + arrivals * busy / 2)
+
+    def _arrival_column(self, endpoints: list[EndpointState]) -> np.ndarray:
+        now = self.clock()
+        return np.fromiter((self.arrival_rate(e.address, now) for e in endpoints), dtype=float, count=len(endpoints))
+
+    def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
+              ) -> np.ndarray:
+        harm = self.harm(request, endpoints, cycle)
+        top = harm.max() if harm.size else 0.0
+        if top <= 0:
+            return np.ones(len(endpoints))
+        return 1.0 - (harm - harm.min()) / top
+
+    def _record(self, address: str) -> None:
+        picks = self._picks.get(address)
+        if picks is None:
+            picks = self._picks[address] = deque(maxlen=self.max_picks)
+        picks.append(self.clock())
+
+    def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
+        self._record(endpoint.address)
+
+    # Active-active (epp/peer_sync.py): a peer's picks arrive at the same endpoints, so they count in λ too.
+    def share_pick(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None
+                   ) -> list[int]:
+        return []
+
+    def peer_pick(self, pick_id: str, address: str, shared: list[int]) -> None:
+        self._record(address)
+
+    def remove_endpoint(self, address: str) -> None:
+        self._picks.pop(address, None)
+
+
+def _seconds_per_token(endpoints: list[EndpointState]) -> np.ndarray:
+    """1 / R(e) from the engines' own prefill timing; unmeasured at the measured median; none measured: NaN."""
+    rates = np.fromiter(((e.metrics.prefill_tokens_per_s or np.nan) if e.metrics.prefill_rate_timed else np.nan
+                         for e in endpoints), dtype=float, count=len(endpoints))
+    measured = np.isfinite(rates) & (rates > 0)
+    if not measured.any():
+        return np.full(len(endpoints), np.nan)
+    return 1.0 / np.where(measured, rates, np.median(rates[measured]))
+
+
+def factory(parameters: dict | None) -> PrefillInterferenceScorer:
+    t = PrefillInterferenceScorer.type_name
+    params = check_keys(parameters, {"windowSeconds", "prefixScorer", "maxPicksPerEndpoint"}, t)
+    return PrefillInterferenceScorer(
+        window_s=float_param(params, "windowSeconds", DEFAULT_WINDOW_S, t, 0.0, min_inclusive=False),
+        prefix_source_name=str_param(params, "prefixScorer", "", t),
+        max_picks=int_param(params, "maxPicksPerEndpoint", DEFAULT_MAX_PICKS, t, 1),
+    )

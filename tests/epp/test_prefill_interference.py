@@ -1,0 +1,136 @@
+"""prefill-interference-scorer: the delay a request's prefill puts on the other requests of each candidate."""
+
+import time
+
+import numpy as np
+import pytest
+
+from kvgate.epp.scheduling.config import ConfigError, parse_config
+from kvgate.epp.scheduling.framework import CycleState, Scheduler
+from kvgate.epp.scheduling.live_load import LoadTracker
+from kvgate.epp.scheduling.plugins import create_plugin
+from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
+from tests.epp.test_load_plugins import PROMPT, config, warmed
+
+SCORER = "type: prefill-interference-scorer\n  parameters: {windowSeconds: 10}"
+
+
+def ep(address, *, running=0, waiting=0, rate=None):
+    m = EndpointMetrics(running_requests=running, waiting_queue_size=waiting, prefill_tokens_per_s=rate,
+                        prefill_rate_timed=rate is not None, updated_at=time.monotonic())
+    return EndpointState(Endpoint(address), m, stale=False)
+
+
+def req(prompt=PROMPT, rid="r1"):
+    return LLMRequest(rid, "m", "m", prompt)
+
+
+def scorer_with_prefix(states, holds, clock=time.monotonic):
+    """(scheduler, scorer): an approximate prefix scorer as the source, `holds` warmed into it (one pick each)."""
+    scheduler = Scheduler(parse_config(config("type: prefix-cache-scorer", SCORER)).scheduler)
+    scorer = scheduler.plugins_of_type("prefill-interference-scorer")[0]
+    scorer.clock = clock
+    warmed(scheduler, states, holds)
+    return scheduler, scorer
+
+
+def test_harm_is_the_prefill_time_times_the_requests_held_and_arriving():
+    """PROMPT is 160 tokens: a caches all of it, b 64, c none. harm = T × (n + λT/2), T = uncached / rate."""
+    states = [ep("a:1", running=9, rate=1000), ep("b:1", running=2, waiting=1, rate=1000), ep("c:1", rate=2000)]
+    now = [50.0]
+    _, scorer = scorer_with_prefix(states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384}, lambda: now[0])
+    for _ in range(40):  # 40 picks in the 10 s window: λ(c) = 4/s; a and b had one each (warming): 0.1/s
+        scorer.pre_request(req(), states[2], None)
+    cycle = CycleState(LoadTracker().view(states))
+    t_b, t_c = 96 / 1000, 160 / 2000
+    harm = scorer.harm(req(), states, cycle)
+    assert harm == pytest.approx([0.0, t_b * (3 + 0.1 * t_b / 2), t_c * (0 + 4 * t_c / 2)])
+    scores = scorer.score(req(), states, cycle)
+    assert scores == pytest.approx(1 - (harm - harm.min()) / harm.max())
+    assert scores[0] == 1.0 and scores[1] == 0.0  # a computes nothing: it holds nobody up however busy it is
+    now[0] += 10.5  # the window passed: c's arrivals are forgotten
+    assert scorer.harm(req(), states, cycle)[2] == 0.0
+
+
+def test_picks_since_the_scrape_count_as_held_and_scores_stay_proportional():
+    """n(e) adds this EPP's picks the scrape has not seen; two candidates a few percent apart score a few percent
+    apart (scaled by the largest harm, not min-max)."""
+    states = [ep("a:1", running=50), ep("b:1", running=48)]
+    scheduler, scorer = scorer_with_prefix(states, {})
+    tracker = LoadTracker()
+    cycle = CycleState(tracker.view(states))
+    scores = scorer.score(req(), states, cycle)
+    assert scores == pytest.approx([1 - 2 / 50, 1.0])  # no rates timed: uncached × held, in tokens
+    for i in range(4):
+        tracker.add(LLMRequest(f"x{i}", "m", "m", ""), "b:1", tokens=10, prompt_tokens=5)
+    assert scorer.score(req(), states, CycleState(tracker.view(states))) == pytest.approx([1.0, 1 - 2 / 52])
+    idle = [ep("a:1"), ep("b:1")]
+    assert list(scorer.score(req(), idle, CycleState(LoadTracker().view(idle)))) == [1.0, 1.0]
+
+
+def hot_pool(config_name: str):
+    """A bench profile over a: one hot tenant's stream (12 held, 10 picks/s, all cached) and b, c: two quiet tenants
+    each (2 held). By footprint a carries the least, so the group balance alone gives a new tenant to a."""
+    from kvgate.bench_routing.configurations import BY_NAME
+
+    text = BY_NAME[config_name].epp_config
+    scheduler = Scheduler(parse_config(text.replace("precise-prefix-cache-scorer", "prefix-cache-scorer")).scheduler)
+    states = [ep("a:1", running=12, rate=5000), ep("b:1", running=2, rate=5000), ep("c:1", running=2, rate=5000)]
+    quiet = {f"{s.address}/{k}": f"Quiet tenant {s.address} {k}. " * 40 for s in states[1:] for k in range(2)}
+    for key, prompt in quiet.items():
+        scheduler.on_picked(req(prompt), states[1] if key.startswith("b") else states[2])
+    for i in range(100):  # the hot tenant: 100 picks in the last 10 s
+        scheduler.on_picked(req(PROMPT, rid=f"hot{i}"), states[0])
+    return scheduler, states
+
+
+def cold_picks(scheduler, states, n=12) -> list[str]:
+    picked = []
+    for i in range(n):
+        request = req(f"Tenant {i} arrives cold. " * 30, rid=f"cold{i}")
+        best = scheduler.schedule(request, states)[0]
+        scheduler.on_picked(request, best)
+        picked.append(best.address)
+    return picked
+
+
+def test_a_cold_prompt_leaves_the_busy_replica_a_warm_one_stays():
+    """With the scorer (kvgate's profile) a new tenant's cold prompt goes to b or c, not to the replica a hot tenant
+    keeps busy; the hot tenant's own cached request still goes to a. Without it the first cold tenant goes to a."""
+    scheduler, states = hot_pool("kvgate-no-interference")
+    assert cold_picks(scheduler, states)[0] == "a:1"
+    scheduler, states = hot_pool("kvgate")
+    assert "a:1" not in cold_picks(scheduler, states)
+    assert scheduler.schedule(req(PROMPT, rid="hot"), states)[0].address == "a:1"
+
+
+def test_peers_picks_count_and_memory_is_bounded():
+    scorer = create_plugin("prefill-interference-scorer", {"maxPicksPerEndpoint": 5, "windowSeconds": 2})
+    now = [0.0]
+    scorer.clock = lambda: now[0]
+    a = ep("a:1")
+    assert scorer.share_pick(req(), a, None) == []
+    for i in range(8):
+        scorer.peer_pick(f"p{i}", "a:1", [] if i % 2 else [1, 2, 3])  # the content is not read
+    assert len(scorer._picks["a:1"]) == 5 and scorer.arrival_rate("a:1", now[0]) == 2.5
+    scorer.remove_endpoint("a:1")
+    assert scorer.arrival_rate("a:1", now[0]) == 0.0 and "a:1" not in scorer._picks
+
+
+@pytest.mark.parametrize("params, message", [
+    ("{windowSeconds: 0}", "windowSeconds"),
+    ("{maxPicksPerEndpoint: 0}", "maxPicksPerEndpoint"),
+    ("{decay: 1}", "unknown parameter"),
+    ("{prefixScorer: nope}", "nope"),
+])
+def test_bad_parameters_are_named(params, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(config("type: prefix-cache-scorer", f"type: prefill-interference-scorer\n  parameters: {params}"))
+
+
+def test_rates_unmeasured_take_the_measured_median():
+    from kvgate.epp.scheduling.plugins.prefill_interference_scorer import _seconds_per_token
+
+    got = _seconds_per_token([ep("a:1", rate=1000), ep("b:1"), ep("c:1", rate=3000), ep("d:1", rate=2000)])
+    assert got == pytest.approx([1 / 1000, 1 / 2000, 1 / 3000, 1 / 2000])
+    assert np.isnan(_seconds_per_token([ep("a:1"), ep("b:1")])).all()
