@@ -296,9 +296,10 @@ def test_registry_names_match_upstream():
         "queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer", "lora-affinity-scorer",
         "running-requests-size-scorer", "token-load-scorer", "header-based-testing-filter", "max-score-picker",
         "random-picker", "weighted-random-picker", "single-profile-handler",
-        # llm-d's names, and kvgate's own predicted-ttft-scorer, predicted-latency-scorer, prefix-group-balance-scorer
+        # llm-d's names, and kvgate's own predicted-ttft-scorer, predicted-latency-scorer, prefix-group-balance-scorer,
+        # prefill-interference-scorer
         "precise-prefix-cache-scorer", "prefix-cache-affinity-filter", "no-hit-lru-scorer", "predicted-ttft-scorer",
-        "predicted-latency-scorer", "prefix-group-balance-scorer"}
+        "predicted-latency-scorer", "prefix-group-balance-scorer", "prefill-interference-scorer"}
     for type_name in REGISTRY:
         assert create_plugin(type_name).type_name == type_name
 
