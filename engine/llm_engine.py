@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import Scheduler, SchedulerOutput
 from kvgate.engine.spec_decode import DraftBackoff, NgramProposer, SpecDecodeStats
 from kvgate.engine.structured_output import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from kvgate.engine.draft_model import DraftStats
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,9 @@ class EngineStats:
     waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)
     # Speculative decoding's counters (vLLM's vllm:spec_decode_*); None when it is off.
     spec_decode: SpecDecodeStats | None = None
+    # A draft model's own work (kvgate:spec_decode_draft_*: positions computed, caught up on, reused from the prefix
+    # cache); None without one.
+    draft_model: DraftStats | None = None
     # The engine's own prefill timing (kvgate:prefill_tokens_computed / kvgate:prefill_step_seconds): prompt tokens
     # computed, and the wall seconds of the steps that computed them, each counted whole — how fast this replica
     # drains a prefill backlog under its batch mix, whatever its load (a router's speed signal).
@@ -494,6 +501,7 @@ class LLMEngine:
             num_prefill_tokens_pending=self.scheduler.num_prefill_tokens_pending,
             spec_decode=dataclasses.replace(self.spec_stats, accepted_per_pos=list(self.spec_stats.accepted_per_pos))
             if self.spec_stats is not None else None,
+            draft_model=dataclasses.replace(draft.stats) if (draft := getattr(self.runner, "draft", None)) else None,
             prefill_tokens_computed=self.prefill_tokens_computed, prefill_step_seconds=self.prefill_step_seconds,
             **self._lora_stats(),
         )

@@ -41,7 +41,30 @@ SPEC_DECODE = {
 }
 
 
+# kvgate's own (vLLM has none): what adaptive drafting held back, and a draft model's work — name -> (help, field)
+SPEC_DECODE_PAUSED = ("kvgate:spec_decode_num_paused_steps", "Decode steps in which adaptive drafting held a "
+                      "request's drafting back (--speculative-backoff-threshold).")
+DRAFT_MODEL = {
+    "kvgate:spec_decode_draft_computed_tokens": ("Positions the draft model ran its forwards over (catching up on "
+                                                 "context and drafting).", "computed_tokens"),
+    "kvgate:spec_decode_draft_catch_up_tokens": ("Of those, context positions the draft model caught up on.",
+                                                 "catch_up_tokens"),
+    "kvgate:spec_decode_draft_reused_tokens": ("Context positions the draft model skipped: full blocks whose K/V it "
+                                               "already held for the same prefix (prefix reuse).", "reused_tokens"),
+}
+
+
+def draft_model_families(draft, model_name: str):
+    for name, (text, field) in DRAFT_MODEL.items():
+        family = CounterMetricFamily(name, text, labels=["model_name"])
+        family.add_metric([model_name], getattr(draft, field))
+        yield family
+
+
 def spec_decode_families(spec, model_name: str):
+    paused = CounterMetricFamily(SPEC_DECODE_PAUSED[0], SPEC_DECODE_PAUSED[1], labels=["model_name"])
+    paused.add_metric([model_name], spec.num_paused_steps)
+    yield paused
     for name, (text, field) in SPEC_DECODE.items():
         value = getattr(spec, field)
         if isinstance(value, list):  # one series per draft position, as vLLM labels them
@@ -69,7 +92,7 @@ class EngineStatsCollector:
                     "vllm:cache_config_info", "vllm:lora_requests_info", PREFILL_PENDING)] + \
                [CounterMetricFamily(name, name) for name in (
                    "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions", PREFILL_TOKENS,
-                   PREFILL_SECONDS, *SPEC_DECODE)]
+                   PREFILL_SECONDS, *SPEC_DECODE, SPEC_DECODE_PAUSED[0], *DRAFT_MODEL)]
 
     def collect(self):
         stats, info = self.llm.stats, self.llm.info
@@ -112,6 +135,8 @@ class EngineStatsCollector:
         yield from (running, waiting, usage, queries, hits, preemptions)
         if stats is not None and stats.spec_decode is not None:
             yield from spec_decode_families(stats.spec_decode, self.model_name)
+        if stats is not None and stats.draft_model is not None:
+            yield from draft_model_families(stats.draft_model, self.model_name)
         if info is not None:
             # cache_dtype: the --kv-cache-dtype value as given ("auto", "fp8", ...), as vLLM labels it
             cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",

@@ -209,6 +209,9 @@ def test_a_shared_prefix_is_drafted_once(reuse, tiny_model_dir, draft_dir):
     spec = engine.stats().spec_decode
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec  # drafts both accepted and rejected
     assert draft.stats.reused_tokens == (5 * 64 if reuse else 0), draft.stats
+    stats = engine.stats()  # the metrics' snapshot (kvgate:spec_decode_draft_*): a copy, not the live counters
+    assert stats.draft_model == draft.stats and stats.draft_model is not draft.stats
+    assert plain.engine.stats().draft_model is None
 
     llm = LLM(str(folder), max_model_len=128, speculative_config=spec_config(draft_dir("llama")))
     engine, draft = llm.engine, llm.engine.runner.draft

@@ -427,15 +427,17 @@ def test_speculation_flags_on_the_command_line(tiny_model_dir, capsys, caplog):
 def test_spec_decode_metrics_as_vllm_names_them():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvgate.engine.server.metrics import spec_decode_families
+    from kvgate.engine.draft_model import DraftStats
+    from kvgate.engine.server.metrics import draft_model_families, spec_decode_families
     from kvgate.engine.spec_decode import SpecDecodeStats
 
     class Source:
         def collect(self):
-            stats = SpecDecodeStats(accepted_per_pos=[0, 0])
+            stats = SpecDecodeStats(accepted_per_pos=[0, 0], num_paused_steps=3)
             stats.record(2, 1)
             stats.record(2, 2)
             yield from spec_decode_families(stats, "m")
+            yield from draft_model_families(DraftStats(computed_tokens=90, catch_up_tokens=70, reused_tokens=64), "m")
 
     registry = CollectorRegistry()
     registry.register(Source())
@@ -444,5 +446,10 @@ def test_spec_decode_metrics_as_vllm_names_them():
                  'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 4.0',
                  'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 3.0',
                  'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0',
-                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0'):
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0',
+                 # kvgate's own: adaptive drafting's pauses and a draft model's work
+                 'kvgate:spec_decode_num_paused_steps_total{model_name="m"} 3.0',
+                 'kvgate:spec_decode_draft_computed_tokens_total{model_name="m"} 90.0',
+                 'kvgate:spec_decode_draft_catch_up_tokens_total{model_name="m"} 70.0',
+                 'kvgate:spec_decode_draft_reused_tokens_total{model_name="m"} 64.0'):
         assert line in text, text
