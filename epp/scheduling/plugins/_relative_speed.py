@@ -59,12 +59,16 @@ def _compute_kv(endpoints: list[EndpointState]) -> np.ndarray:
                                   for e in endpoints), dtype=float, count=len(endpoints)))
 
 
+def timed_prefill_rates(endpoints: list[EndpointState]) -> np.ndarray:
+    """R(e) in tokens/s, NaN where unmeasured. Only rates the engines timed themselves: one inferred from admissions
+    follows the arrivals of an engine that keeps up (datalayer/prefill_rate.py), and routing by it starves whichever
+    replica got less."""
+    return np.fromiter(((e.metrics.prefill_tokens_per_s or np.nan) if e.metrics.prefill_rate_timed else np.nan
+                        for e in endpoints), dtype=float, count=len(endpoints))
+
+
 def _compute(endpoints: list[EndpointState]) -> np.ndarray:
-    # only rates the engines timed themselves: one inferred from admissions follows the arrivals of an engine that
-    # keeps up (datalayer/prefill_rate.py), and routing by it starves whichever replica got less
-    rates = np.fromiter(((e.metrics.prefill_tokens_per_s or np.nan) if e.metrics.prefill_rate_timed else np.nan
-                         for e in endpoints), dtype=float, count=len(endpoints))
-    return _relative(rates)
+    return _relative(timed_prefill_rates(endpoints))
 
 
 def _relative(values: np.ndarray) -> np.ndarray:

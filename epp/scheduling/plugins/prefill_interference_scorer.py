@@ -42,6 +42,7 @@ from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._normalize import attribute_values, per_snapshot
 from kvgate.epp.scheduling.plugins._params import check_keys, float_param, int_param, str_param
 from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens
+from kvgate.epp.scheduling.plugins._relative_speed import timed_prefill_rates
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -124,8 +125,7 @@ class PrefillInterferenceScorer(NeedsPrefixMatch, Scorer):
 
 def _seconds_per_token(endpoints: list[EndpointState]) -> np.ndarray:
     """1 / R(e) from the engines' own prefill timing; unmeasured at the measured median; none measured: NaN."""
-    rates = np.fromiter(((e.metrics.prefill_tokens_per_s or np.nan) if e.metrics.prefill_rate_timed else np.nan
-                         for e in endpoints), dtype=float, count=len(endpoints))
+    rates = timed_prefill_rates(endpoints)
     measured = np.isfinite(rates) & (rates > 0)
     if not measured.any():
         return np.full(len(endpoints), np.nan)
