@@ -54,27 +54,28 @@ DRAFT_MODEL = {
 }
 
 
+def _model_counter(name: str, text: str, model_name: str, value) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, text, labels=["model_name"])
+    family.add_metric([model_name], value)
+    return family
+
+
 def draft_model_families(draft, model_name: str):
     for name, (text, field) in DRAFT_MODEL.items():
-        family = CounterMetricFamily(name, text, labels=["model_name"])
-        family.add_metric([model_name], getattr(draft, field))
-        yield family
+        yield _model_counter(name, text, model_name, getattr(draft, field))
 
 
 def spec_decode_families(spec, model_name: str):
-    paused = CounterMetricFamily(SPEC_DECODE_PAUSED[0], SPEC_DECODE_PAUSED[1], labels=["model_name"])
-    paused.add_metric([model_name], spec.num_paused_steps)
-    yield paused
+    yield _model_counter(*SPEC_DECODE_PAUSED, model_name, spec.num_paused_steps)
     for name, (text, field) in SPEC_DECODE.items():
         value = getattr(spec, field)
         if isinstance(value, list):  # one series per draft position, as vLLM labels them
             family = CounterMetricFamily(name, text, labels=["model_name", "position"])
             for position, count in enumerate(value):
                 family.add_metric([model_name, str(position)], count)
+            yield family
         else:
-            family = CounterMetricFamily(name, text, labels=["model_name"])
-            family.add_metric([model_name], value)
-        yield family
+            yield _model_counter(name, text, model_name, value)
 
 
 class EngineStatsCollector:

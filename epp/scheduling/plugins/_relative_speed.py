@@ -71,14 +71,21 @@ def _compute(endpoints: list[EndpointState]) -> np.ndarray:
     return _relative(timed_prefill_rates(endpoints))
 
 
+def fill_unmeasured(values: np.ndarray) -> np.ndarray | None:
+    """`values` with the unknown ones (NaN, ≤ 0) at the known ones' median; None when none is known."""
+    measured = np.isfinite(values) & (values > 0)
+    if not measured.any():
+        return None
+    return np.where(measured, values, np.median(values[measured]))
+
+
 def _relative(values: np.ndarray) -> np.ndarray:
     """Each value ÷ the largest, unknown (NaN, ≤ 0) ones at the known median, snapped to 1 within SAME_SPEED and
     kept ≥ MIN_SPEED."""
-    measured = np.isfinite(values) & (values > 0)
-    if not measured.any():
+    filled = fill_unmeasured(values)
+    if filled is None:
         return np.ones(len(values))
-    values = np.where(measured, values, np.median(values[measured]))
-    ratio = values / values.max()
+    ratio = filled / filled.max()
     return np.where(ratio >= SAME_SPEED, 1.0, np.maximum(ratio, MIN_SPEED))
 
 

@@ -42,13 +42,14 @@ from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._normalize import attribute_values, per_snapshot
 from kvgate.epp.scheduling.plugins._params import check_keys, float_param, int_param, str_param
 from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens
-from kvgate.epp.scheduling.plugins._relative_speed import timed_prefill_rates
+from kvgate.epp.scheduling.plugins._relative_speed import fill_unmeasured, timed_prefill_rates
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 
 DEFAULT_WINDOW_S = 10.0
 DEFAULT_MAX_PICKS = 10000
 _RATE_KEY = "kvgate.prefill-rate-seconds-per-token"
+_HELD_KEY = "kvgate.scraped-running-plus-waiting"
 
 
 class PrefillInterferenceScorer(NeedsPrefixMatch, Scorer):
@@ -79,8 +80,7 @@ class PrefillInterferenceScorer(NeedsPrefixMatch, Scorer):
         uncached = np.maximum(prompt - cached, 0.0)
         if not uncached.any():
             return uncached
-        held = (attribute_values(endpoints, "metrics.running_requests")
-                + attribute_values(endpoints, "metrics.waiting_queue_size")
+        held = (per_snapshot(_HELD_KEY, cycle, endpoints, _scraped_held)  # metric columns: once per scrape round
                 + live_load.live_column(cycle, endpoints, "unseen_requests"))
         seconds_per_token = per_snapshot(_RATE_KEY, cycle, endpoints, _seconds_per_token)
         if np.isnan(seconds_per_token).any():  # no engine times its prefill: compare in tokens, now-held only
@@ -125,11 +125,13 @@ class PrefillInterferenceScorer(NeedsPrefixMatch, Scorer):
 
 def _seconds_per_token(endpoints: list[EndpointState]) -> np.ndarray:
     """1 / R(e) from the engines' own prefill timing; unmeasured at the measured median; none measured: NaN."""
-    rates = timed_prefill_rates(endpoints)
-    measured = np.isfinite(rates) & (rates > 0)
-    if not measured.any():
-        return np.full(len(endpoints), np.nan)
-    return 1.0 / np.where(measured, rates, np.median(rates[measured]))
+    rates = fill_unmeasured(timed_prefill_rates(endpoints))
+    return np.full(len(endpoints), np.nan) if rates is None else 1.0 / rates
+
+
+def _scraped_held(endpoints: list[EndpointState]) -> np.ndarray:
+    return (attribute_values(endpoints, "metrics.running_requests")
+            + attribute_values(endpoints, "metrics.waiting_queue_size"))
 
 
 def factory(parameters: dict | None) -> PrefillInterferenceScorer:
