@@ -128,7 +128,7 @@ def test_short_run_end_to_end(tmp_path):
         # --per-request: a row per request, in arrival order, each naming the engine that served it (the engine's
         # own answer header, through Envoy or straight): they add up to the engines' own success counters
         rows = c["per_request"]
-        assert [r["key"] for r in rows] == [r.key for r in requests] and all(r["failure"] is None for r in rows)
+        assert [r["key"] for r in rows] == [r.key for r in requests] and all(r["failure"] is r["error"] is None for r in rows)
         assert Counter(r["endpoint"] for r in rows) == Counter(c["served_per_endpoint"]), (name, rows[:3])
         ttfts = sorted(r["ttft_s"] for r in rows)
         assert abs(ttfts[len(ttfts) // 2] - c["ttft_s"]["p50"]) < 0.01, (name, c["ttft_s"])
@@ -249,3 +249,19 @@ def test_a_ttft_objective_knob_goes_with_every_request_and_is_judged_at_the_clie
     got = objectives_met([outcome(0.2), outcome(0.7), outcome(0.1, ok=False)], requests[:3])
     assert got == {"stated": 3, "met": 1, "share_met": 0.3333}
     assert objectives_met([outcome(0.2)], arrivals(WORKLOADS["multi-tenant"], 4, 2, 0)[:1]) is None
+
+
+def test_a_per_request_row_keeps_what_a_failed_request_got_back():
+    from kvgate.bench_routing.runner import request_records
+    from kvgate.chaos.load import Outcome
+
+    requests = arrivals(WORKLOADS["multi-tenant"], 4, 2, 0)[:2]
+    served = Outcome(sent_at=1.0, max_tokens=requests[0].max_tokens, status=200, first_token_at=1.25, ended_at=2.0,
+                     endpoint="127.0.0.1:1", tokens=requests[0].max_tokens, usage_tokens=requests[0].max_tokens,
+                     done=True)
+    refused = Outcome(sent_at=1.5, max_tokens=requests[1].max_tokens, status=503, ended_at=1.6,
+                      error="upstream connect error or disconnect/reset before headers")
+    rows = request_records([served, refused], requests, start=1.0)
+    assert rows[0]["failure"] is rows[0]["error"] is None and rows[0]["ttft_s"] == 0.25
+    assert rows[1]["failure"] == "HTTP 503" and rows[1]["error"].startswith("upstream connect error")
+    assert rows[1]["ttft_s"] is None and rows[1]["endpoint"] is None
