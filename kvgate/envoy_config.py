@@ -40,6 +40,8 @@ Limits, all finite and overridable (defaults sized for LLM traffic, documented i
 - HCM `request_headers_timeout` 10 s (a client gets that long to send its headers), `stream_idle_timeout`
   300 s (no byte either way: a long prefill under load stays well inside it); per route `timeout` 600 s for the
   whole request (long generations), optional per-try timeout, and an optional idle-timeout override per pool.
+- Idle connections to a pool's endpoints close after 4 s, before the model servers' own keep-alive (5 s) can
+  close one under a request (UPSTREAM_IDLE_S).
 - Circuit breakers per pool cluster: 100 000 requests, pending requests and connections, 1 000 concurrent
   retries (Envoy's defaults, 1024 / 1024 / 1024 / 3, would silently cap a pool of a few large engines).
 - At most 100 000 client connections per Envoy (overload manager).
@@ -101,6 +103,18 @@ class ListenerTimeouts:
     stream_idle_s: float = 300.0
 
 
+# Idle upstream connections to the model servers close on Envoy's side first. Envoy's default (1 h) outlives
+# every server's keep-alive, and a request Envoy writes onto a connection the server is closing at that moment is
+# answered 503 "upstream connect error or disconnect/reset before headers. reset reason: connection termination"
+# — not retriable, as the server may have read it (retry_on reset-before-request does not catch it: the request
+# was sent). Measured (2026-11-27, Envoy 1.40, one uvicorn server, requests spaced at its keep-alive ±4 ms): 8 and
+# 9 of 100 answered 503 with Envoy's default, 0 of 100 with the idle timeout under the keep-alive; seen once in a
+# 60 s `kvgate bench routing` cell (1 of ~1200 requests). 4 s: under uvicorn's default 5 s (kvgate serve, vLLM's
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a pool of either kind is covered; a reconnect on loopback or in-cluster costs
+# well under a millisecond.
+UPSTREAM_IDLE_S = 4.0
+
+
 @dataclass
 class PoolBackend:
     name: str  # unique per config, e.g. "<namespace>-<pool>"
@@ -122,6 +136,10 @@ class PoolBackend:
     fallbacks: bool = False
     retries: int = 2  # with fallbacks: further tries after a connect failure or reset, next in the EPP's list
     stream_idle_s: float | None = None  # this pool's routes override the listener's stream-idle timeout
+    # Envoy closes a connection to an endpoint after this long without a request on it: shorter than the model
+    # servers' own keep-alive (uvicorn's 5 s in `kvgate serve` and vLLM), so the server never closes a connection
+    # Envoy is about to reuse (see UPSTREAM_IDLE_S).
+    upstream_idle_s: float = UPSTREAM_IDLE_S
     # The EPP's pods, (ip, ext-proc port, health port), where Envoy reaches them by pod IP (the operator's
     # --epp-address-mode pod-ip); None: by `epp_host` (a Service's DNS name). See `pool_clusters`.
     epp_pods: tuple[tuple[str, int, int | None], ...] | None = None
@@ -149,6 +167,16 @@ def _http2_options() -> dict:
     return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
         "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
         "explicit_http_config": {"http2_protocol_options": {}}}}
+
+
+def _endpoint_protocol_options(pool: PoolBackend) -> dict:
+    """The pool clusters' HTTP options: HTTP/1.1 or h2c (the pool's appProtocol), idle connections closed after
+    `upstream_idle_s`."""
+    protocol = {"http2_protocol_options": {}} if pool.app_protocol == H2C else {"http_protocol_options": {}}
+    return {"typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "common_http_protocol_options": {"idle_timeout": _duration(pool.upstream_idle_s)},
+        "explicit_http_config": protocol}}}
 
 
 # --- HTTP filters: one ext_proc filter for every pool ------------------------------------------------------------
@@ -325,7 +353,7 @@ def pool_clusters(pool: PoolBackend, epp_eds_config: dict | None = None) -> list
     swapped the address). An EDS update changes the hosts in place: a new pod takes streams once its health
     check passes, and a removed pod stays while its health check passes (Envoy's default for removed hosts),
     then its connections drain — so the old EPP's lame duck and drain (epp/main.py `drain`) do their job."""
-    upstream_protocol = {"typed_extension_protocol_options": _http2_options()} if pool.app_protocol == H2C else {}
+    upstream_protocol = _endpoint_protocol_options(pool)
     endpoints = {"endpoints": [{"lb_endpoints": [{"endpoint": {"address": endpoint_address(ep)}}
                                                  for ep in pool.endpoints]}]}
     if pool.epp_pods is None:

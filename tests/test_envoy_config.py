@@ -80,6 +80,35 @@ def test_defaults_are_finite_and_documented():
         "max_retries": 1000}]
     check = clusters["epp-p"]["health_checks"][0]
     assert (check["unhealthy_threshold"], check["timeout"], check["interval"]) == (3, "2s", "1s")
+    # idle connections to the engines close on Envoy's side, before the engines' keep-alive (uvicorn's) closes one
+    # under a request (tests/epp/test_gateway.py watches it happen)
+    import uvicorn
+
+    from kvgate.envoy_config import UPSTREAM_IDLE_S
+    assert UPSTREAM_IDLE_S < uvicorn.Config(app=None).timeout_keep_alive
+    for name in ("pool-p", "pool-p-failopen"):
+        options = clusters[name]["typed_extension_protocol_options"][
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        assert options["common_http_protocol_options"] == {"idle_timeout": "4s"}
+        assert options["explicit_http_config"] == {"http_protocol_options": {}}
+    h2c = render_pool_gateway(PoolBackend("h", "127.0.0.1", 9002, ["127.0.0.1:8000"], app_protocol="kubernetes.io/h2c",
+                                          upstream_idle_s=2.5), "127.0.0.1", 8080)
+    (pool,) = [c for c in h2c["static_resources"]["clusters"] if c["name"] == "pool-h"]
+    options = pool["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert options["explicit_http_config"] == {"http2_protocol_options": {}}
+    assert options["common_http_protocol_options"] == {"idle_timeout": "2.5s"}
+
+
+def test_the_example_gateway_is_a_current_rendering():
+    """envoy/example-gateway.yaml (what the docs show) is what render_pool_gateway renders today."""
+    from pathlib import Path
+
+    import yaml
+
+    example = Path(__file__).parent.parent / "envoy" / "example-gateway.yaml"
+    pool = PoolBackend("default-demo-pool", "demo-pool-epp.default.svc.cluster.local", 9002,
+                       ["10.0.0.11:8000", "10.0.0.12:8000"], epp_health_port=9003)
+    assert yaml.safe_load(example.read_text()) == render_pool_gateway(pool, "0.0.0.0", 8080, 19000)
 
 
 def test_tuned_limits_reach_the_config():

@@ -17,7 +17,7 @@ from tests.epp.helpers import LIST_CONFIG
 from tests.gateway import EPP, Envoy, Gateway
 from tests.procs import KvgateServe, free_port
 from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
-from kvgate.envoy_config import UPSTREAM_HOST_HEADER, PoolBackend
+from kvgate.envoy_config import UPSTREAM_HOST_HEADER, UPSTREAM_IDLE_S, PoolBackend
 from kvgate.gateway_routes import render_pool_gateway
 from kvgate.epp.protocol import DESTINATION_HEADER, SERVED_TEST_HEADER, TEST_ENDPOINT_SELECTION_HEADER
 
@@ -48,6 +48,21 @@ def complete(url, prompt="hello", max_tokens=4, headers=None, **extra):
     return httpx.post(url + "/v1/completions", json={"model": "sim-model", "prompt": prompt,
                                                      "max_tokens": max_tokens, **extra},
                       headers=headers or {}, timeout=30)
+
+
+def test_envoy_closes_idle_engine_connections_before_the_engines_do(three):
+    """An idle connection to an engine is closed by Envoy (UPSTREAM_IDLE_S), never by the engine's keep-alive:
+    a request Envoy writes onto a connection the engine is closing is answered 503, and cannot be retried."""
+    idle_closed, remote_closed = (f"cluster.pool-test.upstream_cx_{s}" for s in ("idle_timeout", "destroy_remote"))
+    r = complete(three.url, "idle connections")
+    assert r.status_code == 200, r.text
+    before = three.envoy_stat(idle_closed), three.envoy_stat(remote_closed)
+    deadline = time.monotonic() + UPSTREAM_IDLE_S + 5  # past the engines' 5 s keep-alive too
+    while three.envoy_stat(idle_closed) == before[0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert three.envoy_stat(idle_closed) > before[0]
+    assert three.envoy_stat(remote_closed) == before[1]
+    assert complete(three.url, "after the idle close").status_code == 200
 
 
 @pytest.mark.parametrize("count", [1, 2, 3])
