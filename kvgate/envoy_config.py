@@ -108,10 +108,10 @@ class ListenerTimeouts:
 # answered 503 "upstream connect error or disconnect/reset before headers. reset reason: connection termination"
 # — not retriable, as the server may have read it (retry_on reset-before-request does not catch it: the request
 # was sent). Measured (2026-11-27, Envoy 1.40, one uvicorn server, requests spaced at its keep-alive ±4 ms): 8 and
-# 9 of 100 answered 503 with Envoy's default, 0 of 100 with the idle timeout under the keep-alive; seen once in a
-# 60 s `kvgate bench routing` cell (1 of ~1200 requests). 4 s: under uvicorn's default 5 s (kvgate serve, vLLM's
-# VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a pool of either kind is covered; a reconnect on loopback or in-cluster costs
-# well under a millisecond.
+# 9 of 100 answered 503 with Envoy's default, 0 of 100 with the idle timeout under the keep-alive; most likely
+# also the one 503 no log line explained in a 60 s `kvgate bench routing` cell (1 of ~1200 requests). 4 s: under
+# uvicorn's default 5 s (kvgate serve, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a pool of either kind is covered;
+# a reconnect on loopback or in-cluster costs well under a millisecond.
 UPSTREAM_IDLE_S = 4.0
 
 
