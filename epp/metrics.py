@@ -35,6 +35,7 @@ class EndpointRow(NamedTuple):
     stale: bool  # when published: old numbers or failing scrapes (age is re-checked at scrape time)
     available: bool = True  # in rotation: scraped at least once and its scrapes are not failing
     prefill_tokens_per_s: float | None = None  # the datalayer's online estimate (None: not yet measured)
+    prefill_rate_timed: bool = False  # the estimate is the engine's own step timing (the speed-aware loads use it)
 
 
 class Snapshot(NamedTuple):
@@ -91,7 +92,7 @@ class EndpointGauges:
         states = self.director.states()  # every endpoint, stale ones included
         rows = tuple(EndpointRow(s.address, s.metrics.waiting_queue_size, s.metrics.running_requests,
                                  s.metrics.kv_cache_usage, s.metrics.updated_at, s.in_flight_requests, s.stale,
-                                 s.available, s.metrics.prefill_tokens_per_s)
+                                 s.available, s.metrics.prefill_tokens_per_s, s.metrics.prefill_rate_timed)
                      for s in states)
         flow = getattr(self.director, "flow", None)
         self.snapshot = Snapshot(rows, self.director.datalayer.staleness, self.director.scheduler.stats(),
@@ -118,8 +119,13 @@ class EndpointGauges:
                                       "1 while the endpoint is in rotation (scraped, its scrapes not failing).",
                                       labels=["endpoint"])
         rate = GaugeMetricFamily("kvgate_epp_endpoint_prefill_tokens_per_second",
-                                 "Prompt tokens computed per busy second, estimated online from the engine's "
-                                 "prefix-cache counters (only endpoints measured so far).", labels=["endpoint"])
+                                 "Prompt tokens computed per busy second, estimated online from the engine's own "
+                                 "prefill timing, else from its prefix-cache counters (only endpoints measured so "
+                                 "far).", labels=["endpoint"])
+        timed = GaugeMetricFamily("kvgate_epp_endpoint_prefill_rate_timed",
+                                  "1 when the endpoint's prefill rate is its engine's own step timing, which the "
+                                  "speed-aware loads (loadUnit: seconds) read; 0: not timed (yet), the pool's median "
+                                  "timed speed stands in.", labels=["endpoint"])
         now = time.monotonic()
         for row in snapshot.rows:
             labels = [row.address]
@@ -133,7 +139,8 @@ class EndpointGauges:
             available.add_metric(labels, 1.0 if row.available else 0.0)
             if row.prefill_tokens_per_s is not None:
                 rate.add_metric(labels, row.prefill_tokens_per_s)
-        yield from (queue, kv, running, stale, age, flight, available, rate)
+            timed.add_metric(labels, 1.0 if row.prefill_rate_timed else 0.0)
+        yield from (queue, kv, running, stale, age, flight, available, rate, timed)
         values = snapshot.plugin_stats.get("prefix_index") or {}
         if values:
             size = GaugeMetricFamily("kvgate_epp_prefix_index_size", "Block hashes in the prefix index.")

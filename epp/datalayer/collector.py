@@ -36,6 +36,7 @@ from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState
 # Consecutive failed scrapes that count an endpoint as stale whatever the age of its numbers: 2, so that one
 # lost scrape (a GC pause, a dropped keep-alive connection) does not flap it, and a dead one goes in ~2 rounds.
 FAILURES_OUT_OF_ROTATION = 2
+PREFILL_TIMING_SERIES = "kvgate:prefill_step_seconds_total"
 
 log = logging.getLogger("kvgate.epp.datalayer")
 
@@ -64,7 +65,7 @@ class EndpointCollector:
     """One endpoint's scraping: its connection, the latest metrics and the counters."""
 
     __slots__ = ("endpoint", "metrics", "connection", "scrapes", "failures", "consecutive_failures", "failing", "sent_at", "filtered",
-                 "prefill_rate", "last_body", "connecting", "removed", "_layer")
+                 "prefill_rate", "timing_said", "last_body", "connecting", "removed", "_layer")
 
     def __init__(self, endpoint: Endpoint, layer: "Datalayer") -> None:
         self.endpoint = endpoint  # replaced in place when the pod's metadata changes
@@ -78,6 +79,7 @@ class EndpointCollector:
         self.filtered = layer.filter_families  # ask for only the dialect's families
         self.last_body = b""
         self.prefill_rate = PrefillRateEstimator()
+        self.timing_said: bool | None = None  # what the log last said of the engine's prefill timing (None: nothing)
         self.connecting: asyncio.Task | None = None
         self.removed = False
         self._layer = layer
@@ -156,6 +158,7 @@ class EndpointCollector:
             return
         metrics.prefill_tokens_per_s = self.prefill_rate.update(metrics)
         metrics.prefill_rate_timed = self.prefill_rate.timed and metrics.prefill_tokens_per_s is not None
+        self._say_prefill_timing(metrics)
         self.scrapes += 1
         self.consecutive_failures = 0
         if self.failing:
@@ -165,6 +168,21 @@ class EndpointCollector:
         self.metrics = metrics
         if changed:
             layer._notify(self.endpoint.address, metrics)
+
+    def _say_prefill_timing(self, metrics: EndpointMetrics) -> None:
+        """Log, at the first scrape and whenever it changes, which load signal this endpoint's prefill speed comes
+        from: the engine's own step timing (speed-aware loads, in seconds) or nothing the EPP trusts for speed."""
+        timed = metrics.prefill_tokens_computed is not None and metrics.prefill_step_seconds is not None
+        if timed == self.timing_said:
+            return
+        self.timing_said = timed
+        if timed:
+            log.info("%s times its own prefill (%s): its loads count in seconds of its measured prefill speed",
+                     self.endpoint.address, PREFILL_TIMING_SERIES)
+        else:
+            log.info("%s exports no prefill timing (%s; e.g. a vLLM engine): its loads count at the median speed "
+                     "of the timed endpoints, or in tokens where none is timed", self.endpoint.address,
+                     PREFILL_TIMING_SERIES)
 
     def close(self) -> None:
         self.removed = True

@@ -396,7 +396,37 @@ def test_metrics_connection_get_reads_one_answer_and_times_out():
     run(main())
 
 
-def test_against_a_real_kvgate_sim_engine(tmp_path):
+def test_the_log_says_once_which_prefill_speed_signal_an_endpoint_gives(caplog):
+    """A vLLM page (no prefill timing): said once however often it is scraped; the engine starting to time its
+    prefill (an upgrade behind the same address) is said when seen."""
+    timing = ("kvgate:prefill_tokens_computed_total{model_name=\"m\"} 100.0\n"
+              "kvgate:prefill_step_seconds_total{model_name=\"m\"} 0.5\n")
+
+    async def main():
+        engine = await FakeEngine(vllm_page(waiting=1)).start()
+        layer = Datalayer(interval=0.02, filter_families=False)
+        try:
+            layer.set_endpoints([Endpoint(engine.address)])
+            await layer.start()
+            await wait_until(lambda: engine.requests >= 5)
+            engine.text = vllm_page(waiting=2) + timing
+            await wait_until(lambda: metrics_of(layer, engine.address).prefill_step_seconds == 0.5)
+            await wait_until(lambda: engine.requests >= 15)
+        finally:
+            await layer.stop()
+            await engine.stop()
+        return engine.address
+
+    with caplog.at_level("INFO", logger="kvgate.epp.datalayer"):
+        address = run(main())
+    said = [r.getMessage() for r in caplog.records if "prefill" in r.getMessage()]
+    assert said == [f"{address} exports no prefill timing (kvgate:prefill_step_seconds_total; e.g. a vLLM engine): "
+                    "its loads count at the median speed of the timed endpoints, or in tokens where none is timed",
+                    f"{address} times its own prefill (kvgate:prefill_step_seconds_total): its loads count in seconds "
+                    "of its measured prefill speed"], said
+
+
+def test_against_a_real_kvgate_sim_engine(tmp_path, caplog):
     async def main(url: str, address: str):
         layer = Datalayer(interval=0.05)
         try:
@@ -442,8 +472,13 @@ def test_against_a_real_kvgate_sim_engine(tmp_path):
         finally:
             await layer.stop()
 
-    with KvgateServe("sim-8b", "--backend", "sim", cache_dir=tmp_path) as server:
+    with KvgateServe("sim-8b", "--backend", "sim", cache_dir=tmp_path) as server, \
+            caplog.at_level("INFO", logger="kvgate.epp.datalayer"):
         run(main(server.url, f"{server.host}:{server.port}"))
+    # a kvgate engine times its own prefill: the EPP says so (the speed-aware loads use it)
+    assert [r.getMessage() for r in caplog.records if "prefill" in r.getMessage()] == [
+        f"{server.host}:{server.port} times its own prefill (kvgate:prefill_step_seconds_total): its loads count in "
+        "seconds of its measured prefill speed"]
 
 
 # ------------------------------------------------------------------------------------------- dialects

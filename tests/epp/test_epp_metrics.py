@@ -169,3 +169,18 @@ def test_series_of_a_removed_endpoint_are_gone_token_counters_included():
 
     with refusing_addresses(2) as (a, b):
         asyncio.run(asyncio.wait_for(main(a, b), 30))
+
+
+def test_each_endpoint_says_whether_its_prefill_rate_is_the_engines_own_timing():
+    """kvgate_epp_endpoint_prefill_rate_timed: 1 where the speed-aware loads read the engine's step timing, 0 where
+    the pool's median stands in (an engine that does not time itself, or not yet measured)."""
+    from kvgate.epp.metrics import EndpointGauges, EndpointRow, Snapshot
+
+    gauges = EndpointGauges(director=None)
+    now = time.monotonic()
+    gauges.snapshot = Snapshot((EndpointRow("a:1", 0, 0, 0.0, now, 0, False, True, 4800.0, True),
+                                EndpointRow("b:1", 0, 0, 0.0, now, 0, False, True, 2100.0, False),
+                                EndpointRow("c:1", 0, 0, 0.0, now, 0, False, True)))
+    families = {f.name: {s.labels["endpoint"]: s.value for s in f.samples} for f in gauges.collect()}
+    assert families["kvgate_epp_endpoint_prefill_rate_timed"] == {"a:1": 1.0, "b:1": 0.0, "c:1": 0.0}
+    assert families["kvgate_epp_endpoint_prefill_tokens_per_second"] == {"a:1": 4800.0, "b:1": 2100.0}
