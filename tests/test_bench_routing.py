@@ -265,3 +265,37 @@ def test_a_per_request_row_keeps_what_a_failed_request_got_back():
     assert rows[0]["failure"] is rows[0]["error"] is None and rows[0]["ttft_s"] == 0.25
     assert rows[1]["failure"] == "HTTP 503" and rows[1]["error"].startswith("upstream connect error")
     assert rows[1]["ttft_s"] is None and rows[1]["endpoint"] is None
+
+
+def test_oracle_placement_deals_the_groups_out_in_a_snake():
+    from kvgate.bench_routing.oracle import placement, snake
+    from kvgate.bench_routing.workloads import BenchRequest
+
+    assert [snake(i, 4) for i in range(10)] == [0, 1, 2, 3, 3, 2, 1, 0, 0, 1]
+    keys = ["t0/u0"] * 5 + ["t1/u1"] * 4 + ["t2/u0"] * 3 + ["r7", "t3/u0", "t3/u1", "r8"] + ["t4/u0"] * 2
+    requests = [BenchRequest(i / 10, "p", k) for i, k in enumerate(keys)]
+    got = placement(requests, ["b:1", "a:1", "c:1"])  # ranks t0 t1 t2 t3 t4 → a b c c b; one-offs in turn
+    want = {"t0": "a:1", "t1": "b:1", "t2": "c:1", "t3": "c:1", "t4": "b:1"}
+    assert [g for k, g in zip(keys, got) if not k.startswith("r")] == [want[k.split("/")[0]] for k in keys
+                                                                       if not k.startswith("r")]
+    assert [g for k, g in zip(keys, got) if k.startswith("r")] == ["a:1", "b:1"]
+    with pytest.raises(ValueError):
+        placement(requests, [])
+
+
+def test_oracle_placement_reaches_the_engines_through_envoy_and_the_epp(tmp_path):
+    """Each tenant's requests are served by the one replica its rank gives (the engines' own answer header)."""
+    result_file = tmp_path / "oracle.json"
+    run = subprocess.run([KVGATE, "bench", "routing", "--workloads", "multi-tenant", "--configs", "oracle-placement",
+                          "--rates", "6", "--duration", "3", "--drain", "20", "--per-request",
+                          "--result-file", str(result_file)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and result_file.exists(), run.stdout + run.stderr[-3000:]
+    (cell,) = json.loads(result_file.read_text())["workloads"]["multi-tenant"]["cells"]
+    assert cell["failed"] == 0, cell["errors"]
+    served: dict[str, set] = {}
+    for row in cell["per_request"]:
+        served.setdefault(row["key"].split("/")[0], set()).add(row["endpoint"])
+    assert all(len(endpoints) == 1 for endpoints in served.values()), served
+    repeated = [t for t, n in Counter(r["key"].split("/")[0] for r in cell["per_request"]).items() if n > 1]
+    by_replica = Counter(next(iter(served[t])) for t in repeated)
+    assert max(by_replica.values()) - min(by_replica.values()) <= 1, by_replica  # as many groups each (snake)

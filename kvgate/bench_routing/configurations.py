@@ -83,6 +83,7 @@ class RoutingConfig:
     epp_config: str | None = None
     kv_events: bool = False  # engines publish KV-cache events, the EPP subscribes
     router_cmd: tuple[str, ...] = ()  # kind router: the program and its policy flags (worker URLs, port added)
+    oracle: bool = False  # each request carries its endpoint from oracle.placement (a reference point, not a router)
 
     def plugin_types(self) -> set[str]:
         if not self.epp_config:
@@ -128,6 +129,11 @@ CONFIGURATIONS = [
     # the profile as it was before prefill-interference joined it (2026-11-27): what that scorer adds
     RoutingConfig("kvgate-no-interference", "kvgate's profile without prefill-interference", "epp",
                   without_scorer(KVGATE_PROFILE_YAML, "prefill-interference-scorer"), kv_events=True),
+    RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
+                  "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "
+                  "through the EPP's header-based-testing-filter (bench_routing/oracle.py)", "epp",
+                  _config([("header-based-testing-filter", None, None), ("max-score-picker", None, None)]),
+                  oracle=True),
     # kvgate's profile with the approximate prefix scorer in place of the precise one, no KV events: what precise
     # prefix information is worth with the rest of the profile unchanged
     RoutingConfig("kvgate-approximate", "kvgate's profile with the approximate prefix-cache scorer (its own routing "

@@ -28,12 +28,12 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.bench_routing import pinning
+from kvgate.bench_routing import oracle, pinning
 from kvgate.bench_routing.configurations import (SIM_MODEL, RoutingConfig, router_program, slow_replica_args,
                                                   sim_engine_args)
 from kvgate.bench_routing.workloads import BenchRequest, WorkloadShape
 from kvgate.chaos.load import Outcome, StreamLoad
-from kvgate.epp.protocol import TTFT_OBJECTIVE_HEADER
+from kvgate.epp.protocol import TEST_ENDPOINT_SELECTION_HEADER, TTFT_OBJECTIVE_HEADER
 from kvgate.processes import free_port
 from kvgate.up import LocalStack, Stack, launch_local_stack
 
@@ -194,9 +194,10 @@ def _wait_serving(stack: Stack, url: str, deadline: float) -> None:
 
 
 async def _drive(url: str, requests: list[BenchRequest], drain_s: float, tick: Callable[[], None],
-                 replicas: list[str] = ()) -> tuple[list[Outcome], float]:
+                 replicas: list[str] = (), destinations: list[str] | None = None) -> tuple[list[Outcome], float]:
     """Each request at its arrival time, asking its own max_tokens — to `url`, or a foreign one straight to its
-    replica of `replicas` (host:port, in order); returns the outcomes in arrival order and the run's start."""
+    replica of `replicas` (host:port, in order); with `destinations` (oracle-placement), each routed request names
+    its endpoint in the conformance header; returns the outcomes in arrival order and the run's start."""
     load = StreamLoad(url, SIM_MODEL, concurrency=1, timeout_s=drain_s + 60)
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
     start = time.monotonic()
@@ -204,10 +205,12 @@ async def _drive(url: str, requests: list[BenchRequest], drain_s: float, tick: C
         async def one(seq: int, r: BenchRequest) -> Outcome:
             await asyncio.sleep(max(0.0, start + r.at - time.monotonic()))
             try:
-                headers = {TTFT_OBJECTIVE_HEADER: f"{r.ttft_objective_ms:g}"} if r.ttft_objective_ms > 0 else None
+                headers = {TTFT_OBJECTIVE_HEADER: f"{r.ttft_objective_ms:g}"} if r.ttft_objective_ms > 0 else {}
+                if destinations is not None:
+                    headers[TEST_ENDPOINT_SELECTION_HEADER] = destinations[seq]
                 return await load.one(client, seq, r.prompt,
                                       None if r.foreign is None else f"http://{replicas[r.foreign]}", r.max_tokens,
-                                      headers)
+                                      headers or None)
             finally:
                 tick()
         tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
@@ -345,7 +348,8 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
         # the readiness probe of a router sent one request: counted in `before`, so not in the deltas
         before = all_counters(up.endpoints)
         epp_before = _summed_histograms(up) if config.kind == "epp" else None
-        outcomes, start = asyncio.run(_drive(url, requests, drain_s, tick, up.endpoints))
+        destinations = oracle.placement(requests, up.endpoints) if config.oracle else None
+        outcomes, start = asyncio.run(_drive(url, requests, drain_s, tick, up.endpoints, destinations))
         time.sleep(0.2)  # the last requests' counters
         after = all_counters(up.endpoints)
         died = up.stack.dead()
