@@ -15,9 +15,10 @@ from tests.epp.test_load_plugins import PROMPT, config, warmed
 SCORER = "type: prefill-interference-scorer\n  parameters: {windowSeconds: 10}"
 
 
-def ep(address, *, running=0, waiting=0, rate=None):
+def ep(address, *, running=0, waiting=0, rate=None, kv_blocks=512):
     m = EndpointMetrics(running_requests=running, waiting_queue_size=waiting, prefill_tokens_per_s=rate,
-                        prefill_rate_timed=rate is not None, updated_at=time.monotonic())
+                        prefill_rate_timed=rate is not None, updated_at=time.monotonic(), kv_block_size=16,
+                        num_kv_blocks=kv_blocks)
     return EndpointState(Endpoint(address), m, stale=False)
 
 
@@ -39,6 +40,7 @@ def test_harm_is_the_prefill_time_times_the_requests_held_and_arriving():
     states = [ep("a:1", running=9, rate=1000), ep("b:1", running=2, waiting=1, rate=1000), ep("c:1", rate=2000)]
     now = [50.0]
     _, scorer = scorer_with_prefix(states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384}, lambda: now[0])
+    scorer.capacity_shares = False  # the formula itself (c is 2x faster: its share is tested below)
     for _ in range(40):  # 40 picks in the 10 s window: λ(c) = 4/s; a and b had one each (warming): 0.1/s
         scorer.pre_request(req(), states[2], None)
     cycle = CycleState(LoadTracker().view(states))
@@ -122,6 +124,7 @@ def test_peers_picks_count_and_memory_is_bounded():
     ("{maxPicksPerEndpoint: 0}", "maxPicksPerEndpoint"),
     ("{decay: 1}", "unknown parameter"),
     ("{prefixScorer: nope}", "nope"),
+    ("{capacityShares: 1}", "capacityShares"),
 ])
 def test_bad_parameters_are_named(params, message):
     with pytest.raises(ConfigError, match=message):
@@ -134,3 +137,35 @@ def test_rates_unmeasured_take_the_measured_median():
     got = _seconds_per_token([ep("a:1", rate=1000), ep("b:1"), ep("c:1", rate=3000), ep("d:1", rate=2000)])
     assert got == pytest.approx([1 / 1000, 1 / 2000, 1 / 3000, 1 / 2000])
     assert np.isnan(_seconds_per_token([ep("a:1"), ep("b:1")])).all()
+
+
+def test_on_mixed_hardware_harm_counts_beyond_each_replicas_capacity_share():
+    """At the placement the group balance aims for, a replica with half the KV holds half the requests, and one half
+    as fast holds as many for twice as long: harm ∝ c(e) / s(e)². The scorer weighs harm × s² / c — only what is
+    beyond the shares moves a prompt — and in a uniform pool that factor is 1."""
+    plain = create_plugin("prefill-interference-scorer", {"capacityShares": False})
+    shared = create_plugin("prefill-interference-scorer")
+    for scorer in (plain, shared):
+        scorer.clock = lambda: 0.0
+
+    def harms(states):
+        cycle = CycleState(LoadTracker().view(states))
+        return plain.harm(req(), states, cycle), shared.harm(req(), states, cycle)
+
+    # cards of two memory sizes, as fast: the big one holds twice the requests of the small one, as meant
+    kv = [ep("big:1", running=8, rate=4000, kv_blocks=512), ep("small:1", running=4, rate=4000, kv_blocks=256)]
+    without, with_shares = harms(kv)
+    assert without[0] == pytest.approx(2 * without[1])  # plain harm: the big card looks twice as busy
+    assert with_shares[0] == pytest.approx(with_shares[1])  # beyond its share: not at all
+    # ... and when the big one holds more than its share, it still counts
+    assert harms([ep("big:1", running=12, rate=4000), ep("small:1", running=4, rate=4000, kv_blocks=256)])[1][0] \
+        == pytest.approx(1.5 * with_shares[1])
+    # two speeds, as much KV: the slow one holds as many requests (half the arrivals, each twice as long) and its
+    # prefill takes twice as long
+    speed = [ep("fast:1", running=6, rate=4000), ep("slow:1", running=6, rate=2000)]
+    without, with_shares = harms(speed)
+    assert without[1] == pytest.approx(2 * without[0]) and with_shares[1] == pytest.approx(with_shares[0])
+    # a uniform pool (rates within 1.25x count as one speed): the factor is exactly 1
+    uniform = [ep("a:1", running=9, rate=4000), ep("b:1", running=3, rate=3600), ep("c:1", running=1, rate=4200)]
+    without, with_shares = harms(uniform)
+    assert list(with_shares) == list(without)

@@ -17,6 +17,23 @@ the others:
                                                   during it T/2 on average
     score(e) = 1 - (harm(e) - min harm) / max harm          all zero → 1 everywhere
 
+Pools of mixed hardware: the profile's group balance gives each replica prefix groups in proportion to its capacity
+share c(e) = min(k(e), s(e)) — its KV cache and its prefill speed relative to the largest / fastest
+(plugins/_relative_speed.py) — so at the placement it aims for a replica holds requests in proportion to c(e)/s(e)
+(arrivals ∝ c(e), each held ∝ 1/s(e)) and its prefills take ∝ 1/s(e): harm(e) ∝ c(e)/s(e)² there, however well
+the pool runs. The scorer compares
+
+    harm'(e) = harm(e) × s(e)² / c(e)           (capacityShares true, the default; 1 × harm in a uniform pool)
+
+the harm beyond what each replica's share explains, so it moves a prompt off a replica busier than its share and
+never works against the shares themselves. Without it, on cards of two memory sizes (`kvgate bench routing
+--workloads mixed-kv`, seeds 0-2) the big cards, holding twice the groups and so twice the requests, turned new
+groups to the small ones, whose caches then thrashed: TTFT p90 0.88 / 0.84 / 1.38 s against 0.69 / 0.74 / 0.80 s
+with the profile without the scorer, same run. With it (`--shapes mixed-hardware`, seeds 0-2, against the scorer
+without it in the same runs): mixed-kv 0.84 / 0.64 / 1.04 s against 0.84 / 0.96 / 1.25 s, mixed-generations 1.19 /
+1.31 / 1.06 s against 1.80 / 1.03 / 1.94 s, mixed-speed 0.60 / 0.72 / 1.00 s against 0.49 / 0.81 / 0.85 s,
+mixed-speed-no-reuse level (20 s cells: a seed's p90 moves ±0.2 s between runs).
+
 Scaled by the largest harm rather than min-max: candidates a few percent apart (equal replicas, a request all of
 them have cached) score a few percent apart, so the scorer moves a decision only where the difference is real —
 a cold prompt of 2000 tokens on the replica that serves a hot tenant's stream of cheap cached requests.
@@ -26,7 +43,8 @@ replica served 47% of the requests — a hot tenant that asks 39% and other tena
 108 of the 133 requests at or past the cell's TTFT p90 were its own requests queued behind those cold prefills
 (~0.4 s each): the backlog a load scorer sees stays small there, since the hot tenant's requests are nearly all
 cached. Parameters: windowSeconds > 0 = 10, prefixScorer = the profile's only prefix scorer, maxPicksPerEndpoint
-≥ 1 = 10000 (memory: the arrival record keeps at most that many timestamps an endpoint).
+≥ 1 = 10000 (memory: the arrival record keeps at most that many timestamps an endpoint), capacityShares true |
+false = true.
 """
 
 from __future__ import annotations
@@ -40,9 +58,10 @@ import numpy as np
 from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._normalize import attribute_values, per_snapshot
-from kvgate.epp.scheduling.plugins._params import check_keys, float_param, int_param, str_param
+from kvgate.epp.scheduling.plugins._params import bool_param, check_keys, float_param, int_param, str_param
 from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens
-from kvgate.epp.scheduling.plugins._relative_speed import fill_unmeasured, timed_prefill_rates
+from kvgate.epp.scheduling.plugins._relative_speed import (fill_unmeasured, relative_kv_capacity, relative_speed,
+                                                               timed_prefill_rates)
 from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -56,9 +75,11 @@ class PrefillInterferenceScorer(NeedsPrefixMatch, Scorer):
     type_name = "prefill-interference-scorer"
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S, prefix_source_name: str = "",
-                 max_picks: int = DEFAULT_MAX_PICKS, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_picks: int = DEFAULT_MAX_PICKS, clock: Callable[[], float] = time.monotonic,
+                 capacity_shares: bool = True) -> None:
         super().__init__()
         self.window_s = window_s
+        self.capacity_shares = capacity_shares
         self.prefix_source_name = prefix_source_name
         self.max_picks = max_picks
         self.clock = clock
@@ -84,11 +105,16 @@ class PrefillInterferenceScorer(NeedsPrefixMatch, Scorer):
                 + live_load.live_column(cycle, endpoints, "unseen_requests"))
         seconds_per_token = per_snapshot(_RATE_KEY, cycle, endpoints, _seconds_per_token)
         if np.isnan(seconds_per_token).any():  # no engine times its prefill: compare in tokens, now-held only
-            return uncached * held
-        busy = uncached * seconds_per_token
-        # once per scrape round (a 50 ms step in a 10 s window); the picks since count in `held`
-        arrivals = per_snapshot(self._arrivals_key, cycle, endpoints, self._arrival_column)
-        return busy * (held + arrivals * busy / 2)
+            harm = uncached * held
+        else:
+            busy = uncached * seconds_per_token
+            # once per scrape round (a 50 ms step in a 10 s window); the picks since count in `held`
+            arrivals = per_snapshot(self._arrivals_key, cycle, endpoints, self._arrival_column)
+            harm = busy * (held + arrivals * busy / 2)
+        if self.capacity_shares:
+            speed = relative_speed(endpoints, cycle)
+            harm = harm * speed ** 2 / np.minimum(relative_kv_capacity(endpoints, cycle), speed)
+        return harm
 
     def _arrival_column(self, endpoints: list[EndpointState]) -> np.ndarray:
         now = self.clock()
@@ -136,9 +162,10 @@ def _scraped_held(endpoints: list[EndpointState]) -> np.ndarray:
 
 def factory(parameters: dict | None) -> PrefillInterferenceScorer:
     t = PrefillInterferenceScorer.type_name
-    params = check_keys(parameters, {"windowSeconds", "prefixScorer", "maxPicksPerEndpoint"}, t)
+    params = check_keys(parameters, {"windowSeconds", "prefixScorer", "maxPicksPerEndpoint", "capacityShares"}, t)
     return PrefillInterferenceScorer(
         window_s=float_param(params, "windowSeconds", DEFAULT_WINDOW_S, t, 0.0, min_inclusive=False),
         prefix_source_name=str_param(params, "prefixScorer", "", t),
         max_picks=int_param(params, "maxPicksPerEndpoint", DEFAULT_MAX_PICKS, t, 1),
+        capacity_shares=bool_param(params, "capacityShares", True, t),
     )
