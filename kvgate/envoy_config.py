@@ -163,20 +163,14 @@ def _typed(name: str, type_url: str, **config) -> dict:
     return {"name": name, "typed_config": {"@type": f"type.googleapis.com/{type_url}", **config}}
 
 
-def _http2_options() -> dict:
-    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-        "explicit_http_config": {"http2_protocol_options": {}}}}
-
-
-def _endpoint_protocol_options(pool: PoolBackend) -> dict:
-    """The pool clusters' HTTP options: HTTP/1.1 or h2c (the pool's appProtocol), idle connections closed after
-    `upstream_idle_s`."""
-    protocol = {"http2_protocol_options": {}} if pool.app_protocol == H2C else {"http_protocol_options": {}}
-    return {"typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-        "common_http_protocol_options": {"idle_timeout": _duration(pool.upstream_idle_s)},
-        "explicit_http_config": protocol}}}
+def _http_options(http2: bool, idle_s: float | None = None) -> dict:
+    """A cluster's `typed_extension_protocol_options`: HTTP/2 or HTTP/1.1 upstream, idle connections closed after
+    `idle_s` (None: Envoy's default)."""
+    options = {"@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+               "explicit_http_config": {"http2_protocol_options" if http2 else "http_protocol_options": {}}}
+    if idle_s is not None:
+        options["common_http_protocol_options"] = {"idle_timeout": _duration(idle_s)}
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": options}
 
 
 # --- HTTP filters: one ext_proc filter for every pool ------------------------------------------------------------
@@ -353,7 +347,9 @@ def pool_clusters(pool: PoolBackend, epp_eds_config: dict | None = None) -> list
     swapped the address). An EDS update changes the hosts in place: a new pod takes streams once its health
     check passes, and a removed pod stays while its health check passes (Envoy's default for removed hosts),
     then its connections drain — so the old EPP's lame duck and drain (epp/main.py `drain`) do their job."""
-    upstream_protocol = _endpoint_protocol_options(pool)
+    # the pool's endpoints: HTTP/1.1 or h2c (its appProtocol), idle connections closed after upstream_idle_s
+    upstream_protocol = {"typed_extension_protocol_options": _http_options(pool.app_protocol == H2C,
+                                                                           pool.upstream_idle_s)}
     endpoints = {"endpoints": [{"lb_endpoints": [{"endpoint": {"address": endpoint_address(ep)}}
                                                  for ep in pool.endpoints]}]}
     if pool.epp_pods is None:
@@ -364,7 +360,7 @@ def pool_clusters(pool: PoolBackend, epp_eds_config: dict | None = None) -> list
         discovery = {"type": "EDS", "eds_cluster_config": {"eds_config": epp_eds_config,
                                                            "service_name": f"epp-{pool.name}"}}
     epp = {"name": f"epp-{pool.name}", **discovery, "connect_timeout": "2s",
-           "typed_extension_protocol_options": _http2_options(),
+           "typed_extension_protocol_options": _http_options(http2=True),
            "health_checks": [_epp_health_check(pool)],
            "common_lb_config": {"healthy_panic_threshold": {"value": 0}},  # never send to a failed EPP
            **({"outlier_detection": _EPP_FAIL_OPEN_EJECTION} if pool.failure_mode_allow else {})}

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 
-from kvgate.epp.datalayer.dialects import dialect_for
+from kvgate.epp.datalayer.dialects import DIALECTS, dialect_for
 from kvgate.epp.datalayer.exposition import MetricsParseError, comparable, parse_metrics
 from kvgate.epp.datalayer.http_client import MetricsConnection, ScrapeError
 from kvgate.epp.datalayer.prefill_rate import PrefillRateEstimator
@@ -36,7 +36,7 @@ from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState
 # Consecutive failed scrapes that count an endpoint as stale whatever the age of its numbers: 2, so that one
 # lost scrape (a GC pause, a dropped keep-alive connection) does not flap it, and a dead one goes in ~2 rounds.
 FAILURES_OUT_OF_ROTATION = 2
-PREFILL_TIMING_SERIES = "kvgate:prefill_step_seconds_total"
+PREFILL_TIMING_SERIES = DIALECTS["vllm"].prefill_seconds.name  # the series the log names (kvgate engines export it)
 
 log = logging.getLogger("kvgate.epp.datalayer")
 
@@ -158,7 +158,7 @@ class EndpointCollector:
             return
         metrics.prefill_tokens_per_s = self.prefill_rate.update(metrics)
         metrics.prefill_rate_timed = self.prefill_rate.timed and metrics.prefill_tokens_per_s is not None
-        self._say_prefill_timing(metrics)
+        self._say_prefill_timing(self.prefill_rate.timed)
         self.scrapes += 1
         self.consecutive_failures = 0
         if self.failing:
@@ -169,10 +169,10 @@ class EndpointCollector:
         if changed:
             layer._notify(self.endpoint.address, metrics)
 
-    def _say_prefill_timing(self, metrics: EndpointMetrics) -> None:
+    def _say_prefill_timing(self, timed: bool) -> None:
         """Log, at the first scrape and whenever it changes, which load signal this endpoint's prefill speed comes
-        from: the engine's own step timing (speed-aware loads, in seconds) or nothing the EPP trusts for speed."""
-        timed = metrics.prefill_tokens_computed is not None and metrics.prefill_step_seconds is not None
+        from: the engine's own step timing (`timed`: this scrape's page had it; speed-aware loads, in seconds) or
+        nothing the EPP trusts for speed."""
         if timed == self.timing_said:
             return
         self.timing_said = timed
