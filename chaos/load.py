@@ -50,6 +50,8 @@ class Outcome:
     endpoint: str | None = None
     tokens: int = 0
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None  # the usage chunk's prompt tokens and, of them, those the engine had cached
+    cached_tokens: int | None = None  # (prompt_tokens_details; None where the server does not say)
     done: bool = False
     error: str | None = None
     token_gaps: list[float] = field(default_factory=list)  # seconds between token events (inter-token latency)
@@ -136,8 +138,10 @@ class StreamLoad:
                                 now = time.monotonic()
                                 out.token_gaps.append(now - last)
                                 last = now
-                        if event.get("usage"):
-                            out.usage_tokens = event["usage"].get("completion_tokens")
+                        if usage := event.get("usage"):
+                            out.usage_tokens = usage.get("completion_tokens")
+                            out.prompt_tokens = usage.get("prompt_tokens")
+                            out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             out.error = f"{type(exc).__name__}: {exc}"[:200]
         finally:

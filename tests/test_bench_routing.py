@@ -132,6 +132,10 @@ def test_short_run_end_to_end(tmp_path):
         assert Counter(r["endpoint"] for r in rows) == Counter(c["served_per_endpoint"]), (name, rows[:3])
         ttfts = sorted(r["ttft_s"] for r in rows)
         assert abs(ttfts[len(ttfts) // 2] - c["ttft_s"]["p50"]) < 0.01, (name, c["ttft_s"])
+        # each row's prompt and cached tokens are the engine's usage: they add up to its prefix-cache counters
+        assert all(0 <= r["cached_tokens"] <= r["prompt_tokens"] for r in rows), rows[:3]
+        assert sum(r["prompt_tokens"] for r in rows) == c["prefix_cache_queries"], name
+        assert sum(r["cached_tokens"] for r in rows) == c["prefix_cache_hits"], name
         # every prompt token was a cache query, on the engines' own counters
         assert c["prefix_cache_queries"] >= expected * 2300 and 0 <= c["prefix_cache_hit_rate"] <= 1, c
     # The prefix scorer keeps each tenant on one replica: judged against the hit rate that placement gives (every

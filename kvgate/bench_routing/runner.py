@@ -262,14 +262,16 @@ def summarize(outcomes: list[Outcome], start: float, before: dict[str, dict], af
 def request_records(outcomes: list[Outcome], requests: list[BenchRequest], start: float) -> list[dict]:
     """One row per request, in arrival order (`--per-request`): when it was sent (s after the start), its prefix key
     (tenant/user or conversation/turn), prompt characters and max_tokens, the engine that served it (its
-    x-kvgate-endpoint answer header; None where no answer came), HTTP status, TTFT and the failure, if any, with
-    the start of what came back (an error body names who answered it: Envoy's or the EPP's text)."""
+    x-kvgate-endpoint answer header; None where no answer came), HTTP status, TTFT, the prompt's tokens and how
+    many of them the engine had cached (its usage chunk: a tenant's prefix found or lost there), and the failure,
+    if any, with the start of what came back (an error body names who answered it: Envoy's or the EPP's text)."""
     rows = []
     for o, r in zip(outcomes, requests):
         ttft = o.first_token_at - o.sent_at if o.first_token_at is not None else None
         rows.append({"sent_s": round(o.sent_at - start, 4), "key": r.key, "prompt_chars": len(r.prompt),
                      "max_tokens": r.max_tokens, "endpoint": o.endpoint, "status": o.status,
                      "ttft_s": None if ttft is None else round(ttft, 4),
+                     "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens,
                      "failure": None if o.ok() else o.failure_kind(),
                      "error": None if o.ok() else o.error})
     return rows
