@@ -44,6 +44,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most requests in one batch (default: 128, or the KV cache's blocks when fewer)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: 2048)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="a prompt computes at most this many tokens a step, so requests behind a long uncached "
+                        "prompt get their first tokens between its chunks instead of after it (0: up to the step's "
+                        "budget; default: 0, vLLM's)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's, lowered to what the KV cache holds)")
     g.add_argument("--cpu-threads", type=int, default=None,
@@ -148,6 +152,7 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,

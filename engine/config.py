@@ -63,6 +63,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # vLLM's --long-prefill-token-threshold: at most this many prompt tokens of one request a step (0: no cap)
+    long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     seed: int = 0
     cpu_threads: int | None = None  # torch's intra-op threads; None: OMP_NUM_THREADS, else the pod's CPUs
@@ -103,6 +105,11 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be an integer >= 0, got {threshold!r}")
+        if threshold and not self.enable_chunked_prefill:
+            raise ConfigError("long_prefill_token_threshold caps a prompt's chunks: it needs chunked prefill")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:

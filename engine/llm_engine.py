@@ -174,6 +174,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.scheduling_policy,
             lora=self.lora,
             proposer=self._proposer(),

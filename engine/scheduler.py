@@ -155,6 +155,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
         policy: str = "fcfs",
         lora: LoRAManager | None = None,
         proposer=None,
@@ -168,6 +169,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        # vLLM's --long-prefill-token-threshold: a prefill computes at most this many tokens a step (0: up to the
+        # budget), so a long cold prompt no longer holds every other request's first token for its whole prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         if policy not in WAITING_QUEUES:
             raise ValueError(f"unknown scheduling policy {policy!r} (fcfs or priority)")
         self.policy = policy
@@ -262,6 +266,8 @@ class Scheduler:
                                          min(budget, request.output_limit - request.num_output_tokens) - 1) or None
                 if draft:
                     num_new += len(draft)
+            if 0 < self.long_prefill_token_threshold < num_new and not draft:
+                num_new = self.long_prefill_token_threshold
             if num_new > budget:
                 num_new = budget
             while True:
@@ -318,6 +324,8 @@ class Scheduler:
                     continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
+            if 0 < self.long_prefill_token_threshold < num_new:
+                num_new = self.long_prefill_token_threshold
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)

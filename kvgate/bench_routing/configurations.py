@@ -37,10 +37,12 @@ SIM_ENGINE_ARGS = ["--sim-prefill-ms-per-token", "0.2", "--sim-max-model-len", "
 SIM_BYTES_PER_TOKEN = 131072
 
 
-def sim_engine_args(kv_tokens: int) -> list[str]:
-    """SIM_ENGINE_ARGS with `kv_tokens` of KV per replica (a context no longer than the cache holds)."""
+def sim_engine_args(kv_tokens: int, prefill_chunk: int = 0) -> list[str]:
+    """SIM_ENGINE_ARGS with `kv_tokens` of KV per replica (a context no longer than the cache holds) and, when
+    `prefill_chunk` > 0, prompts computed at most that many tokens a step."""
     return ["--sim-prefill-ms-per-token", "0.2", "--sim-max-model-len", str(min(8192, kv_tokens)),
-            "--kv-cache-memory", str(kv_tokens * SIM_BYTES_PER_TOKEN)]
+            "--kv-cache-memory", str(kv_tokens * SIM_BYTES_PER_TOKEN)] + \
+        (["--long-prefill-token-threshold", str(prefill_chunk)] if prefill_chunk else [])
 
 
 def slow_replica_args(replicas: int, slow_replicas: int, slowdown: float, slow_kv_tokens: int = 0

@@ -19,7 +19,9 @@ coefficient of variation of the gaps between arrivals: 1 is Poisson, above 1 Gam
 and lulls at the same mean rate), `kv_tokens` (the KV cache of each sim replica, in tokens), `slow_replicas` and
 `slowdown` (the last `slow_replicas` replicas run `slowdown` times slower — every cost of the sim's timing model,
 `--sim-slowdown` — a pool of mixed hardware, e.g. two GPU generations behind one InferencePool) and `slow_kv_tokens`
-(those replicas' KV cache, when it differs: 0 = kv_tokens; with slowdown 1 they differ in memory only).
+(those replicas' KV cache, when it differs: 0 = kv_tokens; with slowdown 1 they differ in memory only), and
+`prefill_chunk` (every replica's `--long-prefill-token-threshold`: a prompt computes at most this many tokens a
+step, so cached requests get their first token between a cold prompt's chunks; 0: up to the step's budget).
 
 Shapes are named (SHAPES), grouped in sets (SHAPE_SETS: the tuning set the default profile may be tuned on, and a
 held-out set frozen before any tuning, never used to choose weights), or written on the command line as
@@ -75,6 +77,7 @@ class WorkloadShape:
     slow_replicas: int = 0
     slowdown: float = 1.0
     slow_kv_tokens: int = 0
+    prefill_chunk: int = 0
     # each request states a TTFT objective (llm-d's x-slo-ttft-ms header) of this many ms; 0: none
     ttft_objective_ms: float = 0.0
 
@@ -84,10 +87,10 @@ class WorkloadShape:
         if self.output_len < 1 or self.kv_tokens < 256 or self.burstiness <= 0 or self.length_spread < 0 \
                 or self.output_spread < 0 or self.tenant_skew < 0 or self.ttft_objective_ms < 0 \
                 or self.slow_replicas < 0 or not 1.0 <= self.slowdown <= MAX_SLOWDOWN \
-                or 0 < self.slow_kv_tokens < 256 or self.slow_kv_tokens < 0:
+                or 0 < self.slow_kv_tokens < 256 or self.slow_kv_tokens < 0 or self.prefill_chunk < 0:
             raise ValueError(f"workload {self.name!r}: output_len ≥ 1, kv_tokens and slow_kv_tokens ≥ 256 (0: "
-                             "kv_tokens), burstiness > 0, the spreads, skew, TTFT objective and slow_replicas ≥ 0, "
-                             f"1 ≤ slowdown ≤ {MAX_SLOWDOWN:g}")
+                             "kv_tokens), burstiness > 0, the spreads, skew, TTFT objective, slow_replicas and "
+                             f"prefill_chunk ≥ 0, 1 ≤ slowdown ≤ {MAX_SLOWDOWN:g}")
 
     @property
     def generator(self) -> str:

@@ -104,6 +104,23 @@ def test_step_budget_default_given_and_without_chunked_prefill():
     assert [x.source for x in s.items][1] == "given" and "chunked prefill" in s.items[2].source
 
 
+def test_long_prefill_token_threshold_flag_and_its_errors():
+    """vLLM's flag name and default (0: no cap); a cap needs chunked prefill, and is a count."""
+    import argparse
+
+    from kvgate.engine.cli_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args("m", parser.parse_args([])).long_prefill_token_threshold == 0
+    given = parser.parse_args(["--long-prefill-token-threshold", "256"])
+    assert engine_config_from_args("m", given).long_prefill_token_threshold == 256
+    with pytest.raises(ConfigError, match="integer >= 0"):
+        EngineConfig(model="m", long_prefill_token_threshold=-1)
+    with pytest.raises(ConfigError, match="needs chunked prefill"):
+        EngineConfig(model="m", long_prefill_token_threshold=256, enable_chunked_prefill=False)
+
+
 def test_max_model_len_and_max_num_seqs_lowered_to_a_small_kv_cache():
     llm = LLM("demo", kv_cache_memory=1 << 20)  # the demo model in float32: 16 blocks of 16 tokens in 1 MiB
     engine = llm.engine

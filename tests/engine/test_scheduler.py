@@ -38,6 +38,29 @@ def test_budget_and_chunked_prefill():
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("bb", 1)]
 
 
+def test_long_prefill_token_threshold_lets_short_prompts_in_between_a_long_ones_chunks():
+    """vLLM's --long-prefill-token-threshold: a long prompt computes at most the threshold a step, running or
+    waiting, and the budget it leaves takes the short prompts queued behind it whole (their first token a step
+    later, not after the whole long prefill)."""
+    s = make(num_blocks=128, max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    s.add_request(req("a", 60))
+    s.add_request(req("bb", 12))
+    out = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 16), ("bb", 12)]
+    assert [x.samples for x in out.scheduled] == [False, True]  # bb's first token in the long prompt's first step
+    s.add_request(req("ccc", 9))
+    out = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 16), ("bb", 1), ("ccc", 9)]
+    assert [x.samples for x in out.scheduled] == [False, True, True]
+    chunks = [dict((x.request.request_id, x.num_new_tokens) for x in run_step(s).scheduled)["a"] for _ in range(2)]
+    assert chunks == [16, 12] and s.requests["a"].num_computed_tokens == 60  # the last chunk is what is left
+    # decodes are never capped, and a cap above the prompt changes nothing
+    assert [x.num_new_tokens for x in run_step(s).scheduled] == [1, 1, 1]
+    wide = make(max_num_batched_tokens=64, long_prefill_token_threshold=100)
+    wide.add_request(req("a", 60))
+    assert [x.num_new_tokens for x in run_step(wide).scheduled] == [60]
+
+
 def test_without_chunked_prefill_a_long_prompt_waits_for_a_whole_budget():
     s = make(max_num_batched_tokens=32, enable_chunked_prefill=False)
     s.add_request(req("a", 20))
