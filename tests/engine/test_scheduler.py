@@ -121,3 +121,25 @@ def test_finish_and_abort_free_blocks():
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
     s.finish_request("bb", RequestStatus.FINISHED_ABORTED)
     assert s.kv.usage() == 0 and not s.has_unfinished_requests()
+
+
+def test_the_engine_takes_the_threshold_from_its_config():
+    """Through LLMEngine (sim backend: the real scheduler and KV cache): a 300-token prompt under a 64-token cap
+    takes five steps to its first token, and a 20-token prompt sent after its first step gets its own in the next."""
+    from kvgate.engine.config import EngineConfig
+    from kvgate.engine.llm_engine import LLMEngine
+    from kvgate.engine.sim_runner import SimProfile
+
+    profile = SimProfile(step_overhead_ms=0.0, prefill_ms_per_token=0.0, decode_ms_per_seq=0.0,
+                         ms_per_context_token=0.0, max_model_len=1024)
+    e = LLMEngine(EngineConfig(model="sim", backend="sim", sim_profile=profile, long_prefill_token_threshold=64))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    e.add_request("long", [40 + i % 200 for i in range(300)], params)
+    first: dict[str, int] = {}
+    for n in range(1, 8):
+        if n == 2:
+            e.add_request("short", list(range(1, 21)), params)
+        for out in e.step():
+            if out.outputs[0].token_ids:
+                first.setdefault(out.request_id, n)
+    assert first == {"long": 5, "short": 2}

@@ -378,6 +378,32 @@ def test_group_balance_is_neutral_for_a_warm_prompt():
     assert list(scorer.score(req("something nobody holds " * 20), states, CycleState())) == [0.0, 1.0]
 
 
+def test_group_balance_keeps_a_group_whose_prefix_its_home_evicted_at_home():
+    """keepHomeBelow: a homeless request whose group's latest pick went to a candidate that now holds less than
+    that share of the prompt (its prefix evicted there) scores 1 at that home, 0 elsewhere, however loaded the home;
+    a home that still holds most of it (a conversation's next turn) and a group with no home are balanced."""
+    scheduler = Scheduler(parse_config(config(
+        "type: prefix-cache-scorer", "type: prefix-group-balance-scorer\n  parameters: {groupChars: 8, "
+        "keepHomeBelow: 0.5}", "type: max-score-picker")).scheduler)
+    scorer = scheduler.plugins_of_type("prefix-group-balance-scorer")[0]
+    states = [state("a:1"), state("b:1"), state("c:1")]
+    old = "tenant-1" + "x" * 632  # 10 blocks of 64 characters
+    warmed(scheduler, states, {"a:1": old})
+    for i in range(3):  # a carries three more groups: the balance alone would send tenant-1's next prompt away
+        scheduler.on_picked(req(f"other-{i}" + "y" * 300), states[0])
+    evicted = old[:192] + "z" * 448  # a holds 3 of its 10 blocks: as if a had evicted the rest
+    assert list(scorer.score(req(evicted), states, CycleState())) == [1.0, 0.0, 0.0]
+    mostly = old[:384] + "z" * 256  # 6 of 10: not warm (under the affinity threshold), not evicted: balanced
+    assert list(scorer.score(req(mostly), states, CycleState())) == [0.0, 1.0, 1.0]
+    assert list(scorer.score(req("tenant-9" + "z" * 632), states, CycleState())) == [0.0, 1.0, 1.0]  # no home
+    scheduler.on_picked(req(evicted), states[1])  # it went to b after all: b is its home now
+    assert list(scorer.score(req(old[:64] + "w" * 576), states, CycleState())) == [0.0, 1.0, 0.0]
+    off = create_plugin("prefix-group-balance-scorer", {"groupChars": 8})
+    assert off.keep_home_below == 0.0
+    with pytest.raises(ValueError, match="keepHomeBelow"):
+        create_plugin("prefix-group-balance-scorer", {"keepHomeBelow": 1.5})
+
+
 # -------------------------------------------------------------------------------- no-hit-lru-scorer
 
 def test_no_hit_lru_ranks_cold_requests_by_their_last_cold_pick():

@@ -9,6 +9,10 @@ fewest prefix groups, so groups (tenants, system prompts) partition the pool ins
     homeless: no candidate holds affinityThreshold of the prompt (per the profile's prefix scorer)
     score(e) = (max G' - G'(e)) / (max G' - min G')   for a homeless request; all equal → 1.0
              = 0.5 everywhere                           for a warm one: prefix affinity decides
+             = 1 at h, 0 elsewhere                      keepHomeBelow k > 0, for a homeless request whose group's
+                                                        latest pick within the window went to candidate h (its
+                                                        home) and h holds less than k of the prompt: its prefix
+                                                        was evicted there, and it stays home
 
 Why: when a pool's caches together hold the working set only if each prefix lives on one endpoint, an endpoint
 given one group too many evicts its groups' prefixes faster than they are reused, and its hit rate collapses
@@ -18,11 +22,19 @@ moment it is made, before any KV event. llm-d's no-hit-lru-scorer spreads cold r
 cold-picked); this spreads the groups themselves. Parameters: groupChars ≥ 1 = 512, windowSeconds > 0 = 60,
 affinityThreshold (0, 1] = 0.8 (the affinity filter's), prefixScorer = the profile's only prefix scorer,
 maxGroupsPerEndpoint ≥ 1 = 4096 (memory: the oldest group goes first past it; ~100 bytes a group, so ≤ ~0.4 MB
-an endpoint however many distinct prompts arrive within the window), balanceBy groups | tokens = groups, loadUnit
+an endpoint however many distinct prompts arrive within the window), keepHomeBelow [0, 1] = 0 (off), balanceBy
+groups | tokens = groups, loadUnit
 tokens | seconds = tokens. In a pool of mixed hardware (plugins/_relative_speed.py) G'(e) counts as a share of e's
 KV capacity relative to the largest, k(e) — a replica with half the KV is given half the groups — and with loadUnit
 seconds of the tighter of k(e) and its relative prefill speed s(e): G'(e) / min(k(e), s(e)); kvCapacityShares
 true | false = true (false: footprints in tokens whatever each endpoint holds).
+
+Why keep an evicted group home (keepHomeBelow): a group whose prefix its home evicted is cold everywhere, so the
+balance would send it to whichever endpoint carries least at that moment, and the prefill-interference scorer to
+whichever is least busy; repeated at each eviction, every endpoint comes to serve most groups, each cache holds
+more prefixes than it fits, and evictions (and so cold prefills) multiply. Keeping it home — unless the other
+scorers find home far worse — keeps each endpoint's set of groups, as a fixed placement does. The bound leaves
+alone a conversation's next turn, which its home mostly holds (the prefix scorers weigh that).
 
 Why tokens in kvgate's profile: when groups differ in size (conversations of 1 to 10 turns, `kvgate bench routing
 --workloads multi-turn`, 18 req/s, seeds 0-2) counting them piles long ones together; weighing by footprint took
@@ -62,8 +74,10 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
     def __init__(self, group_chars: int = DEFAULT_GROUP_CHARS, window_s: float = DEFAULT_WINDOW_S,
                  affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD, prefix_source_name: str = "",
                  max_groups: int = DEFAULT_MAX_GROUPS, clock: Callable[[], float] = time.monotonic,
-                 balance_by: str = "groups", load_unit: str = "tokens", kv_capacity_shares: bool = True) -> None:
+                 balance_by: str = "groups", load_unit: str = "tokens", kv_capacity_shares: bool = True,
+                 keep_home_below: float = 0.0) -> None:
         super().__init__()
+        self.keep_home_below = keep_home_below
         self.load_unit = load_unit
         self.kv_capacity_shares = kv_capacity_shares
         if balance_by not in BALANCE_BY:
@@ -110,6 +124,12 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         if prompt > 0 and (cached >= self.affinity_threshold * prompt).any():
             return np.full(n, 0.5)
         group, now = self.group(request), self.clock()
+        if self.keep_home_below > 0:
+            home = self._home(group, endpoints, now)
+            if home is not None and cached[home] < self.keep_home_below * prompt:
+                kept = np.zeros(n)
+                kept[home] = 1.0
+                return kept
         counts = np.empty(n)
         for i, e in enumerate(endpoints):
             counts[i] = self._load(e.address, self._live(e.address, now), group)
@@ -119,6 +139,16 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         if self.load_unit == "seconds":
             share = np.minimum(share, relative_speed(endpoints, cycle))
         return lower_is_better(counts / share)
+
+    def _home(self, group: int, endpoints: list[EndpointState], now: float) -> int | None:
+        """The candidate the group's latest pick within the window went to, if any."""
+        home, latest = None, now - self.window_s
+        for i, e in enumerate(endpoints):
+            groups = self._groups.get(e.address)
+            picked = groups.get(group) if groups else None
+            if picked is not None and picked[0] >= latest:
+                home, latest = i, picked[0]
+        return home
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
         tokens = prefix_tokens(self, request, [endpoint], cycle)[0] if self.balance_by == "tokens" else 0
@@ -153,7 +183,8 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
 def factory(parameters: dict | None) -> PrefixGroupBalanceScorer:
     t = PrefixGroupBalanceScorer.type_name
     params = check_keys(parameters, {"groupChars", "windowSeconds", "affinityThreshold", "prefixScorer",
-                                     "maxGroupsPerEndpoint", "balanceBy", "loadUnit", "kvCapacityShares"}, t)
+                                     "maxGroupsPerEndpoint", "balanceBy", "loadUnit", "kvCapacityShares",
+                                     "keepHomeBelow"}, t)
     balance_by = choice_param(params, "balanceBy", "groups", BALANCE_BY, t)
     return PrefixGroupBalanceScorer(
         group_chars=int_param(params, "groupChars", DEFAULT_GROUP_CHARS, t, 1),
@@ -165,4 +196,5 @@ def factory(parameters: dict | None) -> PrefixGroupBalanceScorer:
         balance_by=balance_by,
         load_unit=load_unit_param(params, t),
         kv_capacity_shares=bool_param(params, "kvCapacityShares", True, t),
+        keep_home_below=float_param(params, "keepHomeBelow", 0.0, t, 0.0, 1.0),
     )
