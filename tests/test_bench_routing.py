@@ -128,7 +128,8 @@ def test_short_run_end_to_end(tmp_path):
         # --per-request: a row per request, in arrival order, each naming the engine that served it (the engine's
         # own answer header, through Envoy or straight): they add up to the engines' own success counters
         rows = c["per_request"]
-        assert [r["key"] for r in rows] == [r.key for r in requests] and all(r["failure"] is r["error"] is None for r in rows)
+        assert [r["key"] for r in rows] == [r.key for r in requests]
+        assert all(r["failure"] is r["error"] is None for r in rows)
         assert Counter(r["endpoint"] for r in rows) == Counter(c["served_per_endpoint"]), (name, rows[:3])
         ttfts = sorted(r["ttft_s"] for r in rows)
         assert abs(ttfts[len(ttfts) // 2] - c["ttft_s"]["p50"]) < 0.01, (name, c["ttft_s"])

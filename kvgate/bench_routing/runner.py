@@ -335,8 +335,8 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
              epp_replicas: int = 1, epp_peer_sync: bool = True, per_request: bool = False) -> dict:
     for attempt in range(START_ATTEMPTS):
         try:
-            up, url = _start(workdir, config, replicas, startup_timeout, sim_engine_args(shape.kv_tokens, shape.prefill_chunk),
-                             epp_replicas, epp_peer_sync,
+            up, url = _start(workdir, config, replicas, startup_timeout,
+                             sim_engine_args(shape.kv_tokens, shape.prefill_chunk), epp_replicas, epp_peer_sync,
                              slow_replica_args(replicas, shape.slow_replicas, shape.slowdown, shape.slow_kv_tokens))
             break
         except RuntimeError as exc:  # a process exited or never came up: the stack is stopped
