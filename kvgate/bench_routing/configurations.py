@@ -102,6 +102,14 @@ def without_scorer(profile_yaml: str, type_name: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+def with_parameters(profile_yaml: str, type_name: str, **parameters) -> str:
+    """`profile_yaml` with these parameters set on the plugin `type_name`."""
+    doc = yaml.safe_load(profile_yaml)
+    (plugin,) = [p for p in doc["plugins"] if p["type"] == type_name]
+    plugin["parameters"] = {**plugin.get("parameters", {}), **parameters}
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 CONFIGURATIONS = [
     RoutingConfig("round-robin", "Envoy's round-robin over the replicas, no EPP", "round-robin"),
     RoutingConfig("approximate", "kvgate EPP, upstream's default: queue 2, kv-cache 2, prefix-cache (approximate, "
@@ -131,6 +139,11 @@ CONFIGURATIONS = [
     # the profile as it was before prefill-interference joined it (2026-11-27): what that scorer adds
     RoutingConfig("kvgate-no-interference", "kvgate's profile without prefill-interference", "epp",
                   without_scorer(KVGATE_PROFILE_YAML, "prefill-interference-scorer"), kv_events=True),
+    # keepHomeBelow measured (2026-11-28, docs/benchmarks.md): better on skewed-tenants, not on multi-turn
+    RoutingConfig("kvgate-sticky", "kvgate's profile with the group balance keeping a group whose prefix its home "
+                  "evicted at that home (keepHomeBelow 0.5)", "epp",
+                  with_parameters(KVGATE_PROFILE_YAML, "prefix-group-balance-scorer", keepHomeBelow=0.5),
+                  kv_events=True),
     RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
                   "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "
                   "through the EPP's header-based-testing-filter (bench_routing/oracle.py)", "epp",
