@@ -335,8 +335,37 @@ def test_group_balance_counts_footprints_as_shares_of_each_endpoints_kv():
     assert list(scorer.score(req("tenant-3 new"), big_small)) == [0.0, 1.0]
 
 
+def test_group_balance_in_seconds_weighs_reused_groups_by_kv_and_one_off_prompts_by_speed():
+    """loadUnit seconds on a pool of two speeds with equal KV: tenants (groups picked more than once) are a share
+    of each replica's cache, which the slow one has as much of; one-off prompts are work, which it does half as
+    fast. The form before (every group / min(kv, speed)) gave the fast replica twice the tenants."""
+    def pool():
+        return [ttft_state("a:1", rate=1000), ttft_state("b:1", rate=2000)]  # a half as fast; KV unknown: alike
+
+    def fill(scorer, states, times):
+        for name, e in (("t1", 0), ("t2", 0), ("t3", 1), ("t4", 1), ("t5", 1)):  # ~1000 tokens each: 2 on a, 3 on b
+            for _ in range(times):
+                scorer.pre_request(req(f"{name}-sys " + "x" * 4000), states[e], None)
+
+    tenants = create_plugin("prefix-group-balance-scorer", {"groupChars": 6, "balanceBy": "tokens",
+                                                            "loadUnit": "seconds"})
+    fill(tenants, pool(), times=2)
+    assert list(tenants.score(req("t6-sys new"), pool())) == [1.0, 0.0]  # 2000 tokens of cache on a, 3000 on b
+    one_off = create_plugin("prefix-group-balance-scorer", {"groupChars": 6, "balanceBy": "tokens",
+                                                            "loadUnit": "seconds"})
+    fill(one_off, pool(), times=1)
+    assert list(one_off.score(req("t6-sys new"), pool())) == [0.0, 1.0]  # 2000 tokens of work on a: 4000 of b's
+    by_groups = create_plugin("prefix-group-balance-scorer", {"groupChars": 6, "loadUnit": "seconds"})
+    fill(by_groups, pool(), times=2)
+    assert list(by_groups.score(req("t6-sys new"), pool())) == [1.0, 0.0]  # 2 tenants against 3
+    in_tokens = create_plugin("prefix-group-balance-scorer", {"groupChars": 6, "balanceBy": "tokens"})
+    fill(in_tokens, pool(), times=1)
+    assert list(in_tokens.score(req("t6-sys new"), pool())) == [1.0, 0.0]  # loadUnit tokens: speed not counted
+
+
 def test_group_balance_token_totals_follow_every_change():
-    """The per-endpoint footprint total is kept as groups come, grow, expire and overflow: always their sum."""
+    """The per-endpoint footprint totals (all groups', and those of groups picked there more than once) are kept as
+    groups come, grow, come back, expire and overflow: always their sums."""
     import random
 
     now = [0.0]
@@ -351,7 +380,8 @@ def test_group_balance_token_totals_follow_every_change():
         scorer.pre_request(req(f"g{rng.randrange(12):03d}" + "x" * rng.randrange(4, 400)), e, None)
         scorer.score(req("g999 new"), states)  # expires what the window passed
         for address, groups in scorer._groups.items():
-            assert scorer._tokens[address] == sum(tokens for _, tokens in groups.values())
+            reused = [tokens for _, tokens, picks in groups.values() if picks > 1]
+            assert scorer._totals[address] == [sum(entry[1] for entry in groups.values()), sum(reused), len(reused)]
             assert len(groups) <= 6
 
 

@@ -17,11 +17,13 @@ the others:
                                                   during it T/2 on average
     score(e) = 1 - (harm(e) - min harm) / max harm          all zero → 1 everywhere
 
-Pools of mixed hardware: the profile's group balance gives each replica prefix groups in proportion to its capacity
-share c(e) = min(k(e), s(e)) — its KV cache and its prefill speed relative to the largest / fastest
-(plugins/_relative_speed.py) — so at the placement it aims for a replica holds requests in proportion to c(e)/s(e)
-(arrivals ∝ c(e), each held ∝ 1/s(e)) and its prefills take ∝ 1/s(e): harm(e) ∝ c(e)/s(e)² there, however well
-the pool runs. The scorer compares
+Pools of mixed hardware: a replica's capacity share is c(e) = min(k(e), s(e)) — its KV cache and its prefill speed
+relative to the largest / fastest (plugins/_relative_speed.py); the profile's group balance gives each replica
+one-off prompts in proportion to s(e) and tenants in proportion to k(e), so c(e) is the share of the tighter of the
+two (where only speed differs, it counts a slow replica's tenants as more harm than its share explains, which sends
+a cold prompt to the replica that prefills it faster) — and at c(e) a replica holds requests in proportion to
+c(e)/s(e) (arrivals ∝ c(e), each held ∝ 1/s(e)) and its prefills take ∝ 1/s(e): harm(e) ∝ c(e)/s(e)² there,
+however well the pool runs. The scorer compares
 
     harm'(e) = harm(e) × s(e)² / c(e)           (capacityShares true, the default; 1 × harm in a uniform pool)
 

@@ -25,9 +25,24 @@ maxGroupsPerEndpoint ≥ 1 = 4096 (memory: the oldest group goes first past it; 
 an endpoint however many distinct prompts arrive within the window), keepHomeBelow [0, 1] = 0 (off), balanceBy
 groups | tokens = groups, loadUnit
 tokens | seconds = tokens. In a pool of mixed hardware (plugins/_relative_speed.py) G'(e) counts as a share of e's
-KV capacity relative to the largest, k(e) — a replica with half the KV is given half the groups — and with loadUnit
-seconds of the tighter of k(e) and its relative prefill speed s(e): G'(e) / min(k(e), s(e)); kvCapacityShares
-true | false = true (false: footprints in tokens whatever each endpoint holds).
+KV capacity relative to the largest, k(e) — a replica with half the KV is given half the groups: G'(e) / k(e) —, and
+with loadUnit seconds a group counts against the resource it takes: one picked there more than once within the
+window (a tenant, a conversation) holds cache that is reused, a share of k(e); one picked there once (a one-off
+prompt) leaves nothing reused and is only work, a share of e's relative prefill speed s(e):
+    G'(e) = reused(e) / k(e) + once(e) / s(e)
+kvCapacityShares true | false = true (false: k(e) = 1, footprints in tokens whatever each endpoint holds). In a
+uniform pool k = s = 1 and both forms are the plain G(e).
+
+Why the split in seconds: a replica half as fast holds as many prefixes as a fast one with the same KV, so giving it
+half the tenants (G / min(k, s), the form before) piles twice its share onto the fast replicas' caches, which thrash
+(`kvgate bench routing --workloads mixed-speed --configs kvgate,sglang-router,vllm-router --rates saturation
+--duration 60 --per-request`, seed 0: the fast replicas served 7 tenants each, 20 and 28 misses, TTFT p90 0.51 s,
+against sglang-router's three tenants a replica, 3-5 misses each, 0.18 s), while one-off prompts must still go 2 : 1
+to the faster replicas (mixed-speed-no-reuse: an even split let the slow replicas' queues grow, p90 8.4-12.4 s).
+With the split (same command, seeds 0 / 1 / 2): TTFT p90 0.50 / 0.48 / 0.54 s to 0.19 / 0.23 / 0.61 s, three
+tenants a replica on seeds 0 and 1 (seed 2 churned from its start, when every tenant is still a one-off: six
+tenants a replica); 20 s cells `--shapes mixed-hardware`: mixed-speed 0.70 / 0.48 / 0.78 s to 0.52 / 0.49 / 0.36 s,
+mixed-speed-no-reuse still 2 : 1 (1.40 / 3.09 / 3.81 s against 1.42 / 3.09 / 3.70 s).
 
 Why keep an evicted group home (keepHomeBelow): a group whose prefix its home evicted is cold everywhere, so the
 balance would send it to whichever endpoint carries least at that moment, and the prefill-interference scorer to
@@ -89,33 +104,50 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         self.prefix_source_name = prefix_source_name
         self.max_groups = max_groups
         self.clock = clock
-        # address → group → (last pick, the prompt tokens of its latest request: its cache footprint), oldest first
-        self._groups: dict[str, OrderedDict[int, tuple[float, int]]] = {}
-        self._tokens: dict[str, int] = {}  # address → the sum of its live groups' footprints (kept as they change)
+        # address → group → (last pick, the prompt tokens of its latest request: its cache footprint, picks there
+        # within the window), oldest first
+        self._groups: dict[str, OrderedDict[int, tuple[float, int, int]]] = {}
+        # address → [live groups' footprints, of which those of groups picked there more than once; groups picked
+        # there more than once] (kept as they change)
+        self._totals: dict[str, list[int]] = {}
 
     def group(self, request: LLMRequest) -> int:
         return xxhash.xxh3_64_intdigest(request.prompt[:self.group_chars].encode("utf-8", "surrogatepass"))
 
-    def _live(self, address: str, now: float) -> OrderedDict[int, tuple[float, int]]:
+    def _live(self, address: str, now: float) -> OrderedDict[int, tuple[float, int, int]]:
         groups = self._groups.get(address)
         if groups is None:
             groups = self._groups[address] = OrderedDict()
-            self._tokens[address] = 0
+            self._totals[address] = [0, 0, 0]
         horizon = now - self.window_s
         while groups and next(iter(groups.values()))[0] < horizon:
             self._drop_oldest(address, groups)
         return groups
 
-    def _drop_oldest(self, address: str, groups: OrderedDict[int, tuple[float, int]]) -> None:
-        _, (_, tokens) = groups.popitem(last=False)
-        self._tokens[address] -= tokens
+    def _count(self, address: str, entry: tuple[float, int, int], sign: int) -> None:
+        """Add (sign 1) or take out (-1) a group's entry in e's totals."""
+        totals = self._totals[address]
+        totals[0] += sign * entry[1]
+        if entry[2] > 1:
+            totals[1] += sign * entry[1]
+            totals[2] += sign
 
-    def _load(self, address: str, groups: OrderedDict[int, tuple[float, int]], group: int) -> float:
-        """What e carries besides this request's own group: groups, or their prompts' tokens (O(1) either way)."""
-        if self.balance_by == "groups":
-            return len(groups) - (group in groups)
+    def _drop_oldest(self, address: str, groups: OrderedDict[int, tuple[float, int, int]]) -> None:
+        _, entry = groups.popitem(last=False)
+        self._count(address, entry, -1)
+
+    def _load(self, address: str, groups: OrderedDict[int, tuple[float, int, int]], group: int
+              ) -> tuple[float, float]:
+        """What e carries besides this request's own group, as (reused, once): the groups picked there more than
+        once within the window and those picked once — counted, or weighed by their prompts' tokens (O(1) both)."""
+        tokens, reused_tokens, reused_groups = self._totals[address]
         own = groups.get(group)
-        return self._tokens[address] - (own[1] if own else 0)
+        if self.balance_by == "groups":
+            total, reused = len(groups) - (own is not None), reused_groups - (own is not None and own[2] > 1)
+        else:
+            total = tokens - (own[1] if own else 0)
+            reused = reused_tokens - (own[1] if own and own[2] > 1 else 0)
+        return reused, total - reused
 
     def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
               ) -> np.ndarray:
@@ -130,15 +162,14 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
                 kept = np.zeros(n)
                 kept[home] = 1.0
                 return kept
-        counts = np.empty(n)
+        reused, once = np.empty(n), np.empty(n)
         for i, e in enumerate(endpoints):
-            counts[i] = self._load(e.address, self._live(e.address, now), group)
-        # the tighter of the endpoint's two resources: its cache (footprints as a share of its KV capacity) and, in
-        # seconds, its speed — a replica with half the KV, or half the speed, is given half the groups
-        share = relative_kv_capacity(endpoints, cycle) if self.kv_capacity_shares else 1.0
-        if self.load_unit == "seconds":
-            share = np.minimum(share, relative_speed(endpoints, cycle))
-        return lower_is_better(counts / share)
+            reused[i], once[i] = self._load(e.address, self._live(e.address, now), group)
+        # each group against the resource it takes: footprints reused there are a share of e's KV capacity, and in
+        # seconds a one-off prompt is a share of e's speed (in tokens, of its KV like the rest)
+        kv = relative_kv_capacity(endpoints, cycle) if self.kv_capacity_shares else 1.0
+        work = relative_speed(endpoints, cycle) if self.load_unit == "seconds" else kv
+        return lower_is_better(reused / kv + once / work)
 
     def _home(self, group: int, endpoints: list[EndpointState], now: float) -> int | None:
         """The candidate the group's latest pick within the window went to, if any."""
@@ -158,9 +189,11 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         now = self.clock()
         groups = self._live(address, now)
         old = groups.get(group)
-        groups[group] = (now, tokens)
+        if old is not None:
+            self._count(address, old, -1)
+        groups[group] = entry = (now, tokens, old[2] + 1 if old else 1)
         groups.move_to_end(group)
-        self._tokens[address] += tokens - (old[1] if old else 0)
+        self._count(address, entry, 1)
         if len(groups) > self.max_groups:  # bounded: distinct prompts (no shared prefix) each make a group
             self._drop_oldest(address, groups)
 
@@ -177,7 +210,7 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
 
     def remove_endpoint(self, address: str) -> None:
         self._groups.pop(address, None)
-        self._tokens.pop(address, None)
+        self._totals.pop(address, None)
 
 
 def factory(parameters: dict | None) -> PrefixGroupBalanceScorer:
