@@ -36,7 +36,7 @@ uniform pool k = s = 1 and both forms are the plain G(e).
 Why the split in seconds: a replica half as fast holds as many prefixes as a fast one with the same KV, so giving it
 half the tenants (G / min(k, s), the form before) piles twice its share onto the fast replicas' caches, which thrash
 (`kvgate bench routing --workloads mixed-speed --configs kvgate,sglang-router,vllm-router --rates saturation
---duration 60 --per-request`, seed 0: the fast replicas served 7 tenants each, 20 and 28 misses, TTFT p90 0.51 s,
+--duration 60 --per-request`, seed 0: the fast replicas served 7 tenants each, 20 and 28 misses, TTFT p90 0.50 s,
 against sglang-router's three tenants a replica, 3-5 misses each, 0.18 s), while one-off prompts must still go 2 : 1
 to the faster replicas (mixed-speed-no-reuse: an even split let the slow replicas' queues grow, p90 8.4-12.4 s).
 With the split (same command, seeds 0 / 1 / 2): TTFT p90 0.50 / 0.48 / 0.54 s to 0.19 / 0.23 / 0.61 s, three
