@@ -41,8 +41,9 @@ against sglang-router's three tenants a replica, 3-5 misses each, 0.18 s), while
 to the faster replicas (mixed-speed-no-reuse: an even split let the slow replicas' queues grow, p90 8.4-12.4 s).
 With the split (same command, seeds 0 / 1 / 2): TTFT p90 0.50 / 0.48 / 0.54 s to 0.19 / 0.23 / 0.61 s, three
 tenants a replica on seeds 0 and 1 (seed 2 placed three a replica too, then churned: the slow replicas' first cold
-prefills queued 1.7-2.9 s and the tenants' next requests left them); 20 s cells `--shapes mixed-hardware`: mixed-speed 0.70 / 0.48 / 0.78 s to 0.52 / 0.49 / 0.36 s,
-mixed-speed-no-reuse still 2 : 1 (1.40 / 3.09 / 3.81 s against 1.42 / 3.09 / 3.70 s).
+prefills queued 1.7-2.9 s and the tenants' next requests left them); 20 s cells `--shapes mixed-hardware`:
+mixed-speed 0.70 / 0.48 / 0.78 s to 0.52 / 0.49 / 0.36 s, mixed-speed-no-reuse still 2 : 1 (1.40 / 3.09 / 3.81 s
+against 1.42 / 3.09 / 3.70 s).
 
 Why keep an evicted group home (keepHomeBelow): a group whose prefix its home evicted is cold everywhere, so the
 balance would send it to whichever endpoint carries least at that moment, and the prefill-interference scorer to
