@@ -23,11 +23,12 @@ RANDOM_MODELS = {
 
 def add_bench_engine_parser(sub) -> None:
     from kvgate.engine.cli_args import add_engine_args
+    from kvgate.engine.config import KV_CACHE_DTYPES
 
     p = sub.add_parser("engine", help="engine throughput against HF transformers generate")
     p.add_argument("--model", default="demo",
                    help="'demo' (default), 'copier' (a tiny model trained here to quote its prompt, for speculative "
-                        "decoding), a random model built here (" + ", ".join(RANDOM_MODELS) +
+                        "decoding), 'copier-wide' (the copier inside a Llama of a 0.37B model's cost), a random model built here (" + ", ".join(RANDOM_MODELS) +
                         "), or a local HF folder")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--min-prompt-len", type=int, default=32)
@@ -57,6 +58,9 @@ def add_bench_engine_parser(sub) -> None:
     p.add_argument("--compare-no-draft-reuse", action="store_true",
                    help="with a draft model: also run the speculation with the draft's prefix reuse off (it computes "
                         "every request's context itself; draft_model.py), side by side")
+    p.add_argument("--compare-kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="also run kvgate with this --kv-cache-dtype on the same workload and KV memory, side by "
+                        "side: blocks, preemptions, time, outputs against the first run")
     p.add_argument("--result-file", default=None, help="also write the results as JSON here")
     add_engine_args(p)
     p.set_defaults(func=run_bench_engine)
@@ -270,6 +274,9 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         runs.append(("kvgate_eager", dataclasses.replace(config, enforce_eager=True)))
     if args.compare_sync and config.async_scheduling is not False:
         runs.append(("kvgate_sync", dataclasses.replace(config, async_scheduling=False)))
+    if args.compare_kv_cache_dtype and args.compare_kv_cache_dtype != config.kv_cache_dtype:
+        runs.append((f"kvgate_kv_{args.compare_kv_cache_dtype}",
+                     dataclasses.replace(config, kv_cache_dtype=args.compare_kv_cache_dtype)))
     bandwidth = None
     ours_tokens = None
     for label, run_config in runs:
@@ -294,8 +301,13 @@ def run_bench_engine(args: argparse.Namespace) -> int:
             print(f"device copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
         runner = engine.runner
         shapes = getattr(runner, "shapes", None)
+        stats_before = engine.stats()
         info = {"attention_backend": getattr(runner, "attention_backend", config.backend),
-                "cuda_graphs": bool(shapes and shapes.graphs), "async_scheduling": engine.async_scheduling}
+                "cuda_graphs": bool(shapes and shapes.graphs), "async_scheduling": engine.async_scheduling,
+                "kv_cache_dtype": run_config.kv_cache_dtype, "kv_cache_blocks": stats_before.num_blocks,
+                "kv_cache_tokens": stats_before.num_blocks * stats_before.block_size}
+        print(f"  {label}: KV cache {run_config.kv_cache_dtype}: {stats_before.num_blocks} blocks "
+              f"({info['kv_cache_tokens']} tokens)", flush=True)
         if info["cuda_graphs"]:
             info["graph_capture_s"] = shapes.capture_seconds
             info["graph_memory_gib"] = shapes.capture_bytes / 2**30
@@ -314,6 +326,8 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         _sync(device)
         elapsed = time.perf_counter() - t0
+        # Preemptions of the timed run (its warm-up has none: one short request)
+        info["num_preemptions"] = engine.stats().num_preemptions - stats_before.num_preemptions
         if spec_before is not None:
             info["spec_decode"] = _spec_decode_summary(spec_before, engine.stats().spec_decode)
             if draft is not None:
@@ -327,11 +341,13 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         else:
             same = sum(a == b for a, b in zip(tokens, ours_tokens))
             info["greedy_identical_to_kvgate"] = f"{same}/{len(prompts)}"
-            print(f"  {label}: greedy outputs identical to the first run: {same}/{len(prompts)}", flush=True)
+            info["mean_common_prefix_with_kvgate"] = _agreement(tokens, ours_tokens)["mean_common_prefix"]
+            print(f"  {label}: greedy outputs identical to the first run: {same}/{len(prompts)} (mean common prefix "
+                  f"{info['mean_common_prefix_with_kvgate']:.1f} of {args.output_len} tokens)", flush=True)
         decode = timer.summary() if timer is not None else {"decode_steps": 0}
         results[label] = {"seconds": elapsed, "output_tokens_per_s": n_out / elapsed, **info, "decode": decode}
-        print(f"  {label}: {elapsed:.2f} s (async scheduling {'on' if engine.async_scheduling else 'off'})",
-              flush=True)
+        print(f"  {label}: {elapsed:.2f} s (async scheduling {'on' if engine.async_scheduling else 'off'}; "
+              f"{info['num_preemptions']} preemptions)", flush=True)
         if "spec_decode" in info:
             s = info["spec_decode"]
             source = (f"draft model {spec.model}" if spec.method == "draft_model"

@@ -17,7 +17,8 @@ PromptType = str | list[int] | dict
 
 def resolve_model_path(model: str) -> str:
     """`demo` names the built-in demo model (built on first use), `copier` the tiny model trained here to quote
-    its prompt (engine/copier.py); anything else is a local folder."""
+    its prompt (engine/copier.py), `copier-wide` the copier inside a 0.37B-parameter Llama (engine/copier_wide.py);
+    anything else is a local folder."""
     if model == "demo":
         from kvgate.engine.demo import ensure_demo_model
 
@@ -26,6 +27,10 @@ def resolve_model_path(model: str) -> str:
         from kvgate.engine.copier import ensure_copier_model
 
         return str(ensure_copier_model())
+    if model == "copier-wide":
+        from kvgate.engine.copier_wide import ensure_wide_copier
+
+        return str(ensure_wide_copier())
     return model
 
 

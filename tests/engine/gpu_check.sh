@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 19 in one run, for a lent GPU machine (the device tool) or any CUDA host with torch,
+# The GPU checks of issues 19 and 24 in one run, for a lent GPU machine (the device tool) or any CUDA host with torch,
 # triton, transformers and peft: the compiled kernels, `kvgate bench engine` (the must-show runs), then the engine
 # suites on CUDA. Logs and JSON go to ${OUT:-/tmp/kvgate-gpu}. Each stage has its own time limit and a failing stage
 # does not stop the next. Wheels for packages the machine lacks are installed from .whl/ when it exists: kvgate
@@ -51,5 +51,39 @@ case ",$STAGES," in *,suites,*)
     tests/engine/test_async_scheduling.py tests/engine/test_hf_parity.py tests/engine/test_lora_parity.py \
     tests/engine/test_structured_outputs.py \
     --deselect tests/engine/test_structured_outputs.py::test_bench_prints_the_ratio ;; esac
+# Issue 24 on the GPU (STAGES=qkernels,spec,kvfp8,spectests): the quantized-cache kernels and speculation on graphs
+# under the `cuda` marker; speculation's speed-up at batch 1 and 32, each beside the same workload without it in the
+# same process (K=4, the quote workload): copier-wide (a 0.37B Llama computing the trained copier, so prompt lookup's
+# drafts are accepted; engine/copier_wide.py) with n-grams and with the tiny copier as its draft model, and
+# qwen3-0.5b with n-grams (random weights: drafts mostly fail, what adaptive drafting leaves of their cost); the fp8
+# cache's blocks, preemptions and decode speed against bf16 on the same workload and memory. The copier trains on a
+# CPU in ~1 min: carry a trained one in $KVGATE_CACHE_DIR to skip that.
+case ",$STAGES," in *,qkernels,*)
+  TAIL=12 stage qkernels 150 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_cuda.py \
+    -k "quantized or speculation" ;; esac
+case ",$STAGES," in *,spec,*)
+  NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+  DRAFT='{"method": "draft_model", "model": "copier", "num_speculative_tokens": 4}'
+  for run in "copier-wide ngram 1" "copier-wide ngram 32" "copier-wide draft 1" "copier-wide draft 32" \
+             "qwen3-0.5b ngram 32" "qwen3-0.5b ngram 1"; do
+    set -- $run
+    config=$NGRAM; [ "$2" = draft ] && config=$DRAFT
+    requests=64; [ "$3" = 1 ] && requests=8
+    TAIL=7 stage "spec_$1_$2_b$3" 90 python3 -m kvgate bench engine --model "$1" --device cuda --num-requests \
+      "$requests" --max-num-seqs "$3" --max-prompt-len 256 --output-len 128 --max-model-len 1024 --baselines none \
+      --speculative-config "$config" --result-file "$OUT/spec_$1_$2_b$3.json"
+  done ;; esac
+case ",$STAGES," in *,kvfp8,*)
+  for memory in default 6GiB; do
+    limit=(); [ "$memory" != default ] && limit=(--kv-cache-memory "$memory")
+    TAIL=14 stage "kvfp8_$memory" 150 python3 -m kvgate bench engine --model qwen3-0.5b --device cuda \
+      --num-requests 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 --baselines none \
+      --compare-kv-cache-dtype fp8 "${limit[@]}" --result-file "$OUT/kvfp8_$memory.json"
+  done ;; esac
+case ",$STAGES," in *,spectests,*)
+  # The CPU suites of speculation and the quantized cache on CUDA, less their 10k-request distribution tests.
+  TAIL=12 KVGATE_TEST_DEVICE=cuda stage spectests 200 python3 -m pytest -q -p no:cacheprovider \
+    tests/engine/test_spec_decode.py tests/engine/test_draft_model.py tests/engine/test_kv_cache_dtype.py \
+    tests/engine/test_copier_wide.py -k "not keeps_the_distribution and not test_bench" ;; esac
 case ",$STAGES," in *,sweep,*)
   TAIL=30 stage sweep 120 python3 -m tests.engine.gpu_profile attention ;; esac
