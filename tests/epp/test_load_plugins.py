@@ -380,7 +380,7 @@ def test_group_balance_token_totals_follow_every_change():
         scorer.pre_request(req(f"g{rng.randrange(12):03d}" + "x" * rng.randrange(4, 400)), e, None)
         scorer.score(req("g999 new"), states)  # expires what the window passed
         for address, groups in scorer._groups.items():
-            reused = [tokens for _, tokens, picks in groups.values() if picks > 1]
+            reused = [tokens for _, tokens, again in groups.values() if again]
             assert scorer._totals[address] == [sum(entry[1] for entry in groups.values()), sum(reused), len(reused)]
             assert len(groups) <= 6
 

@@ -105,9 +105,9 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         self.prefix_source_name = prefix_source_name
         self.max_groups = max_groups
         self.clock = clock
-        # address → group → (last pick, the prompt tokens of its latest request: its cache footprint, picks there
-        # within the window), oldest first
-        self._groups: dict[str, OrderedDict[int, tuple[float, int, int]]] = {}
+        # address → group → (last pick, the prompt tokens of its latest request: its cache footprint, whether it was
+        # picked there before within the window: reused there), oldest first
+        self._groups: dict[str, OrderedDict[int, tuple[float, int, bool]]] = {}
         # address → [live groups' footprints, of which those of groups picked there more than once; groups picked
         # there more than once] (kept as they change)
         self._totals: dict[str, list[int]] = {}
@@ -115,7 +115,7 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
     def group(self, request: LLMRequest) -> int:
         return xxhash.xxh3_64_intdigest(request.prompt[:self.group_chars].encode("utf-8", "surrogatepass"))
 
-    def _live(self, address: str, now: float) -> OrderedDict[int, tuple[float, int, int]]:
+    def _live(self, address: str, now: float) -> OrderedDict[int, tuple[float, int, bool]]:
         groups = self._groups.get(address)
         if groups is None:
             groups = self._groups[address] = OrderedDict()
@@ -125,29 +125,29 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
             self._drop_oldest(address, groups)
         return groups
 
-    def _count(self, address: str, entry: tuple[float, int, int], sign: int) -> None:
+    def _count(self, address: str, entry: tuple[float, int, bool], sign: int) -> None:
         """Add (sign 1) or take out (-1) a group's entry in e's totals."""
         totals = self._totals[address]
         totals[0] += sign * entry[1]
-        if entry[2] > 1:
+        if entry[2]:
             totals[1] += sign * entry[1]
             totals[2] += sign
 
-    def _drop_oldest(self, address: str, groups: OrderedDict[int, tuple[float, int, int]]) -> None:
+    def _drop_oldest(self, address: str, groups: OrderedDict[int, tuple[float, int, bool]]) -> None:
         _, entry = groups.popitem(last=False)
         self._count(address, entry, -1)
 
-    def _load(self, address: str, groups: OrderedDict[int, tuple[float, int, int]], group: int
+    def _load(self, address: str, groups: OrderedDict[int, tuple[float, int, bool]], group: int
               ) -> tuple[float, float]:
         """What e carries besides this request's own group, as (reused, once): the groups picked there more than
         once within the window and those picked once — counted, or weighed by their prompts' tokens (O(1) both)."""
         tokens, reused_tokens, reused_groups = self._totals[address]
         own = groups.get(group)
         if self.balance_by == "groups":
-            total, reused = len(groups) - (own is not None), reused_groups - (own is not None and own[2] > 1)
+            total, reused = len(groups) - (own is not None), reused_groups - (own is not None and own[2])
         else:
             total = tokens - (own[1] if own else 0)
-            reused = reused_tokens - (own[1] if own and own[2] > 1 else 0)
+            reused = reused_tokens - (own[1] if own and own[2] else 0)
         return reused, total - reused
 
     def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
@@ -192,7 +192,7 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         old = groups.get(group)
         if old is not None:
             self._count(address, old, -1)
-        groups[group] = entry = (now, tokens, old[2] + 1 if old else 1)
+        groups[group] = entry = (now, tokens, old is not None)
         groups.move_to_end(group)
         self._count(address, entry, 1)
         if len(groups) > self.max_groups:  # bounded: distinct prompts (no shared prefix) each make a group
