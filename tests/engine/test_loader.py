@@ -65,7 +65,7 @@ def test_engine_output_matches_hf_with_a_sharded_bf16_checkpoint(tmp_path, tiny_
     copy): the same greedy tokens as HF's generate on the same (bf16-rounded) weights."""
     from transformers import AutoModelForCausalLM
 
-    from tests.engine.tiny_models import build_tiny_model
+    from tests.engine.tiny_models import build_tiny_model, hf_greedy
 
     model = build_tiny_model("llama", tmp_path / "src", seed=5)
     model.to(torch.bfloat16).save_pretrained(str(tmp_path), safe_serialization=True, max_shard_size="60KB")
@@ -74,12 +74,7 @@ def test_engine_output_matches_hf_with_a_sharded_bf16_checkpoint(tmp_path, tiny_
         shutil.copy(tmp_path / "src" / f, tmp_path / f)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     prompts = [[5, 17, 99, 3], list(range(40, 70)), [200] * 9]
-    expected = []
-    for prompt in prompts:
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-        expected.append(gen[0, len(prompt):].tolist())
+    expected = hf_greedy(hf, prompts, 12)
     llm = LLM(str(tmp_path), max_model_len=128, dtype="float32")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))

@@ -12,6 +12,7 @@ import torch
 
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.lora.request import LoRARequest
+from tests.engine.tiny_models import hf_greedy
 
 MAX_NEW = 12
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -63,13 +64,7 @@ def setup(request, tiny_model_dir, tmp_path_factory):
         make_adapter(folder, paths[name], seed, **config)
 
     def greedy(model):
-        outs = []
-        for p in prompts():
-            with torch.no_grad():
-                gen = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
-                                     do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-        return outs
+        return hf_greedy(model, prompts(), MAX_NEW)
 
     expected = {None: greedy(base_model)}
     for name, path in paths.items():

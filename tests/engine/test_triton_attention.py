@@ -171,13 +171,9 @@ def _prompts():
 
 
 def _hf_greedy(model, prompts, n):
-    outs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        outs.append(gen[0, len(prompt):].tolist())
-    return outs
+    from tests.engine.tiny_models import hf_greedy
+
+    return hf_greedy(model, prompts, n)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -267,3 +263,29 @@ def test_fused_ops_match_the_torch_layers(dtype):
     want = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), want, atol=tol, rtol=tol)
     assert mlp.fused is False
+
+
+def test_speculation_on_triton_path_keeps_greedy_tokens(tiny_model_dir):
+    """Speculative decoding through the graph path's padded shapes and static buffers (verification chunks of
+    1 + K positions in mixed-step shapes; the CUDA run is test_cuda.py's): n-grams with every step drafting, and the
+    target as its own draft (every draft accepted), give HF's greedy tokens."""
+    from tests.engine.tiny_models import random_tokens
+
+    folder, model = tiny_model_dir("llama")
+    prompts = [t + t[:9] for t in (random_tokens(n, seed=n) for n in (40, 61))]
+    expected = _hf_greedy(model, prompts, 10)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    # 1-grams: a random model's own tokens rarely continue a longer n-gram of the prompt, and drafts must be made
+    for name, spec in {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                 "prompt_lookup_max": 3},
+                       "self-draft": {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3}
+                       }.items():
+        llm = LLM(str(folder), max_model_len=128, attention_backend="triton", max_num_seqs=2,
+                  speculative_config=spec, speculative_backoff_threshold=0.0)
+        assert llm.engine.runner.shapes is not None
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        stats = llm.engine.stats().spec_decode
+        assert got == expected, name
+        assert stats.num_drafts > 0, name
+        if name == "self-draft":
+            assert stats.num_accepted_tokens == stats.num_draft_tokens > 0

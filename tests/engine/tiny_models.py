@@ -76,8 +76,10 @@ def hf_greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     outs = []
     for prompt in prompts:
         with torch.no_grad():
-            gen = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            # an explicit mask: generate would otherwise take every token equal to pad_token_id (0) for padding
+            gen = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
         outs.append(gen[0, len(prompt):].tolist())
     return outs
 
