@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks of issues 19 and 24 in one run (tests/engine/gpu_prepare.sh readies the wheels and the copier), for a
-# lent GPU machine (the device tool) or any CUDA host with torch, triton, transformers and peft: the compiled kernels, `kvgate bench engine` (the must-show runs), then the engine
-# suites on CUDA. Logs and JSON go to ${OUT:-/tmp/kvgate-gpu}. Each stage has its own time limit and a failing stage
-# does not stop the next. Wheels for packages the machine lacks are installed from .whl/ when it exists: kvgate
-# itself, llguidance, jsonschema and its three dependencies, and pyzmq (the CLI imports the chaos bench, which needs
-# it); see the device tool's README.
+# lent GPU machine (the device tool) or any CUDA host with torch, triton, transformers and peft: the compiled kernels,
+# `kvgate bench engine` (the must-show runs), then the engine suites on CUDA. Logs and JSON go to
+# ${OUT:-/tmp/kvgate-gpu}. Each stage has its own time limit and a failing stage does not stop the next. Wheels for
+# packages the machine lacks are installed from .whl/ when it exists: kvgate itself, llguidance, jsonschema and its
+# three dependencies, pyzmq (the CLI imports the chaos bench, which needs it) and msgspec; see the device tool's README.
 set -u
 OUT=${OUT:-/tmp/kvgate-gpu}
 mkdir -p "$OUT"
