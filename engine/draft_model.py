@@ -98,8 +98,11 @@ def resolve_draft(spec: SpeculativeConfig, config, target_hf_config, max_model_l
 
 class DraftModelProposer(Proposer):
     def __init__(self, spec: SpeculativeConfig, config, target_hf_config, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, kv_quant, read_weights: bool = True) -> None:
-        """read_weights False: its parameters allocated, not read (loader.load_model; --print-config's profile)."""
+                 max_model_len: int, kv_quant, read_weights: bool = True, attention_backend: str = "sdpa",
+                 graphs: bool = False) -> None:
+        """read_weights False: its parameters allocated, not read (loader.load_model; --print-config's profile).
+        attention_backend: the target's; "triton" runs the draft through the same kernels (draft_graphs.py), with
+        CUDA graphs of its decode forwards when graphs (the target's are captured too)."""
         path, hf = resolve_draft(spec, config, target_hf_config, max_model_len)
         self.k = spec.num_speculative_tokens
         self.device, self.dtype, self.kv_quant = device, dtype, kv_quant
@@ -110,6 +113,15 @@ class DraftModelProposer(Proposer):
         self.num_layers = hf.num_hidden_layers
         window = self.model.sliding_window
         self.sliding_window = window if window is not None and window < max_model_len else None
+        self.triton = None  # draft_graphs.DraftTritonPath on the Triton path
+        if attention_backend == "triton":
+            from kvgate.engine.draft_graphs import DraftTritonPath
+            from kvgate.engine.models.layers import use_fused_kernels
+
+            use_fused_kernels(self.model)
+            self.triton = DraftTritonPath(self.model, config.max_num_seqs, config.max_num_batched_tokens,
+                                          cdiv(max_model_len, self.block_size), self.block_size, self.sliding_window,
+                                          device, capture=graphs)
         self.kv_caches: list = []
         self.num_blocks = 0
         # Per block id: the hash of the block content the draft's K/V there was computed for (None: unknown).
@@ -123,11 +135,13 @@ class DraftModelProposer(Proposer):
     def bytes_per_block(self, block_size: int) -> int:
         return kv_bytes_per_block(self.model, self.num_layers, block_size, self.dtype, self.kv_quant)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, capture_graphs: bool = False) -> None:
         self.kv_caches = allocate_kv_caches(self.model, self.num_layers, num_blocks, self.block_size, self.dtype,
                                             self.kv_quant, self.device)
         self.num_blocks = num_blocks
         self.block_hashes = [None] * num_blocks
+        if capture_graphs and self.triton is not None:
+            self.triton.capture(self.kv_caches)
 
     # -- proposing --------------------------------------------------------------------------------
 
@@ -273,10 +287,13 @@ class DraftModelProposer(Proposer):
         """One forward of the draft over chunks (computed, new, block ids); the hidden rows (all_rows) or the
         logits of each chunk's last row."""
         dev = self.device
-        meta = AttentionMetadata.build(seqs, self.block_size, dev, self.model.num_kv_heads, self.num_blocks,
-                                       self.sliding_window)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(list(positions), dtype=torch.long, device=dev), self.kv_caches, meta)
+        if self.triton is not None:
+            hidden = self.triton.forward(seqs, ids, positions, self.kv_caches)
+        else:
+            meta = AttentionMetadata.build(seqs, self.block_size, dev, self.model.num_kv_heads, self.num_blocks,
+                                           self.sliding_window)
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                                torch.tensor(list(positions), dtype=torch.long, device=dev), self.kv_caches, meta)
         if all_rows:
             return hidden
         return self.model.compute_logits(hidden)  # single-token chunks: a row each

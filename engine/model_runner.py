@@ -62,17 +62,18 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor | QuantizedKVCache] = []
         self.num_blocks = 0
         self.kv_quant = kv_quant_spec(config.kv_cache_dtype)  # None: K/V in the model's dtype
+        self.attention_backend = choose_attention_backend(config.attention_backend, device)
+        check_kv_cache_backend(config.kv_cache_dtype, self.kv_quant, self.attention_backend, device)
+        if self.attention_backend == "triton":
+            use_fused_kernels(self.model)
         spec = config.speculative_config
         self.draft = None  # draft_model.DraftModelProposer: a draft model with its own KV cache of our block ids
         if spec is not None and spec.method == "draft_model":
             from kvgate.engine.draft_model import DraftModelProposer
 
             self.draft = DraftModelProposer(spec, config, hf_config, device, dtype, max_model_len, self.kv_quant,
-                                            read_weights)
-        self.attention_backend = choose_attention_backend(config.attention_backend, device)
-        check_kv_cache_backend(config.kv_cache_dtype, self.kv_quant, self.attention_backend, device)
-        if self.attention_backend == "triton":
-            use_fused_kernels(self.model)
+                                            read_weights, self.attention_backend,
+                                            graphs=self.attention_backend == "triton" and not config.enforce_eager)
         self.inputs = StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
                                  cdiv(max_model_len, self.block_size), self.block_size, device)
         # Padded step shapes (and, on CUDA, their captured graphs): with the Triton kernels unless --enforce-eager.
@@ -105,7 +106,7 @@ class ModelRunner:
                                             self.kv_quant, self.device)
         self.num_blocks = num_blocks
         if self.draft is not None:
-            self.draft.allocate_kv_cache(num_blocks)
+            self.draft.allocate_kv_cache(num_blocks, capture_graphs and self.device.type == "cuda")
         if capture_graphs and self.shapes is not None and self.device.type == "cuda":
             self._capture_graphs()
 

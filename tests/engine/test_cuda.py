@@ -267,14 +267,16 @@ def _generate_counting_verify_replays(model, prompts, params, **kwargs):
 
     runner.launch, runner.shapes.replay = tracking_launch, counting_replay
     outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    return outs, llm.engine.stats().spec_decode, verify_replays[0]
+    draft_replays = runner.draft.triton.replays if runner.draft is not None else None
+    return outs, llm.engine.stats().spec_decode, verify_replays[0], draft_replays
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_speculation_on_graphs_keeps_plain_greedy_tokens(tmp_path, kv_cache_dtype):
     """Speculative decoding on CUDA: steps that verify drafts (1 + K positions a speculating request) replay the
     mixed-step graphs, and greedy outputs are plain greedy's (float32), with n-grams (on random weights most drafts
-    are rejected) and with the target as its own draft (every draft accepted), on the plain and the fp8 cache."""
+    are rejected) and with the target as its own draft (every draft accepted; its decode forwards replay the draft's
+    graphs), on the plain and the fp8 cache."""
     _random_model(tmp_path)
     rng = random.Random(4)
     texts = [[rng.randrange(256) for _ in range(rng.randint(20, 120))] for _ in range(24)]
@@ -289,8 +291,8 @@ def test_speculation_on_graphs_keeps_plain_greedy_tokens(tmp_path, kv_cache_dtyp
                                                   "num_speculative_tokens": 3}}}
     outs = {}
     for name, extra in runs.items():
-        outs[name], stats, verify_replays = _generate_counting_verify_replays(str(tmp_path), prompts, params,
-                                                                             **common, **extra)
+        outs[name], stats, verify_replays, draft_replays = _generate_counting_verify_replays(
+            str(tmp_path), prompts, params, **common, **extra)
         _release_gpu_memory()
         if name != "plain":
             print(f"{kv_cache_dtype} {name}: {stats.num_accepted_tokens}/{stats.num_draft_tokens} draft tokens "
@@ -298,6 +300,7 @@ def test_speculation_on_graphs_keeps_plain_greedy_tokens(tmp_path, kv_cache_dtyp
             assert stats.num_drafts >= 5 and verify_replays >= 5
         if name == "self-draft":
             assert stats.num_accepted_tokens == stats.num_draft_tokens
+            assert draft_replays >= 2 * verify_replays, draft_replays  # the draft's decodes replay its own graphs
     for name in ("ngram", "self-draft"):
         same = sum(a == b for a, b in zip(outs[name], outs["plain"]))
         # fp8 keeps 3 mantissa bits: a float32 rounding difference between batch shapes can move a stored value
