@@ -292,3 +292,36 @@ def test_speculation_on_triton_path_keeps_greedy_tokens(tiny_model_dir):
         assert stats.num_drafts > 0, name
         if name == "self-draft":
             assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_draft_path_padded_decodes_match_hf(tiny_model_dir):
+    """draft_graphs.py's buffers: chunks of prompts, then one decode token each — eagerly at the batch's own size,
+    and padded to a graph's size as a replay runs it (padding rows store nothing, padding sequences attend nothing)
+    — give HF's logits for every row."""
+    from kvgate.engine.draft_graphs import DraftTritonPath
+    from kvgate.engine.kv_quant import allocate_kv_caches
+    from kvgate.engine.loader import load_hf_config, load_model
+    from tests.engine.tiny_models import random_tokens
+
+    folder, hf = tiny_model_dir("qwen3")
+    config = load_hf_config(folder)
+    model = load_model(config, folder, torch.device("cpu"), torch.float32, 128)
+    block_size = 16
+    kv = allocate_kv_caches(model, config.num_hidden_layers, 12, block_size, torch.float32, None, torch.device("cpu"))
+    path = DraftTritonPath(model, 4, 64, 8, block_size, None, torch.device("cpu"), capture=False)
+    prompts = [random_tokens(n, seed=n) for n in (5, 17, 33)]
+    tables = [[0], [1, 2], [3, 4, 5]]
+    hidden = path.forward([(0, len(p), t) for p, t in zip(prompts, tables)], sum(prompts, []),
+                          [i for p in prompts for i in range(len(p))], kv)
+    nxt = [7, 8, 9]
+    seqs = [(len(p), 1, t) for p, t in zip(prompts, tables)]
+    eager = path.forward(seqs, nxt, [len(p) for p in prompts], kv)
+    path._fill(seqs, nxt, [len(p) for p in prompts], 4, 4)  # what a replay of the size-4 graph reads
+    padded = path._forward_static(4, 4, True, kv)[:3]
+    with torch.no_grad():
+        want = [hf(torch.tensor([p + [t]])).logits[0, -2:] for p, t in zip(prompts, nxt)]
+    ends = torch.tensor([len(p) - 1 for p in prompts]).cumsum(0) + torch.arange(3)
+    for i in range(3):
+        assert torch.allclose(model.compute_logits(hidden[ends[i]:ends[i] + 1])[0], want[i][0], atol=1e-4)
+        for rows in (eager, padded):
+            assert torch.allclose(model.compute_logits(rows[i:i + 1])[0], want[i][1], atol=1e-4)
