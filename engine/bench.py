@@ -28,8 +28,8 @@ def add_bench_engine_parser(sub) -> None:
     p = sub.add_parser("engine", help="engine throughput against HF transformers generate")
     p.add_argument("--model", default="demo",
                    help="'demo' (default), 'copier' (a tiny model trained here to quote its prompt, for speculative "
-                        "decoding), 'copier-wide' (the copier inside a Llama of a 0.37B model's cost), a random model built here (" + ", ".join(RANDOM_MODELS) +
-                        "), or a local HF folder")
+                        "decoding), 'copier-wide' (the copier inside a Llama of a 0.37B model's cost), a random model "
+                        "built here (" + ", ".join(RANDOM_MODELS) + "), or a local HF folder")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--min-prompt-len", type=int, default=32)
     p.add_argument("--max-prompt-len", type=int, default=512)

@@ -119,7 +119,8 @@ class DraftModelProposer(Proposer):
             from kvgate.engine.models.layers import use_fused_kernels
 
             use_fused_kernels(self.model)
-            self.triton = DraftTritonPath(self.model, config.max_num_seqs, config.max_num_batched_tokens,
+            self.triton = DraftTritonPath(self.model, config.max_num_seqs,
+                                          max(config.max_num_batched_tokens, config.max_num_seqs),
                                           cdiv(max_model_len, self.block_size), self.block_size, self.sliding_window,
                                           device, capture=graphs)
         self.kv_caches: list = []
