@@ -69,3 +69,46 @@ def test_a_process_group_is_pinned_whole():
 def test_every_epp_replica_is_in_the_gateway_tier():
     assert all(pinning.is_gateway(n) for n in ("epp", "epp-1", "epp-3", "envoy", "router"))
     assert not any(pinning.is_gateway(n) for n in ("engine-0", "engine-12", "eppx"))
+
+
+# A process group that burns CPU in a child process and in a thread of the parent: what the bench charges a
+# child of its stack is every process and thread of the group.
+BURNER = """
+import subprocess, sys, threading, time
+def burn():
+    end = time.process_time() + 0.4
+    while time.process_time() < end:
+        pass
+child = subprocess.Popen([sys.executable, "-c", "import time\\nend = time.process_time() + 0.4\\n"
+                          "while time.process_time() < end: pass\\ntime.sleep(120)"])
+t = threading.Thread(target=burn, daemon=True)
+t.start()
+t.join()
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_cpu_seconds_count_every_process_and_thread_of_a_group():
+    from kvgate.bench_routing.runner import cpu_use
+
+    proc = subprocess.Popen([sys.executable, "-c", BURNER], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        child = int(proc.stdout.readline())
+        deadline = time.monotonic() + 30  # the child burns its 0.4 s of CPU, however loaded this machine is
+        while pinning.process_cpu_seconds(child) < 0.4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # the parent's thread (0.4 s) and the child's loop (0.4 s), start-up on top; ticks are 10 ms
+        assert pinning.group_cpu_seconds(proc.pid) >= 0.78
+        assert pinning.process_cpu_seconds(proc.pid) >= 0.39  # a thread's CPU is its process's
+        assert pinning.process_cpu_seconds(2**22 + 12345) == 0.0  # gone: nothing, no error
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    used = cpu_use({"epp": 1.0, "envoy": 2.0, "engine-0": 3.0},
+                   {"epp": 3.0, "envoy": 2.5, "engine-0": 4.0, "engine-1": 1.0}, requests=100)
+    assert used["seconds"] == {"epp": 2.0, "envoy": 0.5, "engine-0": 1.0, "engine-1": 1.0}
+    assert (used["gateway_s"], used["engines_s"]) == (2.5, 2.0)
+    assert (used["gateway_ms_per_request"], used["engines_ms_per_request"]) == (25.0, 20.0)
+    assert cpu_use({}, {}, requests=0)["gateway_ms_per_request"] is None

@@ -88,6 +88,24 @@ def pin_group(pgid: int, cpus: Iterable[int]) -> int:
     return sum(pin_process(pid, cpus) for pid in group_pids(pgid))
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of pid, every thread of it (0 when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": the comm may hold spaces
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime (fields 14 and 15 of proc(5))
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds of every live process of group pgid."""
+    return sum(process_cpu_seconds(pid) for pid in group_pids(pgid))
+
+
 def split(gateway: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
     """(gateway CPUs, the others' CPUs): the others get what this process may use less the gateway's, or all of it
     when nothing would be left (a one-CPU machine: pinning can only say where the gateway runs)."""

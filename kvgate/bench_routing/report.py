@@ -67,6 +67,10 @@ def table(workload: str, what: str, cells: list[dict]):
     epp = any("epp_time" in c for c in cells)
     if epp:
         t.add_column("EPP ms/req", justify="right")
+    cpu = any("cpu" in c for c in cells)
+    if cpu:
+        t.add_column("CPU ms/req gw", justify="right")
+        t.add_column("engines", justify="right")
     for c in sorted(cells, key=lambda c: c["rate"]):
         vs_rr, vs_router = c.get("vs_round_robin", {}), c.get("vs_best_router", {})
         ttft = c["ttft_s"]
@@ -83,6 +87,9 @@ def table(workload: str, what: str, cells: list[dict]):
             row.append(_num(c.get("routed", {}).get("ttft_s", {}).get("p90"), ".2f"))
         if epp:
             row.append(_num(c.get("epp_time", {}).get("request_path", {}).get("mean_ms"), ".2f"))
+        if cpu:
+            row += [_num(c.get("cpu", {}).get("gateway_ms_per_request"), ".1f"),
+                    _num(c.get("cpu", {}).get("engines_ms_per_request"), ".1f")]
         t.add_row(*row)
     return t
 
@@ -98,7 +105,9 @@ def print_tables(result: dict, console=None) -> None:
                   "sglang-router / vllm-router); hit rate: the engines' prefix-cache hits ÷ queries (tokens) over the "
                   "run; spread: the busiest replica's requests ÷ the mean; routed p90 (with --foreign-share): TTFT "
                   "p90 of the requests the configuration routed, the foreign gateway's left out; EPP ms/req: the "
-                  "EPP's mean time on a request's path (body parse, slow plugin work, decision)")
+                  "EPP's mean time on a request's path (body parse, slow plugin work, decision); CPU ms/req: CPU "
+                  "time over the cell ÷ requests sent, of the gateway tier (Envoy + EPP, or the router) and of the "
+                  "engines")
     for name, c in result["configurations"].items():
         if c.get("skipped"):
             console.print(f"skipped {name}: {c['skipped']}")

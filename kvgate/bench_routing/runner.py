@@ -323,6 +323,24 @@ def _pin(stack, gateway_cpus: frozenset[int]) -> dict:
     return {"gateway": sorted(gateway), "others": sorted(rest), "threads_pinned": threads}
 
 
+def cpu_seconds(stack) -> dict[str, float]:
+    """CPU seconds so far of each child of the stack (Envoy, every EPP replica, a router, every engine), its whole
+    process group."""
+    return {child.name: pinning.group_cpu_seconds(child.proc.pid) for child in stack.children}
+
+
+def cpu_use(before: dict[str, float], after: dict[str, float], requests: int) -> dict:
+    """What the stack spent of the CPU while the cell ran: per child; the gateway tier's (Envoy + EPP, or the
+    router) and the engines' in all and per request sent. The engines' share counts too: the EPP's scrapes and KV
+    events cost the engines CPU that a router without them does not."""
+    seconds = {name: round(after[name] - before.get(name, 0.0), 3) for name in after}
+    gateway = sum(v for name, v in seconds.items() if pinning.is_gateway(name))
+    engines = sum(seconds.values()) - gateway
+    per_request = (lambda total: round(1000 * total / requests, 3) if requests else None)
+    return {"seconds": seconds, "gateway_s": round(gateway, 3), "engines_s": round(engines, 3),
+            "gateway_ms_per_request": per_request(gateway), "engines_ms_per_request": per_request(engines)}
+
+
 # A stack that does not come up is started once more: free_port() hands out a port that another process on the
 # machine may take before Envoy binds it (seen once in a 40-minute --find-saturation run), and one such race
 # should not end a sweep.
@@ -350,12 +368,15 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
         # the readiness probe of a router sent one request: counted in `before`, so not in the deltas
         before = all_counters(up.endpoints)
         epp_before = _summed_histograms(up) if config.kind == "epp" else None
+        cpu_before = cpu_seconds(up.stack)
         destinations = oracle.placement(requests, up.endpoints) if config.oracle else None
         outcomes, start = asyncio.run(_drive(url, requests, drain_s, tick, up.endpoints, destinations))
         time.sleep(0.2)  # the last requests' counters
+        cpu_after = cpu_seconds(up.stack)
         after = all_counters(up.endpoints)
         died = up.stack.dead()
         result = summarize(outcomes, start, before, after, len(requests))
+        result["cpu"] = cpu_use(cpu_before, cpu_after, len(requests))
         objectives = objectives_met(outcomes, requests)
         if objectives is not None:
             result["ttft_objectives"] = objectives
