@@ -23,7 +23,7 @@ rm -f .whl/kvgate-*.whl
 # Versions as this project's venv has them; the GPU image's own packages are not replaced (KINDS.md lists them).
 platforms=()
 for n in 17 24 26 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
-for name in llguidance jsonschema jsonschema-specifications referencing rpds-py pyzmq msgspec; do
+for name in llguidance jsonschema jsonschema-specifications referencing rpds-py pyzmq msgspec httptools uvloop; do
   version=$("$PY" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" --platform manylinux2014_x86_64 -d .whl "$name==$version"
