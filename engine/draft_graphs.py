@@ -9,10 +9,10 @@ Replaying a captured graph makes a decode forward one launch. The catch-up forwa
 time it drafts, its last one or two tokens after) run eagerly through the same buffers, unless they too are one token
 a request (the common steady state: the last token each), which a decode graph serves.
 
-The buffers mirror step_inputs.py's (padding rows store nothing: slot -1; padding sequences have no queries and
-length 0). They are filled on the host and copied with a blocking copy: forwards follow each other within one step
-without a sync in between, and a pinned host buffer rewritten while an earlier non-blocking copy of it is in flight
-would corrupt that copy. On CPU (the Triton interpreter, in tests) the buffers are the same and nothing is captured,
+The buffers mirror step_inputs.py's and are laid out by its functions (padding rows store nothing: slot -1; padding
+sequences have no queries and length 0). They are filled on the host and copied with a blocking copy: forwards follow
+each other within one step without a sync in between, and a pinned host buffer rewritten while an earlier
+non-blocking copy of it is in flight would corrupt that copy. On CPU (the Triton interpreter, in tests) the buffers are the same and nothing is captured,
 as for the target.
 """
 
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvgate.engine.cuda_graphs import GraphSet
+from kvgate.engine.step_inputs import write_chunk_layout, write_padding
 from kvgate.engine.triton_attention import TritonAttentionMetadata
 
 NAMES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table")
@@ -41,6 +42,7 @@ class DraftTritonPath:
             "block_table": torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin),
         }
         self._np = {name: t.numpy() for name, t in self._host.items()}
+        self._arange = np.arange(max_tokens, dtype=np.int64)
         self.dev = self._host if device.type == "cpu" else {
             name: torch.zeros_like(t, device=device) for name, t in self._host.items()}
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
@@ -48,31 +50,19 @@ class DraftTritonPath:
         self.graphs = GraphSet(max_seqs, 0) if capture and device.type == "cuda" else None
         self.replays = 0  # decode forwards served by a graph (tests and the bench read it)
 
-    def _fill(self, seqs: list, ids: list[int], positions, padded_tokens: int, padded_seqs: int) -> None:
-        """seqs: (computed, new, block ids) per chunk; the rows past len(ids) and sequences past len(seqs) pad."""
-        a, bs = self._np, self.block_size
+    def _fill(self, seqs: list, ids: list[int], padded_tokens: int, padded_seqs: int) -> None:
+        """seqs: (computed, new, block ids) per chunk, its positions computed .. computed + new - 1; the rows past
+        len(ids) and sequences past len(seqs) pad."""
+        a = self._np
         n, num_tokens = len(seqs), len(ids)
         a["input_ids"][:num_tokens] = ids
-        pos = np.fromiter(positions, dtype=np.int64, count=num_tokens)
-        a["positions"][:num_tokens] = pos
-        lens = np.fromiter((s[1] for s in seqs), dtype=np.int64, count=n)
-        starts = np.fromiter((s[0] for s in seqs), dtype=np.int64, count=n)
-        qsl = a["query_start_loc"]
-        qsl[0] = 0
-        np.cumsum(lens, out=qsl[1:n + 1])
-        a["seq_lens"][:n] = starts + lens
         bt = a["block_table"]
         for i, (_, _, table) in enumerate(seqs):
             bt[i, :len(table)] = table
-        rows = np.repeat(np.arange(n), lens)
-        a["slot_mapping"][:num_tokens] = bt[rows, pos // bs].astype(np.int64) * bs + pos % bs
-        if padded_tokens > num_tokens:
-            a["input_ids"][num_tokens:padded_tokens] = 0
-            a["positions"][num_tokens:padded_tokens] = 0
-            a["slot_mapping"][num_tokens:padded_tokens] = -1
-        if padded_seqs > n:
-            qsl[n + 1:padded_seqs + 1] = num_tokens
-            a["seq_lens"][n:padded_seqs] = 0
+        starts = np.fromiter((s[0] for s in seqs), dtype=np.int64, count=n)
+        lens = np.fromiter((s[1] for s in seqs), dtype=np.int64, count=n)
+        write_chunk_layout(a, starts, lens, self.block_size, self._arange)
+        write_padding(a, num_tokens, n, padded_tokens, padded_seqs)
         if self.device.type != "cpu":
             for name, size in (("input_ids", padded_tokens), ("positions", padded_tokens),
                                ("slot_mapping", padded_tokens), ("query_start_loc", padded_seqs + 1),
@@ -86,17 +76,19 @@ class DraftTritonPath:
                                        self.block_size, decode_only, self.sliding_window)
         return self.model(d["input_ids"][:num_tokens], d["positions"][:num_tokens], kv_caches, meta)
 
-    def forward(self, seqs: list, ids: list[int], positions, kv_caches: list) -> torch.Tensor:
-        """The draft's hidden rows for these chunks (a tensor of its own: a graph's output is overwritten by the
-        next replay)."""
+    def forward(self, seqs: list, ids: list[int], kv_caches: list, keep: bool = True) -> torch.Tensor:
+        """The draft's hidden rows for these chunks. keep: rows read after the next forward (a catch-up's, kept per
+        request) come as a tensor of their own, since a graph's output is overwritten by the next replay; rows used
+        at once (a draft decode's, turned into logits) come as the graph's output."""
         num_tokens, n = len(ids), len(seqs)
         decode_only = num_tokens == n
         padded = self.graphs.size_for(n, True) if self.graphs is not None and decode_only else None
         if padded is not None and self.graphs.graphs:
-            self._fill(seqs, ids, positions, padded, padded)
+            self._fill(seqs, ids, padded, padded)
             self.replays += 1
-            return self.graphs.replay(padded, True)[:num_tokens].clone()
-        self._fill(seqs, ids, positions, num_tokens, n)
+            rows = self.graphs.replay(padded, True)[:num_tokens]
+            return rows.clone() if keep else rows
+        self._fill(seqs, ids, num_tokens, n)
         return self._forward_static(num_tokens, n, decode_only, kv_caches)
 
     def capture(self, kv_caches: list) -> None:
@@ -105,7 +97,7 @@ class DraftTritonPath:
             return
 
         def fill(num_tokens: int, decode_only: bool) -> None:
-            self._fill([], [], [], num_tokens, num_tokens)
+            self._fill([], [], num_tokens, num_tokens)
 
         def forward(num_tokens: int, decode_only: bool) -> torch.Tensor:
             return self._forward_static(num_tokens, num_tokens, decode_only, kv_caches)

@@ -289,7 +289,8 @@ class DraftModelProposer(Proposer):
         logits of each chunk's last row."""
         dev = self.device
         if self.triton is not None:
-            hidden = self.triton.forward(seqs, ids, positions, self.kv_caches)
+            # positions: each chunk's, from seqs; rows that outlive the next forward (all_rows) are copied
+            hidden = self.triton.forward(seqs, ids, self.kv_caches, keep=all_rows)
         else:
             meta = AttentionMetadata.build(seqs, self.block_size, dev, self.model.num_kv_heads, self.num_blocks,
                                            self.sliding_window)

@@ -27,6 +27,41 @@ import torch
 from kvgate.engine.scheduler import SchedulerOutput
 
 
+def write_chunk_layout(a: dict[str, np.ndarray], starts: np.ndarray, lens: np.ndarray, block_size: int,
+                       arange: np.ndarray) -> int:
+    """query_start_loc, seq_lens, positions and slot_mapping of n sequences' chunks, the i-th `lens[i]` tokens from
+    position `starts[i]`, into the host arrays `a` (their block table rows already written); the number of tokens.
+    `arange`: 0, 1, 2, ... at least that long."""
+    n = len(lens)
+    qsl = a["query_start_loc"]
+    qsl[0] = 0
+    np.cumsum(lens, out=qsl[1:n + 1])
+    a["seq_lens"][:n] = starts + lens
+    num_tokens = int(qsl[n])
+    if num_tokens == n:  # one token each (decodes): no repeat
+        positions, rows = starts, np.arange(n)
+    else:
+        rows = np.repeat(np.arange(n), lens)
+        positions = np.repeat(starts - qsl[:n], lens) + arange[:num_tokens]
+    a["positions"][:num_tokens] = positions
+    a["slot_mapping"][:num_tokens] = (a["block_table"][rows, positions // block_size].astype(np.int64) * block_size
+                                      + positions % block_size)
+    return num_tokens
+
+
+def write_padding(a: dict[str, np.ndarray], num_tokens: int, num_seqs: int, padded_tokens: int,
+                  padded_seqs: int) -> None:
+    """The rows past a batch of num_tokens (token 0, position 0, slot -1) and its sequences past num_seqs (no
+    queries, length 0), up to a captured graph's shapes."""
+    if padded_tokens > num_tokens:
+        a["input_ids"][num_tokens:padded_tokens] = 0
+        a["positions"][num_tokens:padded_tokens] = 0
+        a["slot_mapping"][num_tokens:padded_tokens] = -1
+    if padded_seqs > num_seqs:
+        a["query_start_loc"][num_seqs + 1:padded_seqs + 1] = num_tokens
+        a["seq_lens"][num_seqs:padded_seqs] = 0
+
+
 @dataclass
 class StepBatch:
     num_tokens: int  # real tokens of the step
@@ -130,18 +165,8 @@ class StepInputs:
                 lora = s.request.lora_request
                 if lora is not None:
                     lora_seqs.setdefault(out.lora_slots[lora.lora_int_id], []).append(i)
+        write_chunk_layout(a, starts, lens, bs, self._arange)
         qsl = a["query_start_loc"]
-        qsl[0] = 0
-        np.cumsum(lens, out=qsl[1:n + 1])
-        a["seq_lens"][:n] = seq_lens
-        if num_tokens == n:
-            positions = starts
-            slot_rows = np.arange(n)
-        else:
-            slot_rows = np.repeat(np.arange(n), lens)
-            positions = np.repeat(starts - qsl[:n], lens) + self._arange[:num_tokens]
-        a["positions"][:num_tokens] = positions
-        a["slot_mapping"][:num_tokens] = bt[slot_rows, positions // bs].astype(np.int64) * bs + positions % bs
         num_samples = n if sample_idx is None else len(sample_idx)
         a["sample_rows"][:num_samples] = qsl[1:n + 1] - 1 if sample_idx is None else qsl[1:n + 1][sample_idx] - 1
         if out.has_drafts:  # a speculating sequence's logits at its last token and at each draft
@@ -153,13 +178,7 @@ class StepInputs:
 
         num_padded = padded_tokens or num_tokens
         seqs_padded = padded_seqs or n
-        if num_padded > num_tokens:
-            ids[num_tokens:num_padded] = 0
-            a["positions"][num_tokens:num_padded] = 0
-            a["slot_mapping"][num_tokens:num_padded] = -1
-        if seqs_padded > n:
-            qsl[n + 1:seqs_padded + 1] = num_tokens
-            a["seq_lens"][n:seqs_padded] = 0
+        write_padding(a, num_tokens, n, num_padded, seqs_padded)
         lora_rows = {slot: np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in seqs])
                      for slot, seqs in lora_seqs.items()}
         num_fill = len(fill_rows)

@@ -313,6 +313,12 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
     # it now generate_latest (cProfile).
     app.add_middleware(MetricsPage, render=metrics_page)
 
+    # MetricsPage answers GET and HEAD before they get here; the route is what makes other methods a 405
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics(request: Request):
+        status, body = metrics_page(request.scope.get("query_string", b""))
+        return Response(body, media_type=CONTENT_TYPE_LATEST, status_code=status)
+
     @app.get("/v1/models")
     async def models():
         require_ready()

@@ -311,12 +311,11 @@ def test_draft_path_padded_decodes_match_hf(tiny_model_dir):
     path = DraftTritonPath(model, 4, 64, 8, block_size, None, torch.device("cpu"), capture=False)
     prompts = [random_tokens(n, seed=n) for n in (5, 17, 33)]
     tables = [[0], [1, 2], [3, 4, 5]]
-    hidden = path.forward([(0, len(p), t) for p, t in zip(prompts, tables)], sum(prompts, []),
-                          [i for p in prompts for i in range(len(p))], kv)
+    hidden = path.forward([(0, len(p), t) for p, t in zip(prompts, tables)], sum(prompts, []), kv)
     nxt = [7, 8, 9]
     seqs = [(len(p), 1, t) for p, t in zip(prompts, tables)]
-    eager = path.forward(seqs, nxt, [len(p) for p in prompts], kv)
-    path._fill(seqs, nxt, [len(p) for p in prompts], 4, 4)  # what a replay of the size-4 graph reads
+    eager = path.forward(seqs, nxt, kv)
+    path._fill(seqs, nxt, 4, 4)  # what a replay of the size-4 graph reads
     padded = path._forward_static(4, 4, True, kv)[:3]
     with torch.no_grad():
         want = [hf(torch.tensor([p + [t]])).logits[0, -2:] for p, t in zip(prompts, nxt)]

@@ -439,6 +439,10 @@ def test_against_a_real_kvgate_sim_engine(tmp_path, caplog):
             async with httpx.AsyncClient(timeout=10) as client:
                 whole = (await client.get(url + "/metrics")).text
                 page = (await client.get(url + DIALECTS["vllm"].metrics_path())).text
+                head = await client.head(url + "/metrics")
+                post = await client.post(url + "/metrics")
+            assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 1000
+            assert post.status_code == 405  # only GET and HEAD are answered ahead of the stack
             samples = {line.split("{")[0].split(" ")[0] for line in page.splitlines() if not line.startswith("#")}
             assert samples == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
                                "vllm:lora_requests_info", "vllm:cache_config_info",
