@@ -112,3 +112,4 @@ def test_cpu_seconds_count_every_process_and_thread_of_a_group():
     assert (used["gateway_s"], used["engines_s"]) == (2.5, 2.0)
     assert (used["gateway_ms_per_request"], used["engines_ms_per_request"]) == (25.0, 20.0)
     assert cpu_use({}, {}, requests=0)["gateway_ms_per_request"] is None
+    assert cpu_use({"engine-0": 9.0}, {"engine-0": 0.5}, requests=1)["seconds"] == {"engine-0": 0.5}  # restarted

@@ -333,10 +333,15 @@ def cpu_use(before: dict[str, float], after: dict[str, float], requests: int) ->
     """What the stack spent of the CPU while the cell ran: per child; the gateway tier's (Envoy + EPP, or the
     router) and the engines' in all and per request sent. The engines' share counts too: the EPP's scrapes and KV
     events cost the engines CPU that a router without them does not."""
-    seconds = {name: round(after[name] - before.get(name, 0.0), 3) for name in after}
+    # a child restarted meanwhile (a new process, its count from 0) is counted from its restart
+    seconds = {name: round(used - before.get(name, 0.0) if used >= before.get(name, 0.0) else used, 3)
+               for name, used in after.items()}
     gateway = sum(v for name, v in seconds.items() if pinning.is_gateway(name))
     engines = sum(seconds.values()) - gateway
-    per_request = (lambda total: round(1000 * total / requests, 3) if requests else None)
+
+    def per_request(total: float) -> float | None:
+        return round(1000 * total / requests, 3) if requests else None
+
     return {"seconds": seconds, "gateway_s": round(gateway, 3), "engines_s": round(engines, 3),
             "gateway_ms_per_request": per_request(gateway), "engines_ms_per_request": per_request(engines)}
 
