@@ -12,8 +12,8 @@ a request (the common steady state: the last token each), which a decode graph s
 The buffers mirror step_inputs.py's and are laid out by its functions (padding rows store nothing: slot -1; padding
 sequences have no queries and length 0). They are filled on the host and copied with a blocking copy: forwards follow
 each other within one step without a sync in between, and a pinned host buffer rewritten while an earlier
-non-blocking copy of it is in flight would corrupt that copy. On CPU (the Triton interpreter, in tests) the buffers are the same and nothing is captured,
-as for the target.
+non-blocking copy of it is in flight would corrupt that copy. On CPU (the Triton interpreter, in tests) the buffers
+are the same and nothing is captured, as for the target.
 """
 
 from __future__ import annotations
