@@ -8,9 +8,12 @@ latency histograms are updated by the server as requests progress.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvgate.engine.server.exposition import Family, FamilySpec, render
 
 disable_created_metrics()  # no *_created series: vLLM does not export them and scrapers need not parse them
 
@@ -54,113 +57,115 @@ DRAFT_MODEL = {
 }
 
 
-def _model_counter(name: str, text: str, model_name: str, value) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, text, labels=["model_name"])
-    family.add_metric([model_name], value)
+# The stats families, in the order a scrape lists them.
+PENDING = FamilySpec(PREFILL_PENDING, "gauge", "Prompt tokens still to prefill (not yet computed or taken from the "
+                     "prefix cache) across waiting and running requests.")
+COMPUTED = FamilySpec(PREFILL_TOKENS, "counter", "Prompt tokens whose K/V the engine computed (prefix-cache hits not "
+                      "counted; recomputation after preemption counted).")
+STEP_SECONDS = FamilySpec(PREFILL_SECONDS, "counter", "Seconds of the engine steps that computed prompt tokens (each "
+                          "such step counted whole).")
+RUNNING = FamilySpec("vllm:num_requests_running", "gauge", "Requests in model execution batches.")
+WAITING = FamilySpec("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.")
+KV_USAGE = FamilySpec("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.")
+QUERIES = FamilySpec("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in tokens.")
+HITS = FamilySpec("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in tokens.")
+PREEMPTIONS = FamilySpec("vllm:num_preemptions", "counter", "Cumulative number of preemptions.")
+SPEC_PAUSED = FamilySpec(SPEC_DECODE_PAUSED[0], "counter", SPEC_DECODE_PAUSED[1])
+SPEC_COUNTERS = {field_name: FamilySpec(name, "counter", text, ("model_name", "position") if
+                                        field_name == "accepted_per_pos" else ("model_name",))
+                 for name, (text, field_name) in SPEC_DECODE.items()}
+DRAFT_COUNTERS = {field_name: FamilySpec(name, "counter", text) for name, (text, field_name) in DRAFT_MODEL.items()}
+# cache_dtype: the --kv-cache-dtype value as given ("auto", "fp8", ...), as vLLM labels it
+CACHE_INFO = FamilySpec("vllm:cache_config_info", "gauge", "Information of the KV cache configuration.",
+                        ("block_size", "cache_dtype", "num_gpu_blocks", "model_name"))
+LORA_INFO = FamilySpec("vllm:lora_requests_info", "gauge", "Running stats on LoRA requests.",
+                       ("max_lora", "running_lora_adapters", "waiting_lora_adapters"))
+STATS_FAMILIES = (PENDING, COMPUTED, STEP_SECONDS, RUNNING, WAITING, KV_USAGE, QUERIES, HITS, PREEMPTIONS, SPEC_PAUSED,
+                  *SPEC_COUNTERS.values(), *DRAFT_COUNTERS.values(), CACHE_INFO, LORA_INFO)
+
+
+def spec_decode_families(spec, model_name: str) -> Iterator[Family]:
+    yield SPEC_PAUSED, [((model_name,), spec.num_paused_steps)]
+    for field_name, family in SPEC_COUNTERS.items():
+        value = getattr(spec, field_name)
+        if isinstance(value, list):  # one series per draft position, as vLLM labels them
+            yield family, [((model_name, str(position)), count) for position, count in enumerate(value)]
+        else:
+            yield family, [((model_name,), value)]
+
+
+def draft_model_families(draft, model_name: str) -> Iterator[Family]:
+    for field_name, family in DRAFT_COUNTERS.items():
+        yield family, [((model_name,), getattr(draft, field_name))]
+
+
+def _prometheus_family(spec: FamilySpec, samples) -> GaugeMetricFamily | CounterMetricFamily:
+    family = (GaugeMetricFamily if spec.kind == "gauge" else CounterMetricFamily)(spec.name, spec.help,
+                                                                                  labels=list(spec.labels))
+    for values, value in samples:
+        family.add_metric(list(values), value)
     return family
 
 
-def draft_model_families(draft, model_name: str):
-    for name, (text, field) in DRAFT_MODEL.items():
-        yield _model_counter(name, text, model_name, getattr(draft, field))
-
-
-def spec_decode_families(spec, model_name: str):
-    yield _model_counter(*SPEC_DECODE_PAUSED, model_name, spec.num_paused_steps)
-    for name, (text, field) in SPEC_DECODE.items():
-        value = getattr(spec, field)
-        if isinstance(value, list):  # one series per draft position, as vLLM labels them
-            family = CounterMetricFamily(name, text, labels=["model_name", "position"])
-            for position, count in enumerate(value):
-                family.add_metric([model_name, str(position)], count)
-            yield family
-        else:
-            yield _model_counter(name, text, model_name, value)
-
-
 class EngineStatsCollector:
-    """Reads AsyncLLM.stats/info when scraped."""
+    """Reads AsyncLLM.stats/info when scraped: `families()` as plain tuples (the /metrics page renders them
+    itself, exposition.py), `collect()` as prometheus_client's families (for a registry)."""
 
-    def __init__(self, async_llm, model_name: str) -> None:
+    def __init__(self, async_llm, model_name: str, clock: Callable[[], float] = time.time) -> None:
         self.llm = async_llm
         self.model_name = model_name
+        self.clock = clock  # the LoRA info gauge's value
+        self.one = (model_name,)  # the label values of every model_name-only series
 
     def describe(self):
-        """The families collect() yields, without samples: a registry restricted by ?name[]= finds this
+        """The families collect() may yield, without samples: a registry restricted by ?name[]= finds this
         collector by these names (prometheus_client skips collectors it cannot name)."""
-        return [GaugeMetricFamily(name, name) for name in (
-                    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                    "vllm:cache_config_info", "vllm:lora_requests_info", PREFILL_PENDING)] + \
-               [CounterMetricFamily(name, name) for name in (
-                   "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions", PREFILL_TOKENS,
-                   PREFILL_SECONDS, *SPEC_DECODE, SPEC_DECODE_PAUSED[0], *DRAFT_MODEL)]
+        return [_prometheus_family(spec, ()) for spec in STATS_FAMILIES]
 
     def collect(self):
-        stats, info = self.llm.stats, self.llm.info
-        labels = ["model_name"]
-        values = [self.model_name]
-        running = GaugeMetricFamily("vllm:num_requests_running", "Requests in model execution batches.",
-                                    labels=labels)
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be processed.",
-                                    labels=labels)
-        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                                  labels=labels)
-        queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.",
-                                      labels=labels)
-        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", labels=labels)
-        preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemptions.",
-                                          labels=labels)
-        pending = GaugeMetricFamily(PREFILL_PENDING, "Prompt tokens still to prefill (not yet computed or taken "
-                                    "from the prefix cache) across waiting and running requests.", labels=labels)
-        pending.add_metric(values, self.llm.num_prefill_tokens_pending)
-        yield pending
-        computed = CounterMetricFamily(PREFILL_TOKENS, "Prompt tokens whose K/V the engine computed (prefix-cache "
-                                       "hits not counted; recomputation after preemption counted).", labels=labels)
-        seconds = CounterMetricFamily(PREFILL_SECONDS, "Seconds of the engine steps that computed prompt tokens "
-                                      "(each such step counted whole).", labels=labels)
-        computed.add_metric(values, stats.prefill_tokens_computed if stats is not None else 0)
-        seconds.add_metric(values, stats.prefill_step_seconds if stats is not None else 0.0)
-        yield from (computed, seconds)
+        for spec, samples in self.families():
+            yield _prometheus_family(spec, samples)
+
+    def families(self) -> Iterator[Family]:
+        stats, info, one = self.llm.stats, self.llm.info, self.one
+        yield PENDING, [(one, self.llm.num_prefill_tokens_pending)]
+        yield COMPUTED, [(one, stats.prefill_tokens_computed if stats is not None else 0)]
+        yield STEP_SECONDS, [(one, stats.prefill_step_seconds if stats is not None else 0.0)]
         if stats is not None:
-            running.add_metric(values, stats.num_running)
             # Requests the server accepted that the engine has not picked up yet count as waiting too.
             in_flight = max(self.llm.num_unfinished - stats.num_running - stats.num_waiting, 0)
-            waiting.add_metric(values, stats.num_waiting + in_flight)
-            usage.add_metric(values, stats.kv_cache_usage)
-            queries.add_metric(values, stats.prefix_cache_queries)
-            hits.add_metric(values, stats.prefix_cache_hits)
-            preemptions.add_metric(values, stats.num_preemptions)
+            yield RUNNING, [(one, stats.num_running)]
+            yield WAITING, [(one, stats.num_waiting + in_flight)]
+            yield KV_USAGE, [(one, stats.kv_cache_usage)]
+            yield QUERIES, [(one, stats.prefix_cache_queries)]
+            yield HITS, [(one, stats.prefix_cache_hits)]
+            yield PREEMPTIONS, [(one, stats.num_preemptions)]
         else:
-            for family in (running, waiting, usage, queries, hits, preemptions):
-                family.add_metric(values, 0)
-        yield from (running, waiting, usage, queries, hits, preemptions)
+            for spec in (RUNNING, WAITING, KV_USAGE, QUERIES, HITS, PREEMPTIONS):
+                yield spec, [(one, 0)]
         if stats is not None and stats.spec_decode is not None:
             yield from spec_decode_families(stats.spec_decode, self.model_name)
         if stats is not None and stats.draft_model is not None:
             yield from draft_model_families(stats.draft_model, self.model_name)
         if info is not None:
-            # cache_dtype: the --kv-cache-dtype value as given ("auto", "fp8", ...), as vLLM labels it
-            cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
-                                      labels=["block_size", "cache_dtype", "num_gpu_blocks", "model_name"])
-            cache.add_metric([str(info.block_size), self.llm.config.kv_cache_dtype, str(info.num_blocks),
-                              self.model_name], 1)
-            yield cache
-        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
-                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            yield CACHE_INFO, [((str(info.block_size), self.llm.config.kv_cache_dtype, str(info.num_blocks),
+                                 self.model_name), 1)]
         # vLLM's shape: adapter names comma-joined, the value a timestamp. max_lora from the config, so an engine
         # that has not stepped yet (no stats) already shows its free slots to the EPP's lora-affinity-scorer.
         config = self.llm.config
         max_lora = config.max_loras if config.enable_lora else 0
         running = ",".join(stats.running_lora_adapters) if stats is not None else ""
         waiting = ",".join(stats.waiting_lora_adapters) if stats is not None else ""
-        lora.add_metric([str(max_lora), running, waiting], time.time())
-        yield lora
+        yield LORA_INFO, [((str(max_lora), running, waiting), self.clock())]
 
 
 class ServerMetrics:
+    """The /metrics page: the engine's stats (read at scrape time) and the server's request counters and
+    histograms (`registry`, updated as requests progress)."""
+
     def __init__(self, async_llm, model_name: str) -> None:
+        self.stats = EngineStatsCollector(async_llm, model_name)
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(async_llm, model_name))
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
@@ -177,6 +182,14 @@ class ServerMetrics:
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time spent waiting in the queue.",
                                     labels, buckets=REQUEST_BUCKETS, registry=r)
         self.model_name = model_name
+
+    def page(self, names: frozenset[str] | None = None) -> bytes:
+        """The Prometheus text: every family (`names` None), or only the samples named (`?name[]=`, as
+        prometheus_client's restricted registry narrows a page). The stats first, written by exposition.render."""
+        stats = render(self.stats.families(), names).encode()
+        if names is None:
+            return stats + generate_latest(self.registry)
+        return stats + generate_latest(self.registry.restricted_registry(names))
 
     def track(self, num_prompt_tokens: int, num_samples: int, on_close=None) -> "RequestTracker":
         return RequestTracker(self, num_prompt_tokens, num_samples, on_close)

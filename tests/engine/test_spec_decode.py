@@ -425,23 +425,16 @@ def test_speculation_flags_on_the_command_line(tiny_model_dir, capsys, caplog):
 
 
 def test_spec_decode_metrics_as_vllm_names_them():
-    from prometheus_client import CollectorRegistry, generate_latest
-
     from kvgate.engine.draft_model import DraftStats
+    from kvgate.engine.server.exposition import render
     from kvgate.engine.server.metrics import draft_model_families, spec_decode_families
     from kvgate.engine.spec_decode import SpecDecodeStats
 
-    class Source:
-        def collect(self):
-            stats = SpecDecodeStats(accepted_per_pos=[0, 0], num_paused_steps=3)
-            stats.record(2, 1)
-            stats.record(2, 2)
-            yield from spec_decode_families(stats, "m")
-            yield from draft_model_families(DraftStats(computed_tokens=90, catch_up_tokens=70, reused_tokens=64), "m")
-
-    registry = CollectorRegistry()
-    registry.register(Source())
-    text = generate_latest(registry).decode()
+    stats = SpecDecodeStats(accepted_per_pos=[0, 0], num_paused_steps=3)
+    stats.record(2, 1)
+    stats.record(2, 2)
+    text = render([*spec_decode_families(stats, "m"),
+                   *draft_model_families(DraftStats(computed_tokens=90, catch_up_tokens=70, reused_tokens=64), "m")])
     for line in ('vllm:spec_decode_num_drafts_total{model_name="m"} 2.0',
                  'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 4.0',
                  'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 3.0',

@@ -7,7 +7,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.sampling_params import StructuredOutputsParams
