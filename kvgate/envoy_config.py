@@ -143,6 +143,10 @@ class PoolBackend:
     # The EPP's pods, (ip, ext-proc port, health port), where Envoy reaches them by pod IP (the operator's
     # --epp-address-mode pod-ip); None: by `epp_host` (a Service's DNS name). See `pool_clusters`.
     epp_pods: tuple[tuple[str, int, int | None], ...] | None = None
+    # The response body streams through the EPP (FULL_DUPLEX_STREAMED, as upstream's gateways send it): False when
+    # the pool's EPP config needs no response body (EppConfig.needs_response_body), and its routes then send the
+    # EPP the response headers only — see RESPONSE_HEADERS_ONLY.
+    response_body: bool = True
 
 
 def _duration(seconds: float) -> str:
@@ -230,15 +234,34 @@ def listener(name: str, host: str, port: int, routes: dict, timeouts: ListenerTi
 
 # --- routes -----------------------------------------------------------------------------------------------------
 
+# A pool whose EPP needs no response body (PoolBackend.response_body False): its routes process the request as the
+# filter does, but send the EPP only the response headers; the body goes from the engine to the client without a
+# gRPC message each way per streamed chunk. The ext-proc stream still lasts until the response ends (it may yet
+# carry the response's trailers), which is when the EPP releases the request. Measured on `kvgate bench routing --workloads multi-tenant --configs kvgate --rates
+# saturation --seed 0 --gateway-cpus 0` (287 requests of 32 streamed tokens): the gateway tier's CPU per request
+# 19.4 -> 9.7 ms (EPP 3.91 -> 1.90 s, Envoy 1.66 -> 0.89 s), TTFT p50 / p90 the same (0.08 / 0.20 s). Envoy ignores
+# an EPP's mode_override when the filter's body mode is FULL_DUPLEX_STREAMED, so this is the route's choice, made
+# by whoever renders the config from the EPP's config.
+RESPONSE_HEADERS_ONLY = {
+    "request_header_mode": "SEND", "response_header_mode": "SEND",
+    "request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "NONE",
+    # SEND, not SKIP: with nothing left to send Envoy would close the stream at the response headers, and the EPP
+    # would release the request while it still streams (measured: in flight 0 through a 2 s stream)
+    "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
+}
+
+
 def ext_proc_route_config(pool: PoolBackend) -> dict:
     """A route's `typed_per_filter_config` turning the shared ext_proc filter on for `pool`."""
+    overrides = {"grpc_service": {"envoy_grpc": {"cluster_name": f"epp-{pool.name}"},
+                                  "timeout": _duration(pool.epp_timeout_s)},
+                 "failure_mode_allow": pool.failure_mode_allow}
+    if not pool.response_body:
+        overrides["processing_mode"] = dict(RESPONSE_HEADERS_ONLY)
     return {SHARED_EXT_PROC: {
         "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
         "config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
-                   "overrides": {
-                       "grpc_service": {"envoy_grpc": {"cluster_name": f"epp-{pool.name}"},
-                                        "timeout": _duration(pool.epp_timeout_s)},
-                       "failure_mode_allow": pool.failure_mode_allow}}}}
+                   "overrides": overrides}}}
 
 
 def _retry_policy(pool: PoolBackend, timeouts: RouteTimeouts) -> dict:

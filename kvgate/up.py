@@ -336,7 +336,8 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
         epp_hosts = tuple(("127.0.0.1", g, h) for g, h, _ in [(grpc_port, health_port, None), *extra_epps]) \
             if extra_epps else None
         pool = PoolBackend("local", "127.0.0.1", grpc_port, endpoints, fail_open, epp_health_port=health_port,
-                           circuit_breakers=breakers, fallbacks=epp_config.returns_lists, epp_pods=epp_hosts)
+                           circuit_breakers=breakers, fallbacks=epp_config.returns_lists, epp_pods=epp_hosts,
+                           response_body=epp_config.needs_response_body)
         config = render_pool_gateway(pool, host, port, admin_port, route_timeouts=route_timeouts,
                                      listener_timeouts=listener_timeouts)
     (stack.workdir / "envoy.json").write_text(json.dumps(config, indent=2))

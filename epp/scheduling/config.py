@@ -122,6 +122,13 @@ class EppConfig:
         picker = self.scheduler.profiles[0].picker
         return picker is not None and picker.max_endpoints != 1
 
+    @property
+    def needs_response_body(self) -> bool:
+        """A configured plugin learns from response bodies (first-token times, usage): a gateway must stream them
+        through the EPP. Otherwise a gateway that can choose (kvgate's: PoolBackend.response_body) leaves them out
+        of the EPP's path — the response headers and the stream's end are all the EPP's release needs."""
+        return any(plugin.reads_response_body for plugin in self.scheduler.plugins.values())
+
 
 # Upstream's default: queue 2, kv-cache 2, prefix 3, and a max-score picker returning one endpoint — all that a
 # stock ORIGINAL_DST cluster can follow. No conformance plugins: a client cannot steer its request, and responses

@@ -128,6 +128,9 @@ class Plugin:
     stats_group: str = ""  # the EPP metric family stats() feeds ("" = none)
     produces: tuple[str, ...] = ()  # CycleState keys this plugin writes for others
     consumes: tuple[str, ...] = ()  # CycleState keys this plugin reads that others write
+    # response_complete reads what only the response body carries (request.first_token_at, the usage's token
+    # counts): a gateway must then stream response bodies through the EPP (EppConfig.needs_response_body)
+    reads_response_body: bool = False
 
     def __init__(self) -> None:
         self.name = self.type_name

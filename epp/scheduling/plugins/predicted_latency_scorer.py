@@ -67,6 +67,7 @@ class PredictedLatencyScorer(PredictedTTFTScorer):
 
     type_name = "predicted-latency-scorer"
     stats_group = "latency_model"
+    reads_response_body = True  # it learns from each response's first-token time and token count
     produces = property(lambda self: (*PRODUCES_PICKED_UNCACHED.fget(self), OBJECTIVES_UNMEETABLE))
 
     def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,

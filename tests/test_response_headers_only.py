@@ -1,0 +1,108 @@
+"""A pool whose EPP config needs no response body gets routes that send the EPP the response headers only: through
+the real Envoy and `kvgate epp` (`kvgate up`'s stack on sim engines) a streamed completion arrives whole, the EPP
+holds the request until the response has ended and then releases it, and it never sees the body (no usage counted).
+A config with a plugin that learns from response bodies keeps them streaming through the EPP."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import httpx
+
+from kvgate.envoy_config import RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC, PoolBackend, ext_proc_route_config
+from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, parse_config
+from kvgate.processes import free_port
+from kvgate.up import Stack, launch_local_stack
+
+LEARNING_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: predicted-latency-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: predicted-latency-scorer
+  - pluginRef: max-score-picker
+"""
+
+
+def test_which_configs_need_the_response_body():
+    assert not parse_config(DEFAULT_CONFIG_YAML).needs_response_body
+    assert not parse_config(KVGATE_PROFILE_YAML).needs_response_body
+    assert parse_config(LEARNING_CONFIG).needs_response_body  # it learns from first-token times and usage
+    overrides = lambda pool: ext_proc_route_config(pool)[SHARED_EXT_PROC]["config"]["overrides"]  # noqa: E731
+    assert "processing_mode" not in overrides(PoolBackend("p", "127.0.0.1", 9002))  # upstream's: bodies stream
+    assert overrides(PoolBackend("p", "127.0.0.1", 9002, response_body=False))["processing_mode"] == \
+        RESPONSE_HEADERS_ONLY
+
+
+def _epp_lines(metrics_port: int, prefix: str) -> list[str]:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+def _in_flight(metrics_port: int) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in _epp_lines(metrics_port, "kvgate_epp_endpoint_in_flight"))
+
+
+def _stream(url: str, max_tokens: int) -> tuple[int, int, dict | None]:
+    """One streamed completion with usage: (status, token events, usage)."""
+    body = {"model": "sim-model", "prompt": "hello", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    events, usage = 0, None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                events += bool(chunk.get("choices"))
+                usage = chunk.get("usage") or usage
+    return r.status_code, events, usage
+
+
+def _check(tmp_path, config: str | None, body_through_epp: bool) -> None:
+    stack = Stack(tmp_path)
+    try:
+        up = launch_local_stack(stack, replicas=1, model="sim-model", backend="sim", host="127.0.0.1",
+                                port=free_port(), epp_config_text=config, startup_timeout=120,
+                                engine_args=["--sim-decode-ms-per-seq", "15"])  # ~1.5 s of 100 tokens
+        rendered = json.dumps(json.loads((stack.workdir / "envoy.json").read_text()))
+        assert ('"response_body_mode": "NONE"' in rendered) is not body_through_epp
+        seen: list[float] = []
+        done = threading.Event()
+
+        def watch() -> None:  # the EPP's in-flight count while the response streams
+            while not done.is_set():
+                seen.append(_in_flight(up.metrics_port))
+                done.wait(0.1)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            status, events, usage = _stream(up.url, 100)
+        finally:
+            done.set()
+            watcher.join(10)
+        assert status == 200 and events == 100 and usage["completion_tokens"] == 100, (status, events, usage)
+        assert max(seen) == 1.0, seen  # held while the body streamed past the EPP or around it
+        deadline = time.monotonic() + 5
+        while _in_flight(up.metrics_port) != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _in_flight(up.metrics_port) == 0  # released once the response ended
+        counted = [line for line in _epp_lines(up.metrics_port, "kvgate_epp_tokens_total")
+                   if re.search(r'kind="completion"\} 100\.0$', line)]
+        assert bool(counted) is body_through_epp, counted  # usage is read from a body the EPP saw
+    finally:
+        stack.stop()
+
+
+def test_headers_only_when_the_config_needs_no_body(tmp_path):
+    _check(tmp_path, None, body_through_epp=False)  # launch_local_stack's default: upstream's profile
+
+
+def test_bodies_stream_through_the_epp_when_a_plugin_learns_from_them(tmp_path):
+    _check(tmp_path, LEARNING_CONFIG, body_through_epp=True)
