@@ -137,6 +137,7 @@ class Lookups(NamedTuple):
     grants: list[dict]
     pool_endpoints: dict[tuple[str, str], list[str]]
     fallback_pools: frozenset[tuple[str, str]] = frozenset()
+    headers_only_pools: frozenset[tuple[str, str]] = frozenset()
 
 
 # Per-pool Envoy limits, as annotations on the InferencePool (its schema is upstream's): unset or invalid values
@@ -157,7 +158,7 @@ def _pool_limits(pool: dict) -> tuple[CircuitBreakers, float | None]:
 
 
 def pool_backend(pool: dict, services: dict[tuple[str, str], dict], endpoints: list[str],
-                 fallbacks: bool = False) -> PoolBackend:
+                 fallbacks: bool = False, response_body: bool = True) -> PoolBackend:
     """The Envoy view of a pool: its EPP Service's DNS name, its endpoints, EPP health port, Envoy limits."""
     ns = naming.namespace_of(pool)
     svc_name = epp_ref(pool).get("name", "")
@@ -171,7 +172,8 @@ def pool_backend(pool: dict, services: dict[tuple[str, str], dict], endpoints: l
                        epp_port=epp_service_port(pool), endpoints=sorted(endpoints),
                        failure_mode_allow=is_fail_open(pool), epp_health_port=health,
                        app_protocol=(pool.get("spec") or {}).get("appProtocol") or "http",
-                       circuit_breakers=breakers, stream_idle_s=stream_idle_s, fallbacks=fallbacks)
+                       circuit_breakers=breakers, stream_idle_s=stream_idle_s, fallbacks=fallbacks,
+                       response_body=response_body)
 
 
 _DURATION = re.compile(r"^(?:[0-9]{1,5}(?:h|m|s|ms)){1,4}$")  # the Gateway API's Duration (GEP-2257)
@@ -211,7 +213,8 @@ def resolve_backend(ref: dict, route: dict, look: Lookups) -> tuple[PoolBackend 
         if pool is None:
             return None, condition("ResolvedRefs", False, "BackendNotFound", f"InferencePool {ns}/{name} not found")
         return pool_backend(pool, look.services, look.pool_endpoints.get((ns, name), []),
-                            fallbacks=(ns, name) in look.fallback_pools), None
+                            fallbacks=(ns, name) in look.fallback_pools,
+                            response_body=(ns, name) not in look.headers_only_pools), None
     svc, port = look.services.get((ns, name)), ref.get("port")
     if svc is None:
         return None, condition("ResolvedRefs", False, "BackendNotFound", f"Service {ns}/{name} not found")
@@ -256,14 +259,16 @@ def _unsupported_match(match: dict) -> bool:
 def routes_for_gateway(gateway: dict, httproutes: list[dict], pools: list[dict], services: list[dict],
                        referencegrants: list[dict], pool_endpoints: dict[tuple[str, str], list[str]] | None = None,
                        namespaces: dict[str, dict] | None = None,
-                       fallback_pools: frozenset[tuple[str, str]] = frozenset()) -> GatewayRouting:
+                       fallback_pools: frozenset[tuple[str, str]] = frozenset(),
+                       headers_only_pools: frozenset[tuple[str, str]] = frozenset()) -> GatewayRouting:
     """Attach `httproutes` to `gateway`'s listeners and resolve their backends.
 
     `pool_endpoints` maps (ns, pool) to its ready pods' ip:port (FailOpen's cluster, and the hosts of an
     override_host cluster); `fallback_pools` are the pools whose EPP answers with lists (pool.returns_lists);
+    `headers_only_pools` those whose EPP needs no response body (not pool.needs_response_body);
     `namespaces` maps a namespace to its labels (for listeners admitting routes by namespace selector)."""
     look = Lookups({naming.key_of(p): p for p in pools}, {naming.key_of(s): s for s in services},
-                   referencegrants, pool_endpoints or {}, frozenset(fallback_pools))
+                   referencegrants, pool_endpoints or {}, frozenset(fallback_pools), frozenset(headers_only_pools))
     rules, parents, used, attached = [], {}, set(), {l.get("name"): 0 for l in _http_listeners(gateway)}
     for order, route in enumerate(sorted(httproutes, key=_order_key)):
         gen = (route.get("metadata") or {}).get("generation")

@@ -25,12 +25,13 @@ from kvgate.operator.epp_pod_address import routing_via_epp_pods
 from kvgate.operator.failures import REASON as FAILED, PermanentFailureLog, classify, failure_message
 from kvgate.operator.gateway import (GatewayRouting, desired_envoy_objects, gateway_status, gatewayclass_status,
                                      httproute_status, is_our_class, render_config, routes_for_gateway)
-from kvgate.operator.pool import epp_ref, is_fail_open, pool_status, returns_lists
+from kvgate.operator.pool import epp_ref, is_fail_open, needs_response_body, pool_status, returns_lists
 from kvgate.operator.spec_shape import pool_problems
 
 log = logging.getLogger("kvgate.operator")
 
-# The operator's EPP ConfigMaps: a pool's EPP config says whether the EPP answers with lists (returns_lists).
+# The operator's EPP ConfigMaps: a pool's EPP config says whether the EPP answers with lists (returns_lists) and
+# whether it needs response bodies (needs_response_body).
 _EPP_CONFIGMAPS = f"app.kubernetes.io/component=epp,{naming.MANAGED_BY_KEY}={naming.MANAGED_BY}"
 
 
@@ -56,6 +57,9 @@ class GatewayReconciler:
         epp_configs = {naming.key_of(cm): cm for cm in self.kube.list(CONFIGMAP, ns, label_selector=_EPP_CONFIGMAPS)}
         fallback_pools = frozenset(naming.key_of(pool) for pool in pools if returns_lists(
             epp_configs.get((naming.namespace_of(pool), naming.epp_name(pool))), pool))
+        # Pools whose EPP (the operator's) learns nothing from response bodies: their routes send it headers only.
+        headers_only_pools = frozenset(naming.key_of(pool) for pool in pools if not needs_response_body(
+            epp_configs.get((naming.namespace_of(pool), naming.epp_name(pool))), pool))
         endpoints = {}
         for pool in pools:  # FailOpen's cluster, and an override_host cluster's hosts (other pools use none)
             if is_fail_open(pool) or naming.key_of(pool) in fallback_pools:
@@ -69,7 +73,7 @@ class GatewayReconciler:
             routing = GatewayRouting([], {}, [], {})  # what the status shows if the routes cannot be computed
             try:
                 routing = routes_for_gateway(gw, routes, pools, services, grants, endpoints, namespaces,
-                                             fallback_pools)
+                                             fallback_pools, headers_only_pools)
                 if self.config.epp_address_mode == "pod-ip":
                     routing = routing_via_epp_pods(routing, services, pods.of)
                 self._program(gw, routing)

@@ -421,6 +421,14 @@ def returns_lists(epp_config_map: dict | None, pool: dict) -> bool:
     return config is not None and config.returns_lists
 
 
+def needs_response_body(epp_config_map: dict | None, pool: dict) -> bool:
+    """Whether the pool's EPP must see response bodies (a plugin of its config learns from them). True for an EPP
+    that is not the operator's (its config is not known here: its bodies stream through it, as upstream's do);
+    False lets the Gateways send that EPP the response headers only (envoy_config.RESPONSE_HEADERS_ONLY)."""
+    _, config = _last_good(pool, epp_config_map)
+    return config is None or config.needs_response_body
+
+
 def pool_modelservers(pool: dict, modelservers: list[dict]) -> list[dict]:
     """The ModelServers (of `modelservers`) that join `pool`."""
     return [ms for ms in modelservers if pool_ref_name(ms) == naming.name_of(pool)

@@ -588,6 +588,26 @@ def test_a_pool_whose_epp_returns_lists_gets_retries_over_the_list(samples, tmp_
         "picked", "failopen"]
 
 
+def test_a_pool_whose_epp_needs_no_response_body_gets_headers_only_routes(samples, tmp_path):
+    """not pool.needs_response_body → that pool's routes send its EPP the response headers only (the real Envoy
+    accepts the override); other pools keep streaming bodies through their EPP."""
+    from kvgate.envoy_config import RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC
+
+    route, pool = samples["HTTPRoute"], samples["InferencePool"]
+    key = (pool["metadata"]["namespace"], pool["metadata"]["name"])
+
+    def modes(**kw):
+        config = g.render_config(samples["Gateway"], g.routes_for_gateway(samples["Gateway"], [route], [pool], [],
+                                                                          [], **kw))
+        _validate(config, tmp_path)
+        return [r["typed_per_filter_config"][SHARED_EXT_PROC]["config"]["overrides"].get("processing_mode")
+                for r in _routes_of(config)["virtual_hosts"][0]["routes"] if "typed_per_filter_config" in r]
+
+    assert modes(headers_only_pools=frozenset({key})) and \
+        all(m == RESPONSE_HEADERS_ONLY for m in modes(headers_only_pools=frozenset({key})))
+    assert modes() and all(m is None for m in modes())
+
+
 def test_epp_pods_by_ip_are_eds_hosts_so_an_epp_rollout_never_changes_the_cluster(samples, tmp_path):
     """--epp-address-mode pod-ip: the EPP's pods are the hosts of an EDS cluster fed by its own file. An EPP
     rollout (new pod joins, old pod leaves) changes only that file; cds.yaml stays byte-identical, so Envoy

@@ -363,6 +363,23 @@ def test_returns_lists_reads_the_operators_epp_config(samples):
     assert not p.returns_lists(users, pool)
 
 
+def test_needs_response_body_reads_the_operators_epp_config(samples):
+    """The Gateways send a pool's EPP the response headers only when the operator's EPP config for it learns
+    nothing from response bodies; a config that does (predicted-latency-scorer), no ConfigMap, or one that is not
+    the operator's: bodies stream through the EPP, as upstream's gateways send them."""
+    from tests.test_response_headers_only import LEARNING_CONFIG
+
+    pool = samples["InferencePool"]
+    default_cm = _by_kind(p.desired_epp_objects(pool, IMAGE))["ConfigMap"]
+    learning_cm = _by_kind(p.desired_epp_objects(pool, IMAGE, LEARNING_CONFIG))["ConfigMap"]
+    assert not p.needs_response_body(default_cm, pool)
+    assert p.needs_response_body(learning_cm, pool)
+    assert p.needs_response_body(None, pool)
+    users = copy.deepcopy(default_cm)
+    users["metadata"]["labels"] = {}
+    assert p.needs_response_body(users, pool)
+
+
 def test_the_draining_epp_reports_not_serving_only_when_gateways_address_its_pods(samples):
     """Behind its Service the draining EPP answers SERVING (the Service is Envoy's one host; the old pod holds
     its health-check connection); addressed by pod IP, NOT_SERVING takes the old pod out at once."""
