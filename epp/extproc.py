@@ -140,6 +140,8 @@ class _RequestStream:
         self.picked: str | None = None
         self.served: str | None = None
         self.tail = bytearray()
+        self.response_open = False  # response headers came, and a body follows them
+        self.response_body_seen = False
         self.released = False
         self.path_started: float | None = None  # perf_counter when the request's routing work began
         self.streaming = False  # a routed request that asked for a streamed answer: its first token is timed
@@ -178,6 +180,7 @@ class _RequestStream:
         if kind == "response_headers":
             served = _metadata_value(msg.metadata_context, LB_NAMESPACE, SERVED_KEY)
             self.served = served[0] if served else self.picked
+            self.response_open = not msg.response_headers.end_of_stream
             if msg.response_headers.end_of_stream:
                 self.release()
             if not self.report_served:
@@ -189,6 +192,7 @@ class _RequestStream:
             return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(
                 response=pb.CommonResponse(header_mutation=mutation)))]
         if kind == "response_body":
+            self.response_body_seen = True
             chunk = msg.response_body.body
             if self.streaming and self.request.first_token_at is None and has_token(chunk):
                 self.request.first_token_at = time.monotonic()
@@ -292,8 +296,25 @@ class _RequestStream:
         if self.released or self.request is None or self.picked is None:
             return
         self.released = True
+        if self.response_open and not self.response_body_seen:
+            _warn_body_bypassed(self.director)
         usage = find_usage(bytes(self.tail)) or (0, 0)
         self.director.release(self.request, self.picked, *usage)
+
+
+_body_bypass_warned = False
+
+
+def _warn_body_bypassed(director: Director) -> None:
+    """A response whose body never reached the EPP (a route sending it headers only): once per process, say so if a
+    plugin wanted the body — it then learns nothing (docs/epp.md "Request and response bodies")."""
+    global _body_bypass_warned
+    if _body_bypass_warned or not director.scheduler.reads_response_body:
+        return
+    _body_bypass_warned = True
+    log.warning("the gateway sends this EPP response headers but no response bodies, and a configured plugin "
+                "(predicted-latency-scorer) learns from them: it will learn nothing; stream response bodies to the "
+                "EPP (FULL_DUPLEX_STREAMED) on this pool's routes")
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):

@@ -106,3 +106,40 @@ def test_headers_only_when_the_config_needs_no_body(tmp_path):
 
 def test_bodies_stream_through_the_epp_when_a_plugin_learns_from_them(tmp_path):
     _check(tmp_path, LEARNING_CONFIG, body_through_epp=True)
+
+
+def test_the_epp_says_once_when_a_plugin_wants_bodies_that_bypass_it(caplog, monkeypatch):
+    """A route that sends the EPP headers only, in front of a config that learns from bodies (a gateway kvgate did not
+    render): the EPP logs it once, and a response whose body did pass through says nothing."""
+    from types import SimpleNamespace
+
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from kvgate.epp import extproc
+    from kvgate.epp.types import LLMRequest
+
+    monkeypatch.setattr(extproc, "_body_bypass_warned", False)
+    released = []
+    director = SimpleNamespace(scheduler=SimpleNamespace(reads_response_body=True),
+                               release=lambda *args: released.append(args))
+
+    def respond(body: bool) -> None:
+        stream = extproc._RequestStream(director, None)
+        stream.request = LLMRequest(request_id="r", model="m", target_model="m", prompt="p")
+        stream.picked = "10.0.0.1:8000"
+        stream.handle(pb.ProcessingRequest(response_headers=pb.HttpHeaders(end_of_stream=False)))
+        if body:
+            stream.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: {}\n\n", end_of_stream=True)))
+        stream.release()  # the ext-proc stream ended
+
+    respond(body=True)
+    assert not [r for r in caplog.records if "no response bodies" in r.getMessage()]
+    respond(body=False)
+    respond(body=False)
+    warned = [r for r in caplog.records if "no response bodies" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING"
+    assert len(released) == 3  # every request released all the same
+    monkeypatch.setattr(extproc, "_body_bypass_warned", False)
+    director.scheduler.reads_response_body = False  # nothing wants the body: nothing to say
+    respond(body=False)
+    assert len([r for r in caplog.records if "no response bodies" in r.getMessage()]) == 1

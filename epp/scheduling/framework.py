@@ -433,6 +433,14 @@ class SchedulerConfig:
     plugins: dict[str, Plugin] = field(default_factory=dict)
 
 
+def configured_plugins(config: SchedulerConfig) -> list[Plugin]:
+    """Every distinct plugin instance of `config`: those it names and those its profiles run."""
+    unique: dict[int, Plugin] = {}
+    for p in [*config.plugins.values(), *(pl for prof in config.profiles for pl in prof.plugins())]:
+        unique.setdefault(id(p), p)
+    return list(unique.values())
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         if not config.profiles:
@@ -443,10 +451,8 @@ class Scheduler:
         for profile in config.profiles:
             profile.timings = self.timings
         # Every distinct plugin instance, so that hooks run once per plugin even if shared by profiles.
-        unique: dict[int, Plugin] = {}
-        for p in [*config.plugins.values(), *(pl for prof in config.profiles for pl in prof.plugins())]:
-            unique.setdefault(id(p), p)
-        self.plugins: list[Plugin] = list(unique.values())
+        self.plugins: list[Plugin] = configured_plugins(config)
+        self.reads_response_body = any(p.reads_response_body for p in self.plugins)
         self._produced = frozenset(key for p in self.plugins for key in p.produces)
         for p in self.plugins:
             missing = [key for key in p.consumes if key not in self._produced]
