@@ -237,12 +237,12 @@ def listener(name: str, host: str, port: int, routes: dict, timeouts: ListenerTi
 # A pool whose EPP needs no response body (PoolBackend.response_body False): its routes process the request as the
 # filter does, but send the EPP only the response headers; the body goes from the engine to the client without a
 # gRPC message each way per streamed chunk. The ext-proc stream still lasts until the response ends (it may yet
-# carry the response's trailers), which is when the EPP releases the request. Measured on `kvgate bench routing --workloads multi-tenant --configs kvgate --rates
-# saturation --seed 0 --gateway-cpus 0` (287 requests of 32 streamed tokens): the gateway tier's CPU per request
-# 19.4 -> 10.0 ms (EPP 3.91 -> 1.96 s, Envoy 1.66 -> 0.91 s), TTFT p50 / p99 the same (0.08 / 0.90 s); no-reuse
-# 17.0 -> 9.9 ms, TTFT p90 2.96 s both. Envoy ignores
-# an EPP's mode_override when the filter's body mode is FULL_DUPLEX_STREAMED, so this is the route's choice, made
-# by whoever renders the config from the EPP's config.
+# carry the response's trailers), which is when the EPP releases the request. Measured on `kvgate bench routing
+# --workloads multi-tenant --configs kvgate --rates saturation --seed 0 --gateway-cpus 0` (287 requests of 32
+# streamed tokens): the gateway tier's CPU per request 19.4 -> 10.0 ms (EPP 3.91 -> 1.96 s, Envoy 1.66 -> 0.91 s),
+# TTFT p50 / p99 the same (0.08 / 0.90 s); no-reuse 17.0 -> 9.9 ms, TTFT p90 2.96 s both. Envoy ignores an EPP's
+# mode_override when the filter's body mode is FULL_DUPLEX_STREAMED, so this is the route's choice, made by
+# whoever renders the config from the EPP's config.
 RESPONSE_HEADERS_ONLY = {
     "request_header_mode": "SEND", "response_header_mode": "SEND",
     "request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "NONE",
