@@ -25,7 +25,8 @@ from kvgate.operator.epp_pod_address import routing_via_epp_pods
 from kvgate.operator.failures import REASON as FAILED, PermanentFailureLog, classify, failure_message
 from kvgate.operator.gateway import (GatewayRouting, desired_envoy_objects, gateway_status, gatewayclass_status,
                                      httproute_status, is_our_class, render_config, routes_for_gateway)
-from kvgate.operator.pool import epp_ref, is_fail_open, needs_response_body, pool_status, returns_lists
+from kvgate.operator.pool import (epp_ref, is_fail_open, needs_response_body, pool_status, returns_lists,
+                                  running_epp_config)
 from kvgate.operator.spec_shape import pool_problems
 
 log = logging.getLogger("kvgate.operator")
@@ -55,11 +56,11 @@ class GatewayReconciler:
         pods = PodCache(self.kube)
         # Pools whose EPP (the operator's) answers with lists get override_host routes retrying over the list.
         epp_configs = {naming.key_of(cm): cm for cm in self.kube.list(CONFIGMAP, ns, label_selector=_EPP_CONFIGMAPS)}
-        fallback_pools = frozenset(naming.key_of(pool) for pool in pools if returns_lists(
-            epp_configs.get((naming.namespace_of(pool), naming.epp_name(pool))), pool))
+        running = {naming.key_of(pool): running_epp_config(
+            epp_configs.get((naming.namespace_of(pool), naming.epp_name(pool))), pool) for pool in pools}  # one parse
+        fallback_pools = frozenset(key for key, config in running.items() if returns_lists(config))
         # Pools whose EPP (the operator's) learns nothing from response bodies: their routes send it headers only.
-        headers_only_pools = frozenset(naming.key_of(pool) for pool in pools if not needs_response_body(
-            epp_configs.get((naming.namespace_of(pool), naming.epp_name(pool))), pool))
+        headers_only_pools = frozenset(key for key, config in running.items() if not needs_response_body(config))
         endpoints = {}
         for pool in pools:  # FailOpen's cluster, and an override_host cluster's hosts (other pools use none)
             if is_fail_open(pool) or naming.key_of(pool) in fallback_pools:

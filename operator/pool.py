@@ -412,20 +412,23 @@ def _last_good(pool: dict, current: dict | None) -> tuple[str | None, EppConfig 
         return None, None
 
 
-def returns_lists(epp_config_map: dict | None, pool: dict) -> bool:
-    """Whether the pool's EPP (the operator's, running the config in its ConfigMap) answers with a list of
-    endpoints (its primary picker's maxNumOfEndpoints > 1): the Gateways then route the pool through
-    override_host, whose retries walk the list. False for an EPP that is not the operator's (its config is not
-    known here: upstream's default answers one endpoint)."""
-    _, config = _last_good(pool, epp_config_map)
+def running_epp_config(epp_config_map: dict | None, pool: dict) -> EppConfig | None:
+    """The config the pool's EPP runs, parsed (the last good one in its ConfigMap), when that EPP is the operator's;
+    None when its config is not known here. Parse once per pool and ask `returns_lists` / `needs_response_body`."""
+    return _last_good(pool, epp_config_map)[1]
+
+
+def returns_lists(config: EppConfig | None) -> bool:
+    """Whether the pool's EPP (its `running_epp_config`) answers with a list of endpoints (its primary picker's
+    maxNumOfEndpoints > 1): the Gateways then route the pool through override_host, whose retries walk the list.
+    False for an EPP whose config is not known (upstream's default answers one endpoint)."""
     return config is not None and config.returns_lists
 
 
-def needs_response_body(epp_config_map: dict | None, pool: dict) -> bool:
-    """Whether the pool's EPP must see response bodies (a plugin of its config learns from them). True for an EPP
-    that is not the operator's (its config is not known here: its bodies stream through it, as upstream's do);
-    False lets the Gateways send that EPP the response headers only (envoy_config.RESPONSE_HEADERS_ONLY)."""
-    _, config = _last_good(pool, epp_config_map)
+def needs_response_body(config: EppConfig | None) -> bool:
+    """Whether the pool's EPP (its `running_epp_config`) must see response bodies (a plugin of its config learns
+    from them). True for an EPP whose config is not known (its bodies stream through it, as upstream's do); False
+    lets the Gateways send that EPP the response headers only (envoy_config.RESPONSE_HEADERS_ONLY)."""
     return config is None or config.needs_response_body
 
 

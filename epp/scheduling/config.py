@@ -55,7 +55,7 @@ from kvgate.epp.scheduling.framework import (
     SchedulingProfile,
     Scorer,
     WeightedScorer,
-    configured_plugins,
+    needs_response_body,
 )
 from kvgate.epp.scheduling.plugins import REGISTRY, create_plugin
 from kvgate.epp.scheduling.prefix_match import wire_prefix_sources
@@ -128,7 +128,7 @@ class EppConfig:
         """A configured plugin learns from response bodies (first-token times, usage): a gateway must stream them
         through the EPP. Otherwise a gateway that can choose (kvgate's: PoolBackend.response_body) leaves them out
         of the EPP's path — the response headers and the stream's end are all the EPP's release needs."""
-        return any(plugin.reads_response_body for plugin in configured_plugins(self.scheduler))
+        return needs_response_body(self.scheduler)
 
 
 # Upstream's default: queue 2, kv-cache 2, prefix 3, and a max-score picker returning one endpoint — all that a

@@ -441,6 +441,11 @@ def configured_plugins(config: SchedulerConfig) -> list[Plugin]:
     return list(unique.values())
 
 
+def needs_response_body(config: SchedulerConfig) -> bool:
+    """A configured plugin learns from response bodies (Plugin.reads_response_body)."""
+    return any(p.reads_response_body for p in configured_plugins(config))
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         if not config.profiles:
@@ -452,7 +457,7 @@ class Scheduler:
             profile.timings = self.timings
         # Every distinct plugin instance, so that hooks run once per plugin even if shared by profiles.
         self.plugins: list[Plugin] = configured_plugins(config)
-        self.reads_response_body = any(p.reads_response_body for p in self.plugins)
+        self.reads_response_body = needs_response_body(config)
         self._produced = frozenset(key for p in self.plugins for key in p.produces)
         for p in self.plugins:
             missing = [key for key in p.consumes if key not in self._produced]

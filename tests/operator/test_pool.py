@@ -355,12 +355,12 @@ def test_returns_lists_reads_the_operators_epp_config(samples):
     pool = samples["InferencePool"]
     default_cm = _by_kind(p.desired_epp_objects(pool, IMAGE))["ConfigMap"]
     lists_cm = _by_kind(p.desired_epp_objects(pool, IMAGE, LIST_CONFIG))["ConfigMap"]
-    assert not p.returns_lists(default_cm, pool)
-    assert p.returns_lists(lists_cm, pool)
-    assert not p.returns_lists(None, pool)
+    assert not p.returns_lists(p.running_epp_config(default_cm, pool))
+    assert p.returns_lists(p.running_epp_config(lists_cm, pool))
+    assert not p.returns_lists(p.running_epp_config(None, pool))
     users = copy.deepcopy(lists_cm)
     users["metadata"]["labels"] = {}
-    assert not p.returns_lists(users, pool)
+    assert not p.returns_lists(p.running_epp_config(users, pool))
 
 
 def test_needs_response_body_reads_the_operators_epp_config(samples):
@@ -372,12 +372,12 @@ def test_needs_response_body_reads_the_operators_epp_config(samples):
     pool = samples["InferencePool"]
     default_cm = _by_kind(p.desired_epp_objects(pool, IMAGE))["ConfigMap"]
     learning_cm = _by_kind(p.desired_epp_objects(pool, IMAGE, LEARNING_CONFIG))["ConfigMap"]
-    assert not p.needs_response_body(default_cm, pool)
-    assert p.needs_response_body(learning_cm, pool)
-    assert p.needs_response_body(None, pool)
+    assert not p.needs_response_body(p.running_epp_config(default_cm, pool))
+    assert p.needs_response_body(p.running_epp_config(learning_cm, pool))
+    assert p.needs_response_body(p.running_epp_config(None, pool))
     users = copy.deepcopy(default_cm)
     users["metadata"]["labels"] = {}
-    assert p.needs_response_body(users, pool)
+    assert p.needs_response_body(p.running_epp_config(users, pool))
 
 
 def test_the_draining_epp_reports_not_serving_only_when_gateways_address_its_pods(samples):
