@@ -122,8 +122,9 @@ def _stop_and_check(rig: Rig) -> None:
 def pytest_runtest_teardown(item, nextitem):
     """Stop the rig as soon as the last e2e test and its fixtures are done, not at the end of the whole
     session: the rest of the suite should not share two cores with an idle control plane. Leftover processes
-    are reported as a teardown error of that last e2e test. (e2e tests are collected together; a run that
-    interleaves them with other tests would find the rig stopped.)"""
+    are reported as a teardown error of that last e2e test. (e2e tests are collected together, and under
+    pytest-xdist the tier is one unit of one worker (tests/conftest.py); a run that interleaved them with other
+    tests would find the rig stopped.)"""
     try:
         return (yield)
     finally:

@@ -62,9 +62,10 @@ def test_sigterm_lets_the_streams_it_carries_finish_whole(tmp_path, cache):
 def test_the_drain_is_bounded_by_the_shutdown_timeout(tmp_path, cache):
     with Gateway(tmp_path, cache, [SLOW_SIM] * 2, epp_args=["--shutdown-timeout", "1"]) as gw:
         outcomes, marks = _streams_with_sigterm(gw, count=3, max_tokens=2000)  # ~40 s each
-        assert marks["exit"] - marks["signal"] < 4.0  # 1 s, plus the process's own exit
+        # 1 s, plus the process's own exit (seconds on a loaded machine), far from the ~40 s the streams would take
+        assert marks["exit"] - marks["signal"] < 10.0
         assert not any(o.ok(2000) for o in outcomes)  # cut, each with a clean error rather than a hang
-        assert all(o.ended_at - marks["signal"] < 10 for o in outcomes)
+        assert all(o.ended_at - marks["signal"] < 15 for o in outcomes)  # not the ~40 s to finish
         assert "cut 3 streams still running after 1 s" in gw.epp.log()
         with pytest.raises(httpx.HTTPError):  # and it is gone
             httpx.get(f"http://127.0.0.1:{gw.epp.metrics_port}/metrics", timeout=1)
