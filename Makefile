@@ -8,7 +8,6 @@ STAMP := $(VENV)/.kvgate-installed
 # pytest-xdist workers of `make test`: each test file (and the whole e2e tier) runs on one worker as a
 # unit (tests/conftest.py); `make test TEST_WORKERS=0` runs the suite in this process, one test at a time.
 TEST_WORKERS ?= 2
-PYTEST_ARGS ?=
 
 .PHONY: venv up test bench clean
 
@@ -25,7 +24,7 @@ up: venv
 	$(BIN)/kvgate up --replicas 2 --model demo --port 8080
 
 test: venv
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: venv
 	$(BIN)/kvgate bench engine
