@@ -5,11 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvgate-installed
-# pytest-xdist workers of `make test`: 0 runs the suite in this process, one test at a time (the default);
-# `make test TEST_WORKERS=2` splits it over two workers, each test file (and the whole e2e tier) one unit
-# (tests/conftest.py): 34-35 min instead of 45 on 2 cores, but under that load timing tests still fail now
-# and then (one in each of three of four runs), so it is not the default yet.
-TEST_WORKERS ?= 0
+# pytest-xdist workers of `make test`: each test file (and the whole e2e tier) runs whole on one worker
+# (tests/conftest.py); 34-35 min on 2 cores, cold, instead of 45 serially. `make test TEST_WORKERS=0` runs
+# the suite in this process, one test at a time. Timing-based tests must hold with the other worker busy.
+TEST_WORKERS ?= 2
 
 .PHONY: venv up test bench clean
 

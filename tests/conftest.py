@@ -19,7 +19,7 @@ def _unit(nodeid: str, e2e_prefix: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist installed, nothing calls it
 def pytest_xdist_make_scheduler(config, log):
-    """`make test TEST_WORKERS=2` runs two pytest-xdist workers with `--dist loadfile`: a test file runs whole on one worker,
+    """`make test` runs two pytest-xdist workers with `--dist loadfile`: a test file runs whole on one worker,
     so its module-scoped fixtures (engines, Envoys, the chaos run) start once. Here the e2e tier counts as one
     file, so a single worker builds and runs the session's Kubernetes rig and stops it after its last e2e test
     (tests/e2e/conftest.py). xdist hands out the units with the most tests first; longest-first by recorded

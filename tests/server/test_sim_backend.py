@@ -39,9 +39,11 @@ def test_same_api_through_the_sim(sim_server):
 def test_repeated_long_prefix_has_lower_ttft(sim_server):
     prefix = "The quick brown fox jumps over the lazy dog. " * 200  # ~9000 tokens of prefill
     cold = ttft(sim_server.url, prefix + "first question")
-    warm = ttft(sim_server.url, prefix + "second question")
-    # 9000 uncached tokens at 0.035 ms each vs. a few dozen: the modelled gap is over 300 ms
-    assert warm < cold * 0.3, (cold, warm)
+    warm = min(ttft(sim_server.url, prefix + f"question {n}") for n in range(3))
+    # 9000 uncached tokens at 0.035 ms each vs. a few dozen: the modelled gap is over 300 ms. Both requests pay the
+    # same real work (tokenizing and hashing 9000 tokens), which a loaded machine stretches, so the gap is what is
+    # asserted, not a ratio; the best of three warm requests drops a scheduling hiccup.
+    assert cold - warm > 0.15, (cold, warm)
     m = scrape(sim_server.url)
     assert m["vllm:prefix_cache_hits_total"] >= 8000
 
