@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvgate-installed
 # pytest-xdist workers of `make test`: each test file (and the whole e2e tier) runs whole on one worker
-# (tests/conftest.py); 34-35 min on 2 cores, cold, instead of 45 serially. `make test TEST_WORKERS=0` runs
+# (tests/conftest.py); 33-36 min on 2 cores, cold, instead of 45 serially. `make test TEST_WORKERS=0` runs
 # the suite in this process, one test at a time. Timing-based tests must hold with the other worker busy.
 TEST_WORKERS ?= 2
 
