@@ -402,8 +402,9 @@ def parse_duration(value: Any) -> float:
 # `kvgate bench routing`, multi-tenant workload; the numbers are in docs/benchmarks.md): stay on the
 # endpoint that holds the prompt until its prefill backlog costs more than 4x what the hit saves (no random
 # exploration: a needless spill evicts another prefix), score the exact cached prefix from KV events, give a
-# prefix nobody holds to the endpoint serving the fewest prefix groups, put a long prefill where it holds up the
-# fewest other requests (prefill-interference, weight 6: chosen on the tuning shapes and hot-tenant, where a hot
+# prefix nobody holds to the endpoint serving the fewest prefix groups among those its footprint still fits
+# (fitKvCapacity 1: a tenant is not given to a replica whose cache is full while another has room), put a long
+# prefill where it holds up the fewest other requests (prefill-interference, weight 6: chosen on the tuning shapes and hot-tenant, where a hot
 # tenant's replica otherwise takes other tenants' cold prompts), and break ties on in-flight tokens. Loads
 # in seconds (loadUnit): in a pool of mixed hardware each endpoint's load counts by how fast it prefills, as its
 # engine times itself (kvgate bench routing --shapes mixed-hardware; a uniform pool routes exactly as in tokens).
@@ -416,7 +417,7 @@ plugins:
   parameters: {loadSignal: backlog, loadTolerance: 4, explorationProbability: 0, loadUnit: seconds}
 - type: precise-prefix-cache-scorer
 - type: prefix-group-balance-scorer
-  parameters: {balanceBy: tokens, loadUnit: seconds}
+  parameters: {balanceBy: tokens, fitKvCapacity: 1, loadUnit: seconds}
 - type: token-load-scorer
   parameters: {loadUnit: seconds}
 - type: prefill-interference-scorer

@@ -130,8 +130,8 @@ CONFIGURATIONS = [
                   kv_events=True),
     RoutingConfig("kvgate", "kvgate's profile for kvgate engines (epp/scheduling/config.py KVGATE_PROFILE_YAML): "
                   "prefix-cache-affinity filter on the exact prefill backlog (loadTolerance 4, no exploration), "
-                  "then precise prefix 3, prefix-group balance 3, token-load 1, prefill-interference 6; loads in "
-                  "seconds of prefill", "epp", KVGATE_PROFILE_YAML, kv_events=True),
+                  "then precise prefix 3, prefix-group balance 3 (where the group's footprint fits), token-load 1, "
+                  "prefill-interference 6; loads in seconds of prefill", "epp", KVGATE_PROFILE_YAML, kv_events=True),
     RoutingConfig("kvgate-spf", "kvgate's profile + flow control: requests wait in the EPP while every replica has 2 "
                   "waiting (or its KV cache 95% full) and leave shortest prompt first, aged 2 ms per prompt token "
                   "(epp/flow_config.py)", "epp", with_flow_control(KVGATE_PROFILE_YAML, SPF),
@@ -143,6 +143,10 @@ CONFIGURATIONS = [
     RoutingConfig("kvgate-sticky", "kvgate's profile with the group balance keeping a group whose prefix its home "
                   "evicted at that home (keepHomeBelow 0.5)", "epp",
                   with_parameters(KVGATE_PROFILE_YAML, "prefix-group-balance-scorer", keepHomeBelow=0.5),
+                  kv_events=True),
+    # the profile as it was before the group balance's fit check joined it (2026-12-03): what that check adds
+    RoutingConfig("kvgate-no-fit", "kvgate's profile without the group balance's fit check (fitKvCapacity 0)", "epp",
+                  with_parameters(KVGATE_PROFILE_YAML, "prefix-group-balance-scorer", fitKvCapacity=0),
                   kv_events=True),
     RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
                   "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "

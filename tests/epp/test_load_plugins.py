@@ -434,6 +434,50 @@ def test_group_balance_keeps_a_group_whose_prefix_its_home_evicted_at_home():
         create_plugin("prefix-group-balance-scorer", {"keepHomeBelow": 1.5})
 
 
+def test_group_balance_fit_check_keeps_a_homeless_group_where_its_footprint_still_fits():
+    """fitKvCapacity: a homeless request goes only to candidates whose groups' footprints plus its prompt fit their
+    KV cache (num_kv_blocks × block_size); its own group's footprint is not counted twice; when none or all fit, or
+    a cache is unknown (it fits), nothing is dropped — the very list comes back."""
+    def kv_state(address, blocks):
+        return EndpointState(Endpoint(address), EndpointMetrics(num_kv_blocks=blocks, kv_block_size=16 if blocks
+                                                                else None, updated_at=time.monotonic()), stale=False)
+
+    scorer = create_plugin("prefix-group-balance-scorer", {"groupChars": 8, "balanceBy": "tokens",
+                                                           "fitKvCapacity": 1.0})
+    a, b, c = kv_state("a:1", 256), kv_state("b:1", 256), kv_state("c:1", 256)  # 4096 tokens each
+    for name in ("tenant-1", "tenant-2", "tenant-3"):
+        scorer.pre_request(req(name + "x" * 4392), a, None)  # 1100 tokens each: 3300 on a
+    scorer.pre_request(req("tenant-4" + "x" * 4392), b, None)  # 1100 on b, nothing on c
+    new = req("tenant-5" + "x" * 4392)
+    assert addresses(scorer.filter(new, [a, b, c])) == ["b:1", "c:1"]  # 3300 + 1100 > 4096 on a
+    assert list(scorer.score(new, [a, b, c])) == pytest.approx([0.0, 2 / 3, 1.0])  # the balance still ranks them
+    again = [a, b, c]
+    assert scorer.filter(req("tenant-1" + "x" * 4392), again) is again  # a counts tenant-1 already: 3300 fits
+    unknown = kv_state("a:1", None)
+    assert addresses(scorer.filter(new, [unknown, b])) == ["a:1", "b:1"]
+    for name in ("tenant-6", "tenant-7"):
+        scorer.pre_request(req(name + "x" * 4392), b, None)
+        scorer.pre_request(req(name + "y" * 4392), c, None)
+    full = [a, b]
+    assert scorer.filter(new, full) is full  # none fits: the balance decides as without the check
+    off = create_plugin("prefix-group-balance-scorer", {"groupChars": 8, "balanceBy": "tokens"})
+    off.pre_request(req("tenant-1" + "x" * 40000), a, None)
+    assert off.filter(new, full) is full
+    with pytest.raises(ValueError, match="fitKvCapacity"):
+        create_plugin("prefix-group-balance-scorer", {"fitKvCapacity": -1})
+
+
+def test_kvgates_profile_checks_the_fit_after_the_affinity_filter():
+    """In kvgate's profile the fit check runs after the affinity filter (a request it keeps on warm endpoints is
+    not homeless, so the check leaves it alone), and the balance still scores."""
+    from kvgate.epp.scheduling.config import KVGATE_PROFILE_YAML
+
+    profile = parse_config(KVGATE_PROFILE_YAML).scheduler.profiles[0]
+    assert [f.type_name for f in profile.filters] == ["prefix-cache-affinity-filter", "prefix-group-balance-scorer"]
+    assert profile.filters[1].fit_kv_capacity == 1.0
+    assert profile.filters[1] in [ws.scorer for ws in profile.scorers]
+
+
 # -------------------------------------------------------------------------------- no-hit-lru-scorer
 
 def test_no_hit_lru_ranks_cold_requests_by_their_last_cold_pick():

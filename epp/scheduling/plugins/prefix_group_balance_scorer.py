@@ -22,10 +22,10 @@ moment it is made, before any KV event. llm-d's no-hit-lru-scorer spreads cold r
 cold-picked); this spreads the groups themselves. Parameters: groupChars ≥ 1 = 512, windowSeconds > 0 = 60,
 affinityThreshold (0, 1] = 0.8 (the affinity filter's), prefixScorer = the profile's only prefix scorer,
 maxGroupsPerEndpoint ≥ 1 = 4096 (memory: the oldest group goes first past it; ~100 bytes a group, so ≤ ~0.4 MB
-an endpoint however many distinct prompts arrive within the window), keepHomeBelow [0, 1] = 0 (off), balanceBy
-groups | tokens = groups, loadUnit
-tokens | seconds = tokens. In a pool of mixed hardware (plugins/_relative_speed.py) G'(e) counts as a share of e's
-KV capacity relative to the largest, k(e) — a replica with half the KV is given half the groups: G'(e) / k(e) —, and
+an endpoint however many distinct prompts arrive within the window), keepHomeBelow [0, 1] = 0 (off),
+fitKvCapacity [0, 4] = 0 (off), balanceBy groups | tokens = groups, loadUnit tokens | seconds = tokens. In a pool
+of mixed hardware (plugins/_relative_speed.py) G'(e) counts as a share of e's KV capacity relative to the largest,
+k(e) — a replica with half the KV is given half the groups: G'(e) / k(e) —, and
 with loadUnit seconds a group counts against the resource it takes: one picked there more than once within the
 window (a tenant, a conversation) holds cache that is reused, a share of k(e); one picked there once (a one-off
 prompt) leaves nothing reused and is only work, a share of e's relative prefill speed s(e):
@@ -52,6 +52,26 @@ more prefixes than it fits, and evictions (and so cold prefills) multiply. Keepi
 scorers find home far worse — keeps each endpoint's set of groups, as a fixed placement does. The bound leaves
 alone a conversation's next turn, which its home mostly holds (the prefix scorers weigh that).
 
+Why a fit check (fitKvCapacity φ > 0, the plugin then also a preference filter that runs where it stands in the
+profile): the scorers weigh what a placement costs now — the balance a share, prefill-interference the delay a cold
+prefill puts on the requests already there — and none weighs what it costs later when the endpoint's cache cannot
+hold one more group: every group there is evicted in turn and comes back as a cold prefill, or moves and evicts
+elsewhere. For a homeless request it keeps the candidates the group fits on,
+
+    fits(e)  ⇔  F(e) + p ≤ φ × C(e)     F(e) = footprints (prompt tokens of each group's latest request) of the groups
+                                         picked for e within the window, less the request's own group; p = its
+                                         prompt tokens; C(e) = e's KV cache in tokens (vllm:cache_config_info)
+
+when some fit and some do not (none or all: every candidate, as without it; C unknown: fits). The scorers then
+choose among those that fit. Measured (`kvgate bench routing --workloads multi-tenant --per-request`, 60 s, seed 2,
+the profile without it): the first placement went 4/3/3/2 tenants, prefill-interference outweighing the balance
+while the first cold prefills queued; the replica with four evicted within 1.5 s, its tenants moved, and within 20 s
+every replica served 9-10 tenants (TTFT p90 0.95 s; 0.18 s in another run of the same seed that placed 3/3/3/3). In
+six such runs of multi-tenant, hot-tenant and bursty-tenants (seeds 0-2, twice) nine of eighteen first placements
+were uneven; with the check every multi-tenant and hot-tenant one was 3/3/3/3. A footprint is the latest prompt, not
+the users' contexts a tenant also keeps cached (2300 counted, ~2800 held on multi-tenant), so φ = 1 still lets a
+replica hold a little more than fits; docs/benchmarks.md has the paired runs.
+
 Why tokens in kvgate's profile: when groups differ in size (conversations of 1 to 10 turns, `kvgate bench routing
 --workloads multi-turn`, 18 req/s, seeds 0-2) counting them piles long ones together; weighing by footprint took
 TTFT p90 0.73 / 1.70 / 1.71 s to 0.61 / 1.01 / 1.42 s and output tok/s up 3-5%, with multi-tenant 0.32 / 0.45 s to
@@ -67,7 +87,7 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from kvgate.epp.scheduling.framework import CycleState, Scorer
+from kvgate.epp.scheduling.framework import CycleState, Filter, Scorer
 from kvgate.epp.scheduling.plugins._normalize import lower_is_better
 from kvgate.epp.scheduling.plugins._params import (bool_param, check_keys, choice_param, float_param, int_param,
                                                        load_unit_param, str_param)
@@ -84,15 +104,17 @@ BALANCE_BY = ("groups", "tokens")
 MAX_GROUP_TOKENS = 1 << 32  # a peer's footprint for a group past this is not a prompt's (peer_pick drops it)
 
 
-class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
+class PrefixGroupBalanceScorer(NeedsPrefixMatch, Filter, Scorer):
     type_name = "prefix-group-balance-scorer"
+    preference = True  # the fit check's (fitKvCapacity): the endpoints it drops stay fallbacks
 
     def __init__(self, group_chars: int = DEFAULT_GROUP_CHARS, window_s: float = DEFAULT_WINDOW_S,
                  affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD, prefix_source_name: str = "",
                  max_groups: int = DEFAULT_MAX_GROUPS, clock: Callable[[], float] = time.monotonic,
                  balance_by: str = "groups", load_unit: str = "tokens", kv_capacity_shares: bool = True,
-                 keep_home_below: float = 0.0) -> None:
+                 keep_home_below: float = 0.0, fit_kv_capacity: float = 0.0) -> None:
         super().__init__()
+        self.fit_kv_capacity = fit_kv_capacity
         self.keep_home_below = keep_home_below
         self.load_unit = load_unit
         self.kv_capacity_shares = kv_capacity_shares
@@ -150,11 +172,37 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
             reused = reused_tokens - (own[1] if own and own[2] else 0)
         return reused, total - reused
 
+    def _homeless(self, prompt: int, cached: np.ndarray) -> bool:
+        return not (prompt > 0 and (cached >= self.affinity_threshold * prompt).any())
+
+    def filter(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
+               ) -> list[EndpointState]:
+        """The fit check (fitKvCapacity > 0): a homeless request's group goes where its footprint still fits."""
+        if self.fit_kv_capacity <= 0 or len(endpoints) <= 1:
+            return endpoints
+        prompt, cached = prefix_tokens(self, request, endpoints, cycle)
+        if not self._homeless(prompt, cached):
+            return endpoints
+        group, now = self.group(request), self.clock()
+        fits = [self._fits(e, group, prompt, now) for e in endpoints]
+        if all(fits) or not any(fits):
+            return endpoints
+        return [e for e, fit in zip(endpoints, fits) if fit]
+
+    def _fits(self, endpoint: EndpointState, group: int, prompt: int, now: float) -> bool:
+        m = endpoint.metrics
+        if not m.num_kv_blocks or not m.kv_block_size:
+            return True
+        groups = self._live(endpoint.address, now)
+        own = groups.get(group)
+        footprint = self._totals[endpoint.address][0] - (own[1] if own else 0)
+        return footprint + prompt <= self.fit_kv_capacity * m.num_kv_blocks * m.kv_block_size
+
     def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
               ) -> np.ndarray:
         n = len(endpoints)
         prompt, cached = prefix_tokens(self, request, endpoints, cycle)
-        if prompt > 0 and (cached >= self.affinity_threshold * prompt).any():
+        if not self._homeless(prompt, cached):
             return np.full(n, 0.5)
         group, now = self.group(request), self.clock()
         if self.keep_home_below > 0:
@@ -183,7 +231,8 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Scorer):
         return home
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
-        tokens = prefix_tokens(self, request, [endpoint], cycle)[0] if self.balance_by == "tokens" else 0
+        tokens = (prefix_tokens(self, request, [endpoint], cycle)[0]
+                  if self.balance_by == "tokens" or self.fit_kv_capacity > 0 else 0)
         self._record(endpoint.address, self.group(request), int(tokens))
 
     def _record(self, address: str, group: int, tokens: int) -> None:
@@ -218,7 +267,7 @@ def factory(parameters: dict | None) -> PrefixGroupBalanceScorer:
     t = PrefixGroupBalanceScorer.type_name
     params = check_keys(parameters, {"groupChars", "windowSeconds", "affinityThreshold", "prefixScorer",
                                      "maxGroupsPerEndpoint", "balanceBy", "loadUnit", "kvCapacityShares",
-                                     "keepHomeBelow"}, t)
+                                     "keepHomeBelow", "fitKvCapacity"}, t)
     balance_by = choice_param(params, "balanceBy", "groups", BALANCE_BY, t)
     return PrefixGroupBalanceScorer(
         group_chars=int_param(params, "groupChars", DEFAULT_GROUP_CHARS, t, 1),
@@ -231,4 +280,5 @@ def factory(parameters: dict | None) -> PrefixGroupBalanceScorer:
         load_unit=load_unit_param(params, t),
         kv_capacity_shares=bool_param(params, "kvCapacityShares", True, t),
         keep_home_below=float_param(params, "keepHomeBelow", 0.0, t, 0.0, 1.0),
+        fit_kv_capacity=float_param(params, "fitKvCapacity", 0.0, t, 0.0, 4.0),
     )
