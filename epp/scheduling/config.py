@@ -404,8 +404,9 @@ def parse_duration(value: Any) -> float:
 # exploration: a needless spill evicts another prefix), score the exact cached prefix from KV events, give a
 # prefix nobody holds to the endpoint serving the fewest prefix groups among those its footprint still fits
 # (fitKvCapacity 1: a tenant is not given to a replica whose cache is full while another has room), put a long
-# prefill where it holds up the fewest other requests (prefill-interference, weight 6: chosen on the tuning shapes and hot-tenant, where a hot
-# tenant's replica otherwise takes other tenants' cold prompts), and break ties on in-flight tokens. Loads
+# prefill where it holds up the fewest other requests (prefill-interference, weight 6: chosen on the tuning shapes
+# and hot-tenant, where a hot tenant's replica otherwise takes other tenants' cold prompts), and break ties on
+# in-flight tokens. Loads
 # in seconds (loadUnit): in a pool of mixed hardware each endpoint's load counts by how fast it prefills, as its
 # engine times itself (kvgate bench routing --shapes mixed-hardware; a uniform pool routes exactly as in tokens).
 # Needs the engines' KV events (`kvgate up --profile kvgate` turns them on; in Kubernetes, spec.engine.kvEvents).
