@@ -25,9 +25,29 @@ from kvgate import reaper
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now: another process may take it before the caller's child binds it (see reserve_port)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def reserve_port(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A TCP port held for a child that will listen on it (`port` 0: a free one; the socket's getsockname() says
+    which): a socket bound with SO_REUSEADDR that never listens. While it is open Linux hands the port to no one
+    else — neither a bind to port 0 nor an outgoing connection's local port — yet a child whose listener also
+    sets SO_REUSEADDR (uvicorn, gRPC, Envoy, ZeroMQ and prometheus-client's server all do) binds and listens on it,
+    and binds it again when restarted. free_port() leaves a window, the child's start-up, in which another
+    process may take the port: a torch engine imports for seconds before it binds, and on a busy machine one lost
+    that race (uvicorn exits with status 3). The socket is not inherited by children; close it when the child
+    is gone for good."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def port_taken(host: str, port: int) -> str | None:

@@ -4,7 +4,9 @@ Every child runs in its own process group. A child that dies during start-up fai
 why). Once the stack is up, a child that dies — a replica killed, an engine loop that died, the EPP or Envoy —
 is restarted with the same command and ports, after a backoff that doubles from 1 s up to 30 s (and resets once
 it has stayed up for a minute), each restart logged; meanwhile the EPP keeps requests off a dead replica (two
-failed scrapes). Only Ctrl-C or SIGTERM stops the stack, and then every child (during start-up too).
+failed scrapes). Each port is held for its child from the moment it is chosen until the stack stops
+(kvgate.processes.reserve_port), so no other process takes it during a start-up or a restart. Only Ctrl-C or
+SIGTERM stops the stack, and then every child (during start-up too).
 
 However `kvgate up` itself ends — SIGKILL, the OOM killer, a crash, or killed in the middle of its graceful
 stop — its children and theirs end with it, within kvgate.reaper.GRACE_S (0.5 s) and their exit: kvgate.processes
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from kvgate.envoy_config import CircuitBreakers, ListenerTimeouts, PoolBackend, RouteTimeouts, envoy_binary
 from kvgate.gateway_routes import render_pool_gateway
-from kvgate.processes import free_port, port_taken, start_group, stop_group, wait_http_ok
+from kvgate.processes import port_taken, reserve_port, start_group, stop_group, wait_http_ok
 
 
 def add_up_parser(sub) -> None:
@@ -114,6 +117,14 @@ class Stack:
         self.stopping = False  # set by stop(): nothing is restarted any more
         self.interrupted: str | None = None  # a signal's name, set by `kvgate up`'s handler: start-up gives up
         self._lock = threading.Lock()  # supervise() and stop() may run on different threads (benchmarks)
+        self._reserved: list[socket.socket] = []  # the children's ports, held until stop(): reserve_port()
+
+    def reserve_port(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """A port (`port` 0: a free one) that only this stack's children may listen on, until stop(): a child's
+        start-up, and its restarts, cannot lose it to another process (kvgate.processes.reserve_port)."""
+        held = reserve_port(host, port)
+        self._reserved.append(held)
+        return held.getsockname()[1]
 
     def start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         proc = start_group(cmd, self.workdir / f"{name}.log", env)
@@ -158,6 +169,9 @@ class Stack:
             self.stopping = True
         for c in reversed(self.children):
             stop_group(c.proc)
+        for held in self._reserved:
+            held.close()
+        self._reserved.clear()
 
     def wait_http(self, url: str, deadline: float, what: str) -> None:
         wait_http_ok(url, max(deadline - time.monotonic(), 0.1), self.dead, what)
@@ -275,6 +289,7 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     taken = port_taken(host, port)  # else Envoy alone would fail, after the engines had started, in its log
     if taken:
         raise RuntimeError(taken)
+    stack.reserve_port(host, port)  # held too: the engines may take a while, and Envoy binds it last
     epp_config_args = (["--config-file", epp_config_file] if epp_config_file else []) + (
         ["--config-text", epp_config_text] if epp_config_text else [])
     kvgate = str(Path(sys.executable).parent / "kvgate")
@@ -282,11 +297,12 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
         from kvgate.engine.demo import ensure_demo_model
 
         ensure_demo_model()
-    engine_ports = [free_port() for _ in range(replicas)]
     hosts = list(engine_hosts) if engine_hosts else ["127.0.0.1"] * replicas
+    engine_ports = [stack.reserve_port(h) for h in hosts]
     threads = str(max(1, (os.cpu_count() or 2) // replicas))
     endpoints = [f"{h}:{p}" for h, p in zip(hosts, engine_ports)]
-    event_sockets = [(f"tcp://[::1]:{free_port()}", f"tcp://[::1]:{free_port()}") for _ in engine_ports] \
+    event_sockets = [(f"tcp://[::1]:{stack.reserve_port('::1')}", f"tcp://[::1]:{stack.reserve_port('::1')}")
+                     for _ in engine_ports] \
         if kv_events else []
     for i, (host_i, engine_port) in enumerate(zip(hosts, engine_ports)):
         extra = engine_args_for(i, host_i) if engine_args_for else []
@@ -306,11 +322,12 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
         epp_args = [*epp_args, "--ha-enable-leader-election", "--ha-lease-file", str(stack.workdir / "epp.lease"),
                     "--ha-lease-duration", f"{lease_s:g}", "--ha-renew-deadline", f"{renew_s:g}",
                     "--ha-retry-period", f"{retry_s:g}"]
-    grpc_port, health_port, metrics_port, admin_port = (free_port() for _ in range(4))
-    extra_epps = [(free_port(), free_port(), free_port()) for _ in range(max(0, epp_replicas - 1))]
+    grpc_port, health_port, metrics_port, admin_port = (stack.reserve_port() for _ in range(4))
+    extra_epps = [(stack.reserve_port(), stack.reserve_port(), stack.reserve_port())
+                  for _ in range(max(0, epp_replicas - 1))]
     with_epp = envoy_flavor != "round-robin"
     # active-active replicas share their picks (epp/peer_sync.py), each publishing on a loopback port of its own
-    sync = [f"tcp://127.0.0.1:{free_port()}" for _ in range(epp_replicas)] \
+    sync = [f"tcp://127.0.0.1:{stack.reserve_port()}" for _ in range(epp_replicas)] \
         if epp_peer_sync and epp_replicas > 1 and not leader_election else []
     if with_epp:
         for i, (name, (grpc_i, health_i, metrics_i)) in enumerate(

@@ -1,8 +1,10 @@
 """`kvgate up`: the whole local stack starts, serves through its gateway port and stops cleanly."""
 
+import errno
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -157,6 +159,36 @@ def test_supervise_backs_off_and_resets_after_a_stable_run(tmp_path):
     (line,) = stack.supervise(t + Stack.STABLE_S)  # it had stayed up a minute: back to the first delay
     assert "restarting in 1 s" in line and "code 3" in line
     stack.stop()
+
+
+def test_a_stacks_ports_are_held_for_its_children_until_it_stops(tmp_path):
+    """A port reserved for a child (`kvgate up` reserves every port it hands out) is refused to another process
+    from the moment it is chosen — a racing bind fails, where free_port() left it open until the child bound it,
+    which lost a torch engine its port once on a busy machine — while the child, and its restart on the same
+    port, listen and serve on it; stop() frees it."""
+    from kvgate.up import Stack
+
+    def bind(port: int) -> None:  # another process's listener (no SO_REUSEADDR: nothing of ours in TIME_WAIT)
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", port))
+
+    stack = Stack(tmp_path)
+    try:
+        port = stack.reserve_port()
+        with pytest.raises(OSError) as refused:  # before the child has started
+            bind(port)
+        assert refused.value.errno == errno.EADDRINUSE
+        stack.start("engine", [KVGATE, "serve", "demo", "--backend", "sim", "--port", str(port)])
+        stack.wait_http(f"http://127.0.0.1:{port}/health", time.monotonic() + 60, "the engine")
+        stack.children[0].proc.kill()
+        stack.children[0].proc.wait(timeout=10)
+        (died,) = stack.supervise()
+        assert "restarting in 1 s" in died
+        assert stack.supervise(stack.children[0].restart_at) == ["engine restarted (restart 1)"]
+        stack.wait_http(f"http://127.0.0.1:{port}/health", time.monotonic() + 60, "the restarted engine")
+    finally:
+        stack.stop()
+    bind(port)  # free again
 
 
 @pytest.mark.parametrize("how", ["kv-events", "default"])
