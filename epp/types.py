@@ -50,6 +50,12 @@ class EndpointMetrics:
     prefill_rate_timed: bool = False
     updated_at: float = 0.0  # time.monotonic() of the last successful scrape; 0 = never
 
+    @property
+    def kv_cache_tokens(self) -> int | None:
+        """The KV cache's size in tokens (num_kv_blocks × kv_block_size, from vllm:cache_config_info); None:
+        unknown."""
+        return self.num_kv_blocks * self.kv_block_size if self.num_kv_blocks and self.kv_block_size else None
+
 
 @dataclass(eq=False)
 class EndpointState:

@@ -54,8 +54,7 @@ def relative_kv_capacity(endpoints: list[EndpointState], cycle: CycleState | Non
 
 
 def _compute_kv(endpoints: list[EndpointState]) -> np.ndarray:
-    return _relative(np.fromiter((e.metrics.num_kv_blocks * e.metrics.kv_block_size
-                                  if e.metrics.num_kv_blocks and e.metrics.kv_block_size else np.nan
+    return _relative(np.fromiter((np.nan if e.metrics.kv_cache_tokens is None else e.metrics.kv_cache_tokens
                                   for e in endpoints), dtype=float, count=len(endpoints)))
 
 

@@ -69,9 +69,8 @@ class PrefixCacheScorer(Scorer):
 
     def capacity_for(self, endpoint: EndpointState) -> int:
         """Index blocks `endpoint` can hold: its engine's KV cache in tokens / tokens per index block."""
-        m = endpoint.metrics
-        if self.auto_tune and m.num_kv_blocks and m.kv_block_size:
-            tokens = m.num_kv_blocks * m.kv_block_size
+        tokens = endpoint.metrics.kv_cache_tokens
+        if self.auto_tune and tokens:
             return max(1, tokens * CHARS_PER_TOKEN // self.block_size_for([endpoint]))
         return self.index.capacity
 

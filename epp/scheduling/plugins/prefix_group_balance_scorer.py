@@ -190,13 +190,13 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Filter, Scorer):
         return [e for e, fit in zip(endpoints, fits) if fit]
 
     def _fits(self, endpoint: EndpointState, group: int, prompt: int, now: float) -> bool:
-        m = endpoint.metrics
-        if not m.num_kv_blocks or not m.kv_block_size:
+        capacity = endpoint.metrics.kv_cache_tokens
+        if capacity is None:
             return True
         groups = self._live(endpoint.address, now)
         own = groups.get(group)
         footprint = self._totals[endpoint.address][0] - (own[1] if own else 0)
-        return footprint + prompt <= self.fit_kv_capacity * m.num_kv_blocks * m.kv_block_size
+        return footprint + prompt <= self.fit_kv_capacity * capacity
 
     def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
               ) -> np.ndarray:
