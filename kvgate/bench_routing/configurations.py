@@ -139,7 +139,8 @@ CONFIGURATIONS = [
     # the profile as it was before prefill-interference joined it (2026-11-27): what that scorer adds
     RoutingConfig("kvgate-no-interference", "kvgate's profile without prefill-interference", "epp",
                   without_scorer(KVGATE_PROFILE_YAML, "prefill-interference-scorer"), kv_events=True),
-    # keepHomeBelow measured (2026-11-28, docs/benchmarks.md): better on skewed-tenants, not on multi-turn
+    # keepHomeBelow measured (docs/benchmarks.md): 2026-11-28 better on skewed-tenants, not on multi-turn; 2026-12-05,
+    # with the fit check in, better on mixed-kv only (small-kv, small-kv-turns, mixed-generations worse)
     RoutingConfig("kvgate-sticky", "kvgate's profile with the group balance keeping a group whose prefix its home "
                   "evicted at that home (keepHomeBelow 0.5)", "epp",
                   with_parameters(KVGATE_PROFILE_YAML, "prefix-group-balance-scorer", keepHomeBelow=0.5),
