@@ -102,6 +102,21 @@ def without_scorer(profile_yaml: str, type_name: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+def replacing_scorer(profile_yaml: str, type_name: str, new_type: str, weight: float | None = None,
+                     parameters: dict | None = None) -> str:
+    """`profile_yaml` (one profile) with the plugin `type_name` replaced by `new_type` in its place (its weight kept
+    unless `weight` is given)."""
+    doc = yaml.safe_load(profile_yaml)
+    (plugin,) = [p for p in doc["plugins"] if p["type"] == type_name]
+    plugin.clear()
+    plugin.update({"type": new_type, **({"parameters": parameters} if parameters else {})})
+    (ref,) = [r for r in doc["schedulingProfiles"][0]["plugins"] if r["pluginRef"] == type_name]
+    ref["pluginRef"] = new_type
+    if weight is not None:
+        ref["weight"] = weight
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 def with_parameters(profile_yaml: str, type_name: str, **parameters) -> str:
     """`profile_yaml` with these parameters set on the plugin `type_name`."""
     doc = yaml.safe_load(profile_yaml)
@@ -148,6 +163,12 @@ CONFIGURATIONS = [
     # the profile as it was before the group balance's fit check joined it (2026-12-03): what that check adds
     RoutingConfig("kvgate-no-fit", "kvgate's profile without the group balance's fit check (fitKvCapacity 0)", "epp",
                   with_parameters(KVGATE_PROFILE_YAML, "prefix-group-balance-scorer", fitKvCapacity=0),
+                  kv_events=True),
+    # the learned latency model as the profile's load term (docs/benchmarks.md: the model alone spreads tenants; here
+    # the cache-keeping scorers stay and it takes token-load's place)
+    RoutingConfig("kvgate-learned", "kvgate's profile with predicted-latency-scorer (TTFT learned online) in "
+                  "token-load-scorer's place, weight 1", "epp",
+                  replacing_scorer(KVGATE_PROFILE_YAML, "token-load-scorer", "predicted-latency-scorer"),
                   kv_events=True),
     RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
                   "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "
