@@ -89,6 +89,39 @@ def test_objectives_prefer_endpoints_that_meet_them():
     assert list(bad) == list(plain) and scorer.counts["objectives_bad"] == 1
 
 
+def test_stated_objectives_filter_out_the_candidates_predicted_to_miss_them():
+    _, scorer, states = scorer_and_states()
+    cycle = CycleState(LoadTracker().view(states))
+    addresses = lambda kept: [e.address for e in kept]  # noqa: E731
+    assert scorer.filter(request(), states, cycle) is states  # no objective: every candidate
+    assert addresses(scorer.filter(request(headers={"x-slo-ttft-ms": "200"}), states, cycle)) == ["b:1", "c:1"]
+    assert scorer.filter(request(headers={"x-slo-ttft-ms": "10"}), states, cycle) is states  # none meets it
+    assert scorer.filter(request(headers={"x-slo-ttft-ms": "1000"}), states, cycle) is states  # all meet it
+    assert scorer.filter(request(headers={"x-slo-ttft-ms": "soon"}), states, cycle) is states  # not an objective
+    _, off, states = scorer_and_states(", objectivesFilter: false")
+    assert off.filter(request(headers={"x-slo-ttft-ms": "200"}), states, cycle) is states
+
+
+def test_an_objective_outweighs_the_cache_scorers_that_would_miss_it():
+    """In a profile where the prefix scorer outweighs the latency scorer (kvgate's), a request stating a TTFT
+    objective leaves the replica holding its prompt when that replica's backlog would make it miss; without one it
+    stays. The replica it left remains a fallback."""
+    text = config("type: prefix-cache-scorer", "type: predicted-latency-scorer\n  parameters: "
+                  "{defaultPrefillTokensPerSecond: 1000, decodeMsPerRunningRequest: 2}",
+                  "type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}")
+    text += ("schedulingProfiles:\n- name: default\n  plugins:\n  - {pluginRef: predicted-latency-scorer, weight: 1}\n"
+             "  - {pluginRef: prefix-cache-scorer, weight: 10}\n  - {pluginRef: max-score-picker}\n")
+    scheduler = Scheduler(parse_config(text).scheduler)
+    states = [lat_state("a:1", pending=2000, rate=4000, running=10), lat_state("b:1"),
+              lat_state("c:1", rate=2000, running=50)]
+    warmed(scheduler, states, {"a:1": PROMPT})
+    plain = scheduler.schedule(request(), states, CycleState(LoadTracker().view(states)))
+    assert plain[0].address == "a:1"  # 0.52 s predicted, but it holds the prompt
+    hurried = scheduler.schedule(request(headers={"x-slo-ttft-ms": "200"}), states,
+                                 CycleState(LoadTracker().view(states)))
+    assert [e.address for e in hurried] == ["b:1", "c:1", "a:1"]
+
+
 def test_responses_teach_the_model_the_pool_s_real_ttft():
     """The pool is twice as slow as the analytic model thinks, plus 50 ms: after a few hundred streamed responses
     the predictions follow the measurements, and the errors it reports shrink."""

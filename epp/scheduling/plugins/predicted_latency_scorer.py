@@ -14,8 +14,16 @@ TTFT; the others in [0, 0.5) by how far they miss (the sum of the relative misse
 objectives are met if anywhere, else where it misses them least — unless it is sheddable (priority < 0, from its
 InferenceObjective): then the director answers 429 (llm-d's rule). Without objectives: by predicted TTFT alone.
 
+It is also a preference filter (objectivesFilter, default true), where it stands in the profile: a request that
+states objectives keeps the candidates predicted to meet them all, when some are and some are not (none or all:
+every candidate). Why: as one scorer among several, weighed below the cache scorers, the score's [0.5, 1] band
+would be outvoted, and a request with a 200 ms objective would still queue behind the replica holding its prefix;
+llm-d's SLO-aware routing likewise picks among the pods with headroom. The dropped candidates stay
+fallbacks, and the scores then order the kept ones.
+
 Parameters: defaultPrefillTokensPerSecond, decodeMsPerRunningRequest, prefixScorer (as predicted-ttft-scorer's, for
-the prior and the features), learn (default true; false keeps the prior: the analytic model, for comparison).
+the prior and the features), learn (default true; false keeps the prior: the analytic model, for comparison),
+objectivesFilter (default true).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from collections import OrderedDict
 import numpy as np
 
 from kvgate.epp.protocol import TPOT_OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER
-from kvgate.epp.scheduling.framework import CycleState
+from kvgate.epp.scheduling.framework import CycleState, Filter
 from kvgate.epp.scheduling.latency_model import OBJECTIVES_UNMEETABLE, LatencyModel, tpot_features, ttft_features
 from kvgate.epp.scheduling.plugins._normalize import attribute_values, lower_is_better, per_snapshot
 from kvgate.epp.scheduling.plugins._params import bool_param, check_keys
@@ -62,19 +70,21 @@ class _Pick:
         self.picked_at, self.objectives_met = picked_at, objectives_met
 
 
-class PredictedLatencyScorer(PredictedTTFTScorer):
+class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
     """predicted-ttft-scorer's terms (and parameters) as the model's features, its formula as the model's prior."""
 
     type_name = "predicted-latency-scorer"
+    preference = True  # the objectives filter's: the candidates it drops stay fallbacks
     stats_group = "latency_model"
     reads_response_body = True  # it learns from each response's first-token time and token count
     produces = property(lambda self: (*PRODUCES_PICKED_UNCACHED.fget(self), OBJECTIVES_UNMEETABLE))
 
     def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
                  decode_ms_per_running_request: float = DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
-                 prefix_source_name: str = "", learn: bool = True) -> None:
+                 prefix_source_name: str = "", learn: bool = True, objectives_filter: bool = True) -> None:
         super().__init__(default_prefill_tokens_per_s, decode_ms_per_running_request, prefix_source_name)
         self.learn = learn
+        self.objectives_filter = objectives_filter
         self.model = LatencyModel(self.decode_s)
         self._queue_key = (self, "queue")
         self._cycle_key = (self, "predictions")
@@ -96,25 +106,51 @@ class PredictedLatencyScorer(PredictedTTFTScorer):
         px = tpot_features(decoding, kv)
         return tx, self.model.ttft.predict(tx), px, self.model.tpot.predict(px)
 
+    @staticmethod
+    def _objectives(request: LLMRequest) -> tuple[float | None, float | None, bool]:
+        """The request's (TTFT, TPOT) objectives in ms, None where not stated or not a positive number, and whether
+        a header was present but bad."""
+        ttft_obj = objective_ms(request.headers, TTFT_OBJECTIVE_HEADER)
+        tpot_obj = objective_ms(request.headers, TPOT_OBJECTIVE_HEADER)
+        bad = "bad" in (ttft_obj, tpot_obj)
+        return (None if ttft_obj == "bad" else ttft_obj), (None if tpot_obj == "bad" else tpot_obj), bad
+
+    @staticmethod
+    def _miss(ttft: np.ndarray, tpot: np.ndarray, ttft_obj: float | None, tpot_obj: float | None) -> np.ndarray:
+        """Per endpoint, the sum of the relative misses of the stated objectives (0: every one met)."""
+        miss = np.zeros_like(ttft)
+        if ttft_obj is not None:
+            miss += np.maximum(ttft / (ttft_obj / 1000.0) - 1.0, 0.0)
+        if tpot_obj is not None:
+            miss += np.maximum(tpot / (tpot_obj / 1000.0) - 1.0, 0.0)
+        return miss
+
+    def filter(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
+               ) -> list[EndpointState]:
+        """The objectives filter: the candidates predicted to meet the request's stated objectives."""
+        if not self.objectives_filter or len(endpoints) <= 1:
+            return endpoints
+        ttft_obj, tpot_obj, _ = self._objectives(request)
+        if ttft_obj is None and tpot_obj is None:
+            return endpoints
+        _, ttft, _, tpot = self.predict(request, endpoints, cycle)
+        met = self._miss(ttft, tpot, ttft_obj, tpot_obj) == 0.0
+        if met.all() or not met.any():
+            return endpoints
+        return [e for e, ok in zip(endpoints, met) if ok]
+
     def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
               ) -> np.ndarray:
         tx, ttft, px, tpot = self.predict(request, endpoints, cycle)
         met = None
-        ttft_obj = objective_ms(request.headers, TTFT_OBJECTIVE_HEADER)
-        tpot_obj = objective_ms(request.headers, TPOT_OBJECTIVE_HEADER)
-        if "bad" in (ttft_obj, tpot_obj):
+        ttft_obj, tpot_obj, bad = self._objectives(request)
+        if bad:
             self.counts["objectives_bad"] += 1
-            ttft_obj = None if ttft_obj == "bad" else ttft_obj
-            tpot_obj = None if tpot_obj == "bad" else tpot_obj
         if ttft_obj is None and tpot_obj is None:
             scores = lower_is_better(ttft)
         else:
             self.counts["objectives"] += 1
-            miss = np.zeros_like(ttft)
-            if ttft_obj is not None:
-                miss += np.maximum(ttft / (ttft_obj / 1000.0) - 1.0, 0.0)
-            if tpot_obj is not None:
-                miss += np.maximum(tpot / (tpot_obj / 1000.0) - 1.0, 0.0)
+            miss = self._miss(ttft, tpot, ttft_obj, tpot_obj)
             met = miss == 0.0
             scores = np.empty_like(ttft)
             if met.any():
@@ -164,12 +200,11 @@ class PredictedLatencyScorer(PredictedTTFTScorer):
             self.model.ttft_errors.add(pick.ttft, ttft) if ttft is not None else None
             self.model.tpot_errors.add(pick.tpot, tpot) if tpot is not None else None
 
-    @staticmethod
-    def _objectives_met(request: LLMRequest, ttft: float, tpot: float | None) -> bool:
-        ttft_obj = objective_ms(request.headers, TTFT_OBJECTIVE_HEADER)
-        tpot_obj = objective_ms(request.headers, TPOT_OBJECTIVE_HEADER)
-        ok = not isinstance(ttft_obj, float) or ttft * 1000.0 <= ttft_obj
-        return ok and (not isinstance(tpot_obj, float) or tpot is None or tpot * 1000.0 <= tpot_obj)
+    @classmethod
+    def _objectives_met(cls, request: LLMRequest, ttft: float, tpot: float | None) -> bool:
+        ttft_obj, tpot_obj, _ = cls._objectives(request)
+        ok = ttft_obj is None or ttft * 1000.0 <= ttft_obj
+        return ok and (tpot_obj is None or tpot is None or tpot * 1000.0 <= tpot_obj)
 
     def stats(self) -> dict[str, float]:
         t, p = self.model.ttft_errors, self.model.tpot_errors
@@ -183,5 +218,6 @@ class PredictedLatencyScorer(PredictedTTFTScorer):
 
 def factory(parameters: dict | None) -> PredictedLatencyScorer:
     t = PredictedLatencyScorer.type_name
-    params = check_keys(parameters, ANALYTIC_PARAMETERS | {"learn"}, t)
-    return PredictedLatencyScorer(**analytic_params(params, t), learn=bool_param(params, "learn", True, t))
+    params = check_keys(parameters, ANALYTIC_PARAMETERS | {"learn", "objectivesFilter"}, t)
+    return PredictedLatencyScorer(**analytic_params(params, t), learn=bool_param(params, "learn", True, t),
+                                  objectives_filter=bool_param(params, "objectivesFilter", True, t))
