@@ -252,8 +252,31 @@ def test_a_ttft_objective_knob_goes_with_every_request_and_is_judged_at_the_clie
         return o
 
     got = objectives_met([outcome(0.2), outcome(0.7), outcome(0.1, ok=False)], requests[:3])
-    assert got == {"stated": 3, "met": 1, "share_met": 0.3333}
+    assert {k: got[k] for k in ("stated", "met", "share_met")} == {"stated": 3, "met": 1, "share_met": 0.3333}
+    assert got["stated_ttft_s"]["p50"] == pytest.approx(0.45) and got["others_ttft_s"]["p50"] is None
     assert objectives_met([outcome(0.2)], arrivals(WORKLOADS["multi-tenant"], 4, 2, 0)[:1]) is None
+
+
+def test_a_share_of_the_requests_states_the_objective_the_same_ones_for_every_configuration():
+    from kvgate.bench_routing.runner import objectives_met
+    from kvgate.chaos.load import Outcome
+
+    shape = parse_shape("multi-tenant:ttft_objective_ms=300,objective_share=0.25")
+    requests = arrivals(shape, 10, 20, 0)
+    stating = [r.ttft_objective_ms > 0 for r in requests]
+    assert 0.15 < sum(stating) / len(requests) < 0.35 and {r.ttft_objective_ms for r in requests} == {0.0, 300.0}
+    assert stating == [r.ttft_objective_ms > 0 for r in arrivals(shape, 10, 20, 0)]  # drawn by the seed
+    with pytest.raises(ValueError, match="objective_share"):
+        parse_shape("multi-tenant:ttft_objective_ms=300,objective_share=1.5")
+
+    def outcome(ttft_s):
+        o = Outcome(sent_at=10.0, max_tokens=1)
+        o.status, o.first_token_at, o.ended_at, o.tokens, o.usage_tokens, o.done = 200, 10.0 + ttft_s, 11.0, 1, 1, True
+        return o
+
+    got = objectives_met([outcome(0.2 if s else 0.9) for s in stating], requests)
+    assert got["stated"] == got["met"] == sum(stating)
+    assert got["stated_ttft_s"]["p90"] == pytest.approx(0.2) and got["others_ttft_s"]["p90"] == pytest.approx(0.9)
 
 
 def test_a_per_request_row_keeps_what_a_failed_request_got_back():

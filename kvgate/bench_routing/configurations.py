@@ -102,18 +102,19 @@ def without_scorer(profile_yaml: str, type_name: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
-def replacing_scorer(profile_yaml: str, type_name: str, new_type: str, weight: float | None = None,
-                     parameters: dict | None = None) -> str:
-    """`profile_yaml` (one profile) with the plugin `type_name` replaced by `new_type` in its place (its weight kept
-    unless `weight` is given)."""
+def replacing_scorer(profile_yaml: str, type_name: str, new_type: str, first: bool = False) -> str:
+    """`profile_yaml` (one profile) with the plugin `type_name` replaced by `new_type`, with its weight, in its place
+    or, `first`, at the head of the profile (a filter too, it then runs before the others)."""
     doc = yaml.safe_load(profile_yaml)
     (plugin,) = [p for p in doc["plugins"] if p["type"] == type_name]
     plugin.clear()
-    plugin.update({"type": new_type, **({"parameters": parameters} if parameters else {})})
-    (ref,) = [r for r in doc["schedulingProfiles"][0]["plugins"] if r["pluginRef"] == type_name]
+    plugin["type"] = new_type
+    refs = doc["schedulingProfiles"][0]["plugins"]
+    (ref,) = [r for r in refs if r["pluginRef"] == type_name]
     ref["pluginRef"] = new_type
-    if weight is not None:
-        ref["weight"] = weight
+    if first:
+        refs.remove(ref)
+        refs.insert(0, ref)
     return yaml.safe_dump(doc, sort_keys=False)
 
 
@@ -166,9 +167,9 @@ CONFIGURATIONS = [
                   kv_events=True),
     # the learned latency model as the profile's load term (docs/benchmarks.md: the model alone spreads tenants; here
     # the cache-keeping scorers stay and it takes token-load's place)
-    RoutingConfig("kvgate-learned", "kvgate's profile with predicted-latency-scorer (TTFT learned online) in "
-                  "token-load-scorer's place, weight 1", "epp",
-                  replacing_scorer(KVGATE_PROFILE_YAML, "token-load-scorer", "predicted-latency-scorer"),
+    RoutingConfig("kvgate-learned", "kvgate's profile with predicted-latency-scorer (TTFT learned online; its "
+                  "objectives filter first) in token-load-scorer's place, weight 1", "epp",
+                  replacing_scorer(KVGATE_PROFILE_YAML, "token-load-scorer", "predicted-latency-scorer", first=True),
                   kv_events=True),
     RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
                   "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "

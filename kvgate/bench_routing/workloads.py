@@ -80,17 +80,21 @@ class WorkloadShape:
     prefill_chunk: int = 0
     # each request states a TTFT objective (llm-d's x-slo-ttft-ms header) of this many ms; 0: none
     ttft_objective_ms: float = 0.0
+    # the share of the requests that state it (drawn by the seed: interactive traffic among batch); 1: every one
+    objective_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.generator not in KINDS:
             raise ValueError(f"unknown workload kind {self.generator!r}; known: {', '.join(KINDS)}")
         if self.output_len < 1 or self.kv_tokens < 256 or self.burstiness <= 0 or self.length_spread < 0 \
                 or self.output_spread < 0 or self.tenant_skew < 0 or self.ttft_objective_ms < 0 \
+                or not 0.0 <= self.objective_share <= 1.0 \
                 or self.slow_replicas < 0 or not 1.0 <= self.slowdown <= MAX_SLOWDOWN \
                 or 0 < self.slow_kv_tokens < 256 or self.slow_kv_tokens < 0 or self.prefill_chunk < 0:
             raise ValueError(f"workload {self.name!r}: output_len ≥ 1, kv_tokens and slow_kv_tokens ≥ 256 (0: "
                              "kv_tokens), burstiness > 0, the spreads, skew, TTFT objective, slow_replicas and "
-                             f"prefill_chunk ≥ 0, 1 ≤ slowdown ≤ {MAX_SLOWDOWN:g}")
+                             "prefill_chunk ≥ 0, objective_share in [0, 1], "
+                             f"1 ≤ slowdown ≤ {MAX_SLOWDOWN:g}")
 
     @property
     def generator(self) -> str:
@@ -292,8 +296,11 @@ def arrivals(shape: WorkloadShape, rate: float, duration_s: float, seed: int) ->
     prompts in the same order, just faster."""
     times = arrival_times(shape, rate, duration_s, seed)
     outputs = output_lengths(shape, len(times), seed)
-    return [BenchRequest(float(at), prompt, key, max_tokens, ttft_objective_ms=shape.ttft_objective_ms)
-            for at, (key, prompt), max_tokens in zip(times, prompts(shape, len(times), seed), outputs)]
+    stating = random.Random(f"objective-{seed}")
+    objectives = [shape.ttft_objective_ms if stating.random() < shape.objective_share else 0.0 for _ in times]
+    return [BenchRequest(float(at), prompt, key, max_tokens, ttft_objective_ms=objective)
+            for at, (key, prompt), max_tokens, objective in zip(times, prompts(shape, len(times), seed), outputs,
+                                                                  objectives)]
 
 
 FOREIGN_KEY_CHARS = 256
