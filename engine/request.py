@@ -67,6 +67,9 @@ class Request:
     num_output_placeholders: int = 0
     # Prompt tokens that the prefix cache supplied at the (last) admission.
     num_cached_tokens: int = -1
+    # Prompt tokens the prefix cache held when the request arrived: what the prefill backlog does not count while it
+    # waits (scheduler.prefill_tokens_pending); admission then asks the cache again.
+    num_cached_on_arrival: int = 0
     num_preemptions: int = 0
     # Chained hashes of this request's full blocks, extended as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)

@@ -51,7 +51,7 @@ def test_prefix_cache_hits_count_as_computed_at_admission():
     step(s)
     assert s.num_prefill_tokens_pending == 0
     s.add_request(req("b", prefix + [3, 4, 5]))
-    assert s.num_prefill_tokens_pending == 23  # waiting: the cache is asked only at admission
+    assert s.num_prefill_tokens_pending == 3 == recount(s)  # waiting: less the 20 tokens the cache held on arrival
     s.max_num_batched_tokens = 2  # admit b with a budget that leaves part of its prompt
     out = s.schedule()
     b = s.requests["b"]
@@ -59,6 +59,23 @@ def test_prefix_cache_hits_count_as_computed_at_admission():
     s.update_from_output(out, {x.request.request_id: 7 for x in out.scheduled if x.samples})
     # a decoded its 1; b got 20 from the cache and 1 computed: 2 of its 23 left
     assert s.num_prefill_tokens_pending == 2 == recount(s)
+
+
+def test_a_waiting_request_whose_cached_prefix_is_evicted_before_admission_counts_it_once_admitted():
+    s = make(num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    prefix = list(range(500, 520))  # 5 full blocks
+    s.add_request(req("a", prefix + [1], max_tokens=1))
+    step(s)  # a ran and finished: its 5 blocks stay cached, free
+    s.max_num_seqs = 0  # hold the next arrivals in the queue
+    s.add_request(req("b", prefix + [3, 4, 5]))
+    assert s.requests["b"].num_cached_on_arrival == 20 and s.num_prefill_tokens_pending == 3
+    s.max_num_seqs = 8
+    s.kv.allocate_slots(req("squatter", range(900, 932)), 32)  # takes all 8 blocks: the prefix is evicted
+    s.kv.free(req("squatter", range(900, 932)))
+    out = s.schedule()
+    assert s.requests["b"].num_cached_tokens == 0  # admission asked the cache again: nothing left
+    s.update_from_output(out, {x.request.request_id: 7 for x in out.scheduled if x.samples})
+    assert s.num_prefill_tokens_pending == 0 == recount(s)
 
 
 def test_preempted_request_counts_its_recompute_less_its_decode_token():
