@@ -45,10 +45,9 @@ def prefill_tokens_pending(request: Request) -> int:
     last output token, which is its next decode token. A request that is decoding has 0.
 
     Why the cache at arrival counts for a waiting request: a router weighs this backlog as the work between a new
-    request and its first token. Counted whole, a replica serving one tenant with three cached requests waiting
-    (2300 prompt tokens each, 100 uncached) reported 6900 tokens, ~1.4 s of prefill on `kvgate bench routing`'s
-    sim engines, where ~0.06 s was left; the EPP's learned TTFT model, fed that, erred by 0.8-1.4× the measured
-    TTFT (median per request) on the cached shapes and by 0.1× on the no-reuse ones (docs/benchmarks.md).
+    request and its first token (the EPP's affinity filter leaves a warm replica when it is too long). Counted
+    whole, a replica serving one tenant with three cached requests waiting (2300 prompt tokens each, 100 uncached)
+    reported 6900 tokens, ~1.4 s of prefill on `kvgate bench routing`'s sim engines, where ~0.06 s was left.
     """
     decode = 1 if request.output_token_ids or request.num_output_placeholders else 0
     computed = request.num_computed_tokens

@@ -102,13 +102,14 @@ def without_scorer(profile_yaml: str, type_name: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
-def replacing_scorer(profile_yaml: str, type_name: str, new_type: str, first: bool = False) -> str:
-    """`profile_yaml` (one profile) with the plugin `type_name` replaced by `new_type`, with its weight, in its place
-    or, `first`, at the head of the profile (a filter too, it then runs before the others)."""
+def replacing_scorer(profile_yaml: str, type_name: str, new_type: str, parameters: dict | None = None,
+                     first: bool = False) -> str:
+    """`profile_yaml` (one profile) with the plugin `type_name` replaced by `new_type` (with `parameters`), with its
+    weight, in its place or, `first`, at the head of the profile (a filter too, it then runs before the others)."""
     doc = yaml.safe_load(profile_yaml)
     (plugin,) = [p for p in doc["plugins"] if p["type"] == type_name]
     plugin.clear()
-    plugin["type"] = new_type
+    plugin.update({"type": new_type, **({"parameters": parameters} if parameters else {})})
     refs = doc["schedulingProfiles"][0]["plugins"]
     (ref,) = [r for r in refs if r["pluginRef"] == type_name]
     ref["pluginRef"] = new_type
@@ -166,10 +167,11 @@ CONFIGURATIONS = [
                   with_parameters(KVGATE_PROFILE_YAML, "prefix-group-balance-scorer", fitKvCapacity=0),
                   kv_events=True),
     # the learned latency model as the profile's load term (docs/benchmarks.md: the model alone spreads tenants; here
-    # the cache-keeping scorers stay and it takes token-load's place)
+    # the cache-keeping scorers stay and it takes token-load's place); measured 2026-12-05: level, not kept
     RoutingConfig("kvgate-learned", "kvgate's profile with predicted-latency-scorer (TTFT learned online; its "
-                  "objectives filter first) in token-load-scorer's place, weight 1", "epp",
-                  replacing_scorer(KVGATE_PROFILE_YAML, "token-load-scorer", "predicted-latency-scorer", first=True),
+                  "objectives filter on, first) in token-load-scorer's place, weight 1", "epp",
+                  replacing_scorer(KVGATE_PROFILE_YAML, "token-load-scorer", "predicted-latency-scorer",
+                                   {"objectivesFilter": True}, first=True),
                   kv_events=True),
     RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
                   "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "

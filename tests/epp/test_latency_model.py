@@ -90,7 +90,7 @@ def test_objectives_prefer_endpoints_that_meet_them():
 
 
 def test_stated_objectives_filter_out_the_candidates_predicted_to_miss_them():
-    _, scorer, states = scorer_and_states()
+    _, scorer, states = scorer_and_states(", objectivesFilter: true")
     cycle = CycleState(LoadTracker().view(states))
     addresses = lambda kept: [e.address for e in kept]  # noqa: E731
     assert scorer.filter(request(), states, cycle) is states  # no objective: every candidate
@@ -98,7 +98,7 @@ def test_stated_objectives_filter_out_the_candidates_predicted_to_miss_them():
     assert scorer.filter(request(headers={"x-slo-ttft-ms": "10"}), states, cycle) is states  # none meets it
     assert scorer.filter(request(headers={"x-slo-ttft-ms": "1000"}), states, cycle) is states  # all meet it
     assert scorer.filter(request(headers={"x-slo-ttft-ms": "soon"}), states, cycle) is states  # not an objective
-    _, off, states = scorer_and_states(", objectivesFilter: false")
+    _, off, states = scorer_and_states()  # off by default
     assert off.filter(request(headers={"x-slo-ttft-ms": "200"}), states, cycle) is states
 
 
@@ -107,7 +107,7 @@ def test_an_objective_outweighs_the_cache_scorers_that_would_miss_it():
     objective leaves the replica holding its prompt when that replica's backlog would make it miss; without one it
     stays. The replica it left remains a fallback."""
     text = config("type: prefix-cache-scorer", "type: predicted-latency-scorer\n  parameters: "
-                  "{defaultPrefillTokensPerSecond: 1000, decodeMsPerRunningRequest: 2}",
+                  "{defaultPrefillTokensPerSecond: 1000, decodeMsPerRunningRequest: 2, objectivesFilter: true}",
                   "type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}")
     text += ("schedulingProfiles:\n- name: default\n  plugins:\n  - {pluginRef: predicted-latency-scorer, weight: 1}\n"
              "  - {pluginRef: prefix-cache-scorer, weight: 10}\n  - {pluginRef: max-score-picker}\n")

@@ -14,16 +14,22 @@ TTFT; the others in [0, 0.5) by how far they miss (the sum of the relative misse
 objectives are met if anywhere, else where it misses them least — unless it is sheddable (priority < 0, from its
 InferenceObjective): then the director answers 429 (llm-d's rule). Without objectives: by predicted TTFT alone.
 
-It is also a preference filter (objectivesFilter, default true), where it stands in the profile: a request that
-states objectives keeps the candidates predicted to meet them all, when some are and some are not (none or all:
-every candidate). Why: as one scorer among several, weighed below the cache scorers, the score's [0.5, 1] band
-would be outvoted, and a request with a 200 ms objective would still queue behind the replica holding its prefix;
-llm-d's SLO-aware routing likewise picks among the pods with headroom. The dropped candidates stay
-fallbacks, and the scores then order the kept ones.
+With objectivesFilter true it is also a preference filter, where it stands in the profile: a request that states
+objectives keeps the candidates predicted to meet them all, when some are and some are not (none or all: every
+candidate); the dropped candidates stay fallbacks, and the scores then order the kept ones. Why: as one scorer among
+several, weighed below the cache scorers, the score's [0.5, 1] band is outvoted, and a request with an objective
+still queues behind the replica holding its prefix; llm-d's SLO-aware routing picks among the pods with headroom.
+Why off by default: measured in kvgate's profile (`kvgate bench routing --workloads 'S:ttft_objective_ms=600,
+objective_share=0.25' --configs kvgate,kvgate-learned --rates 20` for S = hot-tenant and bursty-tenants, seeds
+0-2, 2026-12-05) it met fewer objectives than kvgate's profile, which ignores them: hot-tenant 84 / 91 / 101
+against 84 / 98 / 105 of 86 / 100 / 108; bursty-tenants seed 0 40 against 77 of 101, the requests it moved off
+their warm replicas going cold (hit rate 0.77 against 0.89). On shapes that reuse prefixes the model's TTFT error
+is about the TTFT itself (median per request 0.9-1.3× on hot-tenant at its saturation rate), too coarse to tell
+who meets 600 ms (docs/benchmarks.md).
 
 Parameters: defaultPrefillTokensPerSecond, decodeMsPerRunningRequest, prefixScorer (as predicted-ttft-scorer's, for
 the prior and the features), learn (default true; false keeps the prior: the analytic model, for comparison),
-objectivesFilter (default true).
+objectivesFilter (default false).
 """
 
 from __future__ import annotations
@@ -74,14 +80,14 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
     """predicted-ttft-scorer's terms (and parameters) as the model's features, its formula as the model's prior."""
 
     type_name = "predicted-latency-scorer"
-    preference = True  # the objectives filter's: the candidates it drops stay fallbacks
+    preference = True  # the objectives filter's (objectivesFilter): the candidates it drops stay fallbacks
     stats_group = "latency_model"
     reads_response_body = True  # it learns from each response's first-token time and token count
     produces = property(lambda self: (*PRODUCES_PICKED_UNCACHED.fget(self), OBJECTIVES_UNMEETABLE))
 
     def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
                  decode_ms_per_running_request: float = DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
-                 prefix_source_name: str = "", learn: bool = True, objectives_filter: bool = True) -> None:
+                 prefix_source_name: str = "", learn: bool = True, objectives_filter: bool = False) -> None:
         super().__init__(default_prefill_tokens_per_s, decode_ms_per_running_request, prefix_source_name)
         self.learn = learn
         self.objectives_filter = objectives_filter
@@ -220,4 +226,4 @@ def factory(parameters: dict | None) -> PredictedLatencyScorer:
     t = PredictedLatencyScorer.type_name
     params = check_keys(parameters, ANALYTIC_PARAMETERS | {"learn", "objectivesFilter"}, t)
     return PredictedLatencyScorer(**analytic_params(params, t), learn=bool_param(params, "learn", True, t),
-                                  objectives_filter=bool_param(params, "objectivesFilter", True, t))
+                                  objectives_filter=bool_param(params, "objectivesFilter", False, t))
