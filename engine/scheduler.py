@@ -196,7 +196,9 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         request.status = RequestStatus.WAITING
-        # a lookup of the blocks' hashes (kept on the request for admission): ~1 µs a block
+        # hashes the prompt's blocks now rather than at admission (kept on the request): ~1.8 µs a block, 256 µs for
+        # a 2304-token prompt on the 2-core dev machine (KVCacheManager.get_computed_blocks, block size 16); the
+        # lookup that admission repeats then costs ~1.5 µs when the first block misses
         request.num_cached_on_arrival = self.kv.get_computed_blocks(request)[1]
         self.requests[request.request_id] = request
         self.waiting.add(request)
