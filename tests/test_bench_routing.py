@@ -235,9 +235,17 @@ def test_shape_sets_and_command_line_shapes():
     assert generations.context_tokens() == 4096 and SHAPES["mixed-speed"].context_tokens() == 8192
 
 
+def _outcome(ttft_s: float, ok: bool = True):
+    """A streamed answer whose first token came `ttft_s` after it was sent (failed unless `ok`)."""
+    from kvgate.chaos.load import Outcome
+
+    o = Outcome(sent_at=10.0, max_tokens=1)
+    o.status, o.first_token_at, o.ended_at, o.tokens, o.usage_tokens, o.done = 200, 10.0 + ttft_s, 11.0, 1, 1, ok
+    return o
+
+
 def test_a_ttft_objective_knob_goes_with_every_request_and_is_judged_at_the_client():
     from kvgate.bench_routing.runner import objectives_met
-    from kvgate.chaos.load import Outcome
 
     shape = parse_shape("multi-tenant:ttft_objective_ms=500")
     requests = arrivals(shape, 4, 2, 0)
@@ -246,20 +254,14 @@ def test_a_ttft_objective_knob_goes_with_every_request_and_is_judged_at_the_clie
     with pytest.raises(ValueError, match="TTFT objective"):
         parse_shape("multi-tenant:ttft_objective_ms=-1")
 
-    def outcome(ttft_s, ok=True):
-        o = Outcome(sent_at=10.0, max_tokens=1)
-        o.status, o.first_token_at, o.ended_at, o.tokens, o.usage_tokens, o.done = 200, 10.0 + ttft_s, 11.0, 1, 1, ok
-        return o
-
-    got = objectives_met([outcome(0.2), outcome(0.7), outcome(0.1, ok=False)], requests[:3])
+    got = objectives_met([_outcome(0.2), _outcome(0.7), _outcome(0.1, ok=False)], requests[:3])
     assert {k: got[k] for k in ("stated", "met", "share_met")} == {"stated": 3, "met": 1, "share_met": 0.3333}
     assert got["stated_ttft_s"]["p50"] == pytest.approx(0.45) and got["others_ttft_s"]["p50"] is None
-    assert objectives_met([outcome(0.2)], arrivals(WORKLOADS["multi-tenant"], 4, 2, 0)[:1]) is None
+    assert objectives_met([_outcome(0.2)], arrivals(WORKLOADS["multi-tenant"], 4, 2, 0)[:1]) is None
 
 
 def test_a_share_of_the_requests_states_the_objective_the_same_ones_for_every_configuration():
     from kvgate.bench_routing.runner import objectives_met
-    from kvgate.chaos.load import Outcome
 
     shape = parse_shape("multi-tenant:ttft_objective_ms=300,objective_share=0.25")
     requests = arrivals(shape, 10, 20, 0)
@@ -269,12 +271,7 @@ def test_a_share_of_the_requests_states_the_objective_the_same_ones_for_every_co
     with pytest.raises(ValueError, match="objective_share"):
         parse_shape("multi-tenant:ttft_objective_ms=300,objective_share=1.5")
 
-    def outcome(ttft_s):
-        o = Outcome(sent_at=10.0, max_tokens=1)
-        o.status, o.first_token_at, o.ended_at, o.tokens, o.usage_tokens, o.done = 200, 10.0 + ttft_s, 11.0, 1, 1, True
-        return o
-
-    got = objectives_met([outcome(0.2 if s else 0.9) for s in stating], requests)
+    got = objectives_met([_outcome(0.2 if s else 0.9) for s in stating], requests)
     assert got["stated"] == got["met"] == sum(stating)
     assert got["stated_ttft_s"]["p90"] == pytest.approx(0.2) and got["others_ttft_s"]["p90"] == pytest.approx(0.9)
 

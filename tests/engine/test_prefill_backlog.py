@@ -70,8 +70,9 @@ def test_a_waiting_request_whose_cached_prefix_is_evicted_before_admission_count
     s.add_request(req("b", prefix + [3, 4, 5]))
     assert s.requests["b"].num_cached_on_arrival == 20 and s.num_prefill_tokens_pending == 3
     s.max_num_seqs = 8
-    s.kv.allocate_slots(req("squatter", range(900, 932)), 32)  # takes all 8 blocks: the prefix is evicted
-    s.kv.free(req("squatter", range(900, 932)))
+    squatter = req("squatter", range(900, 932))
+    s.kv.allocate_slots(squatter, 32)  # takes all 8 blocks: the prefix is evicted
+    s.kv.free(squatter)
     out = s.schedule()
     assert s.requests["b"].num_cached_tokens == 0  # admission asked the cache again: nothing left
     s.update_from_output(out, {x.request.request_id: 7 for x in out.scheduled if x.samples})
