@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.engine_client import EngineClient, make_engine_client
-from kvgate.engine.engine_messages import AbortRequest, AddRequest, EngineInfo, LoRACall, StepResult
+from kvgate.engine.engine_messages import AbortRequest, AddRequest, ArrivalProbe, EngineInfo, LoRACall, StepResult
 from kvgate.engine.errors import EngineDeadError, EngineError, LoRAError
 from kvgate.engine.llm_engine import EngineStats
 from kvgate.engine.lora.request import LoRARequest
@@ -65,8 +65,8 @@ class AsyncLLM:
         self._reported_at = 0.0  # when the loop last reported a step (monotonic; written by the loop's side)
         self._waiting_since = 0.0  # when requests started waiting after none were (a report's clock starts)
         self._watchdog: asyncio.Task | None = None
-        # Prompt tokens of requests sent to the loop that its last report did not yet include: (add number,
-        # prompt tokens x n). Only the event loop touches these.
+        # Prefill of requests sent to the loop that its last report did not yet include: (add number, prompt tokens
+        # x n, or the uncached ones once its ArrivalProbe came). Only the event loop touches these.
         self._adds_sent = 0
         self._unreported_adds: collections.deque[tuple[int, int]] = collections.deque()
         self._unreported_prefill_tokens = 0
@@ -86,8 +86,8 @@ class AsyncLLM:
 
     @property
     def num_prefill_tokens_pending(self) -> int:
-        """The engine's prefill backlog at its last report, plus the prompts sent to it since (which it has not
-        seen yet: they wait in full)."""
+        """The engine's prefill backlog at its last report, plus the prompts sent to it since, which it has not
+        reported yet: each one's uncached tokens as its ArrivalProbe found them, its whole prompt until then."""
         engine = self.stats.num_prefill_tokens_pending if self.stats is not None else 0
         return engine + self._unreported_prefill_tokens
 
@@ -103,8 +103,11 @@ class AsyncLLM:
         self._watchdog = asyncio.create_task(self._watch_steps())
         log.info("engine loop started (%s): %s, %d KV blocks", self.mode, info.model_name, info.num_blocks)
 
-    def _post(self, result: StepResult) -> None:
-        """A step report, on the client's thread."""
+    def _post(self, result: StepResult | ArrivalProbe) -> None:
+        """A step report or an arrival probe, on the client's thread."""
+        if isinstance(result, ArrivalProbe):  # not a step: it must not make a hung loop look alive
+            self._loop.call_soon_threadsafe(self._probed, result)
+            return
         # stamped here, on the loop's side, not in _dispatch: a busy event loop must not look like a hung engine
         self._reported_at = time.monotonic()
         self._loop.call_soon_threadsafe(self._dispatch, result)
@@ -128,6 +131,15 @@ class AsyncLLM:
                     f"the engine loop is hung: no step completed in {silent:.1f} s while {len(self._queues)} "
                     f"requests waited (--engine-step-timeout {self.step_timeout:g})"))
                 return
+
+    def _probed(self, probe: ArrivalProbe) -> None:
+        """Count a request the loop has not reported yet by what its prompt found in the prefix cache."""
+        unreported = self._unreported_adds
+        i = probe.add_number - unreported[0][0] if unreported else -1
+        if 0 <= i < len(unreported):  # else a report covered it first: the engine's own count rules
+            number, tokens = unreported[i]
+            unreported[i] = (number, probe.uncached_tokens)
+            self._unreported_prefill_tokens += probe.uncached_tokens - tokens
 
     def _dispatch(self, result: StepResult) -> None:
         self.stats = result.stats

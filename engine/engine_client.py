@@ -5,6 +5,9 @@
   reports over a pipe.
 
 Either client hands every step report to `on_result` and a death, once, to `on_death`, both on its own thread.
+Each AddRequest is also probed against the prefix cache where it reaches the engine's side — in `send` here, or by
+the engine process's pipe reader — while the loop may be in a step; the ArrivalProbe goes to `on_result` too
+(engine_loop.arrival_probe: the front's prefill backlog then counts the prompt's uncached tokens, not all of them).
 A death is an exception in the loop's thread, or any end of the pipe that `shutdown()` or `abandon()` did not ask
 for, whatever the exit code says: a process that is killed (SIGKILL, the OOM killer) closes its end before it can
 be reaped, so its exit code may still read None. An exception in the engine process is sent over the pipe before
@@ -23,12 +26,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.engine_loop import EngineLoop, engine_info
-from kvgate.engine.engine_messages import EngineInfo, LoopDied, Shutdown, StepResult
+from kvgate.engine.engine_loop import EngineLoop, arrival_probe, engine_info
+from kvgate.engine.engine_messages import AddRequest, ArrivalProbe, EngineInfo, LoopDied, Shutdown, StepResult
 from kvgate.engine.errors import EngineDeadError, EngineError
 from kvgate.engine.llm_engine import LLMEngine
 
-OnResult = Callable[[StepResult], None]
+OnResult = Callable[[StepResult | ArrivalProbe], None]
 OnDeath = Callable[[BaseException], None]
 
 
@@ -40,8 +43,9 @@ class EngineClient(ABC):
     @abstractmethod
     async def start(self, on_result: OnResult, on_death: OnDeath) -> tuple[EngineInfo, object]:
         """Build the engine and start its loop: (the engine's info, its tokenizer). Raises if building fails.
-        `on_result(step)` is called for every step report and `on_death(exc)` once if the loop ends unasked,
-        both on the client's thread (never the event loop)."""
+        `on_result(step)` is called for every step report and ArrivalProbe, and `on_death(exc)` once if the loop
+        ends unasked, on the client's thread (a probe on the thread that called send, which may be the event
+        loop's)."""
 
     @abstractmethod
     def send(self, command: object) -> None:
@@ -82,9 +86,13 @@ class ThreadEngineClient(EngineClient):
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._abandoned = False
+        self._engine: LLMEngine | None = None
+        self._on_result: OnResult | None = None
+        self._adds = 0
 
     async def start(self, on_result: OnResult, on_death: OnDeath) -> tuple[EngineInfo, object]:
         engine = await asyncio.to_thread(LLMEngine, self.config)
+        self._engine, self._on_result = engine, on_result
         self._thread = _start_thread(EngineLoop(engine, self._receive, on_result).run, "kvgate-engine", on_death)
         return engine_info(engine), engine.tokenizer
 
@@ -95,6 +103,11 @@ class ThreadEngineClient(EngineClient):
             return None
 
     def send(self, command: object) -> None:
+        if isinstance(command, AddRequest) and self._engine is not None:
+            self._adds += 1
+            probe = arrival_probe(self._engine, command, self._adds)
+            if probe is not None:
+                self._on_result(probe)
         self._commands.put(command)
 
     def is_alive(self) -> bool:
@@ -218,21 +231,55 @@ def _process_main(config: EngineConfig, conn, log_setup: tuple[int, str | None] 
         conn.send(exc)
         return
     conn.send(engine_info(engine))
+    # A reader thread takes commands off the pipe as they come, so that each AddRequest is probed while the loop
+    # may be in a step (engine_loop.arrival_probe), and hands them to the loop in order; two threads send.
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    send_lock = threading.Lock()
+
+    def send(message) -> None:
+        with send_lock:
+            conn.send(message)
+
+    def read() -> None:
+        adds = 0
+        while True:
+            try:
+                command = conn.recv()
+            except (EOFError, OSError):  # the server process is gone
+                command = Shutdown()
+            except Exception as exc:  # noqa: BLE001 - a message that does not unpickle: the loop dies of it
+                commands.put(exc)
+                return
+            if isinstance(command, AddRequest):
+                adds += 1
+                probe = arrival_probe(engine, command, adds)
+                if probe is not None:
+                    try:
+                        send(probe)
+                    except OSError:  # the server is gone: the loop learns it from the pipe's end
+                        pass
+            commands.put(command)
+            if isinstance(command, Shutdown):
+                return
+
+    threading.Thread(target=read, name="kvgate-engine-commands", daemon=True).start()
 
     def receive(timeout):
-        if timeout is None or conn.poll(timeout):
-            try:
-                return conn.recv()
-            except EOFError:  # the server process is gone
-                return Shutdown()
-        return None
+        try:
+            item = commands.get() if timeout is None else commands.get(timeout=timeout) if timeout > 0 \
+                else commands.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     try:
-        EngineLoop(engine, receive, conn.send).run()
+        EngineLoop(engine, receive, send).run()
     except BaseException as exc:  # noqa: BLE001 - told to the server, then this process exits with 1
         logging.getLogger(__name__).exception("engine loop failed")
         try:
-            conn.send(LoopDied(f"{type(exc).__name__}: {exc}"))
+            send(LoopDied(f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
         raise SystemExit(1) from None

@@ -87,6 +87,16 @@ class StepResult:
 
 
 @dataclass
+class ArrivalProbe:
+    """The prefill an AddRequest brings, as the prefix cache stood when it reached the engine's side (before the
+    loop takes it, which waits for the running step): the front counts these tokens in its prefill backlog until a
+    StepResult covers the request, instead of the whole prompt (engine_loop.arrival_probe says why)."""
+
+    add_number: int  # the request is the add_number-th AddRequest sent (StepResult.adds_received counts the same)
+    uncached_tokens: int  # (prompt - its cached prefix) x n
+
+
+@dataclass
 class LoopDied:
     """The engine process's last message when its loop raised: the error as text (it may not pickle)."""
 

@@ -11,12 +11,12 @@ from kvgate.engine.kv_events import BlockStored
 from kvgate.engine.request import Request
 
 
-def _namespace(request: Request) -> tuple:
+def _namespace(cache_salt: str | None, lora_request) -> tuple:
     """What roots a request's hash chain: its cache salt and adapter (blocks are never shared across adapters, nor
     with the base model; the id, unique for an engine's life, so a name re-added with new weights starts afresh)."""
-    if request.lora_request is None:
-        return (request.cache_salt,)
-    return (request.cache_salt, f"lora:{request.lora_request.lora_int_id}")
+    if lora_request is None:
+        return (cache_salt,)
+    return (cache_salt, f"lora:{lora_request.lora_int_id}")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -55,7 +55,7 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         num_full = len(tokens) // bs
-        parent = hashes[-1] if hashes else root_block_hash(_namespace(request))
+        parent = hashes[-1] if hashes else root_block_hash(_namespace(request.cache_salt, request.lora_request))
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)
@@ -74,6 +74,23 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def probe_cached_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None, lora_request=None) -> int:
+        """What get_computed_blocks would find for a prompt arriving now, in tokens, without a request and without
+        changing anything: the engine's side asks it while the loop may be in a step (engine_loop.arrival_probe),
+        each table lookup being one dict read. Hashes block by block and stops at the first miss, so a cold prompt
+        costs one block's hash. Raises what hashing raises on ids that are not int64s (the caller's to catch)."""
+        if not self.enable_caching:
+            return 0
+        bs, cached = self.block_size, self.pool.cached
+        parent = root_block_hash(_namespace(cache_salt, lora_request))
+        hits = 0
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
+            if parent not in cached:
+                break
+            hits += 1
+        return hits * bs
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_stats.queries += num_tokens

@@ -13,7 +13,7 @@ from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.engine_client import (ENGINE_CLIENTS, EngineClient, ProcessEngineClient, ThreadEngineClient,
                                          make_engine_client)
 from kvgate.engine.engine_loop import EngineLoop
-from kvgate.engine.engine_messages import (AbortRequest, AddRequest, EngineInfo, LoRACall, LoRAReply,
+from kvgate.engine.engine_messages import (AbortRequest, AddRequest, ArrivalProbe, EngineInfo, LoRACall, LoRAReply,
                                            RequestFailed, Shutdown, StepResult)
 from kvgate.engine.errors import EngineDeadError, EngineError
 from kvgate.engine.llm_engine import EngineStats
@@ -175,6 +175,53 @@ def test_a_death_fails_every_waiting_request_once_and_calls_on_dead():
         assert not client.sent_of(AbortRequest)  # a dead engine is not asked to abort
         with pytest.raises(EngineError, match="the engine stopped"):
             await llm.generate("later", [1], SamplingParams()).__anext__()
+
+    asyncio.run(main())
+
+
+def test_arrival_probes_count_unreported_requests_by_their_uncached_prompt():
+    async def main():
+        llm, client = await started()
+        streams = [asyncio.ensure_future(llm.generate(f"r{i}", [1] * 100, SamplingParams()).__anext__())
+                   for i in range(3)]
+        await until(lambda: len(client.sent_of(AddRequest)) == 3)
+        assert llm.num_prefill_tokens_pending == 300  # unprobed, unreported: whole
+        client.on_result(ArrivalProbe(2, 4))  # the second found 96 tokens cached
+        await until(lambda: llm.num_prefill_tokens_pending == 204)
+        client.on_result(ArrivalProbe(1, 100))  # the first found nothing
+        client.on_result(ArrivalProbe(3, 20))
+        await until(lambda: llm.num_prefill_tokens_pending == 124)
+        client.report(adds=2)  # the loop took the first two: its stats (STATS: 0 pending) now hold them
+        await until(lambda: llm.num_prefill_tokens_pending == 20)
+        client.on_result(ArrivalProbe(2, 50))  # late, for a request a report covered: ignored
+        client.on_result(ArrivalProbe(9, 50))  # for no request sent: ignored
+        await asyncio.sleep(0.01)
+        assert llm.num_prefill_tokens_pending == 20
+        client.report(adds=3)
+        await until(lambda: llm.num_prefill_tokens_pending == 0)
+        for s in streams:
+            s.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_arrival_probes_do_not_keep_a_hung_loop_alive():
+    async def main():
+        deaths = []
+        llm, client = await started(on_dead=deaths.append, step_timeout=0.2)
+        pending = asyncio.ensure_future(llm.generate("r", [1], SamplingParams()).__anext__())
+
+        async def probe_forever():  # an engine process's pipe reader answers probes while its loop hangs
+            for _ in range(200):
+                client.on_result(ArrivalProbe(1, 1))
+                await asyncio.sleep(0.02)
+
+        prober = asyncio.ensure_future(probe_forever())
+        with pytest.raises(EngineDeadError, match="hung: no step completed"):
+            await asyncio.wait_for(pending, 5)
+        prober.cancel()
+        assert client.abandoned and len(deaths) == 1
 
     asyncio.run(main())
 

@@ -129,3 +129,51 @@ def test_counter_equals_a_recount_under_a_random_workload():
         while s.requests:
             s.finish_request(next(iter(s.requests)), RequestStatus.FINISHED_ABORTED)
         assert s.num_prefill_tokens_pending == 0
+
+
+def test_the_arrival_probe_finds_what_admission_would_and_changes_nothing():
+    """KVCacheManager.probe_cached_tokens (what the engine's side asks while a step may run): the same tokens as
+    get_computed_blocks for every namespace and length, and no table, order or statistic touched."""
+    from kvgate.engine.lora.request import LoRARequest
+
+    rng = random.Random(5)
+    lora = LoRARequest("a", 3, "/nowhere")
+    s = make(num_blocks=64, block_size=4, max_num_batched_tokens=256)
+    prefix = list(range(300, 330))  # 7 full blocks and 2 tokens
+    s.add_request(Request("cached", prefix, SamplingParams(max_tokens=1), max_model_len=256, cache_salt="t1"))
+    step(s)
+    kv = s.kv  # the adapter's blocks entered as a step would (this scheduler has no adapter manager)
+    kv.allocate_slots(Request("lora", prefix, SamplingParams(), max_model_len=256, lora_request=lora), len(prefix))
+    table, order, stats = dict(kv.pool.cached), [b.block_id for b in kv.pool.free_queue], vars(kv.prefix_stats).copy()
+    for salt, adapter in ((None, None), ("t1", None), ("t2", None), (None, lora), ("t1", lora)):
+        for n in (1, 3, 4, 5, 8, 28, 29, 30, 31, 40):
+            prompt = prefix[:n] + [rng.randrange(1000) for _ in range(rng.randrange(3))]
+            if not prompt:
+                continue
+            probed = kv.probe_cached_tokens(prompt, salt, adapter)
+            fresh = Request("q", prompt, SamplingParams(), max_model_len=256, cache_salt=salt, lora_request=adapter)
+            assert probed == kv.get_computed_blocks(fresh)[1], (salt, adapter, n)
+    assert kv.probe_cached_tokens(prefix + [1], "t1") == 28  # the 7 blocks a's step entered
+    assert kv.probe_cached_tokens(prefix + [1], None, lora) == 28 and kv.probe_cached_tokens(prefix + [1]) == 0
+    assert dict(kv.pool.cached) == table and [b.block_id for b in kv.pool.free_queue] == order
+    assert vars(kv.prefix_stats) == stats
+    assert KVCacheManager(8, 4, enable_caching=False).probe_cached_tokens(prefix) == 0
+
+
+def test_the_arrival_probe_counts_the_uncached_prompt_and_never_raises():
+    """engine_loop.arrival_probe: (prompt - cached) x n for a prompt the engine can read; None for one it cannot
+    (ids that are not int64s: the engine refuses those itself), so the front counts it whole until a report."""
+    from types import SimpleNamespace
+
+    from kvgate.engine.engine_loop import arrival_probe
+    from kvgate.engine.engine_messages import AddRequest, ArrivalProbe
+
+    s = make(num_blocks=64, block_size=4, max_num_batched_tokens=256)
+    s.add_request(req("a", range(400, 420)))
+    step(s)
+    engine = SimpleNamespace(kv_cache_manager=s.kv)
+    follower = AddRequest("b", list(range(400, 420)) + [1, 2, 3], SamplingParams(n=2))
+    assert arrival_probe(engine, follower, 7) == ArrivalProbe(7, (23 - 20) * 2)
+    assert arrival_probe(engine, AddRequest("c", [5, 6, 7], SamplingParams()), 8) == ArrivalProbe(8, 3)
+    for bad in ([2**70] * 9, ["x"] * 9, [None] * 9):
+        assert arrival_probe(engine, AddRequest("d", bad, SamplingParams()), 9) is None

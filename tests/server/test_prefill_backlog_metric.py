@@ -58,3 +58,45 @@ def test_gauge_follows_the_prefill_backlog_exactly(kvgate_cache, engine_loop):
         computed, seconds = after["kvgate:prefill_tokens_computed_total"], after["kvgate:prefill_step_seconds_total"]
         assert computed == NUM_PROMPTS * (PROMPT - 1)
         assert 150 < computed / seconds <= CHUNK / (CHUNK * 0.003 + 0.006), (computed, seconds)
+
+
+@pytest.mark.parametrize("engine_loop", ["thread", "process"])
+def test_a_request_that_arrives_during_a_step_counts_its_uncached_prompt(kvgate_cache, engine_loop):
+    """A follower of a cold prompt arrives while the cold prompt's one long step runs, so the loop cannot take it
+    yet: the gauge counts its uncached tokens (the arrival probe found the cold prompt's blocks, entered when the
+    step was scheduled), not its whole prompt (engine_loop.arrival_probe)."""
+    cold = [40] + [65 + (j % 26) for j in range(159)]  # 160 tokens: 10 full blocks of 16
+    follower = cold + [70] * 32  # 192 tokens, 160 of them cached once the cold step is scheduled
+    # ~3.2 s for the cold prompt's step (20 ms a token), in which the follower arrives after 1 s
+    with KvgateServe("sim-8b", "--backend", "sim", "--engine-loop", engine_loop, "--sim-prefill-ms-per-token", "20",
+                     cache_dir=kvgate_cache) as server:
+        seen: list[float] = []
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                async def gauge() -> float:
+                    r = await client.get("/metrics", params={"name[]": "kvgate:num_prefill_tokens_pending"})
+                    return next(float(line.split()[-1]) for line in r.text.splitlines()
+                                if line.startswith("kvgate:num_prefill_tokens_pending{"))
+
+                first = asyncio.create_task(client.post("/v1/completions", json={
+                    "prompt": cold, "max_tokens": 1}))
+                await asyncio.sleep(1.0)
+                second = asyncio.create_task(client.post("/v1/completions", json={
+                    "prompt": follower, "max_tokens": 1}))
+                while not first.done() and len(seen) < 1000:
+                    seen.append(await gauge())
+                    if seen[-1] == 160 + 32:
+                        break
+                    await asyncio.sleep(0.01)
+                during = not first.done()
+                replies = await asyncio.gather(first, second)
+                return during, [r.status_code for r in replies]
+
+        during, codes = asyncio.run(main())
+        assert codes == [200, 200]
+        # the cold prompt whole (unreported, nothing cached) + the follower's 32 uncached tokens, while the step ran;
+        # counted whole, the follower made it 352 for the step's whole length
+        assert during and seen[-1] == 192, seen
+        assert set(seen) <= {160, 352, 192}, seen  # 352 only in process mode, until the probe crosses the pipe
+        assert scrape(server.url)["kvgate:num_prefill_tokens_pending"] == 0
