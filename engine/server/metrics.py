@@ -27,7 +27,8 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
 
 # kvgate's own gauge for routers (vLLM has none): prompt tokens still to prefill across waiting and running
 # requests — the exact prefill backlog, updated every engine step. Defined in scheduler.prefill_tokens_pending;
-# requests the server handed to the engine loop that it has not reported yet count in full.
+# requests the server handed to the engine loop that it has not reported yet count their prompt less what the prefix
+# cache held when they reached the engine's side (engine_loop.arrival_probe), in full until that probe answers.
 PREFILL_PENDING = "kvgate:num_prefill_tokens_pending"
 # The engine's own prefill timing, from which a router learns how fast this replica prefills (a pool may mix
 # hardware): prompt tokens computed, and the seconds of the engine steps that computed them.

@@ -173,6 +173,11 @@ CONFIGURATIONS = [
                   replacing_scorer(KVGATE_PROFILE_YAML, "token-load-scorer", "predicted-latency-scorer",
                                    {"objectivesFilter": True}, first=True),
                   kv_events=True),
+    # the affinity filter's loadTolerance re-measured once the engines' backlog counted unreported requests by their
+    # uncached prompt (2026-12-05, the arrival probe): 4 was chosen while followers still counted whole
+    *(RoutingConfig(f"kvgate-tol{t:g}", f"kvgate's profile with the affinity filter's loadTolerance {t:g}", "epp",
+                    with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", loadTolerance=t),
+                    kv_events=True) for t in (1, 2)),
     RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
                   "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "
                   "through the EPP's header-based-testing-filter (bench_routing/oracle.py)", "epp",
