@@ -53,7 +53,8 @@ class EngineLoop:
                     try:
                         engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                            priority=command.priority, cache_salt=command.cache_salt,
-                                           arrival_time=command.arrival_time, lora_request=command.lora_request)
+                                           arrival_time=command.arrival_time, lora_request=command.lora_request,
+                                           block_hashes=command.block_hashes)
                     except Exception as exc:  # noqa: BLE001 - reported to that request, the loop goes on
                         failures.append(RequestFailed(command.request_id, exc))
                 elif isinstance(command, LoRACall):
@@ -91,12 +92,13 @@ def arrival_probe(engine: LLMEngine, command: AddRequest, add_number: int) -> Ar
     a warm replica. Measured on small-kv at saturation (seed 0), prompts the engine had not yet reported made 28%
     of the gauge on average while a replica was busy, and more than half of it in 21-30% of the scrapes.
 
-    Read-only (KVCacheManager.probe_cached_tokens), so it is safe beside a running step; the blocks a running step
+    Read-only (KVCacheManager.probe_prefix), so it is safe beside a running step; the blocks a running step
     computes are already in the table (they are entered when allocated), so a request following a cold one finds
-    them. None when the prompt cannot be hashed (ids the engine will refuse anyway: it counts whole until then)."""
+    them. The hashes it computed go with the command (AddRequest.block_hashes), so the prompt is hashed once. None
+    when the prompt cannot be hashed (ids the engine will refuse anyway: it counts whole until then)."""
     try:
-        cached = engine.kv_cache_manager.probe_cached_tokens(command.prompt_token_ids, command.cache_salt,
-                                                             command.lora_request)
+        cached, command.block_hashes = engine.kv_cache_manager.probe_prefix(
+            command.prompt_token_ids, command.cache_salt, command.lora_request)
         n = max(int(command.params.n), 1)
         return ArrivalProbe(add_number, (len(command.prompt_token_ids) - cached) * n)
     except Exception:  # noqa: BLE001 - a hint only: a prompt it cannot read is the engine's to refuse

@@ -25,6 +25,9 @@ class AddRequest:
     cache_salt: str | None = None
     arrival_time: float | None = None
     lora_request: LoRARequest | None = None
+    # Set on the engine's side by engine_loop.arrival_probe, never sent by the front: the prompt's leading block
+    # hashes the probe computed, which the request then starts with instead of computing them again.
+    block_hashes: list[bytes] | None = None
 
 
 @dataclass

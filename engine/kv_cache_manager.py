@@ -75,22 +75,25 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def probe_cached_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None, lora_request=None) -> int:
+    def probe_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None, lora_request=None
+                     ) -> tuple[int, list[bytes]]:
         """What get_computed_blocks would find for a prompt arriving now, in tokens, without a request and without
-        changing anything: the engine's side asks it while the loop may be in a step (engine_loop.arrival_probe),
-        each table lookup being one dict read. Hashes block by block and stops at the first miss, so a cold prompt
-        costs one block's hash. Raises what hashing raises on ids that are not int64s (the caller's to catch)."""
+        changing anything, and the block hashes it computed on the way (the request's first `block_hashes`, so that
+        add_request need not compute them again): the engine's side asks it while the loop may be in a step
+        (engine_loop.arrival_probe), each table lookup being one dict read. Hashes block by block and stops at the
+        first miss, so a cold prompt costs one block's hash. Raises what hashing raises on ids that are not int64s
+        (the caller's to catch)."""
         if not self.enable_caching:
-            return 0
+            return 0, []
         bs, cached = self.block_size, self.pool.cached
         parent = root_block_hash(_namespace(cache_salt, lora_request))
-        hits = 0
+        hashes: list[bytes] = []
         for i in range((len(token_ids) - 1) // bs):
             parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
+            hashes.append(parent)
             if parent not in cached:
-                break
-            hits += 1
-        return hits * bs
+                return (len(hashes) - 1) * bs, hashes
+        return len(hashes) * bs, hashes
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_stats.queries += num_tokens

@@ -266,9 +266,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        block_hashes: list[bytes] | None = None,
     ) -> list[int]:
         """Queue a request (a text prompt or token ids) for the base model or a registered adapter; returns the
-        prompt token ids. Raises on bad input."""
+        prompt token ids. Raises on bad input. `block_hashes`: the prompt's leading block hashes as the engine loop's
+        arrival probe computed them for these token ids, salt and adapter (engine_loop.arrival_probe), not hashed
+        again."""
         params = params or SamplingParams()
         if lora_request is not None and self._lora_manager().get(lora_request.lora_name) != lora_request:
             raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} is not loaded", param="model")
@@ -311,6 +314,8 @@ class LLMEngine:
             request = Request(child_id, token_ids, child_params, arrival_time=arrival, priority=priority,
                               cache_salt=cache_salt, lora_request=lora_request, max_model_len=self.max_model_len,
                               sample_index=index)
+            if block_hashes:
+                request.block_hashes = list(block_hashes)
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, child_params, token_ids)
             children.append((child_id, index, request))
         self._parents[request_id] = _Parent(text, token_ids, child_ids)

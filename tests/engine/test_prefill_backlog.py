@@ -132,8 +132,9 @@ def test_counter_equals_a_recount_under_a_random_workload():
 
 
 def test_the_arrival_probe_finds_what_admission_would_and_changes_nothing():
-    """KVCacheManager.probe_cached_tokens (what the engine's side asks while a step may run): the same tokens as
-    get_computed_blocks for every namespace and length, and no table, order or statistic touched."""
+    """KVCacheManager.probe_prefix (what the engine's side asks while a step may run): the same tokens as
+    get_computed_blocks for every namespace and length, hashes that begin the request's own, and no table, order
+    or statistic touched."""
     from kvgate.engine.lora.request import LoRARequest
 
     rng = random.Random(5)
@@ -150,14 +151,16 @@ def test_the_arrival_probe_finds_what_admission_would_and_changes_nothing():
             prompt = prefix[:n] + [rng.randrange(1000) for _ in range(rng.randrange(3))]
             if not prompt:
                 continue
-            probed = kv.probe_cached_tokens(prompt, salt, adapter)
+            probed, hashes = kv.probe_prefix(prompt, salt, adapter)
             fresh = Request("q", prompt, SamplingParams(), max_model_len=256, cache_salt=salt, lora_request=adapter)
             assert probed == kv.get_computed_blocks(fresh)[1], (salt, adapter, n)
-    assert kv.probe_cached_tokens(prefix + [1], "t1") == 28  # the 7 blocks a's step entered
-    assert kv.probe_cached_tokens(prefix + [1], None, lora) == 28 and kv.probe_cached_tokens(prefix + [1]) == 0
+            assert hashes == fresh.block_hashes[:len(hashes)]  # the request's own chain, to the first miss
+            assert len(hashes) == min(probed // 4 + 1, (len(prompt) - 1) // 4)
+    assert kv.probe_prefix(prefix + [1], "t1")[0] == 28  # the 7 blocks a's step entered
+    assert kv.probe_prefix(prefix + [1], None, lora)[0] == 28 and kv.probe_prefix(prefix + [1])[0] == 0
     assert dict(kv.pool.cached) == table and [b.block_id for b in kv.pool.free_queue] == order
     assert vars(kv.prefix_stats) == stats
-    assert KVCacheManager(8, 4, enable_caching=False).probe_cached_tokens(prefix) == 0
+    assert KVCacheManager(8, 4, enable_caching=False).probe_prefix(prefix) == (0, [])
 
 
 def test_the_arrival_probe_counts_the_uncached_prompt_and_never_raises():
@@ -174,6 +177,8 @@ def test_the_arrival_probe_counts_the_uncached_prompt_and_never_raises():
     engine = SimpleNamespace(kv_cache_manager=s.kv)
     follower = AddRequest("b", list(range(400, 420)) + [1, 2, 3], SamplingParams(n=2))
     assert arrival_probe(engine, follower, 7) == ArrivalProbe(7, (23 - 20) * 2)
+    assert follower.block_hashes == s.requests["a"].block_hashes[:5]  # handed on: add_request does not redo them
     assert arrival_probe(engine, AddRequest("c", [5, 6, 7], SamplingParams()), 8) == ArrivalProbe(8, 3)
     for bad in ([2**70] * 9, ["x"] * 9, [None] * 9):
-        assert arrival_probe(engine, AddRequest("d", bad, SamplingParams()), 9) is None
+        command = AddRequest("d", bad, SamplingParams())
+        assert arrival_probe(engine, command, 9) is None and command.block_hashes is None
