@@ -115,7 +115,9 @@ def test_metrics_names_values_and_movement(demo_server):
                     peak["usage"] = max(peak["usage"], m["vllm:kv_cache_usage_perc"])
                     peak["running"] = max(peak["running"], m["vllm:num_requests_running"])
                     peak["pending"] = max(peak["pending"], m["kvgate:num_prefill_tokens_pending"])
-                    await asyncio.sleep(0.05)
+                    # the prefill backlog lasts the tiny model's first two steps, a few tens of ms: a 50 ms pause
+                    # missed it once under `make test`'s load
+                    await asyncio.sleep(0.005)
 
             watcher = asyncio.create_task(watch())
             prefix = "shared system prompt " * 10  # > 2 blocks of the byte tokenizer
