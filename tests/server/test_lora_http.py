@@ -89,13 +89,16 @@ def _lora_info(url: str) -> dict:
 
 def test_runtime_load_and_unload_while_others_stream(server, adapters, expected):
     _, paths = adapters
-    failures, done = [], []
+    failures, done, answered = [], [], []
 
     def stream(model: str) -> None:
         try:
             with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
                     "model": model, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
-                body = "".join(r.iter_text())
+                chunks = r.iter_text()
+                body = next(chunks, "")  # the first token: the engine runs the request
+                answered.append(model)
+                body += "".join(chunks)
             if r.status_code != 200 or '"error"' in body or "[DONE]" not in body:
                 failures.append((model, r.status_code, body[-300:]))
             done.append(model)
@@ -105,6 +108,13 @@ def test_runtime_load_and_unload_while_others_stream(server, adapters, expected)
     threads = [threading.Thread(target=stream, args=(m,)) for m in ("all-r8", "attn-r4-rslora", "tiny") * 2]
     for t in threads:
         t.start()
+    # Unload only once every stream has its first token: a thread the OS starts late would send its request
+    # after the unload and be refused, as a new request should be (CI saw it once under load).
+    for _ in range(600):
+        if len(answered) + len(failures) == len(threads):
+            break
+        time.sleep(0.02)
+    assert len(answered) == len(threads), failures
     seen_running = set()
     for _ in range(100):  # the metric shows the adapters of running requests (the EPP's lora-affinity-scorer input)
         info = _lora_info(server.url)
