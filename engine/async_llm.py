@@ -91,6 +91,22 @@ class AsyncLLM:
         engine = self.stats.num_prefill_tokens_pending if self.stats is not None else 0
         return engine + self._unreported_prefill_tokens
 
+    @property
+    def num_prefill_tokens_awaiting_step(self) -> int:
+        """Of num_prefill_tokens_pending, the prompts of requests the engine has not reported yet. The loop reports
+        the commands it took before the step that takes them (engine_loop), so no running step computes these."""
+        return self._unreported_prefill_tokens
+
+    @property
+    def step_age_s(self) -> float:
+        """How long the engine's current step has run: seconds since its last report (the loop reports after every
+        step, and before one that takes new commands), or since requests started waiting after none were; 0 when it
+        has no requests. With the gauges above it tells a router how much of the reported backlog the running step
+        has computed by now (docs/engine.md)."""
+        if not self._queues:
+            return 0.0
+        return max(time.monotonic() - max(self._reported_at, self._waiting_since), 0.0)
+
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -122,9 +138,7 @@ class AsyncLLM:
         interval = min(1.0, self.step_timeout / 4)
         while self.error is None and not self._stopping:
             await asyncio.sleep(interval)
-            if not self._queues:
-                continue
-            silent = time.monotonic() - max(self._reported_at, self._waiting_since)
+            silent = self.step_age_s
             if silent > self.step_timeout:
                 self._client.abandon()  # first: the end of the loop it may cause is then no second death
                 self._fail_all(RuntimeError(

@@ -68,6 +68,13 @@ class EngineLoop:
                     engine.abort_request(command.request_id)
                 command = self.receive(0.0)
             stepped = engine.has_unfinished_requests()
+            if changed and stepped:
+                # What the commands changed is reported before the step that takes them: the server then counts
+                # those requests in the engine's own backlog (not as awaiting a step), and times the running step
+                # from its start (AsyncLLM.step_age_s). One report more per step that takes commands (~µs).
+                self.send(StepResult([], failures, engine.stats(), adds_received, replies))
+                failures, replies, changed = [], [], False
+                reported_at, reported_pending = time.monotonic(), engine.scheduler.num_prefill_tokens_pending
             outputs = engine.step() if stepped else []
             failures += [RequestFailed(rid, exc) for rid, exc in engine.take_failures()]
             now = time.monotonic()

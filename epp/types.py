@@ -38,6 +38,10 @@ class EndpointMetrics:
     num_kv_blocks: int | None = None
     # kvgate engines: kvgate:num_prefill_tokens_pending (prompt tokens still to prefill); None = not exported
     prefill_tokens_pending: int | None = None
+    # kvgate engines: kvgate:num_prefill_tokens_awaiting_step (of that backlog, prompts no step has taken yet) and
+    # kvgate:engine_step_age_seconds (how long the engine's current step had run at the scrape); None = not exported
+    prefill_tokens_awaiting_step: int | None = None
+    step_age_s: float | None = None
     # vllm:prefix_cache_queries_total / _hits_total (tokens, counted at admission); None = not exported
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
@@ -49,6 +53,21 @@ class EndpointMetrics:
     prefill_tokens_per_s: float | None = None
     prefill_rate_timed: bool = False
     updated_at: float = 0.0  # time.monotonic() of the last successful scrape; 0 = never
+
+    @property
+    def prefill_backlog(self) -> int | None:
+        """The prefill backlog at the scrape, less what the engine's running step had computed of it by then: that
+        step's age × the engine's prefill rate, at most the part of the backlog a step has taken (requests awaiting a
+        step are not being computed). Why: the backlog gauge moves only when a step ends; a step computing a cold
+        2300-token prompt lasts ~0.46 s on the bench's sim engines, and a scrape lands anywhere in it, so the gauge
+        over-counts by up to a whole step's prompt tokens, ~half of one on average (docs/benchmarks.md). The
+        gauge as scraped where the engine does not export the phase or its rate is unknown; None without a gauge."""
+        pending = self.prefill_tokens_pending
+        if (pending is None or self.step_age_s is None or self.prefill_tokens_awaiting_step is None
+                or not self.prefill_tokens_per_s):
+            return pending
+        in_steps = max(pending - self.prefill_tokens_awaiting_step, 0)
+        return pending - min(in_steps, int(self.step_age_s * self.prefill_tokens_per_s))
 
     @property
     def kv_cache_tokens(self) -> int | None:

@@ -30,6 +30,11 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
 # requests the server handed to the engine loop that it has not reported yet count their prompt less what the prefix
 # cache held when they reached the engine's side (engine_loop.arrival_probe), in full until that probe answers.
 PREFILL_PENDING = "kvgate:num_prefill_tokens_pending"
+# The running step's phase, so that a router can tell how much of that backlog is being computed as it reads it:
+# the part of the backlog no step has taken yet, and how long the engine's current step has run (a step that
+# computes a cold 2300-token prompt lasts ~0.46 s on the bench's sim engines; a scrape lands anywhere in it).
+PREFILL_AWAITING_STEP = "kvgate:num_prefill_tokens_awaiting_step"
+STEP_AGE = "kvgate:engine_step_age_seconds"
 # The engine's own prefill timing, from which a router learns how fast this replica prefills (a pool may mix
 # hardware): prompt tokens computed, and the seconds of the engine steps that computed them.
 PREFILL_TOKENS = "kvgate:prefill_tokens_computed"
@@ -61,6 +66,10 @@ DRAFT_MODEL = {
 # The stats families, in the order a scrape lists them.
 PENDING = FamilySpec(PREFILL_PENDING, "gauge", "Prompt tokens still to prefill (not yet computed or taken from the "
                      "prefix cache) across waiting and running requests.")
+AWAITING_STEP = FamilySpec(PREFILL_AWAITING_STEP, "gauge", "Of kvgate:num_prefill_tokens_pending, the prompt tokens "
+                           "of requests the engine has not taken into a step yet.")
+AGE = FamilySpec(STEP_AGE, "gauge", "Seconds the engine's current step has run (since its last step report); 0 when "
+                 "it has no requests.")
 COMPUTED = FamilySpec(PREFILL_TOKENS, "counter", "Prompt tokens whose K/V the engine computed (prefix-cache hits not "
                       "counted; recomputation after preemption counted).")
 STEP_SECONDS = FamilySpec(PREFILL_SECONDS, "counter", "Seconds of the engine steps that computed prompt tokens (each "
@@ -81,7 +90,7 @@ CACHE_INFO = FamilySpec("vllm:cache_config_info", "gauge", "Information of the K
                         ("block_size", "cache_dtype", "num_gpu_blocks", "model_name"))
 LORA_INFO = FamilySpec("vllm:lora_requests_info", "gauge", "Running stats on LoRA requests.",
                        ("max_lora", "running_lora_adapters", "waiting_lora_adapters"))
-STATS_FAMILIES = (PENDING, COMPUTED, STEP_SECONDS, RUNNING, WAITING, KV_USAGE, QUERIES, HITS, PREEMPTIONS, SPEC_PAUSED,
+STATS_FAMILIES = (PENDING, AWAITING_STEP, AGE, COMPUTED, STEP_SECONDS, RUNNING, WAITING, KV_USAGE, QUERIES, HITS, PREEMPTIONS, SPEC_PAUSED,
                   *SPEC_COUNTERS.values(), *DRAFT_COUNTERS.values(), CACHE_INFO, LORA_INFO)
 
 
@@ -130,6 +139,8 @@ class EngineStatsCollector:
     def families(self) -> Iterator[Family]:
         stats, info, one = self.llm.stats, self.llm.info, self.one
         yield PENDING, [(one, self.llm.num_prefill_tokens_pending)]
+        yield AWAITING_STEP, [(one, self.llm.num_prefill_tokens_awaiting_step)]
+        yield AGE, [(one, round(self.llm.step_age_s, 4))]
         yield COMPUTED, [(one, stats.prefill_tokens_computed if stats is not None else 0)]
         yield STEP_SECONDS, [(one, stats.prefill_step_seconds if stats is not None else 0.0)]
         if stats is not None:

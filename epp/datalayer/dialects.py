@@ -32,6 +32,8 @@ class Dialect:
     block_size: Series | None = None  # tokens per KV block, as a sample value
     num_blocks: Series | None = None  # KV blocks in total, as a sample value
     prefill_pending: Series | None = None  # prompt tokens still to prefill (kvgate's gauge), summed
+    prefill_awaiting_step: Series | None = None  # of those, in requests no step has taken yet (kvgate's), summed
+    step_age: Series | None = None  # seconds the engine's current step has run (kvgate's gauge), max
     prefix_queries: Series | None = None  # prompt tokens looked up in the prefix cache (counter), summed
     prefix_hits: Series | None = None  # of those, found cached (counter), summed
     prefill_computed: Series | None = None  # prompt tokens the engine computed (kvgate's counter), summed
@@ -42,7 +44,7 @@ class Dialect:
         """The sample names this dialect reads, in a stable order."""
         names: list[str] = []
         for series in (*self.waiting, *self.running, *self.kv_usage, self.block_size, self.num_blocks,
-                       self.prefill_pending, self.prefix_queries, self.prefix_hits, self.prefill_computed,
+                       self.prefill_pending, self.prefill_awaiting_step, self.step_age, self.prefix_queries, self.prefix_hits, self.prefill_computed,
                        self.prefill_seconds):
             if series is not None and series.name not in names:
                 names.append(series.name)
@@ -75,6 +77,9 @@ DIALECTS: dict[str, Dialect] = {
         # kvgate's own backlog gauge (engine/server/metrics.py; vLLM has none) and vLLM's prefix-cache counters,
         # from which the datalayer estimates the prefill rate (datalayer/prefill_rate.py)
         prefill_pending=Series("kvgate:num_prefill_tokens_pending"),
+        # and the running step's phase, from which the scheduler tells how much of that backlog is being computed
+        prefill_awaiting_step=Series("kvgate:num_prefill_tokens_awaiting_step"),
+        step_age=Series("kvgate:engine_step_age_seconds"),
         prefix_queries=Series("vllm:prefix_cache_queries_total"),
         prefix_hits=Series("vllm:prefix_cache_hits_total"),
         # kvgate engines time their own prefill steps: the exact rate where present

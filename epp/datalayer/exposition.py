@@ -147,6 +147,10 @@ def parse_metrics(text: str, dialect: Dialect, updated_at: float = 0.0) -> Endpo
     if dialect.prefill_pending is not None:
         values = _values(text, dialect.prefill_pending)
         m.prefill_tokens_pending = int(sum(values)) if values else None
+    if dialect.prefill_awaiting_step is not None and dialect.step_age is not None:
+        awaiting, age = _values(text, dialect.prefill_awaiting_step), _values(text, dialect.step_age)
+        if awaiting and age:
+            m.prefill_tokens_awaiting_step, m.step_age_s = int(sum(awaiting)), max(0.0, max(age))
     if dialect.prefix_queries is not None and dialect.prefix_hits is not None:
         queries, hits = _values(text, dialect.prefix_queries), _values(text, dialect.prefix_hits)
         if queries and hits:

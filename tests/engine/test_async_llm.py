@@ -295,9 +295,13 @@ def test_the_engine_loop_applies_commands_reports_steps_and_stops_on_shutdown():
 
     EngineLoop(engine, receive, sent.append).run()
     assert engine.closed and engine.calls == [("abort", "r2")]
-    assert len(sent) == 1
-    step = sent[0]
+    # What the commands did is reported before the step that takes them (the server times the step from there and
+    # counts the taken requests as the engine's), then the step's outputs.
+    assert len(sent) == 2
+    taken, step = sent
+    assert taken.outputs == [] and taken.adds_received == 3 and taken.stats is STATS
+    assert [(f.request_id, str(f.error)) for f in taken.failures] == [("bad", "empty prompt")]
+    assert taken.lora_replies[0] == LoRAReply(7, True)
+    assert isinstance(taken.lora_replies[1].result, RuntimeError)
     assert [o.request_id for o in step.outputs] == ["r1"] and step.adds_received == 3
-    assert [(f.request_id, str(f.error)) for f in step.failures] == [("bad", "empty prompt")]
-    assert step.lora_replies[0] == LoRAReply(7, True)
-    assert isinstance(step.lora_replies[1].result, RuntimeError)
+    assert step.failures == [] and step.lora_replies == []

@@ -162,7 +162,8 @@ def test_cache_config_info_carries_cache_dtype():
     info = EngineInfo(model_name="m", max_model_len=128, vocab_size=262, block_size=16, num_blocks=38,
                       eos_token_ids=(), tokenizer_path="")
     llm = SimpleNamespace(stats=None, info=info, config=EngineConfig(model="m", kv_cache_dtype="fp8"),
-                          num_prefill_tokens_pending=0, num_unfinished=0)
+                          num_prefill_tokens_pending=0, num_prefill_tokens_awaiting_step=0, step_age_s=0.0,
+                          num_unfinished=0)
     families = {f.name: f for f in EngineStatsCollector(llm, "m").collect()}
     (sample,) = families["vllm:cache_config_info"].samples
     assert sample.labels == {"block_size": "16", "cache_dtype": "fp8", "num_gpu_blocks": "38", "model_name": "m"}

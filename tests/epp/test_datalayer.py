@@ -446,11 +446,13 @@ def test_against_a_real_kvgate_sim_engine(tmp_path, caplog):
             samples = {line.split("{")[0].split(" ")[0] for line in page.splitlines() if not line.startswith("#")}
             assert samples == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
                                "vllm:lora_requests_info", "vllm:cache_config_info",
-                               "kvgate:num_prefill_tokens_pending", "vllm:prefix_cache_queries_total",
+                               "kvgate:num_prefill_tokens_pending", "kvgate:num_prefill_tokens_awaiting_step",
+                               "kvgate:engine_step_age_seconds", "vllm:prefix_cache_queries_total",
                                "vllm:prefix_cache_hits_total", "kvgate:prefill_tokens_computed_total",
                                "kvgate:prefill_step_seconds_total"}
             assert m.prefill_tokens_pending == 0 and m.prefix_cache_queries == m.prefix_cache_hits == 0
-            assert "vllm:request_queue_time_seconds" in whole and len(page) < 0.7 * len(whole)  # 5 more families read
+            assert m.prefill_tokens_awaiting_step == 0 and m.step_age_s == 0.0 and m.prefill_backlog == 0
+            assert "vllm:request_queue_time_seconds" in whole and len(page) < 0.8 * len(whole)  # 5 more families read
             busy = []
             async with httpx.AsyncClient(timeout=60) as client:
                 body = {"model": "sim-8b", "prompt": "hello " * 200, "max_tokens": 64, "ignore_eos": True}

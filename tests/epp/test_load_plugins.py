@@ -1,5 +1,6 @@
 """Load-aware plugins: their math, the prefix-source wiring, and the prefill-rate estimate."""
 
+import dataclasses
 import math
 import time
 
@@ -13,6 +14,7 @@ from kvgate.epp.scheduling.config import ConfigError, parse_config
 from kvgate.epp.scheduling.framework import CycleState, Filter, Scheduler
 from kvgate.epp.scheduling.live_load import PICKED_UNCACHED_TOKENS, LoadTracker
 from kvgate.epp.scheduling.plugins import create_plugin
+from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import PredictedTTFTScorer
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from tests.epp.helpers import state
 
@@ -201,6 +203,37 @@ def test_affinity_on_the_prefill_backlog_counts_only_uncached_work():
     tokens.prefix_source = f.prefix_source
     states[0].metrics.prefill_tokens_pending = 0
     assert tokens.filter(req(), states, loads(states, heavy_in_flight)) is states  # the old signal lets go
+
+
+def test_the_backlog_less_what_the_running_step_computed_by_the_scrape():
+    m = EndpointMetrics(prefill_tokens_pending=3000, prefill_tokens_awaiting_step=500, step_age_s=0.1,
+                        prefill_tokens_per_s=10_000)
+    assert m.prefill_backlog == 3000 - 1000  # 0.1 s of a step at 10k tokens/s
+    m.step_age_s = 0.5
+    assert m.prefill_backlog == 500  # never below what awaits a step: the running step cannot be computing that
+    m.prefill_tokens_awaiting_step = 3000
+    assert m.prefill_backlog == 3000
+    m.prefill_tokens_awaiting_step = 0
+    assert m.prefill_backlog == 0
+    for unknown in ({"step_age_s": None}, {"prefill_tokens_awaiting_step": None}, {"prefill_tokens_per_s": None}):
+        assert dataclasses.replace(m, **unknown).prefill_backlog == 3000  # not exported, or no rate: as scraped
+    assert EndpointMetrics().prefill_backlog is None
+
+
+def test_affinity_and_predicted_ttft_see_the_running_steps_progress():
+    """A warm endpoint mid-way through a long step counts only the part of its backlog still to compute."""
+    scheduler, f, _ = affinity()
+    states = [ttft_state("a:1", pending=250, rate=1000), ttft_state("b:1", pending=0, rate=1000),
+              ttft_state("c:1", pending=0, rate=1000)]
+    warmed(scheduler, states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384})  # saved going to a over b: 96
+    assert f.filter(req(), states, loads(states, {})) is states  # 250 > 96: all kept
+    for s in states:
+        s.metrics.prefill_tokens_awaiting_step, s.metrics.step_age_s = 0, 0.0
+    states[0].metrics.step_age_s = 0.16  # 160 of a's 250 tokens computed by the scrape: 90 left
+    assert addresses(f.filter(req(), states, loads(states, {}))) == ["a:1"]
+    ttft = PredictedTTFTScorer(default_prefill_tokens_per_s=1000, decode_ms_per_running_request=0)
+    ttft.prefix_source = f.prefix_source
+    assert ttft.predict(req(), states, loads(states, {}))[0] == pytest.approx(0.09)  # (250 - 160 + 0 uncached) / 1000
 
 
 def test_affinity_backlog_adds_the_uncached_tokens_routed_since_the_scrape():
@@ -633,6 +666,11 @@ def test_the_vllm_dialect_reads_the_backlog_gauge_and_prefix_counters():
                     'kvgate:prefill_step_seconds_total{model_name="m"} 1.5\n')
     m = parse_metrics(timed, DIALECTS["vllm"], 1.0)
     assert (m.prefill_tokens_computed, m.prefill_step_seconds) == (6000.0, 1.5)
+    assert (m.prefill_tokens_awaiting_step, m.step_age_s) == (None, None)
+    phased = timed + ('kvgate:num_prefill_tokens_awaiting_step{model_name="m"} 96.0\n'
+                      'kvgate:engine_step_age_seconds{model_name="m"} 0.125\n')
+    m = parse_metrics(phased, DIALECTS["vllm"], 1.0)
+    assert (m.prefill_tokens_awaiting_step, m.step_age_s) == (96, 0.125)
     m = parse_metrics('vllm:num_requests_waiting{model_name="m"} 1.0\n', DIALECTS["vllm"], 1.0)
     assert (m.prefill_tokens_pending, m.prefix_cache_queries) == (None, None)
     assert not math.isnan(np.float64(m.waiting_queue_size))

@@ -50,6 +50,7 @@ def engines(draw):
     config = EngineConfig(model="m", kv_cache_dtype=draw(st.sampled_from(["auto", "fp8", "int8"])),
                           enable_lora=draw(st.booleans()), max_loras=draw(st.integers(1, 8)))
     return SimpleNamespace(stats=stats, info=info, config=config, num_prefill_tokens_pending=draw(counts),
+                           num_prefill_tokens_awaiting_step=draw(counts), step_age_s=draw(numbers),
                            num_unfinished=draw(counts))
 
 
@@ -72,6 +73,7 @@ def _speculating_engine() -> SimpleNamespace:
     stats = EngineStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, num_blocks=7, block_size=16,
                         prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, spec_decode=SpecDecodeStats())
     return SimpleNamespace(stats=stats, info=None, config=EngineConfig(model="m"), num_prefill_tokens_pending=0,
+                           num_prefill_tokens_awaiting_step=0, step_age_s=0.0,
                            num_unfinished=1)
 
 
@@ -87,6 +89,7 @@ def test_render_writes_what_prometheus_client_writes(llm, model, names):
 
 def test_the_page_is_the_stats_then_the_request_metrics():
     llm = SimpleNamespace(stats=None, info=None, config=EngineConfig(model="m"), num_prefill_tokens_pending=3,
+                          num_prefill_tokens_awaiting_step=1, step_age_s=0.25,
                           num_unfinished=0)
     metrics = ServerMetrics(llm, "m")
     tracker = metrics.track(num_prompt_tokens=5, num_samples=1)
@@ -95,6 +98,8 @@ def test_the_page_is_the_stats_then_the_request_metrics():
     whole = metrics.page().decode()
     families = {f.name: f for f in text_string_to_metric_families(whole)}
     assert families["kvgate:num_prefill_tokens_pending"].samples[0].value == 3
+    assert families["kvgate:num_prefill_tokens_awaiting_step"].samples[0].value == 1
+    assert families["kvgate:engine_step_age_seconds"].samples[0].value == 0.25
     assert families["vllm:prompt_tokens"].samples[0].value == 5
     assert families["vllm:time_to_first_token_seconds"].type == "histogram"
     narrowed = metrics.page(frozenset({"vllm:num_requests_running", "vllm:generation_tokens_total"})).decode()

@@ -1,5 +1,7 @@
 """`kvgate:num_prefill_tokens_pending` on a real sim server, in both engine-loop modes: the values a scraper sees
-while known prompts are queued and prefilled are exactly the backlog's possible states, and it returns to 0."""
+while known prompts are queued and prefilled are exactly the backlog's possible states, and it returns to 0; the
+running step's phase (`kvgate:num_prefill_tokens_awaiting_step`, `kvgate:engine_step_age_seconds`) during one long
+step."""
 
 import asyncio
 
@@ -8,6 +10,8 @@ import pytest
 
 from tests.procs import KvgateServe, scrape
 
+PHASE = ("kvgate:num_prefill_tokens_pending", "kvgate:num_prefill_tokens_awaiting_step",
+         "kvgate:engine_step_age_seconds")
 PROMPT = 160  # tokens per prompt, prefilled in chunks of CHUNK; one request at a time (--max-num-seqs 1)
 CHUNK = 64
 NUM_PROMPTS = 3
@@ -71,13 +75,16 @@ def test_a_request_that_arrives_during_a_step_counts_its_uncached_prompt(kvgate_
     with KvgateServe("sim-8b", "--backend", "sim", "--engine-loop", engine_loop, "--sim-prefill-ms-per-token", "20",
                      cache_dir=kvgate_cache) as server:
         seen: list[float] = []
+        phase: list[tuple[float, float]] = []  # (tokens awaiting a step, the running step's age) at each scrape
 
         async def main():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
                 async def gauge() -> float:
-                    r = await client.get("/metrics", params={"name[]": "kvgate:num_prefill_tokens_pending"})
-                    return next(float(line.split()[-1]) for line in r.text.splitlines()
-                                if line.startswith("kvgate:num_prefill_tokens_pending{"))
+                    r = await client.get("/metrics", params={"name[]": list(PHASE)})
+                    values = {line.split("{")[0]: float(line.split()[-1]) for line in r.text.splitlines()
+                              if line.startswith(PHASE)}
+                    phase.append((values[PHASE[1]], values[PHASE[2]]))
+                    return values[PHASE[0]]
 
                 first = asyncio.create_task(client.post("/v1/completions", json={
                     "prompt": cold, "max_tokens": 1}))
@@ -99,4 +106,12 @@ def test_a_request_that_arrives_during_a_step_counts_its_uncached_prompt(kvgate_
         # counted whole, the follower made it 352 for the step's whole length
         assert during and seen[-1] == 192, seen
         assert set(seen) <= {160, 352, 192}, seen  # 352 only in process mode, until the probe crosses the pipe
+        # The step's phase: the cold prompt is in the running step (the loop reported taking it before stepping),
+        # the follower awaits the next one; the step has run since the cold prompt came, ~1 s before the follower.
+        awaiting, age = phase[-1]
+        assert awaiting == 32 and 0.9 < age < 3.3, phase
+        assert all(a in (0, 32, 192) for a, _ in phase), phase
+        assert [age for _, age in phase] == sorted(age for _, age in phase), phase  # one step: its age only grows
+        after = scrape(server.url)
+        assert after[PHASE[1]] == 0 and after[PHASE[2]] == 0.0
         assert scrape(server.url)["kvgate:num_prefill_tokens_pending"] == 0

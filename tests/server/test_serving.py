@@ -45,6 +45,8 @@ class FakeLLM:
         self.config = None
         self.num_unfinished = 0
         self.num_prefill_tokens_pending = 0
+        self.num_prefill_tokens_awaiting_step = 0
+        self.step_age_s = 0.0
         self.generated: list[tuple[str, list[int]]] = []
         self.fail_with: Exception | None = None
 

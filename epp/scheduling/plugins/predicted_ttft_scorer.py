@@ -3,7 +3,8 @@
     T(e) = (P(e) + U(e) + prompt - cached(e)) / R(e)  +  (running(e) + u(e)) × d
 
     P(e)       prompt tokens the engine still has to prefill, as last scraped (kvgate:num_prefill_tokens_pending;
-               0 for engines that do not export it)
+               0 for engines that do not export it), less what its running step had computed of them by then
+               (EndpointMetrics.prefill_backlog)
     U(e), u(e) uncached prompt tokens / requests this EPP routed to e after that scrape, still in flight (exact:
                scheduling/live_load.py)
     prompt, cached(e)   this request's prompt tokens and those e holds, from the profile's prefix scorer
@@ -52,7 +53,7 @@ class PredictedTTFTScorer(NeedsPrefixMatch, Scorer):
     def _scraped(self, endpoints: list[EndpointState]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(P, R, running) columns of the scraped metrics: once per snapshot."""
         n = len(endpoints)
-        pending = np.fromiter((e.metrics.prefill_tokens_pending or 0 for e in endpoints), dtype=float, count=n)
+        pending = np.fromiter((e.metrics.prefill_backlog or 0 for e in endpoints), dtype=float, count=n)
         rate = np.fromiter((e.metrics.prefill_tokens_per_s or self.default_rate for e in endpoints), dtype=float,
                            count=n)
         running = np.fromiter((e.metrics.running_requests for e in endpoints), dtype=float, count=n)

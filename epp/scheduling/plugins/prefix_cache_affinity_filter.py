@@ -4,8 +4,10 @@ load costs more than the hit saves.
     f(e)    = cached_tokens(e) / prompt_tokens                 from the profile's prefix scorer (PrefixMatchSource)
     warm    = {e : f(e) ≥ affinityThreshold},  cold = the other candidates
     L(e)    = loadSignal backlog: prompt tokens e still has to prefill — its kvgate:num_prefill_tokens_pending as
-              last scraped, plus the uncached prompt tokens this EPP routed to e since (live_load.py) — the work
-              that stands between a new request and its first token, exact to the last pick;
+              last scraped, less what its running step had computed by then (EndpointMetrics.prefill_backlog),
+              plus the uncached prompt tokens this EPP routed to e since (live_load.py) — the work that stands
+              between a new request and its first token, exact to the last pick (but for the running step's phase,
+              an estimate);
               loadSignal tokens: tokens in flight from this EPP to e (prompt + max_tokens, cached or not);
               auto (default): backlog when the endpoints export the metric (kvgate engines), else tokens
     w*      = argmin_warm L,   c* = argmin_cold L              the least loaded of each side
@@ -101,7 +103,7 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
         return [e for e, keep in zip(endpoints, warm) if keep]
 
     def _load(self, cycle: CycleState | None, endpoints: list[EndpointState]) -> np.ndarray:
-        scraped = [e.metrics.prefill_tokens_pending for e in endpoints]
+        scraped = [e.metrics.prefill_backlog for e in endpoints]
         if self.load_signal == "tokens" or (self.load_signal == "auto" and all(p is None for p in scraped)):
             return live_load.live_column(cycle, endpoints, "tokens")
         backlog = np.fromiter((p or 0 for p in scraped), dtype=float, count=len(endpoints))
