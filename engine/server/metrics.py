@@ -90,8 +90,8 @@ CACHE_INFO = FamilySpec("vllm:cache_config_info", "gauge", "Information of the K
                         ("block_size", "cache_dtype", "num_gpu_blocks", "model_name"))
 LORA_INFO = FamilySpec("vllm:lora_requests_info", "gauge", "Running stats on LoRA requests.",
                        ("max_lora", "running_lora_adapters", "waiting_lora_adapters"))
-STATS_FAMILIES = (PENDING, AWAITING_STEP, AGE, COMPUTED, STEP_SECONDS, RUNNING, WAITING, KV_USAGE, QUERIES, HITS, PREEMPTIONS, SPEC_PAUSED,
-                  *SPEC_COUNTERS.values(), *DRAFT_COUNTERS.values(), CACHE_INFO, LORA_INFO)
+STATS_FAMILIES = (PENDING, AWAITING_STEP, AGE, COMPUTED, STEP_SECONDS, RUNNING, WAITING, KV_USAGE, QUERIES, HITS,
+                  PREEMPTIONS, SPEC_PAUSED, *SPEC_COUNTERS.values(), *DRAFT_COUNTERS.values(), CACHE_INFO, LORA_INFO)
 
 
 def spec_decode_families(spec, model_name: str) -> Iterator[Family]:

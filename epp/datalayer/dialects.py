@@ -44,8 +44,8 @@ class Dialect:
         """The sample names this dialect reads, in a stable order."""
         names: list[str] = []
         for series in (*self.waiting, *self.running, *self.kv_usage, self.block_size, self.num_blocks,
-                       self.prefill_pending, self.prefill_awaiting_step, self.step_age, self.prefix_queries, self.prefix_hits, self.prefill_computed,
-                       self.prefill_seconds):
+                       self.prefill_pending, self.prefill_awaiting_step, self.step_age, self.prefix_queries,
+                       self.prefix_hits, self.prefill_computed, self.prefill_seconds):
             if series is not None and series.name not in names:
                 names.append(series.name)
         for name in (self.lora_info, self.cache_info):
