@@ -22,7 +22,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 REPUBLISH_SECONDS = 1.0
-AFFINITY_HOT_GROUP = "kvgate_epp_affinity_hot_group_requests"
 MAX_FLOW_LABELS = 100  # distinct fairness ids given their own flow-control histogram series
 
 
@@ -169,13 +168,6 @@ class EndpointGauges:
                 if key not in _KV_EVENT_GAUGES:
                     counts.add_metric([key], value)
             yield from (blocks, subscribed, counts)
-        affinity = snapshot.plugin_stats.get("affinity") or {}
-        if affinity:
-            hot = CounterMetricFamily(AFFINITY_HOT_GROUP, "Requests the prefix-cache affinity filter weighed with "
-                                      "hotGroupTolerance: their prefix group asked more than its warm endpoints' "
-                                      "share of the pool.")
-            hot.add_metric([], affinity.get("hot_group_requests", 0))
-            yield hot
         latency = snapshot.plugin_stats.get("latency_model") or {}
         if latency:
             yield from _latency_model_families(latency)

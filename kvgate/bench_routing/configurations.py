@@ -180,10 +180,6 @@ CONFIGURATIONS = [
     *(RoutingConfig(f"kvgate-tol{t:g}", f"kvgate's profile with the affinity filter's loadTolerance {t:g}", "epp",
                     with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", loadTolerance=t),
                     kv_events=True) for t in (1, 2)),
-    # the affinity filter's hot-group rule off (hotGroupTolerance = loadTolerance): what the rule adds
-    RoutingConfig("kvgate-no-hot", "kvgate's profile without the affinity filter's hot-group rule (hotGroupTolerance "
-                  "4)", "epp", with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter",
-                                               hotGroupTolerance=4), kv_events=True),
     RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
                   "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "
                   "through the EPP's header-based-testing-filter (bench_routing/oracle.py)", "epp",

@@ -33,7 +33,6 @@ from kvgate.bench_routing.configurations import (SIM_MODEL, RoutingConfig, route
                                                   sim_engine_args)
 from kvgate.bench_routing.workloads import BenchRequest, WorkloadShape
 from kvgate.chaos.load import Outcome, StreamLoad
-from kvgate.epp.metrics import AFFINITY_HOT_GROUP
 from kvgate.epp.protocol import TEST_ENDPOINT_SELECTION_HEADER, TTFT_OBJECTIVE_HEADER
 from kvgate.processes import free_port
 from kvgate.up import LocalStack, Stack, launch_local_stack
@@ -119,12 +118,6 @@ def latency_model(families: list) -> dict | None:
         if error is not None and measured:
             v["relative_error"] = round(error / measured, 4)
     return values
-
-
-def hot_group_requests(families: list) -> int | None:
-    """Requests the affinity filter weighed as a hot prefix group's (None: no such filter in the profile)."""
-    return next((int(s.value) for family in families if family.name == AFFINITY_HOT_GROUP for s in family.samples
-                 if s.name.endswith("_total")), None)
 
 
 def epp_histograms(families: list) -> dict[str, dict]:
@@ -420,9 +413,6 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
         if config.kind == "epp" and epp_replicas > 1:
             time.sleep(0.6)  # a heartbeat: the replicas publish their peer-sync counts with it
             result["epp_peer_sync"] = peer_sync_counts(up)
-        hot = hot_group_requests(epp_after) if epp_after is not None else None
-        if hot is not None:
-            result["epp_hot_group_requests"] = hot
         model = latency_model(epp_after) if epp_after is not None else None
         if model is not None:
             result["epp_latency_model"] = model

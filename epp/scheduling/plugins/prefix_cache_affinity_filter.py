@@ -15,25 +15,6 @@ load costs more than the hit saves.
     keep only warm   iff   L(w*) - L(c*) ≤ loadTolerance × saved
     else keep all    (stickiness broken: the warm side's queue costs more than the hit saves)
 
-A group too big for its warm endpoints (hotGroupTolerance). The rule above weighs a warm endpoint's queue against
-one request's hit. A spill costs one cold prefill, and from then on the group is served from one more warm endpoint;
-whether that pays depends on the group's rate, which one request's hit does not see. So the filter keeps each prefix
-group's share of the requests it has seen (exponentially decayed, half-life 10 s), and a request whose group asks
-more than its warm endpoints' share of the pool has its warm side weighed with hotGroupTolerance instead:
-
-    group(r)   = xxh3 of the prompt's first ~70-80% characters (threshold × its length, rounded down to 1/8 of the
-                 power of two below: requests of nearly equal length share it), so requests in one group share the
-                 prefix a warm endpoint must hold
-    hot        = share(group(r)) > |warm| / |candidates|, once ≥ 32 requests are counted
-    keep only warm   iff   L(w*) - L(c*) ≤ (hot ? hotGroupTolerance : loadTolerance) × saved
-
-Why: with one tenant asking 45% of the requests of four replicas (`kvgate bench routing`, hot-tenant), all of it
-stayed on one warm replica, its queue always within loadTolerance 4 × the hit (TTFT p90 0.82 s against 0.49 s when
-it had spilled); a lower loadTolerance for every group spilled cold tenants too and moved the tail between seeds
-(docs/benchmarks.md). A uniform group never asks more than its endpoints' share (12 tenants on 4 replicas: 1/12
-each against 1/4), so there the rule never fires; a hot group that has spilled to enough warm endpoints stops being
-hot, which bounds how far it spreads.
-
 Every candidate is kept when none is warm, when there is no cold one, or — with probability
 explorationProbability, drawn from the request id — to let other endpoints warm up (llm-d's exploration). So the
 filter never returns an empty list, and returns the very list it got when it keeps all (the per-snapshot caches
@@ -57,16 +38,11 @@ pool, where the rule is the one above):
 
 Parameters: affinityThreshold (0, 1] = 0.80, explorationProbability [0, 1] = 0.01, loadTolerance ≥ 0 = 1.0 (0:
 leave warm endpoints as soon as they carry more load than the coldest; large: always sticky; above 1 values the
-cache a spill would pollute), hotGroupTolerance ≥ 0 = 1.0 (loadTolerance for a hot group; equal to loadTolerance:
-the rule is off), loadSignal auto | backlog | tokens = auto, loadUnit tokens | seconds = tokens,
+cache a spill would pollute), loadSignal auto | backlog | tokens = auto, loadUnit tokens | seconds = tokens,
 prefixScorer = the profile's only prefix scorer.
 """
 
 from __future__ import annotations
-
-import math
-import time
-from collections import OrderedDict
 
 import numpy as np
 import xxhash
@@ -84,52 +60,16 @@ from kvgate.epp.types import EndpointState, LLMRequest
 DEFAULT_AFFINITY_THRESHOLD = 0.80  # llm-d's default
 DEFAULT_EXPLORATION_PROBABILITY = 0.01  # llm-d's default
 LOAD_SIGNALS = ("auto", "backlog", "tokens")
-GROUP_HALF_LIFE_S = 10.0  # a group's share follows a change of workload within ~10 s, yet a burst does not make it hot
-MIN_COUNTED = 32.0  # requests (decayed) counted before any group is judged hot: a first few are no share
-MAX_GROUPS = 4096  # groups remembered (the least recently seen goes first): ~150 bytes each
-
-
-class GroupShares:
-    """Each prefix group's exponentially decayed count of requests, and the total: O(1) a request, bounded memory."""
-
-    def __init__(self, half_life_s: float = GROUP_HALF_LIFE_S, max_groups: int = MAX_GROUPS) -> None:
-        self.decay = math.log(2) / half_life_s
-        self.max_groups = max_groups
-        self.groups: OrderedDict[int, tuple[float, float]] = OrderedDict()  # key -> (count, when counted)
-        self.total, self.total_at = 0.0, 0.0
-
-    def add(self, key: int, now: float) -> float:
-        """Count one request of `key` at `now` (monotonic s); its group's share of the decayed total after it."""
-        self.total = self.total * math.exp(-self.decay * max(now - self.total_at, 0.0)) + 1.0
-        self.total_at = now
-        count, at = self.groups.pop(key, (0.0, now))
-        count = count * math.exp(-self.decay * max(now - at, 0.0)) + 1.0
-        self.groups[key] = (count, now)
-        if len(self.groups) > self.max_groups:
-            self.groups.popitem(last=False)
-        return count / self.total
-
-
-def group_key(prompt: str, threshold: float) -> int | None:
-    """The hash of the prompt's first threshold × len characters, rounded down to 1/8 of the power of two below (so
-    prompts of nearly equal length share it); None for a prompt too short to have one."""
-    cut = int(threshold * len(prompt))
-    if cut < 8:
-        return None
-    grid = 1 << max(cut.bit_length() - 4, 0)
-    return xxhash.xxh3_64_intdigest(prompt[:cut - cut % grid].encode("utf-8", "surrogatepass"))
 
 
 class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
     type_name = "prefix-cache-affinity-filter"
     preference = True  # cold endpoints stay fallbacks (framework.Filter.preference)
-    stats_group = "affinity"
     produces = PRODUCES_PICKED_UNCACHED  # what its pick adds to the endpoint's prefill backlog (the director reads it)
 
     def __init__(self, affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD,
                  exploration_probability: float = DEFAULT_EXPLORATION_PROBABILITY, load_tolerance: float = 1.0,
-                 prefix_source_name: str = "", load_signal: str = "auto", load_unit: str = "tokens",
-                 hot_group_tolerance: float = 1.0, clock=time.monotonic) -> None:
+                 prefix_source_name: str = "", load_signal: str = "auto", load_unit: str = "tokens") -> None:
         super().__init__()
         if load_unit not in LOAD_UNITS:
             raise ValueError(f"load_unit must be one of {', '.join(LOAD_UNITS)}, got {load_unit!r}")
@@ -139,24 +79,15 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
         self.load_tolerance = load_tolerance
         self.prefix_source_name = prefix_source_name
         self.load_signal = load_signal
-        self.hot_group_tolerance = hot_group_tolerance
-        self.shares = GroupShares()
-        self.clock = clock
-        self.hot_picks = 0  # requests weighed as a hot group's (stats)
 
     def filter(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
                ) -> list[EndpointState]:
         if len(endpoints) <= 1 or self.prefix_source is None or self._explores(request):
             return endpoints
-        share = self._share(request)
         prompt, cached = prefix_tokens(self, request, endpoints, cycle)
         warm = cached >= self.affinity_threshold * prompt
         if not warm.any() or warm.all():
             return endpoints
-        tolerance = self.load_tolerance
-        if share is not None and share * len(endpoints) > warm.sum() and self.shares.total >= MIN_COUNTED:
-            tolerance = self.hot_group_tolerance
-            self.hot_picks += 1
         load = self._load(cycle, endpoints)
         if self.load_unit == "seconds":
             speed = relative_speed(endpoints, cycle)
@@ -167,19 +98,9 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
             saved = (prompt - cached[c]) / speed[c] - (prompt - cached[w]) / speed[w]
         else:
             saved = cached[w] - cached[c]
-        if load[w] - load[c] > tolerance * saved:
+        if load[w] - load[c] > self.load_tolerance * saved:
             return endpoints
         return [e for e, keep in zip(endpoints, warm) if keep]
-
-    def _share(self, request: LLMRequest) -> float | None:
-        """Count the request in its prefix group; the group's share (None: no group, or the rule is off)."""
-        if self.hot_group_tolerance == self.load_tolerance:
-            return None
-        key = group_key(request.prompt, self.affinity_threshold)
-        return None if key is None else self.shares.add(key, self.clock())
-
-    def stats(self) -> dict[str, float]:
-        return {"hot_group_requests": self.hot_picks}
 
     def _load(self, cycle: CycleState | None, endpoints: list[EndpointState]) -> np.ndarray:
         scraped = [e.metrics.prefill_backlog for e in endpoints]
@@ -205,7 +126,7 @@ def _argmin_where(values: np.ndarray, mask: np.ndarray) -> int:
 def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
     t = PrefixCacheAffinityFilter.type_name
     params = check_keys(parameters, {"affinityThreshold", "explorationProbability", "loadTolerance",
-                                     "loadSignal", "prefixScorer", "loadUnit", "hotGroupTolerance"}, t)
+                                     "loadSignal", "prefixScorer", "loadUnit"}, t)
     signal = choice_param(params, "loadSignal", "auto", LOAD_SIGNALS, t)
     unit = load_unit_param(params, t)
     return PrefixCacheAffinityFilter(
@@ -217,5 +138,4 @@ def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
         prefix_source_name=str_param(params, "prefixScorer", "", t),
         load_signal=signal,
         load_unit=unit,
-        hot_group_tolerance=float_param(params, "hotGroupTolerance", 1.0, t, 0.0),
     )
