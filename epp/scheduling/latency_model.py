@@ -14,7 +14,12 @@ scaled to comparable ranges so that one ridge strength suits them all.
 
 `OnlineRidge` fits y ≈ w·x by exponentially weighted least squares with a ridge pull toward prior weights:
 
-    A = Σ λ^age x xᵀ,  b = Σ λ^age x y,  w = (A + ρI)⁻¹ (b + ρ w₀)
+    A = Σ λ^age v x xᵀ,  b = Σ λ^age v x y,  w = (A + ρ v̄ I)⁻¹ (b + ρ v̄ w₀)
+
+v a response's weight, v̄ the responses' mean weight (so ρ counts in average responses whatever the weights). TTFTs
+weigh v = 1 / max(TTFT, 50 ms)²: the fit minimises the relative error, so the many short TTFTs of warm requests
+count as much as the few long ones of queued or cold requests, which otherwise pull the bias and the slopes their
+way.
 
 With no data w = w₀: the TTFT prior is the analytic model (W + decoding × decodeMs), so a fresh EPP routes as
 predicted-ttft-scorer does and learns from there. λ forgets (a changed pool is followed within ~1/(1-λ)
@@ -36,6 +41,7 @@ TTFT_FEATURES = ("bias", "prefill_wait_s", "decoding_per_100", "waiting_per_100"
 TPOT_FEATURES = ("bias", "decoding_per_100", "kv_usage")
 FORGET = 0.998  # λ: a response's weight halves after ~350 newer ones
 RIDGE = 2.0  # ρ: the prior counts as ~2 responses in every direction
+TTFT_WEIGHT_FLOOR_S = 0.05  # TTFTs weigh 1 / max(TTFT, floor)²: the fit minimises relative error above 50 ms
 
 
 class OnlineRidge:
@@ -45,15 +51,19 @@ class OnlineRidge:
         self.forget, self.ridge = forget, ridge
         self._a = np.zeros((k, k))
         self._b = np.zeros(k)
+        self._weight_sum = 0.0  # Σ λ^age v and Σ λ^age: their ratio is v̄
+        self._decayed_count = 0.0
         self._w = self.prior.copy()
         self._dirty = False
         self.count = 0
 
-    def update(self, x: np.ndarray, y: float) -> None:
+    def update(self, x: np.ndarray, y: float, weight: float = 1.0) -> None:
         self._a *= self.forget
         self._b *= self.forget
-        self._a += np.outer(x, x)
-        self._b += x * y
+        self._a += weight * np.outer(x, x)
+        self._b += (weight * y) * x
+        self._weight_sum = self._weight_sum * self.forget + weight
+        self._decayed_count = self._decayed_count * self.forget + 1.0
         self._dirty = True
         self.count += 1
 
@@ -61,7 +71,8 @@ class OnlineRidge:
     def weights(self) -> np.ndarray:
         if self._dirty:
             k = self.prior.size
-            self._w = np.linalg.solve(self._a + self.ridge * np.eye(k), self._b + self.ridge * self.prior)
+            ridge = self.ridge * (self._weight_sum / self._decayed_count if self._decayed_count else 1.0)
+            self._w = np.linalg.solve(self._a + ridge * np.eye(k), self._b + ridge * self.prior)
             self._dirty = False
         return self._w
 
@@ -113,7 +124,7 @@ class LatencyModel:
         """What a finished request measured (None: not measured), with the features and predictions of its pick."""
         if ttft_s is not None and math.isfinite(ttft_s) and ttft_s >= 0:
             self.ttft_errors.add(ttft_predicted, ttft_s)
-            self.ttft.update(ttft_x, ttft_s)
+            self.ttft.update(ttft_x, ttft_s, 1.0 / max(ttft_s, TTFT_WEIGHT_FLOOR_S) ** 2)
         if tpot_s is not None and math.isfinite(tpot_s) and tpot_s >= 0:
             self.tpot_errors.add(tpot_predicted, tpot_s)
             self.tpot.update(tpot_x, tpot_s)

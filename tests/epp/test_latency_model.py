@@ -10,7 +10,7 @@ import pytest
 from kvgate.epp.extproc import has_token
 from kvgate.epp.scheduling.config import ConfigError, parse_config
 from kvgate.epp.scheduling.framework import CycleState, Scheduler
-from kvgate.epp.scheduling.latency_model import OnlineRidge
+from kvgate.epp.scheduling.latency_model import TTFT_WEIGHT_FLOOR_S, OnlineRidge
 from kvgate.epp.scheduling.live_load import LoadTracker
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from tests.epp.test_load_plugins import PROMPT, config, warmed
@@ -34,6 +34,26 @@ def test_ridge_is_its_prior_without_data_and_learns_the_truth_with_it():
         model.update(x, float(x @ changed))
     assert model.weights == pytest.approx(changed, abs=0.05)
     assert (model.predict(np.array([[1.0, -5.0, 0.0]])) == 0.0).all()  # a latency is never negative
+
+
+def test_relative_weights_keep_the_many_short_ttfts_right():
+    """Nine in ten responses are warm hits (TTFT 60 ms + the wait); one in ten is held up by what the features do
+    not see (+0.5 s). Fitted on absolute error, those few drag the bias up and every short TTFT is over-predicted;
+    weighted 1/TTFT² (LatencyModel's weights) the fit keeps the short ones right."""
+    rng = np.random.default_rng(0)
+    plain, relative = OnlineRidge(np.array([0.0, 1.0])), OnlineRidge(np.array([0.0, 1.0]))
+    for _ in range(3000):
+        x = np.array([1.0, rng.uniform(0, 0.05)])
+        y = 0.06 + x[1] + (0.5 if rng.uniform() < 0.1 else 0.0)
+        plain.update(x, y)
+        relative.update(x, y, 1.0 / max(y, TTFT_WEIGHT_FLOOR_S) ** 2)
+    short = np.column_stack([np.ones(100), np.linspace(0, 0.05, 100)])
+    truth = 0.06 + short[:, 1]
+    error = {name: np.median(np.abs(m.predict(short) / truth - 1)) for name, m in (("plain", plain),
+                                                                                     ("relative", relative))}
+    assert error["plain"] > 0.5 and error["relative"] < 0.15, error
+    # The ridge counts in average responses whatever the weights: no data, the prior; much data, the data.
+    assert np.allclose(OnlineRidge(np.array([0.0, 1.0])).weights, [0.0, 1.0])
 
 
 def test_an_unexcited_direction_stays_at_the_prior():
