@@ -71,7 +71,9 @@ class EngineLoop:
             if changed and stepped:
                 # What the commands changed is reported before the step that takes them: the server then counts
                 # those requests in the engine's own backlog (not as awaiting a step), and times the running step
-                # from its start (AsyncLLM.step_age_s). One report more per step that takes commands (~µs).
+                # from its start (AsyncLLM.step_age_s). One report more per step that takes commands: with
+                # --engine-loop process a 544-byte pickle, ~4 µs to write and ~6 µs to read (measured beside a
+                # running test suite), plus the pipe's syscalls.
                 self.send(StepResult([], failures, engine.stats(), adds_received, replies))
                 failures, replies, changed = [], [], False
                 reported_at, reported_pending = time.monotonic(), engine.scheduler.num_prefill_tokens_pending
