@@ -60,7 +60,7 @@ class EndpointMetrics:
         step's age × the engine's prefill rate, at most the part of the backlog a step has taken (requests awaiting a
         step are not being computed). Why: the backlog gauge moves only when a step ends; a step computing a cold
         2300-token prompt lasts ~0.46 s on the bench's sim engines, and a scrape lands anywhere in it, so the gauge
-        over-counts by up to a whole step's prompt tokens, ~half of one on average (docs/benchmarks.md). The
+        over-counts by up to a whole step's prompt tokens (docs/benchmarks.md, "The running step's phase"). The
         gauge as scraped where the engine does not export the phase or its rate is unknown; None without a gauge."""
         pending = self.prefill_tokens_pending
         if (pending is None or self.step_age_s is None or self.prefill_tokens_awaiting_step is None
