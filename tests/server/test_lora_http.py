@@ -18,6 +18,7 @@ from tests.engine.test_lora_parity import ADAPTERS, make_adapter
 from tests.procs import KvgateServe
 
 PROMPT = "the quick brown fox"
+STREAM_TOKENS = 480  # the load / unload test's streams: as long as --max-model-len 512 allows, so they outlast it
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def expected(adapters):
 @pytest.fixture(scope="module")
 def server(adapters, kvgate_cache):
     folder, paths = adapters
-    with KvgateServe(str(folder), "--served-model-name", "tiny", "--max-model-len", "256", "--engine-loop",
+    with KvgateServe(str(folder), "--served-model-name", "tiny", "--max-model-len", "512", "--engine-loop",
                      "process", "--enable-lora", "--max-loras", "2", "--lora-modules",
                      f"all-r8={paths['all-r8']}", f'{{"name": "attn-r4-rslora", "path": "{paths["attn-r4-rslora"]}"}}',
                      cache_dir=kvgate_cache, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}) as s:
@@ -94,7 +95,8 @@ def test_runtime_load_and_unload_while_others_stream(server, adapters, expected)
     def stream(model: str) -> None:
         try:
             with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
-                    "model": model, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                    "model": model, "prompt": PROMPT, "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+                    "stream": True}) as r:
                 chunks = r.iter_text()
                 body = next(chunks, "")  # the first token: the engine runs the request
                 answered.append(model)
@@ -124,12 +126,13 @@ def test_runtime_load_and_unload_while_others_stream(server, adapters, expected)
         time.sleep(0.02)
     assert info["max"] == 2 and {"all-r8", "attn-r4-rslora"} <= seen_running
 
-    loaded = httpx.post(server.url + "/v1/load_lora_adapter", timeout=60,
-                        json={"lora_name": "mlp-r16", "lora_path": str(paths["mlp-r16"])})
-    assert loaded.status_code == 200 and "added successfully" in loaded.text
+    # Unloaded first, at once, so that its streams are surely still running (they last STREAM_TOKENS decode steps).
     unloaded = httpx.post(server.url + "/v1/unload_lora_adapter", timeout=60, json={"lora_name": "attn-r4-rslora"})
     assert unloaded.status_code == 200 and "removed successfully" in unloaded.text
     assert len(done) < len(threads), "the streams ended before the unload: nothing was tested under load"
+    loaded = httpx.post(server.url + "/v1/load_lora_adapter", timeout=60,
+                        json={"lora_name": "mlp-r16", "lora_path": str(paths["mlp-r16"])})
+    assert loaded.status_code == 200 and "added successfully" in loaded.text
     assert _complete(server.url, "attn-r4-rslora").status_code == 404  # new requests are refused at once
     # The new adapter waits for a slot (both hold adapters with running requests), then answers as offline.
     r = _complete(server.url, "mlp-r16")
