@@ -115,24 +115,28 @@ def test_metrics_names_values_and_movement(demo_server):
                     peak["usage"] = max(peak["usage"], m["vllm:kv_cache_usage_perc"])
                     peak["running"] = max(peak["running"], m["vllm:num_requests_running"])
                     peak["pending"] = max(peak["pending"], m["kvgate:num_prefill_tokens_pending"])
-                    # the prefill backlog lasts the tiny model's first two steps, a few tens of ms: a 50 ms pause
-                    # missed it once under `make test`'s load
                     await asyncio.sleep(0.005)
 
             watcher = asyncio.create_task(watch())
-            prefix = "shared system prompt " * 10  # > 2 blocks of the byte tokenizer
-            await asyncio.gather(*(stream_completion(client, {"prompt": prefix + str(i), "max_tokens": 40,
-                                                              "ignore_eos": True}) for i in range(16)))
+            # A shared prefix (> 2 blocks of the byte tokenizer: prefix-cache hits), then a tail of its own per
+            # request, so that every prompt has ~660 tokens to prefill whatever the cache holds: the backlog then
+            # lasts several steps. With only the prefix shared and a short tail, the followers found the first
+            # prompt's blocks on arrival and the backlog lasted one ~10 ms step, which a watcher under `make test`'s
+            # load missed twice.
+            prefix = "shared system prompt " * 10
+            await asyncio.gather(*(stream_completion(client, {"prompt": prefix + f"request {i:02d} " * 60,
+                                                              "max_tokens": 40, "ignore_eos": True})
+                                   for i in range(16)))
             watcher.cancel()
 
     asyncio.run(main())
     assert peak["usage"] > 0 and peak["running"] >= 2
     after = wait_until(lambda: (m := scrape(url))["vllm:kv_cache_usage_perc"] == 0 and m, 2.0)
     assert after and after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
-    # the torch backend's prefill backlog: 16 prompts of ~210 tokens queued at once, then none
-    assert 0 < peak["pending"] <= 16 * 230 and after["kvgate:num_prefill_tokens_pending"] == 0
+    # the torch backend's prefill backlog: 16 prompts of ~870 tokens queued at once, then none
+    assert 0 < peak["pending"] <= 16 * 900 and after["kvgate:num_prefill_tokens_pending"] == 0
     assert after["vllm:prefix_cache_hits_total"] > before["vllm:prefix_cache_hits_total"]
-    assert after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] >= 16 * 210
+    assert after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] >= 16 * 860
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 16 * 40
     assert after["vllm:e2e_request_latency_seconds_count"] - before["vllm:e2e_request_latency_seconds_count"] == 16
 
