@@ -452,7 +452,7 @@ def test_against_a_real_kvgate_sim_engine(tmp_path, caplog):
                                "kvgate:prefill_step_seconds_total"}
             assert m.prefill_tokens_pending == 0 and m.prefix_cache_queries == m.prefix_cache_hits == 0
             assert m.prefill_tokens_awaiting_step == 0 and m.step_age_s == 0.0 and m.prefill_backlog == 0
-            assert "vllm:request_queue_time_seconds" in whole and len(page) < 0.8 * len(whole)  # 5 more families read
+            assert "vllm:request_queue_time_seconds" in whole and len(page) < 0.8 * len(whole)  # 13 families read
             busy = []
             async with httpx.AsyncClient(timeout=60) as client:
                 body = {"model": "sim-8b", "prompt": "hello " * 200, "max_tokens": 64, "ignore_eos": True}

@@ -52,8 +52,14 @@ def test_relative_weights_keep_the_many_short_ttfts_right():
     error = {name: np.median(np.abs(m.predict(short) / truth - 1)) for name, m in (("plain", plain),
                                                                                      ("relative", relative))}
     assert error["plain"] > 0.5 and error["relative"] < 0.15, error
-    # The ridge counts in average responses whatever the weights: no data, the prior; much data, the data.
-    assert np.allclose(OnlineRidge(np.array([0.0, 1.0])).weights, [0.0, 1.0])
+    # The ridge counts in average responses whatever the weights: the same responses, each weighing 400 (a 50 ms
+    # TTFT's weight), fit exactly as at weight 1, the prior's pull included.
+    one, heavy = OnlineRidge(np.array([0.0, 1.0])), OnlineRidge(np.array([0.0, 1.0]))
+    for i in range(5):
+        x = np.array([1.0, i / 100])
+        one.update(x, 0.2 + x[1])
+        heavy.update(x, 0.2 + x[1], 400.0)
+    assert np.allclose(one.weights, heavy.weights) and not np.allclose(one.weights, [0.2, 1.0], atol=1e-3)
 
 
 def test_an_unexcited_direction_stays_at_the_prior():
