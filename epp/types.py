@@ -6,6 +6,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvgate.engine_latency_protocol import backlog_after_phase
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -52,6 +54,12 @@ class EndpointMetrics:
     # from the engine's own step timing (exact at any load), else from the prefix-cache counters while busy
     prefill_tokens_per_s: float | None = None
     prefill_rate_timed: bool = False
+    # kvgate engines: the latency model the engine fitted from the requests it served (kvgate:ttft_model_weight /
+    # kvgate:tpot_model_weight in kvgate/engine_latency_protocol.py's feature order) and the TTFTs it has fitted;
+    # None = not exported
+    ttft_model_weights: tuple[float, ...] | None = None
+    tpot_model_weights: tuple[float, ...] | None = None
+    ttft_model_observations: float | None = None
     updated_at: float = 0.0  # time.monotonic() of the last successful scrape; 0 = never
 
     @property
@@ -62,12 +70,10 @@ class EndpointMetrics:
         2300-token prompt lasts ~0.46 s on the bench's sim engines, and a scrape lands anywhere in it, so the gauge
         over-counts by up to a whole step's prompt tokens (docs/benchmarks.md, "The running step's phase"). The
         gauge as scraped where the engine does not export the phase or its rate is unknown; None without a gauge."""
-        pending = self.prefill_tokens_pending
-        if (pending is None or self.step_age_s is None or self.prefill_tokens_awaiting_step is None
-                or not self.prefill_tokens_per_s):
-            return pending
-        in_steps = max(pending - self.prefill_tokens_awaiting_step, 0)
-        return pending - min(in_steps, int(self.step_age_s * self.prefill_tokens_per_s))
+        if self.prefill_tokens_pending is None:
+            return None
+        return backlog_after_phase(self.prefill_tokens_pending, self.prefill_tokens_awaiting_step, self.step_age_s,
+                                   self.prefill_tokens_per_s)
 
     @property
     def kv_cache_tokens(self) -> int | None:

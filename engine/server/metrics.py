@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvgate.engine.server.exposition import Family, FamilySpec, render
+from kvgate.engine.server.latency_fit import Arrival, EngineLatencyFit
+from kvgate.engine_latency_protocol import MODEL_OBSERVATIONS, TPOT_MODEL_WEIGHT, TTFT_MODEL_WEIGHT, backlog_after_phase
 
 disable_created_metrics()  # no *_created series: vLLM does not export them and scrapers need not parse them
 
@@ -90,8 +92,40 @@ CACHE_INFO = FamilySpec("vllm:cache_config_info", "gauge", "Information of the K
                         ("block_size", "cache_dtype", "num_gpu_blocks", "model_name"))
 LORA_INFO = FamilySpec("vllm:lora_requests_info", "gauge", "Running stats on LoRA requests.",
                        ("max_lora", "running_lora_adapters", "waiting_lora_adapters"))
+# The engine's own latency model (engine/server/latency_fit.py; names and features: kvgate/engine_latency_protocol.py)
+TTFT_MODEL = FamilySpec(TTFT_MODEL_WEIGHT, "gauge", "This engine's TTFT model's weights (fitted online).",
+                        ("model_name", "feature"))
+TPOT_MODEL = FamilySpec(TPOT_MODEL_WEIGHT, "gauge", "This engine's TPOT model's weights (fitted online).",
+                        ("model_name", "feature"))
+MODEL_FITTED = FamilySpec(MODEL_OBSERVATIONS, "counter", "Requests this engine's latency models have fitted.",
+                          ("model_name", "kind"))
+MODEL_ERROR = FamilySpec("kvgate:ttft_model_relative_error", "gauge", "Quantiles of this engine's TTFT model's "
+                         "relative error over its last 1000 predictions.", ("model_name", "quantile"))
 STATS_FAMILIES = (PENDING, AWAITING_STEP, AGE, COMPUTED, STEP_SECONDS, RUNNING, WAITING, KV_USAGE, QUERIES, HITS,
-                  PREEMPTIONS, SPEC_PAUSED, *SPEC_COUNTERS.values(), *DRAFT_COUNTERS.values(), CACHE_INFO, LORA_INFO)
+                  PREEMPTIONS, SPEC_PAUSED, *SPEC_COUNTERS.values(), *DRAFT_COUNTERS.values(), CACHE_INFO, LORA_INFO,
+                  TTFT_MODEL, TPOT_MODEL, MODEL_FITTED, MODEL_ERROR)
+
+
+def queue_gauges(llm) -> tuple[int, int, float]:
+    """(running, waiting, KV use) as the page shows them: requests the server accepted that the engine has not
+    picked up yet count as waiting too."""
+    stats = llm.stats
+    if stats is None:
+        return 0, 0, 0.0
+    in_flight = max(llm.num_unfinished - stats.num_running - stats.num_waiting, 0)
+    return stats.num_running, stats.num_waiting + in_flight, stats.kv_cache_usage
+
+
+def latency_gauges(llm) -> tuple[int, int, int, float]:
+    """(the prefill backlog after the running step's phase, running, waiting, KV use) now: a request's features
+    for the engine's latency model. The phase at the engine's prefill rate over its life (a router estimates it
+    over the last ~10 s from the same counters; one replica's speed does not drift)."""
+    stats = llm.stats
+    rate = (stats.prefill_tokens_computed / stats.prefill_step_seconds
+            if stats is not None and stats.prefill_step_seconds > 0 else None)
+    backlog = backlog_after_phase(llm.num_prefill_tokens_pending, llm.num_prefill_tokens_awaiting_step,
+                                  llm.step_age_s, rate)
+    return (backlog, *queue_gauges(llm))
 
 
 def spec_decode_families(spec, model_name: str) -> Iterator[Family]:
@@ -121,8 +155,10 @@ class EngineStatsCollector:
     """Reads AsyncLLM.stats/info when scraped: `families()` as plain tuples (the /metrics page renders them
     itself, exposition.py), `collect()` as prometheus_client's families (for a registry)."""
 
-    def __init__(self, async_llm, model_name: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, async_llm, model_name: str, clock: Callable[[], float] = time.time,
+                 latency: EngineLatencyFit | None = None) -> None:
         self.llm = async_llm
+        self.latency = latency
         self.model_name = model_name
         self.clock = clock  # the LoRA info gauge's value
         self.one = (model_name,)  # the label values of every model_name-only series
@@ -144,11 +180,10 @@ class EngineStatsCollector:
         yield COMPUTED, [(one, stats.prefill_tokens_computed if stats is not None else 0)]
         yield STEP_SECONDS, [(one, stats.prefill_step_seconds if stats is not None else 0.0)]
         if stats is not None:
-            # Requests the server accepted that the engine has not picked up yet count as waiting too.
-            in_flight = max(self.llm.num_unfinished - stats.num_running - stats.num_waiting, 0)
-            yield RUNNING, [(one, stats.num_running)]
-            yield WAITING, [(one, stats.num_waiting + in_flight)]
-            yield KV_USAGE, [(one, stats.kv_cache_usage)]
+            running, waiting, kv = queue_gauges(self.llm)
+            yield RUNNING, [(one, running)]
+            yield WAITING, [(one, waiting)]
+            yield KV_USAGE, [(one, kv)]
             yield QUERIES, [(one, stats.prefix_cache_queries)]
             yield HITS, [(one, stats.prefix_cache_hits)]
             yield PREEMPTIONS, [(one, stats.num_preemptions)]
@@ -169,6 +204,15 @@ class EngineStatsCollector:
         running = ",".join(stats.running_lora_adapters) if stats is not None else ""
         waiting = ",".join(stats.waiting_lora_adapters) if stats is not None else ""
         yield LORA_INFO, [((str(max_lora), running, waiting), self.clock())]
+        if self.latency is not None:
+            ttft, tpot, ttft_count, tpot_count = self.latency.published()
+            name = self.model_name
+            yield TTFT_MODEL, [((name, feature), w) for feature, w in ttft]
+            yield TPOT_MODEL, [((name, feature), w) for feature, w in tpot]
+            yield MODEL_FITTED, [((name, "ttft"), ttft_count), ((name, "tpot"), tpot_count)]
+            errors = self.latency.relative_errors()
+            if errors:
+                yield MODEL_ERROR, [((name, str(q)), e) for q, e in errors.items()]
 
 
 class ServerMetrics:
@@ -176,7 +220,8 @@ class ServerMetrics:
     histograms (`registry`, updated as requests progress)."""
 
     def __init__(self, async_llm, model_name: str) -> None:
-        self.stats = EngineStatsCollector(async_llm, model_name)
+        self.latency = EngineLatencyFit(lambda: latency_gauges(async_llm))
+        self.stats = EngineStatsCollector(async_llm, model_name, latency=self.latency)
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -203,15 +248,22 @@ class ServerMetrics:
             return stats + generate_latest(self.registry)
         return stats + generate_latest(self.registry.restricted_registry(names))
 
-    def track(self, num_prompt_tokens: int, num_samples: int, on_close=None) -> "RequestTracker":
-        return RequestTracker(self, num_prompt_tokens, num_samples, on_close)
+    def track(self, num_prompt_tokens: int, num_samples: int, on_close=None, num_prompts: int = 1
+              ) -> "RequestTracker":
+        # the latency model fits requests of one prompt and one sample (their first token is theirs alone)
+        arrival = self.latency.arrival() if num_prompts == 1 and num_samples == 1 else None
+        return RequestTracker(self, num_prompt_tokens, num_samples, on_close, arrival)
 
 
 class RequestTracker:
     """Latency and token accounting of one API request (all its prompts and samples)."""
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, num_samples: int, on_close=None) -> None:
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, num_samples: int, on_close=None,
+                 arrival: Arrival | None = None) -> None:
         self.m = metrics
+        self.latency_arrival = arrival  # the engine's gauges at arrival, for its latency model (None: not fitted)
+        self.first_token_time: float | None = None
+        self.first_count = 0
         self.on_close = on_close
         self.unfinished_samples = num_samples
         self.labels = (metrics.model_name,)
@@ -221,12 +273,16 @@ class RequestTracker:
         self.generated = 0
         self.done = False
 
-    def on_tokens(self, count: int) -> None:
+    def on_tokens(self, count: int, cached_tokens: int = 0) -> None:
+        """`count` new tokens of a sample; `cached_tokens`: the prompt tokens the prefix cache held (its output's)."""
         if count <= 0:
             return
         now = time.monotonic()
         if self.last_token_time is None:
             self.m.ttft.labels(*self.labels).observe(now - self.arrival)
+            self.first_token_time, self.first_count = now, count
+            if self.latency_arrival is not None:
+                self.m.latency.first_token(self.latency_arrival, self.num_prompt_tokens - cached_tokens, now)
         else:
             self.m.itl.labels(*self.labels).observe((now - self.last_token_time) / count)
         self.last_token_time = now
@@ -251,3 +307,6 @@ class RequestTracker:
         self.m.prompt_tokens.labels(*self.labels).inc(self.num_prompt_tokens)
         self.m.generation_tokens.labels(*self.labels).inc(self.generated)
         self.m.e2e.labels(*self.labels).observe(time.monotonic() - self.arrival)
+        if self.latency_arrival is not None and self.unfinished_samples == 0 and self.first_token_time is not None:
+            self.m.latency.finished(self.latency_arrival, self.first_token_time, self.last_token_time,
+                                    self.generated - self.first_count)

@@ -196,7 +196,8 @@ class OpenAIServing:
             self.in_flight -= samples
             self.open_requests -= 1
 
-        return Prepared(prompts, params, self.metrics.track(sum(map(len, prompts)), samples, on_close=release))
+        return Prepared(prompts, params, self.metrics.track(sum(map(len, prompts)), samples, on_close=release,
+                                                            num_prompts=len(prompts)))
 
     # -- prompts and parameters -------------------------------------------------------------------
 
@@ -351,6 +352,6 @@ class OpenAIServing:
 def _count(tracker: RequestTracker, out: RequestOutput) -> None:
     """An output's new tokens and finished samples, in its request's metrics."""
     for c in out.outputs:
-        tracker.on_tokens(len(c.delta_token_ids))
+        tracker.on_tokens(len(c.delta_token_ids), out.num_cached_tokens or 0)
         if c.finished:
             tracker.on_finished_sample(c.finish_reason, out.metrics)

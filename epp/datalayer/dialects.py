@@ -11,6 +11,8 @@ import functools
 from dataclasses import dataclass
 from urllib.parse import quote
 
+from kvgate.engine_latency_protocol import MODEL_OBSERVATIONS, TPOT_MODEL_WEIGHT, TTFT_MODEL_WEIGHT
+
 
 @dataclass(frozen=True)
 class Series:
@@ -38,6 +40,9 @@ class Dialect:
     prefix_hits: Series | None = None  # of those, found cached (counter), summed
     prefill_computed: Series | None = None  # prompt tokens the engine computed (kvgate's counter), summed
     prefill_seconds: Series | None = None  # seconds of the steps that computed them (kvgate's counter), summed
+    ttft_model: str | None = None  # a kvgate engine's TTFT model weights, one sample per `feature` label
+    tpot_model: str | None = None  # and its TPOT model's
+    model_observations: Series | None = None  # the TTFTs that model has fitted (counter)
     name_filter: bool = False  # the engine serves prometheus_client's exposition, which honours ?name[]=
 
     def families(self) -> tuple[str, ...]:
@@ -45,10 +50,10 @@ class Dialect:
         names: list[str] = []
         for series in (*self.waiting, *self.running, *self.kv_usage, self.block_size, self.num_blocks,
                        self.prefill_pending, self.prefill_awaiting_step, self.step_age, self.prefix_queries,
-                       self.prefix_hits, self.prefill_computed, self.prefill_seconds):
+                       self.prefix_hits, self.prefill_computed, self.prefill_seconds, self.model_observations):
             if series is not None and series.name not in names:
                 names.append(series.name)
-        for name in (self.lora_info, self.cache_info):
+        for name in (self.lora_info, self.cache_info, self.ttft_model, self.tpot_model):
             if name and name not in names:
                 names.append(name)
         return tuple(names)
@@ -85,6 +90,10 @@ DIALECTS: dict[str, Dialect] = {
         # kvgate engines time their own prefill steps: the exact rate where present
         prefill_computed=Series("kvgate:prefill_tokens_computed_total"),
         prefill_seconds=Series("kvgate:prefill_step_seconds_total"),
+        # and fit their own latency model from the requests they serve (kvgate/engine_latency_protocol.py)
+        ttft_model=TTFT_MODEL_WEIGHT,
+        tpot_model=TPOT_MODEL_WEIGHT,
+        model_observations=Series(MODEL_OBSERVATIONS + "_total", (("kind", "ttft"),)),
         name_filter=True,
     ),
     "sglang": Dialect(

@@ -8,10 +8,12 @@ into the Model Server Protocol numbers (EndpointMetrics) of a Dialect.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Iterator
 
 from kvgate.epp.datalayer.dialects import Dialect, Series
+from kvgate.engine_latency_protocol import TPOT_FEATURES, TTFT_FEATURES
 from kvgate.epp.types import EndpointMetrics
 
 
@@ -159,7 +161,31 @@ def parse_metrics(text: str, dialect: Dialect, updated_at: float = 0.0) -> Endpo
         computed, seconds = _values(text, dialect.prefill_computed), _values(text, dialect.prefill_seconds)
         if computed and seconds:
             m.prefill_tokens_computed, m.prefill_step_seconds = sum(computed), sum(seconds)
+    if dialect.ttft_model and dialect.tpot_model and dialect.model_observations is not None:
+        observed = _values(text, dialect.model_observations)
+        if observed:
+            m.ttft_model_weights = _model_weights(text, dialect.ttft_model, TTFT_FEATURES)
+            m.tpot_model_weights = _model_weights(text, dialect.tpot_model, TPOT_FEATURES)
+            m.ttft_model_observations = sum(observed)
     return m
+
+
+MAX_MODEL_WEIGHT = 1e6  # seconds per feature unit: past this a published weight is not a latency model's
+
+
+def _model_weights(text: str, name: str, features: tuple[str, ...]) -> tuple[float, ...] | None:
+    """A published latency model's weights in `features`' order; None unless every feature has one finite, bounded
+    weight (a partial or absurd model is not used)."""
+    found: dict[str, float] = {}
+    for labels_text, value in iter_samples(text, name):
+        feature = dict(_parsed_labels(labels_text)).get("feature")
+        if feature in found or not math.isfinite(value) or abs(value) > MAX_MODEL_WEIGHT:
+            return None
+        if feature is not None:
+            found[feature] = value
+    if len(found) != len(features) or any(f not in found for f in features):
+        return None
+    return tuple(found[f] for f in features)
 
 
 def _int_or_none(value: str | None) -> int | None:

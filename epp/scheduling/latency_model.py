@@ -12,100 +12,23 @@ Features of endpoint e for a request, at pick time (`ttft_features`, `tpot_featu
 decoding = running + u, waiting the scraped queue, kv the KV-cache use: see predicted_ttft_scorer.py.) Features are
 scaled to comparable ranges so that one ridge strength suits them all.
 
-`OnlineRidge` fits y ≈ w·x by exponentially weighted least squares with a ridge pull toward prior weights:
-
-    A = Σ λ^age v x xᵀ,  b = Σ λ^age v x y,  w = (A + ρ v̄ I)⁻¹ (b + ρ v̄ w₀)
-
-v a response's weight, v̄ the responses' mean weight (so ρ counts in average responses whatever the weights). TTFTs
-weigh v = 1 / max(TTFT, 50 ms)²: the fit minimises the relative error, so the many short TTFTs of warm requests
-count as much as the few long ones of queued or cold requests, which otherwise pull the bias and the slopes their
-way.
-
-With no data w = w₀: the TTFT prior is the analytic model (W + decoding × decodeMs), so a fresh EPP routes as
-predicted-ttft-scorer does and learns from there. λ forgets (a changed pool is followed within ~1/(1-λ)
-responses); ρ keeps directions the data never excites at the prior instead of letting them drift. An update is O(k²)
-and a refit one k×k solve (k ≤ 6), done lazily before the next prediction: microseconds per response.
+The fit is kvgate/online_ridge.py's `OnlineRidge` (exponentially weighted ridge regression, TTFTs weighed for
+relative error). With no data w = w₀: the TTFT prior is the analytic model (W + decoding × decodeMs), so a fresh EPP
+routes as predicted-ttft-scorer does and learns from there.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 import numpy as np
+
+from kvgate.online_ridge import ErrorStats, OnlineRidge, ttft_weight
 
 # Cycle key predicted-latency-scorer sets when a request states objectives and no endpoint is predicted to meet
 # them: the director sheds such a request when it is sheddable (priority < 0), as llm-d's SLO scorer does.
 OBJECTIVES_UNMEETABLE = "kvgate.latency-objectives-unmeetable"
 TTFT_FEATURES = ("bias", "prefill_wait_s", "decoding_per_100", "waiting_per_100", "kv_usage", "uncached_per_10k")
 TPOT_FEATURES = ("bias", "decoding_per_100", "kv_usage")
-FORGET = 0.998  # λ: a response's weight halves after ~350 newer ones
-RIDGE = 2.0  # ρ: the prior counts as ~2 responses in every direction
-TTFT_WEIGHT_FLOOR_S = 0.05  # TTFTs weigh 1 / max(TTFT, floor)²: the fit minimises relative error above 50 ms
-
-
-class OnlineRidge:
-    def __init__(self, prior: np.ndarray, forget: float = FORGET, ridge: float = RIDGE) -> None:
-        self.prior = np.asarray(prior, dtype=float)
-        k = self.prior.size
-        self.forget, self.ridge = forget, ridge
-        self._a = np.zeros((k, k))
-        self._b = np.zeros(k)
-        self._weight_sum = 0.0  # Σ λ^age v and Σ λ^age: their ratio is v̄
-        self._decayed_count = 0.0
-        self._w = self.prior.copy()
-        self._dirty = False
-        self.count = 0
-
-    def update(self, x: np.ndarray, y: float, weight: float = 1.0) -> None:
-        self._a *= self.forget
-        self._b *= self.forget
-        self._a += weight * np.outer(x, x)
-        self._b += (weight * y) * x
-        self._weight_sum = self._weight_sum * self.forget + weight
-        self._decayed_count = self._decayed_count * self.forget + 1.0
-        self._dirty = True
-        self.count += 1
-
-    @property
-    def weights(self) -> np.ndarray:
-        if self._dirty:
-            k = self.prior.size
-            ridge = self.ridge * (self._weight_sum / self._decayed_count if self._decayed_count else 1.0)
-            self._w = np.linalg.solve(self._a + ridge * np.eye(k), self._b + ridge * self.prior)
-            self._dirty = False
-        return self._w
-
-    def predict(self, features: np.ndarray) -> np.ndarray:
-        """Rows of features -> predictions (never below 0: a latency)."""
-        return np.maximum(features @ self.weights, 0.0)
-
-
-@dataclass
-class ErrorStats:
-    """Running sums of |predicted - measured| and of the measured values, and counts, for metrics and tests."""
-
-    count: int = 0
-    abs_error: float = 0.0
-    measured: float = 0.0
-    recent: list[tuple[float, float]] = field(default_factory=list)  # (predicted, measured), the last RECENT
-    RECENT = 1000
-
-    def add(self, predicted: float, measured: float) -> None:
-        self.count += 1
-        self.abs_error += abs(predicted - measured)
-        self.measured += measured
-        self.recent.append((predicted, measured))
-        if len(self.recent) > 2 * self.RECENT:
-            del self.recent[: len(self.recent) - self.RECENT]
-
-    def recent_relative_errors(self, quantiles=(0.5, 0.9)) -> dict[float, float]:
-        """Quantiles of |predicted - measured| / measured over the last RECENT samples (empty before any)."""
-        pairs = [(p, m) for p, m in self.recent[-self.RECENT:] if m > 0]
-        if not pairs:
-            return {}
-        errors = np.abs(np.array([p for p, _ in pairs]) / np.array([m for _, m in pairs]) - 1.0)
-        return {q: float(np.quantile(errors, q)) for q in quantiles}
 
 
 class LatencyModel:
@@ -124,7 +47,7 @@ class LatencyModel:
         """What a finished request measured (None: not measured), with the features and predictions of its pick."""
         if ttft_s is not None and math.isfinite(ttft_s) and ttft_s >= 0:
             self.ttft_errors.add(ttft_predicted, ttft_s)
-            self.ttft.update(ttft_x, ttft_s, 1.0 / max(ttft_s, TTFT_WEIGHT_FLOOR_S) ** 2)
+            self.ttft.update(ttft_x, ttft_s, ttft_weight(ttft_s))
         if tpot_s is not None and math.isfinite(tpot_s) and tpot_s >= 0:
             self.tpot_errors.add(tpot_predicted, tpot_s)
             self.tpot.update(tpot_x, tpot_s)

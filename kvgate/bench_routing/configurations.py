@@ -173,6 +173,12 @@ CONFIGURATIONS = [
                   replacing_scorer(KVGATE_PROFILE_YAML, "token-load-scorer", "predicted-latency-scorer",
                                    {"objectivesFilter": True}, first=True),
                   kv_events=True),
+    # the same with each engine fitting its own model from the requests it serves (no response body through the EPP)
+    RoutingConfig("kvgate-learned-engines", "kvgate-learned with the latency model each engine fits from its own "
+                  "requests and publishes on /metrics (learnFrom: engines): no response body streams through the EPP",
+                  "epp", replacing_scorer(KVGATE_PROFILE_YAML, "token-load-scorer", "predicted-latency-scorer",
+                                          {"objectivesFilter": True, "learnFrom": "engines"}, first=True),
+                  kv_events=True),
     # the affinity filter's loadTolerance re-measured once the engines' backlog counted unreported requests by their
     # uncached prompt (2026-12-05, the arrival probe): 4 was chosen while followers still counted whole. Measured on
     # the tuning shapes, seeds 0-1 (docs/benchmarks.md): 1 and 2 level or worse (multi-turn seed 0: 0.56 and 0.52 s

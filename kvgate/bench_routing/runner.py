@@ -53,6 +53,31 @@ def engine_counters(endpoint: str) -> dict[str, float]:
     return out
 
 
+def engine_latency_models(endpoints: list[str]) -> dict | None:
+    """The latency model each kvgate engine fitted from its own requests (engine/server/latency_fit.py), read off its
+    page: per endpoint the TTFTs fitted and the p50 / p90 of the model's relative error over its last 1000
+    predictions, and those quantiles averaged over the endpoints weighed by their predictions. None when no engine
+    has predicted yet (not kvgate engines, or too few requests)."""
+    per: dict[str, dict] = {}
+    for e in endpoints:
+        text = httpx.get(f"http://{e}/metrics", timeout=5).text
+        row: dict = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "kvgate:latency_model_observations_total" and sample.labels.get("kind") == "ttft":
+                    row["observations"] = int(sample.value)
+                elif sample.name == "kvgate:ttft_model_relative_error":
+                    row[f"p{round(100 * float(sample.labels['quantile']))}"] = round(sample.value, 4)
+        if "p50" in row:
+            per[e] = row
+    if not per:
+        return None
+    weights = [max(r.get("observations", 0), 1) for r in per.values()]
+    mean = {q: round(sum(w * r[q] for w, r in zip(weights, per.values()) if q in r) / sum(weights), 4)
+            for q in ("p50", "p90")}
+    return {"endpoints": per, **mean}
+
+
 def all_counters(endpoints: list[str]) -> dict[str, dict[str, float]]:
     """engine_counters of every endpoint, by endpoint."""
     return {e: engine_counters(e) for e in endpoints}
@@ -416,6 +441,9 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
         model = latency_model(epp_after) if epp_after is not None else None
         if model is not None:
             result["epp_latency_model"] = model
+        engine_models = engine_latency_models(up.endpoints)
+        if engine_models is not None:
+            result["engine_latency_model"] = engine_models
         if died:
             result["errors"]["a process died"] = 1
             result["died"] = died

@@ -10,9 +10,9 @@ import pytest
 from kvgate.epp.extproc import has_token
 from kvgate.epp.scheduling.config import ConfigError, parse_config
 from kvgate.epp.scheduling.framework import CycleState, Scheduler
-from kvgate.epp.scheduling.latency_model import TTFT_WEIGHT_FLOOR_S, OnlineRidge
 from kvgate.epp.scheduling.live_load import LoadTracker
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
+from kvgate.online_ridge import TTFT_WEIGHT_FLOOR_S, OnlineRidge
 from tests.epp.test_load_plugins import PROMPT, config, warmed
 
 

@@ -30,31 +30,49 @@ their warm replicas going cold (hit rate 0.77 against 0.89). Measured again once
 cold on a replica whose tenants' prefixes it then evicts (seed 0: hit rate 0.81 against 0.89, everyone's TTFT p90
 3.06 s against 0.84 s; docs/benchmarks.md).
 
+Where the model comes from (learnFrom):
+- `responses` (default, any engine; llm-d's way): the EPP fits one model for the pool from the responses it sees, so
+  the gateway must stream every response body through the EPP (FULL_DUPLEX_STREAMED), about twice the gateway tier's
+  CPU per request of kvgate's profile (docs/benchmarks.md).
+- `engines` (kvgate engines): each engine fits its own model from the requests it serves, on its exact gauges at
+  each request's arrival and its exact timings, and publishes the weights on its /metrics page
+  (kvgate/engine_latency_protocol.py); the EPP evaluates them on the scraped gauges plus what it routed since, and
+  needs no response body. An endpoint that does not publish a model (another engine, or one that has fitted fewer
+  than MIN_OBSERVATIONS requests) is predicted by the prior, the analytic model; the EPP logs, per endpoint, which
+  one it predicts from whenever that changes. The EPP measures no prediction error of its own then (no response
+  reaches it), and counts no objectives met.
+
 Parameters: defaultPrefillTokensPerSecond, decodeMsPerRunningRequest, prefixScorer (as predicted-ttft-scorer's, for
 the prior and the features), learn (default true; false keeps the prior: the analytic model, for comparison),
-objectivesFilter (default false).
+objectivesFilter (default false), learnFrom (responses | engines, default responses).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import OrderedDict
 
 import numpy as np
 
+from kvgate import engine_latency_protocol as published
 from kvgate.epp.protocol import TPOT_OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER
+from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Filter
 from kvgate.epp.scheduling.latency_model import OBJECTIVES_UNMEETABLE, LatencyModel, tpot_features, ttft_features
 from kvgate.epp.scheduling.plugins._normalize import attribute_values, lower_is_better, per_snapshot
-from kvgate.epp.scheduling.plugins._params import bool_param, check_keys
-from kvgate.epp.scheduling.plugins._prefix_source import PRODUCES_PICKED_UNCACHED
+from kvgate.epp.scheduling.plugins._params import bool_param, check_keys, choice_param
+from kvgate.epp.scheduling.plugins._prefix_source import PRODUCES_PICKED_UNCACHED, prefix_tokens
 from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import (ANALYTIC_PARAMETERS,
                                                                  DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
                                                                  DEFAULT_PREFILL_TOKENS_PER_SECOND,
                                                                  PredictedTTFTScorer, analytic_params)
 from kvgate.epp.types import EndpointState, LLMRequest
 
+log = logging.getLogger(__name__)
+
+LEARN_FROM = ("responses", "engines")
 MAX_TRACKED = 65536  # requests picked and not yet finished whose features are kept (a bound, not a working size)
 MAX_OBJECTIVE_MS = 3_600_000.0
 
@@ -90,16 +108,23 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
 
     def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
                  decode_ms_per_running_request: float = DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
-                 prefix_source_name: str = "", learn: bool = True, objectives_filter: bool = False) -> None:
+                 prefix_source_name: str = "", learn: bool = True, objectives_filter: bool = False,
+                 learn_from: str = "responses") -> None:
         super().__init__(default_prefill_tokens_per_s, decode_ms_per_running_request, prefix_source_name)
         self.learn = learn
         self.objectives_filter = objectives_filter
+        self.from_engines = learn_from == "engines"
+        if self.from_engines:
+            self.reads_response_body = False  # the engines time their own requests
         self.model = LatencyModel(self.decode_s)
         self._queue_key = (self, "queue")
+        self._published_key = (self, "published")
+        self._said: dict[str, bool] = {}  # endpoint address -> predicted from its own published model (as last logged)
         self._cycle_key = (self, "predictions")
         self._picks: OrderedDict[str, _Pick] = OrderedDict()
         self.counts = {"objectives": 0, "objectives_bad": 0, "objectives_unmeetable": 0, "objectives_met": 0,
-                       "objectives_missed": 0, "untracked": 0}
+                       "objectives_missed": 0, "untracked": 0,
+                       "engine_model_predictions": 0}
 
     @staticmethod
     def _queue(endpoints: list[EndpointState]) -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +138,51 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
         waiting, kv = per_snapshot(self._queue_key, cycle, endpoints, self._queue)
         tx = ttft_features(wait, decoding, waiting, kv, uncached)
         px = tpot_features(decoding, kv)
-        return tx, self.model.ttft.predict(tx), px, self.model.tpot.predict(px)
+        ttft, tpot = self.model.ttft.predict(tx), self.model.tpot.predict(px)
+        if self.from_engines:
+            self._predict_published(request, endpoints, cycle, ttft, tpot)
+        return tx, ttft, px, tpot
+
+    def _published(self, endpoints: list[EndpointState]):
+        """Per endpoint, once per snapshot: whether it publishes a model fitted enough to use, its TTFT and TPOT
+        weights, and its scraped (backlog after the step's phase, running, waiting, KV use)."""
+        n = len(endpoints)
+        has = np.zeros(n, dtype=bool)
+        ttft_w = np.zeros((n, len(published.TTFT_FEATURES)))
+        tpot_w = np.zeros((n, len(published.TPOT_FEATURES)))
+        for i, e in enumerate(endpoints):
+            m = e.metrics
+            if (m.ttft_model_weights is not None and m.tpot_model_weights is not None
+                    and (m.ttft_model_observations or 0) >= published.MIN_OBSERVATIONS):
+                has[i] = True
+                ttft_w[i], tpot_w[i] = m.ttft_model_weights, m.tpot_model_weights
+            if self._said.get(e.address) != has[i]:
+                self._said[e.address] = bool(has[i])
+                log.info("predicted-latency-scorer: %s %s", e.address, "publishes its latency model: predicting "
+                         "from it" if has[i] else "publishes no latency model fitted enough to use: predicting "
+                         "from the analytic model")
+        backlog = np.fromiter((e.metrics.prefill_backlog or 0 for e in endpoints), dtype=float, count=n)
+        running = attribute_values(endpoints, "metrics.running_requests")
+        waiting, kv = attribute_values(endpoints, "metrics.waiting_queue_size"), attribute_values(
+            endpoints, "metrics.kv_cache_usage")
+        return has, ttft_w, tpot_w, backlog, running, waiting, kv
+
+    def _predict_published(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None,
+                           ttft: np.ndarray, tpot: np.ndarray) -> None:
+        """Overwrite, in place, the predictions of the endpoints that publish their own model with theirs: the
+        scraped gauges plus what this EPP routed there since the scrape, the request's uncached tokens there."""
+        has, ttft_w, tpot_w, backlog, running, waiting, kv = per_snapshot(self._published_key, cycle, endpoints,
+                                                                          self._published)
+        if not has.any():
+            return
+        prompt, cached = prefix_tokens(self, request, endpoints, cycle)
+        unseen_prompt = live_load.live_column(cycle, endpoints, "unseen_prompt")
+        unseen = live_load.live_column(cycle, endpoints, "unseen_requests")
+        tx = published.ttft_features(backlog + unseen_prompt, prompt - cached, running, waiting + unseen)
+        px = published.tpot_features(running + unseen, kv)
+        ttft[has] = np.maximum((tx * ttft_w).sum(axis=1), 0.0)[has]
+        tpot[has] = np.maximum((px * tpot_w).sum(axis=1), 0.0)[has]
+        self.counts["engine_model_predictions"] += 1
 
     @staticmethod
     def _objectives(request: LLMRequest) -> tuple[float | None, float | None, bool]:
@@ -176,6 +245,8 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
         super().pre_request(request, endpoint, cycle)
+        if self.from_engines:  # no response reaches this EPP to learn from
+            return
         saved = cycle.get(self._cycle_key) if cycle is not None else None
         if saved is None:
             return
@@ -227,6 +298,7 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
 
 def factory(parameters: dict | None) -> PredictedLatencyScorer:
     t = PredictedLatencyScorer.type_name
-    params = check_keys(parameters, ANALYTIC_PARAMETERS | {"learn", "objectivesFilter"}, t)
+    params = check_keys(parameters, ANALYTIC_PARAMETERS | {"learn", "objectivesFilter", "learnFrom"}, t)
     return PredictedLatencyScorer(**analytic_params(params, t), learn=bool_param(params, "learn", True, t),
-                                  objectives_filter=bool_param(params, "objectivesFilter", False, t))
+                                  objectives_filter=bool_param(params, "objectivesFilter", False, t),
+                                  learn_from=choice_param(params, "learnFrom", "responses", LEARN_FROM, t))
