@@ -55,8 +55,9 @@ def add_up_parser(sub) -> None:
     p.add_argument("--profile", choices=["kvgate", "upstream"], default="kvgate",
                    help="the EPP's scorers without --config-file: kvgate (default; for kvgate engines: affinity to "
                         "the engine that holds the prompt, on its exact prefill backlog; precise prefix from KV "
-                        "events; prefix groups spread; turns on --kv-events) or upstream (queue 2, kv-cache 2, "
-                        "prefix 3, the EPP's own default); both with two fallbacks per decision")
+                        "events; prefix groups spread; ties broken on the TTFT each engine's own latency model "
+                        "predicts; turns on --kv-events) or upstream (queue 2, kv-cache 2, prefix 3, the EPP's own "
+                        "default); both with two fallbacks per decision")
     p.add_argument("--kv-events", action="store_true",
                    help="engines publish KV-cache events (each on its own loopback ports) and the EPP subscribes: "
                         "what a --config-file naming precise-prefix-cache-scorer needs")

@@ -405,10 +405,14 @@ def parse_duration(value: Any) -> float:
 # prefix nobody holds to the endpoint serving the fewest prefix groups among those its footprint still fits
 # (fitKvCapacity 1: a tenant is not given to a replica whose cache is full while another has room), put a long
 # prefill where it holds up the fewest other requests (prefill-interference, weight 6: chosen on the tuning shapes
-# and hot-tenant, where a hot tenant's replica otherwise takes other tenants' cold prompts), and break ties on
-# in-flight tokens. Loads
-# in seconds (loadUnit): in a pool of mixed hardware each endpoint's load counts by how fast it prefills, as its
-# engine times itself (kvgate bench routing --shapes mixed-hardware; a uniform pool routes exactly as in tokens).
+# and hot-tenant, where a hot tenant's replica otherwise takes other tenants' cold prompts), and break ties on the
+# TTFT each engine's own latency model predicts (predicted-latency-scorer, learnFrom: engines — the model every
+# kvgate engine fits from the requests it serves and publishes on /metrics; an engine that has not fitted 32 requests
+# yet is predicted by the analytic model, and the EPP logs which per endpoint. It took the place of token-load in
+# seconds on 2026-12-05: level with it or ahead on the tuning shapes in 60 s cells, multi-turn's p90 0.79 s against
+# 0.97 s over three seeds, at the same gateway CPU per request; docs/benchmarks.md). Loads in seconds (loadUnit): in a
+# pool of mixed hardware each endpoint's load counts by how fast it prefills, as its engine times itself (kvgate
+# bench routing --shapes mixed-hardware; a uniform pool routes exactly as in tokens).
 # Needs the engines' KV events (`kvgate up --profile kvgate` turns them on; in Kubernetes, spec.engine.kvEvents).
 KVGATE_PROFILE_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -419,8 +423,8 @@ plugins:
 - type: precise-prefix-cache-scorer
 - type: prefix-group-balance-scorer
   parameters: {balanceBy: tokens, fitKvCapacity: 1, loadUnit: seconds}
-- type: token-load-scorer
-  parameters: {loadUnit: seconds}
+- type: predicted-latency-scorer
+  parameters: {learnFrom: engines}
 - type: prefill-interference-scorer
 - type: max-score-picker
 schedulingProfiles:
@@ -431,7 +435,7 @@ schedulingProfiles:
     weight: 3
   - pluginRef: prefix-group-balance-scorer
     weight: 3
-  - pluginRef: token-load-scorer
+  - pluginRef: predicted-latency-scorer
     weight: 1
   - pluginRef: prefill-interference-scorer
     weight: 6

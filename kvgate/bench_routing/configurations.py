@@ -147,8 +147,14 @@ CONFIGURATIONS = [
                   kv_events=True),
     RoutingConfig("kvgate", "kvgate's profile for kvgate engines (epp/scheduling/config.py KVGATE_PROFILE_YAML): "
                   "prefix-cache-affinity filter on the exact prefill backlog (loadTolerance 4, no exploration), "
-                  "then precise prefix 3, prefix-group balance 3 (where the group's footprint fits), token-load 1, "
-                  "prefill-interference 6; loads in seconds of prefill", "epp", KVGATE_PROFILE_YAML, kv_events=True),
+                  "then precise prefix 3, prefix-group balance 3 (where the group's footprint fits), predicted latency "
+                  "1 (each engine's own model), prefill-interference 6; loads in seconds of prefill", "epp",
+                  KVGATE_PROFILE_YAML, kv_events=True),
+    # the profile as it was before the engines' latency model took token-load's place (2026-12-05)
+    RoutingConfig("kvgate-token-load", "kvgate's profile with token-load in seconds where predicted-latency is (the "
+                  "profile before 2026-12-05)", "epp",
+                  replacing_scorer(KVGATE_PROFILE_YAML, "predicted-latency-scorer", "token-load-scorer",
+                                   {"loadUnit": "seconds"}), kv_events=True),
     RoutingConfig("kvgate-spf", "kvgate's profile + flow control: requests wait in the EPP while every replica has 2 "
                   "waiting (or its KV cache 95% full) and leave shortest prompt first, aged 2 ms per prompt token "
                   "(epp/flow_config.py)", "epp", with_flow_control(KVGATE_PROFILE_YAML, SPF),
@@ -166,18 +172,19 @@ CONFIGURATIONS = [
     RoutingConfig("kvgate-no-fit", "kvgate's profile without the group balance's fit check (fitKvCapacity 0)", "epp",
                   with_parameters(KVGATE_PROFILE_YAML, "prefix-group-balance-scorer", fitKvCapacity=0),
                   kv_events=True),
-    # the learned latency model as the profile's load term (docs/benchmarks.md: the model alone spreads tenants; here
-    # the cache-keeping scorers stay and it takes token-load's place); measured 2026-12-05: level, not kept
-    RoutingConfig("kvgate-learned", "kvgate's profile with predicted-latency-scorer (TTFT learned online; its "
-                  "objectives filter on, first) in token-load-scorer's place, weight 1", "epp",
-                  replacing_scorer(KVGATE_PROFILE_YAML, "token-load-scorer", "predicted-latency-scorer",
+    # the latency model learned by the EPP from the responses it streams, as the profile's load term (docs/
+    # benchmarks.md: the model alone spreads tenants; here the cache-keeping scorers stay); measured 2026-12-05: level
+    # with the profile at twice the gateway CPU per request
+    RoutingConfig("kvgate-learned", "kvgate's profile with predicted-latency learned by the EPP from the streamed "
+                  "responses (learnFrom: responses; its objectives filter on, first)", "epp",
+                  replacing_scorer(KVGATE_PROFILE_YAML, "predicted-latency-scorer", "predicted-latency-scorer",
                                    {"objectivesFilter": True}, first=True),
                   kv_events=True),
-    # the same with each engine fitting its own model from the requests it serves (no response body through the EPP)
-    RoutingConfig("kvgate-learned-engines", "kvgate-learned with the latency model each engine fits from its own "
-                  "requests and publishes on /metrics (learnFrom: engines): no response body streams through the EPP",
-                  "epp", replacing_scorer(KVGATE_PROFILE_YAML, "token-load-scorer", "predicted-latency-scorer",
-                                          {"objectivesFilter": True, "learnFrom": "engines"}, first=True),
+    # kvgate's profile with the objectives filter on: the engines' models (no response body through the EPP)
+    RoutingConfig("kvgate-learned-engines", "kvgate's profile with predicted-latency's objectives filter on, first "
+                  "(each engine's own model, learnFrom: engines)", "epp",
+                  replacing_scorer(KVGATE_PROFILE_YAML, "predicted-latency-scorer", "predicted-latency-scorer",
+                                   {"objectivesFilter": True, "learnFrom": "engines"}, first=True),
                   kv_events=True),
     # the affinity filter's loadTolerance re-measured once the engines' backlog counted unreported requests by their
     # uncached prompt (2026-12-05, the arrival probe): 4 was chosen while followers still counted whole. Measured on

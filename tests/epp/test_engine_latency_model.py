@@ -158,7 +158,8 @@ def scheduler_for(learn_from: str) -> tuple[Scheduler, object]:
     return scheduler, scheduler.plugins_of_type("predicted-latency-scorer")[0]
 
 
-def test_learning_from_engines_predicts_each_endpoint_from_its_own_model():
+def test_learning_from_engines_predicts_each_endpoint_from_its_own_model(caplog):
+    caplog.set_level("INFO", logger="kvgate.epp.scheduling.plugins.predicted_latency_scorer")
     scheduler, scorer = scheduler_for("engines")
     assert not scorer.reads_response_body and not scheduler.reads_response_body
     slow = ((0.05, 4.0, 4.0, 0.1, 0.0), (0.02, 0.0, 0.0))  # 0.4 ms a token
@@ -172,6 +173,11 @@ def test_learning_from_engines_predicts_each_endpoint_from_its_own_model():
     # slow: 0.05 + 4 × (1000 + 160 uncached) / 10^4 + 0.1 × 10/100; fast: the prompt cached there, 3000 backlog;
     # young and vllm: the analytic prior, (backlog + 160) / 1000 (the default rate for young) + running × 2 ms
     assert ttft == pytest.approx([0.05 + 0.464 + 0.01, 0.01 + 0.3 + 0.01, 0.16, 0.66])
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["predicted-latency-scorer: slow:1 publishes its latency model: predicting from it",
+                    "predicted-latency-scorer: fast:1 publishes its latency model: predicting from it",
+                    *(f"predicted-latency-scorer: {a} publishes no latency model fitted enough to use: predicting "
+                      "from the analytic model" for a in ("young:1", "vllm:1"))]
     assert tpot == pytest.approx([0.02, 0.01, 0.0, 0.0])
     # what this EPP routed there since the scrape counts as that engine's backlog (and a waiting request)
     tracker = LoadTracker()

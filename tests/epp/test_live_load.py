@@ -146,6 +146,7 @@ def test_kvgates_profile_shares_a_mixed_pool_by_prefill_speed():
     gives the fast ones about twice the work of the slow ones; the same profile in tokens shares it evenly (which
     left the slow replicas' queues growing: `kvgate bench routing --shapes mixed-hardware`), and a uniform pool
     whose timed rates differ by a few percent spreads evenly as before."""
+    from kvgate.bench_routing.configurations import BY_NAME
     from kvgate.epp.scheduling.config import KVGATE_PROFILE_YAML
 
     def shares(profile: str, rates: list[float]) -> list[int]:
@@ -159,9 +160,11 @@ def test_kvgates_profile_shares_a_mixed_pool_by_prefill_speed():
     fast, slow = 4000.0, 2000.0
     mixed = shares(KVGATE_PROFILE_YAML, [fast, fast, slow, slow])
     assert min(mixed[:2]) > 1.7 * max(mixed[2:]), mixed
-    in_tokens = KVGATE_PROFILE_YAML.replace(", loadUnit: seconds}", "}").replace("  parameters: {loadUnit: seconds}\n",
-                                                                                  "")
-    assert "loadUnit" not in in_tokens
+    # the profile before the engines' latency model (token-load where predicted-latency is), its loads in tokens
+    before = BY_NAME["kvgate-token-load"].epp_config
+    in_tokens = before.replace("    loadUnit: seconds\n", "")  # yaml.safe_dump's block style
+    assert "loadUnit" not in in_tokens and "token-load-scorer" in in_tokens
+    assert min(shares(before, [fast, fast, slow, slow])[:2]) > 1.7 * max(shares(before, [fast, fast, slow, slow])[2:])
     assert max(shares(in_tokens, [fast, fast, slow, slow])) - min(shares(in_tokens, [fast, fast, slow, slow])) <= 2
     uniform = shares(KVGATE_PROFILE_YAML, [4000.0, 3900.0, 4100.0, 4000.0])
     assert max(uniform) - min(uniform) <= 2, uniform

@@ -506,7 +506,9 @@ def test_kvgates_profile_checks_the_fit_after_the_affinity_filter():
     from kvgate.epp.scheduling.config import KVGATE_PROFILE_YAML
 
     profile = parse_config(KVGATE_PROFILE_YAML).scheduler.profiles[0]
-    assert [f.type_name for f in profile.filters] == ["prefix-cache-affinity-filter", "prefix-group-balance-scorer"]
+    # (predicted-latency-scorer is a filter too, of requests stating objectives, off by default: it keeps them all)
+    assert [f.type_name for f in profile.filters] == ["prefix-cache-affinity-filter", "prefix-group-balance-scorer",
+                                                      "predicted-latency-scorer"]
     assert profile.filters[1].fit_kv_capacity == 1.0
     assert profile.filters[1] in [ws.scorer for ws in profile.scorers]
 
