@@ -38,7 +38,7 @@ TPOT_MODEL_WEIGHT = "kvgate:tpot_model_weight"
 MODEL_OBSERVATIONS = "kvgate:latency_model_observations"  # a counter: the page says ..._total
 TTFT_FEATURES = ("bias", "backlog_per_10k", "uncached_per_10k", "running_per_100", "waiting_per_100")
 TPOT_FEATURES = ("bias", "running_per_100", "kv_usage")
-MIN_OBSERVATIONS = 32  # TTFTs fitted before a router trusts the model (with 6 weights and the ridge's pull of 2)
+MIN_OBSERVATIONS = 32  # TTFTs fitted before a router trusts the model: several per weight (5), the prior barely pulls
 
 
 def _columns(*values) -> list[np.ndarray]:

@@ -1,6 +1,6 @@
 """predicted-latency-scorer (kvgate's own; llm-d's predicted-latency `slo-scorer` is the anchor): prefer the endpoint
-with the lowest TTFT as predicted by a model learned online from the pool's own responses, within the request's
-latency objectives when it states them.
+with the lowest TTFT as predicted by a model learned online — from the pool's own responses, or each engine's own
+(learnFrom, below) — within the request's latency objectives when it states them.
 
 Prediction (scheduling/latency_model.py): TTFT(e) and TPOT(e) are linear in the endpoint's features at pick time —
 the analytic prefill wait of predicted-ttft-scorer, decoding and waiting requests, KV use, the request's uncached
