@@ -2,12 +2,12 @@
 read off the /metrics page (features, names and why: kvgate/engine_latency_protocol.py).
 
 Each request's features are the engine's gauges at its arrival (`Arrival`, taken when the server admits it: the
-prefill backlog after the running step's phase, running and waiting requests, KV use) and its uncached prompt
-tokens, known from its first output. Its TTFT (admission to first token) is fitted then, its TPOT ((last token -
+prefill backlog after the running step's phase, running and waiting requests; KV use for TPOT) and its uncached
+prompt tokens, known from its first output. Its TTFT (admission to first token) is fitted then, its TPOT ((last token -
 first token) / (tokens after the first)) when it ends. Only requests of one prompt and one sample are fitted: their
 first token is theirs alone. The fit is kvgate/online_ridge.py's, TTFTs weighed for relative error, with a prior of
 zero weights (a router ignores the model until it has fitted MIN_OBSERVATIONS TTFTs). Cost: an O(k²) update per
-request (k ≤ 6) and one k×k solve per scrape that follows new requests (28 µs and 18 µs, measured beside a
+request (k ≤ 5) and one k×k solve per scrape that follows new requests (28 µs and 18 µs, measured beside a
 running benchmark on the 2-core dev machine).
 
 How well the model predicts: once it has fitted MIN_OBSERVATIONS TTFTs (a router uses it from then on), each new

@@ -12,8 +12,8 @@ import math
 import re
 from collections.abc import Iterator
 
-from kvgate.epp.datalayer.dialects import Dialect, Series
 from kvgate.engine_latency_protocol import TPOT_FEATURES, TTFT_FEATURES
+from kvgate.epp.datalayer.dialects import Dialect, Series
 from kvgate.epp.types import EndpointMetrics
 
 
@@ -178,12 +178,12 @@ def _model_weights(text: str, name: str, features: tuple[str, ...]) -> tuple[flo
     weight (a partial or absurd model is not used)."""
     found: dict[str, float] = {}
     for labels_text, value in iter_samples(text, name):
-        feature = dict(_parsed_labels(labels_text)).get("feature")
+        feature = parse_labels(labels_text).get("feature")
         if feature in found or not math.isfinite(value) or abs(value) > MAX_MODEL_WEIGHT:
             return None
         if feature is not None:
             found[feature] = value
-    if len(found) != len(features) or any(f not in found for f in features):
+    if set(found) != set(features):
         return None
     return tuple(found[f] for f in features)
 

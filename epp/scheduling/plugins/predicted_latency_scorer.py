@@ -63,7 +63,7 @@ from kvgate.epp.scheduling.framework import CycleState, Filter
 from kvgate.epp.scheduling.latency_model import OBJECTIVES_UNMEETABLE, LatencyModel, tpot_features, ttft_features
 from kvgate.epp.scheduling.plugins._normalize import attribute_values, lower_is_better, per_snapshot
 from kvgate.epp.scheduling.plugins._params import bool_param, check_keys, choice_param
-from kvgate.epp.scheduling.plugins._prefix_source import PRODUCES_PICKED_UNCACHED, prefix_tokens
+from kvgate.epp.scheduling.plugins._prefix_source import PRODUCES_PICKED_UNCACHED
 from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import (ANALYTIC_PARAMETERS,
                                                                  DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
                                                                  DEFAULT_PREFILL_TOKENS_PER_SECOND,
@@ -140,12 +140,12 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
         px = tpot_features(decoding, kv)
         ttft, tpot = self.model.ttft.predict(tx), self.model.tpot.predict(px)
         if self.from_engines:
-            self._predict_published(request, endpoints, cycle, ttft, tpot)
+            self._predict_published(endpoints, cycle, uncached, decoding, waiting, kv, ttft, tpot)
         return tx, ttft, px, tpot
 
-    def _published(self, endpoints: list[EndpointState]):
-        """Per endpoint, once per snapshot: whether it publishes a model fitted enough to use, its TTFT and TPOT
-        weights, and its scraped (backlog after the step's phase, running, waiting, KV use)."""
+    def _published(self, endpoints: list[EndpointState]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per endpoint, once per snapshot: whether it publishes a model fitted enough to use, and its TTFT and TPOT
+        weights."""
         n = len(endpoints)
         has = np.zeros(n, dtype=bool)
         ttft_w = np.zeros((n, len(published.TTFT_FEATURES)))
@@ -161,25 +161,22 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
                 log.info("predicted-latency-scorer: %s %s", e.address, "publishes its latency model: predicting "
                          "from it" if has[i] else "publishes no latency model fitted enough to use: predicting "
                          "from the analytic model")
-        backlog = np.fromiter((e.metrics.prefill_backlog or 0 for e in endpoints), dtype=float, count=n)
-        running = attribute_values(endpoints, "metrics.running_requests")
-        waiting, kv = attribute_values(endpoints, "metrics.waiting_queue_size"), attribute_values(
-            endpoints, "metrics.kv_cache_usage")
-        return has, ttft_w, tpot_w, backlog, running, waiting, kv
+        return has, ttft_w, tpot_w
 
-    def _predict_published(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None,
-                           ttft: np.ndarray, tpot: np.ndarray) -> None:
+    def _predict_published(self, endpoints: list[EndpointState], cycle: CycleState | None, uncached: np.ndarray,
+                           decoding: np.ndarray, waiting: np.ndarray, kv: np.ndarray, ttft: np.ndarray,
+                           tpot: np.ndarray) -> None:
         """Overwrite, in place, the predictions of the endpoints that publish their own model with theirs: the
-        scraped gauges plus what this EPP routed there since the scrape, the request's uncached tokens there."""
-        has, ttft_w, tpot_w, backlog, running, waiting, kv = per_snapshot(self._published_key, cycle, endpoints,
-                                                                          self._published)
+        scraped gauges plus what this EPP routed there since the scrape (`decoding` = running + those requests),
+        the request's uncached tokens there."""
+        has, ttft_w, tpot_w = per_snapshot(self._published_key, cycle, endpoints, self._published)
         if not has.any():
             return
-        prompt, cached = prefix_tokens(self, request, endpoints, cycle)
+        backlog, _, running = per_snapshot(self._scraped_key, cycle, endpoints, self._scraped)
         unseen_prompt = live_load.live_column(cycle, endpoints, "unseen_prompt")
-        unseen = live_load.live_column(cycle, endpoints, "unseen_requests")
-        tx = published.ttft_features(backlog + unseen_prompt, prompt - cached, running, waiting + unseen)
-        px = published.tpot_features(running + unseen, kv)
+        unseen = decoding - running
+        tx = published.ttft_features(backlog + unseen_prompt, uncached, running, waiting + unseen)
+        px = published.tpot_features(decoding, kv)
         ttft[has] = np.maximum((tx * ttft_w).sum(axis=1), 0.0)[has]
         tpot[has] = np.maximum((px * tpot_w).sum(axis=1), 0.0)[has]
         self.counts["engine_model_predictions"] += 1
