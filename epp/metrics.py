@@ -168,6 +168,13 @@ class EndpointGauges:
                 if key not in _KV_EVENT_GAUGES:
                     counts.add_metric([key], value)
             yield from (blocks, subscribed, counts)
+        affinity = snapshot.plugin_stats.get("affinity") or {}
+        if affinity:
+            spills = CounterMetricFamily("kvgate_epp_affinity_spills", "Requests the prefix-cache affinity filter "
+                                         "sent to a cold endpoint because their prefix's share of the recent "
+                                         "requests outgrew its warm endpoints (spillShare).")
+            spills.add_metric([], affinity.get("spills", 0))
+            yield spills
         latency = snapshot.plugin_stats.get("latency_model") or {}
         if latency:
             yield from _latency_model_families(latency)

@@ -186,6 +186,12 @@ CONFIGURATIONS = [
                   replacing_scorer(KVGATE_PROFILE_YAML, "predicted-latency-scorer", "predicted-latency-scorer",
                                    {"objectivesFilter": True, "learnFrom": "engines"}, first=True),
                   kv_events=True),
+    # kvgate's profile, the responses streamed through the EPP only to measure its predictions from the engines' models
+    # (must-show 2's error distribution; costs the gateway tier what learning from responses does)
+    RoutingConfig("kvgate-engines-measured", "kvgate's profile with the EPP measuring its predictions from the "
+                  "engines' latency models against the streamed responses (measureError)", "epp",
+                  with_parameters(KVGATE_PROFILE_YAML, "predicted-latency-scorer", measureError=True),
+                  kv_events=True),
     # the affinity filter's loadTolerance re-measured once the engines' backlog counted unreported requests by their
     # uncached prompt (2026-12-05, the arrival probe): 4 was chosen while followers still counted whole. Measured on
     # the tuning shapes, seeds 0-1 (docs/benchmarks.md): 1 and 2 level or worse (multi-turn seed 0: 0.56 and 0.52 s
@@ -193,6 +199,12 @@ CONFIGURATIONS = [
     *(RoutingConfig(f"kvgate-tol{t:g}", f"kvgate's profile with the affinity filter's loadTolerance {t:g}", "epp",
                     with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", loadTolerance=t),
                     kv_events=True) for t in (1, 2)),
+    # a prefix whose traffic outgrows one replica given a second warm home (the affinity filter's spillShare), measured
+    # on the tuning shapes and hot-tenant (docs/benchmarks.md)
+    RoutingConfig("kvgate-spill", "kvgate's profile with the affinity filter giving a prefix more warm replicas "
+                  "when its share of the recent requests passes 1.25 replicas' fair share (spillShare 1.25)", "epp",
+                  with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", spillShare=1.25),
+                  kv_events=True),
     RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
                   "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "
                   "through the EPP's header-based-testing-filter (bench_routing/oracle.py)", "epp",

@@ -150,9 +150,10 @@ def state(address, weights=None, observations=100, pending=0, running=0, waiting
     return EndpointState(Endpoint(address), m, stale=False)
 
 
-def scheduler_for(learn_from: str) -> tuple[Scheduler, object]:
+def scheduler_for(learn_from: str, more: str = "") -> tuple[Scheduler, object]:
     text = config("type: prefix-cache-scorer", "type: predicted-latency-scorer\n  parameters: "
-                  "{defaultPrefillTokensPerSecond: 1000, decodeMsPerRunningRequest: 2, learnFrom: " + learn_from + "}")
+                  "{defaultPrefillTokensPerSecond: 1000, decodeMsPerRunningRequest: 2, learnFrom: " + learn_from + more
+                  + "}")
     parsed = parse_config(text)
     scheduler = Scheduler(parsed.scheduler)
     return scheduler, scheduler.plugins_of_type("predicted-latency-scorer")[0]
@@ -197,3 +198,27 @@ def test_learning_from_responses_stays_the_default_and_learn_from_is_checked():
         scheduler_for("gossip")
     assert not parse_config(config("type: predicted-latency-scorer\n  parameters: {learnFrom: engines}")
                             ).needs_response_body
+
+
+def test_measuring_the_engines_models_streams_responses_only_to_measure_them():
+    """measureError: the EPP sees the responses again, and measures its predictions from the engines' models against
+    them, without fitting a model of its own."""
+    scheduler, scorer = scheduler_for("engines", ", measureError: true")
+    assert scorer.reads_response_body and scheduler.reads_response_body
+    fast = ((0.01, 1.0, 1.0, 0.1, 0.0), (0.01, 0.0, 0.0))
+    states = [state("fast:1", fast, pending=3000, running=10), state("vllm:1", None, pending=500, rate=1000)]
+    prior = scorer.model.ttft.predict(np.zeros((1, 6)) + 1.0).copy()
+    request, cycle = LLMRequest("r1", "m", "m", PROMPT, headers={"x-slo-ttft-ms": "500"}), CycleState()
+    (picked,) = scheduler.schedule(request, states, cycle)
+    assert picked.address == "fast:1"  # 0.01 + 0.3 + 0.01 + 0.016 uncached against 1.16 s
+    scheduler.on_picked(request, picked, cycle)
+    assert scorer.stats()["tracked_requests"] == 1
+    request.first_token_at = time.monotonic() + 0.2  # as if its first token came ~0.2 s after the pick
+    scorer.response_complete(request, picked.address, 160, 1)
+    stats = scorer.stats()
+    assert stats["ttft_observations"] == 1 and stats["tracked_requests"] == 0
+    assert stats["ttft_abs_error_seconds"] == pytest.approx(0.336 - 0.2, abs=0.01)
+    assert stats["objectives_met"] == 1
+    assert np.array_equal(scorer.model.ttft.predict(np.zeros((1, 6)) + 1.0), prior)  # nothing fitted
+    with pytest.raises(ConfigError, match="measureError must be"):
+        scheduler_for("engines", ", measureError: 3")

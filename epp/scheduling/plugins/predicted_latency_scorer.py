@@ -40,11 +40,15 @@ Where the model comes from (learnFrom):
   needs no response body. An endpoint that does not publish a model (another engine, or one that has fitted fewer
   than MIN_OBSERVATIONS requests) is predicted by the prior, the analytic model; the EPP logs, per endpoint, which
   one it predicts from whenever that changes. The EPP measures no prediction error of its own then (no response
-  reaches it), and counts no objectives met.
+  reaches it), and counts no objectives met — unless measureError is true: then the responses stream through the
+  EPP again (the CPU that learnFrom engines saves), only to measure how far its predictions from the engines'
+  models were from each response's TTFT and TPOT, and how many objectives were met (a diagnostic: `kvgate bench
+  routing --configs kvgate-engines-measured`).
 
 Parameters: defaultPrefillTokensPerSecond, decodeMsPerRunningRequest, prefixScorer (as predicted-ttft-scorer's, for
 the prior and the features), learn (default true; false keeps the prior: the analytic model, for comparison),
-objectivesFilter (default false), learnFrom (responses | engines, default responses).
+objectivesFilter (default false), learnFrom (responses | engines, default responses), measureError (default false;
+with learnFrom engines, see above).
 """
 
 from __future__ import annotations
@@ -109,12 +113,13 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
     def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
                  decode_ms_per_running_request: float = DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
                  prefix_source_name: str = "", learn: bool = True, objectives_filter: bool = False,
-                 learn_from: str = "responses") -> None:
+                 learn_from: str = "responses", measure_error: bool = False) -> None:
         super().__init__(default_prefill_tokens_per_s, decode_ms_per_running_request, prefix_source_name)
         self.learn = learn
         self.objectives_filter = objectives_filter
         self.from_engines = learn_from == "engines"
-        if self.from_engines:
+        self.tracks_responses = not self.from_engines or measure_error
+        if not self.tracks_responses:
             self.reads_response_body = False  # the engines time their own requests
         self.model = LatencyModel(self.decode_s)
         self._queue_key = (self, "queue")
@@ -242,7 +247,7 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
         super().pre_request(request, endpoint, cycle)
-        if self.from_engines:  # no response reaches this EPP to learn from
+        if not self.tracks_responses:  # no response reaches this EPP to learn from or measure by
             return
         saved = cycle.get(self._cycle_key) if cycle is not None else None
         if saved is None:
@@ -271,9 +276,9 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
         if pick.objectives_met is not None and ttft is not None:
             met = self._objectives_met(request, ttft, tpot)
             self.counts["objectives_met" if met else "objectives_missed"] += 1
-        if self.learn:
+        if self.learn and not self.from_engines:
             self.model.observe(pick.ttft_x, pick.ttft, ttft, pick.tpot_x, pick.tpot, tpot)
-        else:  # the errors are still measured, so that a fixed model can be compared with a learned one
+        else:  # the errors are still measured, so that a fixed model (or the engines') can be compared
             self.model.ttft_errors.add(pick.ttft, ttft) if ttft is not None else None
             self.model.tpot_errors.add(pick.tpot, tpot) if tpot is not None else None
 
@@ -295,7 +300,9 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
 
 def factory(parameters: dict | None) -> PredictedLatencyScorer:
     t = PredictedLatencyScorer.type_name
-    params = check_keys(parameters, ANALYTIC_PARAMETERS | {"learn", "objectivesFilter", "learnFrom"}, t)
+    params = check_keys(parameters, ANALYTIC_PARAMETERS | {"learn", "objectivesFilter", "learnFrom", "measureError"},
+                        t)
     return PredictedLatencyScorer(**analytic_params(params, t), learn=bool_param(params, "learn", True, t),
                                   objectives_filter=bool_param(params, "objectivesFilter", False, t),
-                                  learn_from=choice_param(params, "learnFrom", "responses", LEARN_FROM, t))
+                                  learn_from=choice_param(params, "learnFrom", "responses", LEARN_FROM, t),
+                                  measure_error=bool_param(params, "measureError", False, t))

@@ -36,13 +36,31 @@ pool, where the rule is the one above):
     saved   = (prompt - cached(c*)) / s(c*) - (prompt - cached(w*)) / s(w*)
     keep only warm   iff   L(w*)/s(w*) - L(c*)/s(c*) ≤ loadTolerance × saved
 
+A prefix whose traffic outgrows one endpoint (spillShare σ > 0; off by default): the rule above weighs one
+request's hit against the warm side's queue, and a tenant that asks for 40% of a pool of four keeps its one warm
+replica's queue long while every single comparison still favours staying (its requests are mostly cached, so the
+backlog stays under what a hit saves; `kvgate bench routing --workloads hot-tenant`, docs/benchmarks.md). A spill
+costs one cold prefill and from then on serves the prefix from two warm endpoints, so the filter also counts each
+sticky prefix's share of the recent requests (plugins/_prefix_rates.py: the prompt's first affinityThreshold share,
+counts decayed over spillWindowSeconds) and gives it
+
+    homes   = ⌈share × n / σ⌉       n = the candidates (an endpoint's fair share is 1 / n)
+    spill   iff   homes > |warm|  and  L(w*) > L(c*)      keep only the cold candidates (the scorers pick which)
+
+The spilled request's blocks are held on its endpoint from the pick (the precise scorer's request holds), so the
+next request of the prefix finds two warm endpoints and the rule above chooses between them.
+
 Parameters: affinityThreshold (0, 1] = 0.80, explorationProbability [0, 1] = 0.01, loadTolerance ≥ 0 = 1.0 (0:
 leave warm endpoints as soon as they carry more load than the coldest; large: always sticky; above 1 values the
 cache a spill would pollute), loadSignal auto | backlog | tokens = auto, loadUnit tokens | seconds = tokens,
-prefixScorer = the profile's only prefix scorer.
+prefixScorer = the profile's only prefix scorer, spillShare ≥ 0 = 0 (off), spillWindowSeconds > 0 = 30.
 """
 
 from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
 
 import numpy as np
 import xxhash
@@ -51,6 +69,7 @@ from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Filter
 from kvgate.epp.scheduling.plugins._params import (LOAD_UNITS, check_keys, choice_param, float_param, load_unit_param,
                                                        str_param)
+from kvgate.epp.scheduling.plugins._prefix_rates import PrefixRates, prefix_key
 from kvgate.epp.scheduling.plugins._relative_speed import relative_speed
 from kvgate.epp.scheduling.plugins._prefix_source import (PRODUCES_PICKED_UNCACHED, prefix_tokens,
                                                               record_picked_uncached)
@@ -60,17 +79,24 @@ from kvgate.epp.types import EndpointState, LLMRequest
 DEFAULT_AFFINITY_THRESHOLD = 0.80  # llm-d's default
 DEFAULT_EXPLORATION_PROBABILITY = 0.01  # llm-d's default
 LOAD_SIGNALS = ("auto", "backlog", "tokens")
+DEFAULT_SPILL_WINDOW_S = 30.0
 
 
 class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
     type_name = "prefix-cache-affinity-filter"
     preference = True  # cold endpoints stay fallbacks (framework.Filter.preference)
+    stats_group = "affinity"
     produces = PRODUCES_PICKED_UNCACHED  # what its pick adds to the endpoint's prefill backlog (the director reads it)
 
     def __init__(self, affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD,
                  exploration_probability: float = DEFAULT_EXPLORATION_PROBABILITY, load_tolerance: float = 1.0,
-                 prefix_source_name: str = "", load_signal: str = "auto", load_unit: str = "tokens") -> None:
+                 prefix_source_name: str = "", load_signal: str = "auto", load_unit: str = "tokens",
+                 spill_share: float = 0.0, spill_window_s: float = DEFAULT_SPILL_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
+        self.spill_share = spill_share
+        self._rates = PrefixRates(spill_window_s, clock) if spill_share > 0 else None
+        self.counts = {"spills": 0}
         if load_unit not in LOAD_UNITS:
             raise ValueError(f"load_unit must be one of {', '.join(LOAD_UNITS)}, got {load_unit!r}")
         self.load_unit = load_unit
@@ -82,6 +108,7 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
 
     def filter(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
                ) -> list[EndpointState]:
+        homes = self._homes(request, len(endpoints))
         if len(endpoints) <= 1 or self.prefix_source is None or self._explores(request):
             return endpoints
         prompt, cached = prefix_tokens(self, request, endpoints, cycle)
@@ -94,6 +121,9 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
             load = load / speed
         w = _argmin_where(load, warm)
         c = _argmin_where(load, ~warm)
+        if homes > warm.sum() and load[w] > load[c]:  # the prefix outgrows its warm endpoints: one more home
+            self.counts["spills"] += 1
+            return [e for e, keep in zip(endpoints, warm) if not keep]
         if self.load_unit == "seconds":  # the prefill each side would still do, in the fastest replica's seconds
             saved = (prompt - cached[c]) / speed[c] - (prompt - cached[w]) / speed[w]
         else:
@@ -101,6 +131,17 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
         if load[w] - load[c] > self.load_tolerance * saved:
             return endpoints
         return [e for e, keep in zip(endpoints, warm) if keep]
+
+    def _homes(self, request: LLMRequest, candidates: int) -> int:
+        """How many warm endpoints the request's sticky prefix deserves by its share of the recent requests (1
+        without spillShare); counts the request."""
+        if self._rates is None:
+            return 1
+        share = self._rates.add(prefix_key(request.prompt, self.affinity_threshold))
+        return max(1, math.ceil(share * candidates / self.spill_share - 1e-9))
+
+    def stats(self) -> dict[str, float]:
+        return dict(self.counts)
 
     def _load(self, cycle: CycleState | None, endpoints: list[EndpointState]) -> np.ndarray:
         scraped = [e.metrics.prefill_backlog for e in endpoints]
@@ -126,7 +167,8 @@ def _argmin_where(values: np.ndarray, mask: np.ndarray) -> int:
 def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
     t = PrefixCacheAffinityFilter.type_name
     params = check_keys(parameters, {"affinityThreshold", "explorationProbability", "loadTolerance",
-                                     "loadSignal", "prefixScorer", "loadUnit"}, t)
+                                     "loadSignal", "prefixScorer", "loadUnit", "spillShare", "spillWindowSeconds"},
+                        t)
     signal = choice_param(params, "loadSignal", "auto", LOAD_SIGNALS, t)
     unit = load_unit_param(params, t)
     return PrefixCacheAffinityFilter(
@@ -138,4 +180,7 @@ def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
         prefix_source_name=str_param(params, "prefixScorer", "", t),
         load_signal=signal,
         load_unit=unit,
+        spill_share=float_param(params, "spillShare", 0.0, t, 0.0),
+        spill_window_s=float_param(params, "spillWindowSeconds", DEFAULT_SPILL_WINDOW_S, t, 0.0, 3600.0,
+                                   min_inclusive=False),
     )
