@@ -48,7 +48,11 @@ counts decayed over spillWindowSeconds) and gives it
     spill   iff   homes > |warm|  and  L(w*) > L(c*)      keep only the cold candidates (the scorers pick which)
 
 The spilled request's blocks are held on its endpoint from the pick (the precise scorer's request holds), so the
-next request of the prefix finds two warm endpoints and the rule above chooses between them.
+next request of the prefix finds two warm endpoints and the rule above chooses between them. Off in kvgate's profile:
+measured (`kvgate bench routing --workloads hot-tenant --configs kvgate,kvgate-spill --duration 60`, seeds 0-2) it
+evens the load where the pool's caches have room for the second copy (twice the KV: p90 level or lower, spread 1.2
+against 1.5-2.0) and costs 2-6 points of hit rate and the tail where they do not (hot-tenant as it is: p90 0.61 /
+0.71 / 0.50 s against 0.53 / 0.50 / 0.55 s); docs/benchmarks.md.
 
 Parameters: affinityThreshold (0, 1] = 0.80, explorationProbability [0, 1] = 0.01, loadTolerance ≥ 0 = 1.0 (0:
 leave warm endpoints as soon as they carry more load than the coldest; large: always sticky; above 1 values the
