@@ -199,8 +199,9 @@ CONFIGURATIONS = [
     *(RoutingConfig(f"kvgate-tol{t:g}", f"kvgate's profile with the affinity filter's loadTolerance {t:g}", "epp",
                     with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", loadTolerance=t),
                     kv_events=True) for t in (1, 2)),
-    # a prefix whose traffic outgrows one replica given a second warm home (the affinity filter's spillShare), measured
-    # on the tuning shapes and hot-tenant (docs/benchmarks.md)
+    # a prefix whose traffic outgrows one replica given a second warm home (the affinity filter's spillShare); measured
+    # 2026-12-05 (docs/benchmarks.md): worse on hot-tenant, whose caches are oversubscribed, an even load where they
+    # have room; not in the profile
     RoutingConfig("kvgate-spill", "kvgate's profile with the affinity filter giving a prefix more warm replicas "
                   "when its share of the recent requests passes 1.25 replicas' fair share (spillShare 1.25)", "epp",
                   with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", spillShare=1.25),
