@@ -19,6 +19,7 @@ from kvgate.epp.datalayer.dialects import DIALECTS
 from kvgate.epp.datalayer.exposition import parse_metrics
 from kvgate.epp.scheduling.config import ConfigError, parse_config
 from kvgate.epp.scheduling.framework import CycleState, Scheduler
+from kvgate.epp.scheduling.latency_model import TTFT_FEATURES
 from kvgate.epp.scheduling.live_load import LoadTracker
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from tests.epp.test_load_plugins import PROMPT, config, warmed
@@ -207,7 +208,8 @@ def test_measuring_the_engines_models_streams_responses_only_to_measure_them():
     assert scorer.reads_response_body and scheduler.reads_response_body
     fast = ((0.01, 1.0, 1.0, 0.1, 0.0), (0.01, 0.0, 0.0))
     states = [state("fast:1", fast, pending=3000, running=10), state("vllm:1", None, pending=500, rate=1000)]
-    prior = scorer.model.ttft.predict(np.zeros((1, 6)) + 1.0).copy()
+    features = np.ones((1, len(TTFT_FEATURES)))
+    prior = scorer.model.ttft.predict(features).copy()
     request, cycle = LLMRequest("r1", "m", "m", PROMPT, headers={"x-slo-ttft-ms": "500"}), CycleState()
     (picked,) = scheduler.schedule(request, states, cycle)
     assert picked.address == "fast:1"  # 0.01 + 0.3 + 0.01 + 0.016 uncached against 1.16 s
@@ -219,6 +221,6 @@ def test_measuring_the_engines_models_streams_responses_only_to_measure_them():
     assert stats["ttft_observations"] == 1 and stats["tracked_requests"] == 0
     assert stats["ttft_abs_error_seconds"] == pytest.approx(0.336 - 0.2, abs=0.01)
     assert stats["objectives_met"] == 1
-    assert np.array_equal(scorer.model.ttft.predict(np.zeros((1, 6)) + 1.0), prior)  # nothing fitted
+    assert np.array_equal(scorer.model.ttft.predict(features), prior)  # nothing fitted
     with pytest.raises(ConfigError, match="measureError must be"):
         scheduler_for("engines", ", measureError: 3")

@@ -164,7 +164,8 @@ def test_kvgates_profile_shares_a_mixed_pool_by_prefill_speed():
     before = BY_NAME["kvgate-token-load"].epp_config
     in_tokens = before.replace("    loadUnit: seconds\n", "")  # yaml.safe_dump's block style
     assert "loadUnit" not in in_tokens and "token-load-scorer" in in_tokens
-    assert min(shares(before, [fast, fast, slow, slow])[:2]) > 1.7 * max(shares(before, [fast, fast, slow, slow])[2:])
+    mixed_before = shares(before, [fast, fast, slow, slow])
+    assert min(mixed_before[:2]) > 1.7 * max(mixed_before[2:]), mixed_before
     assert max(shares(in_tokens, [fast, fast, slow, slow])) - min(shares(in_tokens, [fast, fast, slow, slow])) <= 2
     uniform = shares(KVGATE_PROFILE_YAML, [4000.0, 3900.0, 4100.0, 4000.0])
     assert max(uniform) - min(uniform) <= 2, uniform
