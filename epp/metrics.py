@@ -174,7 +174,12 @@ class EndpointGauges:
                                          "sent to a cold endpoint because their prefix's share of the recent "
                                          "requests outgrew its warm endpoints (spillShare).")
             spills.add_metric([], affinity.get("spills", 0))
+            no_room = CounterMetricFamily("kvgate_epp_affinity_spills_without_room", "Requests the prefix-cache "
+                                          "affinity filter would have spilled but kept, because a copy of their "
+                                          "prefix fits on no cold endpoint (spillFit).")
+            no_room.add_metric([], affinity.get("spills_without_room", 0))
             yield spills
+            yield no_room
         latency = snapshot.plugin_stats.get("latency_model") or {}
         if latency:
             yield from _latency_model_families(latency)

@@ -58,6 +58,7 @@ from kvgate.epp.scheduling.framework import (
     needs_response_body,
 )
 from kvgate.epp.scheduling.plugins import REGISTRY, create_plugin
+from kvgate.epp.scheduling.kv_fit import wire_kv_fit_checks
 from kvgate.epp.scheduling.prefix_match import wire_prefix_sources
 
 API_VERSIONS = {
@@ -330,6 +331,7 @@ def _build_profile(name: str, refs: Any, plugins: dict[str, Plugin], where: str)
         profile.picker = create_plugin("max-score-picker")
     try:  # load-aware plugins get the profile's prefix scorer (its cached-token counts); a bad reference fails here
         wire_prefix_sources(profile.plugins())
+        wire_kv_fit_checks(profile.plugins())  # and the affinity filter's spill the group balance's fit check
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from e
     return profile

@@ -200,12 +200,17 @@ CONFIGURATIONS = [
                     with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", loadTolerance=t),
                     kv_events=True) for t in (1, 2)),
     # a prefix whose traffic outgrows one replica given a second warm home (the affinity filter's spillShare); measured
-    # 2026-12-05 (docs/benchmarks.md): worse on hot-tenant, whose caches are oversubscribed, an even load where they
-    # have room; not in the profile
+    # 2026-12-05 without the fit test (docs/benchmarks.md; kvgate-spill-anywhere now): worse on hot-tenant, whose
+    # caches are oversubscribed, an even load where they have room
     RoutingConfig("kvgate-spill", "kvgate's profile with the affinity filter giving a prefix more warm replicas "
-                  "when its share of the recent requests passes 1.25 replicas' fair share (spillShare 1.25)", "epp",
+                  "when its share of the recent requests passes 1.25 replicas' fair share (spillShare 1.25), on "
+                  "replicas where the copy fits beside their groups (the group balance's fit check)", "epp",
                   with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", spillShare=1.25),
                   kv_events=True),
+    RoutingConfig("kvgate-spill-anywhere", "kvgate-spill without the fit test (spillFit false): a spill goes to the "
+                  "least loaded cold replica whatever its cache holds", "epp",
+                  with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", spillShare=1.25,
+                                  spillFit=False), kv_events=True),
     RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
                   "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "
                   "through the EPP's header-based-testing-filter (bench_routing/oracle.py)", "epp",

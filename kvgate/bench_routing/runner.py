@@ -118,11 +118,12 @@ _LATENCY_SUMS = {"kvgate_epp_latency_prediction_abs_error_seconds": "error",
                  "kvgate_epp_latency_measured_seconds": "measured"}
 
 
-def affinity_spills(families: list) -> int | None:
-    """The requests the affinity filter spilled to a cold endpoint (spillShare); None when the EPP runs no such
+def affinity_spills(families: list, name: str = "kvgate_epp_affinity_spills") -> int | None:
+    """The requests the affinity filter spilled to a cold endpoint (spillShare; with `name`
+    kvgate_epp_affinity_spills_without_room, those it kept because no copy fitted); None when the EPP runs no such
     filter."""
     for family in families:
-        if family.name == "kvgate_epp_affinity_spills":
+        if family.name == name:
             return int(sum(s.value for s in family.samples if s.name.endswith("_total")))
     return None
 
@@ -447,9 +448,11 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
         if config.kind == "epp" and epp_replicas > 1:
             time.sleep(0.6)  # a heartbeat: the replicas publish their peer-sync counts with it
             result["epp_peer_sync"] = peer_sync_counts(up)
-        spills = affinity_spills(epp_after) if epp_after is not None else None
-        if spills:
-            result["epp_affinity_spills"] = spills
+        for key, family in (("epp_affinity_spills", "kvgate_epp_affinity_spills"),
+                            ("epp_affinity_spills_without_room", "kvgate_epp_affinity_spills_without_room")):
+            spills = affinity_spills(epp_after, family) if epp_after is not None else None
+            if spills:
+                result[key] = spills
         model = latency_model(epp_after) if epp_after is not None else None
         if model is not None:
             result["epp_latency_model"] = model

@@ -2,17 +2,19 @@
 
 from types import SimpleNamespace
 
+import time
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.bench_routing.runner import affinity_spills
 from kvgate.epp.metrics import EndpointGauges
-from kvgate.epp.scheduling.config import parse_config
+from kvgate.epp.scheduling.config import ConfigError, parse_config
 from kvgate.epp.scheduling.framework import CycleState, Scheduler
 from kvgate.epp.scheduling.plugins import create_plugin
 from kvgate.epp.scheduling.plugins._prefix_rates import MIN_REQUESTS, PrefixRates, prefix_key
-from kvgate.epp.types import LLMRequest
+from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from tests.epp.helpers import state
 from tests.epp.test_load_plugins import addresses, config, loads, warmed
 
@@ -89,11 +91,11 @@ def test_a_prefix_past_its_share_spills_to_a_cold_endpoint_once():
     traffic(f, states, hot_share=0.5)  # 2 replicas' fair share, over 1.25: two homes
     busy = loads(states, {"a:1": 50})
     assert addresses(f.filter(LLMRequest("h1", "m", "m", hot), states, busy)) == ["b:1", "c:1", "d:1"]
-    assert f.stats() == {"spills": 1}
+    assert f.stats() == {"spills": 1, "spills_without_room": 0}
     # where the spill went is warm too (the prefix scorer's record of the pick): both homes kept, no more spills
     warmed(scheduler, states, {"c:1": hot})
     assert addresses(f.filter(LLMRequest("h2", "m", "m", hot), states, loads(states, {"a:1": 50}))) == ["a:1", "c:1"]
-    assert f.stats() == {"spills": 1}
+    assert f.stats() == {"spills": 1, "spills_without_room": 0}
 
 
 def test_no_spill_under_the_share_on_an_idle_home_or_when_off():
@@ -132,11 +134,11 @@ def test_the_scheduler_serves_a_hot_prefix_from_two_endpoints_not_all():
         (picked,) = scheduler.schedule(request, states, cycle)
         scheduler.on_picked(request, picked, cycle)
         served.append(picked.address)
-    assert f.stats() == {"spills": 1}
+    assert f.stats() == {"spills": 1, "spills_without_room": 0}
     homes = set(served)
     assert len(homes) == 2 and "a:1" in homes
     assert min(served.count(h) for h in homes) >= 10
-    assert scheduler.stats()["affinity"] == {"spills": 1}
+    assert scheduler.stats()["affinity"] == {"spills": 1, "spills_without_room": 0}
     gauges = EndpointGauges(SimpleNamespace(states=lambda: [], datalayer=SimpleNamespace(staleness=2.0),
                                             scheduler=scheduler))
     gauges.publish(force=True)
@@ -144,7 +146,65 @@ def test_the_scheduler_serves_a_hot_prefix_from_two_endpoints_not_all():
     registry.register(gauges)
     page = generate_latest(registry).decode()
     assert "kvgate_epp_affinity_spills_total 1.0" in page
-    assert affinity_spills(list(text_string_to_metric_families(page))) == 1  # what the bench's result file records
+    assert "kvgate_epp_affinity_spills_without_room_total 0.0" in page
+    families = list(text_string_to_metric_families(page))
+    assert affinity_spills(families) == 1  # what the bench's result file records
+    assert affinity_spills(families, "kvgate_epp_affinity_spills_without_room") == 0
+
+
+def kv_state(address: str, tokens: int) -> EndpointState:
+    return EndpointState(Endpoint(address), EndpointMetrics(num_kv_blocks=tokens // 16, kv_block_size=16,
+                                                            updated_at=time.monotonic()), stale=False)
+
+
+def fit_profile(spill_fit: bool = True):
+    """The approximate prefix scorer, the spilling affinity filter and the group balance with its fit check, over
+    four endpoints of 256 tokens of KV: one tenant's prompt (~170 tokens) fits on an endpoint alone, not beside
+    another's."""
+    fit = str(spill_fit).lower()
+    text = config("type: prefix-cache-scorer", "type: prefix-cache-affinity-filter\n  parameters: "
+                  f"{{explorationProbability: 0, loadTolerance: 4, spillShare: 1.25, spillFit: {fit}}}",
+                  "type: prefix-group-balance-scorer\n  parameters: {balanceBy: tokens, fitKvCapacity: 1}")
+    scheduler = Scheduler(parse_config(text).scheduler)
+    f = scheduler.plugins_of_type("prefix-cache-affinity-filter")[0]
+    balance = scheduler.plugins_of_type("prefix-group-balance-scorer")[0]
+    states = [kv_state(f"{c}:1", 256) for c in "abcd"]
+    warmed(scheduler, states, {"a:1": tenant_prompt(0, 1)})  # the hot tenant's home, its group recorded there
+    for tenant, address in ((5, "b:1"), (6, "c:1")):
+        balance.pre_request(LLMRequest(f"g{tenant}", "m", "m", tenant_prompt(tenant, 0)), kv_state(address, 256))
+    traffic(f, states, hot_share=0.5)
+    return scheduler, f, balance, states
+
+
+def test_a_spill_goes_only_where_the_copy_fits():
+    """spillFit (default): the spill skips cold endpoints whose groups leave no room for the prefix (b and c), and
+    where none has room the request is not spilled — the sticky rule decides, and the miss is counted."""
+    scheduler, f, balance, states = fit_profile()
+    assert f.kv_fit is balance  # wired from the profile
+    hot = tenant_prompt(0, 1)
+    busy = loads(states, {"a:1": 50})
+    assert addresses(f.filter(LLMRequest("h1", "m", "m", hot), states, busy)) == ["d:1"]
+    assert f.stats() == {"spills": 1, "spills_without_room": 0}
+    balance.pre_request(LLMRequest("g7", "m", "m", tenant_prompt(7, 0)), states[3])  # d serves a group now
+    assert addresses(f.filter(LLMRequest("h2", "m", "m", hot), states, loads(states, {"a:1": 50}))) == ["a:1"]
+    assert f.stats() == {"spills": 1, "spills_without_room": 1}
+    _, anywhere, _, states = fit_profile(spill_fit=False)
+    assert anywhere.kv_fit is None
+    assert addresses(anywhere.filter(LLMRequest("h1", "m", "m", hot), states, loads(states, {"a:1": 50}))) == [
+        "b:1", "c:1", "d:1"]
+
+
+def test_kv_fit_wiring_wants_one_check():
+    """No fit check in the profile: the spill goes anywhere; two: a config error naming them (only where a
+    spilling filter asks)."""
+    plain = config("type: prefix-cache-scorer", "type: prefix-cache-affinity-filter\n  parameters: {spillShare: 1}")
+    assert Scheduler(parse_config(plain).scheduler).plugins_of_type("prefix-cache-affinity-filter")[0].kv_fit is None
+    two = ["type: prefix-cache-scorer",
+           "name: fit-a\n  type: prefix-group-balance-scorer\n  parameters: {fitKvCapacity: 1}",
+           "name: fit-b\n  type: prefix-group-balance-scorer\n  parameters: {fitKvCapacity: 1}"]
+    parse_config(config(*two, "type: prefix-cache-affinity-filter"))  # not spilling: nothing to choose
+    with pytest.raises(ConfigError, match="several KV fit checks"):
+        parse_config(config(*two, "type: prefix-cache-affinity-filter\n  parameters: {spillShare: 1}"))
 
 
 @pytest.mark.parametrize("parameters, message", [
@@ -152,6 +212,7 @@ def test_the_scheduler_serves_a_hot_prefix_from_two_endpoints_not_all():
     ({"spillShare": float("nan")}, "spillShare must be in"),
     ({"spillWindowSeconds": 0}, "spillWindowSeconds must be in"),
     ({"spillWindowSeconds": 1e9}, "spillWindowSeconds must be in"),
+    ({"spillFit": "yes"}, "spillFit"),
 ])
 def test_spill_parameters_are_checked(parameters, message):
     with pytest.raises(ValueError, match=message):

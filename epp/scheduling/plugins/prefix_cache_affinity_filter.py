@@ -48,16 +48,20 @@ counts decayed over spillWindowSeconds) and gives it
     spill   iff   homes > |warm|  and  L(w*) > L(c*)      keep only the cold candidates (the scorers pick which)
 
 The spilled request's blocks are held on its endpoint from the pick (the precise scorer's request holds), so the
-next request of the prefix finds two warm endpoints and the rule above chooses between them. Off in kvgate's profile:
-measured (`kvgate bench routing --workloads hot-tenant --configs kvgate,kvgate-spill --duration 60`, seeds 0-2) it
-evens the load where the pool's caches have room for the second copy (twice the KV: p90 level or lower, spread 1.2
-against 1.5-2.0) and costs 2-6 points of hit rate and the tail where they do not (hot-tenant as it is: p90 0.61 /
-0.71 / 0.50 s against 0.53 / 0.50 / 0.55 s); docs/benchmarks.md.
+next request of the prefix finds two warm endpoints and the rule above chooses between them. Measured without a fit
+test (`kvgate bench routing --workloads hot-tenant --configs kvgate,kvgate-spill --duration 60`, seeds 0-2,
+2026-12-05) it evens the load where the pool's caches have room for the second copy (twice the KV: p90 level or
+lower, spread 1.2 against 1.5-2.0) and costs 2-6 points of hit rate and the tail where they do not (hot-tenant as it
+is: p90 0.61 / 0.71 / 0.50 s against 0.53 / 0.50 / 0.55 s); docs/benchmarks.md. So with spillFit (default) and a
+fit check in the profile (the group balance's fitKvCapacity, kv_fit.py) only the cold candidates where the copy fits
+beside the groups they serve count as cold above; where none does the request is not spilled (counted as a spill
+without room) and the rule above decides.
 
 Parameters: affinityThreshold (0, 1] = 0.80, explorationProbability [0, 1] = 0.01, loadTolerance ≥ 0 = 1.0 (0:
 leave warm endpoints as soon as they carry more load than the coldest; large: always sticky; above 1 values the
 cache a spill would pollute), loadSignal auto | backlog | tokens = auto, loadUnit tokens | seconds = tokens,
-prefixScorer = the profile's only prefix scorer, spillShare ≥ 0 = 0 (off), spillWindowSeconds > 0 = 30.
+prefixScorer = the profile's only prefix scorer, spillShare ≥ 0 = 0 (off), spillWindowSeconds (0, 3600] = 30,
+spillFit true | false = true.
 """
 
 from __future__ import annotations
@@ -71,8 +75,9 @@ import xxhash
 
 from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Filter
-from kvgate.epp.scheduling.plugins._params import (LOAD_UNITS, check_keys, choice_param, float_param, load_unit_param,
-                                                       str_param)
+from kvgate.epp.scheduling.kv_fit import NeedsKvFit
+from kvgate.epp.scheduling.plugins._params import (LOAD_UNITS, bool_param, check_keys, choice_param, float_param,
+                                                       load_unit_param, str_param)
 from kvgate.epp.scheduling.plugins._prefix_rates import PrefixRates, prefix_key
 from kvgate.epp.scheduling.plugins._relative_speed import relative_speed
 from kvgate.epp.scheduling.plugins._prefix_source import (PRODUCES_PICKED_UNCACHED, prefix_tokens,
@@ -86,7 +91,7 @@ LOAD_SIGNALS = ("auto", "backlog", "tokens")
 DEFAULT_SPILL_WINDOW_S = 30.0
 
 
-class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
+class PrefixCacheAffinityFilter(NeedsPrefixMatch, NeedsKvFit, Filter):
     type_name = "prefix-cache-affinity-filter"
     preference = True  # cold endpoints stay fallbacks (framework.Filter.preference)
     stats_group = "affinity"
@@ -95,12 +100,13 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
     def __init__(self, affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD,
                  exploration_probability: float = DEFAULT_EXPLORATION_PROBABILITY, load_tolerance: float = 1.0,
                  prefix_source_name: str = "", load_signal: str = "auto", load_unit: str = "tokens",
-                 spill_share: float = 0.0, spill_window_s: float = DEFAULT_SPILL_WINDOW_S,
+                 spill_share: float = 0.0, spill_window_s: float = DEFAULT_SPILL_WINDOW_S, spill_fit: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.spill_share = spill_share
+        self.spill_fit = spill_fit
         self._rates = PrefixRates(spill_window_s, clock) if spill_share > 0 else None
-        self.counts = {"spills": 0}
+        self.counts = {"spills": 0, "spills_without_room": 0}
         if load_unit not in LOAD_UNITS:
             raise ValueError(f"load_unit must be one of {', '.join(LOAD_UNITS)}, got {load_unit!r}")
         self.load_unit = load_unit
@@ -126,8 +132,12 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
         w = _argmin_where(load, warm)
         c = _argmin_where(load, ~warm)
         if homes > warm.sum() and load[w] > load[c]:  # the prefix outgrows its warm endpoints: one more home
-            self.counts["spills"] += 1
-            return [e for e, keep in zip(endpoints, warm) if not keep]
+            room = self._room(request, endpoints, warm, prompt, cycle)
+            if not room.any():
+                self.counts["spills_without_room"] += 1
+            elif load[w] > load[_argmin_where(load, room)]:
+                self.counts["spills"] += 1
+                return [e for e, keep in zip(endpoints, room) if keep]
         if self.load_unit == "seconds":  # the prefill each side would still do, in the fastest replica's seconds
             saved = (prompt - cached[c]) / speed[c] - (prompt - cached[w]) / speed[w]
         else:
@@ -135,6 +145,18 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, Filter):
         if load[w] - load[c] > self.load_tolerance * saved:
             return endpoints
         return [e for e, keep in zip(endpoints, warm) if keep]
+
+    def wants_kv_fit(self) -> bool:
+        return self.spill_share > 0 and self.spill_fit
+
+    def _room(self, request: LLMRequest, endpoints: list[EndpointState], warm: np.ndarray, prompt: int,
+              cycle: CycleState | None) -> np.ndarray:
+        """The cold candidates a spill may go to: those where a copy of the prompt fits (every cold one without a
+        fit check)."""
+        if self.kv_fit is None:
+            return ~warm
+        return np.fromiter((not h and self.kv_fit.copy_fits(request, e, prompt, cycle)
+                            for e, h in zip(endpoints, warm)), dtype=bool, count=len(endpoints))
 
     def _homes(self, request: LLMRequest, candidates: int) -> int:
         """How many warm endpoints the request's sticky prefix deserves by its share of the recent requests (1
@@ -171,7 +193,8 @@ def _argmin_where(values: np.ndarray, mask: np.ndarray) -> int:
 def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
     t = PrefixCacheAffinityFilter.type_name
     params = check_keys(parameters, {"affinityThreshold", "explorationProbability", "loadTolerance",
-                                     "loadSignal", "prefixScorer", "loadUnit", "spillShare", "spillWindowSeconds"},
+                                     "loadSignal", "prefixScorer", "loadUnit", "spillShare", "spillWindowSeconds",
+                                     "spillFit"},
                         t)
     signal = choice_param(params, "loadSignal", "auto", LOAD_SIGNALS, t)
     unit = load_unit_param(params, t)
@@ -187,4 +210,5 @@ def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
         spill_share=float_param(params, "spillShare", 0.0, t, 0.0),
         spill_window_s=float_param(params, "spillWindowSeconds", DEFAULT_SPILL_WINDOW_S, t, 0.0, 3600.0,
                                    min_inclusive=False),
+        spill_fit=bool_param(params, "spillFit", True, t),
     )

@@ -189,6 +189,15 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Filter, Scorer):
             return endpoints
         return [e for e, fit in zip(endpoints, fits) if fit]
 
+    # The affinity filter's spill asks the same record (kv_fit.py) before it puts a second copy of a hot prefix on
+    # a cold endpoint.
+    def checks_fit(self) -> bool:
+        return self.fit_kv_capacity > 0
+
+    def copy_fits(self, request: LLMRequest, endpoint: EndpointState, prompt_tokens: int,
+                  cycle: CycleState | None = None) -> bool:
+        return self._fits(endpoint, self.group(request), prompt_tokens, self.clock())
+
     def _fits(self, endpoint: EndpointState, group: int, prompt: int, now: float) -> bool:
         capacity = endpoint.metrics.kv_cache_tokens
         if capacity is None:
