@@ -52,12 +52,13 @@ def test_prefix_rates_share_decays_and_waits_for_enough_requests():
     rates = PrefixRates(window_s=10.0, clock=clock, max_keys=8)
     shares = []
     for i in range(200):
-        clock.now += 0.05
+        clock.now += 0.06
         shares.append(rates.add(1 if i % 5 < 2 else 100 + i % 3))  # key 1: 40% of the requests
     assert shares[0] == 0.0 and shares[int(MIN_REQUESTS) - 10] == 0.0  # too few requests to say yet
+    assert shares[150] == 0.0  # enough requests, but not a whole window of them yet (9 s of 10)
     assert shares[195] == pytest.approx(0.4, abs=0.05)  # a request of key 1
-    for i in range(400):  # 20 s more, key 1 gone quiet
-        clock.now += 0.05
+    for i in range(400):  # 24 s more, key 1 gone quiet
+        clock.now += 0.06
         rates.add(None)
     assert rates.add(1) < 0.1
     for key in range(20):
@@ -77,9 +78,13 @@ def spill_filter(share=1.25, endpoints=4):
 
 
 def traffic(f, states, hot_share: float, n: int = 200) -> None:
-    """n requests through the filter, `hot_share` of them tenant 0's, the rest spread over eleven others."""
+    """n requests through the filter over a little more than its rates' window (shares count from then on),
+    `hot_share` of them tenant 0's, the rest spread over eleven others."""
+    if not isinstance(f._rates.clock, Clock):
+        f._rates.clock = Clock()
     hot_every = round(1 / hot_share)
     for i in range(n):
+        f._rates.clock.now += 1.05 * f._rates.window_s / n
         prompt = tenant_prompt(0 if i % hot_every == 0 else 1 + i % 11, i % 4)
         f.filter(LLMRequest(f"t{i}", "m", "m", prompt), states, loads(states, {}))
 

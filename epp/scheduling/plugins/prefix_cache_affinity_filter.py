@@ -42,7 +42,7 @@ replica's queue long while every single comparison still favours staying (its re
 backlog stays under what a hit saves; `kvgate bench routing --workloads hot-tenant`, docs/benchmarks.md). A spill
 costs one cold prefill and from then on serves the prefix from two warm endpoints, so the filter also counts each
 sticky prefix's share of the recent requests (plugins/_prefix_rates.py: the prompt's first affinityThreshold share,
-counts decayed over spillWindowSeconds) and gives it
+counts decayed over spillWindowSeconds, shares counted once a whole window has passed) and gives it
 
     homes   = ⌈share × n / σ⌉       n = the candidates (an endpoint's fair share is 1 / n)
     spill   iff   homes > |warm|  and  L(w*) > L(c*)      keep only the cold candidates (the scorers pick which)
