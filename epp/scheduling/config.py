@@ -421,7 +421,7 @@ apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
 - type: prefix-cache-affinity-filter
-  parameters: {loadSignal: backlog, loadTolerance: 4, explorationProbability: 0, loadUnit: seconds}
+  parameters: {loadSignal: backlog, loadTolerance: 4, explorationProbability: 0, loadUnit: seconds, spillShare: 1.25}
 - type: precise-prefix-cache-scorer
 - type: prefix-group-balance-scorer
   parameters: {balanceBy: tokens, fitKvCapacity: 1, loadUnit: seconds}

@@ -3,9 +3,10 @@
 The prefix-group balance's fit check (fitKvCapacity > 0) keeps, per endpoint, the footprints of the prefix groups
 picked there within its window; a copy fits where those footprints plus the prompt stay within φ × the endpoint's
 KV cache. A spill that lands where the copy does not fit evicts the endpoint's other groups, and they come back as
-cold prefills (`kvgate bench routing --workloads hot-tenant --configs kvgate,kvgate-spill`, docs/benchmarks.md), so
-the filter asks the same record before it spills. A consumer (NeedsKvFit) is handed the profile's check when the
-config is built (`wire_kv_fit_checks`); a profile without one leaves it None, and the consumer spills anywhere.
+cold prefills (`kvgate bench routing --workloads hot-tenant --configs kvgate-no-spill,kvgate-spill-anywhere`,
+docs/benchmarks.md), so the filter asks the same record before it spills. A consumer (NeedsKvFit) is handed the
+profile's check when the config is built (`wire_kv_fit_checks`); a profile without one leaves it None, and the
+consumer spills anywhere.
 """
 
 from __future__ import annotations

@@ -146,7 +146,8 @@ CONFIGURATIONS = [
                            ("max-score-picker", None, None)]),
                   kv_events=True),
     RoutingConfig("kvgate", "kvgate's profile for kvgate engines (epp/scheduling/config.py KVGATE_PROFILE_YAML): "
-                  "prefix-cache-affinity filter on the exact prefill backlog (loadTolerance 4, no exploration), "
+                  "prefix-cache-affinity filter on the exact prefill backlog (loadTolerance 4, no exploration; a prefix past "
+                  "1.25 replicas' share of the traffic spills to a second replica where a copy fits), "
                   "then precise prefix 3, prefix-group balance 3 (where the group's footprint fits), predicted latency "
                   "1 (each engine's own model), prefill-interference 6; loads in seconds of prefill", "epp",
                   KVGATE_PROFILE_YAML, kv_events=True),
@@ -199,18 +200,17 @@ CONFIGURATIONS = [
     *(RoutingConfig(f"kvgate-tol{t:g}", f"kvgate's profile with the affinity filter's loadTolerance {t:g}", "epp",
                     with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", loadTolerance=t),
                     kv_events=True) for t in (1, 2)),
-    # a prefix whose traffic outgrows one replica given a second warm home (the affinity filter's spillShare); measured
-    # 2026-12-05 without the fit test (docs/benchmarks.md; kvgate-spill-anywhere now): worse on hot-tenant, whose
-    # caches are oversubscribed, an even load where they have room
-    RoutingConfig("kvgate-spill", "kvgate's profile with the affinity filter giving a prefix more warm replicas "
-                  "when its share of the recent requests passes 1.25 replicas' fair share (spillShare 1.25), on "
-                  "replicas where the copy fits beside their groups (the group balance's fit check)", "epp",
-                  with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", spillShare=1.25),
+    # the profile as it was before the affinity filter's spill joined it (2026-12-05, with its fit test; docs/
+    # benchmarks.md): a hot prefix kept on its warm replicas however large its share of the traffic
+    RoutingConfig("kvgate-no-spill", "kvgate's profile without the affinity filter's spill (spillShare 0)", "epp",
+                  with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", spillShare=0),
                   kv_events=True),
-    RoutingConfig("kvgate-spill-anywhere", "kvgate-spill without the fit test (spillFit false): a spill goes to the "
-                  "least loaded cold replica whatever its cache holds", "epp",
-                  with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", spillShare=1.25,
-                                  spillFit=False), kv_events=True),
+    # the spill as first measured (2026-12-05, then named kvgate-spill): worse on hot-tenant, whose caches are
+    # oversubscribed, an even load where they have room
+    RoutingConfig("kvgate-spill-anywhere", "kvgate's profile with the spill's fit test off (spillFit false): a spill "
+                  "goes to the least loaded cold replica whatever its cache holds", "epp",
+                  with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", spillFit=False),
+                  kv_events=True),
     RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
                   "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "
                   "through the EPP's header-based-testing-filter (bench_routing/oracle.py)", "epp",

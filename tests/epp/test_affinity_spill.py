@@ -222,3 +222,22 @@ def test_kv_fit_wiring_wants_one_check():
 def test_spill_parameters_are_checked(parameters, message):
     with pytest.raises(ValueError, match=message):
         create_plugin("prefix-cache-affinity-filter", parameters)
+
+
+def test_kvgates_profile_spills_only_where_the_copy_fits():
+    """kvgate's profile spills a hot prefix (σ 1.25) and asks its group balance's fit check first; kvgate-no-spill
+    and kvgate-spill-anywhere are the bench's configurations without each."""
+    from kvgate.bench_routing.configurations import CONFIGURATIONS
+    from kvgate.epp.scheduling.config import KVGATE_PROFILE_YAML
+
+    def affinity(text):
+        scheduler = Scheduler(parse_config(text).scheduler)
+        return (scheduler.plugins_of_type("prefix-cache-affinity-filter")[0],
+                scheduler.plugins_of_type("prefix-group-balance-scorer")[0])
+
+    f, balance = affinity(KVGATE_PROFILE_YAML)
+    assert f.spill_share == 1.25 and f.kv_fit is balance and balance.checks_fit()
+    configs = {c.name: c for c in CONFIGURATIONS}
+    assert affinity(configs["kvgate-no-spill"].epp_config)[0].spill_share == 0
+    anywhere, _ = affinity(configs["kvgate-spill-anywhere"].epp_config)
+    assert anywhere.spill_share == 1.25 and anywhere.kv_fit is None

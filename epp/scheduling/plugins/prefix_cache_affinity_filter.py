@@ -36,26 +36,31 @@ pool, where the rule is the one above):
     saved   = (prompt - cached(c*)) / s(c*) - (prompt - cached(w*)) / s(w*)
     keep only warm   iff   L(w*)/s(w*) - L(c*)/s(c*) ≤ loadTolerance × saved
 
-A prefix whose traffic outgrows one endpoint (spillShare σ > 0; off by default): the rule above weighs one
-request's hit against the warm side's queue, and a tenant that asks for 40% of a pool of four keeps its one warm
-replica's queue long while every single comparison still favours staying (its requests are mostly cached, so the
-backlog stays under what a hit saves; `kvgate bench routing --workloads hot-tenant`, docs/benchmarks.md). A spill
-costs one cold prefill and from then on serves the prefix from two warm endpoints, so the filter also counts each
-sticky prefix's share of the recent requests (plugins/_prefix_rates.py: the prompt's first affinityThreshold share,
-counts decayed over spillWindowSeconds, shares counted once a whole window has passed) and gives it
+A prefix whose traffic outgrows one endpoint (spillShare σ > 0; off unless set, 1.25 in kvgate's profile): the
+rule above weighs one request's hit against the warm side's queue, and a tenant that asks for 40% of a pool of four
+keeps its one warm replica's queue long while every single comparison still favours staying (its requests are
+mostly cached, so the backlog stays under what a hit saves; `kvgate bench routing --workloads hot-tenant`,
+docs/benchmarks.md). A spill costs one cold prefill and from then on serves the prefix from two warm endpoints, so
+the filter also counts each sticky prefix's share of the recent requests (plugins/_prefix_rates.py: the prompt's
+first affinityThreshold share, counts decayed over spillWindowSeconds, shares counted once a whole window has
+passed) and gives it
 
     homes   = ⌈share × n / σ⌉       n = the candidates (an endpoint's fair share is 1 / n)
     spill   iff   homes > |warm|  and  L(w*) > L(c*)      keep only the cold candidates (the scorers pick which)
 
 The spilled request's blocks are held on its endpoint from the pick (the precise scorer's request holds), so the
-next request of the prefix finds two warm endpoints and the rule above chooses between them. Measured without a fit
-test (`kvgate bench routing --workloads hot-tenant --configs kvgate,kvgate-spill --duration 60`, seeds 0-2,
-2026-12-05) it evens the load where the pool's caches have room for the second copy (twice the KV: p90 level or
-lower, spread 1.2 against 1.5-2.0) and costs 2-6 points of hit rate and the tail where they do not (hot-tenant as it
-is: p90 0.61 / 0.71 / 0.50 s against 0.53 / 0.50 / 0.55 s); docs/benchmarks.md. So with spillFit (default) and a
-fit check in the profile (the group balance's fitKvCapacity, kv_fit.py) only the cold candidates where the copy fits
-beside the groups they serve count as cold above; where none does the request is not spilled (counted as a spill
-without room) and the rule above decides.
+next request of the prefix finds two warm endpoints and the rule above chooses between them.
+
+Where the copy must fit: measured without a fit test (`kvgate bench routing --workloads hot-tenant --configs
+kvgate-no-spill,kvgate-spill-anywhere --duration 60`, seeds 0-2, 2026-12-05) the spill evens the load where the
+pool's caches have room for the second copy (twice the KV: p90 level or lower, spread 1.2 against 1.5-2.0) and costs
+2-6 points of hit rate and the tail where they do not (hot-tenant as it is: p90 0.61 / 0.71 / 0.50 s against 0.53 /
+0.50 / 0.55 s). So with spillFit (default) and a fit check in the profile (the group balance's fitKvCapacity,
+kv_fit.py) only the cold candidates where the copy fits beside the groups they serve count as cold above; where
+none does the request is not spilled (counted as a spill without room) and the rule above decides. With the fit
+test (the same cells, twice the KV at 36 req/s, and one prefix for the whole pool at 36 req/s; 60 s, seeds 0-2): no
+spill on hot-tenant (every cell as without spilling, within the cells' noise), one or two where the caches have
+room, with p90 level or lower and the load spread 1.3-1.7 against 1.5-2.0; docs/benchmarks.md.
 
 Parameters: affinityThreshold (0, 1] = 0.80, explorationProbability [0, 1] = 0.01, loadTolerance ≥ 0 = 1.0 (0:
 leave warm endpoints as soon as they carry more load than the coldest; large: always sticky; above 1 values the
