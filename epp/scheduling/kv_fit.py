@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from kvgate.epp.scheduling.framework import CycleState, Plugin
+from kvgate.epp.scheduling.framework import Plugin
 from kvgate.epp.types import EndpointState, LLMRequest
 
 
@@ -24,10 +24,9 @@ class KvFitCheck(Protocol):
     def checks_fit(self) -> bool:
         """Whether this plugin keeps footprints to answer copy_fits (its fit check is on)."""
 
-    def copy_fits(self, request: LLMRequest, endpoint: EndpointState, prompt_tokens: int,
-                  cycle: CycleState | None) -> bool:
-        """Whether `endpoint` can hold the request's prompt beside the groups it already serves (True where its KV
-        size is unknown)."""
+    def copy_fits(self, request: LLMRequest, endpoints: list[EndpointState], prompt_tokens: int) -> list[bool]:
+        """Per endpoint, whether it can hold the request's prompt beside the groups it already serves (True where its
+        KV size is unknown)."""
 
 
 class NeedsKvFit:
@@ -43,8 +42,7 @@ class NeedsKvFit:
 def wire_kv_fit_checks(plugins: list[Plugin]) -> None:
     """Give every NeedsKvFit plugin of one profile that wants one the profile's fit check; ValueError when the
     profile has several (which one would be a guess)."""
-    checks = list({id(p): p for p in plugins if isinstance(p, KvFitCheck) and p.checks_fit()}.values())  # a
-    # plugin both filter and scorer is listed twice
+    checks = list({p.name: p for p in plugins if isinstance(p, KvFitCheck) and p.checks_fit()}.values())
     for plugin in plugins:
         if not isinstance(plugin, NeedsKvFit) or not plugin.wants_kv_fit():
             continue

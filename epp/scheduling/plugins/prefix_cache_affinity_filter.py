@@ -137,7 +137,7 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, NeedsKvFit, Filter):
         w = _argmin_where(load, warm)
         c = _argmin_where(load, ~warm)
         if homes > warm.sum() and load[w] > load[c]:  # the prefix outgrows its warm endpoints: one more home
-            room = self._room(request, endpoints, warm, prompt, cycle)
+            room = self._room(request, endpoints, warm, prompt)
             if not room.any():
                 self.counts["spills_without_room"] += 1
             elif load[w] > load[_argmin_where(load, room)]:
@@ -154,14 +154,12 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, NeedsKvFit, Filter):
     def wants_kv_fit(self) -> bool:
         return self.spill_share > 0 and self.spill_fit
 
-    def _room(self, request: LLMRequest, endpoints: list[EndpointState], warm: np.ndarray, prompt: int,
-              cycle: CycleState | None) -> np.ndarray:
+    def _room(self, request: LLMRequest, endpoints: list[EndpointState], warm: np.ndarray, prompt: int) -> np.ndarray:
         """The cold candidates a spill may go to: those where a copy of the prompt fits (every cold one without a
         fit check)."""
         if self.kv_fit is None:
             return ~warm
-        return np.fromiter((not h and self.kv_fit.copy_fits(request, e, prompt, cycle)
-                            for e, h in zip(endpoints, warm)), dtype=bool, count=len(endpoints))
+        return ~warm & np.array(self.kv_fit.copy_fits(request, endpoints, prompt), dtype=bool)
 
     def _homes(self, request: LLMRequest, candidates: int) -> int:
         """How many warm endpoints the request's sticky prefix deserves by its share of the recent requests (1

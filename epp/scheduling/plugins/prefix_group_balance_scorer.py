@@ -183,8 +183,7 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Filter, Scorer):
         prompt, cached = prefix_tokens(self, request, endpoints, cycle)
         if not self._homeless(prompt, cached):
             return endpoints
-        group, now = self.group(request), self.clock()
-        fits = [self._fits(e, group, prompt, now) for e in endpoints]
+        fits = self.copy_fits(request, endpoints, prompt)
         if all(fits) or not any(fits):
             return endpoints
         return [e for e, fit in zip(endpoints, fits) if fit]
@@ -194,9 +193,10 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Filter, Scorer):
     def checks_fit(self) -> bool:
         return self.fit_kv_capacity > 0
 
-    def copy_fits(self, request: LLMRequest, endpoint: EndpointState, prompt_tokens: int,
-                  cycle: CycleState | None = None) -> bool:
-        return self._fits(endpoint, self.group(request), prompt_tokens, self.clock())
+    def copy_fits(self, request: LLMRequest, endpoints: list[EndpointState], prompt_tokens: int) -> list[bool]:
+        """Per endpoint, whether the request's prompt fits beside the footprints of the groups it serves."""
+        group, now = self.group(request), self.clock()
+        return [self._fits(e, group, prompt_tokens, now) for e in endpoints]
 
     def _fits(self, endpoint: EndpointState, group: int, prompt: int, now: float) -> bool:
         capacity = endpoint.metrics.kv_cache_tokens
