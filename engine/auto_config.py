@@ -198,6 +198,18 @@ def resolve_step_budget(config, max_model_len: int, settings: Settings):
     return dataclasses.replace(config, max_num_batched_tokens=tokens, max_num_seqs=seqs)
 
 
+def cuda_kv_cache_bytes(total: int, own: int, free: int, activation_peak: int,
+                        utilization: float) -> tuple[int, bool]:
+    """The KV cache's bytes on a GPU, as vLLM's --gpu-memory-utilization means it: a per-engine limit. This engine
+    may use `utilization` of the device's memory in all (`own`: what its allocator holds after the memory profile,
+    weights mostly; then the worst step's activations and the KV cache), whatever other processes hold: two engines
+    at 0.45 share one GPU. The cache is also no more than what is free less the activations (vLLM refuses to start
+    instead when its share is not free; here the cache shrinks, and the second value, True, says so for the log).
+    The CUDA context and the libraries' workspaces (~0.5 GiB, outside torch's allocator) are not counted."""
+    share = total * utilization - own
+    return int(min(share, free) - activation_peak), free < share
+
+
 def kv_cache_source(config, device_type: str) -> str:
     if config.num_gpu_blocks_override is not None:
         return "given (num_gpu_blocks_override)"
@@ -206,8 +218,8 @@ def kv_cache_source(config, device_type: str) -> str:
     if config.backend == "sim":
         return "the sim profile's kv_cache_memory"
     if device_type == "cuda":
-        return f"measured: free GPU memory x gpu_memory_utilization {config.gpu_memory_utilization} after a " \
-               "worst-case forward"
+        return (f"measured: gpu_memory_utilization {config.gpu_memory_utilization} of the GPU, less this engine's "
+                "weights and a worst-case step's activations")
     return "CPU default: 1 GiB, or less when max_num_seqs full-length sequences need less"
 
 

@@ -20,6 +20,16 @@ def parse_bytes(text: str) -> int:
     return int(value * 1024 ** " kmgt".index(unit or " "))
 
 
+def _utilization(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
 def _lora_module(text: str):
     from kvgate.engine.errors import ConfigError
     from kvgate.engine.lora.request import LoRAModulePath
@@ -53,8 +63,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch's CPU threads (default: OMP_NUM_THREADS when set, else the CPUs this process may "
                         "use: its affinity and cgroup quota, not the node's cores)")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="bytes for the KV cache, e.g. 2GiB (default: measured on GPU, 1 GiB on CPU)")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes, default=None,
+                   help="bytes for the KV cache, e.g. 2147483648 or 2GiB (suffixes are binary: 2G = 2GiB); "
+                        "--gpu-memory-utilization is then not used (vLLM: --kv-cache-memory-bytes; default: "
+                        "measured on GPU, 1 GiB on CPU)")
+    g.add_argument("--gpu-memory-utilization", type=_utilization, default=EngineConfig.gpu_memory_utilization,
+                   help="the share of the GPU's memory this engine may use in all: weights, activations and the KV "
+                        "cache, which gets what is left; per engine, so two engines at 0.45 share a GPU; where other "
+                        "processes leave less free, the cache gets what is free (logged) (vLLM's flag; not used with "
+                        "--kv-cache-memory, nor on CPU; default: %(default)s)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="KV cache values: auto (the model's dtype) or one byte each with a float32 scale per token "
                         "and KV head, about twice the tokens of bf16 in the same memory (fp8 = fp8_e4m3; "
@@ -155,6 +172,7 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", EngineConfig.gpu_memory_utilization),
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,

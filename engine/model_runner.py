@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kvgate.engine.auto_config import cuda_kv_cache_bytes
 from kvgate.engine.attention import AttentionMetadata
 from kvgate.engine.block_table import BlockTable
 from kvgate.engine.cuda_graphs import DEFAULT_MAX_CAPTURE_SIZE, GraphSet
@@ -46,6 +47,12 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         if device.type == "cpu":
             keep_large_allocations_in_heap()
+        # CUDA: what torch's allocator held before this engine's first allocation (another engine of this process),
+        # so that this engine's own memory is what it adds (gpu_memory_utilization is per engine)
+        self._reserved_before = 0
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks a freed engine left cached are not another engine's
+            self._reserved_before = torch.cuda.memory_reserved(device)
         self.model = model = load_model(hf_config, config.model, device, dtype, max_model_len,
                                         read_weights=read_weights)
         self.lora_state = self.lora_layers = None
@@ -111,7 +118,8 @@ class ModelRunner:
             self._capture_graphs()
 
     def _profile_cuda_kv_bytes(self) -> int:
-        """Free memory after a worst-case forward (max_num_batched_tokens), times gpu_memory_utilization."""
+        """The KV cache's bytes: gpu_memory_utilization of the GPU less this engine's weights and the activations of
+        a worst-case forward (max_num_batched_tokens); auto_config.cuda_kv_cache_bytes."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         self.allocate_kv_cache(cdiv(n, self.block_size), capture_graphs=False)
         torch.cuda.synchronize(self.device)
@@ -134,10 +142,15 @@ class ModelRunner:
             self.draft.kv_caches = []
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        available = int(total * self.config.gpu_memory_utilization - used - activation_peak)
-        log.info("CUDA memory: total %.1f GiB, in use %.1f GiB, activation peak %.2f GiB -> KV cache %.1f GiB",
-                 total / 2**30, used / 2**30, activation_peak / 2**30, max(available, 0) / 2**30)
+        utilization = self.config.gpu_memory_utilization
+        own = torch.cuda.memory_reserved(self.device) - self._reserved_before
+        available, capped = cuda_kv_cache_bytes(total, own, free, activation_peak, utilization)
+        if capped:
+            log.warning("other processes hold GPU memory: the KV cache gets what is free, less than "
+                        "gpu_memory_utilization %g allows", utilization)
+        log.info("CUDA memory: total %.1f GiB, gpu_memory_utilization %g, this engine's weights %.1f GiB, free %.1f "
+                 "GiB, activation peak %.2f GiB -> KV cache %.1f GiB", total / 2**30, utilization, own / 2**30,
+                 free / 2**30, activation_peak / 2**30, max(available, 0) / 2**30)
         if available <= 0:
             raise ConfigError("no GPU memory left for the KV cache: lower max_num_batched_tokens or raise "
                               "gpu_memory_utilization")

@@ -60,7 +60,7 @@ case ",$STAGES," in *,suites,*)
 # CPU in ~1 min: carry a trained one in $KVGATE_CACHE_DIR to skip that.
 case ",$STAGES," in *,qkernels,*)
   TAIL=12 stage qkernels 150 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_cuda.py \
-    -k "quantized or speculation" ;; esac
+    -k "quantized or speculation or utilization" ;; esac
 case ",$STAGES," in *,spec,*)
   NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
   DRAFT='{"method": "draft_model", "model": "copier", "num_speculative_tokens": 4}'

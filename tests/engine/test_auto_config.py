@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvgate.engine import auto_config
-from kvgate.engine.auto_config import (Settings, available_cpus, resolve_cpu_threads, resolve_dtype,
-                                       resolve_step_budget)
+from kvgate.engine.auto_config import (Settings, available_cpus, cuda_kv_cache_bytes, resolve_cpu_threads,
+                                       resolve_dtype, resolve_step_budget)
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.errors import ConfigError
 from kvgate.engine.llm import LLM
@@ -119,6 +119,45 @@ def test_long_prefill_token_threshold_flag_and_its_errors():
         EngineConfig(model="m", long_prefill_token_threshold=-1)
     with pytest.raises(ConfigError, match="needs chunked prefill"):
         EngineConfig(model="m", long_prefill_token_threshold=256, enable_chunked_prefill=False)
+
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("total,own,free,peak,utilization,expected", [
+    # Alone on an 80 GiB GPU: 0.9 of it less its 2 GiB of weights and 1 GiB of activations.
+    (80 * GiB, 2 * GiB, 77 * GiB, 1 * GiB, 0.9, (69 * GiB, False)),
+    # A second engine at 0.45 beside one that holds 36 GiB gets its own share, not 0.45 less the first's.
+    (80 * GiB, 2 * GiB, 42 * GiB, 1 * GiB, 0.45, (33 * GiB, False)),
+    # Where others leave less free than the share, the cache gets what is free, and says so.
+    (80 * GiB, 2 * GiB, 20 * GiB, 1 * GiB, 0.9, (19 * GiB, True)),
+    # Nothing left: not positive (the runner's ConfigError).
+    (80 * GiB, 2 * GiB, 1 * GiB, 1 * GiB, 0.9, (0, True)),
+    (80 * GiB, 2 * GiB, 77 * GiB, 2 * GiB, 0.05, (0, False)),
+])
+def test_kv_cache_bytes_from_gpu_memory_utilization(total, own, free, peak, utilization, expected):
+    """vLLM's --gpu-memory-utilization: a per-engine share of the device (weights + activations + KV cache)."""
+    assert cuda_kv_cache_bytes(total, own, free, peak, utilization) == expected
+
+
+def test_gpu_memory_utilization_and_kv_cache_memory_bytes_flags():
+    """vLLM's names: --gpu-memory-utilization in (0, 1] (default 0.9), --kv-cache-memory-bytes as
+    --kv-cache-memory."""
+    import argparse
+
+    from kvgate.engine.cli_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_args(parser)
+    assert engine_config_from_args("m", parser.parse_args([])).gpu_memory_utilization == 0.9
+    config = engine_config_from_args("m", parser.parse_args(["--gpu-memory-utilization", "0.45",
+                                                            "--kv-cache-memory-bytes", "1073741824"]))
+    assert (config.gpu_memory_utilization, config.kv_cache_memory) == (0.45, GiB)
+    for bad in ("0", "1.5", "-0.1", "nan", "half"):
+        with pytest.raises(argparse.ArgumentError, match=r"must be a number in \(0, 1\]"):
+            parser.parse_args(["--gpu-memory-utilization", bad])
+    with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
+        EngineConfig(model="m", gpu_memory_utilization=0.0)
 
 
 def test_max_model_len_and_max_num_seqs_lowered_to_a_small_kv_cache():

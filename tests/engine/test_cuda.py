@@ -226,6 +226,29 @@ def test_compiled_quantized_kv_kernels(name, dtype, seqs, decode_only):
     assert err < {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype], err
 
 
+def test_gpu_memory_utilization_is_each_engines_share(tmp_path):
+    """vLLM's --gpu-memory-utilization is per engine: two engines at 0.4 in one process (as two on one GPU) each get
+    a KV cache of about 0.4 of the device less their weights and activations, the second as large as the first
+    while the first still holds its share; both serve."""
+    _random_model(tmp_path)
+    total = torch.cuda.mem_get_info()[1]
+    kwargs = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=512,
+                  gpu_memory_utilization=0.4)
+    first = LLM(str(tmp_path), **kwargs)
+    second = LLM(str(tmp_path), **kwargs)
+    sizes = []
+    for llm in (first, second):
+        runner = llm.engine.runner
+        sizes.append(runner.num_blocks * runner.bytes_per_block)
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4
+    print(f"KV caches {sizes[0] / 2**30:.2f} / {sizes[1] / 2**30:.2f} GiB of {total / 2**30:.1f} GiB")
+    assert 0.3 * total < sizes[0] < 0.4 * total
+    assert abs(sizes[1] - sizes[0]) < 0.02 * total
+    del first, second
+    _release_gpu_memory()
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_quantized_cache_on_graphs_matches_sdpa(tmp_path, kv_cache_dtype):
     """The engine on CUDA with a quantized cache: graphs over the Triton kernels give the SDPA path's greedy tokens
