@@ -7,6 +7,7 @@ import argparse
 import re
 
 from kvgate.engine.config import KV_CACHE_DTYPES, EngineConfig
+from kvgate.engine.generation_defaults import parse_override
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -110,6 +111,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="adaptive drafting (kvgate's own; vLLM drafts every step): a request whose moving average "
                         "of drafts accepted per drafted step falls below this pauses drafting, 1, 2, 4 .. 32 steps "
                         "while probes fail; 0 drafts every step (default: %(default)s; docs/engine.md)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for requests that leave temperature, top_p, top_k, min_p, "
+                        "repetition_penalty or max_tokens out: auto, the model folder's generation_config.json (its "
+                        "max_new_tokens bounds requests without max_tokens); vllm, none; or a folder's "
+                        "generation_config.json, whose max_new_tokens then bounds every request (vLLM's flag; "
+                        "default: auto)")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="those defaults overridden, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 512}'; a "
+                        "max_new_tokens here bounds every request (vLLM's flag)")
     lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve PEFT LoRA adapters over the base model, each as a model name (default: off)")
@@ -191,4 +201,6 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         speculative_config=speculative_config,
         speculative_backoff_threshold=getattr(args, "speculative_backoff_threshold",
                                               EngineConfig.speculative_backoff_threshold),
+        generation_config=getattr(args, "generation_config", "auto"),
+        override_generation_config=parse_override(getattr(args, "override_generation_config", None)),
     )

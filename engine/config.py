@@ -82,6 +82,11 @@ class EngineConfig:
     # whose moving average of accepted drafts per drafted step falls below this pauses drafting, for pauses that
     # double while probes fail; 0 drafts every step (vLLM's behaviour). Applies to ngram and draft_model alike.
     speculative_backoff_threshold: float = 0.25
+    # vLLM's --generation-config (auto: the model folder's generation_config.json, vllm: none, or a folder) and
+    # --override-generation-config (a dict): sampling defaults for requests that leave fields out
+    # (generation_defaults.py; the server and LLM.get_default_sampling_params read them).
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.errors import InvalidRequestError
+from kvgate.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.outputs import CompletionOutput, RequestOutput
@@ -48,6 +49,7 @@ class LLM:
     def _attach(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self._generation_defaults: GenerationDefaults | None = None
         self._ids = itertools.count()
 
     def generate(
@@ -63,7 +65,7 @@ class LLM:
         `lora_request`: one adapter for all prompts or one per prompt (None: the base model); each must have been
         added (`LLM(..., enable_lora=True)` then `add_lora`)."""
         prompts = _as_prompt_list(prompts)
-        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
         salts = _broadcast(cache_salt, len(prompts), "cache_salt")
         loras = _broadcast(lora_request, len(prompts), "lora_request")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
@@ -79,6 +81,17 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses without sampling_params (vLLM's method): SamplingParams' defaults with the model's
+        recommended ones over them (--generation-config; max_new_tokens as max_tokens)."""
+        if self._generation_defaults is None:
+            config = self.engine.config
+            self._generation_defaults = load_generation_defaults(config.model, config.generation_config,
+                                                                 config.override_generation_config)
+        defaults = self._generation_defaults
+        extra = {"max_tokens": defaults.max_tokens} if defaults.max_tokens is not None else {}
+        return SamplingParams(**defaults.sampling, **extra)
 
     def add_lora(self, lora: LoRARequest) -> None:
         self.engine.add_lora(lora)

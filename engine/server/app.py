@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.errors import EngineError, InvalidRequestError
+from kvgate.engine.generation_defaults import GenerationDefaults
 from kvgate.engine.server.guards import RequestBodyLimit, StalledClientGuard
 from kvgate.engine.server.limits import RequestLimits
 from kvgate.engine.server.metrics import ServerMetrics
@@ -184,12 +185,14 @@ class ServerIdMiddleware:
 
 def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | None = None,
                on_fatal: Callable[[BaseException], None] | None = None, server_id: str | None = None,
-               tool_parser: str | None = None) -> FastAPI:
+               tool_parser: str | None = None, generation_defaults: GenerationDefaults | None = None) -> FastAPI:
     """`on_fatal(exc)`: the engine failed to start, or its loop died later (the caller decides to exit).
-    `tool_parser`: the tool-call parser that serves `tool_choice: auto` (None: auto is refused)."""
+    `tool_parser`: the tool-call parser that serves `tool_choice: auto` (None: auto is refused).
+    `generation_defaults`: the model's sampling defaults (None: read as the engine's config says)."""
     limits = limits or RequestLimits()
     metrics = ServerMetrics(llm, served_model_name)
-    serving = OpenAIServing(llm, served_model_name, metrics, limits)  # shared: one admission for both APIs
+    # shared: one admission for both APIs
+    serving = OpenAIServing(llm, served_model_name, metrics, limits, generation_defaults)
     serving_completion = OpenAIServingCompletion(serving)
     serving_chat = OpenAIServingChat(serving, tool_parser)
     llm.on_dead = on_fatal

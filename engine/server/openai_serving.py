@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.bounded_tokenize import BoundedEncoder
 from kvgate.engine.errors import EngineDeadError, EngineError, InvalidRequestError
+from kvgate.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
@@ -78,8 +79,11 @@ class Prepared:
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_name: str, metrics: ServerMetrics,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, generation_defaults: GenerationDefaults | None = None) -> None:
         self.llm = llm
+        # the model's recommended sampling settings, for requests that leave them out (generation_defaults.py)
+        self.generation_defaults = generation_defaults or load_generation_defaults(
+            llm.config.model, llm.config.generation_config, llm.config.override_generation_config)
         self.model_name = served_model_name
         self.metrics = metrics
         self.limits = limits or RequestLimits()
@@ -264,9 +268,7 @@ class OpenAIServing:
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has "
                 f"{prompt_len} tokens, which leaves no room for a completion.", param="prompt")
-        if max_tokens is None:
-            max_tokens = limit - prompt_len
-        elif prompt_len + max_tokens > limit:
+        if max_tokens is not None and prompt_len + max_tokens > limit:
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
@@ -274,10 +276,13 @@ class OpenAIServing:
         vocab = self.llm.info.vocab_size
         if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
             raise InvalidRequestError("stop_token_ids must be token ids of this model", param="stop_token_ids")
+        defaults = self.generation_defaults
+        max_tokens = defaults.max_tokens_for(max_tokens, limit - prompt_len)
         fields = dict(
-            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            n=req.n, **defaults.fill(dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                          min_p=req.min_p, repetition_penalty=req.repetition_penalty)),
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty, seed=req.seed, max_tokens=max_tokens,
+            seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs,

@@ -10,6 +10,7 @@ import pytest
 
 from kvgate.engine.engine_messages import EngineInfo
 from kvgate.engine.errors import EngineDeadError, InvalidRequestError
+from kvgate.engine.generation_defaults import GenerationDefaults
 from kvgate.engine.outputs import CompletionOutput, RequestOutput
 from kvgate.engine.server.limits import RequestLimits
 from kvgate.engine.server.metrics import ServerMetrics
@@ -63,7 +64,7 @@ class FakeLLM:
 
 def make(limits: RequestLimits | None = None):
     llm = FakeLLM()
-    serving = OpenAIServing(llm, "m", ServerMetrics(llm, "m"), limits)
+    serving = OpenAIServing(llm, "m", ServerMetrics(llm, "m"), limits, generation_defaults=GenerationDefaults())
     return llm, serving, OpenAIServingCompletion(serving), OpenAIServingChat(serving)
 
 
