@@ -185,16 +185,20 @@ class ServerIdMiddleware:
 
 def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | None = None,
                on_fatal: Callable[[BaseException], None] | None = None, server_id: str | None = None,
-               tool_parser: str | None = None, generation_defaults: GenerationDefaults | None = None) -> FastAPI:
+               tool_parser: str | None = None, chat_template: str | None = None,
+               response_role: str = "assistant", generation_defaults: GenerationDefaults | None = None) -> FastAPI:
     """`on_fatal(exc)`: the engine failed to start, or its loop died later (the caller decides to exit).
     `tool_parser`: the tool-call parser that serves `tool_choice: auto` (None: auto is refused).
+    `chat_template`: the server's template (--chat-template, already checked: chat_template.load_server_template),
+    used instead of the model's; `response_role`: the role chat answers name (--response-role).
     `generation_defaults`: the model's sampling defaults (None: read as the engine's config says)."""
     limits = limits or RequestLimits()
     metrics = ServerMetrics(llm, served_model_name)
     # shared: one admission for both APIs
-    serving = OpenAIServing(llm, served_model_name, metrics, limits, generation_defaults)
+    serving = OpenAIServing(llm, served_model_name, metrics, limits, chat_template=chat_template,
+                            generation_defaults=generation_defaults)
     serving_completion = OpenAIServingCompletion(serving)
-    serving_chat = OpenAIServingChat(serving, tool_parser)
+    serving_chat = OpenAIServingChat(serving, tool_parser, response_role)
     llm.on_dead = on_fatal
 
     @contextlib.asynccontextmanager

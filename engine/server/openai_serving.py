@@ -79,7 +79,8 @@ class Prepared:
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_name: str, metrics: ServerMetrics,
-                 limits: RequestLimits | None = None, generation_defaults: GenerationDefaults | None = None) -> None:
+                 limits: RequestLimits | None = None, chat_template: str | None = None,
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         self.llm = llm
         # the model's recommended sampling settings, for requests that leave them out (generation_defaults.py)
         self.generation_defaults = generation_defaults or load_generation_defaults(
@@ -87,6 +88,7 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.metrics = metrics
         self.limits = limits or RequestLimits()
+        self.chat_template = chat_template  # --chat-template (checked at start): replaces the model's
         self.in_flight = 0  # engine requests (prompts x n) admitted and not yet done
         self.open_requests = 0  # API requests admitted and not yet answered (what a drain waits for)
         self.shutting_down: str | None = None  # why new requests are refused (set by the drain)
@@ -254,7 +256,7 @@ class OpenAIServing:
     def template_kwargs(self, chat_template_text: str | None, kwargs: dict | None) -> dict:
         """What a request may pass to the chat template (checked on the event loop: cheap)."""
         return chat_template.template_kwargs(self.llm.tokenizer, chat_template_text, kwargs,
-                                             self.limits.trust_request_chat_template)
+                                             self.limits.trust_request_chat_template, self.chat_template)
 
     def chat_prompt(self, req: ChatCompletionRequest, template_kwargs: dict) -> list[int]:
         """Render and tokenize the conversation (in the pool)."""

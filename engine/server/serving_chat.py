@@ -15,9 +15,16 @@ from kvgate.engine.server.protocol import ChatCompletionRequest
 
 
 class OpenAIServingChat:
-    def __init__(self, serving: OpenAIServing, tool_parser: str | None = None) -> None:
+    def __init__(self, serving: OpenAIServing, tool_parser: str | None = None,
+                 response_role: str = "assistant") -> None:
         self.serving = serving
         self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice: tool_choice auto
+        self.response_role = response_role  # --response-role
+
+    def role(self, req: ChatCompletionRequest) -> str:
+        """The role an answer names (vLLM's get_chat_request_role): --response-role when the template adds the
+        generation prompt; otherwise the output continues the last message, so it is that message's role."""
+        return self.response_role if req.add_generation_prompt else req.messages[-1].role
 
     async def prepare(self, req: ChatCompletionRequest) -> Prepared:
         self.serving.check_accepting()
@@ -64,11 +71,13 @@ class OpenAIServingChat:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         finals, cached = await self.serving.collect(rid, req, prep)
         mode = tool_calls.tool_mode(req, self.tool_parser)
+        role = self.role(req)
         choices = []
         for (_, j), c in sorted(finals.items()):
-            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            message, finish_reason = {"role": role, "content": c.text}, c.finish_reason
             if mode is not None:
                 message, finish_reason = tool_calls.message(mode, c.text, c.finish_reason)
+                message["role"] = role
             choices.append({"index": j, "message": message, "logprobs": self._logprobs(c, req.top_logprobs or 0),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in finals.values())
@@ -91,9 +100,10 @@ class OpenAIServingChat:
         completion_tokens, cached = 0, {}
         mode = tool_calls.tool_mode(req, self.tool_parser)
         tool_streams = {j: tool_calls.ToolCallStream(mode) for j in range(req.n)} if mode is not None else {}
+        role = self.role(req)
         try:
             for j in range(req.n):
-                yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                yield chunk([{"index": j, "delta": {"role": role, "content": ""}, "logprobs": None,
                               "finish_reason": None}])
             async for i, out in self.serving.run(rid, req, prep):
                 cached[i] = out.num_cached_tokens
