@@ -48,10 +48,17 @@ _ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 429:
                 500: "internal_error"}
 
 
+# Credentials the EPP has no use for (an engine's API key, `kvgate serve --api-key`): left out of its view of a
+# request, so no log line, error message, plugin or repr of an LLMRequest can carry them. Envoy still forwards them.
+CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization"})
+
+
 def _headers(http_headers) -> dict[str, str]:
     out = {}
     for h in http_headers.headers.headers:
-        out[h.key.lower()] = h.raw_value.decode(errors="replace") if h.raw_value else h.value
+        key = h.key.lower()
+        if key not in CREDENTIAL_HEADERS:
+            out[key] = h.raw_value.decode(errors="replace") if h.raw_value else h.value
     return out
 
 

@@ -41,6 +41,10 @@ PRE_STOP_SLEEP_S = 5
 EXIT_MARGIN_S = 5  # after the drain grace, for the process to exit before the kubelet's SIGKILL
 # Flags the operator sets itself; extraArgs may not set them again (argparse's last one would win).
 OPERATOR_FLAGS = ("--host", "--port", "--shutdown-timeout")
+API_KEY_ENV = "VLLM_API_KEY"  # what `kvgate serve` reads (engine/server/auth.py), as vLLM does
+# spec.engine.apiKeySecretRef: a Secret's name (a DNS subdomain) and one of its keys, as the API server checks them
+_SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_SECRET_KEY = re.compile(r"\.?[-_a-zA-Z0-9][-._a-zA-Z0-9]*")  # not "." nor ".." nor "..x"
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti)?$")
 
@@ -93,12 +97,36 @@ def _spec_problems(ms: dict) -> list[dict]:
     if not isinstance(spec.get("extraArgs", []), list):
         problems.append({"reason": "InvalidSpec", "message": "extraArgs must be a list of strings"})
     else:
-        taken = sorted({str(a).split("=", 1)[0] for a in spec.get("extraArgs") or []} & set(OPERATOR_FLAGS))
+        flags = {str(a).split("=", 1)[0] for a in spec.get("extraArgs") or []}
+        taken = sorted(flags & set(OPERATOR_FLAGS))
         if taken:
             problems.append({"reason": "InvalidSpec",
                              "message": f"extraArgs may not set {', '.join(taken)}: the operator sets them (the "
                                         "pool's port; spec.engine.shutdownGracePeriodSeconds)"})
+        # argparse takes any unambiguous prefix of a flag, so `--api` is `--api-key` too.
+        if any(len(f) > 2 and "--api-key".startswith(f) for f in flags):
+            problems.append({"reason": "InvalidSpec",
+                             "message": "extraArgs may not set --api-key: a key there is readable by anyone who "
+                                        "can read the ModelServer, its Deployment or its pods; put it in a Secret "
+                                        "and name it in spec.engine.apiKeySecretRef"})
+    problems += _api_key_ref_problems(spec)
     return problems
+
+
+def _api_key_ref_problems(spec: dict) -> list[dict]:
+    """spec.engine.apiKeySecretRef spelled as the API server would take it in a pod's secretKeyRef (else the
+    Deployment would be rejected, or its pods never start, with a less direct message)."""
+    ref = (spec.get("engine") or {}).get("apiKeySecretRef")
+    if not ref:
+        return []
+    problems = []
+    if len(ref["name"]) > 253 or not _SECRET_NAME.fullmatch(ref["name"]):
+        problems.append(f"name {ref['name'][:253]!r} is not a Secret name (lower-case letters, digits, '-' and "
+                        "'.', at most 253)")
+    if len(ref["key"]) > 253 or not _SECRET_KEY.fullmatch(ref["key"]):
+        problems.append(f"key {ref['key'][:253]!r} is not a Secret key (letters, digits, '-', '_' and '.', at "
+                        "most 253, not '.' or '..'-prefixed)")
+    return [{"reason": "InvalidSpec", "message": f"engine.apiKeySecretRef: {p}"} for p in problems]
 
 
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][-A-Za-z0-9_.:]*")
@@ -222,7 +250,22 @@ def engine_flags(engine: dict) -> list[str]:
         flags += ["--kv-events-config", json.dumps(kv_events_config(engine["kvEvents"]), separators=(",", ":"))]
     if engine.get("lora"):
         flags += lora_flags(engine["lora"])
+    if engine.get("apiKeySecretRef"):
+        # The key itself comes in the environment (api_key_env); this makes an empty Secret value a failed start
+        # rather than an engine that serves without a key.
+        flags.append("--require-api-key")
     return flags
+
+
+def api_key_env(engine: dict) -> list[dict]:
+    """VLLM_API_KEY from spec.engine.apiKeySecretRef: a reference the kubelet resolves in the pod's own namespace
+    (the ModelServer's), so the key is in no object the operator writes, and the operator never reads it. Not
+    optional: without the Secret or its key the container does not start (CreateContainerConfigError)."""
+    ref = engine.get("apiKeySecretRef")
+    if not ref:
+        return []
+    return [{"name": API_KEY_ENV,
+             "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"], "optional": False}}}]
 
 
 def kv_events_config(kv_events: dict) -> dict:
@@ -333,7 +376,7 @@ def _container(spec: dict, image: str, port: int) -> dict:
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]
                  + [{"name": name, "containerPort": p, "protocol": "TCP"} for name, p, _ in kv_events_ports(spec)],
         "env": [{"name": "KVGATE_CACHE_DIR", "value": CACHE_DIR}, {"name": "HOME", "value": "/tmp"},
-                {"name": "PYTHONUNBUFFERED", "value": "1"}],
+                {"name": "PYTHONUNBUFFERED", "value": "1"}, *api_key_env(spec.get("engine") or {})],
         "volumeMounts": volumes_mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "privileged": False, "capabilities": {"drop": ["ALL"]}},

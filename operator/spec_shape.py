@@ -57,6 +57,7 @@ MODELSERVER_SPEC = {
                "maxNumSeqs": Int(1, 2**31 - 1), "maxNumBatchedTokens": Int(1, 2**31 - 1),
                "maxModelLen": Int(1, 2**31 - 1), "kvCacheMemory": INT_OR_STRING, "enablePrefixCaching": bool,
                "shutdownGracePeriodSeconds": Int(1, 3600),
+               "apiKeySecretRef": {"name": Required(str), "key": Required(str)},
                "kvEvents": {"port": Required(Int(1024, 65535)), "replayPort": Int(1024, 65535)},
                "lora": {"maxLoras": Int(1, 64), "maxLoraRank": Int(1, 512), "maxCpuLoras": Int(1, 1024),
                         "adapters": Required(ListOf({"name": Required(str), "path": Required(str)})),

@@ -17,6 +17,11 @@ ModelServer must not reach further than its author could with pods of their own:
   (`JoinsOtherPool`), whether the labels come from `podLabels` or from the ModelServer's own pool's selector
   (a tenant may also create pools). `podLabels` may not change the labels the operator sets itself
   (`ReservedLabel`): the pool's selector and the app.kubernetes.io/* labels by which it finds its objects.
+- Secrets only by reference, only their own namespace's. `engine.apiKeySecretRef` names a Secret key the kubelet
+  puts in the engine's environment (VLLM_API_KEY); a pod can only reference Secrets of its own namespace, which is
+  the ModelServer's, and the operator never reads one. That is no more than a pod of the author's own could do
+  (mount any Secret of its namespace). The kvgate engine only compares requests' tokens with it and never logs
+  or returns it; an image allowed by `--allow-image-prefix` runs other code with it, so that use is logged.
 
 Every refusal is a problem ({reason, message}) that becomes the ModelServer's Ready=False condition; the
 operator then writes nothing, so a Deployment made from an earlier, allowed spec keeps serving.
@@ -78,6 +83,9 @@ def privileged_uses(ms: dict, operator_image: str | None) -> list[str]:
         uses.append(f"hostPath {host_path}")
     if spec.get("image") and spec["image"] != operator_image:
         uses.append(f"image {spec['image']}")
+        ref = (spec.get("engine") or {}).get("apiKeySecretRef")
+        if ref:  # that image's code reads the Secret's value: on record, as the image is
+            uses.append(f"Secret {ref.get('name')!r} (key {ref.get('key')!r}) in that image's environment")
     return uses
 
 

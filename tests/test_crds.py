@@ -469,6 +469,8 @@ MODEL_SERVER_CASES = [
     ("block-size-1024", model_server(engine={"blockSize": 1024}), True),
     ("device-cpu", model_server(engine={"device": "cpu"}), True),
     ("shutdown-grace-600", model_server(engine={"shutdownGracePeriodSeconds": 600}), True),
+    ("api-key-secret-ref", model_server(engine={"apiKeySecretRef": {"name": "llm-keys", "key": "api-key"}}), True),
+    ("api-key-secret-ref-dotted", model_server(engine={"apiKeySecretRef": {"name": "a.b", "key": ".key_1"}}), True),
     ("status", {**model_server(), "status": {"replicas": 2, "readyReplicas": 1, "selector": "app=demo-llm",
                                              "observedGeneration": 1, "conditions": [CONDITION]}}, True),
     ("negative-replicas", model_server(replicas=-1), False),
@@ -512,6 +514,14 @@ MODEL_SERVER_CASES = [
     ("shutdown-grace-0", model_server(engine={"shutdownGracePeriodSeconds": 0}), False),
     ("shutdown-grace-over-an-hour", model_server(engine={"shutdownGracePeriodSeconds": 3601}), False),
     ("shutdown-grace-string", model_server(engine={"shutdownGracePeriodSeconds": "30s"}), False),
+    ("api-key-ref-string", model_server(engine={"apiKeySecretRef": "llm-keys"}), False),
+    ("api-key-ref-without-key", model_server(engine={"apiKeySecretRef": {"name": "llm-keys"}}), False),
+    ("api-key-ref-bad-name", model_server(engine={"apiKeySecretRef": {"name": "LLM_Keys", "key": "k"}}), False),
+    ("api-key-ref-bad-key", model_server(engine={"apiKeySecretRef": {"name": "llm-keys", "key": "a/b"}}), False),
+    ("api-key-ref-dot-dot-key", model_server(engine={"apiKeySecretRef": {"name": "llm-keys", "key": "..k"}}), False),
+    # A Secret of another namespace cannot even be named (and the kubelet resolves a pod's refs in its own).
+    ("api-key-ref-namespace-is-no-field",
+     model_server(engine={"apiKeySecretRef": {"name": "llm-keys", "key": "k", "namespace": "kube-system"}}), False),
     # No way to ask for node access or privilege: the schema has no such fields (the API server prunes them).
     ("host-network-is-no-field", model_server(hostNetwork=True), False),
     ("security-context-is-no-field", model_server(securityContext={"privileged": True}), False),

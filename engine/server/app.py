@@ -22,7 +22,7 @@ import os
 import time
 import urllib.parse
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.errors import EngineError, InvalidRequestError
 from kvgate.engine.generation_defaults import GenerationDefaults
+from kvgate.engine.server.auth import PUBLIC_PATHS, ApiKeyAuth
 from kvgate.engine.server.guards import RequestBodyLimit, StalledClientGuard
 from kvgate.engine.server.limits import RequestLimits
 from kvgate.engine.server.metrics import ServerMetrics
@@ -186,12 +187,14 @@ class ServerIdMiddleware:
 def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | None = None,
                on_fatal: Callable[[BaseException], None] | None = None, server_id: str | None = None,
                tool_parser: str | None = None, chat_template: str | None = None,
-               response_role: str = "assistant", generation_defaults: GenerationDefaults | None = None) -> FastAPI:
+               response_role: str = "assistant", generation_defaults: GenerationDefaults | None = None,
+               api_keys: Sequence[str] = ()) -> FastAPI:
     """`on_fatal(exc)`: the engine failed to start, or its loop died later (the caller decides to exit).
     `tool_parser`: the tool-call parser that serves `tool_choice: auto` (None: auto is refused).
     `chat_template`: the server's template (--chat-template, already checked: chat_template.load_server_template),
     used instead of the model's; `response_role`: the role chat answers name (--response-role).
-    `generation_defaults`: the model's sampling defaults (None: read as the engine's config says)."""
+    `generation_defaults`: the model's sampling defaults (None: read as the engine's config says).
+    `api_keys`: when given, every request but the probes' and the scrape's needs one of them (auth.py)."""
     limits = limits or RequestLimits()
     metrics = ServerMetrics(llm, served_model_name)
     # shared: one admission for both APIs
@@ -312,12 +315,19 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
         # gets requests only while it can serve them (vLLM's server does not answer at all until it is ready).
         return 200 if not_serving_reason() is None else 503, metrics.page(names or None)
 
-    # Outermost of all: every EPP scrapes every replica every 50 ms, and the stack below (FastAPI's dependency
-    # solving, which parses the query string too, and five middlewares) cost more than the page itself. Measured
-    # with the EPP's filtered scrape on a `--backend sim` server, httptools + uvloop, 1000 scrapes, server CPU per
-    # scrape: 0.90 ms as a FastAPI route, 0.55 ms answered here (median of 5 runs, 0.51-0.65), three quarters of
-    # it then generate_latest (cProfile; the stats families are now written by exposition.py).
+    # Outermost but for the API-key check: every EPP scrapes every replica every 50 ms, and the stack below
+    # (FastAPI's dependency solving, which parses the query string too, and five middlewares) cost more than the
+    # page itself. Measured with the EPP's filtered scrape on a `--backend sim` server, httptools + uvloop, 1000
+    # scrapes, server CPU per scrape: 0.90 ms as a FastAPI route, 0.55 ms answered here (median of 5 runs,
+    # 0.51-0.65), three quarters of it then generate_latest (cProfile; the stats families are now written by
+    # exposition.py).
     app.add_middleware(MetricsPage, render=metrics_page)
+    if api_keys:
+        # Outermost of all (added last): a client without a key is answered before any middleware reads its body.
+        # /metrics is public, so the scrape costs one more ASGI call and a set lookup.
+        app.add_middleware(ApiKeyAuth, keys=list(api_keys))
+        log.info("API keys required (%d accepted) on every request but GET/HEAD %s and OPTIONS", len(api_keys),
+                 ", ".join(sorted(PUBLIC_PATHS)))
 
     # MetricsPage answers GET and HEAD before they get here; the route is what makes other methods a 405
     @app.get("/metrics", include_in_schema=False)

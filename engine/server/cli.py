@@ -10,6 +10,7 @@ import sys
 def add_serve_parser(sub) -> None:
     from kvgate.engine.async_llm import DEFAULT_STEP_TIMEOUT_S
     from kvgate.engine.cli_args import add_engine_args
+    from kvgate.engine.server.auth import API_KEY_ENV
     from kvgate.engine.server.limits import _positive_float, add_limit_args
     from kvgate.engine.server.tool_parsers import TOOL_PARSERS
 
@@ -54,6 +55,15 @@ def add_serve_parser(sub) -> None:
                         "config.json and safetensors headers but not its weights, and allocates no KV cache (on CUDA, "
                         "unless the KV cache's size is given, the memory profile's forward runs on uninitialised "
                         "weights)")
+    p.add_argument("--api-key", nargs="+", action="extend", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' with one of these keys on every request but GET /health, "
+                        "/live and /metrics (else 401); repeatable (vLLM's flag). Prefer the environment variable "
+                        f"{API_KEY_ENV} (one key; in Kubernetes, from a Secret): a flag's value shows in the process "
+                        f"list and the pod spec. The flag wins over {API_KEY_ENV}; an empty {API_KEY_ENV} is unset")
+    p.add_argument("--require-api-key", action="store_true",
+                   help=f"exit with status 2 unless --api-key or a non-empty {API_KEY_ENV} gives a key, rather than "
+                        "serve without one (the operator sets it with spec.engine.apiKeySecretRef: an empty Secret "
+                        "value then fails the pod instead of opening it)")
     p.add_argument("--uvicorn-log-level", default="warning")
     add_limit_args(p)
     add_engine_args(p)
@@ -61,6 +71,19 @@ def add_serve_parser(sub) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from kvgate.engine.server.auth import API_KEY_ENV, resolve_api_keys
+
+    # First: a key that cannot work stops the start before a model is resolved or loaded.
+    try:
+        api_keys = resolve_api_keys(args.api_key)
+    except ValueError as exc:
+        print(f"kvgate serve: error: {exc}", file=sys.stderr)
+        return 2
+    if args.require_api_key and not api_keys:
+        print(f"kvgate serve: error: --require-api-key: no key given (--api-key, or a non-empty {API_KEY_ENV})",
+              file=sys.stderr)
+        return 2
+
     import uvicorn
 
     from kvgate.engine.async_llm import AsyncLLM
@@ -112,7 +135,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     app = create_app(llm, served, limits_from_args(args), on_fatal, server_id=f"{args.host}:{args.port}",
                      tool_parser=args.tool_call_parser, chat_template=chat_template,
-                     response_role=args.response_role, generation_defaults=generation_defaults)
+                     response_role=args.response_role, generation_defaults=generation_defaults,
+                     api_keys=api_keys)
     # httptools + uvloop, named rather than left to uvicorn's "auto" (which falls back to pure-Python h11 and asyncio
     # without a word): every EPP scrapes every replica every 50 ms, and in `--backend sim` the server shares the
     # GIL with the engine loop. Measured (1000 GETs, server CPU per request): /live 0.68 -> 0.35 ms, /metrics

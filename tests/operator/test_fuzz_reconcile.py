@@ -73,6 +73,8 @@ engine = st.fixed_dictionaries({}, optional={
     "blockSize": st.sampled_from([1, 16, 1024]), "maxNumSeqs": counts, "maxNumBatchedTokens": counts,
     "maxModelLen": counts, "kvCacheMemory": quantities, "enablePrefixCaching": st.booleans(),
     "shutdownGracePeriodSeconds": st.sampled_from([1, 30, 3600]),
+    "apiKeySecretRef": st.fixed_dictionaries({"name": names,
+                                              "key": st.sampled_from(["token", ".k", "..", "a/b", HUGE])}),
 })
 modelserver_specs = st.fixed_dictionaries({"poolRef": st.fixed_dictionaries({"name": st.sampled_from(
     ["demo-pool", "demo-pool", "demo-pool", "other", "a" * 253])}), "model": st.one_of(st.just({}), model)},
@@ -83,7 +85,8 @@ modelserver_specs = st.fixed_dictionaries({"poolRef": st.fixed_dictionaries({"na
     "resources": st.fixed_dictionaries({}, optional={"limits": st.dictionaries(st.sampled_from(["cpu", "memory"]),
                                                                                 quantities, max_size=2),
                                                      "requests": st.just({"cpu": "1"}), "junk": json_values}),
-    "extraArgs": st.lists(st.sampled_from(["--port=1", "--host", "--seed", "1", "", HUGE]), max_size=4),
+    "extraArgs": st.lists(st.sampled_from(["--port=1", "--host", "--seed", "1", "--api-key", "", HUGE]),
+                          max_size=4),
     "podLabels": labels, "nodeSelector": labels,
     "tolerations": st.lists(st.fixed_dictionaries({}, optional={
         "key": label_keys, "operator": st.sampled_from(["Exists", "Equal"]), "effect": st.just("NoSchedule"),
@@ -244,6 +247,11 @@ GOOD_POOL = {"selector": {"matchLabels": {"app": "demo-llm"}}, "targetPorts": [{
     ({"poolRef": {"name": "demo-pool"}, "model": {}, "replicas": "3"}, "InvalidSpec", "expected an integer, got str"),
     ({"poolRef": ["demo-pool"], "model": {}}, "InvalidSpec", "spec.poolRef: expected a mapping, got list"),
     (True, "InvalidSpec", "spec: expected a mapping, got bool"),
+    ({"poolRef": {"name": "demo-pool"}, "model": {}, "engine": {"apiKeySecretRef": ["llm-keys", "token"]}},
+     "InvalidSpec", "spec.engine.apiKeySecretRef: expected a mapping, got list"),
+    ({"poolRef": {"name": "demo-pool"}, "model": {},
+      "engine": {"apiKeySecretRef": {"name": "llm-keys", "key": None}}}, "InvalidSpec",
+     "spec.engine.apiKeySecretRef.key: required"),
 ])
 def test_misshapen_modelserver_is_a_condition(ms_spec, reason, message):
     kube = _reconcile_all(ms_spec, GOOD_POOL)

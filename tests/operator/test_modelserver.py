@@ -316,3 +316,62 @@ def test_lora_of_the_wrong_shape_is_a_condition():
     ms["spec"]["engine"]["lora"]["adapters"] = [{"name": "x"}]  # no path
     problems = m.validate_modelserver(ms, docs["InferencePool"])
     assert problems[0]["reason"] == "InvalidSpec" and "spec.engine.lora.adapters[0].path" in problems[0]["message"]
+
+
+API_KEY_REF = {"name": "llm-keys", "key": "token"}
+
+
+def test_api_key_reaches_the_engine_from_the_secret_never_in_args(samples, monkeypatch):
+    """spec.engine.apiKeySecretRef → VLLM_API_KEY from the Secret's key (resolved by the kubelet, in the pod's own
+    namespace) and --require-api-key; the command, parsed and started by `kvgate serve`'s own code, requires
+    exactly the Secret's value, and with an empty value it refuses to start (status 2) instead of serving open."""
+    from kvgate.cli import build_parser
+    from kvgate.engine.server.auth import resolve_api_keys
+    from kvgate.engine.server.cli import run_serve
+
+    ms, pool = copy.deepcopy(samples["ModelServer"]), samples["InferencePool"]
+    (plain,) = m.desired_engine_deployment(ms, pool, IMAGE)["spec"]["template"]["spec"]["containers"]
+    assert "VLLM_API_KEY" not in {e["name"] for e in plain["env"]} and "--require-api-key" not in plain["command"]
+    ms["spec"]["engine"]["apiKeySecretRef"] = API_KEY_REF
+    pod = m.desired_engine_deployment(ms, pool, IMAGE)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    (env,) = [e for e in c["env"] if e["name"] == "VLLM_API_KEY"]
+    assert env == {"name": "VLLM_API_KEY",
+                   "valueFrom": {"secretKeyRef": {"name": "llm-keys", "key": "token", "optional": False}}}
+    assert "args" not in c and not any("llm-keys" in a or "token" in a for a in c["command"])
+    assert not any("secret" in v for v in pod["volumes"])  # the environment only: no Secret volume
+    args = build_parser().parse_args(c["command"][1:])
+    assert args.require_api_key and args.api_key is None
+    assert resolve_api_keys(args.api_key, {"VLLM_API_KEY": "s3cret-value"}) == ["s3cret-value"]
+    monkeypatch.setenv("VLLM_API_KEY", "")  # the Secret's key holds an empty value
+    assert run_serve(args) == 2
+
+
+@pytest.mark.parametrize("ref, says", [
+    ("llm-keys", "spec.engine.apiKeySecretRef: expected a mapping, got str"),
+    ({"name": "llm-keys"}, "spec.engine.apiKeySecretRef.key: required"),
+    ({"key": "token"}, "spec.engine.apiKeySecretRef.name: required"),
+    ({"name": 7, "key": "token"}, "spec.engine.apiKeySecretRef.name: expected a string, got int"),
+    ({"name": "LLM_Keys", "key": "token"}, "engine.apiKeySecretRef: name 'LLM_Keys' is not a Secret name"),
+    ({"name": "llm-keys", "key": "../token"}, "engine.apiKeySecretRef: key '../token' is not a Secret key"),
+    ({"name": "x" * 254, "key": "token"}, "is not a Secret name"),
+])
+def test_a_wrong_api_key_secret_ref_is_a_condition_not_a_deployment(samples, ref, says):
+    ms, pool = copy.deepcopy(samples["ModelServer"]), samples["InferencePool"]
+    ms["spec"]["engine"]["apiKeySecretRef"] = ref
+    problems = m.validate_modelserver(ms, pool)
+    assert [p["reason"] for p in problems] == ["InvalidSpec"] and says in problems[0]["message"], problems
+    assert m.desired_engine_deployment(ms, pool, IMAGE) is None
+    ready = next(c for c in m.modelserver_status(ms, None, pool, NOW)["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec") and says in ready["message"]
+
+
+@pytest.mark.parametrize("extra", [["--api-key", "k"], ["--api-key=k"], ["--api", "k"], ["--api-key", "a", "b"]])
+def test_extra_args_may_not_carry_an_api_key(samples, extra):
+    """A key in extraArgs would sit in the ModelServer, the Deployment and the pods for anyone who reads them."""
+    ms = copy.deepcopy(samples["ModelServer"])
+    ms["spec"]["extraArgs"] = ["--seed", "1", *extra]
+    (problem,) = m.validate_modelserver(ms, samples["InferencePool"])
+    assert problem["reason"] == "InvalidSpec" and "apiKeySecretRef" in problem["message"], problem
+    assert "k" not in problem["message"].split()  # the refusal does not repeat the key
+    assert m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE) is None

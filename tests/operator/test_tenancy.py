@@ -68,6 +68,22 @@ def test_image_prefixes_match_at_a_boundary(samples):
     assert privileged_uses(ms, IMAGE) == ["image registry.example/kvgate:1.2"]
 
 
+def test_an_api_key_secret_is_a_reference_and_on_record_with_a_foreign_image(samples):
+    """apiKeySecretRef can name only a Secret of the pod's own namespace (secretKeyRef has no namespace), as a pod
+    of the author's own could; with the operator's image it is no privileged use, with another image the log
+    names the Secret that image's code can read."""
+    ms = copy.deepcopy(samples["ModelServer"])
+    ms["spec"]["engine"]["apiKeySecretRef"] = {"name": "llm-keys", "key": "token"}
+    dep = m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE)
+    (env,) = [e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"] if e["name"] == "VLLM_API_KEY"]
+    assert set(env["valueFrom"]["secretKeyRef"]) == {"name", "key", "optional"}  # no namespace: the pod's own
+    assert dep["metadata"]["namespace"] == ms["metadata"]["namespace"]
+    assert privileged_uses(ms, IMAGE) == []
+    ms["spec"]["image"] = "registry.example/kvgate:1.2"
+    assert privileged_uses(ms, IMAGE) == ["image registry.example/kvgate:1.2",
+                                         "Secret 'llm-keys' (key 'token') in that image's environment"]
+
+
 def _pool(name, labels, ns="default"):
     return {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
             "metadata": {"name": name, "namespace": ns, "uid": f"uid-{name}"},
