@@ -110,6 +110,10 @@ def _spec_problems(ms: dict) -> list[dict]:
                                         "can read the ModelServer, its Deployment or its pods; put it in a Secret "
                                         "and name it in spec.engine.apiKeySecretRef"})
     problems += _api_key_ref_problems(spec)
+    lookup = (spec.get("engine") or {}).get("speculativeConfig") or {}
+    if (lookup.get("promptLookupMin") or 0) > (lookup.get("promptLookupMax") or float("inf")):
+        problems.append({"reason": "InvalidSpec", "message": "engine.speculativeConfig: promptLookupMin "
+                         f"({lookup['promptLookupMin']}) must be <= promptLookupMax ({lookup['promptLookupMax']})"})
     return problems
 
 
@@ -244,6 +248,13 @@ def engine_flags(engine: dict) -> list[str]:
             flags += [flag, str(engine[field])]
     if engine.get("kvCacheMemory") is not None:
         flags += ["--kv-cache-memory", str(kv_cache_bytes(engine["kvCacheMemory"]))]
+    if engine.get("gpuMemoryUtilization") is not None:
+        flags += ["--gpu-memory-utilization", repr(float(engine["gpuMemoryUtilization"]))]
+    if engine.get("kvCacheDtype") is not None:
+        flags += ["--kv-cache-dtype", engine["kvCacheDtype"]]
+    if engine.get("speculativeConfig"):
+        flags += ["--speculative-config", json.dumps(speculative_config(engine["speculativeConfig"]),
+                                                      separators=(",", ":"))]
     if engine.get("enablePrefixCaching") is not None:
         flags.append("--enable-prefix-caching" if engine["enablePrefixCaching"] else "--no-enable-prefix-caching")
     if engine.get("kvEvents"):
@@ -266,6 +277,16 @@ def api_key_env(engine: dict) -> list[dict]:
         return []
     return [{"name": API_KEY_ENV,
              "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"], "optional": False}}}]
+
+
+def speculative_config(spec: dict) -> dict:
+    """spec.engine.speculativeConfig as vLLM's --speculative-config JSON (prompt lookup; unset keys keep the engine's
+    defaults)."""
+    config = {"method": spec.get("method") or "ngram", "num_speculative_tokens": spec["numSpeculativeTokens"]}
+    for field, key in (("promptLookupMin", "prompt_lookup_min"), ("promptLookupMax", "prompt_lookup_max")):
+        if spec.get(field) is not None:
+            config[key] = spec[field]
+    return config
 
 
 def kv_events_config(kv_events: dict) -> dict:

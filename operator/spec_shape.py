@@ -29,6 +29,14 @@ class Int:
 
 
 @dataclass(frozen=True)
+class Number:
+    """A number (integer or not) in [minimum, maximum], or (minimum, maximum] with exclusive_minimum."""
+    minimum: float
+    maximum: float
+    exclusive_minimum: bool = False
+
+
+@dataclass(frozen=True)
 class Required:
     """A field that must be present and not null (the CRD's `required`, which the renderers rely on)."""
     shape: Any
@@ -56,6 +64,9 @@ MODELSERVER_SPEC = {
     "engine": {"backend": str, "device": str, "dtype": str, "blockSize": Int(1, 2**31 - 1),
                "maxNumSeqs": Int(1, 2**31 - 1), "maxNumBatchedTokens": Int(1, 2**31 - 1),
                "maxModelLen": Int(1, 2**31 - 1), "kvCacheMemory": INT_OR_STRING, "enablePrefixCaching": bool,
+               "gpuMemoryUtilization": Number(0, 1, exclusive_minimum=True), "kvCacheDtype": str,
+               "speculativeConfig": {"method": str, "numSpeculativeTokens": Required(Int(1, 32)),
+                                     "promptLookupMin": Int(1, 64), "promptLookupMax": Int(1, 64)},
                "shutdownGracePeriodSeconds": Int(1, 3600),
                "apiKeySecretRef": {"name": Required(str), "key": Required(str)},
                "kvEvents": {"port": Required(Int(1024, 65535)), "replayPort": Int(1024, 65535)},
@@ -130,6 +141,13 @@ def _check(value: Any, shape: Any, where: str, found: list[str]) -> None:
             found.append(f"{where}: expected an integer, got {_describe(value)}")
         elif not shape.minimum <= value <= shape.maximum:
             found.append(f"{where}: {value} is out of range [{shape.minimum}, {shape.maximum}]")
+    elif isinstance(shape, Number):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            found.append(f"{where}: expected a number, got {_describe(value)}")
+        elif not ((value > shape.minimum if shape.exclusive_minimum else value >= shape.minimum)
+                  and value <= shape.maximum):  # also refuses NaN
+            low = "(" if shape.exclusive_minimum else "["
+            found.append(f"{where}: {value} is out of range {low}{shape.minimum}, {shape.maximum}]")
     elif shape == INT_OR_STRING:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             found.append(f"{where}: expected an integer or a string, got {_describe(value)}")

@@ -114,6 +114,11 @@ def to_jsonschema(node: dict, skeleton: bool = True) -> dict:
     if out.pop("x-kubernetes-int-or-string", False):
         out.pop("type", None)
         out.setdefault("anyOf", [{"type": "integer"}, {"type": "string"}])
+    # Kubernetes' exclusiveMinimum/Maximum are OpenAPI 3.0's booleans on minimum/maximum; JSON Schema's are numbers.
+    for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if isinstance(out.get(exclusive), bool):
+            if out.pop(exclusive) and bound in out:
+                out[exclusive] = out.pop(bound)
     if out.pop("nullable", False) and "type" in out:
         out["type"] = [out["type"], "null"]
     preserve = out.pop("x-kubernetes-preserve-unknown-fields", False)
@@ -471,6 +476,13 @@ MODEL_SERVER_CASES = [
     ("shutdown-grace-600", model_server(engine={"shutdownGracePeriodSeconds": 600}), True),
     ("api-key-secret-ref", model_server(engine={"apiKeySecretRef": {"name": "llm-keys", "key": "api-key"}}), True),
     ("api-key-secret-ref-dotted", model_server(engine={"apiKeySecretRef": {"name": "a.b", "key": ".key_1"}}), True),
+    ("gpu-memory-utilization", model_server(engine={"gpuMemoryUtilization": 0.45}), True),
+    ("gpu-memory-utilization-1", model_server(engine={"gpuMemoryUtilization": 1}), True),
+    ("kv-cache-dtype-fp8", model_server(engine={"kvCacheDtype": "fp8"}), True),
+    ("speculative-ngram", model_server(engine={"speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 4,
+                                                                     "promptLookupMin": 2, "promptLookupMax": 4}}),
+     True),
+    ("speculative-k-only", model_server(engine={"speculativeConfig": {"numSpeculativeTokens": 1}}), True),
     ("status", {**model_server(), "status": {"replicas": 2, "readyReplicas": 1, "selector": "app=demo-llm",
                                              "observedGeneration": 1, "conditions": [CONDITION]}}, True),
     ("negative-replicas", model_server(replicas=-1), False),
@@ -492,6 +504,16 @@ MODEL_SERVER_CASES = [
     ("kv-garbage", model_server(engine={"kvCacheMemory": "lots"}), False),
     ("prefix-caching-string", model_server(engine={"enablePrefixCaching": "yes"}), False),
     ("unknown-engine-field", model_server(engine={"tensorParallelSize": 2}), False),
+    ("gpu-memory-utilization-0", model_server(engine={"gpuMemoryUtilization": 0}), False),
+    ("gpu-memory-utilization-over-1", model_server(engine={"gpuMemoryUtilization": 1.01}), False),
+    ("gpu-memory-utilization-string", model_server(engine={"gpuMemoryUtilization": "0.9"}), False),
+    ("kv-cache-dtype-bf16", model_server(engine={"kvCacheDtype": "bfloat16"}), False),
+    ("speculative-without-k", model_server(engine={"speculativeConfig": {"promptLookupMax": 4}}), False),
+    ("speculative-k-over-32", model_server(engine={"speculativeConfig": {"numSpeculativeTokens": 33}}), False),
+    ("speculative-draft-model", model_server(engine={"speculativeConfig": {"method": "draft_model",
+                                                                           "numSpeculativeTokens": 4}}), False),
+    ("speculative-model-is-no-field", model_server(engine={"speculativeConfig": {"numSpeculativeTokens": 4,
+                                                                                 "model": "/m"}}), False),
     ("two-volume-sources", model_server(model={"path": "/m", "pvc": {"claimName": "c"},
                                                "hostPath": {"path": "/m"}}), False),
     ("three-volume-sources", model_server(model={"path": "/m", "pvc": {"claimName": "c"}, "hostPath": {"path": "/m"},

@@ -45,12 +45,14 @@ def test_sample_becomes_a_pool_member_deployment(samples):
 def test_engine_flags_parse_with_the_engine_parser(samples):
     import argparse
 
-    from kvgate.engine.cli_args import add_engine_args
+    from kvgate.engine.cli_args import add_engine_args, engine_config_from_args
 
     ms = copy.deepcopy(samples["ModelServer"])
     ms["spec"]["engine"] = {"backend": "torch", "blockSize": 32, "maxNumSeqs": 8, "maxNumBatchedTokens": 512,
                             "maxModelLen": 1024, "kvCacheMemory": "1.5Gi", "dtype": "bfloat16",
                             "enablePrefixCaching": False, "device": "cuda:1"}
+    ms["spec"]["engine"].update(gpuMemoryUtilization=0.85, kvCacheDtype="fp8",
+                                speculativeConfig={"numSpeculativeTokens": 4, "promptLookupMax": 3})
     ms["spec"]["extraArgs"] = ["--seed", "7"]
     command = _serve_args(m.desired_engine_deployment(ms, samples["InferencePool"], IMAGE))
     parser = argparse.ArgumentParser()
@@ -63,6 +65,11 @@ def test_engine_flags_parse_with_the_engine_parser(samples):
     assert (args.block_size, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len) == (32, 8, 512, 1024)
     assert args.kv_cache_memory == parse_bytes("1.5GiB") and args.enable_prefix_caching is False
     assert (args.dtype, args.device, args.seed, args.served_model_name) == ("bfloat16", "cuda:1", 7, "demo")
+    config = engine_config_from_args("/model", args)  # the engine's own checks of the rendered values
+    assert (config.gpu_memory_utilization, config.kv_cache_dtype) == (0.85, "fp8")
+    spec = config.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == \
+        ("ngram", 4, 3, 3)
 
 
 @pytest.mark.parametrize("source,volume_key", [({"pvc": {"claimName": "models"}}, "persistentVolumeClaim"),
@@ -108,6 +115,14 @@ def test_idempotent(samples):
     (lambda ms, pool: ms["spec"]["model"].update(pvc={"claimName": "a"}, hostPath={"path": "/x"}, path="/m"),
      "InvalidSpec"),
     (lambda ms, pool: ms["spec"]["model"].update(pvc={"claimName": "a"}), "InvalidSpec"),  # path "demo"
+    (lambda ms, pool: ms["spec"]["engine"].update(gpuMemoryUtilization=0), "InvalidSpec"),
+    (lambda ms, pool: ms["spec"]["engine"].update(gpuMemoryUtilization=1.5), "InvalidSpec"),
+    (lambda ms, pool: ms["spec"]["engine"].update(gpuMemoryUtilization="0.5"), "InvalidSpec"),
+    (lambda ms, pool: ms["spec"]["engine"].update(gpuMemoryUtilization=float("nan")), "InvalidSpec"),
+    (lambda ms, pool: ms["spec"]["engine"].update(speculativeConfig={"promptLookupMax": 3}), "InvalidSpec"),
+    (lambda ms, pool: ms["spec"]["engine"].update(speculativeConfig={"numSpeculativeTokens": 64}), "InvalidSpec"),
+    (lambda ms, pool: ms["spec"]["engine"].update(
+        speculativeConfig={"numSpeculativeTokens": 4, "promptLookupMin": 5, "promptLookupMax": 3}), "InvalidSpec"),
 ])
 def test_invalid_input_gives_conditions_not_exceptions(samples, mutate, reason):
     ms, pool = copy.deepcopy(samples["ModelServer"]), copy.deepcopy(samples["InferencePool"])
