@@ -19,6 +19,7 @@ import os
 import secrets
 from collections.abc import Mapping, Sequence
 
+from kvgate.engine.errors import ConfigError
 from kvgate.engine.server.protocol import error_body
 
 API_KEY_ENV = "VLLM_API_KEY"
@@ -47,7 +48,7 @@ def key_problem(key: str) -> str | None:
 
 def resolve_api_keys(flag_keys: Sequence[str] | None, environ: Mapping[str, str] = os.environ) -> list[str]:
     """The keys to require: `--api-key`'s if given (the flag wins), else VLLM_API_KEY's one (empty: unset), else
-    none. Raises ValueError (one line, naming the source, never the key) for a key that can never match."""
+    none. Raises ConfigError (one line, naming the source, never the key) for a key that can never match."""
     if flag_keys is not None:
         source, keys = "--api-key", list(flag_keys)
     else:
@@ -57,7 +58,7 @@ def resolve_api_keys(flag_keys: Sequence[str] | None, environ: Mapping[str, str]
         if why is not None:
             which = f"key {i + 1} of {len(keys)}" if len(keys) > 1 else "the key"
             hint = " (an unset shell variable?): give a key, or leave --api-key out" if not key else ""
-            raise ValueError(f"{source}: {which} {why}{hint}")
+            raise ConfigError(f"{source}: {which} {why}{hint}")
     return keys
 
 

@@ -15,7 +15,7 @@ import os
 import stat
 from collections.abc import Callable
 
-from kvgate.engine.errors import InvalidRequestError
+from kvgate.engine.errors import ConfigError, InvalidRequestError
 from kvgate.engine.server.protocol import ChatCompletionRequest
 
 # Names the server itself passes to the template.
@@ -31,7 +31,7 @@ _JINJA_CHARS = "{}\n"
 MAX_TEMPLATE_BYTES = 1 << 20
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(ConfigError):
     """--chat-template cannot be served: the server does not start (one line, for stderr)."""
 
 

@@ -71,18 +71,14 @@ def add_serve_parser(sub) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from kvgate.engine.errors import ConfigError
     from kvgate.engine.server.auth import API_KEY_ENV, resolve_api_keys
 
-    # First: a key that cannot work stops the start before a model is resolved or loaded.
-    try:
-        api_keys = resolve_api_keys(args.api_key)
-    except ValueError as exc:
-        print(f"kvgate serve: error: {exc}", file=sys.stderr)
-        return 2
+    # First: a key that cannot work stops the start before a model is resolved or loaded. Start errors are
+    # ConfigErrors: `kvgate` prints them as one line and exits 2.
+    api_keys = resolve_api_keys(args.api_key)
     if args.require_api_key and not api_keys:
-        print(f"kvgate serve: error: --require-api-key: no key given (--api-key, or a non-empty {API_KEY_ENV})",
-              file=sys.stderr)
-        return 2
+        raise ConfigError(f"--require-api-key: no key given (--api-key, or a non-empty {API_KEY_ENV})")
 
     import uvicorn
 
@@ -99,13 +95,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     chat_template = None
     if args.chat_template is not None:  # before the model is built or loaded: a bad template fails at once
-        from kvgate.engine.server.chat_template import ChatTemplateError, load_server_template
+        from kvgate.engine.server.chat_template import load_server_template
 
-        try:
-            chat_template = load_server_template(args.chat_template)
-        except ChatTemplateError as exc:
-            print(f"kvgate serve: error: {exc}", file=sys.stderr)
-            return 2
+        chat_template = load_server_template(args.chat_template)
         logging.getLogger("kvgate").info("chat template from --chat-template (%d characters), replacing the "
                                          "model's", len(chat_template))
     model_path = args.model if args.backend == "sim" else resolve_model_path(args.model)

@@ -340,9 +340,8 @@ def test_api_key_reaches_the_engine_from_the_secret_never_in_args(samples, monke
     """spec.engine.apiKeySecretRef → VLLM_API_KEY from the Secret's key (resolved by the kubelet, in the pod's own
     namespace) and --require-api-key; the command, parsed and started by `kvgate serve`'s own code, requires
     exactly the Secret's value, and with an empty value it refuses to start (status 2) instead of serving open."""
-    from kvgate.cli import build_parser
+    from kvgate.cli import build_parser, main
     from kvgate.engine.server.auth import resolve_api_keys
-    from kvgate.engine.server.cli import run_serve
 
     ms, pool = copy.deepcopy(samples["ModelServer"]), samples["InferencePool"]
     (plain,) = m.desired_engine_deployment(ms, pool, IMAGE)["spec"]["template"]["spec"]["containers"]
@@ -359,7 +358,7 @@ def test_api_key_reaches_the_engine_from_the_secret_never_in_args(samples, monke
     assert args.require_api_key and args.api_key is None
     assert resolve_api_keys(args.api_key, {"VLLM_API_KEY": "s3cret-value"}) == ["s3cret-value"]
     monkeypatch.setenv("VLLM_API_KEY", "")  # the Secret's key holds an empty value
-    assert run_serve(args) == 2
+    assert main(c["command"][1:]) == 2  # the pod's command, as `kvgate` runs it: its exit status
 
 
 @pytest.mark.parametrize("ref, says", [
