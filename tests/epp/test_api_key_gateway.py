@@ -9,6 +9,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvgate.epp.extproc import _headers
 from kvgate.epp.types import LLMRequest
+from tests.epp.test_stock_envoy import stock_envoy
 from tests.gateway import Gateway
 
 KEY = "gw-key-5a7c9e1b3d"
@@ -24,10 +25,14 @@ def test_the_epp_keeps_no_credentials_of_a_request():
     assert KEY not in repr(LLMRequest(request_id="r", model="m", target_model="m", prompt="p", headers=headers))
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
+@pytest.fixture(scope="module", params=["kvgate-envoy", "stock-envoy"])
+def gateway(request, tmp_path_factory):
+    """kvgate's Envoy config, and upstream's stock shape (ext_proc -> ORIGINAL_DST, no kvgate filters): neither
+    strips the Authorization header on its way to the engine."""
+    config = stock_envoy if request.param == "stock-envoy" else None
     with Gateway(tmp_path_factory.mktemp("gw-api-key"), tmp_path_factory.mktemp("cache"),
-                 [["--backend", "sim", "--api-key", KEY]] * 2) as gw:  # the EPP saw fresh metrics of both
+                 [["--backend", "sim", "--api-key", KEY]] * 2,
+                 envoy_config=config) as gw:  # the EPP saw fresh metrics of both
         yield gw
 
 
