@@ -11,6 +11,7 @@ import signal
 import threading
 from functools import partial
 
+from kvgate.epp.datalayer.http_client import DEFAULT_MAX_BYTES as DEFAULT_METRICS_PAGE_BYTES
 from kvgate.epp.leader import DEFAULT_LEASE_DURATION_S, DEFAULT_RENEW_DEADLINE_S, DEFAULT_RETRY_PERIOD_S
 
 log = logging.getLogger("kvgate.epp")
@@ -37,6 +38,20 @@ def index_bytes(text: str) -> int:
     if value < MIN_INDEX_BYTES:
         raise argparse.ArgumentTypeError(f"must be at least {MIN_INDEX_BYTES} bytes, got {value}")
     return value
+
+
+def metrics_page_bytes(text: str) -> int:
+    """--metrics-max-bytes: a size in bytes (4194304, 4MiB), from 64 KiB to 256 MiB."""
+    from kvgate.engine.cli_args import parse_bytes
+
+    value = parse_bytes(text)
+    if not MIN_METRICS_PAGE_BYTES <= value <= MAX_METRICS_PAGE_BYTES:
+        raise argparse.ArgumentTypeError(f"must be from {MIN_METRICS_PAGE_BYTES} to {MAX_METRICS_PAGE_BYTES} bytes, "
+                                         f"got {value}")
+    return value
+
+
+MIN_METRICS_PAGE_BYTES, MAX_METRICS_PAGE_BYTES = 64 << 10, 256 << 20
 
 
 def port_number(text: str) -> int:
@@ -149,6 +164,10 @@ def add_epp_parser(sub) -> None:
                        help="another replica's --peer-sync-bind (repeat per replica)")
     p.add_argument("--refresh-metrics-interval", type=duration_flag, default=0.05)
     p.add_argument("--metrics-staleness-threshold", type=duration_flag, default=2.0)
+    p.add_argument("--metrics-max-bytes", type=metrics_page_bytes, default=DEFAULT_METRICS_PAGE_BYTES,
+                   metavar="BYTES",
+                   help="an engine's /metrics body larger than this (or, chunked, twice this on the wire) fails its "
+                        "scrape (default 4MiB; a vLLM page with its histograms and LoRA info is a few hundred KiB)")
     p.add_argument("--saturation-queue-depth", type=int, default=None,
                    help="an endpoint with this many waiting requests counts as saturated "
                         "(default: the config file's saturationDetector, else 5)")
@@ -203,7 +222,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     config = load_config(args.config_file, args.config_text)
     saturation = config.saturation
     datastore = Datastore()
-    datalayer = Datalayer(interval=args.refresh_metrics_interval, timeout=1.0,
+    datalayer = Datalayer(interval=args.refresh_metrics_interval, timeout=1.0, max_bytes=args.metrics_max_bytes,
                           staleness=saturation.metrics_staleness_threshold or args.metrics_staleness_threshold)
     scheduler = Scheduler(config.scheduler)
     loop = asyncio.get_running_loop()

@@ -43,6 +43,9 @@ class Snapshot(NamedTuple):
     staleness: float = 2.0
     plugin_stats: Mapping[str, Mapping[str, float]] = {}  # Scheduler.stats(): per stats group, summed
     flow_rows: tuple[tuple[str, int, int, int], ...] | None = None  # FlowController.rows(); None: flow control off
+    # Datalayer.endpoint_counts(): per endpoint, failed scrapes by reason and dropped values by (family, reason)
+    endpoint_counts: tuple = ()
+    scheduling_faults: Mapping[str, int] = {}  # Scheduler.endpoint_faults: decisions a plugin failed on its data
 
 
 # The precise scorer's gauges; every other key of its stats is a cumulative count of KV-event batches or blocks.
@@ -96,7 +99,9 @@ class EndpointGauges:
                      for s in states)
         flow = getattr(self.director, "flow", None)
         self.snapshot = Snapshot(rows, self.director.datalayer.staleness, self.director.scheduler.stats(),
-                                 flow.rows() if flow is not None else None)
+                                 flow.rows() if flow is not None else None,
+                                 tuple(self.director.datalayer.endpoint_counts()),
+                                 dict(self.director.scheduler.endpoint_faults))
         if self.tokens is not None:
             self.tokens.retain({row.address for row in rows})
 
@@ -141,6 +146,7 @@ class EndpointGauges:
                 rate.add_metric(labels, row.prefill_tokens_per_s)
             timed.add_metric(labels, 1.0 if row.prefill_rate_timed else 0.0)
         yield from (queue, kv, running, stale, age, flight, available, rate, timed)
+        yield from _endpoint_input_families(snapshot)
         values = snapshot.plugin_stats.get("prefix_index") or {}
         if values:
             size = GaugeMetricFamily("kvgate_epp_prefix_index_size", "Block hashes in the prefix index.")
@@ -193,6 +199,30 @@ class EndpointGauges:
                 held.add_metric([flow_id, str(priority)], nbytes)
             yield size
             yield held
+
+
+def _endpoint_input_families(snapshot: Snapshot):
+    """What each endpoint's /metrics pages cost it: failed scrapes by reason, values dropped by the parse's range
+    checks (epp/datalayer/value_bounds.py), and decisions a scheduling plugin failed on its data (it then sat out
+    picks for a while: epp/scheduling/framework.py)."""
+    failures = CounterMetricFamily("kvgate_epp_endpoint_scrape_failures", "Failed /metrics scrapes per endpoint, by "
+                                   "reason: timeout, connect, http_status, too_large (over --metrics-max-bytes), "
+                                   "malformed (not HTTP/1.x as a scrape reads it), no_metrics (no queue, running or "
+                                   "KV-usage family), error.", labels=["endpoint", "reason"])
+    rejected = CounterMetricFamily("kvgate_epp_endpoint_metric_values_rejected", "Values an endpoint's /metrics pages "
+                                   "carried that the EPP dropped, by metric family and reason: non_finite, "
+                                   "out_of_range, bad_label, too_many_series.", labels=["endpoint", "metric", "reason"])
+    faults = CounterMetricFamily("kvgate_epp_endpoint_scheduling_faults", "Decisions a scheduling plugin failed on "
+                                 "an endpoint's data, after which the endpoint sat out picks for a while.",
+                                 labels=["endpoint"])
+    for address, failed_by, dropped in snapshot.endpoint_counts:
+        for reason, n in sorted(failed_by.items()):
+            failures.add_metric([address, reason], n)
+        for (family, reason), n in sorted(dropped.items()):
+            rejected.add_metric([address, family, reason], n)
+    for address, n in sorted(snapshot.scheduling_faults.items()):
+        faults.add_metric([address], n)
+    yield from (failures, rejected, faults)
 
 
 def _latency_model_families(values: Mapping[str, float]):

@@ -19,6 +19,7 @@ and the slopes their way (measured: docs/benchmarks.md, "The learned model fitte
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,24 +46,47 @@ class OnlineRidge:
         self._w = self.prior.copy()
         self._dirty = False
         self.count = 0
+        self.skipped = 0  # observations refused, or that overflowed the sums
+
+    def _start_over(self) -> None:
+        k = self.prior.size
+        self._a, self._b = np.zeros((k, k)), np.zeros(k)
+        self._weight_sum = self._decayed_count = 0.0
+        self._w, self._dirty = self.prior.copy(), False
 
     def update(self, x: np.ndarray, y: float, weight: float = 1.0) -> None:
-        self._a *= self.forget
-        self._b *= self.forget
-        self._a += weight * np.outer(x, x)
-        self._b += (weight * y) * x
+        """One observation; one that is not finite (or of a negative weight) is skipped, and sums that would stop
+        being finite start over from the prior, so any state recovers with the next good observations."""
+        if not (math.isfinite(y) and math.isfinite(weight) and weight >= 0 and np.isfinite(x).all()):
+            self.skipped += 1
+            return
+        with np.errstate(over="ignore", invalid="ignore"):  # checked below
+            self._a *= self.forget
+            self._b *= self.forget
+            self._a += weight * np.outer(x, x)
+            self._b += (weight * y) * x
         self._weight_sum = self._weight_sum * self.forget + weight
         self._decayed_count = self._decayed_count * self.forget + 1.0
         self._dirty = True
         self.count += 1
+        if not (np.isfinite(self._a).all() and np.isfinite(self._b).all()):
+            self.skipped += 1
+            self._start_over()
 
     @property
     def weights(self) -> np.ndarray:
         if self._dirty:
             k = self.prior.size
             ridge = self.ridge * (self._weight_sum / self._decayed_count if self._decayed_count else 1.0)
-            self._w = np.linalg.solve(self._a + ridge * np.eye(k), self._b + ridge * self.prior)
+            try:
+                w = np.linalg.solve(self._a + ridge * np.eye(k), self._b + ridge * self.prior)
+            except np.linalg.LinAlgError:
+                w = None
             self._dirty = False
+            if w is None or not np.isfinite(w).all():
+                self._start_over()
+            else:
+                self._w = w
         return self._w
 
     def predict(self, features: np.ndarray) -> np.ndarray:

@@ -10,6 +10,10 @@ Modelled on upstream's datalayer (a collector per endpoint, a data source, an ex
   the filtered URL with an error or a page without them is scraped unfiltered from then on.
 - a body byte-identical to the last one is not parsed again (its numbers are the same).
 - each scrape also feeds the endpoint's prefill-rate estimator (prefill_rate.py: EndpointMetrics.prefill_tokens_per_s).
+- a page is input: its body is bounded (`max_bytes`, http_client.py), every value is checked against its range
+  as it is parsed (value_bounds.py; what is dropped is counted per endpoint, family and reason, and logged at most
+  every LOG_EVERY_S per endpoint), and an endpoint whose page took p seconds to parse is not asked again for
+  PARSE_BACKOFF·p, so that no endpoint's pages take more than 1/PARSE_BACKOFF of the event loop.
 - a failed scrape keeps the previous numbers; they turn stale once older than `staleness` seconds, which
   the saturation detector and plugins can see — or at once after FAILURES_OUT_OF_ROTATION consecutive failed
   scrapes: a dead engine (connection refused, HTTP 503 from a dead engine loop) leaves rotation within about
@@ -29,14 +33,17 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 
 from kvgate.epp.datalayer.dialects import DIALECTS, dialect_for
 from kvgate.epp.datalayer.exposition import MetricsParseError, comparable, parse_metrics
-from kvgate.epp.datalayer.http_client import MetricsConnection, ScrapeError
+from kvgate.epp.datalayer.http_client import DEFAULT_MAX_BYTES, MetricsConnection, ScrapeError
 from kvgate.epp.datalayer.prefill_rate import PrefillRateEstimator
+from kvgate.epp.datalayer.value_bounds import Rejections
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState
 
 # Consecutive failed scrapes that count an endpoint as stale whatever the age of its numbers: 2, so that one
 # lost scrape (a GC pause, a dropped keep-alive connection) does not flap it, and a dead one goes in ~2 rounds.
 FAILURES_OUT_OF_ROTATION = 2
 PREFILL_TIMING_SERIES = DIALECTS["vllm"].prefill_seconds.name  # the series the log names (kvgate engines export it)
+PARSE_BACKOFF = 10.0  # an endpoint whose page took p seconds to parse waits PARSE_BACKOFF·p before its next scrape
+LOG_EVERY_S = 30.0  # at most one log line per endpoint this often about values its pages carried out of range
 
 log = logging.getLogger("kvgate.epp.datalayer")
 
@@ -65,12 +72,13 @@ class EndpointCollector:
     """One endpoint's scraping: its connection, the latest metrics and the counters."""
 
     __slots__ = ("endpoint", "metrics", "connection", "scrapes", "failures", "consecutive_failures", "failing", "sent_at", "filtered",
-                 "prefill_rate", "timing_said", "last_body", "connecting", "removed", "_layer")
+                 "prefill_rate", "timing_said", "last_body", "connecting", "removed", "failed_by", "rejected",
+                 "not_before", "rejections_said_at", "rejections_unsaid", "_layer")
 
     def __init__(self, endpoint: Endpoint, layer: "Datalayer") -> None:
         self.endpoint = endpoint  # replaced in place when the pod's metadata changes
         self.metrics = EndpointMetrics()  # updated_at 0: never scraped, so stale
-        self.connection = MetricsConnection(endpoint.address, timeout=layer.timeout)
+        self.connection = MetricsConnection(endpoint.address, timeout=layer.timeout, max_bytes=layer.max_bytes)
         self.scrapes = 0
         self.failures = 0
         self.consecutive_failures = 0
@@ -82,6 +90,11 @@ class EndpointCollector:
         self.timing_said: bool | None = None  # what the log last said of the engine's prefill timing (None: nothing)
         self.connecting: asyncio.Task | None = None
         self.removed = False
+        self.failed_by: dict[str, int] = {}  # failed scrapes by reason (timeout, connect, too_large, ...)
+        self.rejected: dict[tuple[str, str], int] = {}  # values dropped by (family, reason), value_bounds.py
+        self.not_before = 0.0  # loop time before which no scrape starts (PARSE_BACKOFF)
+        self.rejections_said_at: float | None = None  # when the log last named this endpoint's rejected values
+        self.rejections_unsaid = 0  # rejected since then
         self._layer = layer
 
     def path(self) -> str:
@@ -97,6 +110,8 @@ class EndpointCollector:
                     self.on_answer(0, b"", TimeoutError(f"no connection in {self._layer.timeout}s"))
                 else:
                     self.connection.abort(TimeoutError(f"no answer in {self._layer.timeout}s"))
+            return
+        if now < self.not_before:
             return
         self.sent_at = now
         path = self.path()
@@ -137,12 +152,19 @@ class EndpointCollector:
             if exc is not None:
                 raise exc
             if status != 200:
-                raise ScrapeError(f"HTTP {status}")
+                raise ScrapeError(f"HTTP {status}", "http_status")
             if body == self.last_body:  # byte-identical: same numbers, only fresher
                 metrics = dataclasses.replace(self.metrics, updated_at=time.monotonic())
             else:
-                metrics = parse_metrics(body.decode("utf-8", "replace"), dialect_for(self.endpoint.engine_type),
-                                        time.monotonic())
+                started = time.monotonic()
+                rejections = Rejections()
+                try:
+                    metrics = parse_metrics(body.decode("utf-8", "replace"), dialect_for(self.endpoint.engine_type),
+                                            started, rejections)
+                finally:
+                    self.not_before = started + PARSE_BACKOFF * (time.monotonic() - started)
+                if rejections:
+                    self._count_rejections(rejections)
                 self.last_body = body
         except Exception as e:  # noqa: BLE001 - any failure keeps the old numbers; staleness reports it
             self.last_body = b""
@@ -152,6 +174,8 @@ class EndpointCollector:
                          self.endpoint.metrics_url, str(e) or type(e).__name__)
             self.failures += 1
             self.consecutive_failures += 1
+            reason = _failure_reason(e)
+            self.failed_by[reason] = self.failed_by.get(reason, 0) + 1
             if not self.failing:
                 self.failing = True
                 log.warning("scraping %s failed: %s", self.endpoint.metrics_url, str(e) or type(e).__name__)
@@ -168,6 +192,21 @@ class EndpointCollector:
         self.metrics = metrics
         if changed:
             layer._notify(self.endpoint.address, metrics)
+
+    def _count_rejections(self, rejections: Rejections) -> None:
+        """Count what a page carried out of range, and say so at most every LOG_EVERY_S."""
+        for key, n in rejections.counts.items():
+            self.rejected[key] = self.rejected.get(key, 0) + n
+        now = time.monotonic()
+        total = sum(rejections.counts.values())
+        if self.rejections_said_at is not None and now - self.rejections_said_at < LOG_EVERY_S:
+            self.rejections_unsaid += total
+            return
+        (family, reason), example = next(iter(rejections.examples.items()))
+        earlier = f"; {self.rejections_unsaid} more since the last report" if self.rejections_unsaid else ""
+        log.warning("scraping %s: dropped %d value(s) its page carried, e.g. %s %s (%s)%s", self.endpoint.metrics_url,
+                    total, family, example, reason, earlier)
+        self.rejections_said_at, self.rejections_unsaid = now, 0
 
     def _say_prefill_timing(self, timed: bool) -> None:
         """Log, at the first scrape and whenever it changes, which load signal this endpoint's prefill speed comes
@@ -196,11 +235,12 @@ class Datalayer:
 
     def __init__(self, interval: float = 0.05, timeout: float = 1.0, staleness: float = 2.0,
                  on_change: OnChange | None = None, *, ticker: Ticker | None = None,
-                 filter_families: bool = True) -> None:
-        if interval <= 0 or timeout <= 0 or staleness <= 0:
-            raise ValueError("interval, timeout and staleness must be positive")
+                 filter_families: bool = True, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        if interval <= 0 or timeout <= 0 or staleness <= 0 or max_bytes <= 0:
+            raise ValueError("interval, timeout, staleness and max_bytes must be positive")
         self.interval = interval
         self.timeout = timeout
+        self.max_bytes = max_bytes  # of one /metrics body
         self.staleness = staleness
         self.on_change = on_change  # (address, new metrics) on a changed scrape; (address, None) on removal
         self.filter_families = filter_families
@@ -298,6 +338,10 @@ class Datalayer:
             self._snapshot_at = now
         return self._snapshot
 
+    def endpoint_counts(self) -> list[tuple[str, dict[str, int], dict[tuple[str, str], int]]]:
+        """(address, failed scrapes by reason, dropped values by (family, reason)) of every endpoint: copies."""
+        return [(a, dict(c.failed_by), dict(c.rejected)) for a, c in self._collectors.items()]
+
     def stats(self) -> dict[str, int]:
         return {"endpoints": len(self._collectors),
                 "scrapes": sum(c.scrapes for c in self._collectors.values()),
@@ -319,10 +363,23 @@ class Datalayer:
                         c.scrape(now)
                     except Exception:  # one endpoint's surprise must not stop the pool's scraping
                         log.exception("scraping %s failed unexpectedly", c.endpoint.metrics_url)
-                        c.connection.abort(ScrapeError("unexpected failure"))
+                        c.connection.abort(ScrapeError("unexpected failure", "error"))
                         c.sent_at = None
             for listener in self.round_listeners:
                 try:
                     listener()
                 except Exception:  # a listener's bug must not stop scraping
                     log.exception("datalayer round listener failed")
+
+
+def _failure_reason(e: BaseException) -> str:
+    """A failed scrape's kind, as kvgate_epp_endpoint_scrape_failures_total counts it."""
+    if isinstance(e, ScrapeError):
+        return e.reason
+    if isinstance(e, TimeoutError):
+        return "timeout"
+    if isinstance(e, OSError):
+        return "connect"
+    if isinstance(e, MetricsParseError):
+        return "no_metrics"
+    return "error"

@@ -1,9 +1,14 @@
 """A keep-alive HTTP/1.1 GET for /metrics scrapes: a small asyncio protocol, driven by callbacks.
 
 httpx measured ~1.7 ms of CPU per scrape, which caps a core at ~600 scrapes/s, i.e. 30 endpoints at 50 ms.
-This client writes one prepared request and reads the answer in `data_received`: no task, future or timer
-per scrape on the collector's path (`send` + a callback; the collector's ticker enforces the timeout).
-`get()` is the awaitable form, with its own timer, for one-off callers.
+This client writes one prepared request and feeds what arrives to httptools' response parser (llhttp) in
+`data_received`: no task, future or timer per scrape on the collector's path (`send` + a callback; the
+collector's ticker enforces the timeout). `get()` is the awaitable form, with its own timer, for one-off callers.
+
+An engine's answer is input: the parser's work is linear in the bytes received (a body in 1-byte chunks costs its
+wire bytes, not their square), the headers are bounded (MAX_HEADER_BYTES), the body is bounded (`max_bytes`, the
+EPP's --metrics-max-bytes) and so are the bytes on the wire for it (chunk framing included): past either the
+scrape fails at once and the connection is dropped. A body that never ends is cut by the timeout.
 """
 
 from __future__ import annotations
@@ -11,35 +16,53 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import httptools
+
 # (status, body, None) for an answer, (0, b"", error) for a failure; called exactly once per send().
 Done = Callable[[int, bytes, "BaseException | None"], None]
 
+MAX_HEADER_BYTES = 65536  # status line and headers of one answer
+DEFAULT_MAX_BYTES = 4 << 20  # a body: a real vLLM page with its histograms and LoRA info is ~100-300 KiB
+WIRE_OVERHEAD = 2  # the body's wire bytes (chunk framing) may be at most this many times max_bytes
+
 
 class ScrapeError(Exception):
-    pass
+    """A failed scrape; `reason` is its kind as the EPP's metrics count it (too_large, malformed, http_status...)."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class MetricsConnection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection that GETs one URL path, body by Content-Length or chunked.
 
-    Only what a /metrics scrape needs: no redirects, no compression (we ask for identity), no proxies.
-    A timeout or any protocol surprise closes the connection; the next request reconnects.
+    Only what a /metrics scrape needs: no redirects, no compression (we ask for identity), no proxies, no body
+    read until the connection closes. A timeout or any protocol surprise closes the connection; the next request
+    reconnects.
     """
 
-    def __init__(self, address: str, path: str = "/metrics", timeout: float = 1.0) -> None:
+    def __init__(self, address: str, path: str = "/metrics", timeout: float = 1.0,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         host, _, port = address.rpartition(":")
+        if max_bytes <= 0:
+            raise ValueError("max_bytes must be positive")
         self.address = address
         self.host, self.port = host.strip("[]"), int(port)
         self.timeout = timeout
+        self.max_bytes = max_bytes
         self.path = ""
         self.request = b""
         self.set_path(path)
         self.transport: asyncio.Transport | None = None
-        self._buffer = bytearray()
         self._done: Done | None = None
-        self._status = 0
-        self._body_start = -1  # offset of the body in _buffer once the headers are in
-        self._length = -1  # Content-Length, or -1 when chunked
+        self._parser: httptools.HttpResponseParser | None = None
+        self._chunks: list[bytes] = []
+        self._body_bytes = 0
+        self._wire_bytes = 0  # received for this answer
+        self._headers_done = False
+        self._framed = False  # Content-Length or chunked: the body's end is known without the connection's
+        self._complete = False
         self._keep_alive = True
 
     def set_path(self, path: str) -> None:
@@ -68,10 +91,12 @@ class MetricsConnection(asyncio.Protocol):
         if self._done is not None:
             raise RuntimeError("a request is already in flight on this connection")
         if not self.connected:
-            done(0, b"", ScrapeError("not connected"))
+            done(0, b"", ScrapeError("not connected", "connect"))
             return
-        self._buffer.clear()
-        self._body_start = -1
+        self._parser = httptools.HttpResponseParser(self)
+        self._chunks = []
+        self._body_bytes = self._wire_bytes = 0
+        self._headers_done = self._framed = self._complete = False
         self._done = done
         self.transport.write(self.request)
 
@@ -107,76 +132,79 @@ class MetricsConnection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.transport = None
-        self._fail(exc or ScrapeError("connection closed"))
+        self._fail(exc or ScrapeError("connection closed", "connect"))
 
     def data_received(self, data: bytes) -> None:
-        if self._done is None:
+        if self._done is None or self._parser is None:
             self.close()  # bytes nobody asked for: the stream is out of step
             return
-        self._buffer += data
+        self._wire_bytes += len(data)
         try:
-            result = self._parse()
-        except (ScrapeError, ValueError) as e:  # ValueError: a malformed Content-Length or status
-            self._fail(ScrapeError(str(e)))
-            return
-        if result is not None:
+            if self._wire_bytes > WIRE_OVERHEAD * self.max_bytes + MAX_HEADER_BYTES:
+                raise ScrapeError(f"response larger than {WIRE_OVERHEAD} x {self.max_bytes} bytes on the wire",
+                                  "too_large")
+            self._parser.feed_data(data)
+            if not self._headers_done and self._wire_bytes > MAX_HEADER_BYTES:
+                raise ScrapeError("response headers too large", "too_large")
+            out_of_step = False
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade, ScrapeError) as e:
+            if not self._complete:
+                self._fail(e if isinstance(e, ScrapeError) else _parser_error(e))
+                return
+            out_of_step = True  # bytes past the answer that do not parse: the answer stands, the connection goes
+        if self._complete:
+            parser, self._parser = self._parser, None
             done, self._done = self._done, None
-            if not self._keep_alive:
+            if out_of_step or not self._keep_alive:
                 self.close()
-            done(result[0], result[1], None)
+            done(parser.get_status_code(), b"".join(self._chunks), None)
+            self._chunks = []
 
     def _fail(self, exc: BaseException) -> None:
         done, self._done = self._done, None
+        self._parser = None
+        self._chunks = []
         self.close()
         if done is not None:
             done(0, b"", exc)
 
-    def _parse(self) -> tuple[int, bytes] | None:
-        buf = self._buffer
-        if self._body_start < 0:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > 65536:
-                    raise ScrapeError("response headers too large")
-                return None
-            lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
-            parts = lines[0].split(" ", 2)
-            if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-                raise ScrapeError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
-            self._status, self._length, chunked = int(parts[1]), -1, False
-            self._keep_alive = parts[0] != "HTTP/1.0"
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                name, value = name.strip().lower(), value.strip().lower()
-                if name == "content-length":
-                    self._length = int(value)
-                elif name == "transfer-encoding":
-                    chunked = "chunked" in value
-                elif name == "connection":
-                    self._keep_alive = value != "close" and (self._keep_alive or value == "keep-alive")
-            if self._length < 0 and not chunked:
-                raise ScrapeError("response has neither Content-Length nor chunked encoding")
-            self._body_start = end + 4
-        if self._length >= 0:
-            if len(buf) - self._body_start < self._length:
-                return None
-            return self._status, bytes(buf[self._body_start:self._body_start + self._length])
-        return self._dechunk()
+    # httptools' callbacks (an exception raised here surfaces from feed_data as an HttpParserCallbackError)
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._complete:
+            return
+        name = name.lower()
+        if name == b"content-length":
+            length = int(value)  # llhttp has checked the digits
+            if length > self.max_bytes:
+                raise ScrapeError(f"response body of {length} bytes is over the limit of {self.max_bytes}",
+                                  "too_large")
+            self._framed = True
+        elif name == b"transfer-encoding" and b"chunked" in value.lower():
+            self._framed = True
 
-    def _dechunk(self) -> tuple[int, bytes] | None:
-        buf, pos, body = self._buffer, self._body_start, bytearray()
-        while True:
-            line_end = buf.find(b"\r\n", pos)
-            if line_end < 0:
-                return None
-            try:
-                size = int(bytes(buf[pos:line_end]).split(b";")[0], 16)
-            except ValueError:
-                raise ScrapeError("bad chunk size") from None
-            if size == 0:
-                return (self._status, bytes(body)) if buf.find(b"\r\n\r\n", line_end) >= 0 else None
-            start = line_end + 2
-            if len(buf) < start + size + 2:
-                return None
-            body += buf[start:start + size]
-            pos = start + size + 2
+    def on_headers_complete(self) -> None:
+        if self._complete:
+            return
+        self._headers_done = True
+        self._keep_alive = self._parser.should_keep_alive()  # llhttp's answer holds only until the message ends
+        if not self._framed:
+            raise ScrapeError("response has neither Content-Length nor chunked encoding")
+
+    def on_body(self, body: bytes) -> None:
+        if self._complete:
+            return  # a server writing ahead: not this answer's (the next send() starts a new parser)
+        self._body_bytes += len(body)
+        if self._body_bytes > self.max_bytes:
+            raise ScrapeError(f"response body over the limit of {self.max_bytes} bytes", "too_large")
+        self._chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+
+
+def _parser_error(e: BaseException) -> ScrapeError:
+    """A parser error as a ScrapeError: a callback's own where it raised one."""
+    if isinstance(e, httptools.HttpParserUpgrade):
+        return ScrapeError("the engine answered with a protocol upgrade")
+    cause = e.__context__ if isinstance(e, httptools.HttpParserCallbackError) else None
+    return cause if isinstance(cause, ScrapeError) else ScrapeError(f"malformed HTTP response: {e}")

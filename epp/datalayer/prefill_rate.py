@@ -39,7 +39,11 @@ MIN_BUSY_S = 0.5  # busy seconds observed before the estimate is trusted (10 scr
 
 
 class PrefillRateEstimator:
-    """One endpoint's estimator; feed it every scrape's metrics in order."""
+    """One endpoint's estimator; feed it every scrape's metrics in order.
+
+    Its input is an engine's: a sample that is not finite is skipped (the datalayer's checks drop those before
+    they get here; this holds for any caller), and a state that would stop being finite starts over, so the
+    next good scrapes always bring the estimate back."""
 
     __slots__ = ("_last", "_tokens", "_busy", "_trusted", "_timed", "timed")
 
@@ -64,6 +68,9 @@ class PrefillRateEstimator:
             self._last = None
             return self.estimate()
         computed = m.prefix_cache_queries - m.prefix_cache_hits
+        if not (math.isfinite(computed) and math.isfinite(m.updated_at)):
+            self._last = None
+            return self.estimate()
         last, self._last = self._last, (m.updated_at, computed, m.prefill_tokens_pending)
         if last is None:
             return self.estimate()
@@ -77,11 +84,14 @@ class PrefillRateEstimator:
             self._tokens += done
             self._busy += dt
             self._trusted = self._trusted or self._busy >= MIN_BUSY_S
-        return self.estimate()
+        return self._checked()
 
     def _update_timed(self, at: float, tokens: float, seconds: float) -> float | None:
         if not self.timed:
             self._reset(timed=True)
+        if not (math.isfinite(at) and math.isfinite(tokens) and math.isfinite(seconds)):
+            self._timed = None  # the next good sample starts a new interval
+            return self.estimate()
         last, self._timed = self._timed, (at, tokens, seconds)
         if last is None:
             return self.estimate()
@@ -93,6 +103,12 @@ class PrefillRateEstimator:
         self._tokens = self._tokens * decay + done
         self._busy = self._busy * decay + spent
         self._trusted = self._trusted or self._busy >= MIN_BUSY_S
+        return self._checked()
+
+    def _checked(self) -> float | None:
+        """The estimate, after starting over if the sums stopped being finite (no input can leave them so)."""
+        if not (math.isfinite(self._tokens) and math.isfinite(self._busy)):
+            self._reset(self.timed)
         return self.estimate()
 
     def estimate(self) -> float | None:

@@ -33,6 +33,11 @@ What a plugin writes into the cycle for others to read is declared: `produces` n
 writes (its private `cycle[self]` is not one), `consumes` those it reads; a configuration in which a plugin
 consumes what no plugin produces is refused, and callers ask `Scheduler.produces(key)` instead of guessing.
 
+One endpoint's data never fails a pick for the pool: when a plugin raises during a decision, the scheduler runs the
+decision again for each candidate alone, takes out of rotation for QUARANTINE_S those whose decision alone raises
+(counted per endpoint, logged at most every QUARANTINE_LOG_S each) and decides among the others. When every
+candidate's decision raises alone, the fault is the request's or a plugin's, not an endpoint's: it propagates.
+
 The scheduler is not thread-safe: the EPP calls it from its one asyncio event loop.
 """
 
@@ -54,6 +59,9 @@ log = logging.getLogger(__name__)
 
 _address_of = attrgetter("endpoint.address")
 _perf_ns = time.perf_counter_ns
+
+QUARANTINE_S = 1.0  # an endpoint whose data made a plugin raise sits out this long, then is tried again
+QUARANTINE_LOG_S = 30.0  # at most one log line per endpoint this often about its faults
 
 
 class Snapshot:
@@ -470,6 +478,9 @@ class Scheduler:
         self._pre_request = self._hooks["pre_request"]
         self._started: list[Plugin] = []
         self._stopped = False
+        self._quarantine: dict[str, float] = {}  # address → monotonic time its quarantine ends
+        self.endpoint_faults: dict[str, int] = {}  # address → decisions a plugin failed on its data
+        self._fault_said_at: dict[str, float] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -505,6 +516,9 @@ class Scheduler:
             p.set_endpoints(endpoints)
 
     def remove_endpoint(self, address: str) -> None:
+        self._quarantine.pop(address, None)
+        self.endpoint_faults.pop(address, None)
+        self._fault_said_at.pop(address, None)
         for p in self._hooks["remove_endpoint"]:
             p.remove_endpoint(address)
 
@@ -531,7 +545,65 @@ class Scheduler:
         """
         if not candidates:
             return []
-        return self.primary.run(request, candidates, cycle)
+        if self._quarantine:
+            candidates = self._outside_quarantine(candidates)
+            if not candidates:
+                return []
+        try:
+            return self.primary.run(request, candidates, cycle)
+        except Exception as exc:
+            rest = self._without_faulty(request, candidates, cycle, exc)
+            if cycle is not None:
+                cycle.clear()  # what the failed decision wrote
+                cycle.snapshot = None
+            return self.primary.run(request, rest, cycle) if rest else []
+
+    def quarantine(self, address: str, exc: BaseException, where: str) -> None:
+        """Take `address` out of picks for QUARANTINE_S: a plugin raised `exc` on its data (`where`: the step)."""
+        now = time.monotonic()
+        self._quarantine[address] = now + QUARANTINE_S
+        self.endpoint_faults[address] = self.endpoint_faults.get(address, 0) + 1
+        said = self._fault_said_at.get(address)
+        if said is None or now - said >= QUARANTINE_LOG_S:
+            self._fault_said_at[address] = now
+            log.warning("endpoint %s out of picks for %gs: %s failed on its data (%s: %s); %d such decision(s) so far",
+                        address, QUARANTINE_S, where, type(exc).__name__, str(exc)[:200],
+                        self.endpoint_faults[address])
+
+    def quarantined(self) -> list[str]:
+        """The endpoints out of picks now."""
+        now = time.monotonic()
+        return [a for a, until in self._quarantine.items() if until > now]
+
+    def _outside_quarantine(self, candidates: Sequence[EndpointState]) -> list[EndpointState]:
+        now = time.monotonic()
+        for address in [a for a, until in self._quarantine.items() if until <= now]:
+            del self._quarantine[address]
+        if not self._quarantine:
+            return list(candidates)
+        return [c for c in candidates if c.endpoint.address not in self._quarantine]
+
+    def _without_faulty(self, request: LLMRequest, candidates: Sequence[EndpointState], cycle: CycleState | None,
+                        exc: Exception) -> list[EndpointState]:
+        """The candidates whose decision alone does not raise; those whose does go to quarantine. Re-raises `exc`
+        when every one's does (the request's fault or a plugin's, not an endpoint's)."""
+        profile = self.primary
+        kept_snapshot = profile._snapshot  # the singletons' snapshots must not replace the round's
+        rest, faulty = [], []
+        try:
+            for c in candidates:
+                try:
+                    profile.run(request, [c], CycleState(cycle.load if cycle is not None else None))
+                    rest.append(c)
+                except Exception as alone:  # noqa: BLE001 - this endpoint's data is what fails
+                    faulty.append((c, alone))
+        finally:
+            profile._snapshot = kept_snapshot
+        if not faulty or not rest:
+            raise exc
+        for c, alone in faulty:
+            self.quarantine(c.endpoint.address, alone, "scheduling")
+        return rest
 
     def on_picked(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
         run = self.primary._timed

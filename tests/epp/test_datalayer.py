@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import httpx
@@ -565,7 +566,9 @@ def test_scanner_edge_cases():
             "vllm:num_requests_waiting{a=\"1\"} NaN\n"
             "vllm:num_requests_waiting{a=\"2\"} 3 1700000000000\n"  # with a timestamp
             "vllm:num_requests_waiting{a=\"3\"} 1e0")
-    assert [v for _, v in iter_samples(text, "vllm:num_requests_waiting")] == [3.0, 1.0]
+    values = [v for _, v in iter_samples(text, "vllm:num_requests_waiting")]
+    assert math.isnan(values[0]) and values[1:] == [3.0, 1.0]  # NaN is the parse's checks' to drop
+    assert parse_metrics(text, DIALECTS["vllm"]).waiting_queue_size == 4
     assert parse_labels(r'a="x\"y",b="c,d",c="\\"') == {"a": 'x"y', "b": "c,d", "c": "\\"}
 
 
