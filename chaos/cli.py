@@ -1,7 +1,8 @@
 """`kvgate bench chaos`: the faults of chaos/faults.py against a local sim stack under streaming load, one row
 per fault (sent, succeeded, failed, running on the victim, failed after the fault, time out of rotation, time
 to recover, the expectation and whether it held), and `--result-file` JSON. `--short` is the shape the test
-suite runs. `load-1000` (1000 concurrent streams, no fault) is chaos/capacity.py's."""
+suite runs. `load-1000` (1000 concurrent streams, no fault) is chaos/capacity.py's, `rogue-engine` (one endpoint
+serving hostile /metrics pages while a client picks) chaos/rogue_engine.py's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kvgate.chaos.runner import BY_NAME, SCENARIOS, StackPool, default_workdir, 
 
 def add_bench_chaos_parser(sub) -> None:
     p = sub.add_parser("chaos", help="faults under streaming load through Envoy + EPP: who was lost, how fast back")
-    names = [s.name for s in SCENARIOS] + ["load-1000"]
+    names = [s.name for s in SCENARIOS] + ["load-1000", "rogue-engine"]
     p.add_argument("--faults", default=",".join(names), help=f"comma-separated, of: {', '.join(names)}")
     p.add_argument("--concurrency", type=int, default=100, help="streams in flight at all times (default 100)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (default 64)")
@@ -24,6 +25,8 @@ def add_bench_chaos_parser(sub) -> None:
     p.add_argument("--short", action="store_true", help="32 streams, 1.5 s warm-up, 6 s hold (the test suite's)")
     p.add_argument("--streams", type=int, default=1000, help="load-1000: concurrent streams")
     p.add_argument("--replicas", type=int, default=8, help="load-1000: sim replicas")
+    p.add_argument("--rogue-pages", default=None, metavar="NAMES",
+                   help="rogue-engine: comma-separated bad pages (default all: see chaos/rogue_engine.py)")
     p.add_argument("--result-file", default=None)
     p.set_defaults(func=run_bench_chaos)
 
@@ -46,7 +49,7 @@ def run_bench_chaos(args) -> int:
     from tqdm import tqdm
 
     names = [n.strip() for n in args.faults.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BY_NAME and n != "load-1000"]
+    unknown = [n for n in names if n not in BY_NAME and n not in ("load-1000", "rogue-engine")]
     if unknown:
         raise SystemExit(f"kvgate bench chaos: unknown fault(s): {', '.join(unknown)}")
     if args.short:
@@ -88,6 +91,17 @@ def run_bench_chaos(args) -> int:
         result["load_1000"] = cap
         print_capacity(cap)
         failed_expectation |= not cap["passed"]
+    if "rogue-engine" in names:
+        from kvgate.chaos.rogue_engine import PAGES, print_rogue_engine, run_rogue_engine
+
+        pages = tuple(n.strip() for n in args.rogue_pages.split(",")) if args.rogue_pages else PAGES
+        if set(pages) - set(PAGES):
+            raise SystemExit(f"kvgate bench chaos: unknown rogue page(s): {', '.join(sorted(set(pages) - set(PAGES)))}"
+                             f" (of: {', '.join(PAGES)})")
+        rogue = run_rogue_engine(workdir / "rogue-engine", pages, phase_s=2.0 if args.short else 4.0)
+        result["rogue_engine"] = rogue
+        print_rogue_engine(rogue)
+        failed_expectation |= not rogue["passed"]
     print(f"logs: {workdir}")
     if args.result_file:
         with open(args.result_file, "w") as f:

@@ -12,8 +12,9 @@ Modelled on upstream's datalayer (a collector per endpoint, a data source, an ex
 - each scrape also feeds the endpoint's prefill-rate estimator (prefill_rate.py: EndpointMetrics.prefill_tokens_per_s).
 - a page is input: its body is bounded (`max_bytes`, http_client.py), every value is checked against its range
   as it is parsed (value_bounds.py; what is dropped is counted per endpoint, family and reason, and logged at most
-  every LOG_EVERY_S per endpoint), and an endpoint whose page took p seconds to parse is not asked again for
-  PARSE_BACKOFF·p, so that no endpoint's pages take more than 1/PARSE_BACKOFF of the event loop.
+  every LOG_EVERY_S per endpoint), and an endpoint whose answer took c seconds of CPU to read and parse (answered
+  or failed) is not asked again for READ_BACKOFF·c, so that no endpoint's answers take more than 1/READ_BACKOFF of
+  the event loop.
 - a failed scrape keeps the previous numbers; they turn stale once older than `staleness` seconds, which
   the saturation detector and plugins can see — or at once after FAILURES_OUT_OF_ROTATION consecutive failed
   scrapes: a dead engine (connection refused, HTTP 503 from a dead engine loop) leaves rotation within about
@@ -42,7 +43,7 @@ from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState
 # lost scrape (a GC pause, a dropped keep-alive connection) does not flap it, and a dead one goes in ~2 rounds.
 FAILURES_OUT_OF_ROTATION = 2
 PREFILL_TIMING_SERIES = DIALECTS["vllm"].prefill_seconds.name  # the series the log names (kvgate engines export it)
-PARSE_BACKOFF = 10.0  # an endpoint whose page took p seconds to parse waits PARSE_BACKOFF·p before its next scrape
+READ_BACKOFF = 10.0  # an endpoint whose answer took c seconds to read and parse waits READ_BACKOFF·c for its next
 LOG_EVERY_S = 30.0  # at most one log line per endpoint this often about values its pages carried out of range
 
 log = logging.getLogger("kvgate.epp.datalayer")
@@ -92,7 +93,7 @@ class EndpointCollector:
         self.removed = False
         self.failed_by: dict[str, int] = {}  # failed scrapes by reason (timeout, connect, too_large, ...)
         self.rejected: dict[tuple[str, str], int] = {}  # values dropped by (family, reason), value_bounds.py
-        self.not_before = 0.0  # loop time before which no scrape starts (PARSE_BACKOFF)
+        self.not_before = 0.0  # loop time before which no scrape starts (READ_BACKOFF)
         self.rejections_said_at: float | None = None  # when the log last named this endpoint's rejected values
         self.rejections_unsaid = 0  # rejected since then
         self._layer = layer
@@ -148,6 +149,7 @@ class EndpointCollector:
         layer = self._layer
         if self.removed or not layer.running:  # removed, or the connection closed by stop(): not a failure
             return
+        cost = self.connection.cost_s
         try:
             if exc is not None:
                 raise exc
@@ -162,11 +164,12 @@ class EndpointCollector:
                     metrics = parse_metrics(body.decode("utf-8", "replace"), dialect_for(self.endpoint.engine_type),
                                             started, rejections)
                 finally:
-                    self.not_before = started + PARSE_BACKOFF * (time.monotonic() - started)
+                    cost += time.monotonic() - started
                 if rejections:
                     self._count_rejections(rejections)
                 self.last_body = body
         except Exception as e:  # noqa: BLE001 - any failure keeps the old numbers; staleness reports it
+            self.not_before = time.monotonic() + READ_BACKOFF * cost
             self.last_body = b""
             if self.filtered and (isinstance(e, MetricsParseError) or 400 <= status < 500):
                 self.filtered = False  # the engine does not take the name[] filter: read its whole page
@@ -180,6 +183,7 @@ class EndpointCollector:
                 self.failing = True
                 log.warning("scraping %s failed: %s", self.endpoint.metrics_url, str(e) or type(e).__name__)
             return
+        self.not_before = time.monotonic() + READ_BACKOFF * cost
         metrics.prefill_tokens_per_s = self.prefill_rate.update(metrics)
         metrics.prefill_rate_timed = self.prefill_rate.timed and metrics.prefill_tokens_per_s is not None
         self._say_prefill_timing(self.prefill_rate.timed)

@@ -7,13 +7,16 @@ collector's ticker enforces the timeout). `get()` is the awaitable form, with it
 
 An engine's answer is input: the parser's work is linear in the bytes received (a body in 1-byte chunks costs its
 wire bytes, not their square), the headers are bounded (MAX_HEADER_BYTES), the body is bounded (`max_bytes`, the
-EPP's --metrics-max-bytes) and so are the bytes on the wire for it (chunk framing included): past either the
-scrape fails at once and the connection is dropped. A body that never ends is cut by the timeout.
+EPP's --metrics-max-bytes) and so are the bytes on the wire for it (chunk framing included) and its chunks
+(MAX_CHUNKS): past any of them the scrape fails at once and the connection is dropped. A body that never ends is
+cut by the timeout. `cost_s` is the CPU this connection's last answer took to read, which the collector charges to
+its endpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import httptools
@@ -22,6 +25,7 @@ import httptools
 Done = Callable[[int, bytes, "BaseException | None"], None]
 
 MAX_HEADER_BYTES = 65536  # status line and headers of one answer
+MAX_CHUNKS = 65536  # of one chunked body: each costs a parser callback (a 4 MiB page in 64-byte writes is in)
 DEFAULT_MAX_BYTES = 4 << 20  # a body: a real vLLM page with its histograms and LoRA info is ~100-300 KiB
 WIRE_OVERHEAD = 2  # the body's wire bytes (chunk framing) may be at most this many times max_bytes
 
@@ -64,6 +68,8 @@ class MetricsConnection(asyncio.Protocol):
         self._framed = False  # Content-Length or chunked: the body's end is known without the connection's
         self._complete = False
         self._keep_alive = True
+        self._chunk_count = 0
+        self.cost_s = 0.0  # seconds spent reading the current (or last) answer
 
     def set_path(self, path: str) -> None:
         self.path = path
@@ -97,6 +103,8 @@ class MetricsConnection(asyncio.Protocol):
         self._chunks = []
         self._body_bytes = self._wire_bytes = 0
         self._headers_done = self._framed = self._complete = False
+        self._chunk_count = 0
+        self.cost_s = 0.0
         self._done = done
         self.transport.write(self.request)
 
@@ -139,6 +147,7 @@ class MetricsConnection(asyncio.Protocol):
             self.close()  # bytes nobody asked for: the stream is out of step
             return
         self._wire_bytes += len(data)
+        started = time.perf_counter()
         try:
             if self._wire_bytes > WIRE_OVERHEAD * self.max_bytes + MAX_HEADER_BYTES:
                 raise ScrapeError(f"response larger than {WIRE_OVERHEAD} x {self.max_bytes} bytes on the wire",
@@ -148,10 +157,13 @@ class MetricsConnection(asyncio.Protocol):
                 raise ScrapeError("response headers too large", "too_large")
             out_of_step = False
         except (httptools.HttpParserError, httptools.HttpParserUpgrade, ScrapeError) as e:
+            self.cost_s += time.perf_counter() - started
             if not self._complete:
                 self._fail(e if isinstance(e, ScrapeError) else _parser_error(e))
                 return
             out_of_step = True  # bytes past the answer that do not parse: the answer stands, the connection goes
+        else:
+            self.cost_s += time.perf_counter() - started
         if self._complete:
             parser, self._parser = self._parser, None
             done, self._done = self._done, None
@@ -197,6 +209,11 @@ class MetricsConnection(asyncio.Protocol):
         if self._body_bytes > self.max_bytes:
             raise ScrapeError(f"response body over the limit of {self.max_bytes} bytes", "too_large")
         self._chunks.append(body)
+
+    def on_chunk_header(self) -> None:
+        self._chunk_count += 1
+        if self._chunk_count > MAX_CHUNKS + 1:  # the last, empty chunk is not one of the body's
+            raise ScrapeError(f"response body in more than {MAX_CHUNKS} chunks", "too_large")
 
     def on_message_complete(self) -> None:
         self._complete = True

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvgate.epp.datalayer.http_client import DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MetricsConnection, ScrapeError
+from kvgate.epp.datalayer.http_client import MAX_CHUNKS, MAX_HEADER_BYTES, MetricsConnection, ScrapeError
 
 LIMIT = 256 * 1024
 
@@ -89,15 +89,31 @@ def test_a_body_over_the_limit_fails_the_scrape():
 
 
 def test_one_byte_chunks_cost_their_wire_bytes_not_their_square():
-    """1 MiB in 1-byte chunks (6 MiB on the wire) under the default 4 MiB limit: read whole; the quadratic
-    re-decoding this replaced took minutes for it. Past twice the limit on the wire, the scrape fails."""
-    body = bytes(range(97, 123)) * ((1 << 20) // 26)
+    """MAX_CHUNKS 1-byte chunks are read whole (the quadratic re-decoding this replaced took minutes for them); one
+    chunk more fails the scrape, and so do more than twice the limit's bytes on the wire."""
+    body = bytes(range(97, 123)) * (MAX_CHUNKS // 26) + b"z" * (MAX_CHUNKS % 26)
     started = time.process_time()
-    assert run(scrape(writing(chunked(body, 1)), timeout=30, max_bytes=DEFAULT_MAX_BYTES)) == (200, body)
+    assert run(scrape(writing(chunked(body, 1)), timeout=30)) == (200, body)
     assert time.process_time() - started < 10
     with pytest.raises(ScrapeError) as e:
-        run(scrape(writing(chunked(b"y" * (LIMIT - 1), 1))))
+        run(scrape(writing(chunked(body + b"!", 1))))
+    assert e.value.reason == "too_large" and "chunks" in str(e.value)
+    with pytest.raises(ScrapeError) as e:  # 6 wire bytes a body byte: past 2 x 128 KiB + the headers' allowance
+        run(scrape(writing(chunked(body, 1)), max_bytes=128 * 1024))
     assert e.value.reason == "too_large" and "wire" in str(e.value)
+
+
+def test_the_cost_of_reading_an_answer_is_measured():
+    async def main():
+        async with RawServer(writing(chunked(b"q" * 60_000, 1))) as address:
+            connection = MetricsConnection(address, timeout=10, max_bytes=LIMIT)
+            try:
+                await connection.get()
+                return connection.cost_s
+            finally:
+                connection.close()
+
+    assert 0 < run(main()) < 10
 
 
 def test_a_body_that_never_ends_is_cut_by_the_timeout():
