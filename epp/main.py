@@ -91,10 +91,11 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 60.0
 # check (1 s apart; only network failures wait for the unhealthy threshold of 3), a Service's endpoints take a
 # moment to drop the pod. (The operator's EPP pods also sleep 5 s in preStop, answering SERVING, before SIGTERM.)
 LAME_DUCK_QUIET_S = 1.0
+# Behind a Service the gateway's connection moves to the new pod only on GOAWAY: the lame duck ends after this.
+LAME_DUCK_MAX_S = 5.0
 # After a successor took the Lease: Envoy's EPP health check runs every second (kvgate/envoy_config.py), so within
 # this it has seen the successor SERVING; only then does the old leader turn NOT_SERVING and drain.
 HANDOVER_GRACE_S = 1.5
-LAME_DUCK_MAX_S = 5.0
 
 
 def can_route(director, datastore, seconds_since_sync: float) -> bool:
@@ -367,8 +368,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 async def hand_over(elector, loop, was_leading: bool) -> None:
     """On SIGTERM with leader election: release the Lease, and if this EPP was the ready leader, keep serving
     until a follower holds the Lease and Envoy's health check (1 s apart) has had time to find it ready: with
-    healthy_panic_threshold 0 (kvgate's config) Envoy answers 500 while no EPP is ready (measured on the rig: 107
-    of 226 streamed requests in the 1.2 s between the leader's NOT_SERVING and the follower's SERVING). Bounded:
+    healthy_panic_threshold 0 (kvgate's config then) Envoy answered 500 while no EPP was ready (measured on the rig:
+    107 of 226 streamed requests in the 1.2 s between the leader's NOT_SERVING and the follower's SERVING). Bounded:
     two retry periods and a second for a successor, then the drain goes on regardless."""
     try:
         await loop.run_in_executor(None, elector.stop)
@@ -450,7 +451,9 @@ async def drain(server, extproc, health_servicer, shutdown_timeout: float, repor
     this EPP itself: its health check takes it out and sends the next streams to another EPP or the failure mode;
     behind a Service, `serving`: the gateway's one host is the Service, whose health must not flip while a new
     pod serves), and the EPP goes on serving every stream, new ones too, while the gateway notices (or the pod
-    leaves the Service's endpoints): until no stream has started for `LAME_DUCK_QUIET_S`, at most `LAME_DUCK_MAX_S`.
+    leaves the Service's endpoints): until no stream has started for `LAME_DUCK_QUIET_S` — addressed directly,
+    within `shutdown_timeout` (the gateway may not know another EPP yet); behind a Service, at most
+    `LAME_DUCK_MAX_S`.
     Closing earlier would refuse streams Envoy has already routed here — and Envoy can fail open only before it
     has sent a body chunk, so those would be 500s even under FailOpen. Then grpc's stop sends GOAWAY (the
     gateway's next streams open a new connection: the new EPP pod, or its failure mode) and the streams in
@@ -463,7 +466,12 @@ async def drain(server, extproc, health_servicer, shutdown_timeout: float, repor
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     loop = asyncio.get_running_loop()
     began = loop.time()
-    budget = min(LAME_DUCK_MAX_S, shutdown_timeout)
+    # A gateway that addresses this EPP leaves it when its health check and its endpoint list say so; until its
+    # list names another EPP it keeps sending here (one host, unhealthy: Envoy's panic routing), and a stream
+    # refused here is a 500. So the lame duck lasts while streams keep coming, within the shutdown timeout. Behind
+    # a Service, only GOAWAY moves the gateway's connection to the new pod: the lame duck lasts while the Service
+    # drops this pod, at most LAME_DUCK_MAX_S.
+    budget = shutdown_timeout if report_not_serving else min(LAME_DUCK_MAX_S, shutdown_timeout)
     while loop.time() - began < budget and loop.time() - max(extproc.last_started, began) < LAME_DUCK_QUIET_S:
         await asyncio.sleep(0.1)
     remaining = max(0.0, shutdown_timeout - (loop.time() - began))

@@ -46,8 +46,9 @@ Limits, all finite and overridable (defaults sized for LLM traffic, documented i
   retries (Envoy's defaults, 1024 / 1024 / 1024 / 3, would silently cap a pool of a few large engines).
 - At most 100 000 client connections per Envoy (overload manager).
 - The EPP's health check: 1 s interval, 2 s timeout, unhealthy after 3 failures in a row (one slow check does
-  not flip the pool; a dead EPP is known within ~3 s), healthy after 1. Under FailOpen, one connect failure or
-  reset also ejects the EPP (5 s, or until a health check passes), so streams fail open at once.
+  not flip the pool; a dead EPP is known within ~3 s), healthy after 1. One connect failure or reset also ejects
+  the EPP (5 s, or until a health check passes): under FailOpen streams fail open at once; under FailClose they go
+  to another EPP replica at once, and while no EPP is healthy to all of them anyway (a draining one still serves).
 """
 
 from __future__ import annotations
@@ -328,11 +329,20 @@ def _epp_health_check(pool: PoolBackend) -> dict:
 # streams find no healthy EPP before they start and take the FailOpen route. The ejection (5 s) outlasts the
 # health check's verdict; a passing health check lifts it at once (Envoy's default), so a restarted EPP is used
 # again as soon as it answers. Measured with `kvgate bench chaos
-# --faults epp-kill-failopen`. Not for FailClose, where an ejection only turns one failure into many.
-_EPP_FAIL_OPEN_EJECTION = {"split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
+# --faults epp-kill-failopen`. Under FailClose the same ejection sends the next streams to another EPP replica
+# at once (active-active); where none is left, the panic threshold below sends them to the ejected one anyway.
+_EPP_EJECTION = {"split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
                            "enforcing_consecutive_local_origin_failure": 100, "max_ejection_percent": 100,
                            "base_ejection_time": "5s", "max_ejection_time": "30s", "interval": "1s",
                            "consecutive_5xx": 1000000, "consecutive_gateway_failure": 1000000}
+
+
+# The EPP cluster's panic threshold. FailOpen: 0, never send to a failed EPP (no EPP: the FailOpen route). FailClose:
+# only while no EPP is healthy, send to them all the same: a stream refused there is the 500 that "no healthy
+# upstream" would have been, and a draining EPP that Envoy's endpoint list still names alone (an EPP rollout before
+# the list names the new pod) serves it (measured on the e2e rig with 0: 31 of 216 streamed requests answered 500
+# from the old EPP's NOT_SERVING until Envoy's list named the new one; tests/e2e/test_rollout_e2e.py).
+FAIL_CLOSE_PANIC_PERCENT = 1  # Envoy rounds it to a whole percent: below 1%, none of fewer than 100 healthy
 
 
 def _override_host_policy() -> dict:
@@ -386,8 +396,9 @@ def pool_clusters(pool: PoolBackend, epp_eds_config: dict | None = None) -> list
     epp = {"name": f"epp-{pool.name}", **discovery, "connect_timeout": "2s",
            "typed_extension_protocol_options": _http_options(http2=True),
            "health_checks": [_epp_health_check(pool)],
-           "common_lb_config": {"healthy_panic_threshold": {"value": 0}},  # never send to a failed EPP
-           **({"outlier_detection": _EPP_FAIL_OPEN_EJECTION} if pool.failure_mode_allow else {})}
+           "common_lb_config": {"healthy_panic_threshold": {"value": 0 if pool.failure_mode_allow
+                                                            else FAIL_CLOSE_PANIC_PERCENT}},
+           "outlier_detection": _EPP_EJECTION}
     if pool.fallbacks:
         return [epp, {"name": f"pool-{pool.name}", "type": "STATIC", "connect_timeout": "2s", **upstream_protocol,
                       "load_balancing_policy": _override_host_policy(),

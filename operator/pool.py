@@ -147,8 +147,9 @@ def _config_map(pool: dict, config_yaml: str) -> dict:
 # --epp-address-mode pod-ip the new pod reaches Envoy only after the operator re-renders its EDS file and the
 # kubelet publishes it (measured on the e2e rig without the sleep: 51 of 264 requests answered 500 "no healthy
 # upstream" for 1.2 s; tests/e2e/test_rollout_e2e.py). Then on SIGTERM the EPP drains (epp/main.py drain: a
-# lame duck of at most 5 s, then the streams it carries finish within --shutdown-timeout); the kubelet's SIGKILL
-# comes after that and a margin to exit.
+# lame duck while streams keep coming — until Envoy's endpoint list names the new pod, in pod-ip mode —, then the
+# streams it carries finish; all within --shutdown-timeout); the kubelet's SIGKILL comes after that and a margin to
+# exit.
 EPP_PRE_STOP_SLEEP_S = 5
 EPP_SHUTDOWN_TIMEOUT_S = 60
 EPP_TERMINATION_GRACE_S = EPP_PRE_STOP_SLEEP_S + EPP_SHUTDOWN_TIMEOUT_S + 10

@@ -98,3 +98,30 @@ def test_what_a_draining_epp_tells_health_checks(tmp_path, cache, drain_health):
                     else health_pb2.HealthCheckResponse.SERVING)
         assert status == expected
         assert load.outcomes[0].ok(40), load.outcomes[0]
+
+
+def test_the_gateways_only_epp_serves_new_streams_while_they_keep_coming(tmp_path, cache):
+    """Envoy knows no other EPP (a rollout whose new pod has not reached its endpoint list): though the health check
+    fails, it keeps sending new streams here (its panic threshold under FailClose), and the EPP keeps serving them
+    past the old 5 s lame-duck cap — until they stop; then it drains and exits. Every request succeeds."""
+    with Gateway(tmp_path, cache, [["--backend", "sim"]] * 2) as gw:
+        load = StreamLoad(gw.url, "sim-model", concurrency=4, max_tokens=8)
+        streaming = threading.Thread(target=lambda: asyncio.run(load.run()))
+        streaming.start()
+        try:
+            deadline = time.monotonic() + 20
+            while sum(o.ok(8) for o in load.outcomes) < 10 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            signalled = time.monotonic()
+            os.kill(gw.epp.proc.pid, signal.SIGTERM)
+            time.sleep(8.0)
+            serving = gw.epp.proc.poll() is None  # streams kept coming
+        finally:
+            load.stop()
+            streaming.join(60)
+        stopped = time.monotonic()
+        gw.epp.proc.wait(timeout=30)
+        failed = [(round(o.sent_at - signalled, 2), o.status, o.error) for o in load.outcomes if not o.ok(8)]
+        assert serving and not failed, (failed[:8], gw.epp.log()[-3000:])
+        assert len([o for o in load.outcomes if o.sent_at > signalled + 5.5]) > 10  # past the old cap
+        assert time.monotonic() - stopped < 20 and gw.epp.proc.returncode == 0
