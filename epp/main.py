@@ -163,6 +163,16 @@ def add_epp_parser(sub) -> None:
                             "blocks and prefix-group placements; listen on the address the peers reach, no wider")
     peers.add_argument("--peer-sync-peer", type=tcp_endpoint, action="append", default=[], metavar="tcp://HOST:PORT",
                        help="another replica's --peer-sync-bind (repeat per replica)")
+    peers.add_argument("--peer-sync-key-file", metavar="PATH",
+                       help="the pool's CURVE key, the same file on every replica (a ZeroMQ certificate with "
+                            "public-key and secret-key, as `kvgate peer-sync-keygen PATH` writes; in Kubernetes a "
+                            "Secret mounted as a file): only holders of it may subscribe to this replica's picks or "
+                            "publish picks it applies, and every message is encrypted; needed with "
+                            "--peer-sync-bind unless --peer-sync-insecure")
+    peers.add_argument("--peer-sync-insecure", action="store_true",
+                       help="sync without a key (plain ZeroMQ): anyone who reaches --peer-sync-bind reads every "
+                            "pick, prompt block hashes included, and a process at a --peer-sync-peer address can "
+                            "feed this replica picks; only where nothing else reaches the sockets")
     p.add_argument("--refresh-metrics-interval", type=duration_flag, default=0.05)
     p.add_argument("--metrics-staleness-threshold", type=duration_flag, default=2.0)
     p.add_argument("--metrics-max-bytes", type=metrics_page_bytes, default=DEFAULT_METRICS_PAGE_BYTES,
@@ -202,6 +212,24 @@ def add_epp_parser(sub) -> None:
     compat.add_argument("--zap-log-level", help=argparse.SUPPRESS)
     compat.add_argument("--v", "-v", dest="upstream_verbosity", help=argparse.SUPPRESS)
     p.set_defaults(func=run_epp)
+
+
+def add_keygen_parser(sub) -> None:
+    p = sub.add_parser("peer-sync-keygen",
+                       help="write a new pool key for active-active EPP peer sync (kvgate epp --peer-sync-key-file)")
+    p.add_argument("path", metavar="PATH",
+                   help="the certificate file to write (ZeroMQ's .key_secret format, mode 0600; an existing file is "
+                        "never replaced): give it to every EPP replica of one pool, e.g. as a Kubernetes Secret "
+                        "mounted as a file")
+    p.set_defaults(func=run_keygen)
+
+
+def run_keygen(args: argparse.Namespace) -> int:
+    from kvgate.epp.peer_sync_keys import write_pool_key
+
+    key = write_pool_key(args.path)  # a PeerSyncKeyError is kvgate's one-line exit 2
+    print(f"wrote {args.path} (public key {key.public.decode()})")
+    return 0
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -256,7 +284,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         from kvgate.epp.metrics import PeerSyncCollector
         from kvgate.epp.peer_sync import PeerSync
 
-        director.peers = PeerSync(director, args.peer_sync_bind, args.peer_sync_peer)
+        director.peers = PeerSync(director, args.peer_sync_bind, args.peer_sync_peer, key=args.peer_sync_key)
         try:
             director.peers.start()
         except zmq.ZMQError as exc:
@@ -487,6 +515,28 @@ async def drain(server, extproc, health_servicer, shutdown_timeout: float, repor
         log.warning("cut %d streams still running after %g s", cut, shutdown_timeout)
 
 
+def peer_sync_key(args: argparse.Namespace):
+    """The pool's key for peer sync (PoolKey), or None without sync or with `--peer-sync-insecure`; a missing or
+    bad key file is a PeerSyncKeyError (kvgate's CLI: one line, exit 2)."""
+    from kvgate.epp.peer_sync_keys import PeerSyncKeyError, load_pool_key
+
+    if not args.peer_sync_bind:
+        for flag, given in (("--peer-sync-key-file", args.peer_sync_key_file),
+                            ("--peer-sync-insecure", args.peer_sync_insecure)):
+            if given:
+                raise PeerSyncKeyError(f"{flag} needs --peer-sync-bind")
+        return None
+    if args.peer_sync_key_file and args.peer_sync_insecure:
+        raise PeerSyncKeyError("give --peer-sync-key-file or --peer-sync-insecure, not both")
+    if args.peer_sync_insecure:
+        return None
+    if not args.peer_sync_key_file:
+        raise PeerSyncKeyError("--peer-sync-bind needs --peer-sync-key-file PATH, the pool's key (kvgate "
+                               "peer-sync-keygen PATH makes one), or --peer-sync-insecure to sync in clear "
+                               "without authentication")
+    return load_pool_key(args.peer_sync_key_file)
+
+
 def run_epp(args: argparse.Namespace) -> int:
     from kvgate.epp.scheduling.config import ConfigError, load_config
 
@@ -524,6 +574,7 @@ def run_epp(args: argparse.Namespace) -> int:
                          "--ha-lease-duration")
     if args.peer_sync_peer and not args.peer_sync_bind:
         raise SystemExit("kvgate epp: --peer-sync-peer needs --peer-sync-bind (peers sync both ways)")
+    args.peer_sync_key = peer_sync_key(args)
     if args.endpoints:
         from kvgate.epp.datastore import parse_endpoints
 

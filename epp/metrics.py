@@ -309,7 +309,8 @@ class PeerSyncCollector:
         events = CounterMetricFamily("kvgate_epp_peer_sync", "Peer sync messages and events: picks_sent, dones_sent, "
                                      "picks_applied, dones_applied, bad_messages, foreign_endpoint (a peer's pick "
                                      "of an endpoint not in this pool), peers_lost, flights_dropped, "
-                                     "too_many_peers.",
+                                     "too_many_peers, handshakes_failed (with the pool's key: connections whose CURVE "
+                                     "handshake failed, from or to a process without the key).",
                                      labels=["event"])
         peers = GaugeMetricFamily("kvgate_epp_peer_sync_peers", "Peer replicas heard from within the timeout.")
         flights = GaugeMetricFamily("kvgate_epp_peer_sync_flights", "Peers' requests in flight, as they told.")

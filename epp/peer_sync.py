@@ -28,9 +28,14 @@ Limits, by design:
   (`max_flight_s`) or the sender goes silent.
 - A peer silent for `peer_timeout_s` (crashed, partitioned) is forgotten: its flights leave the live load, its
   holds are released. A restarted replica has a new identity.
-- Trust: a peer can only add what its own picks would (bounded: peers, flights per peer, blocks per pick, the
-  scorers' own caps) for endpoints of this replica's pool; anything else is dropped and counted. The socket
-  listens where `--peer-sync-bind` says (the local stack: the loopback); it is off unless given.
+- Trust: only the pool's replicas are peers. With the pool's key (`--peer-sync-key-file`, epp/peer_sync_keys.py)
+  both sockets speak CURVE: the PUB admits only subscribers holding the key and every message is encrypted, so a
+  stranger who reaches the bind port reads nothing; the SUB completes a handshake only with a publisher holding
+  the key, so every message it receives, and every peer slot (`MAX_PEERS`), is a keyed replica's.
+  `--peer-sync-insecure` drops both (plain ZeroMQ: anyone who reaches a socket reads or feeds it). A peer, keyed
+  or not, can only add what its own picks would (bounded: peers, flights per peer, blocks per pick, the scorers'
+  own caps) for endpoints of this replica's pool; anything else is dropped and counted. The socket listens where
+  `--peer-sync-bind` says (the local stack: the loopback); it is off unless given.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from typing import Annotated, Union
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvgate.epp.peer_sync_keys import CurvePublisher, PoolKey, curve_subscriber
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +63,9 @@ MAX_PEERS = 64  # origins heard from within the timeout; messages from more are 
 MAX_FLIGHTS_PER_PEER = 20_000  # far above what one EPP has in flight; the oldest go first past it
 RECEIVE_HWM = 20_000  # messages queued from all peers before ZeroMQ drops (PUB/SUB never blocks a sender)
 SEND_HWM = 20_000
+HANDSHAKE_TIMEOUT_MS = 5000  # a connection that has not finished its (CURVE) handshake by then is dropped
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # the socket monitors' events, with the pool's key
 
 Identity = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 Address = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -106,11 +117,12 @@ class PeerSync:
     """One replica's side: publishes its picks and ends, applies its peers'. Runs on the EPP's event loop (all
     its state and the director's are touched there only)."""
 
-    def __init__(self, director, bind: str, peers: list[str], *, identity: str | None = None,
-                 heartbeat_s: float = 0.5, peer_timeout_s: float = 3.0, max_flight_s: float = 600.0,
-                 clock=time.monotonic) -> None:
+    def __init__(self, director, bind: str, peers: list[str], *, key: PoolKey | None,
+                 identity: str | None = None, heartbeat_s: float = 0.5, peer_timeout_s: float = 3.0,
+                 max_flight_s: float = 600.0, clock=time.monotonic) -> None:
         self.director = director
         self.bind, self.peers = bind, list(peers)
+        self.key = key  # the pool's CURVE keypair; None: plain ZeroMQ (--peer-sync-insecure), the caller's choice
         self.identity = identity or secrets.token_hex(8)
         self.heartbeat_s, self.peer_timeout_s, self.max_flight_s = heartbeat_s, peer_timeout_s, max_flight_s
         self.clock = clock
@@ -121,11 +133,14 @@ class PeerSync:
         self._ctx: zmq.asyncio.Context | None = None
         self._pub_ctx: zmq.Context | None = None  # the PUB is a plain socket: a send never waits (nor makes a Future)
         self._pub = self._sub = None
+        self._curve: CurvePublisher | None = None
         self._tasks: list[asyncio.Task] = []
         self.published: dict[str, float] = {}  # stats() as of the last heartbeat (metrics.py exports it)
         self.counts = {"picks_sent": 0, "dones_sent": 0, "picks_applied": 0, "dones_applied": 0,
                        "bad_messages": 0, "foreign_endpoint": 0, "peers_lost": 0, "flights_dropped": 0,
-                       "too_many_peers": 0}
+                       "too_many_peers": 0, "handshakes_failed": 0}
+        self._monitors: list[zmq.asyncio.Socket] = []
+        self._warned: set[str] = set()  # socket endpoints whose failed handshakes were logged (once each)
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -134,16 +149,34 @@ class PeerSync:
         self._pub = self._pub_ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(self.bind)
+        self._pub.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger message drops the connection
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        for peer in self.peers:
-            self._sub.connect(peer)
+        if self.key is not None:  # before bind and connect: CURVE applies to the connections made after
+            self._curve = CurvePublisher(self._pub_ctx, self._pub, self.key)
+            curve_subscriber(self._sub, self.key)
+        else:
+            log.warning("peer sync without a key (--peer-sync-insecure): anyone who reaches %s reads every pick, "
+                        "and a process at a peer's address can feed this replica picks", self.bind)
+        try:
+            self._pub.bind(self.bind)
+            for peer in self.peers:
+                self._sub.connect(peer)
+        except zmq.ZMQError:
+            self.close()  # the authenticator's thread and the contexts too
+            raise
         self._tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._beat())]
-        log.info("peer sync on: %s publishing on %s, peers %s", self.identity, self.bind, ", ".join(self.peers))
+        if self.key is not None:  # failed handshakes: strangers, or a replica given another pool's key file
+            self._monitors = [zmq.asyncio.Socket.from_socket(self._pub.get_monitor_socket(HANDSHAKE_FAILED)),
+                              self._sub.get_monitor_socket(HANDSHAKE_FAILED)]
+            self._tasks += [asyncio.ensure_future(self._watch_handshakes(m, side))
+                            for m, side in zip(self._monitors, ("subscriber of", "publisher at"))]
+        log.info("peer sync on: %s publishing on %s (%s), peers %s", self.identity, self.bind,
+                 "CURVE, the pool's key" if self.key is not None else "no key", ", ".join(self.peers))
 
     def close(self) -> None:
         for task in self._tasks:
@@ -151,13 +184,18 @@ class PeerSync:
         self._tasks = []
         for origin in list(self._peers):
             self._forget(origin)
+        for sock in self._monitors:
+            sock.close(linger=0)
+        self._monitors = []
         for sock in (self._pub, self._sub):
             if sock is not None:
                 sock.close(linger=0)
+        if self._curve is not None:  # its ZAP socket lives on the PUB's context, which ends only once it is closed
+            self._curve.stop()
         for ctx in (self._ctx, self._pub_ctx):
             if ctx is not None:
                 ctx.term()
-        self._pub = self._sub = self._ctx = self._pub_ctx = None
+        self._pub = self._sub = self._ctx = self._pub_ctx = self._curve = None
 
     # --- this replica's picks -----------------------------------------------------------------------------------
     def publish_pick(self, request, address: str, tokens: int, uncached: int, shared: dict[str, list[int]]) -> None:
@@ -196,6 +234,18 @@ class PeerSync:
                 self.counts["bad_messages"] += 1
             except Exception:  # a plugin's bug must not end the sync
                 log.exception("peer sync: applying a peer's message failed")
+
+    async def _watch_handshakes(self, monitor, side: str) -> None:
+        """Count the CURVE handshakes that failed on one socket; log the first on each endpoint."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            self.counts["handshakes_failed"] += 1
+            where = f"{side} {event['endpoint'].decode(errors='replace')}"
+            if where not in self._warned:  # the bind and the peers' addresses: a few
+                self._warned.add(where)
+                log.warning("peer sync: a handshake with a %s failed (%s): a process without this pool's key, or "
+                            "a replica given another --peer-sync-key-file; counted in "
+                            "kvgate_epp_peer_sync{event=\"handshakes_failed\"}", where, event["event"].name)
 
     async def _beat(self) -> None:
         while True:

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgate.bench_routing.cli import add_bench_routing_parser
     from kvgate.chaos.cli import add_bench_chaos_parser
     from kvgate.chaos.hostile import add_bench_hostile_parser
-    from kvgate.epp.main import add_epp_parser
+    from kvgate.epp.main import add_epp_parser, add_keygen_parser
     from kvgate.operator.main import add_operator_parser
     from kvgate.up import add_up_parser
 
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     add_epp_parser(sub)
+    add_keygen_parser(sub)
     add_operator_parser(sub)
     add_up_parser(sub)
     add_conformance_parser(sub)

@@ -264,6 +264,7 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
                        epp_args: list[str] = (), kv_events: bool = False,
                        epp_kv_event_override: dict[int, str] | None = None, epp_replicas: int = 1,
                        epp_leader_election: bool = False, epp_peer_sync: bool = True,
+                       epp_peer_sync_insecure: bool = False,
                        epp_lease_timings: tuple[float, float, float] = EPP_LEASE_TIMINGS) -> LocalStack:
     """Start N engines, the EPP over them and Envoy (`kvgate`: kvgate's rendered config; `upstream`: the stock
     upstream-shaped one; `round-robin`: Envoy's own round-robin over the engines and no EPP, a benchmark's
@@ -276,7 +277,8 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     `epp_kv_event_override` tells it another PUB address for engine i (`kvgate bench hostile` binds a rogue
     publisher there). `epp_replicas` > 1 (kvgate's Envoy config only): that many EPPs over the same engines, each
     a host of Envoy's EPP cluster, serving at once (active-active; each sees the engines' metrics and KV events,
-    and, with `epp_peer_sync`, the others' picks: epp/peer_sync.py; without, only its own in-flight requests).
+    and, with `epp_peer_sync`, the others' picks: epp/peer_sync.py, under a pool key made in the stack's workdir,
+    or in clear with `epp_peer_sync_insecure`; without, only its own in-flight requests).
     `epp_leader_election` with `epp_replicas` > 1: active-passive instead — the EPPs elect a leader over a lease
     file in the stack's workdir (`--ha-lease-file`), with `epp_lease_timings` (lease duration, renew deadline,
     retry period, seconds); only the leader answers SERVING, so start-up waits for one EPP healthy in Envoy.
@@ -330,11 +332,19 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
     # active-active replicas share their picks (epp/peer_sync.py), each publishing on a loopback port of its own
     sync = [f"tcp://127.0.0.1:{stack.reserve_port()}" for _ in range(epp_replicas)] \
         if epp_peer_sync and epp_replicas > 1 and not leader_election else []
+    sync_key = []
+    if sync and epp_peer_sync_insecure:
+        sync_key = ["--peer-sync-insecure"]
+    elif sync:  # the pool's CURVE key, shared by the replicas (epp/peer_sync_keys.py)
+        from kvgate.epp.peer_sync_keys import write_pool_key
+
+        write_pool_key(stack.workdir / "peer-sync.key_secret")
+        sync_key = ["--peer-sync-key-file", str(stack.workdir / "peer-sync.key_secret")]
     if with_epp:
         for i, (name, (grpc_i, health_i, metrics_i)) in enumerate(
                 [("epp", (grpc_port, health_port, metrics_port)),
                  *((f"epp-{i + 1}", ports) for i, ports in enumerate(extra_epps))]):
-            peer_args = [*("--peer-sync-bind", sync[i]),
+            peer_args = [*("--peer-sync-bind", sync[i]), *sync_key,
                          *(a for j, peer in enumerate(sync) if j != i for a in ("--peer-sync-peer", peer))] \
                 if sync else []
             stack.start(name, [kvgate, "epp", "--endpoints", ",".join(endpoints), "--grpc-port", str(grpc_i),

@@ -133,6 +133,9 @@ def add_bench_routing_parser(sub) -> None:
     p.add_argument("--epp-peer-sync", choices=("on", "off", "both"), default="on",
                    help="N > 1 active replicas share their picks (epp/peer_sync.py): on (default), off (each "
                         "knows only its own in-flight requests and placements; cells NAME-xN-nosync), or both")
+    p.add_argument("--epp-peer-sync-insecure", action="store_true",
+                   help="synced replicas share their picks without the pool's CURVE key (--peer-sync-insecure; "
+                        "cells NAME-xN-insecure): what the key costs, against the same run without this flag")
     p.add_argument("--find-saturation", action="store_true",
                    help="instead of the sweep: per shape, the rate at which round-robin's TTFT p90 reaches "
                         "--saturation-factor x its value at 1 req/s (a ramp from 4 req/s x1.5, then bisection; "
@@ -212,6 +215,7 @@ def run_bench_routing(args) -> int:
                            "rates_per_shape": shape_rates,
                            "gateway_cpus": sorted(gateway_cpus) if gateway_cpus else None,
                            "epp_replicas": epp_replicas, "epp_peer_sync": args.epp_peer_sync,
+                           "epp_peer_sync_insecure": args.epp_peer_sync_insecure,
                            "configurations": {}, "workloads": {}}
     for name in wanted:
         why = unavailable(BY_NAME[name])
@@ -248,14 +252,17 @@ def run_bench_routing(args) -> int:
             cells = result["workloads"].setdefault(shape.name, {"what": shape.what, "knobs": shape.knobs(),
                                                                 "cells": []})["cells"]
             for config, n, sync in runs:
-                name = config.name if n == 1 else f"{config.name}-x{n}" + ("" if sync else "-nosync")
+                name = config.name if n == 1 else f"{config.name}-x{n}" + (
+                    "-nosync" if not sync else "-insecure" if args.epp_peer_sync_insecure else "")
                 bar.set_description(f"{shape.name} {rate:g}/s {name}")
                 cell = {"configuration": name, "rate": rate,
                         **({"epp_replicas": n} if config.kind == "epp" else {}),
                         **({"epp_peer_sync": sync} if n > 1 else {}),
                         **run_cell(workdir, config, shape, requests, replicas=args.replicas,
                                    drain_s=args.drain, tick=lambda: bar.update(1), gateway_cpus=gateway_cpus,
-                                   epp_replicas=n, epp_peer_sync=sync, per_request=args.per_request)}
+                                   epp_replicas=n, epp_peer_sync=sync,
+                                   epp_peer_sync_insecure=args.epp_peer_sync_insecure,
+                                   per_request=args.per_request)}
                 cells.append(cell)
                 failed |= cell["sent"] != cell["requests"]
     for workload in result["workloads"].values():

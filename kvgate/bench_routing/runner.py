@@ -191,7 +191,7 @@ def epp_time(before: dict[str, dict], after: dict[str, dict]) -> dict:
 
 def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout: float,
            engine_args: list[str], epp_replicas: int = 1, epp_peer_sync: bool = True,
-           engine_args_for: Callable[[int, str], list[str]] | None = None) -> tuple[LocalStack, str]:
+           epp_peer_sync_insecure: bool = False, engine_args_for: Callable[[int, str], list[str]] | None = None) -> tuple[LocalStack, str]:
     """The stack for `config`, and the URL the load goes to."""
     stack = Stack(Path(tempfile.mkdtemp(prefix=f"{config.name}-", dir=workdir)))
     flavor = "kvgate" if config.kind == "epp" else "round-robin"  # a router brings its own load balancing
@@ -201,7 +201,8 @@ def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout:
             epp_config_text=config.epp_config, engine_args=engine_args, envoy_flavor=flavor,
             engine_hosts=[f"127.0.0.{2 + i}" for i in range(replicas)], kv_events=config.kv_events,
             startup_timeout=startup_timeout, epp_replicas=epp_replicas if config.kind == "epp" else 1,
-            epp_peer_sync=epp_peer_sync, engine_args_for=engine_args_for)
+            epp_peer_sync=epp_peer_sync, epp_peer_sync_insecure=epp_peer_sync_insecure,
+            engine_args_for=engine_args_for)
         url = up.url
         if config.kind == "router":
             port = free_port()
@@ -397,11 +398,13 @@ START_ATTEMPTS = 2
 def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, requests: list[BenchRequest], *,
              replicas: int, drain_s: float, startup_timeout: float = 120.0,
              tick: Callable[[], None] = lambda: None, gateway_cpus: frozenset[int] | None = None,
-             epp_replicas: int = 1, epp_peer_sync: bool = True, per_request: bool = False) -> dict:
+             epp_replicas: int = 1, epp_peer_sync: bool = True, epp_peer_sync_insecure: bool = False,
+             per_request: bool = False) -> dict:
     for attempt in range(START_ATTEMPTS):
         try:
             up, url = _start(workdir, config, replicas, startup_timeout,
                              sim_engine_args(shape.kv_tokens, shape.prefill_chunk), epp_replicas, epp_peer_sync,
+                             epp_peer_sync_insecure,
                              slow_replica_args(replicas, shape.slow_replicas, shape.slowdown, shape.slow_kv_tokens))
             break
         except RuntimeError as exc:  # a process exited or never came up: the stack is stopped

@@ -14,6 +14,7 @@ from kvgate.epp.datalayer import Datalayer
 from kvgate.epp.datastore import Datastore
 from kvgate.epp.director import Director
 from kvgate.epp.peer_sync import Beat, Done, Pick, PeerSync
+from kvgate.epp.peer_sync_keys import write_pool_key
 from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, parse_config
 from kvgate.epp.scheduling.framework import Scheduler
 from kvgate.epp.types import Endpoint, EndpointMetrics
@@ -46,8 +47,8 @@ class Wire:
     sockets do), or dropped while `cut`."""
 
     def __init__(self, a: Director, b: Director) -> None:
-        self.syncs = [PeerSync(a, "tcp://127.0.0.1:1", [], identity="a"),
-                      PeerSync(b, "tcp://127.0.0.1:2", [], identity="b")]
+        self.syncs = [PeerSync(a, "tcp://127.0.0.1:1", [], key=None, identity="a"),
+                      PeerSync(b, "tcp://127.0.0.1:2", [], key=None, identity="b")]
         a.peers, b.peers = self.syncs
         self.cut = False
         for sync, other in ((self.syncs[0], self.syncs[1]), (self.syncs[1], self.syncs[0])):
@@ -137,7 +138,7 @@ def test_a_peers_flights_end_with_its_responses_or_its_silence():
 
 def test_hostile_and_foreign_messages_are_dropped_and_counted():
     b = replica()
-    sync = PeerSync(b, "tcp://127.0.0.1:1", [], identity="b")
+    sync = PeerSync(b, "tcp://127.0.0.1:1", [], key=None, identity="b")
     b.peers = sync
     sync.apply(Pick("x", 1, "192.168.9.9:80", 10, 10, {}))  # not in this pool
     assert sync.counts["foreign_endpoint"] == 1 and b.load.counts() == {}
@@ -171,14 +172,18 @@ def test_hostile_and_foreign_messages_are_dropped_and_counted():
     assert sync.counts["flights_dropped"] == 50
 
 
-def test_two_replicas_over_zeromq_on_the_loopback():
-    """The sockets themselves: a's pick and its end reach b; garbage on the wire is counted, not fatal."""
+@pytest.mark.parametrize("keyed", [True, False], ids=["pool-key", "insecure"])
+def test_two_replicas_over_zeromq_on_the_loopback(tmp_path, keyed):
+    """The sockets themselves, with the pool's CURVE key and without (--peer-sync-insecure): a's pick and its end
+    reach b; garbage on the wire is counted, not fatal."""
+    key = write_pool_key(tmp_path / "pool.key_secret") if keyed else None
+
     async def main():
         a, b = replica(), replica()
         ports = free_port(), free_port()
         binds = [f"tcp://127.0.0.1:{p}" for p in ports]
-        a.peers = PeerSync(a, binds[0], [binds[1]], heartbeat_s=0.05)
-        b.peers = PeerSync(b, binds[1], [binds[0]], heartbeat_s=0.05)
+        a.peers = PeerSync(a, binds[0], [binds[1]], key=key, heartbeat_s=0.05)
+        b.peers = PeerSync(b, binds[1], [binds[0]], key=key, heartbeat_s=0.05)
         a.peers.start()
         b.peers.start()
         try:
@@ -197,6 +202,7 @@ def test_two_replicas_over_zeromq_on_the_loopback():
             await until(lambda: b.load.counts() == {}, "the end to reach b")
             await until(lambda: b.peers.counts["bad_messages"] == 1, "garbage counted")
             assert b.peers.published["picks_applied"] >= 0  # the metrics' copy exists once a beat ran
+            assert b.peers.published["handshakes_failed"] == 0
         finally:
             a.peers.close()
             b.peers.close()
