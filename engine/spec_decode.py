@@ -14,11 +14,11 @@ accepted drafts and one more (the target's token at the first rejection, or the 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import torch
 
+from kvgate import bounded_json
 from kvgate.engine.errors import ConfigError
 
 METHODS = ("ngram", "draft_model")
@@ -36,8 +36,10 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
+            data = bounded_json.loads(text, bounded_json.FLAG_BYTES)
+        except bounded_json.JSONLimitError as exc:
+            raise ConfigError(f"--speculative-config: {exc}") from None
+        except ValueError as exc:
             raise ConfigError(f"--speculative-config is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError('--speculative-config must be a JSON object, e.g. {"method": "ngram", '

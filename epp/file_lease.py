@@ -29,6 +29,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kvgate import bounded_json
+
 MAX_LEASE_FILE_BYTES = 4096  # a record is ~300 bytes
 LOCK_TIMEOUT_S = 2.0  # without a `_request_timeout`: the elector's connect timeout
 NOT_FOUND, CONFLICT, INVALID, SERVER_ERROR, TIMEOUT = 404, 409, 422, 500, 504
@@ -161,7 +163,7 @@ class FileLeaseApi:
         if len(data) > MAX_LEASE_FILE_BYTES:
             raise self._corrupt(f"more than a lease's {MAX_LEASE_FILE_BYTES} bytes")
         try:
-            record = json.loads(data.decode("utf-8"))
+            record = bounded_json.loads(data, MAX_LEASE_FILE_BYTES)  # nesting too: a ValueError, not a RecursionError
             if not isinstance(record, dict) or set(record) != set(_FIELDS):
                 raise ValueError(f"expected an object with exactly {', '.join(_FIELDS)}")
             for key in ("name", "namespace", "holderIdentity"):

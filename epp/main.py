@@ -495,6 +495,14 @@ def run_epp(args: argparse.Namespace) -> int:
             0 < args.ha_retry_period < args.ha_renew_deadline < args.ha_lease_duration):
         raise SystemExit("kvgate epp: leader election needs --ha-retry-period < --ha-renew-deadline < "
                          "--ha-lease-duration")
+    if args.manifests:
+        from kvgate.epp.datastore import load_manifests
+
+        try:
+            load_manifests(args.manifests)  # fail fast, as the config file does
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"kvgate epp: --manifests {args.manifests}: {getattr(exc, 'strerror', None) or exc}") \
+                from exc
     if args.peer_sync_peer and not args.peer_sync_bind:
         raise SystemExit("kvgate epp: --peer-sync-peer needs --peer-sync-bind (peers sync both ways)")
     if args.endpoints:
