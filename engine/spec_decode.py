@@ -254,11 +254,11 @@ class SpecDecodeStats:
 
 def speculation_eligible(request) -> bool:
     """Requests whose sampling reads per-token host state (grammars, penalties, min_tokens' bans, logprobs per
-    token) are not speculated: their rows would need that state advanced through each draft. Nor are LoRA requests
-    yet (untested with adapters)."""
+    token) are not speculated: their rows would need that state advanced through each draft. Nor are requests with a
+    logit bias (the drafts are verified against the unbiased logits) or LoRA requests yet (untested with adapters)."""
     p = request.sampling_params
     return (p.structured_outputs is None and p.logprobs is None and not p.min_tokens and not p.has_penalties
-            and request.grammar is None and request.lora_request is None)
+            and p.logit_bias is None and request.grammar is None and request.lora_request is None)
 
 
 def verify_greedy(target: list[int], draft: list[int]) -> list[int]:
