@@ -24,6 +24,7 @@ import json
 import math
 from pathlib import Path
 
+from kvgate import bounded_json
 from kvgate.engine.copier import COPIER_RECIPE, ensure_copier_model, recipe_key
 from kvgate.engine.demo import _build_once, cache_dir
 
@@ -50,7 +51,7 @@ def widen_copier(source: Path, folder: Path, shape: dict = WIDE_SHAPE, seed: int
     import torch
     from safetensors.torch import load_file, save_file
 
-    small = json.loads((Path(source) / "config.json").read_text())
+    small = bounded_json.read(Path(source) / "config.json", bounded_json.CONFIG_BYTES)
     sw = load_file(str(Path(source) / "model.safetensors"))
     h_s, heads_s = small["hidden_size"], small["num_attention_heads"]
     d_s = small.get("head_dim") or h_s // heads_s

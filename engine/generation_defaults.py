@@ -12,17 +12,18 @@ does kvgate, with vLLM's flag and meaning:
   override or from a generation-config folder (not from the model's own file); so does kvgate.
 
 The file is read as vLLM reads it (GenerationConfig.to_diff_dict: the values that differ from transformers'
-defaults, which since transformers 5 are unset, so every value the file sets). Values are checked at start with
+defaults, which since transformers 5 are unset, so every value the file sets), within kvgate/bounded_json.py's
+limits (16 MiB and 64 levels of nesting; the override 64 KiB). Values are checked at start with
 the request checks (SamplingParams): a bad one stops the server with the file it came from.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvgate import bounded_json
 from kvgate.engine.errors import ConfigError, InvalidRequestError
 
 log = logging.getLogger("kvgate.engine")
@@ -94,7 +95,9 @@ def parse_override(text: str | None) -> dict | None:
     if text is None:
         return None
     try:
-        value = json.loads(text)
+        value = bounded_json.loads(text, bounded_json.FLAG_BYTES)
+    except bounded_json.JSONLimitError as exc:
+        raise ConfigError(f"--override-generation-config: {exc}") from None
     except ValueError as exc:
         raise ConfigError(f"--override-generation-config is not JSON: {exc}") from None
     if not isinstance(value, dict):
@@ -106,8 +109,9 @@ def _read_folder(folder: Path) -> dict:
     from transformers import GenerationConfig
 
     try:
+        bounded_json.check_file(folder / "generation_config.json", bounded_json.CONFIG_BYTES)
         config = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError, TypeError) as exc:  # unreadable, not JSON, or fields of the wrong kind
+    except (OSError, ValueError, TypeError) as exc:  # unreadable, over a limit, not JSON, or fields of the wrong kind
         raise ConfigError(f"cannot read {folder / 'generation_config.json'}: {exc}") from None
     return config.to_diff_dict()
 

@@ -39,10 +39,10 @@ one before), so the publisher can bound its queues in bytes.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field, fields
 
+from kvgate import bounded_json
 from kvgate.engine.errors import ConfigError
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the accelerator's KV cache (the sim's and the CPU's too: one tier)
@@ -135,8 +135,10 @@ class KVEventsConfig:
     @classmethod
     def from_json(cls, text: str) -> "KVEventsConfig":
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
+            data = bounded_json.loads(text, bounded_json.FLAG_BYTES)
+        except bounded_json.JSONLimitError as exc:
+            raise ConfigError(f"--kv-events-config: {exc}") from None
+        except ValueError as exc:
             raise ConfigError(f"--kv-events-config is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError("--kv-events-config must be a JSON object, e.g. "

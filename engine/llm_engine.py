@@ -299,6 +299,10 @@ class LLMEngine:
         if bad_stop:
             raise InvalidRequestError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})",
                                       param="stop_token_ids")
+        bad_bias = [t for t in params.logit_bias or () if t >= self.vocab_size]  # the same: it indexes the logits
+        if bad_bias:
+            raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})", param="logit_bias")
         # A top_k past the vocabulary keeps every token: the same as off (and never overflows a tensor).
         top_k = 0 if params.top_k >= self.vocab_size else params.top_k
         params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids, top_k=top_k)

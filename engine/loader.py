@@ -25,7 +25,29 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvgate import bounded_json
 from kvgate.engine.errors import ModelLoadError
+
+# The JSON files of a model folder that transformers parses (with json.loads: no bound on size or nesting), with
+# the size each may have; each present is checked against it and bounded_json.MAX_DEPTH first.
+CONFIG_FILES = {"config.json": bounded_json.CONFIG_BYTES, "generation_config.json": bounded_json.CONFIG_BYTES}
+TOKENIZER_FILES = {"tokenizer.json": bounded_json.TOKENIZER_BYTES, "vocab.json": bounded_json.TOKENIZER_BYTES,
+                   "tokenizer_config.json": bounded_json.CONFIG_BYTES,
+                   "special_tokens_map.json": bounded_json.CONFIG_BYTES,
+                   "added_tokens.json": bounded_json.CONFIG_BYTES, "chat_template.json": bounded_json.CONFIG_BYTES}
+
+
+def check_json_files(folder: str | Path, files: dict[str, int]) -> None:
+    """ModelLoadError naming the file and the limit when one of `files` in `folder` is over its size, nested
+    deeper than bounded_json.MAX_DEPTH or not a regular file (absent files are the reader's to miss)."""
+    for name, max_bytes in files.items():
+        path = Path(folder) / name
+        if not os.path.lexists(path):
+            continue
+        try:
+            bounded_json.check_file(path, max_bytes)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read {path}: {exc}") from None
 
 
 def load_hf_config(model_path: str | Path):
@@ -36,6 +58,7 @@ def load_hf_config(model_path: str | Path):
         raise ModelLoadError(f"model folder {str(path)!r} does not exist (give a local HF model folder or 'demo')")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model folder {str(path)!r} has no config.json")
+    check_json_files(path, CONFIG_FILES)
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (ValueError, KeyError, OSError) as exc:
@@ -46,6 +69,8 @@ def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = N
     from transformers import AutoTokenizer
 
     path = str(tokenizer_path or model_path)
+    if Path(path).is_dir():
+        check_json_files(path, TOKENIZER_FILES)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -60,9 +85,9 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = bounded_json.read(index, bounded_json.INDEX_BYTES)["weight_map"]
             names = set(weight_map.values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ModelLoadError(f"cannot read {index}: {exc!r}") from None
         if not all(isinstance(n, str) and n and Path(n).name == n and n not in (".", "..") for n in names):
             raise ModelLoadError(f"{index}: the weight_map must name files of the folder itself")
@@ -134,8 +159,10 @@ class SafetensorsFile:
             return dict(pairs)
 
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
-        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON (JSONDecodeError is a ValueError)
+            text = raw.decode("utf-8")
+            bounded_json.check_depth(text)  # a real header is 3 levels deep
+            header = json.loads(text, object_pairs_hook=no_duplicates)
+        except ValueError as exc:  # bad UTF-8 or JSON, or nested too deep (all ValueErrors)
             raise ModelLoadError(f"{where}: the header is not valid JSON: {exc!s:.200}") from None
         if not isinstance(header, dict):
             raise ModelLoadError(f"{where}: the header is not a JSON object")

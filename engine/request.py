@@ -104,10 +104,10 @@ class Request:
         room = self.max_model_len - len(self.prompt_token_ids) if self.max_model_len > 0 else float("inf")
         self.output_limit = min(params.max_tokens if params.max_tokens is not None else float("inf"), room)
         # Greedy with nothing that reads per-row state when sampling (logprobs, min_tokens' banned ids, a grammar,
-        # penalties, a seeded generator): a batch of only such requests is sampled by an argmax alone.
+        # penalties, a logit bias, a seeded generator): a batch of only such requests is sampled by an argmax alone.
         self.plain_greedy = (params.greedy and params.logprobs is None and not params.min_tokens
                              and params.structured_outputs is None and params.seed is None
-                             and not params.has_penalties)
+                             and not params.has_penalties and params.logit_bias is None)
         # Every id that can end it (EOS unless ignored, stop tokens): one set test per token in check_stop.
         self._stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else params.eos_token_ids)
 

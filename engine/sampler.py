@@ -1,8 +1,8 @@
 """Batched sampling on the logits' device.
 
-Order (vLLM's): raw logprobs -> min_tokens mask -> structured-output mask (constrained rows only) ->
-penalties -> greedy argmax for greedy rows -> temperature -> min-p -> top-k -> top-p -> draw. Logprobs are the
-model's own (before any mask). Draws use the exponential-race trick
+Order (vLLM's): raw logprobs -> min_tokens mask -> structured-output mask (constrained rows only) -> logit bias
+(biased rows only) -> penalties -> greedy argmax for greedy rows -> temperature -> min-p -> top-k -> top-p -> draw.
+Logprobs are the model's own (before any mask or bias). Draws use the exponential-race trick
 (argmax(p / E), E ~ Exp(1)), which lets each seeded request take its noise from its own generator, so a
 seeded request samples the same tokens whatever else shares its batch.
 """
@@ -37,6 +37,8 @@ class SamplingBatch:
     # Structured outputs: the constrained rows and their allowed tokens, int32 bitmask [len(rows), ceil(V/32)].
     grammar_rows: list[int] | None = None
     grammar_bitmask: torch.Tensor | None = None
+    # Logit bias: (rows [K], token ids [K], biases [K]) over every biased row's entries; None when no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     all_greedy: bool = False  # known on the host: no device-to-host wait to ask the device
 
     @classmethod
@@ -75,6 +77,12 @@ class SamplingBatch:
                 ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(p.eos_token_ids)))
                 if ids:
                     banned.append((i, ids))
+        bias_rows, bias_ids, bias_values = [], [], []
+        for i, p in enumerate(ps):
+            if p.logit_bias:
+                bias_rows += [i] * len(p.logit_bias)
+                bias_ids += p.logit_bias.keys()
+                bias_values += p.logit_bias.values()
         any_sampled = not all(greedy)
         return cls(
             # An all-greedy batch (the common case) takes the argmax alone: no per-row tensors to copy.
@@ -93,6 +101,8 @@ class SamplingBatch:
             num_logprobs=[p.logprobs for p in ps],
             grammar_rows=grammar[0] or None,
             grammar_bitmask=None if grammar[1] is None else grammar[1].to(device, non_blocking=True),
+            logit_bias=(col(bias_rows, torch.long), col(bias_ids, torch.long), col(bias_values))
+            if bias_rows else None,
             all_greedy=not any_sampled,
         )
 
@@ -102,6 +112,12 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.
     allowed = unpack_bitmask(bitmask, logits.shape[-1])
     index = torch.tensor(rows, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Each biased row's biases added to its tokens' logits, in place (a row's ids are distinct: a dict's keys)."""
+    rows, ids, values = bias
+    logits.index_put_((rows, ids), values, accumulate=True)
 
 
 def apply_penalties(logits, prompt_mask, output_counts, repetition, presence, frequency):
@@ -159,7 +175,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, list | None]:
         """logits [B, V] (float32) -> (token ids [B], top logprobs per row or None)."""
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
-        if batch.all_greedy and not (wants_logprobs or batch.banned or batch.grammar_rows or batch.repetition is not None):
+        if batch.all_greedy and not (wants_logprobs or batch.banned or batch.grammar_rows
+                                     or batch.repetition is not None or batch.logit_bias is not None):
             return self.greedy(logits), None
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
@@ -167,6 +184,8 @@ class Sampler:
             logits[row, ids] = float("-inf")
         if batch.grammar_rows:
             apply_grammar_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
+        if batch.logit_bias is not None:
+            apply_logit_bias(logits, batch.logit_bias)
         if batch.repetition is not None:
             logits = apply_penalties(logits, batch.prompt_mask, batch.output_counts,
                                      batch.repetition, batch.presence, batch.frequency)

@@ -13,6 +13,7 @@ MAX_LOGPROBS = 20
 # Seeds are torch generator seeds (int64, vLLM's bound too); child i of an n > 1 request uses seed + i.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value is in [-100, 100] (OpenAI's range)
 
 
 @dataclass
@@ -82,6 +83,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (the chosen one is always given)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # {token id: bias} added to the token's logit before sampling (vLLM's logit_bias; the ids are checked against
+    # the vocabulary when the engine takes the request). Empty is None.
+    logit_bias: dict[int, float] | None = None
     # Filled by the engine from the tokenizer/config: EOS ids that end a request unless ignore_eos.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -92,6 +96,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logit_bias, dict) and not self.logit_bias:
+            self.logit_bias = None
         self.validate()
 
     def validate(self) -> None:
@@ -135,6 +141,16 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must map token ids to biases")
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    raise bad("logit_bias", f"keys must be token ids (integers >= 0), got {token!r:.40}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                        or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                            f"got {bias!r:.40} for token {token}")
 
     @property
     def greedy(self) -> bool:

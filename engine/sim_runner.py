@@ -65,13 +65,15 @@ class SimProfile:
     def load(cls, path: str | Path | None, **overrides) -> "SimProfile":
         values = {}
         if path:
-            text = Path(path).read_text()
             try:
-                import yaml
+                from kvgate import bounded_file, bounded_yaml
 
-                values = yaml.safe_load(text) or {}
-            except Exception as exc:  # noqa: BLE001 - any parse error becomes a clear config error
-                raise ConfigError(f"cannot read sim profile {path}: {exc}") from exc
+                # YAML or JSON, within bounded_yaml's limits (1 MiB, 64 levels, 10,000 nodes)
+                values = bounded_yaml.load(bounded_file.read_text(path, bounded_yaml.MAX_CHARS)) or {}
+            except Exception as exc:  # noqa: BLE001 - unreadable, over a limit or not YAML: a clear config error
+                raise ConfigError(f"cannot read sim profile {path}: {' '.join(str(exc).split())[:500]}") from None
+            if not isinstance(values, dict):
+                raise ConfigError(f"sim profile {path}: expected a mapping of SimProfile fields")
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(values) - known)
             if unknown:

@@ -14,11 +14,11 @@ accepted drafts and one more (the target's token at the first rejection, or the 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import torch
 
+from kvgate import bounded_json
 from kvgate.engine.errors import ConfigError
 
 METHODS = ("ngram", "draft_model")
@@ -36,8 +36,10 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
+            data = bounded_json.loads(text, bounded_json.FLAG_BYTES)
+        except bounded_json.JSONLimitError as exc:
+            raise ConfigError(f"--speculative-config: {exc}") from None
+        except ValueError as exc:
             raise ConfigError(f"--speculative-config is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError('--speculative-config must be a JSON object, e.g. {"method": "ngram", '
@@ -252,11 +254,11 @@ class SpecDecodeStats:
 
 def speculation_eligible(request) -> bool:
     """Requests whose sampling reads per-token host state (grammars, penalties, min_tokens' bans, logprobs per
-    token) are not speculated: their rows would need that state advanced through each draft. Nor are LoRA requests
-    yet (untested with adapters)."""
+    token) are not speculated: their rows would need that state advanced through each draft. Nor are requests with a
+    logit bias (the drafts are verified against the unbiased logits) or LoRA requests yet (untested with adapters)."""
     p = request.sampling_params
     return (p.structured_outputs is None and p.logprobs is None and not p.min_tokens and not p.has_penalties
-            and request.grammar is None and request.lora_request is None)
+            and p.logit_bias is None and request.grammar is None and request.lora_request is None)
 
 
 def verify_greedy(target: list[int], draft: list[int]) -> list[int]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from kvgate import bounded_file, bounded_yaml
 from kvgate.epp.types import Endpoint
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,13 @@ class Datastore:
 
 
 def load_manifests(path: str | Path) -> list[dict]:
-    return [d for d in yaml.safe_load_all(Path(path).read_text()) if isinstance(d, dict)]
+    """The objects of `--manifests` (a YAML stream), read within kvgate.bounded_yaml's limits (1 MiB, 64 levels,
+    10,000 nodes); OSError or ValueError (yaml.YAMLError wrapped) saying why not."""
+    try:
+        docs = bounded_yaml.load_all(bounded_file.read_text(path, bounded_yaml.MAX_CHARS))
+    except yaml.YAMLError as exc:
+        raise ValueError(f"not valid YAML: {' '.join(str(exc).split())[:500]}") from None
+    return [d for d in docs if isinstance(d, dict)]
 
 
 class EndpointsFile:

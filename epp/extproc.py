@@ -33,6 +33,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from kvgate import bounded_json
 from kvgate.epp.director import Director, RoutingError
 from kvgate.epp.protocol import (DESTINATION_HEADER, DESTINATION_NAMESPACE as LB_NAMESPACE, SERVED_KEY, SERVED_MISSING,
                                  SERVED_TEST_HEADER, SUBSET_KEY, SUBSET_NAMESPACE)
@@ -106,9 +107,9 @@ def find_usage(tail: bytes) -> tuple[int, int] | None:
     for item in candidates:
         if '"usage"' not in item:
             continue
-        try:
-            usage = json.loads(item).get("usage")
-        except (json.JSONDecodeError, AttributeError):
+        try:  # an upstream's bytes: deep nesting is a ValueError here, not a RecursionError out of the stream
+            usage = bounded_json.loads(item, _TAIL_BYTES).get("usage")
+        except (ValueError, AttributeError):
             continue
         if isinstance(usage, dict):
             return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)

@@ -14,8 +14,10 @@ file renamed over the lease file, so a reader never sees half a record. A proces
 gives, which must exist. A lease file that is not a regular file, is larger than `MAX_LEASE_FILE_BYTES`, or does
 not hold a valid record is an error (ApiException 500 naming the file and what is wrong), never a crash: the
 elector logs it and takes its failure path — a follower does not lead, a leader steps down after its renew
-deadline — until an operator removes the file. The objects are kubernetes' own V1Lease, so the elector runs
-unchanged.
+deadline — until an operator removes the file. A valid record's leaseDurationSeconds may be any integer (as an
+API server's Lease may carry 2^31 - 1): whether its timing can be honoured is the elector's to judge, and one
+it cannot (negative, over epp/leader.py's MAX_LEASE_DURATION_S, a renewTime far ahead) it reports and takes
+over. The objects are kubernetes' own V1Lease, so the elector runs unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import stat
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from kvgate import bounded_json
 
 MAX_LEASE_FILE_BYTES = 4096  # a record is ~300 bytes
 LOCK_TIMEOUT_S = 2.0  # without a `_request_timeout`: the elector's connect timeout
@@ -61,9 +65,10 @@ def _time_in(value) -> datetime | None:
     return parsed
 
 
-def _check_int(value, what: str, allow_none: bool = True) -> None:
-    if (value is None and not allow_none) or (value is not None and (type(value) is not int or value < 0)):
-        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
+def _check_int(value, what: str, allow_none: bool = True, signed: bool = False) -> None:
+    if (value is None and not allow_none) or (value is not None and (type(value) is not int or
+                                                                     (value < 0 and not signed))):
+        raise ValueError(f"{what} must be a{'n' if signed else ' non-negative'} integer, got {value!r:.40}")
 
 
 class FileLeaseApi:
@@ -161,13 +166,13 @@ class FileLeaseApi:
         if len(data) > MAX_LEASE_FILE_BYTES:
             raise self._corrupt(f"more than a lease's {MAX_LEASE_FILE_BYTES} bytes")
         try:
-            record = json.loads(data.decode("utf-8"))
+            record = bounded_json.loads(data, MAX_LEASE_FILE_BYTES)  # nesting too: a ValueError, not a RecursionError
             if not isinstance(record, dict) or set(record) != set(_FIELDS):
                 raise ValueError(f"expected an object with exactly {', '.join(_FIELDS)}")
             for key in ("name", "namespace", "holderIdentity"):
                 if not isinstance(record[key], str):
                     raise ValueError(f"{key} must be a string")
-            _check_int(record["leaseDurationSeconds"], "leaseDurationSeconds")
+            _check_int(record["leaseDurationSeconds"], "leaseDurationSeconds", signed=True)  # the elector judges it
             _check_int(record["leaseTransitions"], "leaseTransitions")
             if not (isinstance(record["resourceVersion"], str) and record["resourceVersion"].isdigit()):
                 raise ValueError("resourceVersion must be a string of digits")

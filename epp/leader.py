@@ -5,11 +5,14 @@ client-go's algorithm: a candidate takes the Lease when it does not exist, when 
 holder has not renewed it for `lease_duration` as observed by this candidate (its own clock, from the moment it
 last saw the record change — never the holder's timestamps, so clock skew does not matter); every write is a
 replace at the read resourceVersion, so two candidates cannot both win. The leader renews every `retry_period`
-and steps down when it could not renew for `renew_deadline`. On stop (SIGTERM: a rollout or a deleted pod) the
-leader releases the Lease (empty holder, 1 s duration), so a follower takes over at its next try, one
-`retry_period` later, instead of waiting out the lease; the EPP keeps serving until it sees the successor's name on
-the Lease and Envoy had a health check's time to find the successor ready (epp/main.py), so that the gateway is
-never without a ready EPP.
+and steps down when it could not renew for `renew_deadline`. A Lease another holder wrote with a timing no
+election honours — a duration that is not a finite number in [0, MAX_LEASE_DURATION_S], or a renewTime more than
+that ahead of this replica's clock — would otherwise hold the election for ever (999999999999 s): it is unusable,
+logged as a warning (at once for each new holder or field at fault, then at most once a minute), and taken over as
+if expired. On stop (SIGTERM: a rollout or a deleted pod) the leader releases the Lease (empty holder, 1 s
+duration), so a follower takes over at its next try, one `retry_period` later, instead of waiting out the lease;
+the EPP keeps serving until it sees the successor's name on the Lease and Envoy had a health check's time to find
+the successor ready (epp/main.py), so that the gateway is never without a ready EPP.
 
 kubernetes' own leaderelection module is not used: it has no way to stop or release, its API calls have no
 timeout (a silent connection would hang an election forever), and it sleeps in loops a stop cannot interrupt.
@@ -18,12 +21,13 @@ timeout (a silent connection would hang an election forever), and it sleeps in l
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,11 @@ DEFAULT_RENEW_DEADLINE_S = 10.0
 DEFAULT_RETRY_PERIOD_S = 2.0
 REQUEST_TIMEOUT = (2.0, 5.0)  # (connect, read) seconds per Lease call: below the renew deadline
 CONFLICT, NOT_FOUND = 409, 404
+# The longest lease an election honours (and --ha-lease-duration's most): a holder that stopped renewing keeps
+# the replicas without a leader this long at worst. Also the most a renewTime may be ahead of this replica's clock.
+MAX_LEASE_DURATION_S = 3600.0
+UNUSABLE_REPORT_INTERVAL_S = 60.0  # an unusable Lease that stays so is logged again at most this often
+_MAX_TRANSITIONS = 2**31 - 1  # leaseTransitions is an int32: a Lease at the top could never be replaced
 
 
 def lease_name(pool_namespace: str, pool_name: str) -> str:
@@ -49,6 +58,30 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def unusable_lease(spec, now: datetime) -> str | None:
+    """Why a Lease's timing cannot be honoured (None: it can): a leaseDurationSeconds that is not a finite number
+    in [0, MAX_LEASE_DURATION_S], or a renewTime more than MAX_LEASE_DURATION_S after `now`."""
+    duration = spec.lease_duration_seconds
+    if duration is not None:
+        if isinstance(duration, bool) or not isinstance(duration, (int, float)):
+            return f"leaseDurationSeconds {duration!r:.40} is not a number"
+        if isinstance(duration, float) and not math.isfinite(duration):
+            return f"leaseDurationSeconds {duration} is not finite"
+        if duration < 0:
+            return f"leaseDurationSeconds {duration} is negative"
+        if duration > MAX_LEASE_DURATION_S:
+            return (f"leaseDurationSeconds {duration} is longer than the {MAX_LEASE_DURATION_S:.0f} s an election "
+                    "honours")
+    renew = spec.renew_time
+    if isinstance(renew, datetime):
+        if renew.tzinfo is None:
+            renew = renew.replace(tzinfo=timezone.utc)
+        if renew - now > timedelta(seconds=MAX_LEASE_DURATION_S):
+            return (f"renewTime {renew.isoformat()} is more than {MAX_LEASE_DURATION_S:.0f} s ahead of this "
+                    "replica's clock")
+    return None
+
+
 class LeaseElector:
     def __init__(self, api, name: str, namespace: str, identity: str, on_change: Callable[[bool], None], *,
                  lease_duration: float = DEFAULT_LEASE_DURATION_S, renew_deadline: float = DEFAULT_RENEW_DEADLINE_S,
@@ -58,9 +91,9 @@ class LeaseElector:
         `can_lead()`: whether this candidate may take the Lease now — an EPP only once it can route, so that a
         replica still starting (a rollout's new pod) never wins over a warm follower and leaves the gateway
         without a ready EPP."""
-        if not 0 < retry_period < renew_deadline < lease_duration:
+        if not 0 < retry_period < renew_deadline < lease_duration <= MAX_LEASE_DURATION_S:
             raise ValueError(f"lease timings must satisfy 0 < retry period ({retry_period}) < renew deadline "
-                             f"({renew_deadline}) < lease duration ({lease_duration})")
+                             f"({renew_deadline}) < lease duration ({lease_duration}) <= {MAX_LEASE_DURATION_S:g}")
         self.api, self.name, self.namespace, self.identity = api, name, namespace, identity
         self.on_change = on_change
         self.lease_duration, self.renew_deadline, self.retry_period = lease_duration, renew_deadline, retry_period
@@ -71,6 +104,8 @@ class LeaseElector:
         self._observed: tuple | None = None  # (holder, renewTime) last seen, and when it changed (our clock)
         self._observed_at = 0.0
         self._renewed_at = 0.0
+        self._reported: tuple | None = None  # (holder, problem) of the unusable Lease last logged, and when
+        self._reported_at = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -102,10 +137,16 @@ class LeaseElector:
         spec = lease.spec or V1LeaseSpec()
         holder = spec.holder_identity or ""
         self._observe(holder, spec.renew_time, mono)
-        duration = float(spec.lease_duration_seconds or self.lease_duration)
-        if holder and holder != self.identity and mono < self._observed_at + duration:
-            return False  # held by another candidate that renewed within its lease, as far as we have seen
-        transitions = spec.lease_transitions or 0
+        if holder and holder != self.identity:
+            problem = unusable_lease(spec, now)
+            if problem is not None:
+                self._report_unusable(holder, problem, mono)  # and taken over below, as if expired
+            elif mono < self._observed_at + float(spec.lease_duration_seconds or self.lease_duration):
+                return False  # held by another candidate that renewed within its lease, as far as we have seen
+        transitions = spec.lease_transitions
+        if not isinstance(transitions, int) or isinstance(transitions, bool) \
+                or not 0 <= transitions < _MAX_TRANSITIONS:
+            transitions = 0  # absent, or a count no replace could advance: counting starts again
         spec.acquire_time = spec.acquire_time if holder == self.identity else now
         spec.lease_transitions = transitions if holder == self.identity else transitions + 1
         spec.holder_identity, spec.renew_time = self.identity, now
@@ -120,6 +161,14 @@ class LeaseElector:
             return False  # a conflict: another candidate wrote first
         self._observe(self.identity, now, mono)
         return True
+
+    def _report_unusable(self, holder: str, problem: str, mono: float) -> None:
+        key = (holder, problem.split(" ")[0])  # the field at fault: a holder renewing absurdly is one report a minute
+        if key == self._reported and mono - self._reported_at < UNUSABLE_REPORT_INTERVAL_S:
+            return
+        self._reported, self._reported_at = key, mono
+        log.warning("leader election: Lease %s/%s held by %.100r is unusable (%s): taking it over as if expired",
+                    self.namespace, self.name, holder, problem)
 
     def _observe(self, holder: str, renew_time, mono: float) -> None:
         record = (holder, renew_time)

@@ -12,7 +12,8 @@ import threading
 from functools import partial
 
 from kvgate.epp.datalayer.http_client import DEFAULT_MAX_BYTES as DEFAULT_METRICS_PAGE_BYTES
-from kvgate.epp.leader import DEFAULT_LEASE_DURATION_S, DEFAULT_RENEW_DEADLINE_S, DEFAULT_RETRY_PERIOD_S
+from kvgate.epp.leader import (DEFAULT_LEASE_DURATION_S, DEFAULT_RENEW_DEADLINE_S, DEFAULT_RETRY_PERIOD_S,
+                               MAX_LEASE_DURATION_S)
 
 log = logging.getLogger("kvgate.epp")
 
@@ -150,7 +151,8 @@ def add_epp_parser(sub) -> None:
                          "exist; flock-guarded) instead of a Kubernetes Lease, which Kubernetes mode always uses")
     ha.add_argument("--ha-lease-duration", type=duration_flag, default=DEFAULT_LEASE_DURATION_S,
                     help="how long a leader that stopped renewing keeps the Lease (default "
-                         f"{DEFAULT_LEASE_DURATION_S:g} s; a leader that stops on SIGTERM releases it at once)")
+                         f"{DEFAULT_LEASE_DURATION_S:g} s, at most {MAX_LEASE_DURATION_S:g} s; a leader that stops on "
+                         "SIGTERM releases it at once)")
     ha.add_argument("--ha-renew-deadline", type=duration_flag, default=DEFAULT_RENEW_DEADLINE_S,
                     help="a leader that could not renew for this long steps down (default "
                          f"{DEFAULT_RENEW_DEADLINE_S:g} s)")
@@ -569,9 +571,18 @@ def run_epp(args: argparse.Namespace) -> int:
     if args.ha_lease_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.ha_lease_file))):
         raise SystemExit(f"kvgate epp: --ha-lease-file: no directory {os.path.dirname(args.ha_lease_file)!r}")
     if args.ha_enable_leader_election and not (
-            0 < args.ha_retry_period < args.ha_renew_deadline < args.ha_lease_duration):
+            0 < args.ha_retry_period < args.ha_renew_deadline < args.ha_lease_duration <= MAX_LEASE_DURATION_S):
         raise SystemExit("kvgate epp: leader election needs --ha-retry-period < --ha-renew-deadline < "
-                         "--ha-lease-duration")
+                         f"--ha-lease-duration <= {MAX_LEASE_DURATION_S:g}s (a longer lease is one the other "
+                         "replicas take over as unusable)")
+    if args.manifests:
+        from kvgate.epp.datastore import load_manifests
+
+        try:
+            load_manifests(args.manifests)  # fail fast, as the config file does
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"kvgate epp: --manifests {args.manifests}: {getattr(exc, 'strerror', None) or exc}") \
+                from exc
     if args.peer_sync_peer and not args.peer_sync_bind:
         raise SystemExit("kvgate epp: --peer-sync-peer needs --peer-sync-bind (peers sync both ways)")
     args.peer_sync_key = peer_sync_key(args)

@@ -12,6 +12,8 @@
 `load` refuses, with a yaml.YAMLError naming the limit, a text over `max_chars` characters, nesting deeper than
 `max_depth`, and a document of more than `max_nodes` nodes counting every alias as the whole node it names
 (so a bomb is refused before anything is expanded, and parse time stops at `max_nodes` nodes: ~0.25 s).
+`load_all` does the same for a stream of documents (`---`), the nodes counted over all of them. A file is read
+with kvgate/bounded_file.py (at most MAX_CHARS bytes) before either.
 """
 
 from __future__ import annotations
@@ -109,5 +111,22 @@ def load(text: str, max_chars: int = MAX_CHARS) -> Any:
     loader = _BoundedSafeLoader(text)
     try:
         return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def load_all(text: str, max_chars: int = MAX_CHARS) -> list[Any]:
+    """Every YAML document in `text`, as yaml.safe_load_all gives them, within the limits above (else YAMLError);
+    `max_nodes` bounds the stream, not each document."""
+    if len(text) > max_chars:
+        raise yaml.YAMLError(f"longer than {max_chars} characters")
+    loader = _BoundedSafeLoader(text)
+    try:
+        docs = []
+        while loader.check_node():
+            node = loader.get_node()
+            check_expansion(node, loader.max_nodes)
+            docs.append(loader.construct_document(node))
+        return docs
     finally:
         loader.dispose()

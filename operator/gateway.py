@@ -13,6 +13,7 @@ import re
 import time
 from typing import NamedTuple
 
+from kvgate import bounded_json
 from kvgate.envoy_config import CircuitBreakers, PoolBackend, RouteTimeouts
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
@@ -375,6 +376,12 @@ CLUSTER_LINGER_S = 30.0
 RETIRED_ANNOTATION = "kvgate.dev/retired-clusters"
 
 
+def _bounded_loads(text: str):
+    """A value the operator wrote into its ConfigMap, read back within bounded_json's limits (anyone who may edit
+    the ConfigMap could have rewritten it): a ValueError, never a RecursionError, when it is not what we wrote."""
+    return bounded_json.loads(text, bounded_json.CONFIG_BYTES)
+
+
 def retain_retired_clusters(rendered_config: dict[str, dict], previous_config_map: dict | None,
                             now: float) -> tuple[dict[str, dict], dict[str, float]]:
     """`rendered_config` with the clusters the previous ConfigMap had and the new config dropped kept until
@@ -382,9 +389,10 @@ def retain_retired_clusters(rendered_config: dict[str, dict], previous_config_ma
     if not previous_config_map or CDS_FILE not in rendered_config:
         return rendered_config, {}
     try:
-        previous = json.loads((previous_config_map.get("data") or {}).get(CDS_FILE) or "{}").get("resources") or []
-        deadlines = json.loads(((previous_config_map.get("metadata") or {}).get("annotations") or {})
-                               .get(RETIRED_ANNOTATION) or "{}")
+        previous = _bounded_loads((previous_config_map.get("data") or {}).get(CDS_FILE) or "{}").get("resources") \
+            or []
+        deadlines = _bounded_loads(((previous_config_map.get("metadata") or {}).get("annotations") or {})
+                                   .get(RETIRED_ANNOTATION) or "{}")
     except (ValueError, AttributeError):
         return rendered_config, {}  # not ours to read: start afresh
     clusters = list(rendered_config[CDS_FILE].get("resources") or [])
@@ -401,7 +409,7 @@ def retain_retired_clusters(rendered_config: dict[str, dict], previous_config_ma
             eds = _eds_file_of(cluster)  # an EPP cluster fed by its own file keeps the file too
             if eds and eds not in rendered_config:
                 try:
-                    kept_files[eds] = json.loads((previous_config_map.get("data") or {})[eds])
+                    kept_files[eds] = _bounded_loads((previous_config_map.get("data") or {})[eds])
                 except (KeyError, ValueError):
                     pass
     if not retired:

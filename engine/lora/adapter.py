@@ -9,12 +9,12 @@ alpha patterns, embedding / LM-head targets, modules_to_save, and ranks above --
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvgate import bounded_json
 from kvgate.engine.errors import LoRAError
 
 CONFIG_FILE = "adapter_config.json"
@@ -49,7 +49,7 @@ def read_adapter_config(path: str | Path, max_rank: int) -> AdapterConfig:
         raise LoRAError(f"LoRA adapter folder {str(folder)!r} does not exist")
     file = folder / CONFIG_FILE
     try:
-        config = json.loads(file.read_text())
+        config = bounded_json.read(file, bounded_json.CONFIG_BYTES)  # 16 MiB, 64 levels of nesting
     except FileNotFoundError:
         raise LoRAError(f"{str(folder)!r} is not a PEFT adapter: it has no {CONFIG_FILE}") from None
     except (OSError, ValueError) as exc:

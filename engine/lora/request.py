@@ -7,9 +7,9 @@ gives out ids; the engine only checks they are unique.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
+from kvgate import bounded_json
 from kvgate.engine.errors import ConfigError
 
 
@@ -40,9 +40,11 @@ class LoRAModulePath:
         text = text.strip()
         if text.startswith("{"):
             try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"--lora-modules entry is not valid JSON: {exc}") from exc
+                data = bounded_json.loads(text, bounded_json.FLAG_BYTES)
+            except bounded_json.JSONLimitError as exc:
+                raise ConfigError(f"--lora-modules entry: {exc}") from None
+            except ValueError as exc:
+                raise ConfigError(f"--lora-modules entry is not valid JSON: {exc}") from None
             if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(
                     data.get("path"), str):
                 raise ConfigError('--lora-modules JSON needs string "name" and "path"')

@@ -23,6 +23,8 @@ class RequestLimits:
     max_logprobs: int = MAX_LOGPROBS  # logprobs / top_logprobs (vLLM's --max-logprobs, default 20)
     max_stop_sequences: int = 64  # entries of `stop` and of `stop_token_ids`, each
     max_stop_sequence_chars: int = 1024  # length of one stop string
+    # entries of logit_bias (each also a token id of the vocabulary); vLLM takes any number up to the vocabulary
+    max_logit_bias: int = 1024
     # engine requests (prompts x n) waiting for a batch slot: 503 beyond (vLLM's flag; vLLM has no default
     # bound). 1024 is 8 full batches of the default --max-num-seqs 128.
     max_queued_requests: int = 1024
@@ -47,6 +49,8 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                    help=f"most entries in stop and in stop_token_ids (default {d.max_stop_sequences})")
     g.add_argument("--max-stop-sequence-chars", type=_positive_int, default=d.max_stop_sequence_chars,
                    help=f"longest stop string (default {d.max_stop_sequence_chars})")
+    g.add_argument("--max-logit-bias", type=_positive_int, default=d.max_logit_bias,
+                   help=f"most entries in logit_bias (default {d.max_logit_bias})")
     g.add_argument("--max-queued-requests", type=_positive_int, default=d.max_queued_requests,
                    help="answer 503 when a request would make more than this many engine requests "
                         f"(prompts x n) wait for a batch slot (default {d.max_queued_requests})")
@@ -66,6 +70,7 @@ def limits_from_args(args: argparse.Namespace) -> RequestLimits:
         max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request, max_logprobs=args.max_logprobs,
         max_stop_sequences=args.max_stop_sequences, max_stop_sequence_chars=args.max_stop_sequence_chars,
+        max_logit_bias=args.max_logit_bias,
         max_queued_requests=args.max_queued_requests, tokenize_timeout=args.tokenize_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
         client_stall_timeout=args.client_stall_timeout,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,8 @@ from kvgate.engine.server.metrics import RequestTracker, ServerMetrics
 from kvgate.engine.server.protocol import ChatCompletionRequest, SamplingFields
 from kvgate.engine.server.structured_outputs import structured_outputs_params
 from kvgate.engine.structured_output import StructuredOutputManager
+
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a token id, written in decimal
 
 
 class ModelNotFound(Exception):
@@ -184,6 +187,9 @@ class OpenAIServing:
         if len(req.stop_token_ids or ()) > lim.max_stop_sequences:
             raise InvalidRequestError(f"at most {lim.max_stop_sequences} stop_token_ids (--max-stop-sequences)",
                                       param="stop_token_ids")
+        if len(req.logit_bias or ()) > lim.max_logit_bias:
+            raise InvalidRequestError(f"at most {lim.max_logit_bias} entries in logit_bias (--max-logit-bias), got "
+                                      f"{len(req.logit_bias)}", param="logit_bias")
 
     def check_logprobs(self, value: int | None, param: str) -> None:
         if value is not None and value > self.limits.max_logprobs:
@@ -278,6 +284,7 @@ class OpenAIServing:
         vocab = self.llm.info.vocab_size
         if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
             raise InvalidRequestError("stop_token_ids must be token ids of this model", param="stop_token_ids")
+        logit_bias = token_biases(req.logit_bias, vocab)
         defaults = self.generation_defaults
         max_tokens = defaults.max_tokens_for(max_tokens, limit - prompt_len)
         fields = dict(
@@ -287,7 +294,7 @@ class OpenAIServing:
             seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs,
+            skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs, logit_bias=logit_bias,
         )
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 
@@ -354,6 +361,24 @@ class OpenAIServing:
         finally:
             prep.tracker.close()
         return finals, cached
+
+
+def token_biases(given: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """A request's logit_bias with its keys as token ids: JSON keys are strings, each a decimal token id of the
+    vocabulary (else a 400 naming logit_bias; the values are SamplingParams' to check)."""
+    if not given:
+        return None
+    biases = {}
+    for key, bias in given.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise InvalidRequestError(f"logit_bias keys must be token ids (decimal integers), got {key!r:.40}",
+                                      param="logit_bias")
+        token = int(key)
+        if token >= vocab_size:
+            raise InvalidRequestError(f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})",
+                                      param="logit_bias")
+        biases[token] = bias
+    return biases
 
 
 def _count(tracker: RequestTracker, out: RequestOutput) -> None:

@@ -68,6 +68,8 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = None
     priority: int = 0
     user: str | None = None
+    # {token id as a string: bias in [-100, 100]} added to the logits before sampling (openai_serving.logit_bias)
+    logit_bias: dict[str, float] | None = None
     # Structured outputs (engine/server/structured_outputs.py): OpenAI's response_format, vLLM's structured_outputs
     # and its older guided_* fields; at most one of them per request.
     response_format: ResponseFormat | None = None

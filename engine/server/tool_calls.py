@@ -21,6 +21,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from kvgate import bounded_json
 from kvgate.engine.errors import InvalidRequestError
 from kvgate.engine.sampling_params import StructuredOutputsParams
 from kvgate.engine.server.tool_parsers import TOOL_PARSERS, ParsedCall
@@ -44,8 +45,9 @@ class ToolMode:
 def tool_mode(req, auto_parser: str | None = None) -> ToolMode | None:
     """The request's tool mode (None: plain text); InvalidRequestError for tools or a choice kvgate cannot serve.
     `auto_parser`: the server's --tool-call-parser when --enable-auto-tool-choice is on."""
-    tools = getattr(req, "tools", None)
-    choice = getattr(req, "tool_choice", None)
+    if "tools" not in type(req).model_fields:  # a completion: `tools` is chat's, an unknown field here (ignored)
+        return None
+    tools, choice = req.tools, req.tool_choice
     if not tools:
         if choice not in (None, "none"):
             raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
@@ -96,6 +98,7 @@ def _openai_call(call: ParsedCall) -> dict:
 def tool_calls(mode: ToolMode, text: str) -> list[dict] | None:
     """The calls in a finished output's text; None when it does not parse (an output cut by max_tokens)."""
     try:
+        bounded_json.check_depth(text)  # the model's text: deep nesting is not a call, and must not recurse
         value = json.loads(text)
     except ValueError:
         return None

@@ -23,6 +23,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from kvgate import bounded_json
+
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
 
@@ -35,6 +37,7 @@ class ParsedCall:
 
 def _call(block: str) -> ParsedCall | None:
     try:
+        bounded_json.check_depth(block)  # the model's text: deep nesting is not a call, and must not recurse
         value = json.loads(block)
     except ValueError:
         return None

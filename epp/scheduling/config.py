@@ -27,9 +27,9 @@ upstream refuses it without a profile handler that runs several: kvgate's only h
 single-profile-handler, so a second profile would be parsed and never run.
 
 Any text at all gives an EppConfig or a one-line ConfigError (the operator puts it in a status condition, `kvgate
-epp` prints it and exits 1): the YAML is read within kvgate.bounded_yaml's limits (1 Mi characters, 64 levels,
-10000 nodes with aliases expanded — a config from a tenant's ConfigMap cannot stall or bloat the operator), and
-values are quoted at most 80 characters long in messages. tests/epp/test_fuzz_config.py fuzzes it.
+epp` prints it and exits 1): the YAML is read within kvgate.bounded_yaml's limits (1 Mi characters, a file 1 MiB,
+64 levels, 10000 nodes with aliases expanded — a config from a tenant's ConfigMap cannot stall or bloat the
+operator), and values are quoted at most 80 characters long in messages. tests/epp/test_fuzz_config.py fuzzes it.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from kvgate import bounded_yaml
+from kvgate import bounded_file, bounded_yaml
 from kvgate.epp.flow_config import POLICY_TYPES, FlowConfigError, FlowControlConfig, parse_flow_control
 from kvgate.epp.scheduling.framework import (
     Filter,
@@ -180,11 +180,13 @@ def load_config(path: str | Path | None, text: str | None = None) -> EppConfig:
     if path is None or str(path) == "":
         return default_config()
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = bounded_file.read_text(path, bounded_yaml.MAX_CHARS)  # a regular file of at most 1 MiB
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from e
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text: {e.reason} at byte {e.start}") from e
+    except bounded_file.FileLimitError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
     return parse_config(text, source=str(path))
 
 

@@ -67,3 +67,33 @@ def test_one_leader_release_on_stop_and_takeover_after_a_crash(k8s, namespace):
     finally:
         for e in electors:
             e.stop(release=True)
+
+
+def test_a_lease_with_an_absurd_duration_is_reported_and_taken_over(k8s, namespace, caplog):
+    """A Lease someone else wrote with leaseDurationSeconds 2^31 - 1 (the most the API server stores) and a fresh
+    renewTime held the election for 68 years: the candidates log it as unusable and one takes it over at once."""
+    import logging
+    from datetime import datetime, timezone
+
+    from kubernetes import client, config
+
+    api = client.CoordinationV1Api(config.new_client_from_config(config_file=str(k8s.kubeconfig)))
+    name = lease_name(namespace, "pool")
+    now = datetime.now(timezone.utc)
+    api.create_namespaced_lease(namespace, client.V1Lease(
+        metadata=client.V1ObjectMeta(name=name, namespace=namespace),
+        spec=client.V1LeaseSpec(holder_identity="intruder", lease_duration_seconds=2**31 - 1, acquire_time=now,
+                                renew_time=now, lease_transitions=0)))
+    electors = [LeaseElector(api, name, namespace, f"epp-{i}", lambda leading: None, lease_duration=LEASE_S,
+                             renew_deadline=RENEW_S, retry_period=RETRY_S) for i in range(2)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvgate.epp.leader"):
+            for e in electors:
+                e.start()
+            leader = wait_one_leader(electors, timeout_s=4 * RETRY_S + 2)
+        lease = api.read_namespaced_lease(name, namespace)
+        assert lease.spec.holder_identity == leader.identity and lease.spec.lease_duration_seconds == int(LEASE_S)
+        assert "intruder" in caplog.text and "is unusable" in caplog.text and "longer than" in caplog.text
+    finally:
+        for e in electors:
+            e.stop(release=True)

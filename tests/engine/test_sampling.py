@@ -1,6 +1,7 @@
 """Sampling: reproducible seeds, top_k=1 == greedy, processors against reference formulas, stop strings."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -8,9 +9,11 @@ import torch
 
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.detokenizer import IncrementalDetokenizer
+from kvgate.engine.errors import InvalidRequestError
 from kvgate.engine.request import Request
 from tests.engine.tiny_models import random_tokens as tokens
-from kvgate.engine.sampler import Sampler, SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p
+from kvgate.engine.sampler import (Sampler, SamplingBatch, apply_logit_bias, apply_min_p, apply_penalties,
+                                   apply_top_k_top_p)
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +167,52 @@ def test_min_tokens_masks_eos():
     p.eos_token_ids = (5,)
     tokens, _ = Sampler()(torch.tensor(LOGITS), make_batch([p, p]))
     assert tokens.tolist() == [0, 2]  # 5 (EOS) and 3 (stop id) are banned while under min_tokens
+
+
+def test_logit_bias_moves_only_its_own_row():
+    """A batch of mixed requests: the biased rows get their biases added to exactly their tokens' logits; the
+    unbiased greedy and seeded rows sample what they sample in a batch without any bias; logprobs stay raw."""
+    plain, seeded = SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=1.0, seed=3)
+    biased = SamplingParams(temperature=0.0, logprobs=1, logit_bias={3: 10.0, 5: -100.0})
+    bias_only = SamplingParams(temperature=0.0, logit_bias={2: 2.4})
+    logits = torch.tensor(np.concatenate([LOGITS, LOGITS[:1], LOGITS[:1]]))
+
+    def run(params):
+        gens = {f"r{i}": torch.Generator().manual_seed(3) for i, p in enumerate(params) if p.seed is not None}
+        return Sampler()(logits.clone(), make_batch(params, gens))
+
+    mixed_tokens, mixed_logprobs = run([biased, plain, seeded, bias_only])
+    alone_tokens, alone_logprobs = run([plain, plain, seeded, plain])
+    assert mixed_tokens.tolist()[1:3] == alone_tokens.tolist()[1:3]  # the rows without a bias
+    assert mixed_tokens[0] == 3  # 2.0 + 10 beats 3.0 - 100 and the rest
+    assert mixed_tokens[3] == 5  # 0.5 + 2.4 < 3.0: a bias that does not win leaves the argmax
+    raw = np.log(softmax(LOGITS[0]))
+    assert math.isclose(mixed_logprobs[0][3].logprob, raw[3], rel_tol=1e-5)  # the model's, not the biased
+    assert mixed_logprobs[1] == alone_logprobs[1]
+    batch = make_batch([biased, plain])
+    biased_logits = torch.tensor(LOGITS)
+    apply_logit_bias(biased_logits, batch.logit_bias)
+    expected = LOGITS.copy()
+    expected[0, 3] += 10.0
+    expected[0, 5] -= 100.0
+    np.testing.assert_array_equal(biased_logits.numpy(), expected)
+    assert make_batch([plain, seeded]).logit_bias is None  # nobody biased: nothing built, nothing applied
+
+
+def test_logit_bias_offline_and_checked(llm):
+    prompt = tokens(9, 4)
+    base = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = gen(llm, [prompt], base)[0]
+    target = next(t for t in range(5, 100) if t not in plain)
+    biased = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias={target: 100.0})
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, [biased, base])
+    assert outs[0].outputs[0].token_ids == [target] * 8 and outs[1].outputs[0].token_ids == plain
+    for bias, says in (({10**9: 1.0}, "outside the vocabulary"), ({target: 100.5}, "[-100, 100]"),
+                       ({target: float("nan")}, "[-100, 100]"), ({"7": 1.0}, "token ids")):
+        with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
+            llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2, logit_bias=bias))
+        assert info.value.param == "logit_bias"
+    assert SamplingParams(logit_bias={}).logit_bias is None
 
 
 # -- stop strings --------------------------------------------------------------------------------

@@ -3,12 +3,15 @@ LeaseElector (epp/leader.py) elects one EPP among replicas on one machine (`kvga
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import stat
 import subprocess
 import threading
 import time
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from kubernetes.client import V1Lease, V1LeaseSpec, V1ObjectMeta
@@ -130,7 +133,7 @@ def test_one_leads_a_silent_leader_is_replaced_after_the_lease_a_released_one_at
 
 
 @pytest.mark.parametrize("content", [b"{not json", b'{"name": "x"}', b"\xff\xfe", b" " * (MAX_LEASE_FILE_BYTES + 1),
-                                     b"[]"])
+                                     b"[]", b"[" * 2000 + b"]" * 2000])  # the last: nested past json's stack
 def test_a_corrupt_or_oversized_file_elects_nobody_and_crashes_nothing(tmp_path, content, caplog):
     path = tmp_path / "epp.lease"
     path.write_bytes(content)
@@ -148,6 +151,71 @@ def test_a_corrupt_or_oversized_file_elects_nobody_and_crashes_nothing(tmp_path,
         path.unlink()  # the operator removes it: an election starts
         wait_leaders(es, 1, 3)
     finally:
+        for e in es:
+            e.stop(release=False)
+
+
+def write_record(path, holder: str, duration, renew: datetime, transitions: int = 0) -> None:
+    """A valid record, as another writer left it (renamed into place, as the file lease writes)."""
+    tmp = path.with_name(path.name + ".rogue")
+    tmp.write_text(json.dumps({"name": NAME, "namespace": NS, "holderIdentity": holder,
+                               "leaseDurationSeconds": duration, "acquireTime": renew.isoformat(),
+                               "renewTime": renew.isoformat(), "leaseTransitions": transitions,
+                               "resourceVersion": "7"}))
+    os.replace(tmp, path)
+
+
+@pytest.mark.parametrize("duration, ahead_s, says", [
+    (999_999_999_999, 0, "longer than the 3600 s"),
+    (-5, 0, "is negative"),
+    (15, 10 * 365 * 86400, "ahead of this replica's clock"),
+])
+def test_a_record_with_an_absurd_timing_is_reported_and_taken_over(tmp_path, caplog, duration, ahead_s, says):
+    """Such a record held the election for ever (or, negative, was refused as corrupt): the electors report it and
+    one takes it over at once; leaseTransitions at int32's top, which no replace could advance, counts again."""
+    path = tmp_path / "epp.lease"
+    write_record(path, "intruder", duration, datetime.now(timezone.utc) + timedelta(seconds=ahead_s), 2**31 - 1)
+    es = electors(path)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvgate.epp.leader"):
+            for e in es:
+                e.start()
+            (leader,) = wait_leaders(es, 1, 5 * RETRY_S + 1)
+        lease = FileLeaseApi(path).read_namespaced_lease(NAME, NS)
+        assert lease.spec.holder_identity == leader.identity and lease.spec.lease_duration_seconds == int(LEASE_S)
+        assert lease.spec.lease_transitions == 1
+        reports = [r.getMessage() for r in caplog.records if "is unusable" in r.getMessage()]
+        assert 1 <= len(reports) <= len(es) and all("'intruder'" in r and says in r for r in reports), reports
+    finally:
+        for e in es:
+            e.stop(release=False)
+
+
+def test_an_absurd_record_written_again_and_again_is_reported_once_per_elector(tmp_path, caplog):
+    """A writer that keeps putting its record back (a new renewTime each time): every elector takes it over each
+    time it sees it, and logs it once (at most once a minute for the same holder and field), not once a try."""
+    path = tmp_path / "epp.lease"
+    es = electors(path)
+    stop = threading.Event()
+
+    def rogue() -> None:
+        while not stop.wait(0.02):
+            write_record(path, "intruder", 999_999_999_999, datetime.now(timezone.utc))
+
+    writer = threading.Thread(target=rogue)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvgate.epp.leader"):
+            writer.start()
+            for e in es:
+                e.start()
+            time.sleep(20 * RETRY_S)
+            stop.set()
+            writer.join(5)
+            wait_leaders(es, 1, 3)  # the writer gone, one leads
+        reports = [r for r in caplog.records if "held by 'intruder' is unusable" in r.getMessage()]
+        assert 1 <= len(reports) <= len(es), [r.getMessage() for r in reports]
+    finally:
+        stop.set()
         for e in es:
             e.stop(release=False)
 
@@ -224,6 +292,7 @@ def test_two_epp_processes_one_serves_and_the_follower_leads_when_it_is_killed(t
     (["--ha-enable-leader-election"], "--ha-lease-file PATH"),
     (["--ha-lease-file", "x.lease"], "needs --ha-enable-leader-election"),
     (["--ha-enable-leader-election", "--ha-lease-file", "/nonexistent-dir/x.lease"], "no directory"),
+    (["--ha-enable-leader-election", "--ha-lease-file", "x.lease", "--ha-lease-duration", "61m"], "<= 3600s"),
 ])
 def test_flag_validation(flags, says):
     from kvgate.cli import build_parser

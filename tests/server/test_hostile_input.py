@@ -185,3 +185,21 @@ def test_raw_garbage_gets_a_json_error(server):
         status = int(head.split()[1])
         assert 400 <= status < 500, (raw[:40], head)
         assert json.loads(body)["error"]["code"] == status
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_deep_nesting_in_any_field_is_a_400_or_ignored_never_a_500(server, path):
+    """Nesting past the JSON parser's stack is a 400 wherever it sits; within it, a field the endpoint reads is
+    checked (400) and one it does not read is ignored (200). A completion's `tools` (chat's field) is ignored, as
+    vLLM ignores it: it was a 500."""
+    head = '{"prompt": "x", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, '
+    for field in ("prompt", "messages", "logit_bias", "response_format", "tools", "stop", "unknown"):
+        for depth in (900, 100_000):
+            body = head + f'"{field}": ' + "[" * depth + "]" * depth + "}"
+            r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code in ((400,) if depth > 1000 else (200, 400)), (field, depth, r.text[:300])
+            if r.status_code == 400:
+                _assert_error(r, 400)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    if path == "/v1/completions":
+        assert _post(server, path, {"prompt": "x", "max_tokens": 2, "tools": tools}).status_code == 200
