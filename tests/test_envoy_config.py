@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from kvgate.envoy_config import (CircuitBreakers, ListenerTimeouts, PoolBackend, RouteTimeouts, envoy_binary,
-                                 render_direct, render_round_robin)
+                                 pool_clusters, render_direct, render_round_robin)
 from kvgate.gateway_routes import RouteRule, WeightedBackend, render_pool_gateway, render_static_gateway
 from kvgate.epp.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
 
@@ -245,3 +245,14 @@ def test_kvgate_up_limit_flags():
     assert pool["circuit_breakers"]["thresholds"][0]["max_requests"] == 4096
     with pytest.raises(SystemExit):
         parser.parse_args(["up", "--request-timeout", "0"])
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_the_epp_cluster_leaves_a_dead_epp_and_panics_only_as_the_failure_mode_allows(fail_open):
+    """Every EPP cluster ejects a host at its first connect failure or reset (another replica takes the next
+    stream); FailOpen never sends to an unhealthy EPP (its route serves without one), FailClose sends to them all
+    while none is healthy (a draining EPP Envoy's list still names alone serves; a dead one's 500 is the same)."""
+    pool = PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000"], failure_mode_allow=fail_open, epp_health_port=9003)
+    (epp,) = [c for c in pool_clusters(pool) if c["name"] == "epp-p"]
+    assert epp["outlier_detection"]["consecutive_local_origin_failure"] == 1
+    assert epp["common_lb_config"]["healthy_panic_threshold"]["value"] == (0 if fail_open else 1)
