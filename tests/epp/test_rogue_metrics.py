@@ -130,11 +130,13 @@ BAD_PAGES = {
     "400-digit block count": lambda pg: pg(blocks="1" * 400),
     "400-digit block size": lambda pg: pg(block_size="9" * 400),
     "+Inf prefix counters": lambda pg: pg(queries="+Inf", hits="+Inf"),
-    "NaN everywhere": lambda pg: pg(waiting="NaN", running="NaN", usage="NaN", queries="NaN", age="NaN", computed="NaN"),
+    "NaN everywhere": lambda pg: pg(waiting="NaN", running="NaN", usage="NaN", queries="NaN", age="NaN",
+                                    computed="NaN"),
     "+Inf step age": lambda pg: pg(age="+Inf"),
     "-Inf gauges": lambda pg: pg(waiting="-Inf", running="-Inf", pending="-Inf", awaiting="-Inf"),
-    "1e308 everywhere": lambda pg: pg(waiting="1e308", running="1e308", usage="1e308", pending="1e308", awaiting="1e308",
-                             age="1e308", queries="1e308", hits="1e308", computed="1e308", seconds="1e308"),
+    "1e308 everywhere": lambda pg: pg(waiting="1e308", running="1e308", usage="1e308", pending="1e308",
+                                      awaiting="1e308", age="1e308", queries="1e308", hits="1e308", computed="1e308",
+                                      seconds="1e308"),
     "negative counters": lambda pg: pg(queries=-5, hits=-10, computed=-1, seconds=-1),
     "usage 7": lambda pg: pg(usage=7),
     "garbage bytes": lambda pg: bytes(range(256)) * 64,
@@ -188,7 +190,8 @@ def test_out_of_range_values_are_dropped_counted_and_logged(pool, caplog):
         None, None, None, None, 0.0)  # what was dropped reads as not exported
     pool.serve(B, page(queries="+Inf"))  # within LOG_EVERY_S: counted, not logged again
     c = pool.layer._collectors[B]
-    assert c.rejected == {("vllm:cache_config_info", "bad_label"): 1, ("vllm:prefix_cache_queries_total", "non_finite"): 2,
+    assert c.rejected == {("vllm:cache_config_info", "bad_label"): 1,
+                          ("vllm:prefix_cache_queries_total", "non_finite"): 2,
                           ("vllm:prefix_cache_hits_total", "non_finite"): 1,
                           ("kvgate:engine_step_age_seconds", "non_finite"): 1,
                           ("vllm:kv_cache_usage_perc", "out_of_range"): 1}
