@@ -10,7 +10,8 @@ each prompt new, so no prefix pins a pick).
 Timeline: `phase_s` with both pages sound (the clean window: the baseline), then each bad page of PAGES on B in
 turn for `phase_s`, each followed by B's sound page until B is picked again (at most `recover_s`). Per window:
 picks, 5xx answers, gRPC errors, latency p50/p99 and the p99 against the clean window's, B's share of the picks,
-and the seconds until B was picked again once its page was sound.
+the seconds until B was picked again once its page was sound, and the share of the EPP's event loop that reading
+and parsing B's answers took (its kvgate_epp_endpoint_scrape_cpu_seconds_total over the window).
 
 Verdict: no 5xx and no gRPC error in any window, every window's p99 within P99_RATIO of the clean window's, and B
 picked again after every bad page.
@@ -204,6 +205,8 @@ class Window:
     name: str
     picks: list[tuple[float, float, str]] = field(default_factory=list)  # (at, seconds, endpoint or "5xx"/"error")
     recover_s: float | None = None  # B's sound page again → B picked
+    # the EPP's kvgate_epp_endpoint_scrape_cpu_seconds_total for B at the window's start and end, and when read
+    cpu: list[tuple[float, float]] = field(default_factory=list)
 
     def row(self, b: str, clean_p99: float | None) -> dict:
         lat = np.array([s for _, s, _ in self.picks]) if self.picks else np.zeros(1)
@@ -212,11 +215,15 @@ class Window:
         errors = sum(1 for *_, d in self.picks if d == "error")
         ratio = p99 / clean_p99 if clean_p99 else 1.0
         recovered = self.name == "clean" or self.recover_s is not None
+        share = None
+        if len(self.cpu) == 2 and self.cpu[1][0] > self.cpu[0][0]:
+            share = (self.cpu[1][1] - self.cpu[0][1]) / (self.cpu[1][0] - self.cpu[0][0])
         return {"page": self.name, "picks": len(self.picks), "5xx": fivexx, "grpc_errors": errors,
                 "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 2), "p99_ms": round(p99 * 1e3, 2),
                 "p99_vs_clean": round(ratio, 2),
                 "b_share": round(sum(1 for *_, d in self.picks if d == b) / max(1, len(self.picks)), 3),
                 "recover_s": None if self.recover_s is None else round(self.recover_s, 2),
+                "b_scrape_loop_share": None if share is None else round(share, 4),
                 "passed": fivexx == 0 and errors == 0 and ratio <= P99_RATIO and recovered}
 
 
@@ -318,7 +325,9 @@ def run_rogue_engine(workdir: Path | None = None, pages: tuple[str, ...] = PAGES
                     window = picker.window = Window(name)
                     windows.append(window)
                     engines.bad = None if name == "clean" else name
+                    window.cpu.append((time.monotonic(), _scrape_cpu(metrics_port, b)))
                     _wait(phase_s, tick)
+                    window.cpu.append((time.monotonic(), _scrape_cpu(metrics_port, b)))
                     if name == "clean":
                         continue
                     engines.bad = None
@@ -343,6 +352,18 @@ def run_rogue_engine(workdir: Path | None = None, pages: tuple[str, ...] = PAGES
             "passed": all(r["passed"] for r in rows) and tracebacks == 0}
 
 
+def _scrape_cpu(metrics_port: int, address: str) -> float:
+    """The EPP's kvgate_epp_endpoint_scrape_cpu_seconds_total for `address` (0 before its first answer)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    key = f'kvgate_epp_endpoint_scrape_cpu_seconds_total{{endpoint="{address}"}} '
+    for line in text.splitlines():
+        if line.startswith(key):
+            return float(line[len(key):])
+    return 0.0
+
+
 def _wait(seconds: float, tick) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -352,12 +373,14 @@ def _wait(seconds: float, tick) -> None:
 
 def print_rogue_engine(result: dict) -> None:
     head = ("page on B", "picks", "5xx", "gRPC errors", "p50 ms", "p99 ms", "p99 / clean", "B's share",
-            "B again after s", "held")
+            "B again after s", "EPP loop on B's scrapes", "held")
     lines = [head]
     for r in result["rows"]:
         lines.append((r["page"], str(r["picks"]), str(r["5xx"]), str(r["grpc_errors"]), f"{r['p50_ms']:.2f}",
                       f"{r['p99_ms']:.2f}", f"{r['p99_vs_clean']:.2f}", f"{r['b_share']:.2f}",
-                      "-" if r["recover_s"] is None else f"{r['recover_s']:.2f}", "yes" if r["passed"] else "NO"))
+                      "-" if r["recover_s"] is None else f"{r['recover_s']:.2f}",
+                      "-" if r["b_scrape_loop_share"] is None else f"{100 * r['b_scrape_loop_share']:.1f}%",
+                      "yes" if r["passed"] else "NO"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     print("rogue-engine: kvgate's profile over stand-in engines A and B; B serves each bad page in turn "
           f"({result['phase_s']:g} s each, {result['threads']} client threads picking over gRPC)")

@@ -212,17 +212,21 @@ def _endpoint_input_families(snapshot: Snapshot):
     rejected = CounterMetricFamily("kvgate_epp_endpoint_metric_values_rejected", "Values an endpoint's /metrics pages "
                                    "carried that the EPP dropped, by metric family and reason: non_finite, "
                                    "out_of_range, bad_label, too_many_series.", labels=["endpoint", "metric", "reason"])
+    cpu = CounterMetricFamily("kvgate_epp_endpoint_scrape_cpu_seconds", "Seconds of the EPP's event loop spent reading "
+                              "and parsing an endpoint's /metrics answers (its rate: the share of the loop they take; "
+                              "each answer holds the next scrape back ten times its cost).", labels=["endpoint"])
     faults = CounterMetricFamily("kvgate_epp_endpoint_scheduling_faults", "Decisions a scheduling plugin failed on "
                                  "an endpoint's data, after which the endpoint sat out picks for a while.",
                                  labels=["endpoint"])
-    for address, failed_by, dropped in snapshot.endpoint_counts:
+    for address, failed_by, dropped, cpu_s in snapshot.endpoint_counts:
+        cpu.add_metric([address], cpu_s)
         for reason, n in sorted(failed_by.items()):
             failures.add_metric([address, reason], n)
         for (family, reason), n in sorted(dropped.items()):
             rejected.add_metric([address, family, reason], n)
     for address, n in sorted(snapshot.scheduling_faults.items()):
         faults.add_metric([address], n)
-    yield from (failures, rejected, faults)
+    yield from (failures, rejected, cpu, faults)
 
 
 def _latency_model_families(values: Mapping[str, float]):

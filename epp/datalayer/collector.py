@@ -74,7 +74,7 @@ class EndpointCollector:
 
     __slots__ = ("endpoint", "metrics", "connection", "scrapes", "failures", "consecutive_failures", "failing", "sent_at", "filtered",
                  "prefill_rate", "timing_said", "last_body", "connecting", "removed", "failed_by", "rejected",
-                 "not_before", "rejections_said_at", "rejections_unsaid", "_layer")
+                 "not_before", "rejections_said_at", "rejections_unsaid", "cpu_s", "_layer")
 
     def __init__(self, endpoint: Endpoint, layer: "Datalayer") -> None:
         self.endpoint = endpoint  # replaced in place when the pod's metadata changes
@@ -94,6 +94,7 @@ class EndpointCollector:
         self.failed_by: dict[str, int] = {}  # failed scrapes by reason (timeout, connect, too_large, ...)
         self.rejected: dict[tuple[str, str], int] = {}  # values dropped by (family, reason), value_bounds.py
         self.not_before = 0.0  # loop time before which no scrape starts (READ_BACKOFF)
+        self.cpu_s = 0.0  # seconds of the event loop its answers took to read and parse, in all
         self.rejections_said_at: float | None = None  # when the log last named this endpoint's rejected values
         self.rejections_unsaid = 0  # rejected since then
         self._layer = layer
@@ -169,6 +170,7 @@ class EndpointCollector:
                     self._count_rejections(rejections)
                 self.last_body = body
         except Exception as e:  # noqa: BLE001 - any failure keeps the old numbers; staleness reports it
+            self.cpu_s += cost
             self.not_before = time.monotonic() + READ_BACKOFF * cost
             self.last_body = b""
             if self.filtered and (isinstance(e, MetricsParseError) or 400 <= status < 500):
@@ -183,6 +185,7 @@ class EndpointCollector:
                 self.failing = True
                 log.warning("scraping %s failed: %s", self.endpoint.metrics_url, str(e) or type(e).__name__)
             return
+        self.cpu_s += cost
         self.not_before = time.monotonic() + READ_BACKOFF * cost
         metrics.prefill_tokens_per_s = self.prefill_rate.update(metrics)
         metrics.prefill_rate_timed = self.prefill_rate.timed and metrics.prefill_tokens_per_s is not None
@@ -342,9 +345,10 @@ class Datalayer:
             self._snapshot_at = now
         return self._snapshot
 
-    def endpoint_counts(self) -> list[tuple[str, dict[str, int], dict[tuple[str, str], int]]]:
-        """(address, failed scrapes by reason, dropped values by (family, reason)) of every endpoint: copies."""
-        return [(a, dict(c.failed_by), dict(c.rejected)) for a, c in self._collectors.items()]
+    def endpoint_counts(self) -> list[tuple[str, dict[str, int], dict[tuple[str, str], int], float]]:
+        """(address, failed scrapes by reason, dropped values by (family, reason), seconds of the loop its answers
+        took) of every endpoint: copies."""
+        return [(a, dict(c.failed_by), dict(c.rejected), c.cpu_s) for a, c in self._collectors.items()]
 
     def stats(self) -> dict[str, int]:
         return {"endpoints": len(self._collectors),

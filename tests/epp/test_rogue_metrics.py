@@ -198,7 +198,7 @@ def test_out_of_range_values_are_dropped_counted_and_logged(pool, caplog):
     lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(lines) == 1 and B in lines[0] and "kv_cache_usage_perc 3.0" in lines[0] and len(lines[0]) < 300
     assert ("vllm:prefix_cache_queries_total", "non_finite") in dict(
-        (a, r) for a, _, r in pool.layer.endpoint_counts())[B]
+        (a, r) for a, _, r, _ in pool.layer.endpoint_counts())[B]
     assert not pool.layer._collectors[A].rejected
 
 
@@ -363,4 +363,5 @@ def test_what_a_page_cost_its_endpoint_is_exported(pool):
             f'metric="kvgate:engine_step_age_seconds",reason="non_finite"}} 1.0') in text
     assert f'kvgate_epp_endpoint_scrape_failures_total{{endpoint="{B}",reason="timeout"}} 1.0' in text
     assert f'kvgate_epp_endpoint_scheduling_faults_total{{endpoint="{B}"}} 1.0' in text
+    assert f'kvgate_epp_endpoint_scrape_cpu_seconds_total{{endpoint="{B}"}} ' in text
     assert f'endpoint="{A}",metric' not in text
