@@ -343,11 +343,12 @@ def run_rogue_engine(workdir: Path | None = None, pages: tuple[str, ...] = PAGES
         finally:
             stop_group(epp)
             epp_log = (workdir / "epp.log").read_text(errors="replace")
+    at_bounds = answer_cost_at_bounds()
     clean = windows[0]
     clean_p99 = float(np.percentile([s for _, s, _ in clean.picks], 99)) if clean.picks else None
     rows = [w.row(b, clean_p99) for w in windows]
     tracebacks = epp_log.count("Traceback")
-    return {"rows": rows, "phase_s": phase_s, "threads": threads, "epp_tracebacks": tracebacks,
+    return {"rows": rows, "at_bounds": at_bounds, "phase_s": phase_s, "threads": threads, "epp_tracebacks": tracebacks,
             "scrapes": dict(engines.scrapes), "logs": str(workdir),
             "passed": all(r["passed"] for r in rows) and tracebacks == 0}
 
@@ -362,6 +363,66 @@ def _scrape_cpu(metrics_port: int, address: str) -> float:
         if line.startswith(key):
             return float(line[len(key):])
     return 0.0
+
+
+def answer_cost_at_bounds(repeats: int = 5) -> dict:
+    """The event loop's time for the costliest answers the datalayer's bounds let through, in this process (best of
+    `repeats`): a page with every family the vLLM dialect reads at its label-set bound (the LoRA gauge at its own),
+    cut at 4 MiB, parsed; and MAX_CHUNKS 1-byte chunks read in 256 KiB reads (asyncio's largest), as one answer and
+    as its longest read — against a sound page's parse."""
+    from kvgate.epp.datalayer import value_bounds as bounds
+    from kvgate.epp.datalayer.dialects import DIALECTS
+    from kvgate.epp.datalayer.exposition import parse_metrics
+    from kvgate.epp.datalayer.http_client import DEFAULT_MAX_BYTES, MAX_CHUNKS, MetricsConnection
+
+    dialect = DIALECTS["vllm"]
+    lines = []
+    for family in dialect.families():
+        n = bounds.MAX_INFO_SERIES if family == dialect.lora_info else bounds.MAX_SERIES
+        lines += [f'{family}{{model_name="m",engine="{i}",running_lora_adapters="a{i}",feature="f{i}"}} {i}.5'
+                  for i in range(n)]
+    heavy = ("\n".join(lines) + "\n")[:DEFAULT_MAX_BYTES]
+    sound = sound_page(False, 1.0).decode()
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    class _Sink:  # a transport that takes the request and drops it
+        def write(self, data) -> None:
+            pass
+
+        def is_closing(self) -> bool:
+            return False
+
+        def close(self) -> None:
+            pass
+
+    wire = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * MAX_CHUNKS
+            + b"0\r\n\r\n")
+    reads = [wire[i:i + (256 << 10)] for i in range(0, len(wire), 256 << 10)]
+    whole, longest = [], []
+    for _ in range(repeats):
+        connection = MetricsConnection("127.0.0.1:1", max_bytes=DEFAULT_MAX_BYTES)
+        connection.transport = _Sink()
+        connection.send(lambda status, body, exc: None)
+        slowest = 0.0
+        for chunk in reads:
+            t0 = time.perf_counter()
+            connection.data_received(chunk)
+            slowest = max(slowest, time.perf_counter() - t0)
+        whole.append(connection.cost_s)
+        longest.append(slowest)
+    return {"sound_page_parse_ms": round(best(lambda: parse_metrics(sound, dialect)) * 1e3, 3),
+            "page_at_bounds_bytes": len(heavy),
+            "page_at_bounds_parse_ms": round(best(lambda: parse_metrics(heavy, dialect, 0.0,
+                                                                        bounds.Rejections())) * 1e3, 2),
+            "max_chunks_answer_ms": round(min(whole) * 1e3, 2),
+            "max_chunks_longest_read_ms": round(min(longest) * 1e3, 2)}
 
 
 def _wait(seconds: float, tick) -> None:
@@ -386,3 +447,9 @@ def print_rogue_engine(result: dict) -> None:
           f"({result['phase_s']:g} s each, {result['threads']} client threads picking over gRPC)")
     print("\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines))
     print(f"  EPP tracebacks in its log: {result['epp_tracebacks']}; scrapes answered: {result['scrapes']}")
+    b = result["at_bounds"]
+    print(f"  the costliest answers the bounds let through, on this process's loop: a "
+          f"{b['page_at_bounds_bytes']:,}-byte page at the label-set bounds parses in "
+          f"{b['page_at_bounds_parse_ms']} ms (a sound page: {b['sound_page_parse_ms']} ms); 65536 1-byte chunks "
+          f"read in {b['max_chunks_answer_ms']} ms, the longest "
+          f"256 KiB read {b['max_chunks_longest_read_ms']} ms; each holds its endpoint's next scrape back 10x as long")
