@@ -26,9 +26,11 @@ ROGUE_PUBLISHERS: dict[Path, object] = {}
 class Injected:
     at: float  # time.monotonic() of the fault
     victim: str | None = None  # the endpoint hit, for engine faults
-    victim_in_flight: int | None = None  # what the victim's own metrics said it was running just before
+    victim_in_flight: int | None = None  # what the victim was running just before (an engine's own metrics; an
+    #                                      EPP replica's streams as Envoy counts them)
     pid: int | None = None  # the process hit (EPP faults: recovery is a new one, ready)
-    epp: str | None = None  # the EPP child hit among active-passive replicas (recovery: another one leads)
+    epp: str | None = None  # the EPP child hit among replicas (active-passive, recovery: another one leads;
+    #                         active-active, recovery: it is back in Envoy's rotation)
 
 
 def _engine_in_flight(address: str) -> int | None:
@@ -112,6 +114,38 @@ def epp_leader_kill(stack: LocalStack) -> Injected:
     at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     return Injected(at, pid=pid, epp=leaders[0])
+
+
+def _envoy_streams_to(admin_port: int, cluster: str, port: int) -> int | None:
+    """The streams Envoy has open to `cluster`'s host on `port` (its /clusters `rq_active`): for an EPP, the
+    ext-proc streams it carries, each a request whose body passes through it. The EPP's own
+    `kvgate_epp_endpoint_in_flight_requests` would not do: with peer sync it counts its peers' picks too."""
+    import httpx
+
+    try:
+        text = httpx.get(f"http://127.0.0.1:{admin_port}/clusters", timeout=1.0).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        parts = line.split("::")
+        if len(parts) == 4 and parts[0] == cluster and parts[1].rsplit(":", 1)[-1] == str(port) \
+                and parts[2] == "rq_active":
+            return int(parts[3])
+    return None
+
+
+def epp_replica_kill(stack: LocalStack) -> Injected:
+    """SIGKILL one of two EPPs serving at once (active-active hosts of Envoy's EPP cluster): the streams it
+    carried break; Envoy ejects it at their resets (or at a new stream's connect failure) and sends new streams to
+    the other one. The supervisor restarts it, and Envoy takes it back once its health check passes."""
+    if len(stack.epps) < 2:
+        raise RuntimeError("the stack has one EPP (a shape with epp_replicas=2)")
+    name, grpc_port, _ = stack.epps[1]
+    held = _envoy_streams_to(stack.admin_port, "epp-local", grpc_port)
+    pid = stack.child(name).proc.pid
+    at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    return Injected(at, victim_in_flight=held, pid=pid, epp=name)
 
 
 def _in_background(attack, target: attacks.Target) -> Injected:

@@ -11,7 +11,10 @@ again, or a new EPP process healthy in Envoy; for active-passive EPPs, another E
 Envoy: the follower leading — the killed one, restarted, only follows). Each scenario states its expectation,
 checked on the row (`verdict`); `until-follower-leads`: FailClose with two EPPs electing a leader over a lease
 file — what the dead leader carried and what arrives before the follower leads fails, and the follower must be
-healthy in Envoy within the lease duration, a retry period and two of Envoy's 1 s health checks.
+healthy in Envoy within the lease duration, a retry period and two of Envoy's 1 s health checks;
+`epp-replica-streams`: FailClose with two EPPs serving at once — only the streams the killed one carried (Envoy's
+count just before) fail, plus at most one request per load worker sent to it before Envoy ejected it; out of
+rotation is when Envoy stopped listing it healthy, recovered when its restarted process is healthy there again.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class Scenario:
     fault: Callable[[LocalStack], faults.Injected]
     shape: StackShape
     expect: str  # "no-failure" | "victim-only" | "victim-only-and-window" | "epp-streams" | "until-epp-back"
-    #              | "no-failure-cache-kept" | "until-follower-leads"
+    #              | "no-failure-cache-kept" | "until-follower-leads" | "epp-replica-streams"
 
 
 # Scenarios sharing a stack shape run one after another on one stack (each waits for the last to heal).
@@ -84,6 +87,8 @@ SCENARIOS = [
              faults.replica_kill, StackShape(), "victim-only-and-window"),
     Scenario("epp-kill-failclose", "SIGKILL the EPP, FailClose", faults.epp_kill, StackShape(),
              "until-epp-back"),
+    Scenario("epp-kill-active-active", "SIGKILL one of two EPPs serving at once (active-active, peer-synced), "
+             "FailClose", faults.epp_replica_kill, StackShape(epp_replicas=2), "epp-replica-streams"),
     Scenario("replica-kill-upstream", "SIGKILL a replica; stock upstream-shaped Envoy, default EPP config",
              faults.replica_kill, StackShape(envoy="upstream"), "victim-only-and-window"),
     Scenario("epp-drain-failopen", "SIGTERM the EPP (rollout), FailOpen", faults.epp_drain,
@@ -122,7 +127,7 @@ class Row:
     kv_batches_after_fault: int | None = None
 
 
-def verdict(expect: str, row: Row, epp_streams: int) -> bool:
+def verdict(expect: str, row: Row, epp_streams: int, concurrency: int = 0) -> bool:
     if expect == "no-failure":
         return row.failed == 0
     if expect == "victim-only":  # only what the victim had taken fails; everything else is served
@@ -135,6 +140,10 @@ def verdict(expect: str, row: Row, epp_streams: int) -> bool:
         return row.recover_s is not None
     if expect == "until-follower-leads":  # FailClose: refused until the follower leads, within its lease's bound
         return row.recover_s is not None and row.recover_s <= LEADER_RECOVER_S
+    if expect == "epp-replica-streams":  # what the killed replica carried breaks; new streams go to the other one
+        #                                    (a worker's request sent to it before Envoy ejected it fails too)
+        return (row.victim_in_flight is not None and row.failed <= row.victim_in_flight + concurrency
+                and row.recover_s is not None)
     if expect == "no-failure-cache-kept":  # nothing lost, routing keeps its hit rate, the EPP still reads events
         return (row.failed == 0 and (row.kv_batches_after_fault or 0) > 0 and None not in (
             row.hit_rate_before, row.hit_rate_after) and row.hit_rate_after >= row.hit_rate_before - HIT_RATE_SLACK)
@@ -268,9 +277,9 @@ def _healthy_epps(up: LocalStack) -> set[str]:
             if line.startswith("epp-local::") and line.endswith("::health_flags::healthy")}
 
 
-def _epp_back(up: LocalStack) -> bool:
+def _epp_back(up: LocalStack, hosts: int = 1) -> bool:
     if up.envoy_flavor == "kvgate":
-        return epp_healthy_in_envoy(up.admin_port, "epp-local")
+        return epp_healthy_in_envoy(up.admin_port, "epp-local", hosts)
     return epp_ready(up.health_port)
 
 
@@ -288,7 +297,8 @@ async def run_scenario(pool: StackPool, scenario: Scenario, *, concurrency: int,
                        hold_s: float, recover_within_s: float = 30.0,
                        tick: Callable[[], None] = lambda: None) -> Row:
     up = pool.get(scenario.shape)
-    await asyncio.to_thread(_wait_stack_whole, up, 60.0)
+    shape = scenario.shape
+    await asyncio.to_thread(_wait_stack_whole, up, 60.0, 1 if shape.leader_election else shape.epp_replicas)
     kv = scenario.shape.kv_events
     load = StreamLoad(up.url, up.model, concurrency=concurrency, max_tokens=max_tokens,
                       prompt_for=tenant_prompts() if kv else None)
@@ -302,9 +312,16 @@ async def run_scenario(pool: StackPool, scenario: Scenario, *, concurrency: int,
     injected = await asyncio.to_thread(scenario.fault, up)
     deadline = injected.at + hold_s
     poller = _Poller(up, injected.victim, injected.at, deadline + recover_within_s) if injected.victim else None
-    if injected.epp is not None:  # a leader killed: back once Envoy finds another EPP (the follower) ready
+    out_task = None
+    if injected.epp is not None and shape.leader_election:  # a leader: back once Envoy finds another EPP ready
         def back() -> bool:
             return bool(_healthy_epps(up) - {injected.epp})
+    elif injected.epp is not None:  # one of active-active EPPs: out once Envoy ejected it, back once restarted
+        #                             and healthy there again
+        out_task = asyncio.create_task(_watch(deadline, lambda: injected.epp not in _healthy_epps(up)))
+
+        def back() -> bool:
+            return up.child(injected.epp).proc.pid != injected.pid and injected.epp in _healthy_epps(up)
     else:  # the EPP killed: back once its restarted process is healthy
         def back() -> bool:
             return up.child("epp").proc.pid != injected.pid and _epp_back(up)
@@ -322,7 +339,7 @@ async def run_scenario(pool: StackPool, scenario: Scenario, *, concurrency: int,
         await asyncio.to_thread(poller.join)
         out_s, recover_s = poller.out_s, poller.back_s
     else:
-        out_s, recover_s = None, (await back_task if back_task else None)
+        out_s, recover_s = (await out_task if out_task else None), (await back_task if back_task else None)
     failed = [o for o in load.outcomes if not o.ok(max_tokens)]
     errors: dict[str, int] = {}
     examples: dict[str, str] = {}
@@ -338,15 +355,15 @@ async def run_scenario(pool: StackPool, scenario: Scenario, *, concurrency: int,
     if kv:
         row.hit_rate_before, row.hit_rate_after = hit_rate(cache[0], cache[1]), hit_rate(cache[1], cache[2])
         row.kv_batches_after_fault = batches_after - batches_at_fault
-    row.passed = verdict(scenario.expect, row, epp_streams)
+    row.passed = verdict(scenario.expect, row, epp_streams, concurrency)
     return row
 
 
-def _wait_stack_whole(up: LocalStack, timeout: float) -> None:
-    """Before a scenario: every replica back in rotation and the EPP healthy (the previous fault healed)."""
+def _wait_stack_whole(up: LocalStack, timeout: float, epp_hosts: int = 1) -> None:
+    """Before a scenario: every replica back in rotation and `epp_hosts` EPPs healthy (the previous fault healed)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if _epp_back(up) and all(_available(up, e) for e in up.endpoints):
+        if _epp_back(up, epp_hosts) and all(_available(up, e) for e in up.endpoints):
             return
         time.sleep(0.1)
     raise TimeoutError(f"the stack did not heal within {timeout:g} s (logs: {up.stack.workdir})")

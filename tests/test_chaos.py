@@ -53,6 +53,12 @@ def test_the_epp_going_away(chaos):
     # Two EPPs over a file lease: the follower (not the killed leader, restarted) leads once the lease runs out
     leader = rows["epp-leader-kill"]
     assert leader["recover_s"] is not None and leader["recover_s"] <= LEADER_RECOVER_S, leader
+    # Two EPPs serving at once: only what the killed one carried breaks (plus at most one request per worker sent
+    # to it before Envoy ejected it); Envoy ejects it at once and takes its restarted process back
+    both = rows["epp-kill-active-active"]
+    assert both["victim_in_flight"] is not None and both["failed"] <= both["victim_in_flight"] + 32, both
+    assert both["out_of_rotation_s"] is not None and both["out_of_rotation_s"] <= 1.0, both
+    assert both["recover_s"] is not None, both
 
 
 def test_kv_event_floods_and_rogues_cost_nothing(chaos):
