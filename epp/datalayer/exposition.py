@@ -89,24 +89,31 @@ _parsed_labels = functools.lru_cache(maxsize=4096)(_decode_labels)
 
 
 def _samples(text: str, series: Series, family_limit: int = MAX_SERIES, rejections: Rejections | None = None
-             ) -> Iterator[tuple[str, float]]:
+             ) -> list[tuple[str, float]]:
     """The samples of `series` (its family narrowed to its label values), at most `family_limit` of the family;
     past that the family yields nothing (a rejection recorded)."""
-    found = list(itertools.islice(iter_samples(text, series.name), family_limit + 1))
-    if len(found) > family_limit:
-        if rejections is not None:
-            rejections.add(series.name, TOO_MANY_SERIES, f"over {family_limit} samples")
-        return iter(())
+    found = []
+    for sample in iter_samples(text, series.name):
+        if len(found) == family_limit:
+            if rejections is not None:
+                rejections.add(series.name, TOO_MANY_SERIES, f"over {family_limit} samples")
+            return []
+        found.append(sample)
     if not series.labels:
-        return iter(found)
-    return ((labels, v) for labels, v in found
-            if all(parse_labels(labels).get(k) == want for k, want in series.labels))
+        return found
+    return [(labels, v) for labels, v in found
+            if all(parse_labels(labels).get(k) == want for k, want in series.labels)]
 
 
 def _values(text: str, series: Series, low: float, high: float, rejections: Rejections | None) -> list[float]:
     """The values of `series` within [low, high]; the others dropped and recorded."""
-    return [v for _, v in _samples(text, series, MAX_SERIES, rejections)
-            if in_range(v, low, high, series.name, rejections)]
+    out = []
+    for _, v in _samples(text, series, MAX_SERIES, rejections):
+        if low <= v <= high:  # False for NaN; ±Inf is past any finite bound
+            out.append(v)
+        else:
+            in_range(v, low, high, series.name, rejections)
+    return out
 
 
 def _first(text: str, choices: tuple[Series, ...], low: float, high: float, rejections: Rejections | None
