@@ -151,7 +151,7 @@ class Director:
         if request.priority < 0 and cycle.get(OBJECTIVES_UNMEETABLE):
             raise RoutingError(429, "no endpoint is predicted to meet this sheddable request's latency objectives "
                                     "(x-slo-ttft-ms / x-slo-tpot-ms)")
-        primary, ordered = self._commit(request, ordered, cycle)
+        primary, ordered = self._commit(request, states, ordered, cycle)
         prompt = request.estimated_prompt_tokens
         # What the pick adds to the endpoint's prefill backlog: a prefix-aware plugin's pick hook says, if one is
         # configured to (it declares it produces the key), else the whole prompt.
@@ -165,19 +165,26 @@ class Director:
             self.metrics.scheduling_seconds.observe(time.perf_counter() - started)
         return ordered
 
-    def _commit(self, request: LLMRequest, ordered: list[EndpointState], cycle: CycleState
-                ) -> tuple[EndpointState, list[EndpointState]]:
+    def _commit(self, request: LLMRequest, states: list[EndpointState], ordered: list[EndpointState],
+                cycle: CycleState) -> tuple[EndpointState, list[EndpointState]]:
         """Run the pick hooks on the first endpoint of `ordered` they do not fail on: one whose data a hook fails on
-        goes to the scheduler's quarantine and the next takes its place. (primary, the order from it)."""
-        for i, primary in enumerate(ordered):
-            try:
-                self.scheduler.on_picked(request, primary, cycle)
-                return primary, ordered[i:] if i else ordered
-            except Exception as exc:  # noqa: BLE001 - this endpoint's data; raised again when it is every one's
-                if i == len(ordered) - 1:
-                    raise
-                self.scheduler.quarantine(primary.address, exc, "the pick hook")
-        raise RoutingError(503, "no eligible endpoint")  # unreachable: `ordered` is not empty
+        goes to the scheduler's quarantine and the next takes its place; when the hooks failed on every one, the
+        decision runs once more without them. (primary, the order from it)."""
+        for attempt in range(2):
+            for i, primary in enumerate(ordered):
+                try:
+                    self.scheduler.on_picked(request, primary, cycle)
+                    return primary, ordered[i:] if i else ordered
+                except Exception as exc:  # noqa: BLE001 - this endpoint's data; raised again if every one's
+                    if attempt == 1 and i == len(ordered) - 1:
+                        raise
+                    self.scheduler.quarantine(primary.address, exc, "the pick hook")
+            cycle.clear()
+            cycle.snapshot = None
+            ordered = self.scheduler.schedule(request, states, cycle)  # the quarantined ones left out
+            if not ordered:
+                break
+        raise RoutingError(503, "no eligible endpoint: the pick hooks failed on every endpoint's data")
 
     def release(self, request: LLMRequest, address: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
         """The response ended (or broke): undo the in-flight accounting and tell the plugins."""

@@ -89,6 +89,7 @@ class MetricsConnection(asyncio.Protocol):
         if self.connected:
             return
         self.transport = None
+        self.cost_s = 0.0  # a failed connect reads nothing: the last answer's cost is not this scrape's
         loop = asyncio.get_running_loop()
         await asyncio.wait_for(loop.create_connection(lambda: self, self.host, self.port), self.timeout)
 

@@ -365,3 +365,38 @@ def test_what_a_page_cost_its_endpoint_is_exported(pool):
     assert f'kvgate_epp_endpoint_scheduling_faults_total{{endpoint="{B}"}} 1.0' in text
     assert f'kvgate_epp_endpoint_scrape_cpu_seconds_total{{endpoint="{B}"}} ' in text
     assert f'endpoint="{A}",metric' not in text
+
+
+class _HookFailsOn(framework.Scorer):
+    """Scores `bad` best, then fails in its pick hook on it (the data a hook reads, not the scorer's)."""
+
+    type_name = "hook-fails-on"
+
+    def __init__(self, bad: str) -> None:
+        super().__init__()
+        self.bad = bad
+        self.recorded: list[str] = []
+
+    def score(self, req, endpoints, cycle=None):
+        return [1.0 if e.address == self.bad else 0.5 for e in endpoints]
+
+    def pre_request(self, req, endpoint, cycle=None):
+        if endpoint.address == self.bad:
+            raise ValueError("cannot convert float NaN to integer")
+        self.recorded.append(endpoint.address)
+
+
+@pytest.mark.parametrize("answers", [0, 1], ids=["with-fallbacks", "one-endpoint"])
+def test_a_pick_hook_failing_on_the_picked_endpoint_picks_again_without_it(answers):
+    """The next endpoint of the answer takes its place; an answer of one endpoint is decided again without it."""
+    layer = Datalayer()
+    layer.set_endpoints([Endpoint(A), Endpoint(B)])
+    for c in layer._collectors.values():
+        c.metrics, c.scrapes = EndpointMetrics(updated_at=time.monotonic()), 1
+    scorer = _HookFailsOn(B)
+    scheduler = Scheduler(SchedulerConfig([SchedulingProfile("p", scorers=[WeightedScorer(scorer, 1.0)],
+                                                             picker=MaxScorePicker(answers))]))
+    director = Director(Datastore(), layer, scheduler, Admission(), seed=1)
+    assert [e.address for e in director.pick(request(request_id="r1"))] == [A]  # B scored best; its hook failed
+    assert scheduler.quarantined() == [B] and scorer.recorded == [A]
+    assert director.pick(request(request_id="r2"))[0].address == A  # B sits out
