@@ -98,7 +98,8 @@ def run_bench_chaos(args) -> int:
         if set(pages) - set(PAGES):
             raise SystemExit(f"kvgate bench chaos: unknown rogue page(s): {', '.join(sorted(set(pages) - set(PAGES)))}"
                              f" (of: {', '.join(PAGES)})")
-        rogue = run_rogue_engine(workdir / "rogue-engine", pages, phase_s=2.0 if args.short else 4.0)
+        rogue = run_rogue_engine(workdir / "rogue-engine", pages, phase_s=2.0 if args.short else 4.0,
+                                 threads=2 if args.short else 4)
         result["rogue_engine"] = rogue
         print_rogue_engine(rogue)
         failed_expectation |= not rogue["passed"]
