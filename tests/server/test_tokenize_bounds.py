@@ -39,11 +39,12 @@ def _health_while(server, path: str, body) -> tuple[httpx.Response, list[float]]
 
 def test_a_large_tokenize_answer_is_built_off_the_event_loop(server):
     """2 MiB of prompt = 2M ids, 6 MB of JSON: serialized on the loop, /health waited 1.7 s for it (a kubelet's
-    probe times out after 1 s); in the tokenizer pool, /health answers in milliseconds meanwhile."""
+    probe times out after 1 s); in the tokenizer pool, /health answers meanwhile within a few hundred milliseconds
+    at worst on a loaded machine (the pool's thread shares the GIL)."""
     prompt = "a b " * (2**20 // 2)
     r, took = _health_while(server, "/tokenize", {"prompt": prompt})
     assert r.status_code == 200 and r.json()["count"] == len(prompt) == len(r.json()["tokens"])
-    assert len(took) >= 5 and took[len(took) // 2] < 0.1 and took[-1] < 0.75, took
+    assert len(took) >= 5 and took[len(took) // 2] < 0.3 and took[-1] < 0.75, took
 
 
 def test_over_max_model_len_is_a_400_naming_the_field(server):
