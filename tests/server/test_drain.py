@@ -48,11 +48,12 @@ def _wait_exit(server: KvgateServe, timeout: float) -> float:
 
 
 def test_sigterm_drains_running_streams_then_exits(kvgate_cache):
-    # ~6 ms a token: this stream runs ~2.5 s, well past the moment of SIGTERM and within the 20 s grace
+    # ~6 ms a token: this stream runs ~9 s, past the checks below on a loaded machine (at 400 tokens, ~2.5 s, it once
+    # ended before them) and within the 20 s grace
     server = KvgateServe("sim", "--backend", "sim", "--shutdown-timeout", "20", cache_dir=kvgate_cache)
     try:
         server.wait_ready()
-        stream = Stream(server.url, max_tokens=400)
+        stream = Stream(server.url, max_tokens=1500)
         stream.start()
         assert stream.started.wait(10)
         server.proc.send_signal(signal.SIGTERM)
@@ -68,7 +69,7 @@ def test_sigterm_drains_running_streams_then_exits(kvgate_cache):
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
         assert server.proc.poll() is None and stream.is_alive(), "the running stream must be let finish"
         stream.join(30)
-        assert stream.done and stream.error is None and stream.tokens == 400 and stream.finish_reason == "length"
+        assert stream.done and stream.error is None and stream.tokens == 1500 and stream.finish_reason == "length"
         exited = _wait_exit(server, 10)
         assert exited - sent < 20, "exits once its streams are done, not at the end of the grace period"
         assert server.proc.returncode in (0, -signal.SIGTERM)
