@@ -332,9 +332,9 @@ def _epp_health_check(pool: PoolBackend) -> dict:
 # --faults epp-kill-failopen`. Under FailClose the same ejection sends the next streams to another EPP replica
 # at once (active-active); where none is left, the panic threshold below sends them to the ejected one anyway.
 _EPP_EJECTION = {"split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
-                           "enforcing_consecutive_local_origin_failure": 100, "max_ejection_percent": 100,
-                           "base_ejection_time": "5s", "max_ejection_time": "30s", "interval": "1s",
-                           "consecutive_5xx": 1000000, "consecutive_gateway_failure": 1000000}
+                 "enforcing_consecutive_local_origin_failure": 100, "max_ejection_percent": 100,
+                 "base_ejection_time": "5s", "max_ejection_time": "30s", "interval": "1s",
+                 "consecutive_5xx": 1000000, "consecutive_gateway_failure": 1000000}
 
 
 # The EPP cluster's panic threshold. FailOpen: 0, never send to a failed EPP (no EPP: the FailOpen route). FailClose:
