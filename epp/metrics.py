@@ -212,9 +212,9 @@ def _endpoint_input_families(snapshot: Snapshot):
     rejected = CounterMetricFamily("kvgate_epp_endpoint_metric_values_rejected", "Values an endpoint's /metrics pages "
                                    "carried that the EPP dropped, by metric family and reason: non_finite, "
                                    "out_of_range, bad_label, too_many_series.", labels=["endpoint", "metric", "reason"])
-    cpu = CounterMetricFamily("kvgate_epp_endpoint_scrape_cpu_seconds", "Seconds of the EPP's event loop spent reading "
-                              "and parsing an endpoint's /metrics answers (its rate: the share of the loop they take; "
-                              "each answer holds the next scrape back ten times its cost).", labels=["endpoint"])
+    cpu = CounterMetricFamily("kvgate_epp_endpoint_scrape_cpu_seconds", "CPU seconds of the EPP's event loop spent "
+                              "reading and parsing an endpoint's /metrics answers (its rate: the share of the loop they "
+                              "take; each answer holds the next scrape back ten times its cost).", labels=["endpoint"])
     faults = CounterMetricFamily("kvgate_epp_endpoint_scheduling_faults", "Decisions a scheduling plugin failed on "
                                  "an endpoint's data, after which the endpoint sat out picks for a while.",
                                  labels=["endpoint"])

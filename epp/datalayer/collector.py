@@ -94,7 +94,7 @@ class EndpointCollector:
         self.failed_by: dict[str, int] = {}  # failed scrapes by reason (timeout, connect, too_large, ...)
         self.rejected: dict[tuple[str, str], int] = {}  # values dropped by (family, reason), value_bounds.py
         self.not_before = 0.0  # loop time before which no scrape starts (READ_BACKOFF)
-        self.cpu_s = 0.0  # seconds of the event loop its answers took to read and parse, in all
+        self.cpu_s = 0.0  # CPU seconds of the event loop its answers took to read and parse, in all
         self.rejections_said_at: float | None = None  # when the log last named this endpoint's rejected values
         self.rejections_unsaid = 0  # rejected since then
         self._layer = layer
@@ -159,13 +159,13 @@ class EndpointCollector:
             if body == self.last_body:  # byte-identical: same numbers, only fresher
                 metrics = dataclasses.replace(self.metrics, updated_at=time.monotonic())
             else:
-                started = time.monotonic()
+                started = time.thread_time()  # CPU, not wall time: a preempted loop is not the page's cost
                 rejections = Rejections()
                 try:
                     metrics = parse_metrics(body.decode("utf-8", "replace"), dialect_for(self.endpoint.engine_type),
-                                            started, rejections)
+                                            time.monotonic(), rejections)
                 finally:
-                    cost += time.monotonic() - started
+                    cost += time.thread_time() - started
                 if rejections:
                     self._count_rejections(rejections)
                 self.last_body = body

@@ -69,7 +69,7 @@ class MetricsConnection(asyncio.Protocol):
         self._complete = False
         self._keep_alive = True
         self._chunk_count = 0
-        self.cost_s = 0.0  # seconds spent reading the current (or last) answer
+        self.cost_s = 0.0  # CPU seconds this thread spent reading the current (or last) answer
 
     def set_path(self, path: str) -> None:
         self.path = path
@@ -148,7 +148,7 @@ class MetricsConnection(asyncio.Protocol):
             self.close()  # bytes nobody asked for: the stream is out of step
             return
         self._wire_bytes += len(data)
-        started = time.perf_counter()
+        started = time.thread_time()
         try:
             if self._wire_bytes > WIRE_OVERHEAD * self.max_bytes + MAX_HEADER_BYTES:
                 raise ScrapeError(f"response larger than {WIRE_OVERHEAD} x {self.max_bytes} bytes on the wire",
@@ -158,13 +158,13 @@ class MetricsConnection(asyncio.Protocol):
                 raise ScrapeError("response headers too large", "too_large")
             out_of_step = False
         except (httptools.HttpParserError, httptools.HttpParserUpgrade, ScrapeError) as e:
-            self.cost_s += time.perf_counter() - started
+            self.cost_s += time.thread_time() - started
             if not self._complete:
                 self._fail(e if isinstance(e, ScrapeError) else _parser_error(e))
                 return
             out_of_step = True  # bytes past the answer that do not parse: the answer stands, the connection goes
         else:
-            self.cost_s += time.perf_counter() - started
+            self.cost_s += time.thread_time() - started
         if self._complete:
             parser, self._parser = self._parser, None
             done, self._done = self._done, None

@@ -108,7 +108,8 @@ def datalayer_clock(monkeypatch):
     def monotonic():
         return clocks[-1].monotonic() if clocks else time.monotonic()
 
-    monkeypatch.setattr(collector, "time", type("Time", (), {"monotonic": staticmethod(monotonic)}))
+    monkeypatch.setattr(collector, "time", type("Time", (), {"monotonic": staticmethod(monotonic),
+                                                             "thread_time": staticmethod(time.thread_time)}))
     real_init = Pool.__init__
 
     def init(self, *args, **kwargs):
