@@ -8,7 +8,6 @@ into the Model Server Protocol numbers (EndpointMetrics) of a Dialect.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import re
 from collections.abc import Iterator
@@ -74,18 +73,27 @@ _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 CACHED_LABEL_CHARS = 4096  # label texts up to this long are decoded once and cached; longer ones every time
 
 
+def _cached_when_short(maxsize: int):
+    """An LRU cache of `maxsize` over a label-text decoder, for texts of at most CACHED_LABEL_CHARS: the info
+    gauges' label text repeats scrape after scrape, and a page of distinct megabyte labels cannot fill it."""
+    def wrap(decode):
+        cached = functools.lru_cache(maxsize=maxsize)(decode)
+
+        @functools.wraps(decode)
+        def lookup(text: str):
+            return cached(text) if len(text) <= CACHED_LABEL_CHARS else decode(text)
+        return lookup
+    return wrap
+
+
 def parse_labels(text: str) -> dict[str, str]:
     """The labels of one sample; a fresh dict (callers may keep or change it)."""
-    return dict(_parsed_labels(text) if len(text) <= CACHED_LABEL_CHARS else _decode_labels(text))
+    return dict(_labels(text))
 
 
-def _decode_labels(text: str) -> tuple[tuple[str, str], ...]:
+@_cached_when_short(4096)  # ~5 us -> ~0.3 us for a text seen before
+def _labels(text: str) -> tuple[tuple[str, str], ...]:
     return tuple((k, v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")) for k, v in _LABEL.findall(text))
-
-
-# the info gauges' label text repeats scrape after scrape: ~5 us -> ~0.3 us. Only short texts are kept, so that a
-# page of distinct megabyte labels cannot fill the cache with them.
-_parsed_labels = functools.lru_cache(maxsize=4096)(_decode_labels)
 
 
 def _samples(text: str, series: Series, family_limit: int = MAX_SERIES, rejections: Rejections | None = None
@@ -95,8 +103,7 @@ def _samples(text: str, series: Series, family_limit: int = MAX_SERIES, rejectio
     found = []
     for sample in iter_samples(text, series.name):
         if len(found) == family_limit:
-            if rejections is not None:
-                rejections.add(series.name, TOO_MANY_SERIES, f"over {family_limit} samples")
+            _reject(rejections, series.name, TOO_MANY_SERIES, f"over {family_limit} samples")
             return []
         found.append(sample)
     if not series.labels:
@@ -133,14 +140,11 @@ def _adapters(value: str) -> frozenset[str] | None:
     return names
 
 
+# The info gauges' labels are the same scrape after scrape: decoding them once per distinct text took a
+# filtered vLLM page's parse from 14.5 to ~9 us of CPU (micro-benchmark; see bench.py).
+@_cached_when_short(1024)
 def _lora_state(labels_text: str) -> tuple[int, frozenset[str], frozenset[str]] | None:
     """(max_lora, running, waiting) of a LoRA info sample; None when a label is out of its range."""
-    if len(labels_text) <= CACHED_LABEL_CHARS:
-        return _cached_lora_state(labels_text)
-    return _decode_lora_state(labels_text)
-
-
-def _decode_lora_state(labels_text: str) -> tuple[int, frozenset[str], frozenset[str]] | None:
     labels = parse_labels(labels_text)
     max_lora = int_label(labels.get("max_lora"), 0, MAX_LORAS)
     running, waiting = (_adapters(labels.get("running_lora_adapters", "")),
@@ -150,28 +154,15 @@ def _decode_lora_state(labels_text: str) -> tuple[int, frozenset[str], frozenset
     return max_lora or 0, running, waiting
 
 
-# The info gauges' labels are the same scrape after scrape: decoding them once per distinct text took a
-# filtered vLLM page's parse from 14.5 to ~9 us of CPU (micro-benchmark; see bench.py).
-_cached_lora_state = functools.lru_cache(maxsize=1024)(_decode_lora_state)
-
-
+@_cached_when_short(1024)
 def _cache_state(labels_text: str) -> tuple[int | None, int | None] | None:
     """(block_size, num_gpu_blocks) of a cache info sample; None when either is malformed or out of range."""
-    if len(labels_text) <= CACHED_LABEL_CHARS:
-        return _cached_cache_state(labels_text)
-    return _decode_cache_state(labels_text)
-
-
-def _decode_cache_state(labels_text: str) -> tuple[int | None, int | None] | None:
     labels = parse_labels(labels_text)
     size = int_label(labels.get("block_size"), 1, MAX_BLOCK_SIZE)
     blocks = int_label(labels.get("num_gpu_blocks"), 0, MAX_KV_BLOCKS)
     if size is False or blocks is False:
         return None
     return size, blocks
-
-
-_cached_cache_state = functools.lru_cache(maxsize=1024)(_decode_cache_state)
 
 
 def parse_metrics(text: str, dialect: Dialect, updated_at: float = 0.0, rejections: Rejections | None = None
