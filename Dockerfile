@@ -17,6 +17,9 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_IN
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvgate ./kvgate
+COPY common ./common
+COPY stack ./stack
+COPY bench ./bench
 COPY engine ./engine
 COPY epp ./epp
 COPY operator ./operator

@@ -23,8 +23,8 @@ import httpx
 
 from kvgate.chaos.load import StreamLoad
 from kvgate.chaos.runner import SIM_MODEL
-from kvgate.processes import end_with_me, free_port
-from kvgate.up import Stack, launch_local_stack
+from kvgate.common.processes import end_with_me, free_port
+from kvgate.stack.up import Stack, launch_local_stack
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

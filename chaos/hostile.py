@@ -135,10 +135,10 @@ def _expectation_met(attack: A.Attack, attempt: A.Attempt) -> bool:
 
 def run_hostile(workdir: Path, names: list[str], *, concurrency: int, warmup_s: float, attack_timeout_s: float,
                 startup_timeout: float = 120.0, tick=lambda _: None) -> dict:
-    from kvgate.bench_routing.runner import all_counters, epp_kv_event_counts, hit_rate
+    from kvgate.bench.routing.runner import all_counters, epp_kv_event_counts, hit_rate
     from kvgate.epp.scheduling.config import KVGATE_PROFILE_FALLBACK_YAML
-    from kvgate.processes import free_port
-    from kvgate.up import Stack, launch_local_stack
+    from kvgate.common.processes import free_port
+    from kvgate.stack.up import Stack, launch_local_stack
 
     stack = Stack(Path(tempfile.mkdtemp(prefix="stack-", dir=workdir)))
     rogue_address = f"tcp://[::1]:{free_port()}"

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvgate.processes import free_port, start_group, stop_group, wait_http_ok
+from kvgate.common.processes import free_port, start_group, stop_group, wait_http_ok
 
 P99_RATIO = 3.0
 PICK_TIMEOUT_S = 10.0

@@ -29,12 +29,12 @@ from pathlib import Path
 
 import httpx
 
-from kvgate.bench_routing.runner import all_counters, epp_kv_event_counts, hit_rate
+from kvgate.bench.routing.runner import all_counters, epp_kv_event_counts, hit_rate
 from kvgate.chaos import attacks, faults
 from kvgate.chaos.load import Outcome, StreamLoad, tenant_prompts
 from kvgate.epp.scheduling.config import FALLBACK_CONFIG_YAML, KVGATE_PROFILE_FALLBACK_YAML
-from kvgate.processes import free_port
-from kvgate.up import EPP_LEASE_TIMINGS, LocalStack, Stack, epp_healthy_in_envoy, epp_ready, launch_local_stack
+from kvgate.common.processes import free_port
+from kvgate.stack.up import EPP_LEASE_TIMINGS, LocalStack, Stack, epp_healthy_in_envoy, epp_ready, launch_local_stack
 
 SIM_MODEL = "sim-model"
 # Streams of a few seconds: long enough that a fault lands in the middle of many of them.

@@ -19,7 +19,7 @@ from kvgate.conformance.checks import (expect, pods_with_labels, pool_must_be_ac
 from kvgate.conformance.cluster import ConformanceError, wait_until
 from kvgate.conformance.suite import Context, conformance_test
 from kvgate.conformance.traffic import TEST_ENDPOINT_SELECTION, Request, completion
-from kvgate.epp.protocol import SERVED_TEST_HEADER
+from kvgate.common.epp_protocol import SERVED_TEST_HEADER
 
 NS = res.APP_BACKEND_NS
 SERVED_HEADER = SERVED_TEST_HEADER

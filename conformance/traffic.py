@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvgate.conformance.cluster import ConformanceError
-from kvgate.epp.protocol import TEST_ENDPOINT_SELECTION_HEADER as TEST_ENDPOINT_SELECTION
+from kvgate.common.epp_protocol import TEST_ENDPOINT_SELECTION_HEADER as TEST_ENDPOINT_SELECTION
 
 
 @dataclass(frozen=True)

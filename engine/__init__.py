@@ -13,10 +13,10 @@ _EXPORTS = {
     "SamplingParams": "kvgate.engine.sampling_params",
     "RequestOutput": "kvgate.engine.outputs",
     "CompletionOutput": "kvgate.engine.outputs",
-    "EngineError": "kvgate.engine.errors",
-    "InvalidRequestError": "kvgate.engine.errors",
-    "ModelLoadError": "kvgate.engine.errors",
-    "ConfigError": "kvgate.engine.errors",
+    "EngineError": "kvgate.common.errors",
+    "InvalidRequestError": "kvgate.common.errors",
+    "ModelLoadError": "kvgate.common.errors",
+    "ConfigError": "kvgate.common.errors",
 }
 __all__ = list(_EXPORTS)
 

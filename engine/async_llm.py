@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.engine_client import EngineClient, make_engine_client
 from kvgate.engine.engine_messages import AbortRequest, AddRequest, ArrivalProbe, EngineInfo, LoRACall, StepResult
-from kvgate.engine.errors import EngineDeadError, EngineError, LoRAError
+from kvgate.common.errors import EngineDeadError, EngineError, LoRAError
 from kvgate.engine.llm_engine import EngineStats
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.outputs import RequestOutput

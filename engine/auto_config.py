@@ -13,14 +13,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgate.engine.errors import ConfigError
+from kvgate.common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 GIVEN = "given"
 
 # CPU dtype. bfloat16 halves the bytes each step reads; with AVX512-BF16 (or AMX) the CPU also multiplies it
-# natively. `python -m kvgate.engine.bench_cpu_dtype --rounds 7` on this project's 2-core Xeon (avx512_bf16, no AMX,
+# natively. `python -m kvgate.bench.engine_cpu_dtype --rounds 7` on this project's 2-core Xeon (avx512_bf16, no AMX,
 # torch 2.13, idle machine), bf16 speed-up over float32, medians of 7 alternating rounds, decode b=1/8/32/128 and a
 # 512-token prefill:
 #   demo (hidden 256, 4 layers)        0.84-0.87x / 1.06-1.13x / 1.24-1.25x / 1.35-1.48x / 1.44-1.49x (two runs)

@@ -4,22 +4,10 @@ not drift (docs/architecture.md)."""
 from __future__ import annotations
 
 import argparse
-import re
 
+from kvgate.common.sizes import parse_bytes
 from kvgate.engine.config import KV_CACHE_DTYPES, EngineConfig
 from kvgate.engine.generation_defaults import parse_override
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> int:
-    """'1073741824', '1GiB', '512MiB', '2G' -> bytes (binary units)."""
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 2147483648 or 2GiB)")
-    value, unit = float(m.group(1)), m.group(2).lower()
-    return int(value * 1024 ** " kmgt".index(unit or " "))
-
 
 def _utilization(text: str) -> float:
     try:
@@ -32,7 +20,7 @@ def _utilization(text: str) -> float:
 
 
 def _lora_module(text: str):
-    from kvgate.engine.errors import ConfigError
+    from kvgate.common.errors import ConfigError
     from kvgate.engine.lora.request import LoRAModulePath
 
     try:

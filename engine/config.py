@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvgate.engine.errors import ConfigError
+from kvgate.common.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ import logging
 import math
 from pathlib import Path
 
-from kvgate.engine.demo import _build_once, build_byte_tokenizer, cache_dir, write_tokenizer_files
+from kvgate.common.demo import _build_once, build_byte_tokenizer, cache_dir, write_tokenizer_files
 
 log = logging.getLogger(__name__)
 

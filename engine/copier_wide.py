@@ -24,9 +24,9 @@ import json
 import math
 from pathlib import Path
 
-from kvgate import bounded_json
+from kvgate.common import bounded_json
 from kvgate.engine.copier import COPIER_RECIPE, ensure_copier_model, recipe_key
-from kvgate.engine.demo import _build_once, cache_dir
+from kvgate.common.demo import _build_once, cache_dir
 
 WIDE_SHAPE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                   num_key_value_heads=4)

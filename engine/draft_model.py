@@ -42,10 +42,11 @@ import torch
 
 from kvgate.engine.attention import AttentionMetadata
 from kvgate.engine.block_table import BlockTable
-from kvgate.engine.errors import ConfigError
+from kvgate.common.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
 from kvgate.engine.kv_quant import allocate_kv_caches, kv_bytes_per_block
-from kvgate.engine.loader import load_hf_config, load_model, load_tokenizer
+from kvgate.common.tokenizer_files import load_tokenizer
+from kvgate.engine.loader import load_hf_config, load_model
 from kvgate.engine.sampler import Sampler, SamplingBatch
 from kvgate.engine.spec_decode import Proposer, SpeculativeConfig
 

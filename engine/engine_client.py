@@ -28,7 +28,7 @@ from collections.abc import Callable
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.engine_loop import EngineLoop, arrival_probe, engine_info
 from kvgate.engine.engine_messages import AddRequest, ArrivalProbe, EngineInfo, LoopDied, Shutdown, StepResult
-from kvgate.engine.errors import EngineDeadError, EngineError
+from kvgate.common.errors import EngineDeadError, EngineError
 from kvgate.engine.llm_engine import LLMEngine
 
 OnResult = Callable[[StepResult | ArrivalProbe], None]
@@ -145,7 +145,7 @@ class ProcessEngineClient(EngineClient):
         child.close()
         self._conn = parent
         info = await asyncio.to_thread(self._receive_first)
-        from kvgate.engine.loader import load_tokenizer
+        from kvgate.common.tokenizer_files import load_tokenizer
 
         tokenizer = await asyncio.to_thread(load_tokenizer, info.tokenizer_path)
         self._reader = _start_thread(lambda: self._read(on_result), "kvgate-engine-reader", on_death)

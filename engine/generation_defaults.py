@@ -12,7 +12,7 @@ does kvgate, with vLLM's flag and meaning:
   override or from a generation-config folder (not from the model's own file); so does kvgate.
 
 The file is read as vLLM reads it (GenerationConfig.to_diff_dict: the values that differ from transformers'
-defaults, which since transformers 5 are unset, so every value the file sets), within kvgate/bounded_json.py's
+defaults, which since transformers 5 are unset, so every value the file sets), within common/bounded_json.py's
 limits (16 MiB and 64 levels of nesting; the override 64 KiB). Values are checked at start with
 the request checks (SamplingParams): a bad one stops the server with the file it came from.
 """
@@ -23,8 +23,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgate import bounded_json
-from kvgate.engine.errors import ConfigError, InvalidRequestError
+from kvgate.common import bounded_json
+from kvgate.common.errors import ConfigError, InvalidRequestError
 
 log = logging.getLogger("kvgate.engine")
 

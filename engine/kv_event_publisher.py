@@ -47,7 +47,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from kvgate.engine.errors import ConfigError
+from kvgate.common.errors import ConfigError
 from kvgate.engine.kv_events import KVEventBatch, KVEventsConfig, encode_batch, split_batch
 
 log = logging.getLogger(__name__)

@@ -42,8 +42,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, fields
 
-from kvgate import bounded_json
-from kvgate.engine.errors import ConfigError
+from kvgate.common import bounded_json
+from kvgate.common.errors import ConfigError
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the accelerator's KV cache (the sim's and the CPU's too: one tier)
 KV_CACHE_SPEC_KIND = "full_attention"  # every kvgate model has one KV group of full attention

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.errors import InvalidRequestError
+from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.lora.request import LoRARequest
@@ -21,7 +21,7 @@ def resolve_model_path(model: str) -> str:
     its prompt (engine/copier.py), `copier-wide` the copier inside a 0.37B-parameter Llama (engine/copier_wide.py);
     anything else is a local folder."""
     if model == "demo":
-        from kvgate.engine.demo import ensure_demo_model
+        from kvgate.common.demo import ensure_demo_model
 
         return str(ensure_demo_model())
     if model == "copier":

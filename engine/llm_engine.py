@@ -25,7 +25,7 @@ import torch
 from kvgate.engine.auto_config import fit_to_kv_cache, kv_cache_source
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import IncrementalDetokenizer
-from kvgate.engine.errors import ConfigError, InvalidRequestError, LoRAError
+from kvgate.common.errors import ConfigError, InvalidRequestError, LoRAError
 from kvgate.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvgate.engine.kv_event_publisher import create_publisher
 from kvgate.engine.kv_events import KVEventBatch

@@ -5,7 +5,7 @@ the file, known dtypes, shape x item size equal to the byte span, no two tensors
 zero-copy view of the mapped bytes, and the model's `load_weights` writes it into its parameter with one `copy_`
 (the dtype conversion, and on CUDA the host-to-device transfer, happen in that copy). The pages a tensor was read
 from are dropped from the process (madvise DONTNEED; they stay in the page cache) once it is copied, so the load's
-peak memory is the parameters plus about one tensor. `kvgate bench load` (engine/bench_load.py) measures it
+peak memory is the parameters plus about one tensor. `kvgate bench load` (bench/engine_load.py) measures it
 against transformers' `from_pretrained` and the loader this replaced.
 """
 
@@ -25,29 +25,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvgate import bounded_json
-from kvgate.engine.errors import ModelLoadError
+from kvgate.common import bounded_json
+from kvgate.common.errors import ModelLoadError
+from kvgate.common.tokenizer_files import check_json_files
 
 # The JSON files of a model folder that transformers parses (with json.loads: no bound on size or nesting), with
 # the size each may have; each present is checked against it and bounded_json.MAX_DEPTH first.
 CONFIG_FILES = {"config.json": bounded_json.CONFIG_BYTES, "generation_config.json": bounded_json.CONFIG_BYTES}
-TOKENIZER_FILES = {"tokenizer.json": bounded_json.TOKENIZER_BYTES, "vocab.json": bounded_json.TOKENIZER_BYTES,
-                   "tokenizer_config.json": bounded_json.CONFIG_BYTES,
-                   "special_tokens_map.json": bounded_json.CONFIG_BYTES,
-                   "added_tokens.json": bounded_json.CONFIG_BYTES, "chat_template.json": bounded_json.CONFIG_BYTES}
-
-
-def check_json_files(folder: str | Path, files: dict[str, int]) -> None:
-    """ModelLoadError naming the file and the limit when one of `files` in `folder` is over its size, nested
-    deeper than bounded_json.MAX_DEPTH or not a regular file (absent files are the reader's to miss)."""
-    for name, max_bytes in files.items():
-        path = Path(folder) / name
-        if not os.path.lexists(path):
-            continue
-        try:
-            bounded_json.check_file(path, max_bytes)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot read {path}: {exc}") from None
 
 
 def load_hf_config(model_path: str | Path):
@@ -63,21 +47,6 @@ def load_hf_config(model_path: str | Path):
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
-
-
-def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = None):
-    from transformers import AutoTokenizer
-
-    path = str(tokenizer_path or model_path)
-    if Path(path).is_dir():
-        check_json_files(path, TOKENIZER_FILES)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
-    if getattr(tokenizer, "backend_tokenizer", None) is None:
-        raise ModelLoadError(f"the tokenizer in {path!r} has no fast (tokenizers) backend")
-    return tokenizer
 
 
 def safetensors_files(model_path: str | Path) -> list[Path]:

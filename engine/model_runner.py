@@ -14,7 +14,7 @@ from kvgate.engine.block_table import BlockTable
 from kvgate.engine.cuda_graphs import DEFAULT_MAX_CAPTURE_SIZE, GraphSet
 from kvgate.engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvgate.engine.cpu_allocator import keep_large_allocations_in_heap
-from kvgate.engine.errors import ConfigError
+from kvgate.common.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
 from kvgate.engine.kv_quant import QuantizedKVCache, allocate_kv_caches, kv_bytes_per_block, kv_quant_spec
 from kvgate.engine.loader import load_model

@@ -14,7 +14,8 @@ import torch
 
 from kvgate.engine.auto_config import GIVEN, Settings, apply_cpu_threads, resolve_dtype, resolve_step_budget
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.loader import load_hf_config, load_tokenizer
+from kvgate.common.tokenizer_files import load_tokenizer
+from kvgate.engine.loader import load_hf_config
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.scheduler import SchedulerOutput
 
@@ -172,7 +173,7 @@ class RunnerPlan:
 
 def _sim_tokenizer_path(config: EngineConfig) -> str:
     """The sim serves any model name: a folder's own tokenizer if it has one, else the byte tokenizer."""
-    from kvgate.engine.demo import ensure_byte_tokenizer
+    from kvgate.common.demo import ensure_byte_tokenizer
 
     if config.tokenizer:
         return config.tokenizer

@@ -6,7 +6,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from kvgate.engine.errors import InvalidRequestError
+from kvgate.common.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvgate.engine.block_table import BlockTable
-from kvgate.engine.errors import LoRAError
+from kvgate.common.errors import LoRAError
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.lora.manager import LoRAManager
 from kvgate.engine.request import Request, RequestStatus

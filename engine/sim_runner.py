@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import xxhash
 
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.errors import ConfigError
+from kvgate.common.errors import ConfigError
 from kvgate.engine.kv_quant import kv_bytes_per_token_head, kv_quant_spec
 from kvgate.engine.lora.adapter import AdapterConfig, read_adapter_config
 from kvgate.engine.lora.request import LoRARequest
@@ -66,7 +66,7 @@ class SimProfile:
         values = {}
         if path:
             try:
-                from kvgate import bounded_file, bounded_yaml
+                from kvgate.common import bounded_file, bounded_yaml
 
                 # YAML or JSON, within bounded_yaml's limits (1 MiB, 64 levels, 10,000 nodes)
                 values = bounded_yaml.load(bounded_file.read_text(path, bounded_yaml.MAX_CHARS)) or {}

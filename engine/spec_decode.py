@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvgate import bounded_json
-from kvgate.engine.errors import ConfigError
+from kvgate.common import bounded_json
+from kvgate.common.errors import ConfigError
 
 METHODS = ("ngram", "draft_model")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")

@@ -48,7 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvgate.engine.errors import InvalidRequestError
+from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from kvgate import bounded_file, bounded_yaml
+from kvgate.common import bounded_file, bounded_yaml
 from kvgate.epp.types import Endpoint
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def parse_endpoint(item: str) -> Endpoint:
 
 
 def _kv_events_annotations(meta: Mapping) -> dict[str, str]:
-    from kvgate.epp.protocol import KV_EVENTS_ANNOTATIONS
+    from kvgate.common.epp_protocol import KV_EVENTS_ANNOTATIONS
 
     annotations = meta.get("annotations") or {}
     return {k: str(annotations[k]) for k in KV_EVENTS_ANNOTATIONS if k in annotations}
@@ -193,7 +193,7 @@ class Datastore:
 
 
 def load_manifests(path: str | Path) -> list[dict]:
-    """The objects of `--manifests` (a YAML stream), read within kvgate.bounded_yaml's limits (1 MiB, 64 levels,
+    """The objects of `--manifests` (a YAML stream), read within kvgate.common.bounded_yaml's limits (1 MiB, 64 levels,
     10,000 nodes); OSError or ValueError (yaml.YAMLError wrapped) saying why not."""
     try:
         docs = bounded_yaml.load_all(bounded_file.read_text(path, bounded_yaml.MAX_CHARS))

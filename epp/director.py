@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 
-from kvgate.epp.protocol import OBJECTIVE_HEADER
+from kvgate.common.epp_protocol import OBJECTIVE_HEADER
 from kvgate.epp.scheduling.framework import CycleState
 from kvgate.epp.scheduling.latency_model import OBJECTIVES_UNMEETABLE
 from kvgate.epp.scheduling.live_load import PICKED_UNCACHED_TOKENS, LoadTracker

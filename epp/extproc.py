@@ -33,9 +33,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from kvgate import bounded_json
+from kvgate.common import bounded_json
 from kvgate.epp.director import Director, RoutingError
-from kvgate.epp.protocol import (DESTINATION_HEADER, DESTINATION_NAMESPACE as LB_NAMESPACE, SERVED_KEY, SERVED_MISSING,
+from kvgate.common.epp_protocol import (DESTINATION_HEADER, DESTINATION_NAMESPACE as LB_NAMESPACE, SERVED_KEY, SERVED_MISSING,
                                  SERVED_TEST_HEADER, SUBSET_KEY, SUBSET_NAMESPACE)
 from kvgate.epp.request_parsing import BadRequest, parse_request
 from kvgate.epp.types import LLMRequest

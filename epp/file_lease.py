@@ -31,7 +31,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kvgate import bounded_json
+from kvgate.common import bounded_json
 
 MAX_LEASE_FILE_BYTES = 4096  # a record is ~300 bytes
 LOCK_TIMEOUT_S = 2.0  # without a `_request_timeout`: the elector's connect timeout

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from kvgate.epp.director import RoutingError
 from kvgate.epp.flow_config import EDF, ROUND_ROBIN, SPF, BandConfig, FlowControlConfig
-from kvgate.epp.protocol import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER
+from kvgate.common.epp_protocol import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER
 from kvgate.epp.types import LLMRequest
 
 DISPATCHED = "Dispatched"

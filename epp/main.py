@@ -43,7 +43,7 @@ def index_bytes(text: str) -> int:
 
 def metrics_page_bytes(text: str) -> int:
     """--metrics-max-bytes: a size in bytes (4194304, 4MiB), from 64 KiB to 256 MiB."""
-    from kvgate.engine.cli_args import parse_bytes
+    from kvgate.common.sizes import parse_bytes
 
     value = parse_bytes(text)
     if not MIN_METRICS_PAGE_BYTES <= value <= MAX_METRICS_PAGE_BYTES:
@@ -94,7 +94,7 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 60.0
 LAME_DUCK_QUIET_S = 1.0
 # Behind a Service the gateway's connection moves to the new pod only on GOAWAY: the lame duck ends after this.
 LAME_DUCK_MAX_S = 5.0
-# After a successor took the Lease: Envoy's EPP health check runs every second (kvgate/envoy_config.py), so within
+# After a successor took the Lease: Envoy's EPP health check runs every second (common/envoy_config.py), so within
 # this it has seen the successor SERVING; only then does the old leader turn NOT_SERVING and drain.
 HANDOVER_GRACE_S = 1.5
 
@@ -551,7 +551,7 @@ def run_epp(args: argparse.Namespace) -> int:
     if args.max_request_body_bytes <= 0:
         raise SystemExit("kvgate epp: --max-request-body-bytes must be positive")
     if args.tokenizer:
-        from kvgate.engine.errors import ModelLoadError
+        from kvgate.common.errors import ModelLoadError
         from kvgate.epp.kv_events.tokenize import PromptTokenizer
 
         try:

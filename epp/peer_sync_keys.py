@@ -26,7 +26,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvgate.engine.errors import ConfigError
+from kvgate.common.errors import ConfigError
 
 
 MAX_KEY_FILE_BYTES = 64 * 1024  # a certificate is ~400 bytes; a larger file is the wrong file

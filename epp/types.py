@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvgate.engine_latency_protocol import backlog_after_phase
+from kvgate.common.engine_latency_protocol import backlog_after_phase
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class Endpoint:
     namespace: str = ""
     labels: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
     engine_type: str = "vllm"  # metrics dialect: vllm | sglang | trtllm
-    # the pod's kvgate.dev/kv-events-* annotations (epp/protocol.py), only those: where its KV events are published
+    # the pod's kvgate.dev/kv-events-* annotations (common/epp_protocol.py), only those: where its KV events are published
     annotations: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     @property
@@ -55,7 +55,7 @@ class EndpointMetrics:
     prefill_tokens_per_s: float | None = None
     prefill_rate_timed: bool = False
     # kvgate engines: the latency model the engine fitted from the requests it served (kvgate:ttft_model_weight /
-    # kvgate:tpot_model_weight in kvgate/engine_latency_protocol.py's feature order) and the TTFTs it has fitted;
+    # kvgate:tpot_model_weight in common/engine_latency_protocol.py's feature order) and the TTFTs it has fitted;
     # None = not exported
     ttft_model_weights: tuple[float, ...] | None = None
     tpot_model_weights: tuple[float, ...] | None = None

@@ -36,21 +36,21 @@ def _generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     # Each subcommand's module registers its own flags; heavy imports wait until a command runs.
     from kvgate import __version__
-    from kvgate.bench_serve import add_bench_engine_loop_parser, add_bench_serve_parser
+    from kvgate.bench.serve import add_bench_engine_loop_parser, add_bench_serve_parser
     from kvgate.conformance.cli import add_conformance_parser
-    from kvgate.engine.bench import add_bench_engine_parser
-    from kvgate.engine.bench_load import add_bench_load_parser
-    from kvgate.engine.bench_structured import add_bench_structured_parser
+    from kvgate.bench.engine import add_bench_engine_parser
+    from kvgate.bench.engine_load import add_bench_load_parser
+    from kvgate.bench.engine_structured import add_bench_structured_parser
     from kvgate.engine.cli_args import add_engine_args
     from kvgate.engine.server.cli import add_serve_parser
-    from kvgate.epp.bench import add_bench_epp_parser
-    from kvgate.epp.datalayer.bench import add_bench_scrape_parser
-    from kvgate.bench_routing.cli import add_bench_routing_parser
+    from kvgate.bench.epp import add_bench_epp_parser
+    from kvgate.bench.datalayer import add_bench_scrape_parser
+    from kvgate.bench.routing.cli import add_bench_routing_parser
     from kvgate.chaos.cli import add_bench_chaos_parser
     from kvgate.chaos.hostile import add_bench_hostile_parser
     from kvgate.epp.main import add_epp_parser, add_keygen_parser
     from kvgate.operator.main import add_operator_parser
-    from kvgate.up import add_up_parser
+    from kvgate.stack.up import add_up_parser
 
     parser = argparse.ArgumentParser(prog="kvgate", description="kvgate: an inference gateway for Kubernetes")
     parser.add_argument("--version", action="version", version=f"kvgate {__version__}")
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from kvgate.engine.errors import EngineError
+    from kvgate.common.errors import EngineError
 
     try:
         return args.func(args)

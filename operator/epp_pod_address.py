@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from kvgate.envoy_config import PoolBackend
+from kvgate.common.envoy_config import PoolBackend
 from kvgate.operator import naming
-from kvgate.gateway_routes import WeightedBackend
+from kvgate.common.gateway_routes import WeightedBackend
 from kvgate.operator.gateway import GatewayRouting
 
 

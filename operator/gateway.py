@@ -1,7 +1,7 @@
 """Gateway API controller logic for GatewayClass controllerName kvgate.dev/gateway-controller.
 
 A Gateway of our class becomes an Envoy Deployment + Service + ConfigMap; its config is rendered from the
-HTTPRoutes attached to it (kvgate/gateway_routes.py). Route and Gateway statuses use the Gateway API's standard
+HTTPRoutes attached to it (common/gateway_routes.py). Route and Gateway statuses use the Gateway API's standard
 conditions and reasons.
 """
 
@@ -13,12 +13,12 @@ import re
 import time
 from typing import NamedTuple
 
-from kvgate import bounded_json
-from kvgate.envoy_config import CircuitBreakers, PoolBackend, RouteTimeouts
+from kvgate.common import bounded_json
+from kvgate.common.envoy_config import CircuitBreakers, PoolBackend, RouteTimeouts
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
-from kvgate.gateway_routes import RouteRule, ServiceBackend, WeightedBackend, hostname_covers
-from kvgate.gateway_routes import BOOTSTRAP_FILE, CDS_FILE, file_name, render_gateway_files
+from kvgate.common.gateway_routes import RouteRule, ServiceBackend, WeightedBackend, hostname_covers
+from kvgate.common.gateway_routes import BOOTSTRAP_FILE, CDS_FILE, file_name, render_gateway_files
 from kvgate.operator.pool import epp_ref, epp_service_port, is_fail_open
 
 ADMIN_PORT = 19000
@@ -142,7 +142,7 @@ class Lookups(NamedTuple):
 
 
 # Per-pool Envoy limits, as annotations on the InferencePool (its schema is upstream's): unset or invalid values
-# keep the defaults of kvgate.envoy_config (CircuitBreakers; the listener's 300 s stream-idle timeout).
+# keep the defaults of kvgate.common.envoy_config (CircuitBreakers; the listener's 300 s stream-idle timeout).
 BREAKER_ANNOTATIONS = {f"kvgate.dev/{name.replace('_', '-')}": name
                        for name in ("max_requests", "max_pending_requests", "max_connections", "max_retries")}
 STREAM_IDLE_ANNOTATION = "kvgate.dev/stream-idle-timeout"  # a Gateway API duration, e.g. "15m"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 
-from kvgate.epp.protocol import KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION
+from kvgate.common.epp_protocol import KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, find, stamp
 from kvgate.operator.spec_shape import modelserver_problems, pool_problems, pool_ref_name

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 
 import yaml
 
-from kvgate import bounded_yaml
+from kvgate.common import bounded_yaml
 from kvgate.operator import naming
 from kvgate.operator.gateway import _grant_allows
 from kvgate.operator.modelserver import kv_events_ports, pool_labels, pool_port

@@ -11,9 +11,9 @@ from typing import Callable
 
 import httpx
 
-from kvgate.envoy_config import PoolBackend, envoy_binary
-from kvgate.gateway_routes import render_pool_gateway
-from kvgate.processes import wait_http_ok
+from kvgate.common.envoy_config import PoolBackend, envoy_binary
+from kvgate.common.gateway_routes import render_pool_gateway
+from kvgate.common.processes import wait_http_ok
 from tests.procs import KVGATE, KvgateServe, free_port, stop_group
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from kvgate.processes import free_port, stop_group
+from kvgate.common.processes import free_port, stop_group
 
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 __all__ = ["KVGATE", "KvgateServe", "free_port", "scrape", "stop_group"]

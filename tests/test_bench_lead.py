@@ -1,4 +1,4 @@
-"""`kvgate bench routing --lead` (kvgate/bench_routing/lead.py): issue 23's must-show 1 verdict from several seeds'
+"""`kvgate bench routing --lead` (bench/routing/lead.py): issue 23's must-show 1 verdict from several seeds'
 result files, on files whose answer is known."""
 
 from __future__ import annotations

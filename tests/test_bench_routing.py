@@ -13,10 +13,10 @@ from collections import Counter
 import pytest
 import yaml
 
-from kvgate.bench_routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
-from kvgate.bench_routing.report import add_ratios
-from kvgate.bench_routing.configurations import SIM_ENGINE_ARGS, sim_engine_args, slow_replica_args
-from kvgate.bench_routing.workloads import (DEFAULT_KV_TOKENS, SHAPE_SETS, SHAPES, WORKLOADS, arrivals, parse_shape,
+from kvgate.bench.routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
+from kvgate.bench.routing.report import add_ratios
+from kvgate.bench.routing.configurations import SIM_ENGINE_ARGS, sim_engine_args, slow_replica_args
+from kvgate.bench.routing.workloads import (DEFAULT_KV_TOKENS, SHAPE_SETS, SHAPES, WORKLOADS, arrivals, parse_shape,
                                             with_foreign)
 from kvgate.epp.scheduling.config import parse_config
 from kvgate.epp.scheduling.plugins import REGISTRY
@@ -245,7 +245,7 @@ def _outcome(ttft_s: float, ok: bool = True):
 
 
 def test_a_ttft_objective_knob_goes_with_every_request_and_is_judged_at_the_client():
-    from kvgate.bench_routing.runner import objectives_met
+    from kvgate.bench.routing.runner import objectives_met
 
     shape = parse_shape("multi-tenant:ttft_objective_ms=500")
     requests = arrivals(shape, 4, 2, 0)
@@ -261,7 +261,7 @@ def test_a_ttft_objective_knob_goes_with_every_request_and_is_judged_at_the_clie
 
 
 def test_a_share_of_the_requests_states_the_objective_the_same_ones_for_every_configuration():
-    from kvgate.bench_routing.runner import objectives_met
+    from kvgate.bench.routing.runner import objectives_met
 
     shape = parse_shape("multi-tenant:ttft_objective_ms=300,objective_share=0.25")
     requests = arrivals(shape, 10, 20, 0)
@@ -277,7 +277,7 @@ def test_a_share_of_the_requests_states_the_objective_the_same_ones_for_every_co
 
 
 def test_a_per_request_row_keeps_what_a_failed_request_got_back():
-    from kvgate.bench_routing.runner import request_records
+    from kvgate.bench.routing.runner import request_records
     from kvgate.chaos.load import Outcome
 
     requests = arrivals(WORKLOADS["multi-tenant"], 4, 2, 0)[:2]
@@ -293,8 +293,8 @@ def test_a_per_request_row_keeps_what_a_failed_request_got_back():
 
 
 def test_oracle_placement_deals_the_groups_out_in_a_snake():
-    from kvgate.bench_routing.oracle import placement, snake
-    from kvgate.bench_routing.workloads import BenchRequest
+    from kvgate.bench.routing.oracle import placement, snake
+    from kvgate.bench.routing.workloads import BenchRequest
 
     assert [snake(i, 4) for i in range(10)] == [0, 1, 2, 3, 3, 2, 1, 0, 0, 1]
     keys = ["t0/u0"] * 5 + ["t1/u1"] * 4 + ["t2/u0"] * 3 + ["r7", "t3/u0", "t3/u1", "r8"] + ["t4/u0"] * 2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.bench_routing import pinning
+from kvgate.bench.routing import pinning
 
 CPUS = sorted(os.sched_getaffinity(0))
 
@@ -90,7 +90,7 @@ time.sleep(120)
 
 
 def test_cpu_seconds_count_every_process_and_thread_of_a_group():
-    from kvgate.bench_routing.runner import cpu_use
+    from kvgate.bench.routing.runner import cpu_use
 
     proc = subprocess.Popen([sys.executable, "-c", BURNER], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -1,4 +1,4 @@
-"""The saturation search of `kvgate bench routing --find-saturation` (kvgate/bench_routing/saturation.py), on
+"""The saturation search of `kvgate bench routing --find-saturation` (bench/routing/saturation.py), on
 measured-p90 functions whose answer is known."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from kvgate.bench_routing.cli import _rates_per_shape, _shapes
-from kvgate.bench_routing.saturation import SATURATION_RATES, cell_p90, find_saturation, rates_from_result
-from kvgate.bench_routing.workloads import SHAPES
+from kvgate.bench.routing.cli import _rates_per_shape, _shapes
+from kvgate.bench.routing.saturation import SATURATION_RATES, cell_p90, find_saturation, rates_from_result
+from kvgate.bench.routing.workloads import SHAPES
 
 
 def queue(capacity: float, light: float = 0.1):

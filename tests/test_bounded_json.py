@@ -1,5 +1,5 @@
-"""JSON (and YAML) that kvgate's programs read at start, bounded in size and nesting (kvgate/bounded_json.py,
-kvgate/bounded_file.py): a file or flag nested 100000 deep, or too large, or not a regular file, is the program's
+"""JSON (and YAML) that kvgate's programs read at start, bounded in size and nesting (common/bounded_json.py,
+common/bounded_file.py): a file or flag nested 100000 deep, or too large, or not a regular file, is the program's
 one-line error — `kvgate serve: error: ...` with exit 2 for flags and the generation config, the engine's start
 error for a model folder's files, `kvgate epp: ...` — never a RecursionError's traceback; at run time a LoRA load
 with such an adapter_config.json is a 400 and the server serves on."""
@@ -13,9 +13,9 @@ import subprocess
 import httpx
 import pytest
 
-from kvgate import bounded_json
-from kvgate.bounded_file import FileLimitError, read_bytes
-from kvgate.engine.demo import build_demo_model
+from kvgate.common import bounded_json
+from kvgate.common.bounded_file import FileLimitError, read_bytes
+from kvgate.common.demo import build_demo_model
 from tests.procs import KVGATE, KvgateServe
 
 DEEP = "[" * 100_000 + "]" * 100_000  # what the report sent: json.loads recurses out of its stack

@@ -6,10 +6,10 @@ import subprocess
 
 import pytest
 
-from kvgate.envoy_config import (CircuitBreakers, ListenerTimeouts, PoolBackend, RouteTimeouts, envoy_binary,
+from kvgate.common.envoy_config import (CircuitBreakers, ListenerTimeouts, PoolBackend, RouteTimeouts, envoy_binary,
                                  pool_clusters, render_direct, render_round_robin)
-from kvgate.gateway_routes import RouteRule, WeightedBackend, render_pool_gateway, render_static_gateway
-from kvgate.epp.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
+from kvgate.common.gateway_routes import RouteRule, WeightedBackend, render_pool_gateway, render_static_gateway
+from kvgate.common.epp_protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
 
 CONFIGS = {
     "one-pool-failclose": render_pool_gateway(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000"],
@@ -84,7 +84,7 @@ def test_defaults_are_finite_and_documented():
     # under a request (tests/epp/test_gateway.py watches it happen)
     import uvicorn
 
-    from kvgate.envoy_config import UPSTREAM_IDLE_S
+    from kvgate.common.envoy_config import UPSTREAM_IDLE_S
     assert UPSTREAM_IDLE_S < uvicorn.Config(app=None).timeout_keep_alive
     for name in ("pool-p", "pool-p-failopen"):
         options = clusters[name]["typed_extension_protocol_options"][
@@ -168,7 +168,7 @@ def test_fallbacks_route_through_override_host_with_retries():
 
 
 def _gateway_files():
-    from kvgate.gateway_routes import RouteRule, ServiceBackend, WeightedBackend, render_gateway_files
+    from kvgate.common.gateway_routes import RouteRule, ServiceBackend, WeightedBackend, render_gateway_files
 
     fail_open = PoolBackend("open", "epp-open.ns.svc", 9002, ["127.0.0.3:8000"], failure_mode_allow=True,
                             epp_health_port=9003)
@@ -183,7 +183,7 @@ def _gateway_files():
 def test_gateway_files_validate(tmp_path):
     """The dynamic file set: the bootstrap loads with the files beside it, and every route table and cluster
     passes validation folded into a static bootstrap (validate mode does not read dynamic resources)."""
-    from kvgate.gateway_routes import static_bootstrap
+    from kvgate.common.gateway_routes import static_bootstrap
 
     files = _gateway_files()
     assert sorted(files) == ["cds.yaml", "envoy.yaml", "rds-8080.yaml", "rds-9090.yaml"]
@@ -226,7 +226,7 @@ def test_kvgate_up_limit_flags():
     """`kvgate up`'s Envoy flags reach the config it renders; zero or negative values are refused."""
     import argparse
 
-    from kvgate.up import add_up_parser, envoy_limits
+    from kvgate.stack.up import add_up_parser, envoy_limits
 
     parser = argparse.ArgumentParser()
     add_up_parser(parser.add_subparsers())

@@ -12,10 +12,10 @@ import time
 
 import httpx
 
-from kvgate.envoy_config import RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC, PoolBackend, ext_proc_route_config
+from kvgate.common.envoy_config import RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC, PoolBackend, ext_proc_route_config
 from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, parse_config
-from kvgate.processes import free_port
-from kvgate.up import Stack, launch_local_stack
+from kvgate.common.processes import free_port
+from kvgate.stack.up import Stack, launch_local_stack
 
 LEARNING_CONFIG = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1

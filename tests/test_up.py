@@ -91,7 +91,7 @@ def test_up_serves_and_stops(tmp_path, backend, profile):
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=60)[0]
         assert proc.returncode == 0 and "stopped" in rest
-        # every child ends (kvgate.reaper, a child too, ends within its grace once the supervisor has exited)
+        # every child ends (kvgate.common.reaper, a child too, ends within its grace once the supervisor has exited)
         left = still_running(children, 5.0)
         assert not left, left
         with pytest.raises(httpx.HTTPError):
@@ -148,7 +148,7 @@ def test_up_restarts_a_dead_replica_and_keeps_serving(tmp_path):
 
 
 def test_supervise_backs_off_and_resets_after_a_stable_run(tmp_path):
-    from kvgate.up import Stack
+    from kvgate.stack.up import Stack
 
     stack = Stack(tmp_path)
     stack.start("crasher", [sys.executable, "-c", "import sys; sys.exit(3)"])
@@ -172,7 +172,7 @@ def test_a_stacks_ports_are_held_for_its_children_until_it_stops(tmp_path):
     from the moment it is chosen — a racing bind fails, where free_port() left it open until the child bound it,
     which lost a torch engine its port once on a busy machine — while the child, and its restart on the same
     port, listen and serve on it; stop() frees it."""
-    from kvgate.up import Stack
+    from kvgate.stack.up import Stack
 
     def bind(port: int) -> None:  # another process's listener (no SO_REUSEADDR: nothing of ours in TIME_WAIT)
         with socket.socket() as other:
@@ -203,7 +203,7 @@ def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path, 
     which turns the events on): every engine publishes on its own loopback sockets, the EPP subscribes to each,
     and the blocks the engines cache reach the EPP's index (a stack whose engines connect instead of bind, or
     whose EPP is told no socket, shows 0 blocks)."""
-    from kvgate.bench_routing.configurations import BY_NAME
+    from kvgate.bench.routing.configurations import BY_NAME
 
     config = tmp_path / "precise.yaml"
     config.write_text(BY_NAME["precise"].epp_config)
@@ -234,7 +234,7 @@ def test_up_with_kv_events_feeds_the_precise_scorer_from_every_engine(tmp_path, 
         assert metric(text, "kvgate_epp_kv_events_subscribed_endpoints") == 2, text
         assert stored >= len(system) // 16, text  # the shared prefix's blocks, announced by the engine(s) that ran it
         assert metric(text, "kvgate_epp_precise_index_blocks") > 0, text
-        from kvgate.bench_routing.runner import epp_kv_event_counts  # what `kvgate bench routing` records
+        from kvgate.bench.routing.runner import epp_kv_event_counts  # what `kvgate bench routing` records
 
         counts = epp_kv_event_counts(int(metrics_url.group(1).rsplit(":", 1)[1].split("/")[0]))
         assert counts["blocks_stored"] >= stored and counts["gaps"] == 0, counts
@@ -246,7 +246,7 @@ def test_the_epp_tokenizes_with_the_engines_model_folder(tmp_path):
     """With KV events (`--profile kvgate`, `--kv-events`) the EPP must hash prompts with the engines' tokenizer:
     a local model folder is passed as --tokenizer; the demo model and the sim's model names use the byte
     tokenizer the EPP defaults to; an explicit --tokenizer wins."""
-    from kvgate.up import epp_tokenizer_args
+    from kvgate.stack.up import epp_tokenizer_args
 
     folder = tmp_path / "model"
     folder.mkdir()

@@ -75,7 +75,7 @@ def cleanup(mark: str) -> None:
 SUPERVISOR = """
 import os, sys, time
 from pathlib import Path
-from kvgate import processes
+from kvgate.common import processes
 work = Path(sys.argv[1])
 processes.start_group(["sh", "-c", "sleep 300 & sleep 300"], work / "a.log")
 if sys.argv[2] == "forked":  # a fork (multiprocessing's, say) that outlives this process must not keep the pipe
@@ -93,7 +93,7 @@ time.sleep(300)
 
 @pytest.mark.parametrize("case", ["plain", "forked", "reaper-killed"])
 def test_groups_started_by_a_tool_end_when_it_is_killed(tmp_path, monkeypatch, case):
-    """What every kvgate tool starts through kvgate.processes (`kvgate up`, the chaos bench's stacks, `kvgate
+    """What every kvgate tool starts through kvgate.common.processes (`kvgate up`, the chaos bench's stacks, `kvgate
     bench epp` and `serve`): a child and the child's own child end when the tool is SIGKILLed."""
     mark = uuid.uuid4().hex
     monkeypatch.setenv(MARK, mark)

@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate import bounded_json
-from kvgate.engine.errors import LoRAError
+from kvgate.common import bounded_json
+from kvgate.common.errors import LoRAError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvgate.engine.errors import LoRAError
+from kvgate.common.errors import LoRAError
 from kvgate.engine.lora.request import LoRARequest
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgate import bounded_json
-from kvgate.engine.errors import ConfigError
+from kvgate.common import bounded_json
+from kvgate.common.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Model registry: HF `architectures` name -> our implementation."""
 
-from kvgate.engine.errors import ModelLoadError
+from kvgate.common.errors import ModelLoadError
 from kvgate.engine.models.llama import LlamaForCausalLM
 from kvgate.engine.models.mistral import MistralForCausalLM
 from kvgate.engine.models.qwen2 import Qwen2ForCausalLM

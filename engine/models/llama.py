@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from kvgate.engine.errors import ModelLoadError
+from kvgate.common.errors import ModelLoadError
 from kvgate.engine.models.layers import Attention, GatedMLP, RMSNorm
 
 # checkpoint name piece -> (our fused parameter piece, shard id)

@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvgate.engine.async_llm import AsyncLLM
-from kvgate.engine.errors import EngineError, InvalidRequestError
+from kvgate.common.errors import EngineError, InvalidRequestError
 from kvgate.engine.generation_defaults import GenerationDefaults
 from kvgate.engine.server.auth import PUBLIC_PATHS, ApiKeyAuth
 from kvgate.engine.server.guards import RequestBodyLimit, StalledClientGuard

@@ -19,7 +19,7 @@ import os
 import secrets
 from collections.abc import Mapping, Sequence
 
-from kvgate.engine.errors import ConfigError
+from kvgate.common.errors import ConfigError
 from kvgate.engine.server.protocol import error_body
 
 API_KEY_ENV = "VLLM_API_KEY"

@@ -15,7 +15,7 @@ import os
 import stat
 from collections.abc import Callable
 
-from kvgate.engine.errors import ConfigError, InvalidRequestError
+from kvgate.common.errors import ConfigError, InvalidRequestError
 from kvgate.engine.server.protocol import ChatCompletionRequest
 
 # Names the server itself passes to the template.

@@ -71,7 +71,7 @@ def add_serve_parser(sub) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvgate.engine.errors import ConfigError
+    from kvgate.common.errors import ConfigError
     from kvgate.engine.server.auth import API_KEY_ENV, resolve_api_keys
 
     # First: a key that cannot work stops the start before a model is resolved or loaded. Start errors are
@@ -154,7 +154,7 @@ def _role(text: str) -> str:
 
 def print_config(config) -> int:
     """`kvgate serve --print-config`: the settings the engine would start with, and where each came from."""
-    from kvgate.engine.errors import EngineError
+    from kvgate.common.errors import EngineError
     from kvgate.engine.llm_engine import resolve_config
 
     try:

@@ -1,11 +1,11 @@
 """The engine's own latency model: TTFT and TPOT fitted online from the requests this server serves, for routers to
-read off the /metrics page (features, names and why: kvgate/engine_latency_protocol.py).
+read off the /metrics page (features, names and why: common/engine_latency_protocol.py).
 
 Each request's features are the engine's gauges at its arrival (`Arrival`, taken when the server admits it: the
 prefill backlog after the running step's phase, running and waiting requests; KV use for TPOT) and its uncached
 prompt tokens, known from its first output. Its TTFT (admission to first token) is fitted then, its TPOT ((last token -
 first token) / (tokens after the first)) when it ends. Only requests of one prompt and one sample are fitted: their
-first token is theirs alone. The fit is kvgate/online_ridge.py's, TTFTs weighed for relative error, with a prior of
+first token is theirs alone. The fit is common/online_ridge.py's, TTFTs weighed for relative error, with a prior of
 zero weights (a router ignores the model until it has fitted MIN_OBSERVATIONS TTFTs). Cost: an O(k²) update per
 request (k ≤ 5) and one k×k solve per scrape that follows new requests (28 µs and 18 µs, measured beside a
 running benchmark on the 2-core dev machine).
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvgate.engine_latency_protocol import (MIN_OBSERVATIONS, TPOT_FEATURES, TTFT_FEATURES, tpot_features,
+from kvgate.common.engine_latency_protocol import (MIN_OBSERVATIONS, TPOT_FEATURES, TTFT_FEATURES, tpot_features,
                                             ttft_features)
-from kvgate.online_ridge import ErrorStats, OnlineRidge, ttft_weight
+from kvgate.common.online_ridge import ErrorStats, OnlineRidge, ttft_weight
 
 
 # The ridge's pull toward the zero prior, in average observations: only there to keep the solve well posed (a

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvgate.engine.server.exposition import Family, FamilySpec, render
 from kvgate.engine.server.latency_fit import Arrival, EngineLatencyFit
-from kvgate.engine_latency_protocol import MODEL_OBSERVATIONS, TPOT_MODEL_WEIGHT, TTFT_MODEL_WEIGHT, backlog_after_phase
+from kvgate.common.engine_latency_protocol import MODEL_OBSERVATIONS, TPOT_MODEL_WEIGHT, TTFT_MODEL_WEIGHT, backlog_after_phase
 
 disable_created_metrics()  # no *_created series: vLLM does not export them and scrapers need not parse them
 
@@ -92,7 +92,7 @@ CACHE_INFO = FamilySpec("vllm:cache_config_info", "gauge", "Information of the K
                         ("block_size", "cache_dtype", "num_gpu_blocks", "model_name"))
 LORA_INFO = FamilySpec("vllm:lora_requests_info", "gauge", "Running stats on LoRA requests.",
                        ("max_lora", "running_lora_adapters", "waiting_lora_adapters"))
-# The engine's own latency model (engine/server/latency_fit.py; names and features: kvgate/engine_latency_protocol.py)
+# The engine's own latency model (engine/server/latency_fit.py; names and features: common/engine_latency_protocol.py)
 TTFT_MODEL = FamilySpec(TTFT_MODEL_WEIGHT, "gauge", "This engine's TTFT model's weights (fitted online).",
                         ("model_name", "feature"))
 TPOT_MODEL = FamilySpec(TPOT_MODEL_WEIGHT, "gauge", "This engine's TPOT model's weights (fitted online).",

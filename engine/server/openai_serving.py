@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvgate.engine.async_llm import AsyncLLM
-from kvgate.engine.bounded_tokenize import BoundedEncoder
-from kvgate.engine.errors import EngineDeadError, EngineError, InvalidRequestError
+from kvgate.common.bounded_tokenize import BoundedEncoder
+from kvgate.common.errors import EngineDeadError, EngineError, InvalidRequestError
 from kvgate.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.outputs import RequestOutput
@@ -215,7 +215,7 @@ class OpenAIServing:
 
     def refuse_over_long(self, text: str, special: bool = True, param: str = "prompt") -> None:
         """A 400 for a text of at least max_model_len tokens, found by tokenizing only as much of it as that
-        takes (engine/bounded_tokenize.py) — a prompt of megabytes costs what a max_model_len one does, not
+        takes (common/bounded_tokenize.py) — a prompt of megabytes costs what a max_model_len one does, not
         millions of ids. Texts too short in characters to be cut are left to the full tokenization."""
         limit = self.llm.info.max_model_len
         backend = getattr(self.llm.tokenizer, "backend_tokenizer", None)

@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from kvgate.engine.errors import InvalidRequestError
+from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server import tool_calls
 from kvgate.engine.server.openai_serving import OpenAIServing, Prepared, sse, stream_error, usage

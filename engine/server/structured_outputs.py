@@ -12,7 +12,7 @@ not auto) is one more constraint (engine/server/tool_calls.py).
 
 from __future__ import annotations
 
-from kvgate.engine.errors import InvalidRequestError
+from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.sampling_params import StructuredOutputsParams
 from kvgate.engine.server.protocol import SamplingFields
 from kvgate.engine.server.tool_calls import tool_constraint, tool_mode

@@ -21,8 +21,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from kvgate import bounded_json
-from kvgate.engine.errors import InvalidRequestError
+from kvgate.common import bounded_json
+from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.sampling_params import StructuredOutputsParams
 from kvgate.engine.server.tool_parsers import TOOL_PARSERS, ParsedCall
 

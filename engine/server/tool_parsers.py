@@ -23,7 +23,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from kvgate import bounded_json
+from kvgate.common import bounded_json
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)

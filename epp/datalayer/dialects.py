@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from kvgate.engine_latency_protocol import MODEL_OBSERVATIONS, TPOT_MODEL_WEIGHT, TTFT_MODEL_WEIGHT
+from kvgate.common.engine_latency_protocol import MODEL_OBSERVATIONS, TPOT_MODEL_WEIGHT, TTFT_MODEL_WEIGHT
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ DIALECTS: dict[str, Dialect] = {
         # kvgate engines time their own prefill steps: the exact rate where present
         prefill_computed=Series("kvgate:prefill_tokens_computed_total"),
         prefill_seconds=Series("kvgate:prefill_step_seconds_total"),
-        # and fit their own latency model from the requests they serve (kvgate/engine_latency_protocol.py)
+        # and fit their own latency model from the requests they serve (common/engine_latency_protocol.py)
         ttft_model=TTFT_MODEL_WEIGHT,
         tpot_model=TPOT_MODEL_WEIGHT,
         model_observations=Series(MODEL_OBSERVATIONS + "_total", (("kind", "ttft"),)),

@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Iterator
 
-from kvgate.engine_latency_protocol import TPOT_FEATURES, TTFT_FEATURES
+from kvgate.common.engine_latency_protocol import TPOT_FEATURES, TTFT_FEATURES
 from kvgate.epp.datalayer.dialects import Dialect, Series
 from kvgate.epp.datalayer.value_bounds import (BAD_LABEL, MAX_BLOCK_SIZE, MAX_COUNTER, MAX_INFO_SERIES, MAX_KV_BLOCKS,
                                                MAX_LORAS, MAX_REQUESTS, MAX_SERIES, MAX_STEP_AGE_S, MAX_TOKENS,

@@ -28,7 +28,7 @@ class EventSource:
 def event_source(endpoint, port: int | None, replay_port: int | None, topic: str) -> EventSource | None:
     """Where `endpoint` (an epp.types.Endpoint) publishes: its pod's kvgate.dev/kv-events-* annotations, else
     the flags' ports, on the endpoint's IP; None when neither names a port (or an annotation is not a port)."""
-    from kvgate.epp.protocol import (KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION,
+    from kvgate.common.epp_protocol import (KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION,
                                      KV_EVENTS_TOPIC_ANNOTATION)
 
     notes = endpoint.annotations

@@ -1,8 +1,8 @@
 """Prompts to token ids in the EPP, exactly as the pool's engine tokenizes them.
 
 The engine (engine/server/openai_serving.py) loads its tokenizer with transformers' AutoTokenizer from local
-files (engine/loader.py load_tokenizer; the sim backend without a tokenizer of its own uses kvgate's byte-level
-tokenizer, engine/demo.py ensure_byte_tokenizer) and then:
+files (common/tokenizer_files.py load_tokenizer; the sim backend without a tokenizer of its own uses kvgate's byte-level
+tokenizer, common/demo.py ensure_byte_tokenizer) and then:
   - completions: `tokenizer.encode(prompt)` (special tokens added as the tokenizer's post-processor says), or the
     token ids as given;
   - chat: `tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=...)` with each message's
@@ -20,7 +20,7 @@ request from a synchronous scorer; the local tokenizer costs less (numbers in th
 
 Bounded work (`prefix_tokens`): the scorer matches at most max_prefix_blocks × block_size tokens, so only a
 character prefix of a long prompt is tokenized (a chat is rendered whole, which is cheap, then its text is cut),
-by engine/bounded_tokenize.py, which the engine's server uses too to refuse an over-long prompt without
+by common/bounded_tokenize.py, which the engine's server uses too to refuse an over-long prompt without
 tokenizing all of it.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from kvgate.engine.bounded_tokenize import BoundedEncoder, PromptTokens
+from kvgate.common.bounded_tokenize import BoundedEncoder, PromptTokens
 from kvgate.epp.request_parsing import valid_token_ids
 from kvgate.epp.types import LLMRequest
 
@@ -37,14 +37,14 @@ log = logging.getLogger(__name__)
 
 
 def default_tokenizer_path() -> str:
-    from kvgate.engine.demo import ensure_byte_tokenizer
+    from kvgate.common.demo import ensure_byte_tokenizer
 
     return str(ensure_byte_tokenizer())
 
 
 class PromptTokenizer:
     def __init__(self, path: str | None = None) -> None:
-        from kvgate.engine.loader import load_tokenizer
+        from kvgate.common.tokenizer_files import load_tokenizer
 
         self.path = path or default_tokenizer_path()
         self.tokenizer = load_tokenizer(self.path)  # ModelLoadError when the folder has no usable tokenizer

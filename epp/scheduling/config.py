@@ -27,7 +27,7 @@ upstream refuses it without a profile handler that runs several: kvgate's only h
 single-profile-handler, so a second profile would be parsed and never run.
 
 Any text at all gives an EppConfig or a one-line ConfigError (the operator puts it in a status condition, `kvgate
-epp` prints it and exits 1): the YAML is read within kvgate.bounded_yaml's limits (1 Mi characters, a file 1 MiB,
+epp` prints it and exits 1): the YAML is read within kvgate.common.bounded_yaml's limits (1 Mi characters, a file 1 MiB,
 64 levels, 10000 nodes with aliases expanded — a config from a tenant's ConfigMap cannot stall or bloat the
 operator), and values are quoted at most 80 characters long in messages. tests/epp/test_fuzz_config.py fuzzes it.
 """
@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from kvgate import bounded_file, bounded_yaml
+from kvgate.common import bounded_file, bounded_yaml
 from kvgate.epp.flow_config import POLICY_TYPES, FlowConfigError, FlowControlConfig, parse_flow_control
 from kvgate.epp.scheduling.framework import (
     Filter,

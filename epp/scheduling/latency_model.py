@@ -12,7 +12,7 @@ Features of endpoint e for a request, at pick time (`ttft_features`, `tpot_featu
 decoding = running + u, waiting the scraped queue, kv the KV-cache use: see predicted_ttft_scorer.py.) Features are
 scaled to comparable ranges so that one ridge strength suits them all.
 
-The fit is kvgate/online_ridge.py's `OnlineRidge` (exponentially weighted ridge regression, TTFTs weighed for
+The fit is common/online_ridge.py's `OnlineRidge` (exponentially weighted ridge regression, TTFTs weighed for
 relative error). With no data w = w₀: the TTFT prior is the analytic model (W + decoding × decodeMs), so a fresh EPP
 routes as predicted-ttft-scorer does and learns from there.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import numpy as np
 
-from kvgate.online_ridge import ErrorStats, OnlineRidge, ttft_weight
+from kvgate.common.online_ridge import ErrorStats, OnlineRidge, ttft_weight
 
 # Cycle key predicted-latency-scorer sets when a request states objectives and no endpoint is predicted to meet
 # them: the director sheds such a request when it is sheddable (priority < 0), as llm-d's SLO scorer does.

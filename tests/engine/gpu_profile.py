@@ -48,7 +48,7 @@ def engine_profile(model: str = "qwen3-0.5b", device: str = "cuda") -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from kvgate.engine import LLM, SamplingParams
-    from kvgate.engine.bench import _build_random_model
+    from kvgate.bench.engine import _build_random_model
 
     if model == "demo":
         folder = "demo"
@@ -105,7 +105,7 @@ def engine_profile(model: str = "qwen3-0.5b", device: str = "cuda") -> None:
 
 
 if __name__ == "__main__":
-    from kvgate.engine.bench_roofline import copy_bandwidth
+    from kvgate.bench.engine_roofline import copy_bandwidth
 
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")

@@ -15,7 +15,7 @@ from kvgate.engine.engine_client import (ENGINE_CLIENTS, EngineClient, ProcessEn
 from kvgate.engine.engine_loop import EngineLoop
 from kvgate.engine.engine_messages import (AbortRequest, AddRequest, ArrivalProbe, EngineInfo, LoRACall, LoRAReply,
                                            RequestFailed, Shutdown, StepResult)
-from kvgate.engine.errors import EngineDeadError, EngineError
+from kvgate.common.errors import EngineDeadError, EngineError
 from kvgate.engine.llm_engine import EngineStats
 from kvgate.engine.outputs import CompletionOutput, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams

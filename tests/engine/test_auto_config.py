@@ -15,10 +15,10 @@ from kvgate.engine import auto_config
 from kvgate.engine.auto_config import (Settings, available_cpus, cuda_kv_cache_bytes, resolve_cpu_threads,
                                        resolve_dtype, resolve_step_budget)
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.errors import ConfigError
+from kvgate.common.errors import ConfigError
 from kvgate.engine.llm import LLM
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.processes import free_port, stop_group
+from kvgate.common.processes import free_port, stop_group
 
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.engine.demo import build_demo_model
+from kvgate.common.demo import build_demo_model
 
 KVGATE = [str(Path(sys.executable).parent / "kvgate")]
 

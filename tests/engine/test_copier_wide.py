@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.copier import COPIER_RECIPE
 from kvgate.engine.copier_wide import widen_copier
-from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
+from kvgate.common.demo import build_byte_tokenizer, write_tokenizer_files
 
 SMALL = dict(COPIER_RECIPE["shape"], max_position_embeddings=256)
 WIDE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=4)

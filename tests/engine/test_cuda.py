@@ -58,7 +58,7 @@ def _random_model(tmp_path, layers=4, hidden=256):
     import transformers
     from safetensors.torch import save_file
 
-    from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
+    from kvgate.common.demo import build_byte_tokenizer, write_tokenizer_files
 
     config = transformers.Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=3 * hidden,
                                       num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,

@@ -13,9 +13,9 @@ import torch
 
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.block_pool import hash_block_tokens, root_block_hash
-from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
+from kvgate.common.demo import build_byte_tokenizer, write_tokenizer_files
 from kvgate.engine.draft_model import DraftState
-from kvgate.engine.errors import ConfigError
+from kvgate.common.errors import ConfigError
 from kvgate.engine.spec_decode import SpeculativeConfig
 from tests.engine import test_spec_decode
 from tests.engine.test_spec_decode import MAX_NEW, MODES, check_speculative_greedy, chi_square_p, repetitive_prompts

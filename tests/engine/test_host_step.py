@@ -11,7 +11,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer
 
 from kvgate.engine.block_table import BlockTable
-from kvgate.engine.demo import ensure_demo_model
+from kvgate.common.demo import ensure_demo_model
 from kvgate.engine.detokenizer import IncrementalDetokenizer
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.request import Request, RequestStatus

@@ -13,7 +13,7 @@ import torch
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine import kv_quant
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.errors import ConfigError
+from kvgate.common.errors import ConfigError
 from tests.engine.tiny_models import SMOOTH_STDS, build_tiny_model, make_config, random_tokens
 
 NUM_PROMPTS, MAX_NEW = 10, 64

@@ -285,7 +285,7 @@ def test_a_block_too_big_for_any_message_is_left_out_not_sent_whole():
     ("replay_requests_per_s_total", "fast", "replay_requests_per_s_total must be a positive number"),
 ])
 def test_bad_limits_are_refused_by_name(key, value, says):
-    from kvgate.engine.errors import ConfigError
+    from kvgate.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match=says):
         KVEventsConfig.from_json(json.dumps({"enable_kv_cache_events": True, key: value}))

@@ -1,5 +1,5 @@
 """engine/loader.py: memory-mapped safetensors copied straight into the parameters. The same weights as the loader
-it replaced (kept in engine/bench_load.py as the benchmark's reference), sharded or not, threads or not; the same
+it replaced (kept in bench/engine_load.py as the benchmark's reference), sharded or not, threads or not; the same
 load errors; a clear ModelLoadError for every corrupt or hostile header; and `kvgate bench load` end to end."""
 
 import json
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvgate.engine import LLM, ModelLoadError, SamplingParams
-from kvgate.engine.bench_load import check_sane, reference_iterate_weights
+from kvgate.bench.engine_load import check_sane, reference_iterate_weights
 from kvgate.engine.loader import MAX_HEADER_BYTES, SafetensorsFile, load_hf_config, load_model, open_safetensors
 
 CPU = torch.device("cpu")

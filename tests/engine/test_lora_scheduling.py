@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.errors import ConfigError, LoRAError
+from kvgate.common.errors import ConfigError, LoRAError
 from kvgate.engine.lora.request import LoRAModulePath, LoRARequest
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.sampling_params import SamplingParams

@@ -57,7 +57,7 @@ def parameter_bytes(model) -> int:
 @pytest.fixture(scope="module")
 def checkpoints(tiny_model_dir, tmp_path_factory):
     """name -> folder: the tiny families, llama's weights in bf16 and in shards, a one-layer draft of llama."""
-    from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
+    from kvgate.common.demo import build_byte_tokenizer, write_tokenizer_files
 
     root = tmp_path_factory.mktemp("print-config")
     folders = {family: tiny_model_dir(family)[0] for family in ("llama", "mistral", "qwen2", "qwen3")}
@@ -188,7 +188,7 @@ def test_a_large_sparse_checkpoint_prints_without_its_weights(capsys, tmp_path):
     (reading the weights would take the memory and the time)."""
     from transformers import LlamaConfig
 
-    from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
+    from kvgate.common.demo import build_byte_tokenizer, write_tokenizer_files
 
     h, inter, layers, kv, vocab = 4096, 11008, 4, 8 * 128, 32000
     LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,

@@ -9,7 +9,7 @@ import torch
 
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.detokenizer import IncrementalDetokenizer
-from kvgate.engine.errors import InvalidRequestError
+from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.request import Request
 from tests.engine.tiny_models import random_tokens as tokens
 from kvgate.engine.sampler import (Sampler, SamplingBatch, apply_logit_bias, apply_min_p, apply_penalties,

@@ -12,7 +12,7 @@ import torch
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.attention import AttentionMetadata, paged_attention
 from kvgate.engine.block_pool import hash_block_tokens, root_block_hash
-from kvgate.engine.errors import ConfigError
+from kvgate.common.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
 from kvgate.engine.spec_decode import (DraftBackoff, NgramProposer, Proposer, SpecDecodeStats, SpeculativeConfig,
                                        verify_greedy, verify_sampled)
@@ -178,7 +178,7 @@ def test_backoff_keeps_greedy_outputs_where_drafts_fail():
     """The demo model (random weights: it does not continue the text it quotes) with n-grams from 1, so drafts are
     proposed in most steps and nearly all rejected: with adaptive drafting on, the outputs equal plain greedy's
     and speculation's without it, drafting pauses (far fewer draft tokens), and the counters add up."""
-    from kvgate.engine.bench import make_quote_workload
+    from kvgate.bench.engine import make_quote_workload
 
     prompts = [{"prompt_token_ids": p} for p in make_quote_workload(8, 96, 160, 256, 0)]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

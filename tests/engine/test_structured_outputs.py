@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from kvgate.engine import LLM, SamplingParams
-from kvgate.engine.errors import InvalidRequestError
+from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.sampling_params import StructuredOutputsParams
 
 NUM_SAMPLES = 200
@@ -183,7 +183,7 @@ def _tokenizer_of(chars: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from kvgate.engine.demo import _byte_level_chars
+    from kvgate.common.demo import _byte_level_chars
 
     table = _byte_level_chars()
     tok = Tokenizer(models.BPE(vocab={table[ord(c)]: i for i, c in enumerate(chars)}, merges=[]))

@@ -217,7 +217,7 @@ def test_sliding_window_on_triton_path_matches_hf(tmp_path):
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch, tiny_model_dir):
-    from kvgate.engine.errors import ConfigError
+    from kvgate.common.errors import ConfigError
 
     monkeypatch.delenv("TRITON_INTERPRET")
     folder, _ = tiny_model_dir("llama")

@@ -48,7 +48,7 @@ def build_tiny_model(family: str, folder: Path, seed: int = 0, config=None, stds
     stds: (q/k, other matrices, embeddings and LM head) weight std; None: 0.2 for all."""
     from transformers import AutoModelForCausalLM
 
-    from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
+    from kvgate.common.demo import build_byte_tokenizer, write_tokenizer_files
 
     config = config or make_config(family)
     qk_std, matrix_std, embed_std = stds or (0.2, 0.2, 0.2)

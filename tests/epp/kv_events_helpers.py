@@ -13,7 +13,7 @@ import zmq
 from kvgate.epp.kv_events.sources import EventSource
 from kvgate.epp.scheduling.framework import PluginContext
 from kvgate.epp.scheduling.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
-from kvgate.processes import free_port
+from kvgate.common.processes import free_port
 
 
 def stored(hashes, parent, tokens, block_size, encoding="map", salt=None):

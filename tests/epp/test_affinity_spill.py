@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.bench_routing.runner import affinity_spills
+from kvgate.bench.routing.runner import affinity_spills
 from kvgate.epp.metrics import EndpointGauges
 from kvgate.epp.scheduling.config import ConfigError, parse_config
 from kvgate.epp.scheduling.framework import CycleState, Scheduler
@@ -227,7 +227,7 @@ def test_spill_parameters_are_checked(parameters, message):
 def test_kvgates_profile_spills_only_where_the_copy_fits():
     """kvgate's profile spills a hot prefix (σ 1.25) and asks its group balance's fit check first; kvgate-no-spill
     and kvgate-spill-anywhere are the bench's configurations without each."""
-    from kvgate.bench_routing.configurations import CONFIGURATIONS
+    from kvgate.bench.routing.configurations import CONFIGURATIONS
     from kvgate.epp.scheduling.config import KVGATE_PROFILE_YAML
 
     def affinity(text):

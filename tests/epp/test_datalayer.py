@@ -480,7 +480,7 @@ def test_against_a_real_kvgate_sim_engine(tmp_path, caplog):
             m = layer.states()[0].metrics
             assert 0 < m.prefill_tokens_computed <= m.prefix_cache_queries - m.prefix_cache_hits
             assert m.prefill_step_seconds > 0
-            # each of the six requests was fitted by the engine's latency model (kvgate/engine_latency_protocol.py)
+            # each of the six requests was fitted by the engine's latency model (common/engine_latency_protocol.py)
             await wait_until(lambda: layer.states()[0].metrics.ttft_model_observations == 6, timeout=5.0)
         finally:
             await layer.stop()

@@ -8,8 +8,8 @@ import time
 import httpx
 import pytest
 
-from kvgate.envoy_config import PoolBackend
-from kvgate.gateway_routes import render_pool_gateway
+from kvgate.common.envoy_config import PoolBackend
+from kvgate.common.gateway_routes import render_pool_gateway
 from tests.gateway import EPP, Envoy
 from tests.procs import KVGATE, KvgateServe, free_port
 

@@ -1,4 +1,4 @@
-"""The latency model a kvgate engine fits from its own requests and publishes (kvgate/engine_latency_protocol.py): the
+"""The latency model a kvgate engine fits from its own requests and publishes (common/engine_latency_protocol.py): the
 engine's fit recovers how its TTFT and TPOT follow its gauges, the /metrics page carries the weights and the EPP's
 datalayer reads them back (refusing partial or absurd ones), and predicted-latency-scorer with learnFrom: engines
 predicts each endpoint from its own model — the scraped gauges plus what it routed since — needing no response body,
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvgate import engine_latency_protocol as published
+from kvgate.common import engine_latency_protocol as published
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.llm_engine import EngineStats
 from kvgate.engine.server.latency_fit import Arrival, EngineLatencyFit

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from kvgate.upstream_envoy import render_upstream_envoy
+from kvgate.common.upstream_envoy import render_upstream_envoy
 from tests.epp.test_stock_envoy import stock_envoy
 from tests.gateway import EPP, Envoy, Gateway
 from tests.procs import KvgateServe, free_port

@@ -17,9 +17,9 @@ from tests.epp.helpers import LIST_CONFIG
 from tests.gateway import EPP, Envoy, Gateway
 from tests.procs import KvgateServe, free_port
 from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
-from kvgate.envoy_config import UPSTREAM_HOST_HEADER, UPSTREAM_IDLE_S, PoolBackend
-from kvgate.gateway_routes import render_pool_gateway
-from kvgate.epp.protocol import DESTINATION_HEADER, SERVED_TEST_HEADER, TEST_ENDPOINT_SELECTION_HEADER
+from kvgate.common.envoy_config import UPSTREAM_HOST_HEADER, UPSTREAM_IDLE_S, PoolBackend
+from kvgate.common.gateway_routes import render_pool_gateway
+from kvgate.common.epp_protocol import DESTINATION_HEADER, SERVED_TEST_HEADER, TEST_ENDPOINT_SELECTION_HEADER
 
 SERVED_BY = "x-kvgate-endpoint"
 

@@ -7,7 +7,7 @@ import subprocess
 
 from kvgate.epp.datastore import pool_endpoints
 from kvgate.epp.kv_events.sources import EventSource, event_source
-from kvgate.epp.protocol import (KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION,
+from kvgate.common.epp_protocol import (KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION,
                                  KV_EVENTS_TOPIC_ANNOTATION)
 from kvgate.epp.types import Endpoint
 from tests.procs import KVGATE

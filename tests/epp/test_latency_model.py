@@ -12,7 +12,7 @@ from kvgate.epp.scheduling.config import ConfigError, parse_config
 from kvgate.epp.scheduling.framework import CycleState, Scheduler
 from kvgate.epp.scheduling.live_load import LoadTracker
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
-from kvgate.online_ridge import TTFT_WEIGHT_FLOOR_S, OnlineRidge
+from kvgate.common.online_ridge import TTFT_WEIGHT_FLOOR_S, OnlineRidge
 from tests.epp.test_load_plugins import PROMPT, config, warmed
 
 
@@ -216,7 +216,7 @@ def test_a_sheddable_request_whose_objectives_no_endpoint_meets_is_shed():
     from kvgate.epp.datalayer import Datalayer
     from kvgate.epp.datastore import Datastore
     from kvgate.epp.director import Director, RoutingError
-    from kvgate.epp.protocol import OBJECTIVE_HEADER
+    from kvgate.common.epp_protocol import OBJECTIVE_HEADER
 
     layer = Datalayer()
     addresses = ["10.0.0.1:8000", "10.0.0.2:8000"]

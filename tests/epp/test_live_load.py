@@ -127,7 +127,7 @@ def test_a_burst_of_sheddable_requests_is_shed_once_it_fills_the_queues_within_t
     import pytest
 
     from kvgate.epp.director import RoutingError
-    from kvgate.epp.protocol import OBJECTIVE_HEADER
+    from kvgate.common.epp_protocol import OBJECTIVE_HEADER
 
     director, _ = one_round_director()  # every queue scraped at 3; the saturation threshold is 5
     director.datastore.set_policies({"batch": -1}, [])
@@ -146,7 +146,7 @@ def test_kvgates_profile_shares_a_mixed_pool_by_prefill_speed():
     gives the fast ones about twice the work of the slow ones; the same profile in tokens shares it evenly (which
     left the slow replicas' queues growing: `kvgate bench routing --shapes mixed-hardware`), and a uniform pool
     whose timed rates differ by a few percent spreads evenly as before."""
-    from kvgate.bench_routing.configurations import BY_NAME
+    from kvgate.bench.routing.configurations import BY_NAME
     from kvgate.epp.scheduling.config import KVGATE_PROFILE_YAML
 
     def shares(profile: str, rates: list[float]) -> list[int]:

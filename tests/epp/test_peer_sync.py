@@ -18,7 +18,7 @@ from kvgate.epp.peer_sync_keys import write_pool_key
 from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, parse_config
 from kvgate.epp.scheduling.framework import Scheduler
 from kvgate.epp.types import Endpoint, EndpointMetrics
-from kvgate.processes import free_port
+from kvgate.common.processes import free_port
 from tests.epp.helpers import request
 
 ADDRESSES = [f"10.0.0.{i}:8000" for i in range(1, 5)]

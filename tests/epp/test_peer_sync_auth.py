@@ -16,7 +16,7 @@ import zmq
 from kvgate.cli import main as kvgate_main
 from kvgate.epp.peer_sync import MAX_PEERS, Beat, Pick, PeerSync
 from kvgate.epp.peer_sync_keys import PeerSyncKeyError, load_pool_key, write_pool_key
-from kvgate.processes import free_port
+from kvgate.common.processes import free_port
 from tests.epp.helpers import request
 from tests.epp.test_peer_sync import ADDRESSES, replica, tenant
 from tests.gateway import EPP

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from kvgate.engine.loader import load_tokenizer
+from kvgate.common.tokenizer_files import load_tokenizer
 from kvgate.epp.prefix.hashing import chain, root_hash
 from kvgate.epp.prefix.precise_index import Delta
 from kvgate.epp.scheduling.config import ConfigError, parse_config

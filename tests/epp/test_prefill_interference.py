@@ -73,7 +73,7 @@ def test_picks_since_the_scrape_count_as_held_and_scores_stay_proportional():
 def hot_pool(config_name: str):
     """A bench profile over a: one hot tenant's stream (12 held, 10 picks/s, all cached) and b, c: two quiet tenants
     each (2 held). By footprint a carries the least, so the group balance alone gives a new tenant to a."""
-    from kvgate.bench_routing.configurations import BY_NAME
+    from kvgate.bench.routing.configurations import BY_NAME
 
     text = BY_NAME[config_name].epp_config
     scheduler = Scheduler(parse_config(text.replace("precise-prefix-cache-scorer", "prefix-cache-scorer")).scheduler)

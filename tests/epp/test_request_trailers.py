@@ -3,7 +3,7 @@
 Envoy sends the EPP the body without end_of_stream and then the trailers; the EPP must decide on the trailers
 message, or Envoy holds the request until its ext_proc message timeout. Sent through the real Envoy over HTTP/2
 with prior knowledge (Envoy's listener accepts h2c), with the h2 library doing the framing, behind the stock
-upstream-shaped gateway config (kvgate/upstream-envoy.yaml) and kvgate's own.
+upstream-shaped gateway config (common/upstream-envoy.yaml) and kvgate's own.
 
 With fallbacks configured (override_host routes with retries) the body reaches the engine twice: Envoy 1.40
 duplicates a FULL_DUPLEX_STREAMED ext_proc body that ends in trailers when the route has a retry policy
@@ -20,7 +20,7 @@ import h2.connection
 import h2.events
 import pytest
 
-from kvgate.gateway_routes import render_pool_gateway
+from kvgate.common.gateway_routes import render_pool_gateway
 from tests.epp.test_stock_envoy import stock_envoy
 from tests.gateway import Gateway
 

@@ -30,7 +30,7 @@ from kvgate.epp.scheduling.framework import PluginContext, Scheduler, SchedulerC
     WeightedScorer
 from kvgate.epp.scheduling.plugins.pickers import MaxScorePicker
 from kvgate.epp.types import Endpoint, EndpointMetrics
-from kvgate.online_ridge import OnlineRidge
+from kvgate.common.online_ridge import OnlineRidge
 from tests.epp.helpers import request
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"

@@ -6,7 +6,7 @@ import json
 import subprocess
 
 from kvgate.epp.datalayer import DIALECTS, parse_metrics
-from kvgate.epp.datalayer.bench import filtered_page, metrics_page
+from kvgate.bench.datalayer import filtered_page, metrics_page
 from tests.procs import KVGATE
 
 

@@ -1,4 +1,4 @@
-"""`kvgate epp` as a drop-in: behind a stock Envoy config in upstream's shape (kvgate/upstream-envoy.yaml:
+"""`kvgate epp` as a drop-in: behind a stock Envoy config in upstream's shape (common/upstream-envoy.yaml:
 ext_proc with streamed bodies → an ORIGINAL_DST cluster reading `x-gateway-destination-endpoint`, nothing else),
 and behind kvgate's own rendered config — real Envoy, real sim engines, the EPP's default config unless named."""
 
@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from kvgate.conformance.epp_config import CONFORMANCE_EPP_CONFIG
-from kvgate.epp.protocol import SERVED_TEST_HEADER, TEST_ENDPOINT_SELECTION_HEADER
-from kvgate.upstream_envoy import UPSTREAM_ENVOY_YAML, render_upstream_envoy
+from kvgate.common.epp_protocol import SERVED_TEST_HEADER, TEST_ENDPOINT_SELECTION_HEADER
+from kvgate.common.upstream_envoy import UPSTREAM_ENVOY_YAML, render_upstream_envoy
 from tests.gateway import Gateway
 
 FIXTURE = UPSTREAM_ENVOY_YAML

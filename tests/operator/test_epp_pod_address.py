@@ -1,8 +1,8 @@
 """`--epp-address-mode pod-ip` over a whole routing (epp_pod_address.routing_via_epp_pods): only pool backends
 change, each EPP Service's namespace is listed once, and a route's other fields stay as they were."""
 
-from kvgate.envoy_config import PoolBackend
-from kvgate.gateway_routes import RouteRule, ServiceBackend, WeightedBackend
+from kvgate.common.envoy_config import PoolBackend
+from kvgate.common.gateway_routes import RouteRule, ServiceBackend, WeightedBackend
 from kvgate.operator.epp_pod_address import routing_via_epp_pods
 from kvgate.operator.gateway import GatewayRouting
 

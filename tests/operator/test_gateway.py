@@ -9,13 +9,13 @@ from urllib.parse import parse_qs
 import httpx
 import pytest
 
-from kvgate.envoy_config import PoolBackend, envoy_binary
-from kvgate.epp.protocol import DESTINATION_HEADER
-from kvgate.gateway_routes import RouteRule, ServiceBackend, WeightedBackend, render_gateway_files
-from kvgate.processes import free_port, stop_group, wait_http_ok
+from kvgate.common.envoy_config import PoolBackend, envoy_binary
+from kvgate.common.epp_protocol import DESTINATION_HEADER
+from kvgate.common.gateway_routes import RouteRule, ServiceBackend, WeightedBackend, render_gateway_files
+from kvgate.common.processes import free_port, stop_group, wait_http_ok
 from kvgate.operator import gateway as g
 from kvgate.operator import pool as p
-from kvgate.gateway_routes import BOOTSTRAP_FILE, CDS_FILE, listeners_of, rds_file, static_bootstrap
+from kvgate.common.gateway_routes import BOOTSTRAP_FILE, CDS_FILE, listeners_of, rds_file, static_bootstrap
 from tests.e2e.k8srig.podrunner import write_atomic_volume  # the kubelet's way of publishing a ConfigMap
 from tests.operator.conftest import NOW, round_trips
 from tests.test_envoy_config import assert_safe
@@ -591,7 +591,7 @@ def test_a_pool_whose_epp_returns_lists_gets_retries_over_the_list(samples, tmp_
 def test_a_pool_whose_epp_needs_no_response_body_gets_headers_only_routes(samples, tmp_path):
     """not pool.needs_response_body → that pool's routes send its EPP the response headers only (the real Envoy
     accepts the override); other pools keep streaming bodies through their EPP."""
-    from kvgate.envoy_config import RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC
+    from kvgate.common.envoy_config import RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC
 
     route, pool = samples["HTTPRoute"], samples["InferencePool"]
     key = (pool["metadata"]["namespace"], pool["metadata"]["name"])

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from kvgate.envoy_config import PoolBackend
+from kvgate.common.envoy_config import PoolBackend
 from kvgate.operator.apply import _no_empty_messages, kind_of, summarize_status
 from kvgate.operator.epp_pod_address import epp_backend_via_pod
 from kvgate.operator.workqueue import WorkQueue

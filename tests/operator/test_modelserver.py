@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.engine.cli_args import parse_bytes
+from kvgate.common.sizes import parse_bytes
 from kvgate.operator import modelserver as m
 from kvgate.operator.tenancy import TenantPolicy
 from tests.operator.conftest import NOW

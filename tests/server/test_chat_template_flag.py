@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from kvgate.engine.demo import ensure_demo_model
-from kvgate.engine.loader import load_tokenizer
+from kvgate.common.demo import ensure_demo_model
+from kvgate.common.tokenizer_files import load_tokenizer
 from kvgate.engine.server.chat_template import (MAX_TEMPLATE_BYTES, ChatTemplateError, load_server_template,
                                                 template_kwargs)
 from tests.procs import KVGATE, KvgateServe

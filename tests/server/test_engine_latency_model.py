@@ -7,7 +7,7 @@ import time
 import httpx
 import numpy as np
 
-from kvgate import engine_latency_protocol as published
+from kvgate.common import engine_latency_protocol as published
 from kvgate.epp.datalayer.dialects import DIALECTS
 from kvgate.epp.datalayer.exposition import parse_metrics
 from tests.procs import KvgateServe

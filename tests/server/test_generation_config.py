@@ -10,8 +10,8 @@ import subprocess
 import openai
 import pytest
 
-from kvgate.engine.demo import build_demo_model
-from kvgate.engine.errors import ConfigError
+from kvgate.common.demo import build_demo_model
+from kvgate.common.errors import ConfigError
 from kvgate.engine.generation_defaults import load_generation_defaults, parse_override
 from tests.procs import KVGATE, KvgateServe
 

@@ -144,7 +144,7 @@ def test_tokenization_is_off_the_event_loop_and_time_bounded(kvgate_cache):
 
 
 def test_an_over_long_prompt_is_refused_from_its_first_tokens(server):
-    """A prompt far over max_model_len is a 400 found by tokenizing a prefix (engine/bounded_tokenize.py): the
+    """A prompt far over max_model_len is a 400 found by tokenizing a prefix (common/bounded_tokenize.py): the
     answer says "more than" (the whole prompt was never counted), for completions, chat and /tokenize."""
     for path, body, param in (("/v1/completions", {"prompt": "a b " * 230000}, "prompt"),
                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b " * 230000}]},

@@ -4,8 +4,8 @@ endpoints' errors, and a generation from the rendered ids equal to one from the 
 import httpx
 import pytest
 
-from kvgate.engine.demo import ensure_demo_model
-from kvgate.engine.loader import load_tokenizer
+from kvgate.common.demo import ensure_demo_model
+from kvgate.common.tokenizer_files import load_tokenizer
 
 # The fields of vLLM's GenerateRequest (vllm/entrypoints/scale_out/token_in_token_out/protocol.py).
 GENERATE_REQUEST_FIELDS = {"request_id", "token_ids", "assistant_tokens_mask", "token_offsets", "features",

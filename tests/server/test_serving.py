@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvgate.engine.engine_messages import EngineInfo
-from kvgate.engine.errors import EngineDeadError, InvalidRequestError
+from kvgate.common.errors import EngineDeadError, InvalidRequestError
 from kvgate.engine.generation_defaults import GenerationDefaults
 from kvgate.engine.outputs import CompletionOutput, RequestOutput
 from kvgate.engine.server.limits import RequestLimits

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from kvgate.epp.protocol import TEST_ENDPOINT_SELECTION_HEADER
+from kvgate.common.epp_protocol import TEST_ENDPOINT_SELECTION_HEADER
 from kvgate.epp.scheduling.framework import CycleState, Filter, PinnedOrder
 from kvgate.epp.scheduling.plugins._params import check_keys
 from kvgate.epp.types import EndpointState, LLMRequest

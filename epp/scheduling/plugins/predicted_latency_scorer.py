@@ -36,7 +36,7 @@ Where the model comes from (learnFrom):
   CPU per request of kvgate's profile (docs/benchmarks.md).
 - `engines` (kvgate engines): each engine fits its own model from the requests it serves, on its exact gauges at
   each request's arrival and its exact timings, and publishes the weights on its /metrics page
-  (kvgate/engine_latency_protocol.py); the EPP evaluates them on the scraped gauges plus what it routed since, and
+  (common/engine_latency_protocol.py); the EPP evaluates them on the scraped gauges plus what it routed since, and
   needs no response body. An endpoint that does not publish a model (another engine, or one that has fitted fewer
   than MIN_OBSERVATIONS requests) is predicted by the prior, the analytic model; the EPP logs, per endpoint, which
   one it predicts from whenever that changes. The EPP measures no prediction error of its own then (no response
@@ -60,8 +60,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvgate import engine_latency_protocol as published
-from kvgate.epp.protocol import TPOT_OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER
+from kvgate.common import engine_latency_protocol as published
+from kvgate.common.epp_protocol import TPOT_OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER
 from kvgate.epp.scheduling import live_load
 from kvgate.epp.scheduling.framework import CycleState, Filter
 from kvgate.epp.scheduling.latency_model import OBJECTIVES_UNMEETABLE, LatencyModel, tpot_features, ttft_features

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvgate.bench_routing.configurations import EXTERNAL_ROUTERS
+from kvgate.bench.routing.configurations import EXTERNAL_ROUTERS
 
 
 def _ratio(a, b) -> float | None:

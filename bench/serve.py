@@ -279,7 +279,7 @@ def run_bench_engine_loop(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from kvgate.processes import free_port, start_group, stop_group, wait_http_ok
+    from kvgate.common.processes import free_port, start_group, stop_group, wait_http_ok
 
     kvgate = str(Path(sys.executable).parent / "kvgate")
     requests = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len, 0.0, args.seed)

@@ -14,9 +14,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvgate.bench_routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
-from kvgate.bench_routing.pinning import cpus_flag
-from kvgate.bench_routing.workloads import SHAPE_SETS, SHAPES, WORKLOADS, WorkloadShape, arrivals, parse_shape, \
+from kvgate.bench.routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
+from kvgate.bench.routing.pinning import cpus_flag
+from kvgate.bench.routing.workloads import SHAPE_SETS, SHAPES, WORKLOADS, WorkloadShape, arrivals, parse_shape, \
     with_foreign
 
 SHORT = {"rates": "6", "duration": 6.0, "drain": 20.0}  # --rates, when given, still wins
@@ -76,7 +76,7 @@ def _rates_per_shape(text: str, shapes: list[WorkloadShape]) -> dict[str, list[f
     if not text.startswith("saturation"):
         rates = _rates(text)
         return {s.name: rates for s in shapes}
-    from kvgate.bench_routing.saturation import SATURATION_RATES, rates_from_result
+    from kvgate.bench.routing.saturation import SATURATION_RATES, rates_from_result
 
     found = SATURATION_RATES
     if text != "saturation":
@@ -109,7 +109,7 @@ def add_bench_routing_parser(sub) -> None:
                         "missing are skipped with a note)")
     p.add_argument("--rates", default=None,
                    help=f"requests/s, comma-separated (default {DEFAULT_RATES}); or 'saturation': each shape at its "
-                        "own saturation rate (bench_routing/saturation.py SATURATION_RATES, found by "
+                        "own saturation rate (bench/routing/saturation.py SATURATION_RATES, found by "
                         "--find-saturation), or 'saturation:FILE' from a --find-saturation result file")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per cell (default 30)")
     p.add_argument("--drain", type=float, default=60.0,
@@ -139,7 +139,7 @@ def add_bench_routing_parser(sub) -> None:
     p.add_argument("--find-saturation", action="store_true",
                    help="instead of the sweep: per shape, the rate at which round-robin's TTFT p90 reaches "
                         "--saturation-factor x its value at 1 req/s (a ramp from 4 req/s x1.5, then bisection; "
-                        "cells of --duration seconds; bench_routing/saturation.py)")
+                        "cells of --duration seconds; bench/routing/saturation.py)")
     p.add_argument("--saturation-factor", type=float, default=10.0, metavar="X",
                    help="--find-saturation's target, x the light-load TTFT p90 (default 10: issue 23's saturation)")
     p.add_argument("--saturation-start", type=float, default=4.0, metavar="RATE",
@@ -147,7 +147,7 @@ def add_bench_routing_parser(sub) -> None:
     p.add_argument("--lead", default=None, metavar="FILE,FILE,...",
                    help="run nothing: from result files of the same sweep with different seeds, --lead-subject's "
                         "TTFT p90 and tok/s lead over the best router per shape and seed, and whether it clears "
-                        "issue 23's bars on every seed (bench_routing/lead.py; --plot, --result-file)")
+                        "issue 23's bars on every seed (bench/routing/lead.py; --plot, --result-file)")
     p.add_argument("--lead-subject", default="kvgate", metavar="NAME", help="the configuration --lead judges")
     p.add_argument("--result-file", default=None, help="write every cell as JSON here")
     p.add_argument("--per-request", action="store_true",
@@ -161,7 +161,7 @@ MAX_EPP_REPLICAS = 4
 
 
 def _run_lead(args) -> int:
-    from kvgate.bench_routing.lead import leads, load_results, plot_leads, print_leads
+    from kvgate.bench.routing.lead import leads, load_results, plot_leads, print_leads
 
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("kvgate bench routing: --plot needs matplotlib (pip install 'kvgate[bench]')")
@@ -184,8 +184,8 @@ def _run_lead(args) -> int:
 def run_bench_routing(args) -> int:
     from tqdm import tqdm
 
-    from kvgate.bench_routing.report import add_ratios, plot, print_tables
-    from kvgate.bench_routing.runner import run_cell
+    from kvgate.bench.routing.report import add_ratios, plot, print_tables
+    from kvgate.bench.routing.runner import run_cell
 
     if args.lead:
         return _run_lead(args)
@@ -229,7 +229,7 @@ def run_bench_routing(args) -> int:
         raise SystemExit("kvgate bench routing: no configuration can run")
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-routing-"))
     if args.find_saturation:
-        from kvgate.bench_routing.saturation import run_find_saturation
+        from kvgate.bench.routing.saturation import run_find_saturation
 
         if not args.saturation_factor > 1 or not 1 < args.saturation_start <= 200:
             raise SystemExit("kvgate bench routing: --saturation-factor must be > 1 and --saturation-start in (1, 200]")

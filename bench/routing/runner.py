@@ -1,6 +1,6 @@
 """One cell of `kvgate bench routing`: a routing configuration at one request rate on one workload.
 
-Each cell gets a fresh stack (kvgate.up.launch_local_stack: new sim replicas, EPP, Envoy), so every configuration
+Each cell gets a fresh stack (kvgate.stack.up.launch_local_stack: new sim replicas, EPP, Envoy), so every configuration
 starts with cold engine caches and a cold EPP index: the engines have no prefix-cache reset endpoint, and a
 restart also clears what the EPP learnt. The replicas sit on their own loopback addresses (127.0.0.2, ...), as
 pods would, so engines publishing KV events share one port pair. The identical arrival sequence (workloads.py)
@@ -28,14 +28,14 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.bench_routing import oracle, pinning
-from kvgate.bench_routing.configurations import (SIM_MODEL, RoutingConfig, router_program, slow_replica_args,
+from kvgate.bench.routing import oracle, pinning
+from kvgate.bench.routing.configurations import (SIM_MODEL, RoutingConfig, router_program, slow_replica_args,
                                                   sim_engine_args)
-from kvgate.bench_routing.workloads import BenchRequest, WorkloadShape
+from kvgate.bench.routing.workloads import BenchRequest, WorkloadShape
 from kvgate.chaos.load import Outcome, StreamLoad
-from kvgate.epp.protocol import TEST_ENDPOINT_SELECTION_HEADER, TTFT_OBJECTIVE_HEADER
-from kvgate.processes import free_port
-from kvgate.up import LocalStack, Stack, launch_local_stack
+from kvgate.common.epp_protocol import TEST_ENDPOINT_SELECTION_HEADER, TTFT_OBJECTIVE_HEADER
+from kvgate.common.processes import free_port
+from kvgate.stack.up import LocalStack, Stack, launch_local_stack
 
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:request_success")
 # The EPP's histograms of its own time per request, and their names in the result file.

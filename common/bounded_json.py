@@ -10,7 +10,7 @@
 characters for a str) and nesting deeper than `max_depth` before json.loads runs: the depth comes from a linear
 scan of the brackets outside strings (strings and everything else are cut out by regular expressions, and the
 running depth is summed in C, about as fast as json.loads itself). Not JSON at all is json's own
-JSONDecodeError, also a ValueError. `read` does the same for a file (kvgate/bounded_file.py: a regular file, at
+JSONDecodeError, also a ValueError. `read` does the same for a file (common/bounded_file.py: a regular file, at
 most `max_bytes` read), and `check_file` only checks, for a file another library parses (transformers' config,
 generation config and tokenizer files).
 
@@ -25,7 +25,7 @@ import re
 from itertools import accumulate
 from typing import Any
 
-from kvgate.bounded_file import FileLimitError, read_bytes, size_text
+from kvgate.common.bounded_file import FileLimitError, read_bytes, size_text
 
 MAX_DEPTH = 64  # levels of objects and arrays (real configs and tokenizers use under 10)
 FLAG_BYTES = 64 << 10  # a JSON flag value (--speculative-config, ...): a few keys; Linux caps one at 128 KiB

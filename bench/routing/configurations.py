@@ -2,7 +2,7 @@
 sim replicas, with its EndpointPickerConfig, extra EPP flags and extra engine flags.
 
 kinds:
-- `round-robin`: Envoy's own round-robin over the replicas, no EPP (kvgate.envoy_config.render_round_robin);
+- `round-robin`: Envoy's own round-robin over the replicas, no EPP (kvgate.common.envoy_config.render_round_robin);
 - `epp`: kvgate's Envoy + `kvgate epp` with `epp_config`;
 - `router`: an external router process (sglang-router, vllm-router) in front of the replicas, with its own
   `--policy cache_aware`; only when its program is installed (`pip install 'kvgate[bench]'`).
@@ -213,7 +213,7 @@ CONFIGURATIONS = [
                   kv_events=True),
     RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
                   "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "
-                  "through the EPP's header-based-testing-filter (bench_routing/oracle.py)", "epp",
+                  "through the EPP's header-based-testing-filter (bench/routing/oracle.py)", "epp",
                   _config([("header-based-testing-filter", None, None), ("max-score-picker", None, None)]),
                   oracle=True),
     # kvgate's profile with the approximate prefix scorer in place of the precise one, no KV events: what precise

@@ -1,7 +1,7 @@
 """Child processes of kvgate's own tools (`kvgate up`, benchmarks): free ports, readiness, clean stops.
 
 Each child runs in a session of its own, so stopping it stops everything it started too. And each ends with this
-process, however this process ends (SIGKILL and the OOM killer included): a reaper process (kvgate/reaper.py,
+process, however this process ends (SIGKILL and the OOM killer included): a reaper process (common/reaper.py,
 started with the first child) watches a pipe only this process holds, and ends every child's group when the
 pipe closes.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from kvgate import reaper
+from kvgate.common import reaper
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import xxhash
 
-from kvgate.bench_serve import random_text
+from kvgate.bench.serve import random_text
 
 KINDS = ("multi-tenant", "multi-turn", "no-reuse")
 DEFAULT_KV_TOKENS = 8192  # the sim replicas' KV cache (configurations.SIM_ENGINE_ARGS sizes it the same)

@@ -5,11 +5,11 @@ why). Once the stack is up, a child that dies — a replica killed, an engine lo
 is restarted with the same command and ports, after a backoff that doubles from 1 s up to 30 s (and resets once
 it has stayed up for a minute), each restart logged; meanwhile the EPP keeps requests off a dead replica (two
 failed scrapes). Each port is held for its child from the moment it is chosen until the stack stops
-(kvgate.processes.reserve_port), so no other process takes it during a start-up or a restart. Only Ctrl-C or
+(kvgate.common.processes.reserve_port), so no other process takes it during a start-up or a restart. Only Ctrl-C or
 SIGTERM stops the stack, and then every child (during start-up too).
 
 However `kvgate up` itself ends — SIGKILL, the OOM killer, a crash, or killed in the middle of its graceful
-stop — its children and theirs end with it, within kvgate.reaper.GRACE_S (0.5 s) and their exit: kvgate.processes
+stop — its children and theirs end with it, within kvgate.common.reaper.GRACE_S (0.5 s) and their exit: kvgate.common.processes
 hands every child's process group to a reaper process that watches a pipe only `kvgate up` holds. A gateway
 port that something listens on already (a stack left running) fails `kvgate up` at once, before anything starts,
 with a line naming the port and, where /proc tells, the process that holds it.
@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgate.envoy_config import CircuitBreakers, ListenerTimeouts, PoolBackend, RouteTimeouts, envoy_binary
-from kvgate.gateway_routes import render_pool_gateway
-from kvgate.processes import port_taken, reserve_port, start_group, stop_group, wait_http_ok
+from kvgate.common.envoy_config import CircuitBreakers, ListenerTimeouts, PoolBackend, RouteTimeouts, envoy_binary
+from kvgate.common.gateway_routes import render_pool_gateway
+from kvgate.common.processes import port_taken, reserve_port, start_group, stop_group, wait_http_ok
 
 
 def add_up_parser(sub) -> None:
@@ -75,7 +75,7 @@ def _positive(kind):
 
 
 def add_envoy_limit_flags(p) -> None:
-    """Envoy's timeouts and circuit breakers (defaults: kvgate.envoy_config's, sized for LLM traffic)."""
+    """Envoy's timeouts and circuit breakers (defaults: kvgate.common.envoy_config's, sized for LLM traffic)."""
     timeouts, listener, breakers = RouteTimeouts(), ListenerTimeouts(), CircuitBreakers()
     g = p.add_argument_group("Envoy limits")
     g.add_argument("--request-timeout", type=_positive(float), default=timeouts.request_s, metavar="SECONDS",
@@ -122,7 +122,7 @@ class Stack:
 
     def reserve_port(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """A port (`port` 0: a free one) that only this stack's children may listen on, until stop(): a child's
-        start-up, and its restarts, cannot lose it to another process (kvgate.processes.reserve_port)."""
+        start-up, and its restarts, cannot lose it to another process (kvgate.common.processes.reserve_port)."""
         held = reserve_port(host, port)
         self._reserved.append(held)
         return held.getsockname()[1]
@@ -297,7 +297,7 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
         ["--config-text", epp_config_text] if epp_config_text else [])
     kvgate = str(Path(sys.executable).parent / "kvgate")
     if model == "demo" and backend == "torch":  # build once, not in N racing processes
-        from kvgate.engine.demo import ensure_demo_model
+        from kvgate.common.demo import ensure_demo_model
 
         ensure_demo_model()
     hosts = list(engine_hosts) if engine_hosts else ["127.0.0.1"] * replicas
@@ -351,11 +351,11 @@ def launch_local_stack(stack: Stack, *, replicas: int, model: str, backend: str,
                                "--grpc-health-port", str(health_i), "--metrics-port", str(metrics_i),
                                *epp_config_args, *epp_args, *peer_args])
     if envoy_flavor == "round-robin":
-        from kvgate.envoy_config import render_round_robin
+        from kvgate.common.envoy_config import render_round_robin
 
         config = render_round_robin(host, port, endpoints, admin_port)
     elif envoy_flavor == "upstream":
-        from kvgate.upstream_envoy import render_upstream_envoy
+        from kvgate.common.upstream_envoy import render_upstream_envoy
 
         config = render_upstream_envoy(port, admin_port, grpc_port)
     else:

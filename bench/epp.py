@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from kvgate.epp.protocol import DESTINATION_HEADER
-from kvgate.processes import free_port, start_group, stop_group, wait_http_ok
+from kvgate.common.epp_protocol import DESTINATION_HEADER
+from kvgate.common.processes import free_port, start_group, stop_group, wait_http_ok
 
 
 def add_bench_epp_parser(sub) -> None:
@@ -59,7 +59,7 @@ ROUNDS = 5  # the latency part's alternating rounds (each path n / ROUNDS reques
 def _pin_epp(procs: list, epp, epp_cpus: frozenset[int]) -> dict:
     """The EPP's process group on epp_cpus; every other process started here, and this one (the load), on the
     rest."""
-    from kvgate.bench_routing import pinning
+    from kvgate.bench.routing import pinning
 
     mine, rest = pinning.split(epp_cpus)
     threads = sum(pinning.pin_group(p.pid, mine if p is epp else rest) for p in procs)
@@ -70,9 +70,9 @@ def _pin_epp(procs: list, epp, epp_cpus: frozenset[int]) -> dict:
 def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None = None) -> dict:
     """Envoy + EPP vs Envoy routing by a client-set header, to the same sim engine, same request stream; with
     `epp_cpus`, the EPP pinned to those CPUs and everything else to the others."""
-    from kvgate.bench_routing.runner import epp_histograms, epp_metrics, epp_time
-    from kvgate.envoy_config import PoolBackend, envoy_binary, render_direct
-    from kvgate.gateway_routes import render_pool_gateway
+    from kvgate.bench.routing.runner import epp_histograms, epp_metrics, epp_time
+    from kvgate.common.envoy_config import PoolBackend, envoy_binary, render_direct
+    from kvgate.common.gateway_routes import render_pool_gateway
 
     kvgate = str(Path(sys.executable).parent / "kvgate")
     work = Path(tempfile.mkdtemp(prefix="kvgate-bench-epp-"))
@@ -137,8 +137,8 @@ def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None =
 
 
 def run_bench_epp(args: argparse.Namespace) -> int:
-    from kvgate.bench_routing.pinning import cpus_flag
-    from kvgate.epp.scheduling.bench import bench_prefix_match, bench_scheduling
+    from kvgate.bench.routing.pinning import cpus_flag
+    from kvgate.bench.scheduling import bench_prefix_match, bench_scheduling
 
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = parts - {"scheduling", "latency"}

@@ -47,7 +47,7 @@ def run_bench_structured(args: argparse.Namespace) -> int:
     if args.compare_libraries:
         return compare_libraries(args.repeats)
     from kvgate.engine import LLM, SamplingParams
-    from kvgate.engine.bench import make_workload
+    from kvgate.bench.engine import make_workload
     from kvgate.engine.cli_args import engine_config_from_args
     from kvgate.engine.llm import resolve_model_path
     from kvgate.engine.sampling_params import StructuredOutputsParams
@@ -173,7 +173,7 @@ def compare_libraries(repeats: int) -> int:
 
     from transformers import PreTrainedTokenizerFast
 
-    from kvgate.engine.demo import ensure_byte_tokenizer
+    from kvgate.common.demo import ensure_byte_tokenizer
 
     libraries = {"llguidance": _time_llguidance}
     if importlib.util.find_spec("xgrammar") is not None:

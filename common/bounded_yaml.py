@@ -13,7 +13,7 @@
 `max_depth`, and a document of more than `max_nodes` nodes counting every alias as the whole node it names
 (so a bomb is refused before anything is expanded, and parse time stops at `max_nodes` nodes: ~0.25 s).
 `load_all` does the same for a stream of documents (`---`), the nodes counted over all of them. A file is read
-with kvgate/bounded_file.py (at most MAX_CHARS bytes) before either.
+with common/bounded_file.py (at most MAX_CHARS bytes) before either.
 """
 
 from __future__ import annotations

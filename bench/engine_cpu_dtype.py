@@ -1,6 +1,6 @@
 """float32 vs bfloat16 on this CPU, through the engine: the measurement behind auto_config's CPU dtype rule.
 
-`python -m kvgate.engine.bench_cpu_dtype [--rounds 7]`: the demo model and a model of two Qwen2.5-0.5B-shaped
+`python -m kvgate.bench.engine_cpu_dtype [--rounds 7]`: the demo model and a model of two Qwen2.5-0.5B-shaped
 layers (hidden 896, MLP 4864, 14 heads, 2 KV heads; a byte vocabulary so the LM head does not dominate), one engine
 per dtype in this process, timed alternately (the machine may be shared), medians printed. Each round: decode steps
 at batch 1, 8, 32 (8-token prompts, 16 tokens each, ignore_eos) and 128 (8 tokens each), and one 512-token
@@ -24,7 +24,7 @@ def build_layer_model(folder: Path, hidden: int = 896, intermediate: int = 4864,
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
+    from kvgate.common.demo import build_byte_tokenizer, write_tokenizer_files
 
     tok = build_byte_tokenizer()
     config = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=intermediate,

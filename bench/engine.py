@@ -71,7 +71,7 @@ def _build_random_model(name: str, folder: Path, dtype) -> None:
     import transformers
     from safetensors.torch import save_file
 
-    from kvgate.engine.demo import build_byte_tokenizer, write_tokenizer_files
+    from kvgate.common.demo import build_byte_tokenizer, write_tokenizer_files
 
     cls_name, kwargs = RANDOM_MODELS[name]
     config = getattr(transformers, cls_name)(**kwargs, architectures=[cls_name.replace("Config", "ForCausalLM")])
@@ -241,7 +241,7 @@ def run_bench_engine(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from kvgate.engine import LLM, SamplingParams
-    from kvgate.engine.bench_roofline import StepTimer, copy_bandwidth, kv_bytes_per_token, weight_bytes
+    from kvgate.bench.engine_roofline import StepTimer, copy_bandwidth, kv_bytes_per_token, weight_bytes
     from kvgate.engine.cli_args import engine_config_from_args
     from kvgate.engine.config import EngineConfig
     from kvgate.engine.llm import resolve_model_path

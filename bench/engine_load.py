@@ -256,7 +256,7 @@ def child_load(loader: str, folder: str, dtype_name: str, device_name: str, max_
 
 
 def _run_child(loader: str, folder: Path, args, workers: int) -> dict:
-    cmd = [sys.executable, "-m", "kvgate.engine.bench_load", loader, str(folder), args.dtype, args.device,
+    cmd = [sys.executable, "-m", "kvgate.bench.engine_load", loader, str(folder), args.dtype, args.device,
            str(args.max_model_len), str(workers)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:

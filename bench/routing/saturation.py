@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgate.bench_routing.report import load_result_file
+from kvgate.bench.routing.report import load_result_file
 
 DEFAULT_FACTOR = 10.0
 DEFAULT_LIGHT_RATE = 1.0
@@ -142,9 +142,9 @@ def run_find_saturation(args, shapes, workdir) -> dict:
 
     from tqdm import tqdm
 
-    from kvgate.bench_routing.configurations import BY_NAME
-    from kvgate.bench_routing.runner import run_cell
-    from kvgate.bench_routing.workloads import arrivals
+    from kvgate.bench.routing.configurations import BY_NAME
+    from kvgate.bench.routing.runner import run_cell
+    from kvgate.bench.routing.workloads import arrivals
 
     round_robin = BY_NAME["round-robin"]
     result = {"find_saturation": {"factor": args.saturation_factor, "start_rate": args.saturation_start,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvgate.bench_routing.workloads import BenchRequest
+from kvgate.bench.routing.workloads import BenchRequest
 
 
 def group_of(key: str) -> str:

@@ -1,5 +1,5 @@
 """The Envoy data plane kvgate renders: every listener, route and cluster of `kvgate up`, the operator's Gateways
-and the benchmarks (kvgate/gateway_routes.py arranges these pieces into Gateway API routes, for all of them).
+and the benchmarks (common/gateway_routes.py arranges these pieces into Gateway API routes, for all of them).
 
 Stock Envoy filters only — no Lua. A request to a pool's route goes:
 
@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvgate.epp.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, SERVED_KEY
+from kvgate.common.epp_protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, SERVED_KEY
 
 UPSTREAM_HOST_HEADER = "x-kvgate-upstream-host"  # internal: set by the route, removed before the EPP sees it
 H2C = "kubernetes.io/h2c"
@@ -446,7 +446,7 @@ def _bootstrap(listeners: list[dict], clusters: list[dict], admin_port: int | No
 def render_direct(listen_host: str, listen_port: int, admin_port: int | None = None) -> dict:
     """Baseline for benchmarks: Envoy routing by a client-set destination header, no EPP (never for clients:
     the client picks the endpoint)."""
-    from kvgate.epp.protocol import DESTINATION_HEADER
+    from kvgate.common.epp_protocol import DESTINATION_HEADER
 
     route = cluster_route("direct", {"prefix": "/"}, "direct")
     route_config = {"route_config": {"name": "direct", "virtual_hosts": [

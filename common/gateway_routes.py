@@ -43,13 +43,13 @@ The paths in the bootstrap are relative to Envoy's working directory, which the 
 the config then works wherever the files are (a test's temporary folder, a pod runner's volume folder).
 
 Every Envoy structure — listener, filters, a pool's route and clusters, a Service's cluster — comes from
-`kvgate.envoy_config` (the one data-plane module, shared with `kvgate up`); this module only arranges them into
+`kvgate.common.envoy_config` (the one data-plane module, shared with `kvgate up`); this module only arranges them into
 Gateway API semantics and files. `static_bootstrap` folds a file set into one static bootstrap (what
 `envoy --mode validate` can check whole).
 
 Timeouts per rule come from the HTTPRoute rule's `timeouts` (Gateway API: `request` bounds the whole request,
 `backendRequest` each try to a backend; "0s" disables one, as the Gateway API says), else the defaults of
-`kvgate.envoy_config.RouteTimeouts` (600 s per request, no per-try limit).
+`kvgate.common.envoy_config.RouteTimeouts` (600 s per request, no per-try limit).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from kvgate.envoy_config import (ListenerTimeouts, PoolBackend, RouteTimeouts, cluster_route, dns_cluster,
+from kvgate.common.envoy_config import (ListenerTimeouts, PoolBackend, RouteTimeouts, cluster_route, dns_cluster,
                                  epp_load_assignment, listener, overload_manager, pool_clusters, pool_routes)
 
 FRACTION_DENOMINATOR = 1_000_000

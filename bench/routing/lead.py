@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvgate.bench_routing.configurations import EXTERNAL_ROUTERS
-from kvgate.bench_routing.report import best_router, load_result_file
+from kvgate.bench.routing.configurations import EXTERNAL_ROUTERS
+from kvgate.bench.routing.report import best_router, load_result_file
 
 P90_BAR, TOK_BAR = 1.5, 1.0
 MAX_RESULT_BYTES = 64 << 20

@@ -1,6 +1,6 @@
 """The reaper of a kvgate supervisor (`kvgate up`, the benchmarks): ends its children when it dies, however.
 
-kvgate.processes starts one per supervisor process, in a session of its own, with the read end of a pipe as its
+kvgate.common.processes starts one per supervisor process, in a session of its own, with the read end of a pipe as its
 stdin, and writes to it what must end with the supervisor, one number a line, as kill(2) takes it: a pid, or
 minus a process group's id. The supervisor holds the only write end, so the pipe reaches its end when the
 supervisor does — by SIGKILL, the OOM killer, a crash or a normal exit alike — and the reaper then SIGTERMs what

@@ -1,0 +1,1 @@
+"""The `kvgate bench ...` commands: engine, EPP, scheduling, datalayer, serving and routing benchmarks."""
