@@ -254,7 +254,7 @@ def build_model(hf_config, device: torch.device, dtype: torch.dtype, max_positio
     model_cls = resolve_model_class(hf_config)
     with torch.device("meta"), _no_random_init():
         model = model_cls(hf_config, max_positions=max_positions)
-    # to_empty's empty_like of a meta tensor goes through torch's Python refs, whose first use imports sympy (0.4 s):
+    # to_empty's empty_like of a meta tensor goes through torch's Python refs, whose first use imports sympy (slow):
     # the same allocation (uninitialised, floating-point tensors in `dtype`) with torch.empty instead.
     model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
     model.tie_weights()
@@ -306,8 +306,8 @@ def checkpoint_weight_bytes(model, model_path: str | Path) -> tuple[int, int]:
 def _no_random_init() -> Iterator[None]:
     """torch.nn.init's random fills as no-ops while the model is built on the meta device (every parameter is then
     written from the checkpoint, and load_weights checks that none is missed). On meta they fill nothing, but the
-    first one in a process imports torch._dynamo: 0.9 s and about 80 MB of RSS on the 2-core machine, which the
-    engine otherwise never imports. What transformers' no_init_weights does too; not thread-safe (module-level)."""
+    first one in a process imports torch._dynamo (a slow import, tens of MB of RSS), which the engine otherwise never
+    imports. What transformers' no_init_weights does too; not thread-safe (module-level)."""
     saved = {name: getattr(nn.init, name) for name in _RANDOM_INITS}
     for name in _RANDOM_INITS:
         setattr(nn.init, name, _keep)

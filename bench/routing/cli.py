@@ -103,7 +103,7 @@ def add_bench_routing_parser(sub) -> None:
                         f"{','.join(WORKLOADS)} unless --shapes)")
     p.add_argument("--shapes", default=None,
                    help=f"shape sets, comma-separated, of: {', '.join(f'{k} ({len(v)})' for k, v in SHAPE_SETS.items())}"
-                        "; 'held-out' was frozen before any tuning (docs/benchmarks.md)")
+                        "; the 'held-out' sets are never used to tune kvgate's profile (docs/benchmarks.md)")
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGURATIONS),
                    help=f"comma-separated, of: {', '.join(BY_NAME)} (those whose plugins or router are "
                         "missing are skipped with a note)")

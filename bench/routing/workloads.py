@@ -23,8 +23,8 @@ and lulls at the same mean rate), `kv_tokens` (the KV cache of each sim replica,
 `prefill_chunk` (every replica's `--long-prefill-token-threshold`: a prompt computes at most this many tokens a
 step, so cached requests get their first token between a cold prompt's chunks; 0: up to the step's budget).
 
-Shapes are named (SHAPES), grouped in sets (SHAPE_SETS: the tuning set the default profile may be tuned on, and a
-held-out set frozen before any tuning, never used to choose weights), or written on the command line as
+Shapes are named (SHAPES), grouped in sets (SHAPE_SETS: the tuning set the default profile may be tuned on, and
+held-out sets never used to choose weights), or written on the command line as
 `KIND:knob=value,...` (`parse_shape`).
 
 Foreign traffic (`with_foreign`): a share of the requests, drawn by the seed and so the same for every
