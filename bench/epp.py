@@ -35,7 +35,7 @@ def add_bench_epp_parser(sub) -> None:
 
 async def _timed_requests(url: str, n: int, rate: float, headers: dict, tag: str) -> list[float]:
     """Poisson arrivals of 1-token completions; prompts unique per `tag` so that no run is served from the
-    prefix cache that another run filled (a cached 200-token prefill would be a ~7 ms head start)."""
+    prefix cache that another run filled (a cached prefill would give that run a head start)."""
     latencies = []
     gaps = np.random.default_rng(0).exponential(1.0 / rate, size=n)
     async with httpx.AsyncClient(timeout=30) as client:
@@ -105,8 +105,8 @@ def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None =
         direct_header = {DESTINATION_HEADER: endpoint}
         asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", warm, rate, {}, "warm-epp"))
         asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", warm, rate, direct_header, "warm-direct"))
-        # Alternating rounds, so that a drift of the machine's load (the engine's latency moved by ±2 ms between
-        # runs of 1000 requests at 100/s) falls on both paths alike; the added p50 is also taken per round.
+        # Alternating rounds, so that a drift of the machine's load (which moves the engine's latency between runs)
+        # falls on both paths alike; the added p50 is also taken per round.
         epp_before = epp_histograms(epp_metrics(metrics))
         via_epp, direct, rounds = [], [], []
         per_round = max(1, n // ROUNDS)

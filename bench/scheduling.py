@@ -171,7 +171,7 @@ def bench_prefix_match(endpoint_counts=(10, 100, 1000), block_counts=(16, 64, 25
 
 
 def _intersection_match(holders: dict[int, set[str]], hashes: list[int]) -> dict[str, int]:
-    """The match before issue 11, kept only as this bench's baseline: intersect holder sets block by block."""
+    """Set intersection block by block, the simple form of the prefix match, kept only as this bench's baseline."""
     if not hashes or hashes[0] not in holders:
         return {}
     matched: dict[str, int] = {}

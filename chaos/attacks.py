@@ -1,7 +1,7 @@
 """The attacks of `kvgate bench hostile`: what a hostile or broken client, a rogue pod on the pool's network or a
-rogue publisher of KV events sends, each reproducing one way in that issue 20 found. An attack is a function
-`(Target) -> Attempt`: it sends its input, records what came back, and never judges the stack — the runner
-(chaos/hostile.py) holds the good traffic and the verdict.
+rogue publisher of KV events sends, each one way in which a peer could make the stack misbehave. An attack is a
+function `(Target) -> Attempt`: it sends its input, records what came back, and never judges the stack — the
+runner (chaos/hostile.py) holds the good traffic and the verdict.
 
 Each attack names the answer it expects: `4xx` (a clear refusal: a 4xx status with an OpenAI-style JSON error
 body), `4xx-or-200` (refused, or served within its bounds), `absorbed` (no answer to check: what is judged is
@@ -73,7 +73,7 @@ def _post(url: str, body: dict | bytes, attempt: Attempt, timeout: float = 120.0
 
 
 def regex_bomb(t: Target) -> Attempt:
-    """A regex whose matcher costs ~0.6 s to build with the demo tokenizer, for each of 16 samples (`n`)."""
+    """A regex whose matcher is costly to build with the demo tokenizer, for each of 16 samples (`n`)."""
     a = Attempt()
     _post(f"{t.gateway}/v1/completions", {"model": t.model, "prompt": "x", "max_tokens": 4, "n": 16,
                                           "structured_outputs": {"regex": "a{200000}"}}, a)
@@ -106,7 +106,7 @@ def long_prompt(t: Target) -> Attempt:
 
 
 def tokenize_big(t: Target) -> Attempt:
-    """A 2 MiB prompt to an engine's /tokenize (the answer was 7.9 MB of ids built on the event loop)."""
+    """A 2 MiB prompt to an engine's /tokenize (unbounded, its answer is megabytes of ids built on the event loop)."""
     a = Attempt()
     _post(f"http://{t.engines[0]}/tokenize", {"model": t.model, "prompt": text(2 << 20, seed=2)}, a)
     return a
@@ -199,7 +199,7 @@ def bind_rogue(address: str) -> zmq.Socket:
 
 def rogue_publisher(t: Target) -> Attempt:
     """A rogue holds the PUB address the EPP subscribes to for engine 1 and sends malformed batches for 2 s (the
-    thread that reads every engine's events used to die on the first)."""
+    thread that reads every engine's events must survive them all)."""
     a = Attempt()
     if t.rogue is None:
         a.answers.append("no rogue socket")

@@ -43,7 +43,7 @@ class BoundedEncoder:
 
     def encode(self, text: str, special: bool = True):
         # encode_batch, not encode: it lets go of the GIL while it works (encode holds it throughout: a worker
-        # thread tokenizing with it stalled the event loop just the same; measured, tokenizers 0.23)
+        # thread tokenizing with it stalls the event loop just the same)
         return self._backend.encode_batch([text], add_special_tokens=special)[0]
 
     def prefix(self, text: str, limit: int | None, special: bool = True) -> PromptTokens:

@@ -40,8 +40,8 @@ class _BoundedSafeLoader(yaml.SafeLoader):
         self._nodes = 0
 
     # Nesting is refused as the scanner meets it: past a `[` the scanner reads up to 1024 characters ahead
-    # for a possible simple key, at a cost per token that grows with the open levels (~0.27 s to refuse
-    # `[` * 1000 at the composer; ~2 ms here).
+    # for a possible simple key, at a cost per token that grows with the open levels, so refusing deep input at
+    # the composer would come only after that work.
     def fetch_flow_collection_start(self, token_class: Any) -> None:
         if self.flow_level >= self.max_depth:
             raise ScannerError(None, None, f"nested deeper than {self.max_depth} levels", self.get_mark())

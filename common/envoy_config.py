@@ -108,9 +108,8 @@ class ListenerTimeouts:
 # every server's keep-alive, and a request Envoy writes onto a connection the server is closing at that moment is
 # answered 503 "upstream connect error or disconnect/reset before headers. reset reason: connection termination"
 # — not retriable, as the server may have read it (retry_on reset-before-request does not catch it: the request
-# was sent). Measured (2026-11-27, Envoy 1.40, one uvicorn server, requests spaced at its keep-alive ±4 ms): 8 and
-# 9 of 100 answered 503 with Envoy's default, 0 of 100 with the idle timeout under the keep-alive; most likely
-# also the one 503 no log line explained in a 60 s `kvgate bench routing` cell (1 of ~1200 requests). 4 s: under
+# was sent). Requests spaced at the server's keep-alive show it with Envoy's default and not with the idle timeout
+# under the keep-alive (tests/test_gateway_timeouts.py covers the gateway's timeouts). 4 s: under
 # uvicorn's default 5 s (kvgate serve, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a pool of either kind is covered;
 # a reconnect on loopback or in-cluster costs well under a millisecond.
 UPSTREAM_IDLE_S = 4.0
@@ -238,17 +237,16 @@ def listener(name: str, host: str, port: int, routes: dict, timeouts: ListenerTi
 # A pool whose EPP needs no response body (PoolBackend.response_body False): its routes process the request as the
 # filter does, but send the EPP only the response headers; the body goes from the engine to the client without a
 # gRPC message each way per streamed chunk. The ext-proc stream still lasts until the response ends (it may yet
-# carry the response's trailers), which is when the EPP releases the request. Measured on `kvgate bench routing
-# --workloads multi-tenant --configs kvgate --rates saturation --seed 0 --gateway-cpus 0` (287 requests of 32
-# streamed tokens): the gateway tier's CPU per request 19.4 -> 10.0 ms (EPP 3.91 -> 1.96 s, Envoy 1.66 -> 0.91 s),
-# TTFT p50 / p99 the same (0.08 / 0.90 s); no-reuse 17.0 -> 9.9 ms, TTFT p90 2.96 s both. Envoy ignores an EPP's
+# carry the response's trailers), which is when the EPP releases the request. The gateway tier saves its CPU for
+# those messages and TTFT stays as it is (`kvgate bench routing --workloads multi-tenant,no-reuse --configs
+# kvgate,kvgate-engines-measured --rates saturation --gateway-cpus 0` compares the two). Envoy ignores an EPP's
 # mode_override when the filter's body mode is FULL_DUPLEX_STREAMED, so this is the route's choice, made by
 # whoever renders the config from the EPP's config.
 RESPONSE_HEADERS_ONLY = {
     "request_header_mode": "SEND", "response_header_mode": "SEND",
     "request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "NONE",
     # SEND, not SKIP: with nothing left to send Envoy would close the stream at the response headers, and the EPP
-    # would release the request while it still streams (measured: in flight 0 through a 2 s stream)
+    # would release the request while it still streams (its in-flight count would drop to 0 mid-stream)
     "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
 }
 
@@ -323,14 +321,14 @@ def _epp_health_check(pool: PoolBackend) -> dict:
     return check
 
 
-# FailOpen: Envoy can fail open on a broken ext_proc stream only before it has sent the EPP a body chunk (body
-# chunks are streamed, not kept: envoyproxy/envoy#41276); a stream opened to a dead EPP fails after that, as a 500.
-# So the first connect failure or reset ejects the EPP at once (the health check alone needs ~3 s): later
-# streams find no healthy EPP before they start and take the FailOpen route. The ejection (5 s) outlasts the
-# health check's verdict; a passing health check lifts it at once (Envoy's default), so a restarted EPP is used
-# again as soon as it answers. Measured with `kvgate bench chaos
-# --faults epp-kill-failopen`. Under FailClose the same ejection sends the next streams to another EPP replica
-# at once (active-active); where none is left, the panic threshold below sends them to the ejected one anyway.
+# FailOpen: Envoy can fail open on a broken ext_proc stream only before it has sent the EPP a body chunk (body chunks
+# are streamed, not kept: envoyproxy/envoy#41276); a stream opened to a dead EPP fails after that, as a 500. So the
+# first connect failure or reset ejects the EPP at once (the health check alone needs ~3 s): later streams find no
+# healthy EPP before they start and take the FailOpen route. The ejection (5 s) outlasts the health check's verdict; a
+# passing health check lifts it at once (Envoy's default), so a restarted EPP is used again as soon as it answers
+# (`kvgate bench chaos --faults epp-kill-failopen` shows it). Under FailClose the same ejection sends the next streams
+# to another EPP replica at once (active-active); where none is left, the panic threshold below sends them to the
+# ejected one anyway.
 _EPP_EJECTION = {"split_external_local_origin_errors": True, "consecutive_local_origin_failure": 1,
                  "enforcing_consecutive_local_origin_failure": 100, "max_ejection_percent": 100,
                  "base_ejection_time": "5s", "max_ejection_time": "30s", "interval": "1s",
@@ -340,8 +338,8 @@ _EPP_EJECTION = {"split_external_local_origin_errors": True, "consecutive_local_
 # The EPP cluster's panic threshold. FailOpen: 0, never send to a failed EPP (no EPP: the FailOpen route). FailClose:
 # only while no EPP is healthy, send to them all the same: a stream refused there is the 500 that "no healthy
 # upstream" would have been, and a draining EPP that Envoy's endpoint list still names alone (an EPP rollout before
-# the list names the new pod) serves it (measured on the e2e rig with 0: 31 of 216 streamed requests answered 500
-# from the old EPP's NOT_SERVING until Envoy's list named the new one; tests/e2e/test_rollout_e2e.py).
+# the list names the new pod) serves it (with 0, streamed requests are answered 500 from the old EPP's NOT_SERVING
+# until Envoy's list names the new one; tests/e2e/test_rollout_e2e.py).
 FAIL_CLOSE_PANIC_PERCENT = 1  # Envoy rounds it to a whole percent: below 1%, none of fewer than 100 healthy
 
 
@@ -372,15 +370,14 @@ def pool_clusters(pool: PoolBackend, epp_eds_config: dict | None = None) -> list
     """The pool's EPP cluster (health-checked) and its endpoints' cluster(s): ORIGINAL_DST on the EPP's pick and
     the FailOpen cluster of the pool's endpoints, or (fallbacks) one override_host cluster of them.
 
-    The EPP cluster is a DNS name (STRICT_DNS: a Service; kube-proxy moves its connections to a new pod), or,
-    with `pool.epp_pods`, the pods themselves: fed by EDS where `epp_eds_config` says from where, else STATIC.
-    EDS because a changed cluster is a new cluster to Envoy: it would reset the ext-proc streams in flight on
-    the old one (their response bodies are still passing through the old EPP) and start with its host
-    unhealthy until a first health check passes (measured on the e2e rig, tests/e2e/test_rollout_e2e.py: one
-    stream cut and 76 of 342 requests answered 500 "no healthy upstream" in the second after an EPP rollout
-    swapped the address). An EDS update changes the hosts in place: a new pod takes streams once its health
-    check passes, and a removed pod stays while its health check passes (Envoy's default for removed hosts),
-    then its connections drain — so the old EPP's lame duck and drain (epp/main.py `drain`) do their job."""
+    The EPP cluster is a DNS name (STRICT_DNS: a Service; kube-proxy moves its connections to a new pod), or, with
+    `pool.epp_pods`, the pods themselves: fed by EDS where `epp_eds_config` says from where, else STATIC. EDS because a
+    changed cluster is a new cluster to Envoy: it would reset the ext-proc streams in flight on the old one (their
+    response bodies are still passing through the old EPP) and start with its host unhealthy until a first health check
+    passes (tests/e2e/test_rollout_e2e.py: a stream is cut and requests are answered 500 "no healthy upstream" after an
+    EPP rollout swaps the address). An EDS update changes the hosts in place: a new pod takes streams once its health
+    check passes, and a removed pod stays while its health check passes (Envoy's default for removed hosts), then its
+    connections drain — so the old EPP's lame duck and drain (epp/main.py `drain`) do their job."""
     # the pool's endpoints: HTTP/1.1 or h2c (its appProtocol), idle connections closed after upstream_idle_s
     upstream_protocol = {"typed_extension_protocol_options": _http_options(pool.app_protocol == H2C,
                                                                            pool.upstream_idle_s)}

@@ -34,7 +34,7 @@ filters need not change with the pools, since one ext_proc filter serves them al
 it on, naming the pool's EPP cluster and failure mode: `shared_ext_proc_route_config`).
 
 RDS does not validate cluster names, so neither file's update can be rejected because of the other. On one
-volume swap Envoy (1.40, measured) reloads the route tables first, then the clusters: a route leaves a cluster
+volume swap Envoy (1.40) reloads the route tables first, then the clusters: a route leaves a cluster
 before the cluster goes, but a route to a cluster new in the same update answers 503 (a pool's ext_proc call
 fails: 500 under FailClose) until CDS has added and warmed it — about a millisecond, or until the first
 health check of a new EPP cluster. Closing that gap needs two ConfigMap writes (the clusters, then the routes).
@@ -176,8 +176,8 @@ def eds_file(cluster: str) -> str:
 # Where the kubelet's atomic writer keeps a ConfigMap volume's current files: it swaps this symlink first and
 # only then links a *new* key's name at the top of the volume. Envoy rejects a new cluster whose EDS path does not
 # exist yet ("paths must refer to an existing path") and does not look again until cds.yaml changes, so an EDS file
-# added with its cluster is named through here (measured: tests/e2e/test_envoy_propagation_e2e.py's second pool
-# was never routed). Files that exist from the start (cds.yaml, the route tables) keep their plain names.
+# added with its cluster is named through here (without it, tests/e2e/test_envoy_propagation_e2e.py's second pool
+# is never routed). Files that exist from the start (cds.yaml, the route tables) keep their plain names.
 KUBELET_DATA_DIR = "..data"
 
 

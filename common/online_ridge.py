@@ -14,7 +14,7 @@ was then measured.
 
 TTFTs weigh v = `ttft_weight(TTFT)` = 1 / max(TTFT, 50 ms)²: the fit minimises the relative error, so the many short
 TTFTs of warm requests count as much as the few long ones of queued or cold requests, which otherwise pull the bias
-and the slopes their way (measured: docs/benchmarks.md, "The learned model fitted on relative error").
+and the slopes their way (docs/benchmarks.md, "The learned model fitted on relative error").
 """
 
 from __future__ import annotations

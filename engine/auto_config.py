@@ -20,14 +20,11 @@ log = logging.getLogger(__name__)
 GIVEN = "given"
 
 # CPU dtype. bfloat16 halves the bytes each step reads; with AVX512-BF16 (or AMX) the CPU also multiplies it
-# natively. `python -m kvgate.bench.engine_cpu_dtype --rounds 7` on this project's 2-core Xeon (avx512_bf16, no AMX,
-# torch 2.13, idle machine), bf16 speed-up over float32, medians of 7 alternating rounds, decode b=1/8/32/128 and a
-# 512-token prefill:
-#   demo (hidden 256, 4 layers)        0.84-0.87x / 1.06-1.13x / 1.24-1.25x / 1.35-1.48x / 1.44-1.49x (two runs)
-#   hidden 512, 2 layers               1.81x / 2.19x / 2.44x / 2.50x / 2.26x
-#   Qwen2.5-0.5B-shaped, 2 layers      2.26-2.46x / 3.19-3.48x / 3.30-3.54x / 3.31-3.49x / 2.99-3.07x (two runs)
-# So bfloat16 where the CPU has the instructions and the model is at least hidden 512 (clearly faster there, >= 1.3x
-# at every batch); float32 for smaller models (not clearly faster at small batches) and CPUs without them. The
+# natively. `python -m kvgate.bench.engine_cpu_dtype --rounds 7` prints bf16's speed-up over float32 (decode at
+# several batch sizes and a prefill) for the demo's shapes, hidden 512 and Qwen2.5-0.5B's; on a CPU with
+# AVX512-BF16 it picks this rule: bfloat16 where the CPU has the instructions and the model is at least hidden 512
+# (clearly faster there at every batch); float32 for smaller models (not clearly faster at small batches) and CPUs
+# without them. The
 # tests' tiny models (hidden 64, the demo's 256) stay float32 on every CPU, so parity with HF in float32 holds.
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 CPU_BF16_MIN_HIDDEN = 512
@@ -48,9 +45,9 @@ def cpu_dtype(hidden_size: int, bf16_flags: list[str]) -> tuple[str, str]:
         return "float32", "float32 on CPU: no AVX512-BF16/AMX (bfloat16 would be converted, not multiplied)"
     if hidden_size < CPU_BF16_MIN_HIDDEN:
         return "float32", (f"float32 on CPU: hidden size {hidden_size} < {CPU_BF16_MIN_HIDDEN}, where bfloat16 "
-                           "measured no clear gain (auto_config.py)")
+                           "is not clearly faster (auto_config.py)")
     return "bfloat16", (f"bfloat16 on CPU: {'+'.join(bf16_flags)}, hidden size {hidden_size} >= "
-                        f"{CPU_BF16_MIN_HIDDEN} (measured 1.8-3.5x over float32, auto_config.py)")
+                        f"{CPU_BF16_MIN_HIDDEN} (faster than float32 there, auto_config.py)")
 
 
 def read_cpuinfo(path: str = "/proc/cpuinfo") -> str:

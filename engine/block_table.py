@@ -2,8 +2,8 @@
 
 A step's block table for the attention kernel is then one gather of the scheduled requests' rows
 (`StepInputs.prepare`), instead of a Python list of every block id of every request rebuilt each step and copied
-row by row: with 256 decoding sequences that list building was 14% of the engine's host time per step
-(cProfile of the sim backend with every cost 0; the measurement is in issue 19's closing note). A row belongs to a
+row by row, which with hundreds of decoding sequences is a large share of the engine's host time per step (profile
+the sim backend with every cost 0 to see it). A row belongs to a
 request from its first block until it is freed (vLLM's persistent block table, kept by the KV cache manager here,
 since that is what knows when blocks change).
 """

@@ -72,8 +72,7 @@ class EngineLoop:
                 # What the commands changed is reported before the step that takes them: the server then counts
                 # those requests in the engine's own backlog (not as awaiting a step), and times the running step
                 # from its start (AsyncLLM.step_age_s). One report more per step that takes commands: with
-                # --engine-loop process a 544-byte pickle, ~4 µs to write and ~6 µs to read (measured beside a
-                # running test suite), plus the pipe's syscalls.
+                # --engine-loop process one small pickle to write and read, plus the pipe's syscalls.
                 self.send(StepResult([], failures, engine.stats(), adds_received, replies))
                 failures, replies, changed = [], [], False
                 reported_at, reported_pending = time.monotonic(), engine.scheduler.num_prefill_tokens_pending
@@ -95,11 +94,10 @@ def arrival_probe(engine: LLMEngine, command: AddRequest, add_number: int) -> Ar
     the command (the front's thread, or the engine process's pipe reader) while the loop may be in a step.
 
     Why: the loop takes commands between steps, and until a StepResult covers a request the front can only count
-    its whole prompt in `kvgate:num_prefill_tokens_pending`. A step that computes a cold 2300-token prompt lasts
-    ~0.46 s on `kvgate bench routing`'s sim engines; the warm requests that follow it there were counted whole
-    meanwhile, each ~2200 tokens more than it will cost — the very margin at which the EPP's affinity filter leaves
-    a warm replica. Measured on small-kv at saturation (seed 0), prompts the engine had not yet reported made 28%
-    of the gauge on average while a replica was busy, and more than half of it in 21-30% of the scrapes.
+    its whole prompt in `kvgate:num_prefill_tokens_pending`. While a step computes a cold prompt, the warm requests
+    that follow it would be counted whole, each by its cached part more than it will cost — the very margin at which
+    the EPP's affinity filter leaves a warm replica. Under load such not-yet-reported prompts are a large share of
+    the gauge (`kvgate bench routing --workloads small-kv --rates saturation` shows it).
 
     Read-only (KVCacheManager.probe_prefix), so it is safe beside a running step; the blocks a running step
     computes are already in the table (they are entered when allocated), so a request following a cold one finds

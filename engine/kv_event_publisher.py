@@ -13,7 +13,7 @@ the ROUTER socket (`replay_endpoint`) for the batches from a sequence number on:
 big-endian)] from a DEALER (or a REQ), and gets one [b"", seq, payload] per buffered batch from there, then
 [b"", -1 (8 bytes, signed), b""] to mark the end.
 
-What a peer of the sockets can cost (issue 20; who may connect at all is the NetworkPolicy's job, README):
+What a peer of the sockets can cost (who may connect at all is the NetworkPolicy's job, README):
   - live batches never wait behind replays: each round of the thread sends every queued live batch first, then
     at most `_REPLAY_SLICE` replay messages and reads at most `_REQUESTS_PER_ROUND` requests;
   - one replay answer is at most `max_replay_batches` batches and `max_replay_bytes` bytes: the oldest from the

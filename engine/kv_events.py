@@ -7,9 +7,9 @@ maps happens on the publisher's thread (`encode_batch`), off the engine's step.
 
 The format follows vLLM's `vllm/distributed/kv_events.py`, `vllm/config/kv_events.py` and the emission sites in
 `vllm/v1/core/block_pool.py`, read at vLLM commits 0181ea3173e53eea8cf04a86891488e3dc89bb34 (kv_events.py) and
-00634b8acf93e413a1c380288665a543b98be7ea (config), 2026; written from that reading, not copied. Since 2026 vLLM
-encodes each event as a msgpack *map* tagged by `type` (msgspec `tag=True`, `omit_defaults=True`), no longer as
-a positional array; the batch is a map too:
+00634b8acf93e413a1c380288665a543b98be7ea (config); written from that reading, not copied. At those commits vLLM
+encodes each event as a msgpack *map* tagged by `type` (msgspec `tag=True`, `omit_defaults=True`), not as a
+positional array (older vLLM versions); the batch is a map too:
 
     {"ts": float (unix seconds), "events": [event, ...], "data_parallel_rank": int}
     {"type": "BlockStored", "block_hashes": [uint64...], "parent_block_hash": uint64 | nil,

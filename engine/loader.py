@@ -223,13 +223,10 @@ def load_safetensors(model, model_path: str | Path, workers: int = 1) -> None:
 
     workers > 1 runs the copies on that many threads (copy_ releases the GIL) while this thread maps the names
     and checks the shapes; load_weights' own checks (unknown tensor, wrong shape, missing weights) are the same.
-    On the CPU it does not help, so the engine loads with one: `kvgate bench load --loaders mmap --mmap-workers
-    1,2,4 --rounds 5` (Qwen2-0.5B's shapes, bf16, warm page cache; 2-core machine, shared; 2026-11-27), time to
-    ready, best / median of 5, for 1, 2 and 4 threads: unsharded 0.38 / 0.45, 0.36 / 0.38, 0.37 / 0.41 s; in 6
-    shards 0.42 / 0.46, 0.41 / 0.45, 0.40 / 0.42 s. That is within the machine's noise: torch's copy_ already runs
-    on both cores, and most of the time is the kernel faulting in the parameters' fresh pages. 4 threads raised the
-    unsharded peak RSS by 220 MiB (more tensors' pages mapped at once). Unmeasured on CUDA, where the copies are
-    pageable host-to-device transfers: the knob stays for that measurement."""
+    On the CPU it does not help, so the engine loads with one (`kvgate bench load --loaders mmap --mmap-workers
+    1,2,4 --rounds 5` compares them): torch's copy_ already runs on every core, and most of the time is the kernel
+    faulting in the parameters' fresh pages, while more threads map more tensors' pages at once and raise the peak
+    RSS. On CUDA the copies are pageable host-to-device transfers: the knob stays for measuring that."""
     files = open_safetensors(model_path)
     owner = {name: f for f in files for name in f.entries}
 
@@ -257,7 +254,7 @@ def build_model(hf_config, device: torch.device, dtype: torch.dtype, max_positio
     model_cls = resolve_model_class(hf_config)
     with torch.device("meta"), _no_random_init():
         model = model_cls(hf_config, max_positions=max_positions)
-    # to_empty's empty_like of a meta tensor goes through torch's Python refs, whose first use imports sympy (0.4 s):
+    # to_empty's empty_like of a meta tensor goes through torch's Python refs, whose first use imports sympy (slow):
     # the same allocation (uninitialised, floating-point tensors in `dtype`) with torch.empty instead.
     model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
     model.tie_weights()
@@ -309,8 +306,8 @@ def checkpoint_weight_bytes(model, model_path: str | Path) -> tuple[int, int]:
 def _no_random_init() -> Iterator[None]:
     """torch.nn.init's random fills as no-ops while the model is built on the meta device (every parameter is then
     written from the checkpoint, and load_weights checks that none is missed). On meta they fill nothing, but the
-    first one in a process imports torch._dynamo: 0.9 s and about 80 MB of RSS on the 2-core machine, which the
-    engine otherwise never imports. What transformers' no_init_weights does too; not thread-safe (module-level)."""
+    first one in a process imports torch._dynamo (a slow import, tens of MB of RSS), which the engine otherwise never
+    imports. What transformers' no_init_weights does too; not thread-safe (module-level)."""
     saved = {name: getattr(nn.init, name) for name in _RANDOM_INITS}
     for name in _RANDOM_INITS:
         setattr(nn.init, name, _keep)

@@ -249,8 +249,8 @@ class ModelRunner:
         # Structured-output masks: only constrained rows get one, so unconstrained batches pay nothing. On an
         # accelerator they are filled in a thread while the forward pass runs (the CPU is idle then; llguidance
         # drops the GIL). On CPU the forward pass already uses every core, and a mask thread beside it only
-        # fights torch's threads: `kvgate bench structured-outputs --num-requests 128` (demo, 2 shared cores)
-        # ran the half-constrained batch at 0.33x with the thread and 0.91x filling the masks in line.
+        # fights torch's threads (`kvgate bench structured-outputs --num-requests 128` compares the two on a
+        # half-constrained batch).
         samplers = [s.request for s in out.scheduled if s.samples]
         plain = all(r.plain_greedy for r in samplers)  # the common batch: an argmax, no per-row sampling state
         masks = None

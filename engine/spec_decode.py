@@ -86,11 +86,11 @@ class SpeculativeConfig:
 
 class NgramIndex:
     """The earliest start of every n-gram (n in [min_n, max_n]) of a request's tokens, extended as they grow: a
-    lookup is then a dict probe per n instead of a search of the whole context. Searching with numpy each step
-    (sliding windows over the tokens) cost 0.7 ms of host time a step at 8 requests of ~400 tokens (demo,
-    `kvgate bench engine --num-requests 8 --output-len 192 --max-prompt-len 256`, K=4, n 2-4), 13% of the run;
-    this costs a few microseconds a request. Memory: one dict entry per distinct n-gram per n (~150 bytes), freed
-    with the request."""
+    lookup is then a dict probe per n instead of a search of the whole context. Searching with numpy each step (sliding
+    windows over the tokens) costs host time that grows with every request's context, a visible share of a speculative
+    run's steps (`kvgate bench engine --num-requests 8 --output-len 192 --max-prompt-len 256` with prompt lookup); this
+    costs a dict update per new token. Memory: one dict entry per distinct n-gram per n (~150 bytes), freed with the
+    request."""
 
     __slots__ = ("first", "end")
 

@@ -10,8 +10,8 @@ own: see model_runner.py). `kvgate bench structured-outputs` prints the cost. Af
 token advances the matcher, and `Request.check_stop` ends the request when the grammar is complete.
 
 Library choice, measured by `kvgate bench structured-outputs --compare-libraries` (the table is in
-docs/benchmarks.md): llguidance wins where it matters (a 32k vocabulary: 5-7x cheaper per token than xgrammar,
-and no per-schema compile that would stall the engine loop for 0.4 s on every new schema), and it is a small
+docs/benchmarks.md): llguidance wins where it matters (cheaper per token than xgrammar on a 32k vocabulary, and
+no per-schema compile that would stall the engine loop on every new schema), and it is a small
 Rust wheel; xgrammar pulls in triton. JSON schemas compile with `whitespace_flexible` off: compact JSON, so a
 model cannot spend its whole budget on whitespace (vLLM's `disable_any_whitespace`).
 
@@ -22,9 +22,9 @@ Nothing is downloaded: the matcher is built from the model's own tokenizer.
 
 Limits: a constraint is the client's program, so its cost is bounded before it is admitted and while it runs.
 - Work per matcher: llguidance's own `LLParserLimits` (see `parser_limits`), with the regex-analysis fuel cut
-  10x from the library's default: `a{200000}` costs 28 ms per token at the default (0.2 s for the first mask)
-  and fails cleanly here ("too many expressions constructed"); every schema in tests/engine and a 200-field
-  schema need under a tenth of it. A matcher out of fuel is an error, never a stall.
+  10x from the library's default: at the default `a{200000}` costs milliseconds per token (and far more for the
+  first mask), and here it fails cleanly ("too many expressions constructed"); every schema in tests/engine and
+  a 200-field schema need under a tenth of it. A matcher out of fuel is an error, never a stall.
 - Admission (`check`, run off the event loop by the server and off the engine loop by the engine): the matcher
   is built with the real tokenizer, its first mask computed and one token walked; a limit hit there is a 400
   naming the field. The engine builds one matcher per request in a worker thread (`submit`), and its `n`
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 # Compact JSON (see the module docstring).
 _JSON_OPTIONS = {"whitespace_flexible": False}
-# llguidance's initial_lexer_fuel (its default: 1_000_000, ~20 ms of regex analysis); see the module docstring.
+# llguidance's initial_lexer_fuel (its default: 1_000_000); see the module docstring.
 LEXER_FUEL = 100_000
 # Mask cost a constrained request may take per token on average, after a slack for spikes (a busy core).
 MASK_BUDGET_PER_TOKEN_S = 0.010
@@ -201,8 +201,8 @@ class StructuredOutputManager:
     """Per engine (and per server, for the admission check): the llguidance view of the tokenizer, and matchers
     for new requests built under the limits.
 
-    The tokenizer view takes 3 ms for the demo's byte-level tokenizer but 0.3-1 s for a 32k BPE (more for
-    150k vocabularies; `kvgate bench structured-outputs --compare-libraries` prints it): `prepare()` builds it
+    The tokenizer view is quick for the demo's byte-level tokenizer but takes a noticeable part of a second for a
+    large BPE vocabulary (`kvgate bench structured-outputs --compare-libraries` prints it): `prepare()` builds it
     in a thread at engine start, so the first constrained request does not stall the engine loop for every
     running request (and engines that never see one pay no loop time)."""
 

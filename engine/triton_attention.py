@@ -54,10 +54,9 @@ def query_tile(num_queries_per_kv: int, decode_only: bool) -> tuple[int, int]:
     return block_m, block_m // g
 
 
-# Launch settings. Decode: `python -m tests.engine.gpu_profile attention` on an H200 (bf16, 16 heads / 8 KV heads,
-# head_dim 128, 256 sequences of 37-640 tokens, 349 MB of K/V a layer; copy bandwidth 4218 GB/s), median of
-# do_bench: tile 128 / 4 warps / 3 stages 103.5 us (79.8% of the copy rate); tile 64 / 4 / 2 110.7 us (74.7%);
-# tile 32 / 4 / 2 117.8 us (70.1%); one stage 134-158 us (no overlap of the gathers); 8 warps 112-189 us.
+# Launch settings. Decode: the fastest of the tiles, warps and stages `python -m tests.engine.gpu_profile attention`
+# sweeps (bf16, 16 heads / 8 KV heads, head_dim 128, 256 sequences of mixed length); one stage leaves the gathers
+# without overlap, and more warps or smaller tiles were slower.
 DECODE_LAUNCH = {"tile": 128, "num_warps": 4, "num_stages": 3}
 # Prefill tiles (64 query rows) were not swept yet: 64 keys a tile, 8 warps, 2 stages.
 PREFILL_LAUNCH = {"tile": 64, "num_warps": 8, "num_stages": 2}

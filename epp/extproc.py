@@ -337,7 +337,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator, context):  # noqa: N802 - gRPC method name
         # context.read()/write() rather than iterating and yielding: grpc.aio's async-generator path costs more
-        # per message (measured with canned responses, 2000 four-message streams: p50 1.75 ms vs 2.39 ms).
+        # per message.
         stream = _RequestStream(self.director, self.metrics, self.report_served, self.max_body_bytes)
         self.active += 1
         self.last_started = asyncio.get_running_loop().time()

@@ -16,8 +16,8 @@ rest, both with retry-after); a client that goes away leaves the queue at once. 
 requests wait for the first endpoint (scale from zero) within the same bounds.
 
 Behind Envoy this needs the request body in FULL_DUPLEX_STREAMED mode (upstream's and kvgate's configs): there
-Envoy's ext_proc message_timeout does not cut a held request (measured with a 35 s hold behind the stock 10 s
-config); in BUFFERED mode the message_timeout does, so the TTL must stay below it.
+Envoy's ext_proc message_timeout does not cut a held request (a hold longer than the stock config's 10 s
+message_timeout completes); in BUFFERED mode the message_timeout does, so the TTL must stay below it.
 """
 
 from __future__ import annotations

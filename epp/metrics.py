@@ -84,7 +84,7 @@ class EndpointGauges:
 
     def publish(self, force: bool = False) -> None:
         """On the event loop: take the numbers the exporter shows, and drop the token series of departed
-        endpoints. ~1 ms of CPU at 1000 endpoints, so a round publishes only when the exporter was read since
+        endpoints. Its CPU grows with the endpoints, so a round publishes only when the exporter was read since
         the last one, or once a second: what a scrape reads is at most one round (or, after a quiet spell,
         1 s) old."""
         now = time.monotonic()

@@ -5,9 +5,9 @@ and the engines' KV events (the precise prefix index). And what only the replica
 engines show it: the requests it has in flight (the live-load overlay, scheduling/live_load.py), the prompt blocks
 a pick will compute (the precise scorer's held speculative entries) and the prefix groups it placed (the
 prefix-group-balance scorer). Two replicas that do not share the second kind place a new tenant's prefix each by
-its own history, on two endpoints, before either's KV events arrive: `kvgate bench routing --workloads
-multi-tenant --rates 24 --duration 20 --epp-replicas 1,2` measured 88 / 80% hit rate, TTFT p90 0.23 / 1.85 s
-(seed 1) before this module existed; with it, within 0.2 points of one replica's hit rate (docs/epp.md).
+its own history, on two endpoints, before either's KV events arrive, and the pool's hit rate falls; synced, two
+replicas keep one replica's hit rate (`kvgate bench routing --workloads multi-tenant --rates 24 --epp-replicas 1,2
+--epp-peer-sync both` compares the three; docs/epp.md).
 Dynamo's router replicas share their active sequences the same way (over NATS); llm-d's router does not (its docs
 warn against active-active with approximate prefix routing).
 

@@ -368,8 +368,7 @@ def _probes(port_name: str) -> dict:
     # probe holds liveness off during a model load (up to STARTUP_LIMIT_S), probed every second so a new replica is
     # checked for readiness as soon as it is up.
     # Readiness every second (a /health answer costs microseconds): a replica joins the pool as soon as it is
-    # up (scale-up 2 -> 4 on the e2e rig: 11.0 s with 5 s probes; tests/e2e/test_operator_e2e.py prints the
-    # scale-up time) and leaves it within ~3 s of turning 503.
+    # up (tests/e2e/test_operator_e2e.py prints the scale-up time) and leaves it within ~3 s of turning 503.
     # Liveness restarts a container whose engine loop died (and which was told to stay up) within ~30 s (6
     # failures, 5 s apart) and tolerates /live being slow for ~25 s (a slow step starving the server). No gRPC
     # probes: the e2e rig runs Kubernetes 1.20.

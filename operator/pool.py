@@ -145,8 +145,8 @@ def _config_map(pool: dict, config_yaml: str) -> dict:
 # learn of the new pod before the old one says NOT_SERVING — Envoy's gRPC health check takes a NOT_SERVING
 # host out at its next check (1 s; the unhealthy threshold counts only network failures), and with
 # --epp-address-mode pod-ip the new pod reaches Envoy only after the operator re-renders its EDS file and the
-# kubelet publishes it (measured on the e2e rig without the sleep: 51 of 264 requests answered 500 "no healthy
-# upstream" for 1.2 s; tests/e2e/test_rollout_e2e.py). Then on SIGTERM the EPP drains (epp/main.py drain: a
+# kubelet publishes it (without the sleep, requests are answered 500 "no healthy upstream" in between;
+# tests/e2e/test_rollout_e2e.py). Then on SIGTERM the EPP drains (epp/main.py drain: a
 # lame duck while streams keep coming — until Envoy's endpoint list names the new pod, in pod-ip mode —, then the
 # streams it carries finish; all within --shutdown-timeout); the kubelet's SIGKILL comes after that and a margin to
 # exit.
@@ -442,7 +442,8 @@ def pool_modelservers(pool: dict, modelservers: list[dict]) -> list[dict]:
 def default_epp_config(pool: dict, modelservers: list[dict]) -> ConfigChoice:
     """kvgate's profile when the pool's replicas are all kvgate engines that publish KV events (ModelServers with
     spec.engine.kvEvents): its precise prefix scorer reads them, its affinity filter their exact prefill backlog —
-    measured ahead of upstream's default at saturation (`kvgate bench routing`; numbers in docs/benchmarks.md).
+    ahead of upstream's default at saturation (`kvgate bench routing --rates saturation --configs approximate,kvgate`;
+    docs/benchmarks.md).
     Else upstream's default: other pods in the pool (or ModelServers without events) give it nothing to read."""
     members = pool_modelservers(pool, modelservers)
     if members and all(kv_events_ports(ms.get("spec") or {}) for ms in members):  # the sockets the EPP reads

@@ -103,7 +103,7 @@ def add_bench_routing_parser(sub) -> None:
                         f"{','.join(WORKLOADS)} unless --shapes)")
     p.add_argument("--shapes", default=None,
                    help=f"shape sets, comma-separated, of: {', '.join(f'{k} ({len(v)})' for k, v in SHAPE_SETS.items())}"
-                        "; 'held-out' was frozen before any tuning (docs/benchmarks.md)")
+                        "; the 'held-out' sets are never used to tune kvgate's profile (docs/benchmarks.md)")
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGURATIONS),
                    help=f"comma-separated, of: {', '.join(BY_NAME)} (those whose plugins or router are "
                         "missing are skipped with a note)")
@@ -141,13 +141,14 @@ def add_bench_routing_parser(sub) -> None:
                         "--saturation-factor x its value at 1 req/s (a ramp from 4 req/s x1.5, then bisection; "
                         "cells of --duration seconds; bench/routing/saturation.py)")
     p.add_argument("--saturation-factor", type=float, default=10.0, metavar="X",
-                   help="--find-saturation's target, x the light-load TTFT p90 (default 10: issue 23's saturation)")
+                   help="--find-saturation's target, x the light-load TTFT p90 (default 10)")
     p.add_argument("--saturation-start", type=float, default=4.0, metavar="RATE",
                    help="--find-saturation's first ramp rate in req/s (default 4; the light cell runs at 1)")
     p.add_argument("--lead", default=None, metavar="FILE,FILE,...",
                    help="run nothing: from result files of the same sweep with different seeds, --lead-subject's "
-                        "TTFT p90 and tok/s lead over the best router per shape and seed, and whether it clears "
-                        "issue 23's bars on every seed (bench/routing/lead.py; --plot, --result-file)")
+                        "TTFT p90 lead (best router's p90 / its p90, bar 1.5) and output tok/s lead (its tok/s / "
+                        "best router's, bar 1.0) per shape and seed, and whether it clears both bars on every seed "
+                        "(bench/routing/lead.py; --plot, --result-file)")
     p.add_argument("--lead-subject", default="kvgate", metavar="NAME", help="the configuration --lead judges")
     p.add_argument("--result-file", default=None, help="write every cell as JSON here")
     p.add_argument("--per-request", action="store_true",

@@ -151,31 +151,31 @@ CONFIGURATIONS = [
                   "then precise prefix 3, prefix-group balance 3 (where the group's footprint fits), predicted latency "
                   "1 (each engine's own model), prefill-interference 6; loads in seconds of prefill", "epp",
                   KVGATE_PROFILE_YAML, kv_events=True),
-    # the profile as it was before the engines' latency model took token-load's place (2026-12-05)
-    RoutingConfig("kvgate-token-load", "kvgate's profile with token-load in seconds where predicted-latency is (the "
-                  "profile before 2026-12-05)", "epp",
+    # the profile with token-load as its load term in place of the engines' latency model: what that model adds
+    RoutingConfig("kvgate-token-load", "kvgate's profile with token-load in seconds where predicted-latency is",
+                  "epp",
                   replacing_scorer(KVGATE_PROFILE_YAML, "predicted-latency-scorer", "token-load-scorer",
                                    {"loadUnit": "seconds"}), kv_events=True),
     RoutingConfig("kvgate-spf", "kvgate's profile + flow control: requests wait in the EPP while every replica has 2 "
                   "waiting (or its KV cache 95% full) and leave shortest prompt first, aged 2 ms per prompt token "
                   "(epp/flow_config.py)", "epp", with_flow_control(KVGATE_PROFILE_YAML, SPF),
                   kv_events=True),
-    # the profile as it was before prefill-interference joined it (2026-11-27): what that scorer adds
+    # the profile without prefill-interference: what that scorer adds
     RoutingConfig("kvgate-no-interference", "kvgate's profile without prefill-interference", "epp",
                   without_scorer(KVGATE_PROFILE_YAML, "prefill-interference-scorer"), kv_events=True),
-    # keepHomeBelow measured (docs/benchmarks.md): 2026-11-28 better on skewed-tenants, not on multi-turn; 2026-12-05,
-    # with the fit check in, better on mixed-kv only (small-kv, small-kv-turns, mixed-generations worse)
+    # the group balance's keepHomeBelow, off in the profile: `kvgate bench routing --configs kvgate,kvgate-sticky`
+    # compares it per shape (docs/benchmarks.md)
     RoutingConfig("kvgate-sticky", "kvgate's profile with the group balance keeping a group whose prefix its home "
                   "evicted at that home (keepHomeBelow 0.5)", "epp",
                   with_parameters(KVGATE_PROFILE_YAML, "prefix-group-balance-scorer", keepHomeBelow=0.5),
                   kv_events=True),
-    # the profile as it was before the group balance's fit check joined it (2026-12-03): what that check adds
+    # the profile without the group balance's fit check: what that check adds
     RoutingConfig("kvgate-no-fit", "kvgate's profile without the group balance's fit check (fitKvCapacity 0)", "epp",
                   with_parameters(KVGATE_PROFILE_YAML, "prefix-group-balance-scorer", fitKvCapacity=0),
                   kv_events=True),
     # the latency model learned by the EPP from the responses it streams, as the profile's load term (docs/
-    # benchmarks.md: the model alone spreads tenants; here the cache-keeping scorers stay); measured 2026-12-05: level
-    # with the profile at twice the gateway CPU per request
+    # benchmarks.md: the model alone spreads tenants; here the cache-keeping scorers stay); streaming the responses
+    # through the EPP costs the gateway tier CPU per request (`--gateway-cpus 0` reports it)
     RoutingConfig("kvgate-learned", "kvgate's profile with predicted-latency learned by the EPP from the streamed "
                   "responses (learnFrom: responses; its objectives filter on, first)", "epp",
                   replacing_scorer(KVGATE_PROFILE_YAML, "predicted-latency-scorer", "predicted-latency-scorer",
@@ -188,25 +188,23 @@ CONFIGURATIONS = [
                                    {"objectivesFilter": True, "learnFrom": "engines"}, first=True),
                   kv_events=True),
     # kvgate's profile, the responses streamed through the EPP only to measure its predictions from the engines' models
-    # (must-show 2's error distribution; costs the gateway tier what learning from responses does)
+    # (the report's prediction-error distribution; costs the gateway tier what learning from responses does)
     RoutingConfig("kvgate-engines-measured", "kvgate's profile with the EPP measuring its predictions from the "
                   "engines' latency models against the streamed responses (measureError)", "epp",
                   with_parameters(KVGATE_PROFILE_YAML, "predicted-latency-scorer", measureError=True),
                   kv_events=True),
-    # the affinity filter's loadTolerance re-measured once the engines' backlog counted unreported requests by their
-    # uncached prompt (2026-12-05, the arrival probe): 4 was chosen while followers still counted whole. Measured on
-    # the tuning shapes, seeds 0-1 (docs/benchmarks.md): 1 and 2 level or worse (multi-turn seed 0: 0.56 and 0.52 s
-    # against 0.37 s), so the profile keeps 4
+    # the affinity filter's loadTolerance below the profile's 4: `kvgate bench routing --shapes tuning --configs
+    # kvgate,kvgate-tol1,kvgate-tol2` compares them (docs/benchmarks.md)
     *(RoutingConfig(f"kvgate-tol{t:g}", f"kvgate's profile with the affinity filter's loadTolerance {t:g}", "epp",
                     with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", loadTolerance=t),
                     kv_events=True) for t in (1, 2)),
-    # the profile as it was before the affinity filter's spill joined it (2026-12-05, with its fit test; docs/
-    # benchmarks.md): a hot prefix kept on its warm replicas however large its share of the traffic
+    # the profile without the affinity filter's spill (docs/benchmarks.md): a hot prefix kept on its warm replicas
+    # however large its share of the traffic
     RoutingConfig("kvgate-no-spill", "kvgate's profile without the affinity filter's spill (spillShare 0)", "epp",
                   with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", spillShare=0),
                   kv_events=True),
-    # the spill as first measured (2026-12-05, then named kvgate-spill): worse on hot-tenant, whose caches are
-    # oversubscribed, an even load where they have room
+    # the spill without its fit test: a spill onto a replica whose cache has no room for the copy evicts what that
+    # replica serves (hot-tenant, whose caches are oversubscribed); where caches have room it evens the load
     RoutingConfig("kvgate-spill-anywhere", "kvgate's profile with the spill's fit test off (spillFit false): a spill "
                   "goes to the least loaded cold replica whatever its cache holds", "epp",
                   with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", spillFit=False),

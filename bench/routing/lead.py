@@ -1,12 +1,13 @@
-"""`kvgate bench routing --lead FILE,FILE,...`: issue 23's must-show 1 read off result files of the same sweep run
-with different seeds (typically `--rates saturation --configs kvgate,sglang-router,vllm-router --seed S`).
+"""`kvgate bench routing --lead FILE,FILE,...`: whether a configuration leads the external cache-aware routers on
+every seed, read off result files of the same sweep run with different seeds (typically `--rates saturation
+--configs kvgate,sglang-router,vllm-router --seed S`).
 
 Per shape and seed: the subject's (`--lead-subject`, default kvgate) TTFT p90 and output tok/s against the best
 external router's in that file at the same rate — the lowest p90 and the highest tok/s, each taken on its own, as
 report.add_ratios does —, as ratios where above 1 means the subject is ahead:
 
-    p90 lead  = best router's TTFT p90 / subject's TTFT p90       (the issue's bar: >= 1.5 on every seed)
-    tok lead  = subject's output tok/s / best router's output tok/s   (>= 1.0 on every seed)
+    p90 lead  = best router's TTFT p90 / subject's TTFT p90           (bar P90_BAR = 1.5)
+    tok lead  = subject's output tok/s / best router's output tok/s   (bar TOK_BAR = 1.0)
 
 A shape leads when every seed clears both bars. A subject cell with failed requests counts as not leading (its p90
 is over the requests that made it). A router cell with failed requests still counts, at its measured p90: over the

@@ -12,10 +12,9 @@ group on one replica for good, with equal footprints everywhere, would get.
 The request is sent with the conformance header (`test-epp-endpoint-selection`), which the EPP's
 header-based-testing-filter follows, so it takes Envoy's and the EPP's path like any other configuration's. It
 sees the future (every group's request count) and nothing of the pool's state: it is neither a router nor the best
-placement, only a fixed one without churn — in 60 s cells (2026-11-27, seeds 0-2) it measured TTFT p90 0.38 /
-0.37 / 0.40 s on `skewed-tenants` and 0.38 / 0.51 / 0.42 s on `hot-tenant`, against kvgate's profile 0.40 / 0.46 /
-0.52 s and 0.56 / 0.57 / 0.50 s in the same runs; one cold prefill of a 1800-token prompt takes ~0.36 s on
-skewed-tenants, so that is where the p90 of any placement sits there (docs/benchmarks.md).
+placement, only a fixed one without churn (`kvgate bench routing --workloads skewed-tenants,hot-tenant --configs
+kvgate,oracle-placement`; docs/benchmarks.md). Where most requests are cached, the TTFT p90 of any placement sits
+near one cold prefill of the shape's longest shared prompt.
 Uniform pools only: the snake gives every replica the same share.
 """
 

@@ -1,6 +1,7 @@
 """CPU pinning for `kvgate bench routing --gateway-cpus`: the gateway tier (Envoy + the EPP, or an external router)
 on its own CPUs, everything else of the cell (the sim engines and the bench's load generator) on the others — a
-slower machine's share for the routing decision, the same for every configuration (issue 23, must-show 3).
+slower machine's share for the routing decision, the same for every configuration, so that a configuration whose
+gateway tier costs more CPU per request pays for it in its latency.
 
 Linux only (sched_setaffinity). A process is pinned with every thread it has and every process of its group
 (`start_group` gives each child a process group of its own): threads and processes started later inherit the

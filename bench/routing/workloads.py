@@ -23,8 +23,8 @@ and lulls at the same mean rate), `kv_tokens` (the KV cache of each sim replica,
 `prefill_chunk` (every replica's `--long-prefill-token-threshold`: a prompt computes at most this many tokens a
 step, so cached requests get their first token between a cold prompt's chunks; 0: up to the step's budget).
 
-Shapes are named (SHAPES), grouped in sets (SHAPE_SETS: the tuning set the default profile may be tuned on, and a
-held-out set frozen before any tuning, never used to choose weights), or written on the command line as
+Shapes are named (SHAPES), grouped in sets (SHAPE_SETS: the tuning set the default profile may be tuned on, and
+held-out sets never used to choose weights), or written on the command line as
 `KIND:knob=value,...` (`parse_shape`).
 
 Foreign traffic (`with_foreign`): a share of the requests, drawn by the seed and so the same for every
@@ -138,8 +138,8 @@ def _shape(name: str, base: str, what: str, **knobs) -> WorkloadShape:
     return replace(WORKLOADS[base], name=name, what=what, kind=base, **knobs)
 
 
-# Shapes beyond the three base workloads. The held-out set was frozen on 2026-11-26, before any weight of kvgate's
-# profile was tuned against these shapes: a profile is judged on it, never tuned on it.
+# Shapes beyond the three base workloads. The held-out sets are not used to tune kvgate's profile: a profile is
+# judged on them, never tuned on them.
 SHAPES = {
     **WORKLOADS,
     "many-tenants": _shape("many-tenants", "multi-tenant", "32 tenants x 1000-token system prompt x 2 users "
@@ -160,8 +160,7 @@ SHAPES = {
     "mixed-lengths": _shape("mixed-lengths", "no-reuse", "random prompts ~1200 tokens (spread 0.8), ~64 output "
                             "tokens (spread 0.8), bursty (CV 2)", length_spread=0.8, output_len=64,
                             output_spread=0.8, burstiness=2.0),
-    # mixed hardware, defined on 2026-11-27 together with the speed-aware load signals (loadUnit: seconds) they were
-    # built for: a tuning set of its own, not held out
+    # mixed hardware, for the speed-aware load signals (loadUnit: seconds): a tuning set of its own, not held out
     "mixed-speed": _shape("mixed-speed", "multi-tenant", "multi-tenant on a pool of mixed hardware: 2 of the 4 "
                           "replicas 2x slower", slow_replicas=2, slowdown=2.0),
     "mixed-speed-no-reuse": _shape("mixed-speed-no-reuse", "no-reuse", "no-reuse on a pool of mixed hardware: 2 of "
@@ -171,12 +170,12 @@ SHAPES = {
                                 slow_kv_tokens=4096),
     "mixed-kv": _shape("mixed-kv", "multi-tenant", "multi-tenant on cards of two memory sizes: 2 of the 4 replicas "
                        "with half the KV (4096 tokens), as fast as the others", slow_replicas=2, slow_kv_tokens=4096),
-    # held-out-2, frozen on 2026-11-27 before the capacity-aware group balance (prompted by small-kv, which it
-    # then no longer judges cleanly) was measured on it
+    # held-out-2: the capacity-aware group balance was designed against small-kv, so small-kv no longer judges it
+    # cleanly; this one does
     "small-kv-turns": _shape("small-kv-turns", "multi-turn", "multi-turn on replicas with half the KV (4096 tokens)",
                              kv_tokens=4096),
-    # held-out-3, frozen on 2026-11-27 before the prefill-interference scorer (prompted by hot-tenant's per-request
-    # diagnosis, which it then no longer judges cleanly) was measured on it
+    # held-out-3: the prefill-interference scorer was designed against hot-tenant, so hot-tenant no longer judges it
+    # cleanly; this one does
     "skewed-tenants": _shape("skewed-tenants", "multi-tenant", "16 tenants, Zipf-skewed (s=0.8: the first asks "
                              "~23%, the second ~13%), 1500-token system prompts, 6 users each", tenants=16,
                              tenant_skew=0.8, system_len=1500, users_per_tenant=6),

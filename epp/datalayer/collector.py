@@ -335,9 +335,9 @@ class Datalayer:
     def snapshot(self, in_flight: Callable[[], Mapping[str, tuple[int, int]]] | None = None
                  ) -> list[EndpointState]:
         """states() for one scrape round: the same list of the same objects until `interval` has passed or the
-        endpoint set changed, so the scheduler's per-snapshot caches hold between requests (1000 states cost
-        ~0.4 ms to build; `kvgate bench epp --parts scheduling` prints a decision over a kept snapshot against one
-        over new states every request). `in_flight` is called only on a rebuild:
+        endpoint set changed, so the scheduler's per-snapshot caches hold between requests (building the states
+        costs more than a decision over kept ones; `kvgate bench epp --parts scheduling` prints a decision over a
+        kept snapshot against one over new states every request). `in_flight` is called only on a rebuild:
         the in-flight counts and staleness in a snapshot lag by at most one interval, like the metrics."""
         now = time.monotonic()
         if self._snapshot is None or now - self._snapshot_at >= self.interval:

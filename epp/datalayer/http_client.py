@@ -1,9 +1,10 @@
 """A keep-alive HTTP/1.1 GET for /metrics scrapes: a small asyncio protocol, driven by callbacks.
 
-httpx measured ~1.7 ms of CPU per scrape, which caps a core at ~600 scrapes/s, i.e. 30 endpoints at 50 ms.
-This client writes one prepared request and feeds what arrives to httptools' response parser (llhttp) in
-`data_received`: no task, future or timer per scrape on the collector's path (`send` + a callback; the
-collector's ticker enforces the timeout). `get()` is the awaitable form, with its own timer, for one-off callers.
+A general-purpose client such as httpx spends enough CPU per scrape that one core could scrape only a few dozen
+endpoints every 50 ms (`kvgate bench scrape` prints this client's cost). This client writes one prepared request and
+feeds what arrives to httptools' response parser (llhttp) in `data_received`: no task, future or timer per scrape on the
+collector's path (`send` + a callback; the collector's ticker enforces the timeout). `get()` is the awaitable form, with
+its own timer, for one-off callers.
 
 An engine's answer is input: the parser's work is linear in the bytes received (a body in 1-byte chunks costs its
 wire bytes, not their square), the headers are bounded (MAX_HEADER_BYTES), the body is bounded (`max_bytes`, the

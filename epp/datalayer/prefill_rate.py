@@ -22,9 +22,9 @@ a time-weighted mean over the last ~HALF_LIFE_S seconds of busy time: an admissi
 computed over the next ones (chunked prefill) averages out. No estimate (None) until MIN_BUSY_S of busy time has
 been seen: consumers use their configured default until then. Engines without the counters get None. This one is
 only right while the engine stays backlogged: admissions then follow the compute, but an engine that keeps up
-admits each prompt as it arrives, so its estimate follows its arrivals (measured in `kvgate bench routing
---workloads mixed-speed-no-reuse`: four replicas given equal shares, two of them 2x slower, all estimated at
-~2100-2200 tokens/s, where the timed estimate separates them) — so the speed-aware load signals
+admits each prompt as it arrives, so its estimate follows its arrivals (in `kvgate bench routing --workloads
+mixed-speed-no-reuse`, replicas given equal shares of the traffic get about equal estimates however fast they
+are, where the timed estimate separates them) — so the speed-aware load signals
 (scheduling/plugins/_relative_speed.py) read timed estimates only.
 """
 

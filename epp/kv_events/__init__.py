@@ -4,7 +4,7 @@
   subscriber.py     one background thread: reads every endpoint's sockets, hands index Deltas to the EPP's loop
   sockets.py        one endpoint's ZeroMQ sockets: SUB (+ connection monitor) and replay DEALER
   sequencer.py      one endpoint's sequence numbers: apply, hold, ask for a replay on a gap, reset (pure)
-  decode.py         vLLM's event wire format, both encodings (positional arrays before 2026, maps tagged by `type`)
+  decode.py         vLLM's event wire format, both encodings (older positional arrays, newer maps tagged by `type`)
   engine_hashes.py  one endpoint's engine block hashes → the EPP's, events → Deltas, the shared block budget
   tokenize.py       the pool's tokenizer, loaded in the EPP, so prompts hash like the engine's blocks
 

@@ -1,10 +1,10 @@
 """vLLM's KV-cache event payloads → plain records, whichever of vLLM's two encodings the engine speaks.
 
 A payload is one msgpack event batch. vLLM encodes it with msgspec:
-  - up to 2025 (`array_like=True`): the batch is [ts, events, data_parallel_rank] and an event is a positional
+  - older vLLM (`array_like=True`): the batch is [ts, events, data_parallel_rank] and an event is a positional
     array whose first element is its tag: ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
     lora_id, medium, lora_name?...], ["BlockRemoved", block_hashes, medium?], ["AllBlocksCleared"];
-  - since 2026 (`tag=True`, maps): {"ts", "events", "data_parallel_rank"} and each event a map with "type"
+  - newer vLLM (`tag=True`, maps): {"ts", "events", "data_parallel_rank"} and each event a map with "type"
     (engine/kv_events.py documents the fields kvgate's engine sends).
 Hashes are ints (vLLM's default) or bytes; both are used as they come, as dict keys. Unknown event types and
 unknown fields are skipped (a newer engine may add some).
@@ -70,7 +70,7 @@ class Cleared:
 
 Event = Stored | Removed | Cleared
 
-# Positional layouts (vLLM's msgspec field order) of the pre-2026 array encoding.
+# Positional layouts (vLLM's msgspec field order) of the older array encoding.
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                   "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")

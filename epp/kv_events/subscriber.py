@@ -6,9 +6,9 @@ loop index `Delta`s. It only wires the parts:
   decode.py         a batch's payload → events, every field checked
   engine_hashes.py  per endpoint, engine block hashes → the EPP's, the events → Deltas, the shared block budget
 
-Why a thread and not an asyncio task on the EPP's loop: a batch holding one 1k-token prompt's BlockStored (63
-blocks of 16) costs ~19 µs to msgpack-decode and ~28 µs to hash; applying its delta to the index ~10 µs
-(best of 300, shared 2-core box). The thread keeps the first two (~80% of the work) and ZeroMQ's blocking
+Why a thread and not an asyncio task on the EPP's loop: decoding a batch (msgpack) and hashing its blocks are
+most of the work of an event; applying its delta to the index is the small rest. The thread keeps the first two
+and ZeroMQ's blocking
 poll off the loop that answers Envoy; the GIL still shares the CPU, but in 5 ms slices rather than inside a
 decision, and sockets get one owner thread as ZeroMQ wants. `deliver` hands the Deltas to the loop
 (`loop.call_soon_threadsafe`), where the index is changed by one writer, so the scorer reads it without locks.

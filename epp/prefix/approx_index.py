@@ -24,10 +24,9 @@ from kvgate.epp.prefix.endpoint_ids import EndpointIds, bits, clear_holder
 DEFAULT_INDEX_MAX_BYTES = 256 * 1024 * 1024
 MIN_INDEX_BYTES = 64 * 1024
 # Bytes one index entry (endpoint, block) costs at most: BYTES_PER_ENTRY + ids / 6, since a block's holder
-# bitset grows with the endpoint ids in use. Measured with tracemalloc after 3 rounds of churn under the budget,
-# every block held by one endpoint (the worst case), including the hash ints and the dicts' spare slots:
-# 237 B/entry at 100 endpoints, 413 at 1000, 726 at 3000 (all sharing blocks: ~130 at 1000).
-# tests/epp/test_prefix_index.py holds 1000 endpoints to the budget with tracemalloc.
+# bitset grows with the endpoint ids in use; it covers the hash ints and the dicts' spare slots after churn under
+# the budget, every block held by one endpoint (the worst case). tests/epp/test_prefix_index.py holds 1000
+# endpoints to the budget with tracemalloc.
 BYTES_PER_ENTRY = 300
 
 Runs = list[tuple[int, int]]  # (bitmask of endpoint ids, matched blocks), deepest first, each id in one run

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvgate.epp.kv_events.tokenize import PromptTokenizer, PromptTokens
 from kvgate.epp.types import LLMRequest
 
-INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized off the event loop (≲ 5 ms of work inline)
+INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized off the event loop; shorter ones are cheap inline
 TOKENIZE_THREADS = 2  # what a burst of long prompts may take of the EPP's CPU
 DEGRADED = object()  # not tokenized within the budget
 

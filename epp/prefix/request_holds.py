@@ -7,11 +7,10 @@ the engine's events announce it (from then on they decide), else while the reque
 
     held until  the block's BlockStored,  or  min(pick + max_hold_s, response end) + speculative_ttl_s
 
-A fixed TTL from the pick is not enough under load: at 24 req/s on the bench's 4 replicas a request waited
-3-5 s in the engine's queue before its prefill, the 2 s entries expired before the events came, the prefix
-looked cold, the queue scorer spread it, and precise fell behind approximate (whose history never forgets):
-TTFT p90 5.8 vs 3.1 s, hit rate 59% vs 66% (`kvgate bench routing --workloads multi-tenant --rates 24
---duration 20 --seed 0`, llm-d's precise weights; 2.2 s with the hold).
+A fixed TTL from the pick is not enough under load: a request can wait in the engine's queue longer than the
+TTL before its prefill, its entries then expire before the events come, the prefix looks cold, the queue scorer
+spreads it, and precise falls behind approximate (whose history never forgets); `kvgate bench routing --workloads
+multi-tenant --rates 24 --configs precise,approximate` shows it with llm-d's precise weights.
 """
 
 from __future__ import annotations

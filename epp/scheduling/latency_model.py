@@ -1,5 +1,5 @@
 """A latency model learned online from the pool's own responses: TTFT and TPOT as linear functions of what the EPP
-knows about an endpoint when it picks (issue 23; llm-d's predicted-latency scheduling trains XGBoost in sidecars,
+knows about an endpoint when it picks (llm-d's predicted-latency scheduling trains XGBoost in sidecars,
 this is the in-process, bounded-CPU counterpart on kvgate's exact signals).
 
 Features of endpoint e for a request, at pick time (`ttft_features`, `tpot_features`):

@@ -1,8 +1,8 @@
 """Min-max normalization and metric columns shared by the load scorers.
 
-Scores are numpy arrays aligned with the endpoint list. A column is read with a C-level attrgetter walk
-(~30 µs for 1000 endpoints on a shared core) and, for metrics, cached in the cycle's Snapshot so that every
-decision of a scrape round reuses it (~1 µs; `kvgate bench epp --parts scheduling`: p50 against new-states p50).
+Scores are numpy arrays aligned with the endpoint list. A column is read with a C-level attrgetter walk and, for
+metrics, cached in the cycle's Snapshot so that every decision of a scrape round reuses it instead of walking the
+endpoints again (`kvgate bench epp --parts scheduling` prints a decision over a kept snapshot against new states).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ measured in tokens converts to seconds of the fastest replica:
     load_s(e) = load_tokens(e) / s(e)
 
 Why SAME_SPEED: an engine's timed rate moves with its batch mix (a step that also decodes takes longer for its
-prompt tokens); equal replicas measured at most 7% apart (`kvgate bench routing --shapes mixed-hardware`, three
-seeds: e.g. 4182 / 4480 tokens/s under multi-tenant load, 4861 / 4861 and 2429 / 2429 under no-reuse), and a
-slower replica's difference stands far outside that. Read as real, small differences would reshuffle a pool of equal
+prompt tokens), so equal replicas report rates a few percent apart (`kvgate bench routing --shapes mixed-hardware
+--result-file F` records each endpoint's estimate), and a slower replica's difference stands far outside that. Read
+as real, small differences would reshuffle a pool of equal
 replicas, which with every s(e) = 1 routes exactly as by tokens: a pool whose replicas differ by less than
 1/SAME_SPEED (1.25×) is treated as uniform.
 

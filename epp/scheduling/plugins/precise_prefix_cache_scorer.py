@@ -36,12 +36,10 @@ when the request cannot be tokenized, e.g. several prompts, or when it degraded)
 is cached(e) above, 0 for endpoints without events. Both are computed once per cycle (tokens, hashes and the
 index match are memoized in the CycleState under this plugin) and reused by `score` and `pre_request`.
 
-Cost per request, on the EPP's loop (best of 200, shared 2-core box; tests/epp/test_precise_scorer.py
-::test_tokenize_and_hash_cost prints the first three): a 1k-token prompt with the byte tokenizer costs
-~240 µs to tokenize (a chat ~310 µs with its template), ~30 µs to hash its 63 blocks, ~290 µs for the whole
-score; a BPE tokenizer (8k vocabulary, trained locally) took ~1 ms for 800 tokens. The engine's render
-endpoint gives the same ids but took ~31 ms per call (median, loopback, engines busy;
-tests/epp/test_precise_serve.py prints it), 30-100× more: the EPP tokenizes locally.
+Cost per request, on the EPP's loop: tokenizing the prompt dominates, hashing its blocks and matching them are a
+small part (tests/epp/test_precise_scorer.py::test_tokenize_and_hash_cost prints each). The engine's render
+endpoint gives the same ids, but an HTTP round trip to a busy engine costs far more than tokenizing in-process
+(tests/epp/test_precise_serve.py prints it): the EPP tokenizes locally.
 """
 
 from __future__ import annotations

@@ -19,16 +19,11 @@ objectives keeps the candidates predicted to meet them all, when some are and so
 candidate); the dropped candidates stay fallbacks, and the scores then order the kept ones. Why: as one scorer among
 several, weighed below the cache scorers, the score's [0.5, 1] band is outvoted, and a request with an objective
 still queues behind the replica holding its prefix; llm-d's SLO-aware routing picks among the pods with headroom.
-Why off by default: measured in kvgate's profile (`kvgate bench routing --workloads 'S:ttft_objective_ms=600,
-objective_share=0.25' --configs kvgate,kvgate-learned --rates 20` for S = hot-tenant and bursty-tenants, seeds
-0-2, 2026-12-05) it met fewer objectives than kvgate's profile, which ignores them: hot-tenant 84 / 91 / 101
-against 84 / 98 / 105 of 86 / 100 / 108; bursty-tenants seed 0 40 against 77 of 101, the requests it moved off
-their warm replicas going cold (hit rate 0.77 against 0.89). Measured again once the model fitted relative error
-(median per-request TTFT error 0.17-0.32 in these runs, from 0.9-1.3; same command, 2026-12-05): hot-tenant 77 / 94
-/ 105 against kvgate's 76 / 94 / 104 of 86 / 100 / 108, bursty-tenants 59 / 84 / 69 against 85 / 82 / 84 of 101 / 88
-/ 88 — the predictions are right for the request it moves, and the move is wrong for the others: the request goes
-cold on a replica whose tenants' prefixes it then evicts (seed 0: hit rate 0.81 against 0.89, everyone's TTFT p90
-3.06 s against 0.84 s; docs/benchmarks.md).
+Why off by default: in kvgate's profile it meets no more objectives than the profile without it, which ignores
+them, and on bursty traffic fewer (`kvgate bench routing --workloads 'S:ttft_objective_ms=600,objective_share=0.25'
+--configs kvgate,kvgate-learned --rates 20` for S = hot-tenant and bursty-tenants; docs/benchmarks.md). The
+predictions are right for the request it moves, and the move is wrong for the others: the request goes cold on a
+replica whose tenants' prefixes it then evicts, which lowers the hit rate and raises everyone's TTFT.
 
 Where the model comes from (learnFrom):
 - `responses` (default, any engine; llm-d's way): the EPP fits one model for the pool from the responses it sees, so

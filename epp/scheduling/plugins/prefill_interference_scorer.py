@@ -28,25 +28,20 @@ however well the pool runs. The scorer compares
     harm'(e) = harm(e) × s(e)² / c(e)           (capacityShares true, the default; 1 × harm in a uniform pool)
 
 the harm beyond what each replica's share explains, so it moves a prompt off a replica busier than its share and
-never works against the shares themselves. Without it, on cards of two memory sizes (`kvgate bench routing
---workloads mixed-kv`, seeds 0-2) the big cards, holding twice the groups and so twice the requests, turned new
-groups to the small ones, whose caches then thrashed: TTFT p90 0.88 / 0.84 / 1.38 s against 0.69 / 0.74 / 0.80 s
-with the profile without the scorer, same run. With it (`--shapes mixed-hardware`, seeds 0-2, against the scorer
-without it in the same runs): mixed-kv 0.84 / 0.64 / 1.04 s against 0.84 / 0.96 / 1.25 s, mixed-generations 1.19 /
-1.31 / 1.06 s against 1.80 / 1.03 / 1.94 s, mixed-speed 0.60 / 0.72 / 1.00 s against 0.49 / 0.81 / 0.85 s,
-mixed-speed-no-reuse level (20 s cells: a seed's p90 moves ±0.2 s between runs).
+never works against the shares themselves. Without it, on cards of two memory sizes the big cards, holding twice
+the groups and so twice the requests, look busier and turn new groups to the small ones, whose caches then thrash
+(`kvgate bench routing --shapes mixed-hardware --configs kvgate,kvgate-no-interference` compares them).
 
 Scaled by the largest harm rather than min-max: candidates a few percent apart (equal replicas, a request all of
 them have cached) score a few percent apart, so the scorer moves a decision only where the difference is real —
 a cold prompt of 2000 tokens on the replica that serves a hot tenant's stream of cheap cached requests.
 
-Why: with a skewed tenant mix (`kvgate bench routing --workloads hot-tenant`, per request, seed 1) the hot tenant's
-replica served 47% of the requests — a hot tenant that asks 39% and other tenants' cold prompts besides — and
-108 of the 133 requests at or past the cell's TTFT p90 were its own requests queued behind those cold prefills
-(~0.4 s each): the backlog a load scorer sees stays small there, since the hot tenant's requests are nearly all
-cached. Parameters: windowSeconds > 0 = 10, prefixScorer = the profile's only prefix scorer, maxPicksPerEndpoint
-≥ 1 = 10000 (memory: the arrival record keeps at most that many timestamps an endpoint), capacityShares true |
-false = true.
+Why: with a skewed tenant mix the hot tenant's replica serves its hot tenant and other tenants' cold prompts besides,
+and most of the requests in the TTFT tail are the hot tenant's own, queued behind those cold prefills (`kvgate bench
+routing --workloads hot-tenant --per-request` lists them): the backlog a load scorer sees stays small there, since the
+hot tenant's requests are nearly all cached. Parameters: windowSeconds > 0 = 10, prefixScorer = the profile's only
+prefix scorer, maxPicksPerEndpoint ≥ 1 = 10000 (memory: the arrival record keeps at most that many timestamps an
+endpoint), capacityShares true | false = true.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ llm-d's version breaks stickiness on a predicted-TTFT gap (maxTTFTPenaltyMs, fro
 compares the prefill backlog with the prefill tokens saved, both in tokens the same engine computes at the same
 rate, so loadTolerance 1 means "leave only when the warm endpoint's first token would come later". Why not
 in-flight tokens: a warm endpoint's in-flight requests are mostly cached and cost it little, yet counted whole
-they broke stickiness under load (`kvgate bench routing`, multi-tenant, 24 req/s: TTFT p90 2.17 s with tokens).
+they break stickiness under load (`kvgate bench routing --workloads multi-tenant --configs affinity,kvgate`).
 Pools of mixed speed (loadUnit seconds): a token of backlog on a replica half as fast costs twice the time, so
 both sides of the comparison convert to the fastest replica's seconds with each endpoint's relative prefill speed
 s(e) (plugins/_relative_speed.py, from the engines' own prefill timing; 1 for every endpoint of a uniform
@@ -51,16 +51,14 @@ passed) and gives it
 The spilled request's blocks are held on its endpoint from the pick (the precise scorer's request holds), so the
 next request of the prefix finds two warm endpoints and the rule above chooses between them.
 
-Where the copy must fit: measured without a fit test (`kvgate bench routing --workloads hot-tenant --configs
-kvgate-no-spill,kvgate-spill-anywhere --duration 60`, seeds 0-2, 2026-12-05) the spill evens the load where the
-pool's caches have room for the second copy (twice the KV: p90 level or lower, spread 1.2 against 1.5-2.0) and costs
-2-6 points of hit rate and the tail where they do not (hot-tenant as it is: p90 0.61 / 0.71 / 0.50 s against 0.53 /
-0.50 / 0.55 s). So with spillFit (default) and a fit check in the profile (the group balance's fitKvCapacity,
-kv_fit.py) only the cold candidates where the copy fits beside the groups they serve count as cold above; where
-none does the request is not spilled (counted as a spill without room) and the rule above decides. With the fit
-test (the same cells, twice the KV at 36 req/s, and one prefix for the whole pool at 36 req/s; 60 s, seeds 0-2): no
-spill on hot-tenant (every cell as without spilling, within the cells' noise), one or two where the caches have
-room, with p90 level or lower and the load spread 1.3-1.7 against 1.5-2.0; docs/benchmarks.md.
+Where the copy must fit: without a fit test the spill evens the load where the pool's caches have room for the second
+copy, and costs hit rate and the tail where they do not: the copy evicts what the cold replica serves (`kvgate bench
+routing --workloads hot-tenant --configs kvgate,kvgate-no-spill,kvgate-spill-anywhere`, and the same with `kv_tokens`
+doubled for caches with room). So with spillFit (default) and a fit check in the profile (the group balance's
+fitKvCapacity, kv_fit.py) only the cold candidates where the copy fits beside the groups they serve count as cold above;
+where none does the request is not spilled (counted as a spill without room) and the rule above decides: on
+oversubscribed caches the filter then behaves as without spilling, and where caches have room it spills
+(docs/benchmarks.md).
 
 Parameters: affinityThreshold (0, 1] = 0.80, explorationProbability [0, 1] = 0.01, loadTolerance ≥ 0 = 1.0 (0:
 leave warm endpoints as soon as they carry more load than the coldest; large: always sticky; above 1 values the

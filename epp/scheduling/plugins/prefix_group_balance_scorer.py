@@ -14,36 +14,33 @@ fewest prefix groups, so groups (tenants, system prompts) partition the pool ins
                                                         home) and h holds less than k of the prompt: its prefix
                                                         was evicted there, and it stays home
 
+Parameters: groupChars ≥ 1 = 512, windowSeconds > 0 = 60, affinityThreshold (0, 1] = 0.8 (the affinity filter's),
+prefixScorer = the profile's only prefix scorer, maxGroupsPerEndpoint ≥ 1 = 4096 (memory: the oldest group goes
+first past it; ~100 bytes a group, so ≤ ~0.4 MB an endpoint however many distinct prompts arrive within the
+window), keepHomeBelow [0, 1] = 0 (off), fitKvCapacity [0, 4] = 0 (off), balanceBy groups | tokens = groups,
+loadUnit tokens | seconds = tokens, kvCapacityShares true | false = true.
+
 Why: when a pool's caches together hold the working set only if each prefix lives on one endpoint, an endpoint
 given one group too many evicts its groups' prefixes faster than they are reused, and its hit rate collapses
-(`kvgate bench routing`, multi-tenant: 12 tenants on 4 replicas that hold 3 each — a 4/3/3/2 placement made
-runs bimodal, TTFT p90 0.3 s or 4 s by seed). Counting groups routed, not cache contents, sees a placement the
-moment it is made, before any KV event. llm-d's no-hit-lru-scorer spreads cold requests in time (least recently
-cold-picked); this spreads the groups themselves. Parameters: groupChars ≥ 1 = 512, windowSeconds > 0 = 60,
-affinityThreshold (0, 1] = 0.8 (the affinity filter's), prefixScorer = the profile's only prefix scorer,
-maxGroupsPerEndpoint ≥ 1 = 4096 (memory: the oldest group goes first past it; ~100 bytes a group, so ≤ ~0.4 MB
-an endpoint however many distinct prompts arrive within the window), keepHomeBelow [0, 1] = 0 (off),
-fitKvCapacity [0, 4] = 0 (off), balanceBy groups | tokens = groups, loadUnit tokens | seconds = tokens. In a pool
-of mixed hardware (plugins/_relative_speed.py) G'(e) counts as a share of e's KV capacity relative to the largest,
-k(e) — a replica with half the KV is given half the groups: G'(e) / k(e) —, and
-with loadUnit seconds a group counts against the resource it takes: one picked there more than once within the
-window (a tenant, a conversation) holds cache that is reused, a share of k(e); one picked there once (a one-off
-prompt) leaves nothing reused and is only work, a share of e's relative prefill speed s(e):
+(`kvgate bench routing --workloads multi-tenant` sizes each replica's cache for an even share of its tenants).
+Counting groups routed, not cache contents, sees a placement the moment it is made, before any KV event. llm-d's
+no-hit-lru-scorer spreads cold requests in time (least recently cold-picked); this spreads the groups themselves.
+
+Mixed hardware (plugins/_relative_speed.py): G'(e) counts as a share of e's KV capacity relative to the largest,
+k(e) — a replica with half the KV is given half the groups: G'(e) / k(e) —, and with loadUnit seconds a group
+counts against the resource it takes: one picked there more than once within the window (a tenant, a
+conversation) holds cache that is reused, a share of k(e); one picked there once (a one-off prompt) leaves nothing
+reused and is only work, a share of e's relative prefill speed s(e):
     G'(e) = reused(e) / k(e) + once(e) / s(e)
-kvCapacityShares true | false = true (false: k(e) = 1, footprints in tokens whatever each endpoint holds). In a
-uniform pool k = s = 1 and both forms are the plain G(e).
+kvCapacityShares false: k(e) = 1, footprints in tokens whatever each endpoint holds. In a uniform pool k = s = 1
+and both forms are the plain G(e).
 
 Why the split in seconds: a replica half as fast holds as many prefixes as a fast one with the same KV, so giving it
-half the tenants (G / min(k, s), the form before) piles twice its share onto the fast replicas' caches, which thrash
-(`kvgate bench routing --workloads mixed-speed --configs kvgate,sglang-router,vllm-router --rates saturation
---duration 60 --per-request`, seed 0: the fast replicas served 7 tenants each, 20 and 28 misses, TTFT p90 0.50 s,
-against sglang-router's three tenants a replica, 3-5 misses each, 0.18 s), while one-off prompts must still go 2 : 1
-to the faster replicas (mixed-speed-no-reuse: an even split let the slow replicas' queues grow, p90 8.4-12.4 s).
-With the split (same command, seeds 0 / 1 / 2): TTFT p90 0.50 / 0.48 / 0.54 s to 0.19 / 0.23 / 0.61 s, three
-tenants a replica on seeds 0 and 1 (seed 2 placed three a replica too, then churned: the slow replicas' first cold
-prefills queued 1.7-2.9 s and the tenants' next requests left them); 20 s cells `--shapes mixed-hardware`:
-mixed-speed 0.70 / 0.48 / 0.78 s to 0.52 / 0.49 / 0.36 s, mixed-speed-no-reuse still 2 : 1 (1.40 / 3.09 / 3.81 s
-against 1.42 / 3.09 / 3.70 s).
+a share by min(k, s) piles twice its share of tenants onto the fast replicas' caches, which thrash; one-off prompts,
+which hold no reused cache, must still go to the faster replicas in proportion to their speed, or the slow
+replicas' queues grow (`kvgate bench routing --shapes mixed-hardware --configs kvgate,sglang-router,vllm-router
+--rates saturation --per-request` shows both: mixed-speed for the tenants, mixed-speed-no-reuse for the one-off
+prompts).
 
 Why keep an evicted group home (keepHomeBelow): a group whose prefix its home evicted is cold everywhere, so the
 balance would send it to whichever endpoint carries least at that moment, and the prefill-interference scorer to
@@ -56,26 +53,23 @@ Why a fit check (fitKvCapacity φ > 0, the plugin then also a preference filter 
 profile): the scorers weigh what a placement costs now — the balance a share, prefill-interference the delay a cold
 prefill puts on the requests already there — and none weighs what it costs later when the endpoint's cache cannot
 hold one more group: every group there is evicted in turn and comes back as a cold prefill, or moves and evicts
-elsewhere. For a homeless request it keeps the candidates the group fits on,
+elsewhere. While the first cold prefills queue, prefill-interference can outweigh the balance and place one group
+too many on a replica, which then evicts and sheds its tenants onto the others. For a homeless request the check
+keeps the candidates the group fits on,
 
     fits(e)  ⇔  F(e) + p ≤ φ × C(e)     F(e) = footprints (prompt tokens of each group's latest request) of the groups
                                          picked for e within the window, less the request's own group; p = its
                                          prompt tokens; C(e) = e's KV cache in tokens (vllm:cache_config_info)
 
 when some fit and some do not (none or all: every candidate, as without it; C unknown: fits). The scorers then
-choose among those that fit. Measured (`kvgate bench routing --workloads multi-tenant --per-request`, 60 s, seed 2,
-the profile without it): the first placement went 4/3/3/2 tenants, prefill-interference outweighing the balance
-while the first cold prefills queued; the replica with four evicted within 1.5 s, its tenants moved, and within 20 s
-every replica served 9-10 tenants (TTFT p90 0.95 s; 0.18 s in another run of the same seed that placed 3/3/3/3). In
-six such runs of multi-tenant, hot-tenant and bursty-tenants (seeds 0-2, twice) nine of eighteen first placements
-were uneven; with the check every multi-tenant and hot-tenant one was 3/3/3/3. A footprint is the latest prompt, not
-the users' contexts a tenant also keeps cached (2300 counted, ~2800 held on multi-tenant), so φ = 1 still lets a
-replica hold a little more than fits; docs/benchmarks.md has the paired runs.
+choose among those that fit. A footprint is the latest prompt, not the users' contexts a tenant also keeps cached,
+so φ = 1 still lets a replica hold a little more than fits. `kvgate bench routing --workloads
+multi-tenant,hot-tenant,bursty-tenants --per-request` prints each replica's tenants, with and without the check
+(configurations in bench/routing/configurations.py).
 
 Why tokens in kvgate's profile: when groups differ in size (conversations of 1 to 10 turns, `kvgate bench routing
---workloads multi-turn`, 18 req/s, seeds 0-2) counting them piles long ones together; weighing by footprint took
-TTFT p90 0.73 / 1.70 / 1.71 s to 0.61 / 1.01 / 1.42 s and output tok/s up 3-5%, with multi-tenant 0.32 / 0.45 s to
-0.25 / 0.32 s and the other tuning shapes within noise (many-tenants 0.37 / 0.35 s to 0.39 / 0.40 s).
+--workloads multi-turn`) counting them piles long conversations together; weighing each by its footprint spreads
+the cache they take.
 """
 
 from __future__ import annotations
