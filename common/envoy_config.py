@@ -377,7 +377,7 @@ def pool_clusters(pool: PoolBackend, epp_eds_config: dict | None = None) -> list
     passes (tests/e2e/test_rollout_e2e.py: a stream is cut and requests are answered 500 "no healthy upstream" after an
     EPP rollout swaps the address). An EDS update changes the hosts in place: a new pod takes streams once its health
     check passes, and a removed pod stays while its health check passes (Envoy's default for removed hosts), then its
-    connections drain — so the old EPP's lame duck and drain (epp/main.py `drain`) do their job."""
+    connections drain — so the old EPP's lame duck and drain (epp/shutdown.py `drain`) do their job."""
     # the pool's endpoints: HTTP/1.1 or h2c (its appProtocol), idle connections closed after upstream_idle_s
     upstream_protocol = {"typed_extension_protocol_options": _http_options(pool.app_protocol == H2C,
                                                                            pool.upstream_idle_s)}

@@ -29,7 +29,10 @@ class RoutingError(Exception):
 
 class Director:
     def __init__(self, datastore, datalayer, scheduler, admission, metrics=None, seed: int | None = None,
-                 trust_pool_readiness: bool = False) -> None:
+                 trust_pool_readiness: bool = False, flow=None, peers=None) -> None:
+        """`flow`: builds this director's flow_control.FlowController from its `dispatch_room` (None: no flow
+        control); `peers`: builds its peer_sync.PeerSync from the director (None: no peer sync). Both are built
+        last, over a director whose every other attribute is set."""
         self.datastore = datastore
         self.datalayer = datalayer
         self.scheduler = scheduler
@@ -41,16 +44,16 @@ class Director:
         # echo backends) they are still routable. Standalone endpoints have no such gate: unscraped means unknown.
         self.trust_pool_readiness = trust_pool_readiness
         self.load = LoadTracker()
-        # flow_control.FlowController when the config's featureGates name flowControl (main wires it): requests
-        # wait in it while the pool is saturated, and legacy shedding (admission.admit) is off
-        self.flow = None
-        # peer_sync.PeerSync when active-active replicas share their picks (main wires it)
-        self.peers = None
         self._pool_of, self._pool = None, frozenset()  # in_pool's set of the datastore's endpoint list
         self._uncached_from_plugins = scheduler.produces(PICKED_UNCACHED_TOKENS)
         self.in_flight = self.load.by_address  # address → AddressLoad (requests, tokens, flights)
         self._selected_from: list[EndpointState] | None = None  # the snapshot `_selected` was chosen from
         self._selected: list[EndpointState] = []
+        # flow_control.FlowController when the config's featureGates name flowControl: requests wait in it while
+        # the pool is saturated, and legacy shedding (admission.admit) is off
+        self.flow = flow(self.dispatch_room) if flow is not None else None
+        # peer_sync.PeerSync when active-active replicas share their picks
+        self.peers = peers(self) if peers is not None else None
 
     def states(self) -> list[EndpointState]:
         """Every endpoint of the pool with its metrics and this EPP's exact in-flight counts (stale ones

@@ -12,7 +12,7 @@ logged as a warning (at once for each new holder or field at fault, then at most
 if expired. On stop (SIGTERM: a rollout or a deleted pod) the leader releases the Lease (empty holder, 1 s
 duration), so a follower takes over at its next try, one `retry_period` later, instead of waiting out the lease;
 the EPP keeps serving until it sees the successor's name on the Lease and Envoy had a health check's time to find
-the successor ready (epp/main.py), so that the gateway is never without a ready EPP.
+the successor ready (epp/shutdown.py hand_over), so that the gateway is never without a ready EPP.
 
 kubernetes' own leaderelection module is not used: it has no way to stop or release, its API calls have no
 timeout (a silent connection would hang an election forever), and it sleeps in loops a stop cannot interrupt.

@@ -146,7 +146,7 @@ def _config_map(pool: dict, config_yaml: str) -> dict:
 # host out at its next check (1 s; the unhealthy threshold counts only network failures), and with
 # --epp-address-mode pod-ip the new pod reaches Envoy only after the operator re-renders its EDS file and the
 # kubelet publishes it (without the sleep, requests are answered 500 "no healthy upstream" in between;
-# tests/e2e/test_rollout_e2e.py). Then on SIGTERM the EPP drains (epp/main.py drain: a
+# tests/e2e/test_rollout_e2e.py). Then on SIGTERM the EPP drains (epp/shutdown.py drain: a
 # lame duck while streams keep coming — until Envoy's endpoint list names the new pod, in pod-ip mode —, then the
 # streams it carries finish; all within --shutdown-timeout); the kubelet's SIGKILL comes after that and a margin to
 # exit.

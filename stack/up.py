@@ -393,7 +393,7 @@ def epp_ready(health_port: int) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvgate.epp.main import EXT_PROC_SERVICE
+    from kvgate.epp.readiness import EXT_PROC_SERVICE
 
     with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
         try:

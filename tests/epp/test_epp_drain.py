@@ -79,7 +79,7 @@ def test_what_a_draining_epp_tells_health_checks(tmp_path, cache, drain_health):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvgate.epp.main import EXT_PROC_SERVICE
+    from kvgate.epp.readiness import EXT_PROC_SERVICE
 
     with Gateway(tmp_path, cache, [SLOW_SIM], epp_args=["--drain-health", drain_health]) as gw:
         load = StreamLoad(gw.url, "sim-model", concurrency=1, max_tokens=40)

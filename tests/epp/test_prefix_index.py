@@ -147,7 +147,8 @@ def test_index_budget_parameter_and_minimum():
 def test_prefix_index_max_bytes_flag_reaches_the_index():
     import argparse
 
-    from kvgate.epp.main import add_epp_parser, plugin_context
+    from kvgate.epp.main import add_epp_parser
+    from kvgate.epp.server_assembly import plugin_context
     from kvgate.epp.scheduling.config import default_config
 
     parser = argparse.ArgumentParser()
