@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 
@@ -87,7 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvgate.engine.generation_defaults import load_generation_defaults
     from kvgate.engine.llm import resolve_model_path
     from kvgate.engine.server.app import create_app
-    from kvgate.engine.server.lifecycle import FINAL_GRACE_SECONDS, DrainingServer
+    from kvgate.engine.server.lifecycle import FINAL_GRACE_SECONDS, DrainingServer, start_drain
     from kvgate.engine.server.limits import limits_from_args
 
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
@@ -131,13 +132,12 @@ def run_serve(args: argparse.Namespace) -> int:
                      api_keys=api_keys)
     # httptools + uvloop, named rather than left to uvicorn's "auto" (which falls back to pure-Python h11 and asyncio
     # without a word): every EPP scrapes every replica every 50 ms, and in `--backend sim` the server shares the
-    # GIL with the engine loop. Measured (1000 GETs, server CPU per request): /live 0.68 -> 0.35 ms, /metrics
-    # 1.11 -> 0.68 ms; `kvgate bench routing --workloads no-reuse --rates saturation --gateway-cpus 0`: the
-    # engines' CPU under kvgate's EPP 14.5 -> 11.2 s and its TTFT p90 6.43 -> 5.57 s (sglang-router's 5.17 -> 5.14).
+    # GIL with the engine loop, so the server's CPU per request is the engine's loss (`kvgate bench routing
+    # --workloads no-reuse --rates saturation --gateway-cpus 0` shows it).
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                            timeout_graceful_shutdown=FINAL_GRACE_SECONDS, access_log=False,
                                            http="httptools", loop="uvloop"),
-                            args.shutdown_timeout, app.state.drain)
+                            args.shutdown_timeout, functools.partial(start_drain, app.state.server))
     logging.getLogger("kvgate").info("serving %s on http://%s:%d", served, args.host, args.port)
     server.run()
     if fatal:

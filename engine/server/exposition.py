@@ -2,15 +2,11 @@
 
 Every EPP scrapes every replica 20 times a second, and on a `--backend sim` server the scrape shares the GIL
 with the engine loop. prometheus_client's `generate_latest` builds a family object and a sample tuple per value
-and validates and escapes every name on every call: it was three quarters of a filtered scrape's server CPU
-(cProfile, 3200 EPP-filtered scrapes of a sim engine). The families here are fixed (names, help, label names:
-`FamilySpec`), so their header lines and label names are formatted once and a scrape only formats the values.
-The bytes are prometheus_client's: tests/server/test_exposition.py compares them with `generate_latest` over the
-same families, whole and narrowed by `name[]`.
-
-Measured on the EPP's filtered scrape (1000 keep-alive GETs to a `kvgate serve --backend sim` server, httptools +
-uvloop, the server process's CPU per scrape, five runs each, 2-core machine): 0.51-0.57 ms (median 0.52) through
-generate_latest, 0.29-0.36 ms (median 0.30) with this; what is left is the HTTP server and the event loop.
+and validates and escapes every name on every call, which makes it most of a filtered scrape's server CPU. The
+families here are fixed (names, help, label names: `FamilySpec`), so their header lines and label names are
+formatted once and a scrape only formats the values. The bytes are prometheus_client's:
+tests/server/test_exposition.py compares them with `generate_latest` over the same families, whole and narrowed
+by `name[]`.
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ prompt tokens, known from its first output. Its TTFT (admission to first token) 
 first token) / (tokens after the first)) when it ends. Only requests of one prompt and one sample are fitted: their
 first token is theirs alone. The fit is common/online_ridge.py's, TTFTs weighed for relative error, with a prior of
 zero weights (a router ignores the model until it has fitted MIN_OBSERVATIONS TTFTs). Cost: an O(k²) update per
-request (k ≤ 5) and one k×k solve per scrape that follows new requests (28 µs and 18 µs, measured beside a
-running benchmark on the 2-core dev machine).
+request (k ≤ 5) and one k×k solve per scrape that follows new requests.
 
 How well the model predicts: once it has fitted MIN_OBSERVATIONS TTFTs (a router uses it from then on), each new
 TTFT is first predicted from the request's features at arrival, and the relative errors of the last 1000 are
@@ -34,9 +33,8 @@ from kvgate.common.online_ridge import ErrorStats, OnlineRidge, ttft_weight
 # direction the requests never excite, such as a backlog that is always 0, stays at 0; features that move together
 # share their weight). With TTFTs weighed for relative error the short TTFTs weigh most and the long ones, which
 # excite the slopes, least, so a pull of the EPP's size (ρ = 2, toward its analytic prior) drags the slopes to 0 and
-# the bias up: on tests/epp/test_engine_latency_model.py's synthetic engine ρ = 2 fitted the bias at 0.13 s for a
-# true 0.03 s and the uncached slope at 1.06 for 2.0; on a sim server serving prompts of 32-512 tokens
-# (tests/server/test_engine_latency_model.py) ρ = 0.02 fitted its 1 ms a token as 0.1 ms, ρ = 0.001 as 0.69 ms.
+# the bias up; a pull this small lets the slopes reach the engine's true costs (tests/epp/test_engine_latency_model.py
+# and tests/server/test_engine_latency_model.py fit known engines and check them).
 RIDGE = 1e-4
 
 

@@ -19,11 +19,15 @@ then answer 503 and every request 503, and a liveness probe on /live restarts th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
+import time
 from collections.abc import Callable
 
 import uvicorn
+
+from kvgate.engine.server.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -54,3 +58,28 @@ class DrainingServer(uvicorn.Server):
 
     def exit_now(self) -> None:
         self.should_exit = True
+
+
+def start_drain(server: ServerState, shutdown_timeout: float, then: Callable[[], None]) -> None:
+    """SIGTERM: refuse new requests (503) and fail /health at once; let running requests finish for up to
+    `shutdown_timeout` s, fail what is left with a clean error, then call `then` (the server exits).
+    Safe to call from a signal handler: it only schedules the drain on the server's event loop."""
+    serving, llm = server.serving, server.llm
+
+    async def run():
+        serving.shutting_down = "the server is shutting down"
+        open_now = serving.open_requests
+        log.info("draining: %d requests running, up to %g s (--shutdown-timeout)", open_now, shutdown_timeout)
+        deadline = time.monotonic() + shutdown_timeout
+        while serving.open_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if serving.open_requests:
+            cut = llm.abort_all(f"the server is shutting down: the request did not finish within "
+                                f"{shutdown_timeout:g} s (--shutdown-timeout)")
+            log.warning("drain: %d requests did not finish in %g s; failed them", cut, shutdown_timeout)
+            await asyncio.sleep(0.1)  # let their error events be written
+        else:
+            log.info("drained: every running request finished")
+        then()
+
+    server.loop.call_soon_threadsafe(lambda: setattr(server, "drain_task", asyncio.ensure_future(run())))

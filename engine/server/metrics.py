@@ -34,7 +34,7 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
 PREFILL_PENDING = "kvgate:num_prefill_tokens_pending"
 # The running step's phase, so that a router can tell how much of that backlog is being computed as it reads it:
 # the part of the backlog no step has taken yet, and how long the engine's current step has run (a step that
-# computes a cold 2300-token prompt lasts ~0.46 s on the bench's sim engines; a scrape lands anywhere in it).
+# computes a long cold prompt can last a large part of a second; a scrape lands anywhere in it).
 PREFILL_AWAITING_STEP = "kvgate:num_prefill_tokens_awaiting_step"
 STEP_AGE = "kvgate:engine_step_age_seconds"
 # The engine's own prefill timing, from which a router learns how fast this replica prefills (a pool may mix

@@ -1,7 +1,7 @@
 """/metrics' `name[]` filter as the server reads it from the raw query string (the page itself, filtered and
 whole, is checked against a real sim engine in tests/epp/test_datalayer.py)."""
 
-from kvgate.engine.server.app import scrape_names
+from kvgate.engine.server.routes.health import scrape_names
 from kvgate.epp.datalayer.dialects import DIALECTS
 
 
@@ -17,7 +17,7 @@ def test_names_come_from_the_query_string_as_a_scraper_encodes_them():
 
 
 def test_the_parse_cache_is_bounded():
-    from kvgate.engine.server.app import _cached_names_in
+    from kvgate.engine.server.routes.health import _cached_names_in
 
     for i in range(200):
         scrape_names(f"name[]=n{i}".encode())
