@@ -11,6 +11,10 @@ import random
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvgate.engine.config import EngineConfig
 
 # Random models built on the spot (no download): name -> (config class name, config kwargs).
 RANDOM_MODELS = {
@@ -238,34 +242,64 @@ def _spec_decode_summary(before, after) -> dict:
 
 def run_bench_engine(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from kvgate.engine import LLM, SamplingParams
-    from kvgate.bench.engine_roofline import StepTimer, copy_bandwidth, kv_bytes_per_token, weight_bytes
     from kvgate.engine.cli_args import engine_config_from_args
+
+    model_path, tmp = _model_path(args)
+    config = engine_config_from_args(model_path, args)
+    spec = config.speculative_config
+    workload = args.workload or ("quote" if spec is not None else "random")
+    results: dict[str, dict] = {}
+    work: _Workload | None = None
+    ours_tokens = None  # the first run's outputs, which every other run and HF are compared with
+    for label, run_config in _planned_runs(args, config):
+        run = _run_kvgate(label, run_config, args, workload, spec, work, ours_tokens)
+        work, results[label], device, dtype = run.work, run.result, run.device, run.dtype
+        if ours_tokens is None:
+            ours_tokens = run.tokens
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if spec is not None:
+        _speculation_speed_ups(results)
+    hf_single, hf_outputs = _hf_baselines(args, model_path, device, dtype, work, ours_tokens, results)
+    _print_comparison(args, results, work, ours_tokens, hf_single, hf_outputs, dtype)
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps({
+            "model": args.model, "device": str(device), "dtype": str(dtype), "num_requests": args.num_requests,
+            "output_len": args.output_len, "copy_bandwidth_gbs": work.bandwidth / 1e9, "results": results}, indent=2))
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+def _model_path(args: argparse.Namespace) -> tuple[str, tempfile.TemporaryDirectory | None]:
+    """The model folder --model names; a random model is built in a temporary folder, returned to be cleaned up."""
+    import torch
+
     from kvgate.engine.config import EngineConfig
     from kvgate.engine.llm import resolve_model_path
 
-    tmp = None
-    if args.model in RANDOM_MODELS:
-        tmp = tempfile.TemporaryDirectory(prefix="kvgate-bench-")
-        probe = EngineConfig(model=tmp.name, device=args.device, dtype=args.dtype)
-        device = probe.resolve_device()
-        dtype = torch.bfloat16 if args.dtype == "auto" and device.type == "cuda" else (
-            torch.float32 if args.dtype == "auto" else probe.resolve_dtype(None, device))
-        print(f"building random {args.model} ({dtype}) ...", flush=True)
-        _build_random_model(args.model, Path(tmp.name), dtype)
-        model_path = tmp.name
-    else:
-        model_path = resolve_model_path(args.model)
+    if args.model not in RANDOM_MODELS:
+        return resolve_model_path(args.model), None
+    tmp = tempfile.TemporaryDirectory(prefix="kvgate-bench-")
+    probe = EngineConfig(model=tmp.name, device=args.device, dtype=args.dtype)
+    device = probe.resolve_device()
+    dtype = torch.bfloat16 if args.dtype == "auto" and device.type == "cuda" else (
+        torch.float32 if args.dtype == "auto" else probe.resolve_dtype(None, device))
+    print(f"building random {args.model} ({dtype}) ...", flush=True)
+    _build_random_model(args.model, Path(tmp.name), dtype)
+    return tmp.name, tmp
 
-    config = engine_config_from_args(model_path, args)
-    results: dict[str, dict] = {}
-    runs = [("kvgate", config)]
+
+def _planned_runs(args: argparse.Namespace, config: EngineConfig) -> list[tuple[str, EngineConfig]]:
+    """(label, EngineConfig) of each kvgate run, the first the one the others and HF are compared with: with
+    speculation, the same run without it first (the speed-up's baseline); then each --compare-* variant that
+    differs from the flags given."""
     spec = config.speculative_config
-    if spec is not None:  # the same run without speculation first: the speed-up's baseline
+    runs = [("kvgate", config)]
+    if spec is not None:
         runs = [("kvgate", dataclasses.replace(config, speculative_config=None)), ("kvgate_spec", config)]
-    workload = args.workload or ("quote" if spec is not None else "random")
     if args.compare_no_backoff and spec is not None and config.speculative_backoff_threshold > 0:
         runs.append(("kvgate_spec_no_backoff", dataclasses.replace(config, speculative_backoff_threshold=0.0)))
     if args.compare_no_draft_reuse and spec is not None and spec.method == "draft_model":
@@ -277,156 +311,232 @@ def run_bench_engine(args: argparse.Namespace) -> int:
     if args.compare_kv_cache_dtype and args.compare_kv_cache_dtype != config.kv_cache_dtype:
         runs.append((f"kvgate_kv_{args.compare_kv_cache_dtype}",
                      dataclasses.replace(config, kv_cache_dtype=args.compare_kv_cache_dtype)))
-    bandwidth = None
-    ours_tokens = None
-    for label, run_config in runs:
-        llm = LLM.from_config(run_config)
-        engine = llm.engine
-        if label == "kvgate_spec_no_draft_reuse":
-            engine.runner.draft.reuse_prefix = False
-        device, dtype = engine.device, engine.dtype
-        if ours_tokens is None:
-            max_prompt = min(args.max_prompt_len, engine.max_model_len - args.output_len)
-            make = {"quote": make_quote_workload, "shared-prefix": make_shared_prefix_workload}.get(workload,
-                                                                                                  make_workload)
-            prompts = make(args.num_requests, min(args.min_prompt_len, max_prompt), max_prompt, engine.vocab_size,
-                           args.workload_seed)
-            n_out = args.num_requests * args.output_len
-            params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-            print(f"workload: {args.num_requests} requests, prompts {min(map(len, prompts))}-"
-                  f"{max(map(len, prompts))} tokens (mean {sum(map(len, prompts)) / len(prompts):.0f}), "
-                  f"{args.output_len} output tokens each, greedy, {workload} | model {args.model} | device {device} | "
-                  f"dtype {dtype}", flush=True)
-            bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 27))
-            print(f"device copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
-        runner = engine.runner
-        shapes = getattr(runner, "shapes", None)
-        stats_before = engine.stats()
-        info = {"attention_backend": getattr(runner, "attention_backend", config.backend),
-                "cuda_graphs": bool(shapes and shapes.graphs), "async_scheduling": engine.async_scheduling,
-                "kv_cache_dtype": run_config.kv_cache_dtype, "kv_cache_blocks": stats_before.num_blocks,
-                "kv_cache_tokens": stats_before.num_blocks * stats_before.block_size}
-        print(f"  {label}: KV cache {run_config.kv_cache_dtype}: {stats_before.num_blocks} blocks "
-              f"({info['kv_cache_tokens']} tokens)", flush=True)
-        if info["cuda_graphs"]:
-            info["graph_capture_s"] = shapes.capture_seconds
-            info["graph_memory_gib"] = shapes.capture_bytes / 2**30
-            print(f"  {label}: {len(shapes.graphs)} CUDA graphs captured in {info['graph_capture_s']:.1f} s, "
-                  f"{info['graph_memory_gib']:.2f} GiB", flush=True)
-        llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4))  # warm-up
-        engine.reset_prefix_cache()
-        # The sim backend (--backend sim) has no weights: no bound to compare with, only the engine's own time.
-        timer = StepTimer(engine, bandwidth, weight_bytes(runner.model), kv_bytes_per_token(runner)) \
-            if hasattr(runner, "model") else None
-        spec_before = engine.stats().spec_decode
-        draft = getattr(runner, "draft", None)  # a draft model's proposer: its own counters (prefix reuse)
-        draft_before = dataclasses.replace(draft.stats) if draft is not None else None
+    return runs
+
+
+@dataclasses.dataclass
+class _Workload:
+    """What every run generates, made once the first engine tells its vocabulary and context length."""
+    prompts: list[list[int]]
+    params: object  # SamplingParams: greedy, exactly --output-len tokens
+    n_out: int  # output tokens of one run
+    bandwidth: float  # the device's copy bandwidth, bytes/s: the decode steps' bound
+
+
+def _workload_for(args: argparse.Namespace, workload: str, engine) -> _Workload:
+    from kvgate.bench.engine_roofline import copy_bandwidth
+    from kvgate.engine import SamplingParams
+
+    device, dtype = engine.device, engine.dtype
+    max_prompt = min(args.max_prompt_len, engine.max_model_len - args.output_len)
+    make = {"quote": make_quote_workload, "shared-prefix": make_shared_prefix_workload}.get(workload, make_workload)
+    prompts = make(args.num_requests, min(args.min_prompt_len, max_prompt), max_prompt, engine.vocab_size,
+                   args.workload_seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    print(f"workload: {args.num_requests} requests, prompts {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens (mean {sum(map(len, prompts)) / len(prompts):.0f}), "
+          f"{args.output_len} output tokens each, greedy, {workload} | model {args.model} | device {device} | "
+          f"dtype {dtype}", flush=True)
+    bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 27))
+    print(f"device copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
+    return _Workload(prompts, params, args.num_requests * args.output_len, bandwidth)
+
+
+@dataclasses.dataclass
+class _Run:
+    """One kvgate run's outcome; the engine itself is gone."""
+    work: _Workload
+    result: dict
+    tokens: list[list[int]]
+    device: object  # torch.device
+    dtype: object  # torch.dtype
+
+
+def _run_kvgate(label: str, run_config: EngineConfig, args: argparse.Namespace, workload: str, spec, work: _Workload | None,
+                ours_tokens: list[list[int]] | None) -> _Run:
+    """One engine of `run_config` through the workload (made here on the first run), timed, compared with the
+    first run's outputs (`ours_tokens`), printed."""
+    from kvgate.engine import LLM
+
+    llm = LLM.from_config(run_config)
+    engine = llm.engine
+    if label == "kvgate_spec_no_draft_reuse":
+        engine.runner.draft.reuse_prefix = False
+    work = work or _workload_for(args, workload, engine)
+    stats_before = engine.stats()
+    info = _engine_info(label, engine, run_config, stats_before)
+    elapsed, outs, decode = _timed_generate(llm, work, info, stats_before.num_preemptions)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert sum(map(len, tokens)) == work.n_out
+    if ours_tokens is not None:
+        same = sum(a == b for a, b in zip(tokens, ours_tokens))
+        info["greedy_identical_to_kvgate"] = f"{same}/{len(work.prompts)}"
+        info["mean_common_prefix_with_kvgate"] = _agreement(tokens, ours_tokens)["mean_common_prefix"]
+        print(f"  {label}: greedy outputs identical to the first run: {same}/{len(work.prompts)} (mean common prefix "
+              f"{info['mean_common_prefix_with_kvgate']:.1f} of {args.output_len} tokens)", flush=True)
+    result = {"seconds": elapsed, "output_tokens_per_s": work.n_out / elapsed, **info, "decode": decode}
+    print(f"  {label}: {elapsed:.2f} s (async scheduling {'on' if engine.async_scheduling else 'off'}; "
+          f"{info['num_preemptions']} preemptions)", flush=True)
+    if "spec_decode" in info:
+        _print_spec_decode(info["spec_decode"], spec)
+    if decode["decode_steps"]:
+        _print_decode_steps(decode)
+    return _Run(work, result, tokens, engine.device, engine.dtype)
+
+
+def _engine_info(label: str, engine, run_config, stats_before) -> dict:
+    """How the engine runs (attention, CUDA graphs, async scheduling, KV cache), printed."""
+    runner = engine.runner
+    shapes = getattr(runner, "shapes", None)
+    info = {"attention_backend": getattr(runner, "attention_backend", run_config.backend),
+            "cuda_graphs": bool(shapes and shapes.graphs), "async_scheduling": engine.async_scheduling,
+            "kv_cache_dtype": run_config.kv_cache_dtype, "kv_cache_blocks": stats_before.num_blocks,
+            "kv_cache_tokens": stats_before.num_blocks * stats_before.block_size}
+    print(f"  {label}: KV cache {run_config.kv_cache_dtype}: {stats_before.num_blocks} blocks "
+          f"({info['kv_cache_tokens']} tokens)", flush=True)
+    if info["cuda_graphs"]:
+        info["graph_capture_s"] = shapes.capture_seconds
+        info["graph_memory_gib"] = shapes.capture_bytes / 2**30
+        print(f"  {label}: {len(shapes.graphs)} CUDA graphs captured in {info['graph_capture_s']:.1f} s, "
+              f"{info['graph_memory_gib']:.2f} GiB", flush=True)
+    return info
+
+
+def _timed_generate(llm, work: _Workload, info: dict, preemptions_before: int) -> tuple[float, list, dict]:
+    """The workload through `llm` after a short warm-up, from an empty prefix cache: seconds, outputs and the
+    decode steps against their bound; the run's preemptions and speculative-decoding counters go into `info`."""
+    from kvgate.bench.engine_roofline import StepTimer, kv_bytes_per_token, weight_bytes
+    from kvgate.engine import SamplingParams
+
+    engine = llm.engine
+    runner, device = engine.runner, engine.device
+    llm.generate([{"prompt_token_ids": work.prompts[0][:16]}], SamplingParams(max_tokens=4))  # warm-up
+    engine.reset_prefix_cache()
+    # The sim backend (--backend sim) has no weights: no bound to compare with, only the engine's own time.
+    timer = StepTimer(engine, work.bandwidth, weight_bytes(runner.model), kv_bytes_per_token(runner)) \
+        if hasattr(runner, "model") else None
+    spec_before = engine.stats().spec_decode
+    draft = getattr(runner, "draft", None)  # a draft model's proposer: its own counters (prefix reuse)
+    draft_before = dataclasses.replace(draft.stats) if draft is not None else None
+    _sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], work.params)
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    # Preemptions of the timed run (its warm-up has none: one short request)
+    info["num_preemptions"] = engine.stats().num_preemptions - preemptions_before
+    if spec_before is not None:
+        info["spec_decode"] = _spec_decode_summary(spec_before, engine.stats().spec_decode)
+        if draft is not None:
+            info["spec_decode"]["draft_model"] = dataclasses.asdict(draft.stats.since(draft_before))
+    if timer is None:
+        return elapsed, outs, {"decode_steps": 0}
+    timer.close()
+    return elapsed, outs, timer.summary()
+
+
+def _print_spec_decode(s: dict, spec) -> None:
+    source = (f"draft model {spec.model}" if spec.method == "draft_model"
+              else f"n-grams {spec.prompt_lookup_min}-{spec.prompt_lookup_max}")
+    print(f"    speculative decoding ({spec.method}, K={spec.num_speculative_tokens}, {source}): "
+          f"{s['num_drafts']} drafts, "
+          f"{s['num_accepted_tokens']}/{s['num_draft_tokens']} draft tokens accepted "
+          f"({100 * s['acceptance_rate']:.1f}%; per position {s['acceptance_rate_per_pos']}), "
+          f"mean acceptance length {s['mean_acceptance_length']:.2f}; decode steps without drafts by "
+          f"adaptive drafting {s['num_paused_steps']}", flush=True)
+    if "draft_model" in s:
+        d = s["draft_model"]
+        print(f"    draft model: {d['computed_tokens']} positions computed ({d['catch_up_tokens']} catching up "
+              f"on context), {d['reused_tokens']} context positions skipped by prefix reuse", flush=True)
+
+
+def _print_decode_steps(decode: dict) -> None:
+    print(f"    decode-only steps: {decode['decode_steps']} (mean batch {decode['mean_batch']:.0f}), "
+          f"{decode['mean_step_ms']:.2f} ms a step ({decode['mean_execute_ms']:.2f} ms in the runner; host "
+          f"work {decode['mean_host_ms']:.2f} ms, waiting for the device {decode['mean_wait_ms']:.2f} ms) "
+          f"against a bound of {decode['mean_bound_ms']:.2f} ms (weights + KV at the copy bandwidth): "
+          f"{100 * decode['fraction_of_bound']:.1f}% of the bound "
+          f"({100 * decode['fraction_of_bound_execute']:.1f}% counting the runner alone); "
+          f"at the full batch of {decode['full_batch']}: {decode['full_batch_median_step_ms']:.2f} ms vs "
+          f"{decode['full_batch_median_bound_ms']:.2f} ms", flush=True)
+
+
+def _speculation_speed_ups(results: dict) -> None:
+    """Each speculative run's speed-up against the first run (the same without speculation), printed."""
+    s = results["kvgate_spec"]
+    s["speedup_vs_no_speculation"] = results["kvgate"]["seconds"] / s["seconds"]
+    print(f"speculative decoding: mean acceptance length {s['spec_decode']['mean_acceptance_length']:.2f}, "
+          f"speed-up {s['speedup_vs_no_speculation']:.2f}x against the same run without speculation "
+          f"({results['kvgate']['seconds']:.2f} s -> {s['seconds']:.2f} s); greedy outputs identical: "
+          f"{s['greedy_identical_to_kvgate']}", flush=True)
+    if "kvgate_spec_no_backoff" in results:
+        s = results["kvgate_spec_no_backoff"]
+        s["speedup_vs_no_speculation"] = results["kvgate"]["seconds"] / s["seconds"]
+        print(f"  without adaptive drafting: mean acceptance length "
+              f"{s['spec_decode']['mean_acceptance_length']:.2f}, speed-up {s['speedup_vs_no_speculation']:.2f}x "
+              f"({s['seconds']:.2f} s); greedy outputs identical: {s['greedy_identical_to_kvgate']}", flush=True)
+    if "kvgate_spec_no_draft_reuse" in results:
+        s = results["kvgate_spec_no_draft_reuse"]
+        s["speedup_vs_no_speculation"] = results["kvgate"]["seconds"] / s["seconds"]
+        with_reuse = results["kvgate_spec"]["spec_decode"]["draft_model"]["computed_tokens"]
+        print(f"  without the draft's prefix reuse: {s['spec_decode']['draft_model']['computed_tokens']} draft "
+              f"positions computed against {with_reuse}, speed-up {s['speedup_vs_no_speculation']:.2f}x "
+              f"({s['seconds']:.2f} s); greedy outputs identical: {s['greedy_identical_to_kvgate']}", flush=True)
+
+
+def _hf_baselines(args: argparse.Namespace, model_path: str, device, dtype, work: _Workload,
+                  ours_tokens: list[list[int]], results: dict) -> tuple[list | None, list | None]:
+    """HF transformers on the same model and workload: first tokens of each prompt alone, then each --baselines
+    run timed. Its outputs one at a time (None without that baseline), and those of the first baseline run."""
+    baselines = {"both": ["single", "batched"], "none": []}.get(args.baselines, args.baselines.split(","))
+    if not (baselines or args.hf_first_tokens):
+        return None, None
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    pad_id = 0
+    _hf_generate(hf, [work.prompts[0][:16]], 4, pad_id, device)  # warm-up
+    _hf_first_token_check(hf, model_path, device, dtype, work.prompts, ours_tokens, results)
+    hf_single = hf_outputs = None
+    for name in baselines:
+        size = 1 if name == "single" else args.hf_batch_size
         _sync(device)
         t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        outs = []
+        for i in range(0, len(work.prompts), size):
+            outs.extend(_hf_generate(hf, work.prompts[i:i + size], args.output_len, pad_id, device))
         _sync(device)
         elapsed = time.perf_counter() - t0
-        # Preemptions of the timed run (its warm-up has none: one short request)
-        info["num_preemptions"] = engine.stats().num_preemptions - stats_before.num_preemptions
-        if spec_before is not None:
-            info["spec_decode"] = _spec_decode_summary(spec_before, engine.stats().spec_decode)
-            if draft is not None:
-                info["spec_decode"]["draft_model"] = dataclasses.asdict(draft.stats.since(draft_before))
-        if timer is not None:
-            timer.close()
-        tokens = [o.outputs[0].token_ids for o in outs]
-        assert sum(map(len, tokens)) == n_out
-        if ours_tokens is None:
-            ours_tokens = tokens
-        else:
-            same = sum(a == b for a, b in zip(tokens, ours_tokens))
-            info["greedy_identical_to_kvgate"] = f"{same}/{len(prompts)}"
-            info["mean_common_prefix_with_kvgate"] = _agreement(tokens, ours_tokens)["mean_common_prefix"]
-            print(f"  {label}: greedy outputs identical to the first run: {same}/{len(prompts)} (mean common prefix "
-                  f"{info['mean_common_prefix_with_kvgate']:.1f} of {args.output_len} tokens)", flush=True)
-        decode = timer.summary() if timer is not None else {"decode_steps": 0}
-        results[label] = {"seconds": elapsed, "output_tokens_per_s": n_out / elapsed, **info, "decode": decode}
-        print(f"  {label}: {elapsed:.2f} s (async scheduling {'on' if engine.async_scheduling else 'off'}; "
-              f"{info['num_preemptions']} preemptions)", flush=True)
-        if "spec_decode" in info:
-            s = info["spec_decode"]
-            source = (f"draft model {spec.model}" if spec.method == "draft_model"
-                      else f"n-grams {spec.prompt_lookup_min}-{spec.prompt_lookup_max}")
-            print(f"    speculative decoding ({spec.method}, K={spec.num_speculative_tokens}, {source}): "
-                  f"{s['num_drafts']} drafts, "
-                  f"{s['num_accepted_tokens']}/{s['num_draft_tokens']} draft tokens accepted "
-                  f"({100 * s['acceptance_rate']:.1f}%; per position {s['acceptance_rate_per_pos']}), "
-                  f"mean acceptance length {s['mean_acceptance_length']:.2f}; decode steps without drafts by "
-                  f"adaptive drafting {s['num_paused_steps']}", flush=True)
-            if "draft_model" in s:
-                d = s["draft_model"]
-                print(f"    draft model: {d['computed_tokens']} positions computed ({d['catch_up_tokens']} catching up "
-                      f"on context), {d['reused_tokens']} context positions skipped by prefix reuse", flush=True)
-        if decode["decode_steps"]:
-            print(f"    decode-only steps: {decode['decode_steps']} (mean batch {decode['mean_batch']:.0f}), "
-                  f"{decode['mean_step_ms']:.2f} ms a step ({decode['mean_execute_ms']:.2f} ms in the runner; host "
-                  f"work {decode['mean_host_ms']:.2f} ms, waiting for the device {decode['mean_wait_ms']:.2f} ms) "
-                  f"against a bound of {decode['mean_bound_ms']:.2f} ms (weights + KV at the copy bandwidth): "
-                  f"{100 * decode['fraction_of_bound']:.1f}% of the bound "
-                  f"({100 * decode['fraction_of_bound_execute']:.1f}% counting the runner alone); "
-                  f"at the full batch of {decode['full_batch']}: {decode['full_batch_median_step_ms']:.2f} ms vs "
-                  f"{decode['full_batch_median_bound_ms']:.2f} ms", flush=True)
-        del llm, engine, runner, shapes, timer
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        label = "hf_single" if size == 1 else f"hf_batched_{size}"
+        results[label] = {"seconds": elapsed, "output_tokens_per_s": work.n_out / elapsed}
+        if size == 1:
+            hf_single = outs
+        hf_outputs = hf_outputs or outs
+        print(f"  {label}: {elapsed:.2f} s", flush=True)
+    return hf_single, hf_outputs
 
-    if spec is not None:
-        s = results["kvgate_spec"]
-        s["speedup_vs_no_speculation"] = results["kvgate"]["seconds"] / s["seconds"]
-        print(f"speculative decoding: mean acceptance length {s['spec_decode']['mean_acceptance_length']:.2f}, "
-              f"speed-up {s['speedup_vs_no_speculation']:.2f}x against the same run without speculation "
-              f"({results['kvgate']['seconds']:.2f} s -> {s['seconds']:.2f} s); greedy outputs identical: "
-              f"{s['greedy_identical_to_kvgate']}", flush=True)
-        if "kvgate_spec_no_backoff" in results:
-            s = results["kvgate_spec_no_backoff"]
-            s["speedup_vs_no_speculation"] = results["kvgate"]["seconds"] / s["seconds"]
-            print(f"  without adaptive drafting: mean acceptance length "
-                  f"{s['spec_decode']['mean_acceptance_length']:.2f}, speed-up {s['speedup_vs_no_speculation']:.2f}x "
-                  f"({s['seconds']:.2f} s); greedy outputs identical: {s['greedy_identical_to_kvgate']}", flush=True)
-        if "kvgate_spec_no_draft_reuse" in results:
-            s = results["kvgate_spec_no_draft_reuse"]
-            s["speedup_vs_no_speculation"] = results["kvgate"]["seconds"] / s["seconds"]
-            with_reuse = results["kvgate_spec"]["spec_decode"]["draft_model"]["computed_tokens"]
-            print(f"  without the draft's prefix reuse: {s['spec_decode']['draft_model']['computed_tokens']} draft "
-                  f"positions computed against {with_reuse}, speed-up {s['speedup_vs_no_speculation']:.2f}x "
-                  f"({s['seconds']:.2f} s); greedy outputs identical: {s['greedy_identical_to_kvgate']}", flush=True)
 
-    baselines = {"both": ["single", "batched"], "none": []}.get(args.baselines, args.baselines.split(","))
-    hf_single = hf_outputs = None
-    if baselines or args.hf_first_tokens:
-        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-        pad_id = 0
-        _hf_generate(hf, [prompts[0][:16]], 4, pad_id, device)  # warm-up
-        hf_logits: list | None = [] if dtype != torch.float32 else None
-        first = _hf_first_tokens(hf, prompts, device, hf_logits)
-        same = sum(bool(o) and o[0] == t for o, t in zip(ours_tokens, first))
-        results["first_token_equal_to_hf_unpadded"] = same / len(prompts)
-        print(f"first generated token equal to HF's forward of the prompt alone: {same}/{len(prompts)} "
-              f"({100 * same / len(prompts):.1f}%)", flush=True)
-        if dtype != torch.float32:
-            results["first_token_floor"] = _reduced_precision_floor(model_path, dtype, device, prompts,
-                                                                    [o[0] for o in ours_tokens], first, hf_logits)
-        for name in baselines:
-            size = 1 if name == "single" else args.hf_batch_size
-            _sync(device)
-            t0 = time.perf_counter()
-            outs = []
-            for i in range(0, len(prompts), size):
-                outs.extend(_hf_generate(hf, prompts[i:i + size], args.output_len, pad_id, device))
-            _sync(device)
-            elapsed = time.perf_counter() - t0
-            label = "hf_single" if size == 1 else f"hf_batched_{size}"
-            results[label] = {"seconds": elapsed, "output_tokens_per_s": n_out / elapsed}
-            if size == 1:
-                hf_single = outs
-            hf_outputs = hf_outputs or outs
-            print(f"  {label}: {elapsed:.2f} s", flush=True)
+def _hf_first_token_check(hf, model_path: str, device, dtype, prompts: list[list[int]],
+                          ours_tokens: list[list[int]], results: dict) -> None:
+    """kvgate's first tokens against HF's forward of each prompt alone; in reduced precision also the floor that
+    agreement is judged against (_reduced_precision_floor)."""
+    import torch
+
+    hf_logits: list | None = [] if dtype != torch.float32 else None
+    first = _hf_first_tokens(hf, prompts, device, hf_logits)
+    same = sum(bool(o) and o[0] == t for o, t in zip(ours_tokens, first))
+    results["first_token_equal_to_hf_unpadded"] = same / len(prompts)
+    print(f"first generated token equal to HF's forward of the prompt alone: {same}/{len(prompts)} "
+          f"({100 * same / len(prompts):.1f}%)", flush=True)
+    if dtype != torch.float32:
+        results["first_token_floor"] = _reduced_precision_floor(model_path, dtype, device, prompts,
+                                                                [o[0] for o in ours_tokens], first, hf_logits)
+
+
+def _print_comparison(args: argparse.Namespace, results: dict, work: _Workload, ours_tokens: list[list[int]],
+                      hf_single: list | None, hf_outputs: list | None, dtype) -> None:
+    """The table of every run against the first, and kvgate's outputs against HF's; the ratios go into `results`."""
+    import torch
 
     base = results["kvgate"]["output_tokens_per_s"]
     print(f"\n{'system':<28}{'time (s)':>10}{'output tok/s':>15}{'kvgate speed-up':>18}")
@@ -438,8 +548,8 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         print(f"{label:<28}{r['seconds']:>10.2f}{r['output_tokens_per_s']:>15.1f}{ratio:>17.2f}x")
     if hf_single is not None:
         same = sum(a == b for a, b in zip(ours_tokens, hf_single))
-        results["greedy_identical_to_hf_single"] = f"{same}/{len(prompts)}"
-        print(f"\ngreedy outputs identical to HF one-at-a-time: {same}/{len(prompts)}"
+        results["greedy_identical_to_hf_single"] = f"{same}/{len(work.prompts)}"
+        print(f"\ngreedy outputs identical to HF one-at-a-time: {same}/{len(work.prompts)}"
               + ("" if dtype == torch.float32 else " (reduced precision: small divergences are expected)"))
     if hf_outputs is not None:
         agree = _agreement(ours_tokens, hf_outputs)
@@ -448,10 +558,3 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         print(f"against HF generate ({'one at a time' if hf_single is not None else 'left-padded batches'}): "
               f"first token equal for {100 * agree['first_token']:.1f}% of prompts; mean common prefix "
               f"{agree['mean_common_prefix']:.1f} of {args.output_len} tokens")
-    if args.result_file:
-        Path(args.result_file).write_text(json.dumps({
-            "model": args.model, "device": str(device), "dtype": str(dtype), "num_requests": args.num_requests,
-            "output_len": args.output_len, "copy_bandwidth_gbs": bandwidth / 1e9, "results": results}, indent=2))
-    if tmp is not None:
-        tmp.cleanup()
-    return 0

@@ -24,7 +24,8 @@ import httpx
 from kvgate.chaos.load import StreamLoad
 from kvgate.chaos.runner import SIM_MODEL
 from kvgate.common.processes import end_with_me, free_port
-from kvgate.stack.up import Stack, launch_local_stack
+from kvgate.stack.local_stack import StackSpec, launch_local_stack
+from kvgate.stack.supervisor import Stack
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -131,10 +132,10 @@ def run_capacity(workdir: Path, *, streams: int = 1000, replicas: int = 8, max_t
     stack = Stack(workdir / "load-1000")
     stack.workdir.mkdir(parents=True, exist_ok=True)
     try:
-        up = launch_local_stack(stack, replicas=replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1",
-                                port=free_port(), engine_args=["--sim-step-overhead-ms", "20",
-                                                                "--max-num-seqs", str(max(128, streams))],
-                                startup_timeout=120)
+        up = launch_local_stack(stack, StackSpec(
+            replicas=replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=free_port(),
+            engine_args=["--sim-step-overhead-ms", "20", "--max-num-seqs", str(max(128, streams))],
+            startup_timeout=120))
         direct_urls = [f"http://{e}" for e in up.endpoints]
         direct = _phase(direct_urls, direct_urls[:1], streams, max_tokens)
         epp, envoy = up.child("epp").proc.pid, up.child("envoy").proc.pid

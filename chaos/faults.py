@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvgate.chaos import attacks
-from kvgate.stack.up import LocalStack
+from kvgate.stack.local_stack import LocalStack
 
 # Stacks of a shape with a rogue KV-event publisher: its PUB socket, bound before the stack started where the EPP
 # believes the last engine publishes (chaos/runner.py StackPool), by the stack's workdir.
@@ -105,7 +105,7 @@ def epp_leader_kill(stack: LocalStack) -> Injected:
     """SIGKILL the leading EPP of active-passive replicas (the one whose health port answers SERVING): the streams
     it carried break and new ones fail (FailClose) until a follower's lease wait ends, it leads and turns SERVING,
     and Envoy's health check finds it. The supervisor restarts the killed one, which comes back as a follower."""
-    from kvgate.stack.up import epp_ready
+    from kvgate.stack.local_stack import epp_ready
 
     leaders = [name for name, _, health_port in stack.epps if epp_ready(health_port)]
     if len(leaders) != 1:

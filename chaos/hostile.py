@@ -138,17 +138,18 @@ def run_hostile(workdir: Path, names: list[str], *, concurrency: int, warmup_s: 
     from kvgate.bench.routing.runner import all_counters, epp_kv_event_counts, hit_rate
     from kvgate.epp.scheduling.config import KVGATE_PROFILE_FALLBACK_YAML
     from kvgate.common.processes import free_port
-    from kvgate.stack.up import Stack, launch_local_stack
+    from kvgate.stack.local_stack import StackSpec, launch_local_stack
+    from kvgate.stack.supervisor import Stack
 
     stack = Stack(Path(tempfile.mkdtemp(prefix="stack-", dir=workdir)))
     rogue_address = f"tcp://[::1]:{free_port()}"
     rogue = A.bind_rogue(rogue_address)
     try:
-        up = launch_local_stack(
-            stack, replicas=2, model=MODEL, backend="sim", host="127.0.0.1", port=free_port(),
+        up = launch_local_stack(stack, StackSpec(
+            replicas=2, model=MODEL, backend="sim", host="127.0.0.1", port=free_port(),
             epp_config_text=KVGATE_PROFILE_FALLBACK_YAML, engine_args=SIM_ENGINE_ARGS, kv_events=True,
             engine_hosts=["127.0.0.2", "127.0.0.3"], epp_kv_event_override={1: rogue_address},
-            startup_timeout=startup_timeout)
+            startup_timeout=startup_timeout))
         target = A.Target(up.url, up.endpoints, MODEL, up.event_sockets, rogue=rogue)
         pids = {c.name: _process_tree(c.proc.pid) for c in stack.children if c.name != "envoy"}
         probes = Probes(up.endpoints, pids)

@@ -34,7 +34,9 @@ from kvgate.chaos import attacks, faults
 from kvgate.chaos.load import Outcome, StreamLoad, tenant_prompts
 from kvgate.epp.scheduling.config import FALLBACK_CONFIG_YAML, KVGATE_PROFILE_FALLBACK_YAML
 from kvgate.common.processes import free_port
-from kvgate.stack.up import EPP_LEASE_TIMINGS, LocalStack, Stack, epp_healthy_in_envoy, epp_ready, launch_local_stack
+from kvgate.stack.local_stack import (EPP_LEASE_TIMINGS, LocalStack, StackSpec, epp_healthy_in_envoy, epp_ready,
+                                      launch_local_stack)
+from kvgate.stack.supervisor import Stack
 
 SIM_MODEL = "sim-model"
 # Streams of a few seconds: long enough that a fault lands in the middle of many of them.
@@ -191,12 +193,12 @@ class StackPool:
             config = KVGATE_PROFILE_FALLBACK_YAML if shape.kv_events else (
                 FALLBACK_CONFIG_YAML if shape.fallbacks else None)
             try:
-                self.stacks[shape] = launch_local_stack(
-                    stack, replicas=shape.replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=port,
+                self.stacks[shape] = launch_local_stack(stack, StackSpec(
+                    replicas=shape.replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=port,
                     fail_open=shape.fail_open, epp_config_text=config, envoy_flavor=shape.envoy,
                     engine_args=[*SIM_ENGINE_ARGS, "--engine-loop", shape.engine_loop],
                     startup_timeout=self.startup_timeout, epp_replicas=shape.epp_replicas,
-                    epp_leader_election=shape.leader_election, epp_lease_timings=shape.lease_timings, **kv)
+                    epp_leader_election=shape.leader_election, epp_lease_timings=shape.lease_timings, **kv))
             except BaseException:
                 stack.stop()
                 self._close_rogue(d)

@@ -9,6 +9,7 @@ from kvgate.common.sizes import parse_bytes
 from kvgate.engine.config import KV_CACHE_DTYPES, EngineConfig
 from kvgate.engine.generation_defaults import parse_override
 
+
 def _utilization(text: str) -> float:
     try:
         value = float(text)
@@ -30,7 +31,21 @@ def _lora_module(text: str):
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, in --help's order: the engine group, LoRA adapters, the sim backend."""
     g = parser.add_argument_group("engine")
+    _add_model_flags(g)
+    _add_batching_flags(g)
+    _add_kv_cache_flags(g)
+    _add_execution_flags(g)
+    _add_serving_flags(g)
+    _add_speculative_flags(g)
+    _add_generation_flags(g)
+    _add_lora_args(parser)
+    _add_sim_args(parser)
+
+
+def _add_model_flags(g) -> None:
+    """Engine flags: the model's backend, device and dtype."""
     g.add_argument("--backend", choices=["torch", "sim"], default="torch",
                    help="torch: run the model; sim: a timing model, no weights (default: torch)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
@@ -38,6 +53,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="auto, float32, bfloat16 or float16 (default auto: the checkpoint's on GPU, bfloat16 for "
                         "float32 checkpoints, float16 below compute capability 8.0; on CPU bfloat16 with "
                         "AVX512-BF16/AMX for hidden sizes >= 512, else float32)")
+
+
+def _add_batching_flags(g) -> None:
+    """Engine flags: the KV block, what one step and one request may hold, and torch's CPU threads."""
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most requests in one batch (default: 128, or the KV cache's blocks when fewer)")
@@ -52,6 +71,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch's CPU threads (default: OMP_NUM_THREADS when set, else the CPUs this process may "
                         "use: its affinity and cgroup quota, not the node's cores)")
+
+
+def _add_kv_cache_flags(g) -> None:
+    """Engine flags: the KV cache's memory and value type."""
     g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes, default=None,
                    help="bytes for the KV cache, e.g. 2147483648 or 2GiB (suffixes are binary: 2G = 2GiB); "
                         "--gpu-memory-utilization is then not used (vLLM: --kv-cache-memory-bytes; default: "
@@ -65,6 +88,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV cache values: auto (the model's dtype) or one byte each with a float32 scale per token "
                         "and KV head, about twice the tokens of bf16 in the same memory (fp8 = fp8_e4m3; "
                         "default: auto)")
+
+
+def _add_execution_flags(g) -> None:
+    """Engine flags: how steps run: CUDA graphs, async scheduling, the attention kernels."""
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step launches its kernels one by one (default: graphs on CUDA)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -76,6 +103,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "sdpa", "triton"], default="auto",
                    help="paged attention: triton kernels reading block tables (default on CUDA) or SDPA over "
                         "gathered blocks (default on CPU)")
+
+
+def _add_serving_flags(g) -> None:
+    """Engine flags: the served name, prefix caching, scheduling, the seed and KV-cache events."""
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes (default: on)")
@@ -87,6 +118,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; vLLM\'s keys (buffer_steps, '
                         "hwm, max_queue_size too). tcp://*:PORT listens on all interfaces; tcp://HOST:PORT connects "
                         "to a collector (default: off)")
+
+
+def _add_speculative_flags(g) -> None:
+    """Engine flags: speculative decoding."""
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, vLLM's flag: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": K, \"prompt_lookup_min\": a, \"prompt_lookup_max\": b}' drafts "
@@ -99,6 +134,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="adaptive drafting (kvgate's own; vLLM drafts every step): a request whose moving average "
                         "of drafts accepted per drafted step falls below this pauses drafting, 1, 2, 4 .. 32 steps "
                         "while probes fail; 0 drafts every step (default: %(default)s; docs/engine.md)")
+
+
+def _add_generation_flags(g) -> None:
+    """Engine flags: sampling defaults."""
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for requests that leave temperature, top_p, top_k, min_p, "
                         "repetition_penalty or max_tokens out: auto, the model folder's generation_config.json (its "
@@ -108,6 +147,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="those defaults overridden, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 512}'; a "
                         "max_new_tokens here bounds every request (vLLM's flag)")
+
+
+def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """The LoRA adapters group."""
     lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
     lora.add_argument("--enable-lora", action="store_true",
                       help="serve PEFT LoRA adapters over the base model, each as a model name (default: off)")
@@ -120,6 +163,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     lora.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served (default: 16)")
     lora.add_argument("--max-cpu-loras", type=int, default=None,
                       help="adapters kept loaded in host memory (default: --max-loras)")
+
+
+def _add_sim_args(parser: argparse.ArgumentParser) -> None:
+    """The sim backend's group: its timing model, and fault injection for chaos tests."""
     sim = parser.add_argument_group("sim backend (defaults resemble an 8B model on one H100)")
     sim.add_argument("--sim-profile", default=None, help="YAML/JSON file with SimProfile fields")
     sim.add_argument("--sim-step-overhead-ms", type=float, default=None)

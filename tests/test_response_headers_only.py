@@ -15,7 +15,8 @@ import httpx
 from kvgate.common.envoy_config import RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC, PoolBackend, ext_proc_route_config
 from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, parse_config
 from kvgate.common.processes import free_port
-from kvgate.stack.up import Stack, launch_local_stack
+from kvgate.stack.local_stack import StackSpec, launch_local_stack
+from kvgate.stack.supervisor import Stack
 
 LEARNING_CONFIG = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -67,9 +68,10 @@ def _stream(url: str, max_tokens: int) -> tuple[int, int, dict | None]:
 def _check(tmp_path, config: str | None, body_through_epp: bool) -> None:
     stack = Stack(tmp_path)
     try:
-        up = launch_local_stack(stack, replicas=1, model="sim-model", backend="sim", host="127.0.0.1",
-                                port=free_port(), epp_config_text=config, startup_timeout=120,
-                                engine_args=["--sim-decode-ms-per-seq", "15"])  # ~1.5 s of 100 tokens
+        up = launch_local_stack(stack, StackSpec(
+            replicas=1, model="sim-model", backend="sim", host="127.0.0.1", port=free_port(),
+            epp_config_text=config, startup_timeout=120,
+            engine_args=["--sim-decode-ms-per-seq", "15"]))  # ~1.5 s of 100 tokens
         rendered = json.dumps(json.loads((stack.workdir / "envoy.json").read_text()))
         assert ('"response_body_mode": "NONE"' in rendered) is not body_through_epp
         seen: list[float] = []
@@ -101,7 +103,7 @@ def _check(tmp_path, config: str | None, body_through_epp: bool) -> None:
 
 
 def test_headers_only_when_the_config_needs_no_body(tmp_path):
-    _check(tmp_path, None, body_through_epp=False)  # launch_local_stack's default: upstream's profile
+    _check(tmp_path, None, body_through_epp=False)  # StackSpec's default: upstream's profile
 
 
 def test_bodies_stream_through_the_epp_when_a_plugin_learns_from_them(tmp_path):

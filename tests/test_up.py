@@ -148,7 +148,7 @@ def test_up_restarts_a_dead_replica_and_keeps_serving(tmp_path):
 
 
 def test_supervise_backs_off_and_resets_after_a_stable_run(tmp_path):
-    from kvgate.stack.up import Stack
+    from kvgate.stack.supervisor import Stack
 
     stack = Stack(tmp_path)
     stack.start("crasher", [sys.executable, "-c", "import sys; sys.exit(3)"])
@@ -172,7 +172,7 @@ def test_a_stacks_ports_are_held_for_its_children_until_it_stops(tmp_path):
     from the moment it is chosen — a racing bind fails, where free_port() left it open until the child bound it,
     which lost a torch engine its port once on a busy machine — while the child, and its restart on the same
     port, listen and serve on it; stop() frees it."""
-    from kvgate.stack.up import Stack
+    from kvgate.stack.supervisor import Stack
 
     def bind(port: int) -> None:  # another process's listener (no SO_REUSEADDR: nothing of ours in TIME_WAIT)
         with socket.socket() as other:
@@ -246,7 +246,7 @@ def test_the_epp_tokenizes_with_the_engines_model_folder(tmp_path):
     """With KV events (`--profile kvgate`, `--kv-events`) the EPP must hash prompts with the engines' tokenizer:
     a local model folder is passed as --tokenizer; the demo model and the sim's model names use the byte
     tokenizer the EPP defaults to; an explicit --tokenizer wins."""
-    from kvgate.stack.up import epp_tokenizer_args
+    from kvgate.stack.local_stack import epp_tokenizer_args
 
     folder = tmp_path / "model"
     folder.mkdir()

@@ -7,7 +7,7 @@ kinds:
 - `router`: an external router process (sglang-router, vllm-router) in front of the replicas, with its own
   `--policy cache_aware`; only when its program is installed (`pip install 'kvgate[bench]'`).
 
-`kv_events`: the engines publish KV-cache events and the EPP subscribes (launch_local_stack's kv_events: each
+`kv_events`: the engines publish KV-cache events and the EPP subscribes (StackSpec.kv_events: each
 engine binds its own loopback sockets, and the EPP gets one --kv-events-endpoint per engine).
 
 A configuration whose plugins are not (yet) in kvgate.epp.scheduling.plugins.REGISTRY is skipped with a note,
@@ -47,7 +47,7 @@ def sim_engine_args(kv_tokens: int, prefill_chunk: int = 0) -> list[str]:
 
 def slow_replica_args(replicas: int, slow_replicas: int, slowdown: float, slow_kv_tokens: int = 0
                       ) -> Callable[[int, str], list[str]]:
-    """launch_local_stack's engine_args_for: the last `slow_replicas` of `replicas` run `slowdown` times slower,
+    """StackSpec.engine_args_for: the last `slow_replicas` of `replicas` run `slowdown` times slower,
     with `slow_kv_tokens` of KV when > 0 (later flags win over SIM_ENGINE_ARGS'); a router that breaks ties towards
     its first worker meets a fast one."""
     def args_for(i: int, host: str) -> list[str]:

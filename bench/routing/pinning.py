@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-# Which of a local stack's children (kvgate.stack.up.Stack names) make the gateway tier.
+# Which of a local stack's children (kvgate.stack.supervisor.Stack names) make the gateway tier.
 GATEWAY_CHILDREN = ("epp", "envoy", "router")
 
 

@@ -1,6 +1,6 @@
 """One cell of `kvgate bench routing`: a routing configuration at one request rate on one workload.
 
-Each cell gets a fresh stack (kvgate.stack.up.launch_local_stack: new sim replicas, EPP, Envoy), so every configuration
+Each cell gets a fresh stack (launch_local_stack: new sim replicas, EPP, Envoy), so every configuration
 starts with cold engine caches and a cold EPP index: the engines have no prefix-cache reset endpoint, and a
 restart also clears what the EPP learnt. The replicas sit on their own loopback addresses (127.0.0.2, ...), as
 pods would, so engines publishing KV events share one port pair. The identical arrival sequence (workloads.py)
@@ -35,7 +35,8 @@ from kvgate.bench.routing.workloads import BenchRequest, WorkloadShape
 from kvgate.chaos.load import Outcome, StreamLoad
 from kvgate.common.epp_protocol import TEST_ENDPOINT_SELECTION_HEADER, TTFT_OBJECTIVE_HEADER
 from kvgate.common.processes import free_port
-from kvgate.stack.up import LocalStack, Stack, launch_local_stack
+from kvgate.stack.local_stack import LocalStack, StackSpec, launch_local_stack
+from kvgate.stack.supervisor import Stack
 
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:request_success")
 # The EPP's histograms of its own time per request, and their names in the result file.
@@ -196,13 +197,13 @@ def _start(workdir: Path, config: RoutingConfig, replicas: int, startup_timeout:
     stack = Stack(Path(tempfile.mkdtemp(prefix=f"{config.name}-", dir=workdir)))
     flavor = "kvgate" if config.kind == "epp" else "round-robin"  # a router brings its own load balancing
     try:
-        up = launch_local_stack(
-            stack, replicas=replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=free_port(),
+        up = launch_local_stack(stack, StackSpec(
+            replicas=replicas, model=SIM_MODEL, backend="sim", host="127.0.0.1", port=free_port(),
             epp_config_text=config.epp_config, engine_args=engine_args, envoy_flavor=flavor,
             engine_hosts=[f"127.0.0.{2 + i}" for i in range(replicas)], kv_events=config.kv_events,
             startup_timeout=startup_timeout, epp_replicas=epp_replicas if config.kind == "epp" else 1,
             epp_peer_sync=epp_peer_sync, epp_peer_sync_insecure=epp_peer_sync_insecure,
-            engine_args_for=engine_args_for)
+            engine_args_for=engine_args_for))
         url = up.url
         if config.kind == "router":
             port = free_port()

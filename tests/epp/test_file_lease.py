@@ -19,7 +19,7 @@ from kubernetes.client.rest import ApiException
 
 from kvgate.epp.file_lease import MAX_LEASE_FILE_BYTES, FileLeaseApi
 from kvgate.epp.leader import LeaseElector
-from kvgate.stack.up import epp_ready
+from kvgate.stack.local_stack import epp_ready
 from tests.procs import KVGATE, free_port, stop_group
 
 NAME, NS = "epp-lease", "standalone"
