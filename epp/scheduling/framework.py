@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from kvgate.epp.scheduling.data import OBJECTIVES_UNMEETABLE, PICKED_UNCACHED_TOKENS, DataKey
+from kvgate.epp.scheduling.data import OBJECTIVES_UNMEETABLE, PICKED_UNCACHED_TOKENS, DataKey, Deferred
 from kvgate.epp.types import Endpoint, EndpointState, LLMRequest
 
 log = logging.getLogger(__name__)
@@ -125,14 +125,20 @@ class CycleState(dict):
         self.load = load
 
     def put(self, producer: Plugin, key: DataKey, value: Any) -> None:
-        """`producer`'s data for `key` (one of its `produces`) in this cycle."""
+        """`producer`'s data for `key` (one of its `produces`) in this cycle; a Deferred is computed at its first
+        read."""
         self[key, producer.name] = value
 
     def read(self, consumer: Plugin, key: DataKey, default: Any = None) -> Any:
         """The data for `key` (one of `consumer`'s consumes) from the producer its profile linked it to; `default`
         when it has none, or the producer wrote none in this cycle."""
         producer = consumer.inputs.get(key)
-        return default if producer is None else self.get((key, producer), default)
+        if producer is None:
+            return default
+        value = self.get((key, producer), default)
+        if type(value) is Deferred:
+            value = self[key, producer] = value.compute()
+        return value
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The KV room: whether one more copy of a prefix fits each candidate endpoint's KV cache.
 
 The prefix-group balance's fit check (fitKvCapacity φ > 0) keeps, per endpoint, the footprints of the prefix groups
-picked there within its window, and produces for each cycle, per candidate e:
+picked there within its window, and produces for each cycle (computed at its first read: only a spill reads it),
+per candidate e:
 
     footprint(e)   the footprints of the groups e serves, less the request's own group
     limit(e)       φ × e's KV cache in tokens (unbounded where its size is unknown)

@@ -17,7 +17,7 @@ from kvgate.epp.scheduling.framework import (
     Scorer,
     WeightedScorer,
 )
-from kvgate.epp.scheduling.data import PICKED_UNCACHED_TOKENS, DataKey
+from kvgate.epp.scheduling.data import PICKED_UNCACHED_TOKENS, DataKey, Deferred, PerEndpoint
 from kvgate.epp.scheduling.plugins import create_plugin
 from tests.epp.helpers import addresses, request, state
 
@@ -422,3 +422,26 @@ def test_a_profile_whose_plugin_needs_data_nothing_produces_is_refused_at_config
     scheduler = Scheduler(both.scheduler)
     assert [p.name for p in scheduler.primary._producers] == ["test-counter"]
     assert addresses(scheduler.schedule(request(), [state(A), state(B), state(C)])) == [C]  # it read 3
+
+
+def test_data_per_endpoint_reads_for_any_list_of_the_candidates():
+    candidates = [state(f"10.0.0.{i}:8000") for i in range(40)]
+    values = PerEndpoint(candidates, np.arange(40.0), missing=-1.0)
+    assert values.of(candidates) is values.values
+    assert values.of(list(candidates)).tolist() == list(range(40))  # a copy: the same objects
+    assert values.of([candidates[3], candidates[30]]).tolist() == [3, 30]  # a few of many
+    assert values.of(candidates[::2]).tolist() == list(range(0, 40, 2))  # many
+    other = state("10.0.0.7:8000")  # another state object of a candidate's address, and a stranger
+    assert values.of([other, state("10.9.9.9:8000")]).tolist() == [7, -1]
+    assert values.of(candidates[::2] + [other]).tolist() == [*range(0, 40, 2), 7]
+
+
+def test_deferred_data_is_computed_at_its_first_read_once():
+    calls = []
+    log = []
+    writer, reader = Lifecycle("writer", log, produces=(COUNT,)), Lifecycle("reader", log, consumes=(COUNT,))
+    lifecycle_scheduler(reader, writer)
+    cycle = CycleState()
+    cycle.put(writer, COUNT, Deferred(lambda: calls.append(1) or 7))
+    assert calls == []
+    assert cycle.read(reader, COUNT) == 7 and cycle.read(reader, COUNT) == 7 and calls == [1]

@@ -88,7 +88,7 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from kvgate.epp.scheduling.data import PerEndpoint
+from kvgate.epp.scheduling.data import Deferred, PerEndpoint
 from kvgate.epp.scheduling.framework import CycleState, Filter, Scorer
 from kvgate.epp.scheduling.kv_fit import KV_ROOM, KvRoom
 from kvgate.epp.scheduling.plugins._normalize import lower_is_better
@@ -206,13 +206,17 @@ class PrefixGroupBalanceScorer(Filter, Scorer):
         return fits
 
     def produce(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState) -> None:
-        """The same record as the KV room of each candidate (kv_fit.py): the affinity filter's spill asks it before
-        it puts a second copy of a hot prefix on a cold endpoint."""
+        """The same record as the KV room of each candidate (kv_fit.py), which the affinity filter's spill asks
+        before it puts a second copy of a hot prefix on a cold endpoint: computed only for the cycles that spill
+        (Deferred), a Python loop over the candidates."""
+        cycle.put(self, KV_ROOM, Deferred(lambda: self._kv_room(request, endpoints)))
+
+    def _kv_room(self, request: LLMRequest, endpoints: list[EndpointState]) -> KvRoom:
         group, now, n = self.group(request), self.clock(), len(endpoints)
         footprint, limit = np.empty(n), np.empty(n)
         for i, e in enumerate(endpoints):
             footprint[i], limit[i] = self._room(e, group, now)
-        cycle.put(self, KV_ROOM, KvRoom(PerEndpoint(endpoints, footprint), PerEndpoint(endpoints, limit, math.inf)))
+        return KvRoom(PerEndpoint(endpoints, footprint), PerEndpoint(endpoints, limit, math.inf))
 
     def _room(self, endpoint: EndpointState, group: int, now: float) -> tuple[int, float]:
         """(the footprints of the groups `endpoint` serves but `group`, φ × its KV cache in tokens; unknown: inf)."""
