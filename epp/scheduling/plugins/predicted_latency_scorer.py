@@ -72,6 +72,7 @@ from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import (ANALYTIC_PARAME
                                                                  DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
                                                                  DEFAULT_PREFILL_TOKENS_PER_SECOND,
                                                                  PredictedTTFTScorer, analytic_params)
+from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH
 from kvgate.epp.types import EndpointState, LLMRequest
 
 log = logging.getLogger(__name__)
@@ -108,8 +109,9 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
     preference = True  # the objectives filter's (objectivesFilter): the candidates it drops stay fallbacks
     stats_group = "latency_model"
     reads_response_body = True  # it learns from each response's first-token time and token count
+    consumes_optional = (PREFIX_MATCH,)  # prompt and cached tokens, as predicted-ttft-scorer reads them
     # what its pick adds to the endpoint's prefill backlog; that no endpoint is predicted to meet the request's
-    # objectives (the director sheds a sheddable one). It reads what predicted-ttft-scorer reads (consumes_optional).
+    # objectives (the director sheds a sheddable one)
     produces = (PICKED_UNCACHED_TOKENS, OBJECTIVES_UNMEETABLE)
 
     def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
