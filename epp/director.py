@@ -12,8 +12,7 @@ import time
 
 from kvgate.common.epp_protocol import OBJECTIVE_HEADER
 from kvgate.epp.scheduling.framework import CycleState
-from kvgate.epp.scheduling.latency_model import OBJECTIVES_UNMEETABLE
-from kvgate.epp.scheduling.live_load import PICKED_UNCACHED_TOKENS, LoadTracker
+from kvgate.epp.scheduling.live_load import LoadTracker
 from kvgate.epp.types import EndpointState, LLMRequest
 
 
@@ -45,7 +44,6 @@ class Director:
         self.trust_pool_readiness = trust_pool_readiness
         self.load = LoadTracker()
         self._pool_of, self._pool = None, frozenset()  # in_pool's set of the datastore's endpoint list
-        self._uncached_from_plugins = scheduler.produces(PICKED_UNCACHED_TOKENS)
         self.in_flight = self.load.by_address  # address → AddressLoad (requests, tokens, flights)
         self._selected_from: list[EndpointState] | None = None  # the snapshot `_selected` was chosen from
         self._selected: list[EndpointState] = []
@@ -151,14 +149,12 @@ class Director:
         ordered = self.scheduler.schedule(request, states, cycle)
         if not ordered:
             raise RoutingError(503, "no eligible endpoint: every endpoint was filtered out")
-        if request.priority < 0 and cycle.get(OBJECTIVES_UNMEETABLE):
+        if request.priority < 0 and self.scheduler.objectives_unmeetable(cycle):
             raise RoutingError(429, "no endpoint is predicted to meet this sheddable request's latency objectives "
                                     "(x-slo-ttft-ms / x-slo-tpot-ms)")
         primary, ordered = self._commit(request, states, ordered, cycle)
         prompt = request.estimated_prompt_tokens
-        # What the pick adds to the endpoint's prefill backlog: a prefix-aware plugin's pick hook says, if one is
-        # configured to (it declares it produces the key), else the whole prompt.
-        uncached = cycle.get(PICKED_UNCACHED_TOKENS, prompt) if self._uncached_from_plugins else prompt
+        uncached = self.scheduler.picked_uncached_tokens(cycle, prompt)  # what the pick adds to its prefill backlog
         tokens = prompt + (request.max_tokens or 0)
         self.load.add(request, primary.address, tokens, uncached)
         if self.peers is not None:

@@ -18,8 +18,9 @@
 
 Defaults as upstream fills them: no schedulingProfiles → one `default` profile with every scheduling plugin;
 a profile without a picker gets a max-score-picker.
-Plugins that weigh cache hits against load (scheduling/prefix_match.py NeedsPrefixMatch) are given their
-profile's prefix scorer (the one named by their `prefixScorer` parameter, else the profile's only one).
+Each profile links the data its plugins read to the plugins that produce it (scheduling/data.py): plugins that weigh
+cache hits against load read the prefix match of the prefix scorer their `prefixScorer` parameter names, else of the
+profile's only one; a plugin that needs data no plugin of its profile produces is refused here.
 `featureGates: [flowControl]` with a `flowControl` section turns on flow control (epp/flow_config.py; its
 fairness and ordering policies are plugins in `plugins:` that no profile lists). Other top-level sections upstream
 knows (other featureGates, dataLayer, parser, requestHandler) are accepted and ignored. More than one profile is refused, as
@@ -58,8 +59,6 @@ from kvgate.epp.scheduling.framework import (
     needs_response_body,
 )
 from kvgate.epp.scheduling.plugins import REGISTRY, create_plugin
-from kvgate.epp.scheduling.kv_fit import wire_kv_fit_checks
-from kvgate.epp.scheduling.prefix_match import wire_prefix_sources
 
 API_VERSIONS = {
     "inference.networking.x-k8s.io/v1alpha1",
@@ -331,9 +330,8 @@ def _build_profile(name: str, refs: Any, plugins: dict[str, Plugin], where: str)
             raise ConfigError(f"{at}: {show(plugin.name)} is not a filter, scorer or picker")
     if profile.picker is None:
         profile.picker = create_plugin("max-score-picker")
-    try:  # load-aware plugins get the profile's prefix scorer (its cached-token counts); a bad reference fails here
-        wire_prefix_sources(profile.plugins())
-        wire_kv_fit_checks(profile.plugins())  # and the affinity filter's spill the group balance's fit check
+    try:  # what each plugin reads comes from a producer of this profile; a missing or ambiguous one fails here
+        profile.link()
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from e
     return profile

@@ -21,6 +21,7 @@ objects, never by mutating one in place.
 
 Plugins may also implement lifecycle hooks, which the Scheduler fans out to the plugins that override them:
   start(ctx)                                           the EPP starts: runtime options and its loop (PluginContext)
+  produce(request, endpoints, cycle)                   a cycle starts: write the declared data others read
   needs_prepare(request) / async prepare(request)      slow per-request work before the decision, off the loop
   stop()                                               the EPP stops (in reverse order of start)
   set_endpoints(endpoints)                             the pool's endpoints now (after remove_endpoint of leavers)
@@ -29,9 +30,13 @@ Plugins may also implement lifecycle hooks, which the Scheduler fans out to the 
   remove_endpoint(address)                             the endpoint left the pool (drop per-endpoint state)
   stats()                                              numbers for the EPP's metrics, summed by `stats_group`
 
-What a plugin writes into the cycle for others to read is declared: `produces` names the CycleState keys it
-writes (its private `cycle[self]` is not one), `consumes` those it reads; a configuration in which a plugin
-consumes what no plugin produces is refused, and callers ask `Scheduler.produces(key)` instead of guessing.
+What plugins hand each other goes through the cycle, under keys each declares as class attributes
+(scheduling/data.py): `produces` what it writes (`cycle.put`), `consumes` what it needs and `consumes_optional`
+what it reads when its profile produces it (`cycle.read`); a plugin's private `cycle[self]` is none of these. A
+profile links each reader to its producer when it is built (`SchedulingProfile.link`) and refuses one that needs a
+key none of its plugins produces. Data that others read before they filter is written by the `produce` hook, which
+the profile runs over the candidates at the start of each cycle for the producers whose keys a plugin reads. The
+director reads what it needs of a cycle through the Scheduler (`picked_uncached_tokens`, `objectives_unmeetable`).
 
 One endpoint's data never fails a pick for the pool: when a plugin raises during a decision, the scheduler runs the
 decision again for each candidate alone, takes out of rotation for QUARANTINE_S those whose decision alone raises
@@ -53,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from kvgate.epp.scheduling.data import OBJECTIVES_UNMEETABLE, PICKED_UNCACHED_TOKENS, DataKey, Deferred
 from kvgate.epp.types import Endpoint, EndpointState, LLMRequest
 
 log = logging.getLogger(__name__)
@@ -104,7 +110,8 @@ class Snapshot:
 class CycleState(dict):
     """Per-request scratch space shared by one cycle's filters, scorers, picker and pre_request hooks.
 
-    Keys are the writer's choice (plugins use themselves as key, so two instances of one type do not collide).
+    A plugin keeps its own work under itself as key (two instances of one type do not collide); what it hands
+    others goes through `put` and `read`, under the keys it declares (scheduling/data.py).
     `snapshot` is the Snapshot the scorers saw (None before scoring, or when a filter pinned the order).
     `load` is the live in-flight overlay of the director's round snapshot (scheduling/live_load.py LiveLoad), or
     None when the caller gave none: plugins then read the states' own in_flight_* fields.
@@ -116,6 +123,22 @@ class CycleState(dict):
         super().__init__()
         self.snapshot: Snapshot | None = None
         self.load = load
+
+    def put(self, producer: Plugin, key: DataKey, value: Any) -> None:
+        """`producer`'s data for `key` (one of its `produces`) in this cycle; a Deferred is computed at its first
+        read."""
+        self[key, producer.name] = value
+
+    def read(self, consumer: Plugin, key: DataKey, default: Any = None) -> Any:
+        """The data for `key` (one of `consumer`'s consumes) from the producer its profile linked it to; `default`
+        when it has none, or the producer wrote none in this cycle."""
+        producer = consumer.inputs.get(key)
+        if producer is None:
+            return default
+        value = self.get((key, producer), default)
+        if type(value) is Deferred:
+            value = self[key, producer] = value.compute()
+        return value
 
 
 @dataclass(frozen=True)
@@ -134,17 +157,24 @@ class Plugin:
 
     type_name: str = ""
     stats_group: str = ""  # the EPP metric family stats() feeds ("" = none)
-    produces: tuple[str, ...] = ()  # CycleState keys this plugin writes for others
-    consumes: tuple[str, ...] = ()  # CycleState keys this plugin reads that others write
+    produces: tuple[DataKey, ...] = ()  # what it writes into a cycle for others (CycleState.put)
+    consumes: tuple[DataKey, ...] = ()  # what it reads from a cycle (CycleState.read) and cannot work without
+    consumes_optional: tuple[DataKey, ...] = ()  # what it reads when a plugin of its profile produces it
     # response_complete reads what only the response body carries (request.first_token_at, the usage's token
     # counts): a gateway must then stream response bodies through the EPP (EppConfig.needs_response_body)
     reads_response_body: bool = False
 
     def __init__(self) -> None:
         self.name = self.type_name
+        self.sources: dict[DataKey, str] = {}  # key read → the plugin its config names to produce it
+        self.inputs: dict[DataKey, str] = {}  # key read → the plugin producing it, as its profile linked them
 
     def start(self, ctx: PluginContext) -> None:
         """The EPP starts (its event loop runs): take runtime options, start threads or sockets."""
+
+    def produce(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState) -> None:
+        """A cycle starts: `cycle.put` the data of `produces` that others read, for the candidates `endpoints`.
+        Called when a plugin of the profile reads it, once per cycle, before the filters."""
 
     def stop(self) -> None:
         """The EPP stops: end what start() started."""
@@ -166,7 +196,7 @@ class Plugin:
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
         """Called once the pick for `request` is final; `endpoint` is the primary target; `cycle` the state its
-        scheduling cycle left (None when the caller scheduled without one)."""
+        scheduling cycle left (Scheduler.on_picked without one makes one holding the data the hooks read)."""
 
     def response_complete(self, request: LLMRequest, endpoint_address: str, prompt_tokens: int,
                           completion_tokens: int) -> None:
@@ -328,12 +358,43 @@ class SchedulingProfile:
     picker: Picker | None = None
     timings: PluginTimings = field(default_factory=PluginTimings, repr=False)
     _snapshot: Snapshot | None = field(default=None, repr=False, compare=False)
+    _producers: list[Plugin] = field(default_factory=list, repr=False, compare=False)  # link(): produce() runs them
 
     def plugins(self) -> list[Plugin]:
         found: list[Plugin] = [*self.filters, *(ws.scorer for ws in self.scorers)]
         if self.picker is not None:
             found.append(self.picker)
         return found
+
+    def link(self) -> None:
+        """Link every key a plugin of the profile reads to its producer (`Plugin.inputs`, see _link_inputs), then
+        line up the producers whose `produce` some plugin reads, each after those it reads from."""
+        plugins = list({id(p): p for p in self.plugins()}.values())
+        producers: dict[DataKey, list[str]] = {}
+        for p in plugins:
+            for key in p.produces:
+                producers.setdefault(key, []).append(p.name)
+        for p in plugins:
+            _link_inputs(p, producers)
+        read = {(key, name) for p in plugins for key, name in p.inputs.items()}
+        waiting = [p for p in plugins if _overrides(p, "produce") and any((k, p.name) in read for k in p.produces)]
+        ordered: list[Plugin] = []
+        while waiting:
+            names = {p.name for p in waiting}
+            ready = [p for p in waiting if names.isdisjoint(p.inputs.values())]
+            if not ready:
+                raise ValueError(f"plugins {', '.join(sorted(names))} read each other's data before they filter: no "
+                                 "order runs each after its producers")
+            ordered += ready
+            waiting = [p for p in waiting if p not in ready]
+        self._producers = ordered
+
+    def produce(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState) -> None:
+        """Run the linked producers' `produce` over `endpoints` (the candidates), those whose data the cycle does
+        not hold yet (a fallback pass reuses the primary's)."""
+        for p in self._producers:
+            if not any((key, p.name) in cycle for key in p.produces):
+                self._timed("produce", p, p.produce, request, endpoints, cycle)
 
     def snapshot(self, endpoints: list[EndpointState]) -> Snapshot:
         snap = self._snapshot
@@ -346,6 +407,9 @@ class SchedulingProfile:
         """Filter, score, pick; then the fallbacks from what preference filters dropped."""
         if cycle is None:
             cycle = CycleState()
+        candidates = candidates if isinstance(candidates, list) else list(candidates)
+        if self._producers:
+            self.produce(request, candidates, cycle)
         endpoints, dropped, pinned = self._filter(request, candidates, cycle, preferences)
         if not endpoints:
             return []
@@ -371,10 +435,10 @@ class SchedulingProfile:
         timings.add(timings.record_for(point, plugin), point, plugin, _perf_ns() - t0)
         return out
 
-    def _filter(self, request: LLMRequest, candidates: Sequence[EndpointState], cycle: CycleState,
+    def _filter(self, request: LLMRequest, candidates: list[EndpointState], cycle: CycleState,
                 preferences: bool) -> tuple[list[EndpointState], list[EndpointState], bool]:
         """(survivors, dropped by preference filters, whether a filter pinned the order)."""
-        endpoints = candidates if isinstance(candidates, list) else list(candidates)
+        endpoints = candidates
         pinned = False
         dropped: list[EndpointState] = []  # by preference filters: fallbacks after the kept ones
         for f in self.filters:
@@ -466,12 +530,13 @@ class Scheduler:
         # Every distinct plugin instance, so that hooks run once per plugin even if shared by profiles.
         self.plugins: list[Plugin] = configured_plugins(config)
         self.reads_response_body = needs_response_body(config)
-        self._produced = frozenset(key for p in self.plugins for key in p.produces)
+        for profile in config.profiles:
+            profile.link()
+        # the producers of each key, in plugin order (the order their pick hooks run in)
+        self._producers: dict[DataKey, list[str]] = {}
         for p in self.plugins:
-            missing = [key for key in p.consumes if key not in self._produced]
-            if missing:
-                raise ValueError(f"plugin {p.name!r} reads {', '.join(missing)} from the scheduling cycle, which no "
-                                 f"configured plugin produces")
+            for key in p.produces:
+                self._producers.setdefault(key, []).append(p.name)
         hooks = ("start", "stop", "set_endpoints", "prepare", "pre_request", "response_complete", "remove_endpoint",
                  "stats", "share_pick", "peer_pick", "peer_done")
         self._hooks = {h: [p for p in self.plugins if _overrides(p, h)] for h in hooks}
@@ -531,9 +596,27 @@ class Scheduler:
             if p.needs_prepare(request):
                 await p.prepare(request)
 
-    def produces(self, key: str) -> bool:
+    def produces(self, key: DataKey) -> bool:
         """Whether a configured plugin writes `key` into the scheduling cycle."""
-        return key in self._produced
+        return key in self._producers
+
+    def _first(self, cycle: CycleState, key: DataKey) -> Any:
+        """What the first producer of `key` (in plugin order) that wrote it in `cycle` wrote; None if none did."""
+        for name in self._producers.get(key, ()):
+            value = cycle.get((key, name))
+            if value is not None:
+                return value
+        return None
+
+    def picked_uncached_tokens(self, cycle: CycleState, prompt_tokens: int) -> int:
+        """What the pick adds to the endpoint's prefill backlog: the prompt tokens it must really prefill, as a
+        prefix-aware plugin's pick hook worked them out (the first to), else the whole prompt."""
+        value = self._first(cycle, PICKED_UNCACHED_TOKENS)
+        return prompt_tokens if value is None else value
+
+    def objectives_unmeetable(self, cycle: CycleState) -> bool:
+        """Whether a plugin found that no endpoint is predicted to meet the request's latency objectives."""
+        return bool(self._first(cycle, OBJECTIVES_UNMEETABLE))
 
     # -- decisions ----------------------------------------------------------------------------------------------
 
@@ -606,6 +689,11 @@ class Scheduler:
         return rest
 
     def on_picked(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
+        """The pick hooks, with the cycle that scheduled `request`; without one, a cycle holding the data the hooks
+        read, produced for `endpoint` alone."""
+        if cycle is None:
+            cycle = CycleState()
+            self.primary.produce(request, [endpoint], cycle)
         run = self.primary._timed
         for p in self._pre_request:
             run("pre_request", p, p.pre_request, request, endpoint, cycle)
@@ -658,6 +746,29 @@ class Scheduler:
             for key, value in p.stats().items():
                 group[key] = group.get(key, 0) + value
         return total
+
+
+def _link_inputs(plugin: Plugin, producers: Mapping[DataKey, list[str]]) -> None:
+    """`plugin.inputs`: for each key it reads, the producer of its profile (`producers`: key → plugin names) its
+    config names, else the profile's only one. ValueError for a named producer that is not one of the profile's, for
+    several producers none of which is named, and for a key it needs (`consumes`) that none produces."""
+    plugin.inputs = {}
+    for key in (*plugin.consumes, *plugin.consumes_optional):
+        have = [name for name in producers.get(key, ()) if name != plugin.name]
+        named = plugin.sources.get(key)
+        if named:
+            if named not in have:
+                raise ValueError(f"plugin {plugin.name!r} reads {key} from {named!r}, which is not a plugin of this "
+                                 f"profile that produces it (producers here: {', '.join(sorted(have)) or 'none'})")
+            plugin.inputs[key] = named
+        elif len(have) == 1:
+            plugin.inputs[key] = have[0]
+        elif have:
+            raise ValueError(f"plugin {plugin.name!r} reads {key}, which several plugins of this profile produce "
+                             f"({', '.join(sorted(have))}): {key.choose or 'name one'}")
+        elif key in plugin.consumes:
+            raise ValueError(f"plugin {plugin.name!r} reads {key} from the scheduling cycle, which no plugin of its "
+                             "profile produces")
 
 
 def _overrides(plugin: Plugin, method: str) -> bool:

@@ -24,9 +24,6 @@ import numpy as np
 
 from kvgate.common.online_ridge import ErrorStats, OnlineRidge, ttft_weight
 
-# Cycle key predicted-latency-scorer sets when a request states objectives and no endpoint is predicted to meet
-# them: the director sheds such a request when it is sheddable (priority < 0), as llm-d's SLO scorer does.
-OBJECTIVES_UNMEETABLE = "kvgate.latency-objectives-unmeetable"
 TTFT_FEATURES = ("bias", "prefill_wait_s", "decoding_per_100", "waiting_per_100", "kv_usage", "uncached_per_10k")
 TPOT_FEATURES = ("bias", "decoding_per_100", "kv_usage")
 

@@ -35,10 +35,6 @@ import numpy as np
 
 from kvgate.epp.types import EndpointState, LLMRequest
 
-# Cycle key a pre_request hook may set to the prompt tokens the picked endpoint must really prefill (prompt less
-# its cached prefix); the director records that, rather than the whole prompt, as the pick's unseen backlog.
-PICKED_UNCACHED_TOKENS = "kvgate.picked-uncached-prompt-tokens"
-
 COLUMNS = ("requests", "tokens", "unseen_requests", "unseen_prompt")
 _picked_at = operator.attrgetter("picked_at")
 

@@ -12,11 +12,12 @@ from kvgate.bench.routing.runner import affinity_spills
 from kvgate.epp.metrics import EndpointGauges
 from kvgate.epp.scheduling.config import ConfigError, parse_config
 from kvgate.epp.scheduling.framework import CycleState, Scheduler
+from kvgate.epp.scheduling.kv_fit import KV_ROOM
 from kvgate.epp.scheduling.plugins import create_plugin
 from kvgate.epp.scheduling.plugins._prefix_rates import MIN_REQUESTS, PrefixRates, prefix_key
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from tests.epp.helpers import state
-from tests.epp.test_load_plugins import addresses, config, loads, warmed
+from tests.epp.test_load_plugins import addresses, config, decide, warmed
 
 SYSTEM = "You answer for the harbour office of a small town by the sea. " * 10  # 620 characters
 
@@ -77,7 +78,7 @@ def spill_filter(share=1.25, endpoints=4):
     return scheduler, f, states, clock
 
 
-def traffic(f, states, hot_share: float, n: int = 200) -> None:
+def traffic(scheduler, f, states, hot_share: float, n: int = 200) -> None:
     """n requests through the filter over a little more than its rates' window (shares count from then on),
     `hot_share` of them tenant 0's, the rest spread over eleven others."""
     if not isinstance(f._rates.clock, Clock):
@@ -86,20 +87,21 @@ def traffic(f, states, hot_share: float, n: int = 200) -> None:
     for i in range(n):
         f._rates.clock.now += 1.05 * f._rates.window_s / n
         prompt = tenant_prompt(0 if i % hot_every == 0 else 1 + i % 11, i % 4)
-        f.filter(LLMRequest(f"t{i}", "m", "m", prompt), states, loads(states, {}))
+        decide(scheduler, f.filter, LLMRequest(f"t{i}", "m", "m", prompt), states)
 
 
 def test_a_prefix_past_its_share_spills_to_a_cold_endpoint_once():
     scheduler, f, states, _ = spill_filter()
     hot = tenant_prompt(0, 1)
     warmed(scheduler, states, {"a:1": hot})
-    traffic(f, states, hot_share=0.5)  # 2 replicas' fair share, over 1.25: two homes
-    busy = loads(states, {"a:1": 50})
-    assert addresses(f.filter(LLMRequest("h1", "m", "m", hot), states, busy)) == ["b:1", "c:1", "d:1"]
+    traffic(scheduler, f, states, hot_share=0.5)  # 2 replicas' fair share, over 1.25: two homes
+    spilled = decide(scheduler, f.filter, LLMRequest("h1", "m", "m", hot), states, {"a:1": 50})
+    assert addresses(spilled) == ["b:1", "c:1", "d:1"]
     assert f.stats() == {"spills": 1, "spills_without_room": 0}
     # where the spill went is warm too (the prefix scorer's record of the pick): both homes kept, no more spills
     warmed(scheduler, states, {"c:1": hot})
-    assert addresses(f.filter(LLMRequest("h2", "m", "m", hot), states, loads(states, {"a:1": 50}))) == ["a:1", "c:1"]
+    both = decide(scheduler, f.filter, LLMRequest("h2", "m", "m", hot), states, {"a:1": 50})
+    assert addresses(both) == ["a:1", "c:1"]
     assert f.stats() == {"spills": 1, "spills_without_room": 0}
 
 
@@ -107,17 +109,17 @@ def test_no_spill_under_the_share_on_an_idle_home_or_when_off():
     scheduler, f, states, _ = spill_filter()
     hot = tenant_prompt(0, 1)
     warmed(scheduler, states, {"a:1": hot})
-    traffic(f, states, hot_share=0.25)  # one replica's fair share: under 1.25 of it, one home is enough
-    assert addresses(f.filter(LLMRequest("h", "m", "m", hot), states, loads(states, {"a:1": 50}))) == ["a:1"]
+    traffic(scheduler, f, states, hot_share=0.25)  # one replica's fair share: under 1.25 of it, one home is enough
+    assert addresses(decide(scheduler, f.filter, LLMRequest("h", "m", "m", hot), states, {"a:1": 50})) == ["a:1"]
     scheduler, f, states, _ = spill_filter()
     warmed(scheduler, states, {"a:1": hot})
-    traffic(f, states, hot_share=0.5)
-    assert addresses(f.filter(LLMRequest("h", "m", "m", hot), states, loads(states, {}))) == ["a:1"]  # home idle
+    traffic(scheduler, f, states, hot_share=0.5)
+    assert addresses(decide(scheduler, f.filter, LLMRequest("h", "m", "m", hot), states)) == ["a:1"]  # home idle
     off = create_plugin("prefix-cache-affinity-filter", {"explorationProbability": 0})
-    off.prefix_source = f.prefix_source
+    off.inputs = dict(f.inputs)  # reads the profile's prefix match
     assert off._rates is None
     for i in range(200):
-        assert addresses(off.filter(LLMRequest(f"o{i}", "m", "m", hot), states, loads(states, {"a:1": 50}))) == [
+        assert addresses(decide(scheduler, off.filter, LLMRequest(f"o{i}", "m", "m", hot), states, {"a:1": 50})) == [
             "a:1"]
 
 
@@ -131,7 +133,7 @@ def test_the_scheduler_serves_a_hot_prefix_from_two_endpoints_not_all():
     f = scheduler.plugins_of_type("prefix-cache-affinity-filter")[0]
     states = [state(f"{c}:1") for c in "abcd"]
     warmed(scheduler, states, {"a:1": tenant_prompt(0, 0)})
-    traffic(f, states, hot_share=0.5)
+    traffic(scheduler, f, states, hot_share=0.5)
     served = []
     for i in range(40):  # each pick a new scrape: the queues follow what each endpoint was given; a stays busier
         states = [state(f"{c}:1", queue=served.count(f"{c}:1"), tokens=20 if c == "a" else 0) for c in "abcd"]
@@ -177,7 +179,7 @@ def fit_profile(spill_fit: bool = True):
     warmed(scheduler, states, {"a:1": tenant_prompt(0, 1)})  # the hot tenant's home, its group recorded there
     for tenant, address in ((5, "b:1"), (6, "c:1")):
         balance.pre_request(LLMRequest(f"g{tenant}", "m", "m", tenant_prompt(tenant, 0)), kv_state(address, 256))
-    traffic(f, states, hot_share=0.5)
+    traffic(scheduler, f, states, hot_share=0.5)
     return scheduler, f, balance, states
 
 
@@ -185,30 +187,31 @@ def test_a_spill_goes_only_where_the_copy_fits():
     """spillFit (default): the spill skips cold endpoints whose groups leave no room for the prefix (b and c), and
     where none has room the request is not spilled — the sticky rule decides, and the miss is counted."""
     scheduler, f, balance, states = fit_profile()
-    assert f.kv_fit is balance  # wired from the profile
+    assert f.inputs[KV_ROOM] == balance.name  # linked by the profile
     hot = tenant_prompt(0, 1)
-    busy = loads(states, {"a:1": 50})
-    assert addresses(f.filter(LLMRequest("h1", "m", "m", hot), states, busy)) == ["d:1"]
+    assert addresses(decide(scheduler, f.filter, LLMRequest("h1", "m", "m", hot), states, {"a:1": 50})) == ["d:1"]
     assert f.stats() == {"spills": 1, "spills_without_room": 0}
     balance.pre_request(LLMRequest("g7", "m", "m", tenant_prompt(7, 0)), states[3])  # d serves a group now
-    assert addresses(f.filter(LLMRequest("h2", "m", "m", hot), states, loads(states, {"a:1": 50}))) == ["a:1"]
+    assert addresses(decide(scheduler, f.filter, LLMRequest("h2", "m", "m", hot), states, {"a:1": 50})) == ["a:1"]
     assert f.stats() == {"spills": 1, "spills_without_room": 1}
-    _, anywhere, _, states = fit_profile(spill_fit=False)
-    assert anywhere.kv_fit is None
-    assert addresses(anywhere.filter(LLMRequest("h1", "m", "m", hot), states, loads(states, {"a:1": 50}))) == [
+    scheduler, anywhere, _, states = fit_profile(spill_fit=False)
+    assert KV_ROOM not in anywhere.inputs
+    assert addresses(decide(scheduler, anywhere.filter, LLMRequest("h1", "m", "m", hot), states, {"a:1": 50})) == [
         "b:1", "c:1", "d:1"]
 
 
-def test_kv_fit_wiring_wants_one_check():
+def test_the_kv_room_comes_from_one_fit_check():
     """No fit check in the profile: the spill goes anywhere; two: a config error naming them (only where a
     spilling filter asks)."""
     plain = config("type: prefix-cache-scorer", "type: prefix-cache-affinity-filter\n  parameters: {spillShare: 1}")
-    assert Scheduler(parse_config(plain).scheduler).plugins_of_type("prefix-cache-affinity-filter")[0].kv_fit is None
+    f = Scheduler(parse_config(plain).scheduler).plugins_of_type("prefix-cache-affinity-filter")[0]
+    assert KV_ROOM not in f.inputs
     two = ["type: prefix-cache-scorer",
            "name: fit-a\n  type: prefix-group-balance-scorer\n  parameters: {fitKvCapacity: 1}",
            "name: fit-b\n  type: prefix-group-balance-scorer\n  parameters: {fitKvCapacity: 1}"]
     parse_config(config(*two, "type: prefix-cache-affinity-filter"))  # not spilling: nothing to choose
-    with pytest.raises(ConfigError, match="several KV fit checks"):
+    with pytest.raises(ConfigError, match="'prefix-cache-affinity-filter' reads kv-room, which several plugins of this "
+                                          "profile produce .fit-a, fit-b.: keep fitKvCapacity on one"):
         parse_config(config(*two, "type: prefix-cache-affinity-filter\n  parameters: {spillShare: 1}"))
 
 
@@ -236,8 +239,8 @@ def test_kvgates_profile_spills_only_where_the_copy_fits():
                 scheduler.plugins_of_type("prefix-group-balance-scorer")[0])
 
     f, balance = affinity(KVGATE_PROFILE_YAML)
-    assert f.spill_share == 1.25 and f.kv_fit is balance and balance.checks_fit()
+    assert f.spill_share == 1.25 and f.inputs[KV_ROOM] == balance.name and balance.produces == (KV_ROOM,)
     configs = {c.name: c for c in CONFIGURATIONS}
     assert affinity(configs["kvgate-no-spill"].epp_config)[0].spill_share == 0
     anywhere, _ = affinity(configs["kvgate-spill-anywhere"].epp_config)
-    assert anywhere.spill_share == 1.25 and anywhere.kv_fit is None
+    assert anywhere.spill_share == 1.25 and KV_ROOM not in anywhere.inputs

@@ -22,7 +22,7 @@ from kvgate.epp.scheduling.framework import CycleState, Scheduler
 from kvgate.epp.scheduling.latency_model import TTFT_FEATURES
 from kvgate.epp.scheduling.live_load import LoadTracker
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
-from tests.epp.test_load_plugins import PROMPT, config, warmed
+from tests.epp.test_load_plugins import PROMPT, config, produced, warmed
 
 # how a simulated engine's latency follows its state: 0.2 ms per backlog or uncached token, 0.5 ms per running
 # request, 30 ms of overhead; its TPOT 10 ms + 0.1 ms per running request
@@ -170,7 +170,7 @@ def test_learning_from_engines_predicts_each_endpoint_from_its_own_model(caplog)
               state("young:1", fast, observations=published.MIN_OBSERVATIONS - 1, pending=0),
               state("vllm:1", None, pending=500, rate=1000)]
     warmed(scheduler, states, {"fast:1": PROMPT})
-    cycle = CycleState(LoadTracker().view(states))
+    cycle = produced(scheduler, LLMRequest("r1", "m", "m", PROMPT), states, CycleState(LoadTracker().view(states)))
     _, ttft, _, tpot = scorer.predict(LLMRequest("r1", "m", "m", PROMPT), states, cycle)
     # slow: 0.05 + 4 × (1000 + 160 uncached) / 10^4 + 0.1 × 10/100; fast: the prompt cached there, 3000 backlog;
     # young and vllm: the analytic prior, (backlog + 160) / 1000 (the default rate for young) + running × 2 ms
@@ -184,7 +184,8 @@ def test_learning_from_engines_predicts_each_endpoint_from_its_own_model(caplog)
     # what this EPP routed there since the scrape counts as that engine's backlog (and a waiting request)
     tracker = LoadTracker()
     tracker.add(LLMRequest("earlier", "m", "m", "x"), "slow:1", 2000, 2000)
-    _, after, _, _ = scorer.predict(LLMRequest("r2", "m", "m", PROMPT), states, CycleState(tracker.view(states)))
+    r2 = LLMRequest("r2", "m", "m", PROMPT)
+    _, after, _, _ = scorer.predict(r2, states, produced(scheduler, r2, states, CycleState(tracker.view(states))))
     assert after[0] == pytest.approx(ttft[0] + 4.0 * 2000 / 1e4, rel=1e-6)
     assert scorer.counts["engine_model_predictions"] == 2
     # nothing tracked for learning: no response will reach this EPP

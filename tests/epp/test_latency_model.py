@@ -13,7 +13,7 @@ from kvgate.epp.scheduling.framework import CycleState, Scheduler
 from kvgate.epp.scheduling.live_load import LoadTracker
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from kvgate.common.online_ridge import TTFT_WEIGHT_FLOOR_S, OnlineRidge
-from tests.epp.test_load_plugins import PROMPT, config, warmed
+from tests.epp.test_load_plugins import PROMPT, config, produced, warmed
 
 
 def test_ridge_is_its_prior_without_data_and_learns_the_truth_with_it():
@@ -94,16 +94,17 @@ def request(rid="r1", headers=None, stream=True):
 
 
 def test_the_prior_is_the_analytic_ttft_model():
-    _, scorer, states = scorer_and_states()
-    _, ttft, _, tpot = scorer.predict(request(), states, CycleState(LoadTracker().view(states)))
+    scheduler, scorer, states = scorer_and_states()
+    cycle = produced(scheduler, request(), states, CycleState(LoadTracker().view(states)))
+    _, ttft, _, tpot = scorer.predict(request(), states, cycle)
     # a: 2000 pending / 4000 + 10 × 2 ms; b: 160 uncached / 1000 (default rate); c: 160 / 2000 + 50 × 2 ms
     assert ttft == pytest.approx([0.52, 0.16, 0.18])
     assert list(tpot) == [0.0, 0.0, 0.0]  # unknown until measured
 
 
 def test_objectives_prefer_endpoints_that_meet_them():
-    _, scorer, states = scorer_and_states()
-    cycle = CycleState(LoadTracker().view(states))
+    scheduler, scorer, states = scorer_and_states()
+    cycle = produced(scheduler, request(), states, CycleState(LoadTracker().view(states)))
     plain = scorer.score(request(), states, cycle)
     assert int(np.argmax(plain)) == 1  # b: lowest predicted TTFT
     met = scorer.score(request(headers={"x-slo-ttft-ms": "200"}), states, cycle)
@@ -116,8 +117,8 @@ def test_objectives_prefer_endpoints_that_meet_them():
 
 
 def test_stated_objectives_filter_out_the_candidates_predicted_to_miss_them():
-    _, scorer, states = scorer_and_states(", objectivesFilter: true")
-    cycle = CycleState(LoadTracker().view(states))
+    scheduler, scorer, states = scorer_and_states(", objectivesFilter: true")
+    cycle = produced(scheduler, request(), states, CycleState(LoadTracker().view(states)))
     addresses = lambda kept: [e.address for e in kept]  # noqa: E731
     assert scorer.filter(request(), states, cycle) is states  # no objective: every candidate
     assert addresses(scorer.filter(request(headers={"x-slo-ttft-ms": "200"}), states, cycle)) == ["b:1", "c:1"]

@@ -1,4 +1,5 @@
-"""Load-aware plugins: their math, the prefix-source wiring, and the prefill-rate estimate."""
+"""Load-aware plugins: their math, the prefix match they read and how a config links it, and the prefill-rate
+estimate."""
 
 import dataclasses
 import math
@@ -12,9 +13,11 @@ from kvgate.epp.datalayer.exposition import parse_metrics
 from kvgate.epp.datalayer.prefill_rate import MIN_BUSY_S, PrefillRateEstimator
 from kvgate.epp.scheduling.config import ConfigError, parse_config
 from kvgate.epp.scheduling.framework import CycleState, Filter, Scheduler
-from kvgate.epp.scheduling.live_load import PICKED_UNCACHED_TOKENS, LoadTracker
+from kvgate.epp.scheduling.data import PICKED_UNCACHED_TOKENS
+from kvgate.epp.scheduling.live_load import LoadTracker
 from kvgate.epp.scheduling.plugins import create_plugin
 from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import PredictedTTFTScorer
+from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from tests.epp.helpers import state
 
@@ -43,38 +46,45 @@ def req(prompt=PROMPT, rid="r1", max_tokens=None):
     return LLMRequest(rid, "m", "m", prompt, max_tokens=max_tokens)
 
 
-# -------------------------------------------------------------------------------- prefix source, wiring
+# -------------------------------------------------------------------------------- the prefix match, linked
 
-def test_the_approximate_prefix_scorer_is_a_prefix_source_from_one_hashing():
+def test_the_approximate_prefix_scorer_produces_the_prefix_match_from_one_hashing():
     scheduler = Scheduler(parse_config(config("type: prefix-cache-scorer")).scheduler)
     scorer = scheduler.plugins_of_type("prefix-cache-scorer")[0]
+    assert scorer.produces == (PREFIX_MATCH,)
     states = [state("a:1"), state("b:1"), state("c:1")]
     warmed(scheduler, states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384})
     calls = []
     real = scorer.hashes
     scorer.hashes = lambda *a: calls.append(1) or real(*a)
     cycle = CycleState()
-    assert scorer.prompt_tokens(req(), cycle) == 160
-    assert list(scorer.cached_tokens(req(), states, cycle)) == [160, 64, 0]  # 10 and 4 blocks of 16 tokens
+    scorer.produce(req(), states, cycle)
+    match = cycle[PREFIX_MATCH, "prefix-cache-scorer"]
+    assert match.prompt_tokens == 160
+    assert list(match.cached.of(states)) == [160, 64, 0]  # 10 and 4 blocks of 16 tokens
+    assert list(match.cached.of([states[1]])) == [64]  # any list of the candidates
     assert list(scorer.score(req(), states, cycle)) == [1.0, 0.4, 0.0]  # the score it always gave
     scheduler.on_picked(req(), states[2], cycle)
-    assert len(calls) == 1  # cached_tokens, score and the pick hook shared one hashing
+    assert len(calls) == 1  # the prefix match, the score and the pick hook shared one hashing
     assert list(scorer.score(req(rid="r2"), states, CycleState())) == [1.0, 0.4, 1.0]
 
 
 @pytest.mark.parametrize("plugin", ["prefix-cache-affinity-filter", "no-hit-lru-scorer", "predicted-ttft-scorer"])
-def test_a_prefix_source_reference_is_checked_when_the_config_loads(plugin):
-    with pytest.raises(ConfigError, match=f"'{plugin}'.*prefix source 'nope'"):
+def test_a_prefix_match_producer_is_checked_when_the_config_loads(plugin):
+    with pytest.raises(ConfigError, match=f"'{plugin}' reads prefix-match from 'nope', which is not a plugin of this "
+                                          "profile that produces it"):
         parse_config(config("type: prefix-cache-scorer", f"type: {plugin}\n  parameters: {{prefixScorer: nope}}"))
     two = ("type: prefix-cache-scorer\n  name: p1", "type: prefix-cache-scorer\n  name: p2")
-    with pytest.raises(ConfigError, match=f"schedulingProfiles.*'{plugin}'.*several prefix scorers"):
+    with pytest.raises(ConfigError, match=f"schedulingProfiles.*'{plugin}' reads prefix-match, which several "
+                                          "plugins of this profile produce .p1, p2.: name one with the consumer's "
+                                          "prefixScorer"):
         parse_config(config(*two, f"type: {plugin}"))
     named = parse_config(config(*two, f"type: {plugin}\n  parameters: {{prefixScorer: p2}}"))
-    assert named.scheduler.plugins[plugin].prefix_source is named.scheduler.plugins["p2"]
+    assert named.scheduler.plugins[plugin].inputs[PREFIX_MATCH] == "p2"
     alone = parse_config(config(f"type: {plugin}"))  # no prefix scorer: nothing counts as cached
-    assert alone.scheduler.plugins[plugin].prefix_source is None
-    # a source outside the profile is not this profile's source
-    with pytest.raises(ConfigError, match="prefix source 'p1'"):
+    assert PREFIX_MATCH not in alone.scheduler.plugins[plugin].inputs
+    # a producer outside the profile is not this profile's
+    with pytest.raises(ConfigError, match="reads prefix-match from 'p1'"):
         parse_config(config(*two, f"type: {plugin}\n  parameters: {{prefixScorer: p1}}", profile=["p2", plugin]))
 
 
@@ -114,33 +124,51 @@ def loads(states, tokens: dict[str, int]) -> CycleState:
     return cycle
 
 
+def cycle_for(scheduler: Scheduler, request: LLMRequest, states, tokens: dict[str, int] | None = None) -> CycleState:
+    """A cycle as the scheduler starts one for `request`: `tokens` in flight per address (loads), and the data the
+    profile's plugins read, produced over `states`."""
+    return produced(scheduler, request, states, loads(states, tokens or {}))
+
+
+def decide(scheduler: Scheduler, step, request: LLMRequest, states, tokens: dict[str, int] | None = None):
+    """step(request, states, cycle) — a plugin's filter, score or predict — in a cycle as the scheduler starts one
+    for `request` (cycle_for)."""
+    return step(request, states, cycle_for(scheduler, request, states, tokens))
+
+
+def produced(scheduler: Scheduler, request: LLMRequest, states, cycle: CycleState) -> CycleState:
+    """`cycle` with the data the profile's plugins read for `request`, produced over `states`."""
+    scheduler.primary.produce(request, states, cycle)
+    return cycle
+
+
 def addresses(states):
     return [s.address for s in states]
 
 
 def test_affinity_keeps_warm_endpoints_until_their_load_exceeds_the_saved_prefill():
-    _, f, states = affinity()
-    assert addresses(f.filter(req(), states, loads(states, {}))) == ["a:1"]
+    scheduler, f, states = affinity()
+    assert addresses(decide(scheduler, f.filter, req(), states)) == ["a:1"]
     # w* = a (cached 160), c* = the least loaded cold endpoint; saved = 160 - cached(c*)
     # c* = c (0 cached, no load): saved 160; a may carry 160 tokens more than c
-    assert addresses(f.filter(req(), states, loads(states, {"a:1": 160, "b:1": 500}))) == ["a:1"]
-    assert f.filter(req(), states, loads(states, {"a:1": 161, "b:1": 500})) is states  # all kept, same list
+    assert addresses(decide(scheduler, f.filter, req(), states, {"a:1": 160, "b:1": 500})) == ["a:1"]
+    assert decide(scheduler, f.filter, req(), states, {"a:1": 161, "b:1": 500}) is states  # all kept, same list
     # c* = b (64 cached, least loaded): saved 96
-    assert addresses(f.filter(req(), states, loads(states, {"a:1": 196, "b:1": 100, "c:1": 101}))) == ["a:1"]
-    assert f.filter(req(), states, loads(states, {"a:1": 197, "b:1": 100, "c:1": 101})) is states
+    assert addresses(decide(scheduler, f.filter, req(), states, {"a:1": 196, "b:1": 100, "c:1": 101})) == ["a:1"]
+    assert decide(scheduler, f.filter, req(), states, {"a:1": 197, "b:1": 100, "c:1": 101}) is states
 
 
 def test_affinity_threshold_tolerance_and_never_empty():
-    _, f, states = affinity(threshold=0.4)  # b (64/160 = 0.4) is warm too
-    assert addresses(f.filter(req(), states, loads(states, {"a:1": 10}))) == ["a:1", "b:1"]
-    _, f, states = affinity(tolerance=0)  # any extra load on the warm side breaks stickiness
-    assert f.filter(req(), states, loads(states, {"a:1": 1})) is states
-    assert addresses(f.filter(req(), states, loads(states, {}))) == ["a:1"]
-    _, f, states = affinity(tolerance=1e6)
-    assert addresses(f.filter(req(), states, loads(states, {"a:1": 10**6}))) == ["a:1"]
+    scheduler, f, states = affinity(threshold=0.4)  # b (64/160 = 0.4) is warm too
+    assert addresses(decide(scheduler, f.filter, req(), states, {"a:1": 10})) == ["a:1", "b:1"]
+    scheduler, f, states = affinity(tolerance=0)  # any extra load on the warm side breaks stickiness
+    assert decide(scheduler, f.filter, req(), states, {"a:1": 1}) is states
+    assert addresses(decide(scheduler, f.filter, req(), states)) == ["a:1"]
+    scheduler, f, states = affinity(tolerance=1e6)
+    assert addresses(decide(scheduler, f.filter, req(), states, {"a:1": 10**6})) == ["a:1"]
     cold = req("nothing like it " * 40)
-    assert f.filter(cold, states, loads(states, {})) is states  # no warm endpoint: keep all
-    assert f.filter(req(), states[:1], loads(states, {})) == states[:1]
+    assert decide(scheduler, f.filter, cold, states) is states  # no warm endpoint: keep all
+    assert decide(scheduler, f.filter, req(), states[:1]) == states[:1]
 
 
 def test_affinity_is_a_preference_the_cold_endpoints_follow_as_fallbacks():
@@ -182,9 +210,10 @@ def test_affinity_exploration_keeps_all_for_about_its_share_of_requests():
     f = scheduler.plugins_of_type("prefix-cache-affinity-filter")[0]
     states = [state("a:1"), state("b:1")]
     warmed(scheduler, states, {"a:1": PROMPT})
-    kept_all = sum(len(f.filter(req(rid=f"r{i}"), states, CycleState())) == 2 for i in range(2000))
+    kept_all = sum(len(decide(scheduler, f.filter, req(rid=f"r{i}"), states)) == 2 for i in range(2000))
     assert 400 < kept_all < 600  # 25% ± 5 standard deviations
-    assert len(f.filter(req(rid="r7"), states, CycleState())) == len(f.filter(req(rid="r7"), states, CycleState()))
+    again = [len(decide(scheduler, f.filter, req(rid="r7"), states)) for _ in range(2)]
+    assert again[0] == again[1]
 
 
 def test_affinity_on_the_prefill_backlog_counts_only_uncached_work():
@@ -196,13 +225,13 @@ def test_affinity_on_the_prefill_backlog_counts_only_uncached_work():
     warmed(scheduler, states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384})
     heavy_in_flight = {"a:1": 10_000}  # 10k tokens in flight to a (prompt + max_tokens, mostly cached)
     # c* = b (no backlog, 64 cached): going to a saves 96 prefill tokens, and a's backlog is 96
-    assert addresses(f.filter(req(), states, loads(states, heavy_in_flight))) == ["a:1"]
+    assert addresses(decide(scheduler, f.filter, req(), states, heavy_in_flight)) == ["a:1"]
     states[0].metrics.prefill_tokens_pending = 97  # more backlog than the hit saves
-    assert f.filter(req(), states, loads(states, {})) is states
+    assert decide(scheduler, f.filter, req(), states) is states
     tokens = create_plugin("prefix-cache-affinity-filter", {"loadSignal": "tokens", "explorationProbability": 0})
-    tokens.prefix_source = f.prefix_source
+    tokens.inputs = dict(f.inputs)  # reads the profile's prefix match
     states[0].metrics.prefill_tokens_pending = 0
-    assert tokens.filter(req(), states, loads(states, heavy_in_flight)) is states  # the old signal lets go
+    assert decide(scheduler, tokens.filter, req(), states, heavy_in_flight) is states  # the old signal lets go
 
 
 def test_the_backlog_less_what_the_running_step_computed_by_the_scrape():
@@ -226,14 +255,14 @@ def test_affinity_and_predicted_ttft_see_the_running_steps_progress():
     states = [ttft_state("a:1", pending=250, rate=1000), ttft_state("b:1", pending=0, rate=1000),
               ttft_state("c:1", pending=0, rate=1000)]
     warmed(scheduler, states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384})  # saved going to a over b: 96
-    assert f.filter(req(), states, loads(states, {})) is states  # 250 > 96: all kept
+    assert decide(scheduler, f.filter, req(), states) is states  # 250 > 96: all kept
     for s in states:
         s.metrics.prefill_tokens_awaiting_step, s.metrics.step_age_s = 0, 0.0
     states[0].metrics.step_age_s = 0.16  # 160 of a's 250 tokens computed by the scrape: 90 left
-    assert addresses(f.filter(req(), states, loads(states, {}))) == ["a:1"]
+    assert addresses(decide(scheduler, f.filter, req(), states)) == ["a:1"]
     ttft = PredictedTTFTScorer(default_prefill_tokens_per_s=1000, decode_ms_per_running_request=0)
-    ttft.prefix_source = f.prefix_source
-    assert ttft.predict(req(), states, loads(states, {}))[0] == pytest.approx(0.09)  # (250 - 160 + 0 uncached) / 1000
+    ttft.inputs = dict(f.inputs)
+    assert decide(scheduler, ttft.predict, req(), states)[0] == pytest.approx(0.09)  # (250 - 160 + 0 uncached) / 1000
 
 
 def test_affinity_backlog_adds_the_uncached_tokens_routed_since_the_scrape():
@@ -241,9 +270,11 @@ def test_affinity_backlog_adds_the_uncached_tokens_routed_since_the_scrape():
     states = [ttft_state(a, pending=0) for a in ("a:1", "b:1", "c:1")]
     tracker = LoadTracker()  # a holds all 160 tokens of the prompt, b 64 (affinity()'s warm-up), c none
     tracker.add(LLMRequest("since", "m", "m", ""), "a:1", tokens=5000, prompt_tokens=90)  # uncached part: 90
-    assert addresses(f.filter(req(), states, CycleState(tracker.view(states)))) == ["a:1"]  # 90 ≤ 96 saved over b
+    cycle = produced(scheduler, req(), states, CycleState(tracker.view(states)))
+    assert addresses(f.filter(req(), states, cycle)) == ["a:1"]  # 90 ≤ 96 saved over b
     tracker.add(LLMRequest("since-2", "m", "m", ""), "a:1", tokens=5000, prompt_tokens=7)
-    assert f.filter(req(), states, CycleState(tracker.view(states))) is states  # 97 > 96
+    cycle = produced(scheduler, req(), states, CycleState(tracker.view(states)))
+    assert f.filter(req(), states, cycle) is states  # 97 > 96
 
 
 def test_affinity_in_seconds_weighs_each_side_by_its_speed():
@@ -252,24 +283,24 @@ def test_affinity_in_seconds_weighs_each_side_by_its_speed():
     scheduler, _, _ = affinity()
     seconds = create_plugin("prefix-cache-affinity-filter", {"loadSignal": "backlog", "loadUnit": "seconds",
                                                              "explorationProbability": 0})
-    seconds.prefix_source = scheduler.plugins_of_type("prefix-cache-affinity-filter")[0].prefix_source
+    seconds.inputs = dict(scheduler.plugins_of_type("prefix-cache-affinity-filter")[0].inputs)
     states = [ttft_state("a:1", pending=0, rate=1000), ttft_state("b:1", pending=10_000, rate=2000),
               ttft_state("c:1", pending=0, rate=2000)]
     # in c's seconds: saved = 160 / 1 (c computes all 160) - 0 / 0.5 = 160; a's backlog counts L / 0.5
     states[0].metrics.prefill_tokens_pending = 80
-    assert addresses(seconds.filter(req(), states, loads(states, {}))) == ["a:1"]  # 160 ≤ 160
+    assert addresses(decide(scheduler, seconds.filter, req(), states)) == ["a:1"]  # 160 ≤ 160
     states[0].metrics.prefill_tokens_pending = 81
-    assert seconds.filter(req(), states, loads(states, {})) is states  # 162 > 160
+    assert decide(scheduler, seconds.filter, req(), states) is states  # 162 > 160
     tokens = create_plugin("prefix-cache-affinity-filter", {"loadSignal": "backlog", "explorationProbability": 0})
-    tokens.prefix_source = seconds.prefix_source
-    assert addresses(tokens.filter(req(), states, loads(states, {}))) == ["a:1"]  # in tokens: 81 ≤ 160
+    tokens.inputs = dict(seconds.inputs)
+    assert addresses(decide(scheduler, tokens.filter, req(), states)) == ["a:1"]  # in tokens: 81 ≤ 160
     # a uniform pool (rates within the estimate's noise) routes exactly as in tokens
     for s, rate in zip(states, (1900, 2000, 2100)):
         s.metrics.prefill_tokens_per_s = rate
     states[0].metrics.prefill_tokens_pending = 160
-    assert addresses(seconds.filter(req(), states, loads(states, {}))) == ["a:1"]
+    assert addresses(decide(scheduler, seconds.filter, req(), states)) == ["a:1"]
     states[0].metrics.prefill_tokens_pending = 161
-    assert seconds.filter(req(), states, loads(states, {})) is states
+    assert decide(scheduler, seconds.filter, req(), states) is states
 
 
 def test_relative_speed_fills_unmeasured_endpoints_and_ignores_small_differences():
@@ -437,8 +468,8 @@ def test_group_balance_is_neutral_for_a_warm_prompt():
     scorer = scheduler.plugins_of_type("prefix-group-balance-scorer")[0]
     states = [state("a:1"), state("b:1")]
     warmed(scheduler, states, {"a:1": PROMPT})
-    assert list(scorer.score(req(), states, CycleState())) == [0.5, 0.5]
-    assert list(scorer.score(req("something nobody holds " * 20), states, CycleState())) == [0.0, 1.0]
+    assert list(decide(scheduler, scorer.score, req(), states)) == [0.5, 0.5]
+    assert list(decide(scheduler, scorer.score, req("something nobody holds " * 20), states)) == [0.0, 1.0]
 
 
 def test_group_balance_keeps_a_group_whose_prefix_its_home_evicted_at_home():
@@ -455,12 +486,12 @@ def test_group_balance_keeps_a_group_whose_prefix_its_home_evicted_at_home():
     for i in range(3):  # a carries three more groups: the balance alone would send tenant-1's next prompt away
         scheduler.on_picked(req(f"other-{i}" + "y" * 300), states[0])
     evicted = old[:192] + "z" * 448  # a holds 3 of its 10 blocks: as if a had evicted the rest
-    assert list(scorer.score(req(evicted), states, CycleState())) == [1.0, 0.0, 0.0]
+    assert list(decide(scheduler, scorer.score, req(evicted), states)) == [1.0, 0.0, 0.0]
     mostly = old[:384] + "z" * 256  # 6 of 10: not warm (under the affinity threshold), not evicted: balanced
-    assert list(scorer.score(req(mostly), states, CycleState())) == [0.0, 1.0, 1.0]
-    assert list(scorer.score(req("tenant-9" + "z" * 632), states, CycleState())) == [0.0, 1.0, 1.0]  # no home
+    assert list(decide(scheduler, scorer.score, req(mostly), states)) == [0.0, 1.0, 1.0]
+    assert list(decide(scheduler, scorer.score, req("tenant-9" + "z" * 632), states)) == [0.0, 1.0, 1.0]  # no home
     scheduler.on_picked(req(evicted), states[1])  # it went to b after all: b is its home now
-    assert list(scorer.score(req(old[:64] + "w" * 576), states, CycleState())) == [0.0, 1.0, 0.0]
+    assert list(decide(scheduler, scorer.score, req(old[:64] + "w" * 576), states)) == [0.0, 1.0, 0.0]
     off = create_plugin("prefix-group-balance-scorer", {"groupChars": 8})
     assert off.keep_home_below == 0.0
     with pytest.raises(ValueError, match="keepHomeBelow"):
@@ -521,12 +552,12 @@ def test_no_hit_lru_ranks_cold_requests_by_their_last_cold_pick():
     states = [state("a:1"), state("b:1"), state("c:1"), state("d:1")]
 
     def score(prompt):
-        cycle = CycleState()
+        cycle = cycle_for(scheduler, req(prompt), states)
         return list(lru.score(req(prompt), states, cycle)), cycle
 
     assert score("cold zero " * 30)[0] == [1.0, 1.0, 1.0, 1.0]  # nobody served a cold request yet: all tie
     for address, prompt in (("c:1", "cold one " * 30), ("a:1", "cold two " * 30)):
-        cycle = CycleState()
+        cycle = cycle_for(scheduler, req(prompt), states)
         lru.score(req(prompt), states, cycle)
         scheduler.on_picked(req(prompt), states[addresses(states).index(address)], cycle)
     # b, d never: rank 0 → 1; c (older) rank 2 → 1 - 2/3; a (newest) rank 3 → 0
@@ -570,7 +601,7 @@ def test_predicted_ttft_math():
               ttft_state("c:1", pending=None, rate=2000, running=50)]  # no backlog gauge (a vLLM engine)
     warmed(scheduler, states, {"a:1": PROMPT})
     tracker = LoadTracker()
-    cycle = CycleState(tracker.view(states))
+    cycle = produced(scheduler, req(), states, CycleState(tracker.view(states)))
     time.sleep(0.001)
     tracker.add(LLMRequest("x", "m", "m", ""), "b:1", tokens=900, prompt_tokens=800)  # after b's scrape
     t = ttft.predict(req(), states, cycle)
@@ -581,7 +612,8 @@ def test_predicted_ttft_math():
     lo, hi = min(expected), max(expected)
     assert ttft.score(req(), states, cycle) == pytest.approx([(hi - x) / (hi - lo) for x in expected])
     scheduler.on_picked(req(), states[0], cycle)
-    assert cycle[PICKED_UNCACHED_TOKENS] == 0  # a held all of it: the director adds no backlog there
+    assert cycle[PICKED_UNCACHED_TOKENS, "predicted-ttft-scorer"] == 0  # a held all of it
+    assert scheduler.picked_uncached_tokens(cycle, 160) == 0  # the director adds no backlog there
 
 
 def test_the_director_records_the_uncached_part_as_backlog():

@@ -1,4 +1,4 @@
-"""precise-prefix-cache-scorer: its math, the PrefixMatchSource contract, its parameters, its tokenization
+"""precise-prefix-cache-scorer: its math, the prefix match it produces, its parameters, its tokenization
 (the engine's own tokenizer and chat template), and what tokenizing and hashing cost per request."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from kvgate.common.tokenizer_files import load_tokenizer
 from kvgate.epp.prefix.hashing import chain, root_hash
 from kvgate.epp.prefix.precise_index import Delta
 from kvgate.epp.scheduling.config import ConfigError, parse_config
-from kvgate.epp.scheduling.framework import CycleState, Scorer
+from kvgate.epp.scheduling.framework import CycleState, SchedulingProfile, Scorer, WeightedScorer
 from kvgate.epp.scheduling.plugins import create_plugin
 from kvgate.epp.scheduling.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
-from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch, PrefixMatchSource, wire_prefix_sources
+from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -196,19 +196,29 @@ def test_untokenizable_requests_estimate_the_length_and_match_nothing():
     assert scorer.index.speculative_size() == 0
 
 
-class Consumer(NeedsPrefixMatch, Scorer):
+class Consumer(Scorer):
     type_name = "consumer"
+    consumes_optional = (PREFIX_MATCH,)
 
     def score(self, request, endpoints, cycle=None):
         return np.zeros(len(endpoints))
 
 
-def test_it_is_the_prefix_source_load_aware_plugins_get():
-    scorer = create_plugin("precise-prefix-cache-scorer")
+def test_it_produces_the_prefix_match_load_aware_plugins_read():
+    scorer = PrecisePrefixCacheScorer(speculative_ttl_s=0)
     consumer = Consumer()
-    assert isinstance(scorer, PrefixMatchSource)
-    wire_prefix_sources([scorer, consumer])
-    assert consumer.prefix_source is scorer
+    profile = SchedulingProfile("p", [], [WeightedScorer(scorer, 1.0), WeightedScorer(consumer, 1.0)],
+                                create_plugin("max-score-picker"))
+    profile.link()
+    assert consumer.inputs == {PREFIX_MATCH: "precise-prefix-cache-scorer"}
+    tokens = list(range(13))
+    holding(scorer, A, tokens[:12], 4)
+    endpoints = [state(A), state(B)]
+    cycle = CycleState()
+    profile.produce(request(tokens), endpoints, cycle)
+    match = cycle.read(consumer, PREFIX_MATCH)
+    assert match.prompt_tokens == 13 and match.cached.of(endpoints).tolist() == [12, 0]
+    assert match.cached.of(endpoints[1:]).tolist() == [0] and match.cached.of([state(C)]).tolist() == [0]
 
 
 def test_matches_the_engine_tokenizer_and_chat_template():

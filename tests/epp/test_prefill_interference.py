@@ -10,7 +10,7 @@ from kvgate.epp.scheduling.framework import CycleState, Scheduler
 from kvgate.epp.scheduling.live_load import LoadTracker
 from kvgate.epp.scheduling.plugins import create_plugin
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
-from tests.epp.test_load_plugins import PROMPT, config, warmed
+from tests.epp.test_load_plugins import PROMPT, config, produced, warmed
 
 SCORER = "type: prefill-interference-scorer\n  parameters: {windowSeconds: 10}"
 
@@ -39,11 +39,11 @@ def test_harm_is_the_prefill_time_times_the_requests_held_and_arriving():
     """PROMPT is 160 tokens: a caches all of it, b 64, c none. harm = T × (n + λT/2), T = uncached / rate."""
     states = [ep("a:1", running=9, rate=1000), ep("b:1", running=2, waiting=1, rate=1000), ep("c:1", rate=2000)]
     now = [50.0]
-    _, scorer = scorer_with_prefix(states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384}, lambda: now[0])
+    scheduler, scorer = scorer_with_prefix(states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384}, lambda: now[0])
     scorer.capacity_shares = False  # the formula itself (c is 2x faster: its share is tested below)
     for _ in range(40):  # 40 picks in the 10 s window: λ(c) = 4/s; a and b had one each (warming): 0.1/s
         scorer.pre_request(req(), states[2], None)
-    cycle = CycleState(LoadTracker().view(states))
+    cycle = produced(scheduler, req(), states, CycleState(LoadTracker().view(states)))
     t_b, t_c = 96 / 1000, 160 / 2000
     harm = scorer.harm(req(), states, cycle)
     assert harm == pytest.approx([0.0, t_b * (3 + 0.1 * t_b / 2), t_c * (0 + 4 * t_c / 2)])
@@ -60,14 +60,16 @@ def test_picks_since_the_scrape_count_as_held_and_scores_stay_proportional():
     states = [ep("a:1", running=50), ep("b:1", running=48)]
     scheduler, scorer = scorer_with_prefix(states, {})
     tracker = LoadTracker()
-    cycle = CycleState(tracker.view(states))
+    cycle = produced(scheduler, req(), states, CycleState(tracker.view(states)))
     scores = scorer.score(req(), states, cycle)
     assert scores == pytest.approx([1 - 2 / 50, 1.0])  # no rates timed: uncached × held, in tokens
     for i in range(4):
         tracker.add(LLMRequest(f"x{i}", "m", "m", ""), "b:1", tokens=10, prompt_tokens=5)
-    assert scorer.score(req(), states, CycleState(tracker.view(states))) == pytest.approx([1.0, 1 - 2 / 52])
+    cycle = produced(scheduler, req(), states, CycleState(tracker.view(states)))
+    assert scorer.score(req(), states, cycle) == pytest.approx([1.0, 1 - 2 / 52])
     idle = [ep("a:1"), ep("b:1")]
-    assert list(scorer.score(req(), idle, CycleState(LoadTracker().view(idle)))) == [1.0, 1.0]
+    cycle = produced(scheduler, req(), idle, CycleState(LoadTracker().view(idle)))
+    assert list(scorer.score(req(), idle, cycle)) == [1.0, 1.0]
 
 
 def hot_pool(config_name: str):

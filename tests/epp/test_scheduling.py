@@ -17,6 +17,7 @@ from kvgate.epp.scheduling.framework import (
     Scorer,
     WeightedScorer,
 )
+from kvgate.epp.scheduling.data import PICKED_UNCACHED_TOKENS, DataKey, Deferred, PerEndpoint
 from kvgate.epp.scheduling.plugins import create_plugin
 from tests.epp.helpers import addresses, request, state
 
@@ -359,15 +360,88 @@ def test_a_failing_start_stops_what_started_and_raises():
 
 def test_cycle_keys_consumed_must_be_produced():
     log = []
-    with pytest.raises(ValueError, match="'reader' reads key.x .*which no configured plugin produces"):
-        lifecycle_scheduler(Lifecycle("reader", log, consumes=("key.x",)))
-    s = lifecycle_scheduler(Lifecycle("reader", log, consumes=("key.x",)), Lifecycle("writer", log, produces=("key.x",)))
-    assert s.produces("key.x") and not s.produces("key.y")
+    x, y = DataKey("key.x"), DataKey("key.y")
+    with pytest.raises(ValueError, match="'reader' reads key.x from the scheduling cycle, which no plugin of its profile "
+                                         "produces"):
+        lifecycle_scheduler(Lifecycle("reader", log, consumes=(x,)))
+    s = lifecycle_scheduler(Lifecycle("reader", log, consumes=(x,)), Lifecycle("writer", log, produces=(x,)))
+    assert s.produces(x) and not s.produces(y)
+    assert s.plugins[0].inputs == {x: "writer"}
 
 
 def test_kvgates_profile_declares_the_picked_uncached_tokens_the_director_reads():
     from kvgate.epp.scheduling.config import KVGATE_PROFILE_YAML
-    from kvgate.epp.scheduling.live_load import PICKED_UNCACHED_TOKENS
 
     assert Scheduler(parse_config(KVGATE_PROFILE_YAML).scheduler).produces(PICKED_UNCACHED_TOKENS)
-    assert not Scheduler(default_config().scheduler).produces(PICKED_UNCACHED_TOKENS)   # upstream's: no source
+    assert not Scheduler(default_config().scheduler).produces(PICKED_UNCACHED_TOKENS)   # upstream's: no producer
+
+
+COUNT = DataKey("test.count")
+
+
+class Counter(Scorer):
+    """Produces, per cycle, how many candidates it started with."""
+
+    type_name = "test-counter"
+    produces = (COUNT,)
+
+    def produce(self, request, endpoints, cycle):
+        cycle.put(self, COUNT, len(endpoints))
+
+    def score(self, request, endpoints, cycle=None):
+        return np.zeros(len(endpoints))
+
+
+class NeedsCount(Scorer):
+    """Cannot score without the counter's data: prefers the endpoint at position COUNT - 1."""
+
+    type_name = "test-needs-count"
+    consumes = (COUNT,)
+
+    def score(self, request, endpoints, cycle=None):
+        n = cycle.read(self, COUNT)
+        return np.array([1.0 if i == n - 1 else 0.0 for i in range(len(endpoints))])
+
+
+def test_a_profile_whose_plugin_needs_data_nothing_produces_is_refused_at_config_load(monkeypatch):
+    from kvgate.epp.scheduling import plugins
+    from kvgate.epp.scheduling.config import ConfigError
+
+    monkeypatch.setitem(plugins.REGISTRY, "test-counter", lambda parameters: Counter())
+    monkeypatch.setitem(plugins.REGISTRY, "test-needs-count", lambda parameters: NeedsCount())
+    head = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
+    alone = head + "- type: test-needs-count\n"
+    with pytest.raises(ConfigError, match=r"schedulingProfiles\[0\] \(default\): plugin 'test-needs-count' reads "
+                                          "test.count from the scheduling cycle, which no plugin of its profile produces"):
+        parse_config(alone)
+    outside = (head + "- type: test-needs-count\n- type: test-counter\nschedulingProfiles:\n- name: default\n"
+               "  plugins:\n  - pluginRef: test-needs-count\n")  # the producer is configured, in no profile
+    with pytest.raises(ConfigError, match="'test-needs-count' reads test.count"):
+        parse_config(outside)
+    both = parse_config(head + "- type: test-needs-count\n- type: test-counter\n")
+    scheduler = Scheduler(both.scheduler)
+    assert [p.name for p in scheduler.primary._producers] == ["test-counter"]
+    assert addresses(scheduler.schedule(request(), [state(A), state(B), state(C)])) == [C]  # it read 3
+
+
+def test_data_per_endpoint_reads_for_any_list_of_the_candidates():
+    candidates = [state(f"10.0.0.{i}:8000") for i in range(40)]
+    values = PerEndpoint(candidates, np.arange(40.0), missing=-1.0)
+    assert values.of(candidates) is values.values
+    assert values.of(list(candidates)).tolist() == list(range(40))  # a copy: the same objects
+    assert values.of([candidates[3], candidates[30]]).tolist() == [3, 30]  # a few of many
+    assert values.of(candidates[::2]).tolist() == list(range(0, 40, 2))  # many
+    other = state("10.0.0.7:8000")  # another state object of a candidate's address, and a stranger
+    assert values.of([other, state("10.9.9.9:8000")]).tolist() == [7, -1]
+    assert values.of(candidates[::2] + [other]).tolist() == [*range(0, 40, 2), 7]
+
+
+def test_deferred_data_is_computed_at_its_first_read_once():
+    calls = []
+    log = []
+    writer, reader = Lifecycle("writer", log, produces=(COUNT,)), Lifecycle("reader", log, consumes=(COUNT,))
+    lifecycle_scheduler(reader, writer)
+    cycle = CycleState()
+    cycle.put(writer, COUNT, Deferred(lambda: calls.append(1) or 7))
+    assert calls == []
+    assert cycle.read(reader, COUNT) == 7 and cycle.read(reader, COUNT) == 7 and calls == [1]

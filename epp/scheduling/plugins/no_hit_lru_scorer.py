@@ -25,20 +25,22 @@ import numpy as np
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._params import check_keys, int_param, str_param
 from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens
-from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
+from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH
 from kvgate.epp.types import EndpointState, LLMRequest
 
 DEFAULT_LRU_SIZE = 1024  # llm-d's default
 _address_of = attrgetter("endpoint.address")
 
 
-class NoHitLRUScorer(NeedsPrefixMatch, Scorer):
+class NoHitLRUScorer(Scorer):
     type_name = "no-hit-lru-scorer"
+    consumes_optional = (PREFIX_MATCH,)  # which requests are cold (without: every one)
 
     def __init__(self, lru_size: int = DEFAULT_LRU_SIZE, prefix_source_name: str = "") -> None:
         super().__init__()
         self.lru_size = lru_size
-        self.prefix_source_name = prefix_source_name
+        if prefix_source_name:
+            self.sources[PREFIX_MATCH] = prefix_source_name
         self._cold_picks: OrderedDict[str, int] = OrderedDict()  # address → tick of its last cold pick
         self._tick = 0
 

@@ -58,6 +58,7 @@ from kvgate.epp.prefix.request_holds import RequestHolds
 from kvgate.epp.scheduling.framework import CycleState, PluginContext, Scorer
 from kvgate.epp.scheduling.plugins._params import check_keys, float_param, int_param
 from kvgate.epp.scheduling.plugins.prefix_cache_scorer import PrefixCacheScorer
+from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH, PrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 
 DEFAULT_BLOCK_SIZE = 16  # kvgate's and vLLM's default KV block size, in tokens
@@ -85,6 +86,7 @@ class _Match:
 class PrecisePrefixCacheScorer(Scorer):
     type_name = "precise-prefix-cache-scorer"
     stats_group = "kv_events"
+    produces = (PREFIX_MATCH,)  # from the same tokens, hashes and index match as its score
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
                  tokenizer: str | None = None, max_prefix_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS,
@@ -208,6 +210,10 @@ class PrecisePrefixCacheScorer(Scorer):
         if found is None:
             found = m.matched[block_size] = self.index.match(self._hashes(m, block_size))
         return found
+
+    def produce(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState) -> None:
+        cycle.put(self, PREFIX_MATCH, PrefixMatch.over(self.prompt_tokens(request, cycle), endpoints,
+                                                       self.cached_tokens(request, endpoints, cycle)))
 
     def prompt_tokens(self, request: LLMRequest, cycle: CycleState | None) -> int:
         return self._analysis(request, cycle).prompt_tokens

@@ -58,15 +58,16 @@ import numpy as np
 from kvgate.common import engine_latency_protocol as published
 from kvgate.common.epp_protocol import TPOT_OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER
 from kvgate.epp.scheduling import live_load
+from kvgate.epp.scheduling.data import OBJECTIVES_UNMEETABLE, PICKED_UNCACHED_TOKENS
 from kvgate.epp.scheduling.framework import CycleState, Filter
-from kvgate.epp.scheduling.latency_model import OBJECTIVES_UNMEETABLE, LatencyModel, tpot_features, ttft_features
+from kvgate.epp.scheduling.latency_model import LatencyModel, tpot_features, ttft_features
 from kvgate.epp.scheduling.plugins._normalize import attribute_values, lower_is_better, per_snapshot
 from kvgate.epp.scheduling.plugins._params import bool_param, check_keys, choice_param
-from kvgate.epp.scheduling.plugins._prefix_source import PRODUCES_PICKED_UNCACHED
 from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import (ANALYTIC_PARAMETERS,
                                                                  DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
                                                                  DEFAULT_PREFILL_TOKENS_PER_SECOND,
                                                                  PredictedTTFTScorer, analytic_params)
+from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH
 from kvgate.epp.types import EndpointState, LLMRequest
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,10 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
     preference = True  # the objectives filter's (objectivesFilter): the candidates it drops stay fallbacks
     stats_group = "latency_model"
     reads_response_body = True  # it learns from each response's first-token time and token count
-    produces = property(lambda self: (*PRODUCES_PICKED_UNCACHED.fget(self), OBJECTIVES_UNMEETABLE))
+    consumes_optional = (PREFIX_MATCH,)  # prompt and cached tokens, as predicted-ttft-scorer reads them
+    # what its pick adds to the endpoint's prefill backlog; that no endpoint is predicted to meet the request's
+    # objectives (the director sheds a sheddable one)
+    produces = (PICKED_UNCACHED_TOKENS, OBJECTIVES_UNMEETABLE)
 
     def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
                  decode_ms_per_running_request: float = DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
@@ -233,7 +237,7 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
             else:
                 self.counts["objectives_unmeetable"] += 1
                 if cycle is not None:
-                    cycle[OBJECTIVES_UNMEETABLE] = True
+                    cycle.put(self, OBJECTIVES_UNMEETABLE, True)
             if (~met).any():
                 scores[~met] = 0.499 * lower_is_better(miss[~met])
         if cycle is not None:

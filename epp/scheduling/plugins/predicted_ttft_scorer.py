@@ -25,21 +25,22 @@ from __future__ import annotations
 import numpy as np
 
 from kvgate.epp.scheduling import live_load
+from kvgate.epp.scheduling.data import PICKED_UNCACHED_TOKENS
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._normalize import lower_is_better, per_snapshot
 from kvgate.epp.scheduling.plugins._params import check_keys, float_param, str_param
-from kvgate.epp.scheduling.plugins._prefix_source import (PRODUCES_PICKED_UNCACHED, prefix_tokens,
-                                                              record_picked_uncached)
-from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
+from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens, record_picked_uncached
+from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH
 from kvgate.epp.types import EndpointState, LLMRequest
 
 DEFAULT_PREFILL_TOKENS_PER_SECOND = 25000.0
 DEFAULT_DECODE_MS_PER_RUNNING_REQUEST = 0.05
 
 
-class PredictedTTFTScorer(NeedsPrefixMatch, Scorer):
+class PredictedTTFTScorer(Scorer):
     type_name = "predicted-ttft-scorer"
-    produces = PRODUCES_PICKED_UNCACHED  # what its pick adds to the endpoint's prefill backlog (the director reads it)
+    consumes_optional = (PREFIX_MATCH,)  # prompt and cached tokens (without: the prompt's estimate, nothing cached)
+    produces = (PICKED_UNCACHED_TOKENS,)  # what its pick adds to the endpoint's prefill backlog (the director reads it)
 
     def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
                  decode_ms_per_running_request: float = DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
@@ -47,7 +48,8 @@ class PredictedTTFTScorer(NeedsPrefixMatch, Scorer):
         super().__init__()
         self.default_rate = default_prefill_tokens_per_s
         self.decode_s = decode_ms_per_running_request / 1000.0
-        self.prefix_source_name = prefix_source_name
+        if prefix_source_name:
+            self.sources[PREFIX_MATCH] = prefix_source_name
         self._scraped_key = (self, "scraped")
 
     def _scraped(self, endpoints: list[EndpointState]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

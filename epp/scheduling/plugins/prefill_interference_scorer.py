@@ -59,7 +59,7 @@ from kvgate.epp.scheduling.plugins._params import bool_param, check_keys, float_
 from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens
 from kvgate.epp.scheduling.plugins._relative_speed import (fill_unmeasured, relative_kv_capacity, relative_speed,
                                                                timed_prefill_rates)
-from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
+from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH
 from kvgate.epp.types import EndpointState, LLMRequest
 
 DEFAULT_WINDOW_S = 10.0
@@ -68,8 +68,9 @@ _RATE_KEY = "kvgate.prefill-rate-seconds-per-token"
 _HELD_KEY = "kvgate.scraped-running-plus-waiting"
 
 
-class PrefillInterferenceScorer(NeedsPrefixMatch, Scorer):
+class PrefillInterferenceScorer(Scorer):
     type_name = "prefill-interference-scorer"
+    consumes_optional = (PREFIX_MATCH,)  # the prompt tokens each endpoint would compute (without: the whole prompt)
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S, prefix_source_name: str = "",
                  max_picks: int = DEFAULT_MAX_PICKS, clock: Callable[[], float] = time.monotonic,
@@ -77,7 +78,8 @@ class PrefillInterferenceScorer(NeedsPrefixMatch, Scorer):
         super().__init__()
         self.window_s = window_s
         self.capacity_shares = capacity_shares
-        self.prefix_source_name = prefix_source_name
+        if prefix_source_name:
+            self.sources[PREFIX_MATCH] = prefix_source_name
         self.max_picks = max_picks
         self.clock = clock
         self._picks: dict[str, deque[float]] = {}  # address → when its picks in the window were made, oldest first

@@ -77,15 +77,15 @@ import numpy as np
 import xxhash
 
 from kvgate.epp.scheduling import live_load
+from kvgate.epp.scheduling.data import PICKED_UNCACHED_TOKENS
 from kvgate.epp.scheduling.framework import CycleState, Filter
-from kvgate.epp.scheduling.kv_fit import NeedsKvFit
+from kvgate.epp.scheduling.kv_fit import KV_ROOM
 from kvgate.epp.scheduling.plugins._params import (LOAD_UNITS, bool_param, check_keys, choice_param, float_param,
                                                        load_unit_param, str_param)
 from kvgate.epp.scheduling.plugins._prefix_rates import PrefixRates, prefix_key
 from kvgate.epp.scheduling.plugins._relative_speed import relative_speed
-from kvgate.epp.scheduling.plugins._prefix_source import (PRODUCES_PICKED_UNCACHED, prefix_tokens,
-                                                              record_picked_uncached)
-from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
+from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens, record_picked_uncached
+from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH
 from kvgate.epp.types import EndpointState, LLMRequest
 
 DEFAULT_AFFINITY_THRESHOLD = 0.80  # llm-d's default
@@ -94,11 +94,13 @@ LOAD_SIGNALS = ("auto", "backlog", "tokens")
 DEFAULT_SPILL_WINDOW_S = 30.0
 
 
-class PrefixCacheAffinityFilter(NeedsPrefixMatch, NeedsKvFit, Filter):
+class PrefixCacheAffinityFilter(Filter):
     type_name = "prefix-cache-affinity-filter"
     preference = True  # cold endpoints stay fallbacks (framework.Filter.preference)
     stats_group = "affinity"
-    produces = PRODUCES_PICKED_UNCACHED  # what its pick adds to the endpoint's prefill backlog (the director reads it)
+    # the prefix match it weighs load against; the KV room its spill asks (with spillShare and spillFit)
+    consumes_optional = (PREFIX_MATCH, KV_ROOM)
+    produces = (PICKED_UNCACHED_TOKENS,)  # what its pick adds to the endpoint's prefill backlog (the director reads it)
 
     def __init__(self, affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD,
                  exploration_probability: float = DEFAULT_EXPLORATION_PROBABILITY, load_tolerance: float = 1.0,
@@ -116,13 +118,16 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, NeedsKvFit, Filter):
         self.affinity_threshold = affinity_threshold
         self.exploration_probability = exploration_probability
         self.load_tolerance = load_tolerance
-        self.prefix_source_name = prefix_source_name
+        if prefix_source_name:
+            self.sources[PREFIX_MATCH] = prefix_source_name
+        if not (spill_share > 0 and spill_fit):
+            self.consumes_optional = (PREFIX_MATCH,)
         self.load_signal = load_signal
 
     def filter(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
                ) -> list[EndpointState]:
         homes = self._homes(request, len(endpoints))
-        if len(endpoints) <= 1 or self.prefix_source is None or self._explores(request):
+        if len(endpoints) <= 1 or cycle is None or cycle.read(self, PREFIX_MATCH) is None or self._explores(request):
             return endpoints
         prompt, cached = prefix_tokens(self, request, endpoints, cycle)
         warm = cached >= self.affinity_threshold * prompt
@@ -135,7 +140,7 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, NeedsKvFit, Filter):
         w = _argmin_where(load, warm)
         c = _argmin_where(load, ~warm)
         if homes > warm.sum() and load[w] > load[c]:  # the prefix outgrows its warm endpoints: one more home
-            room = self._room(request, endpoints, warm, prompt)
+            room = self._room(endpoints, cycle, warm, prompt)
             if not room.any():
                 self.counts["spills_without_room"] += 1
             elif load[w] > load[_argmin_where(load, room)]:
@@ -149,15 +154,13 @@ class PrefixCacheAffinityFilter(NeedsPrefixMatch, NeedsKvFit, Filter):
             return endpoints
         return [e for e, keep in zip(endpoints, warm) if keep]
 
-    def wants_kv_fit(self) -> bool:
-        return self.spill_share > 0 and self.spill_fit
-
-    def _room(self, request: LLMRequest, endpoints: list[EndpointState], warm: np.ndarray, prompt: int) -> np.ndarray:
+    def _room(self, endpoints: list[EndpointState], cycle: CycleState, warm: np.ndarray, prompt: int) -> np.ndarray:
         """The cold candidates a spill may go to: those where a copy of the prompt fits (every cold one without a
         fit check)."""
-        if self.kv_fit is None:
+        room = cycle.read(self, KV_ROOM)
+        if room is None:
             return ~warm
-        return ~warm & np.array(self.kv_fit.copy_fits(request, endpoints, prompt), dtype=bool)
+        return ~warm & room.fits(endpoints, prompt)
 
     def _homes(self, request: LLMRequest, candidates: int) -> int:
         """How many warm endpoints the request's sticky prefix deserves by its share of the recent requests (1

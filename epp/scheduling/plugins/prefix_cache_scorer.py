@@ -33,6 +33,7 @@ from kvgate.epp.prefix.endpoint_ids import mask_to_bools
 from kvgate.epp.prefix.hashing import PromptHasher
 from kvgate.epp.scheduling.framework import CycleState, PluginContext, Scorer
 from kvgate.epp.scheduling.plugins._params import bool_param, check_keys, int_param
+from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH, PrefixMatch
 from kvgate.epp.types import EndpointState, LLMRequest
 
 _address_of = attrgetter("endpoint.address")
@@ -47,6 +48,7 @@ MAX_PEER_CAPACITY = 1 << 31  # a peer's per-endpoint LRU capacity past this is n
 class PrefixCacheScorer(Scorer):
     type_name = "prefix-cache-scorer"
     stats_group = "prefix_index"
+    produces = (PREFIX_MATCH,)  # from the same match as its score
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, max_prefix_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS,
                  lru_capacity_per_server: int = DEFAULT_LRU_CAPACITY_PER_SERVER, auto_tune: bool = True,
@@ -81,7 +83,7 @@ class PrefixCacheScorer(Scorer):
     def _match(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None
                ) -> tuple[list[int], Runs, np.ndarray | None]:
         """(hashes, runs, cached fraction by index id + a last 0 slot; None when no run), once per cycle: the
-        scorer, the PrefixMatchSource calls and the pick hook share one hashing and one match."""
+        scorer, the prefix match it produces and the pick hook share one hashing and one match."""
         found = cycle.get(self) if cycle is not None else None
         if found is not None:
             return found
@@ -107,7 +109,11 @@ class PrefixCacheScorer(Scorer):
         # (no id can be newer than the match here: the index only grows in pick hooks, after scoring)
         return by_id[self._snapshot_ids(cycle, endpoints)]
 
-    # -- PrefixMatchSource (scheduling/prefix_match.py): what load-aware plugins weigh a hit with ----------
+    # -- the prefix match (scheduling/prefix_match.py): what load-aware plugins weigh a hit with ----------
+
+    def produce(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState) -> None:
+        cycle.put(self, PREFIX_MATCH, PrefixMatch.over(self.prompt_tokens(request, cycle), endpoints,
+                                                       self.cached_tokens(request, endpoints, cycle)))
 
     def prompt_tokens(self, request: LLMRequest, cycle: CycleState | None = None) -> int:
         """The prompt's length in tokens, estimated as this scorer counts them: UTF-8 bytes / CHARS_PER_TOKEN."""

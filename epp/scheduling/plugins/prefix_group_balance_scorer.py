@@ -74,6 +74,7 @@ the cache they take.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -81,13 +82,15 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
+from kvgate.epp.scheduling.data import Deferred, PerEndpoint
 from kvgate.epp.scheduling.framework import CycleState, Filter, Scorer
+from kvgate.epp.scheduling.kv_fit import KV_ROOM, KvRoom
 from kvgate.epp.scheduling.plugins._normalize import lower_is_better
 from kvgate.epp.scheduling.plugins._params import (bool_param, check_keys, choice_param, float_param, int_param,
                                                        load_unit_param, str_param)
 from kvgate.epp.scheduling.plugins._relative_speed import relative_kv_capacity, relative_speed
 from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens
-from kvgate.epp.scheduling.prefix_match import NeedsPrefixMatch
+from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH
 from kvgate.epp.types import EndpointState, LLMRequest
 
 DEFAULT_GROUP_CHARS = 512
@@ -98,9 +101,11 @@ BALANCE_BY = ("groups", "tokens")
 MAX_GROUP_TOKENS = 1 << 32  # a peer's footprint for a group past this is not a prompt's (peer_pick drops it)
 
 
-class PrefixGroupBalanceScorer(NeedsPrefixMatch, Filter, Scorer):
+class PrefixGroupBalanceScorer(Filter, Scorer):
     type_name = "prefix-group-balance-scorer"
     preference = True  # the fit check's (fitKvCapacity): the endpoints it drops stay fallbacks
+    consumes_optional = (PREFIX_MATCH,)  # whether a request is homeless, and its footprint
+    produces = (KV_ROOM,)  # the fit check's record, for the affinity filter's spill (with fitKvCapacity > 0)
 
     def __init__(self, group_chars: int = DEFAULT_GROUP_CHARS, window_s: float = DEFAULT_WINDOW_S,
                  affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD, prefix_source_name: str = "",
@@ -109,6 +114,8 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Filter, Scorer):
                  keep_home_below: float = 0.0, fit_kv_capacity: float = 0.0) -> None:
         super().__init__()
         self.fit_kv_capacity = fit_kv_capacity
+        if fit_kv_capacity <= 0:
+            self.produces = ()
         self.keep_home_below = keep_home_below
         self.load_unit = load_unit
         self.kv_capacity_shares = kv_capacity_shares
@@ -118,7 +125,8 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Filter, Scorer):
         self.group_chars = group_chars
         self.window_s = window_s
         self.affinity_threshold = affinity_threshold
-        self.prefix_source_name = prefix_source_name
+        if prefix_source_name:
+            self.sources[PREFIX_MATCH] = prefix_source_name
         self.max_groups = max_groups
         self.clock = clock
         # address → group → (last pick, the prompt tokens of its latest request: its cache footprint, whether it was
@@ -182,24 +190,36 @@ class PrefixGroupBalanceScorer(NeedsPrefixMatch, Filter, Scorer):
             return endpoints
         return [e for e, fit in zip(endpoints, fits) if fit]
 
-    # The affinity filter's spill asks the same record (kv_fit.py) before it puts a second copy of a hot prefix on
-    # a cold endpoint.
-    def checks_fit(self) -> bool:
-        return self.fit_kv_capacity > 0
-
     def copy_fits(self, request: LLMRequest, endpoints: list[EndpointState], prompt_tokens: int) -> list[bool]:
         """Per endpoint, whether the request's prompt fits beside the footprints of the groups it serves."""
         group, now = self.group(request), self.clock()
-        return [self._fits(e, group, prompt_tokens, now) for e in endpoints]
+        fits = []
+        for e in endpoints:
+            footprint, limit = self._room(e, group, now)
+            fits.append(footprint + prompt_tokens <= limit)
+        return fits
 
-    def _fits(self, endpoint: EndpointState, group: int, prompt: int, now: float) -> bool:
+    def produce(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState) -> None:
+        """The same record as the KV room of each candidate (kv_fit.py), which the affinity filter's spill asks
+        before it puts a second copy of a hot prefix on a cold endpoint: computed only for the cycles that spill
+        (Deferred), a Python loop over the candidates."""
+        cycle.put(self, KV_ROOM, Deferred(lambda: self._kv_room(request, endpoints)))
+
+    def _kv_room(self, request: LLMRequest, endpoints: list[EndpointState]) -> KvRoom:
+        group, now, n = self.group(request), self.clock(), len(endpoints)
+        footprint, limit = np.empty(n), np.empty(n)
+        for i, e in enumerate(endpoints):
+            footprint[i], limit[i] = self._room(e, group, now)
+        return KvRoom(PerEndpoint(endpoints, footprint), PerEndpoint(endpoints, limit, math.inf))
+
+    def _room(self, endpoint: EndpointState, group: int, now: float) -> tuple[int, float]:
+        """(the footprints of the groups `endpoint` serves but `group`, φ × its KV cache in tokens; unknown: inf)."""
         capacity = endpoint.metrics.kv_cache_tokens
         if capacity is None:
-            return True
+            return 0, math.inf
         groups = self._live(endpoint.address, now)
         own = groups.get(group)
-        footprint = self._totals[endpoint.address][0] - (own[1] if own else 0)
-        return footprint + prompt <= self.fit_kv_capacity * capacity
+        return self._totals[endpoint.address][0] - (own[1] if own else 0), self.fit_kv_capacity * capacity
 
     def score(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
               ) -> np.ndarray:
