@@ -1,4 +1,5 @@
-"""What load-aware plugins ask their PrefixMatchSource (scheduling/prefix_match.py), with the no-source fallback."""
+"""What load-aware plugins read of the prefix match (PREFIX_MATCH, scheduling/prefix_match.py) their profile's prefix
+scorer produces, and the fallback when none does: the prompt's estimate, nothing cached."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ engine would (epp/kv_events/tokenize.py) and hashed the same way, in blocks of t
     n          = prompt tokens (exact)
     blocks(e)  = leading prompt blocks e holds, of the first ⌊(n - 1) / block_size⌋ (the engine always computes
                  the last prompt token, so it never reuses more: engine/kv_cache_manager.py)
-    cached(e)  = blocks(e) × block_size                      (PrefixMatchSource.cached_tokens)
+    cached(e)  = blocks(e) × block_size                      (PrefixMatch.cached)
     score(e)   = cached(e) / n                               in [0, 1)
 
 `pre_request` holds the picked endpoint's blocks of the prompt (speculative entries, epp/prefix/request_holds.py)
@@ -30,9 +30,9 @@ fed with the picks of long prompts, in 1/16 of `indexMaxBytes`), and
 other decisions wait meanwhile). Token ids outside [0, 2^31) never get here: the request is refused with a 400
 where it enters (epp/request_parsing.py).
 
-PrefixMatchSource (epp/scheduling/prefix_match.py): `prompt_tokens` is the exact token count (the tokenizer's;
+It produces the cycle's prefix match (PREFIX_MATCH, epp/scheduling/prefix_match.py): `prompt_tokens` is the exact token count (the tokenizer's;
 estimated from the characters per token of the part tokenized for a prompt past the limit, and len(prompt)/4
-when the request cannot be tokenized, e.g. several prompts, or when it degraded); `cached_tokens`
+when the request cannot be tokenized, e.g. several prompts, or when it degraded); `cached`
 is cached(e) above, 0 for endpoints without events. Both are computed once per cycle (tokens, hashes and the
 index match are memoized in the CycleState under this plugin) and reused by `score` and `pre_request`.
 

@@ -8,7 +8,7 @@
     U(e), u(e) uncached prompt tokens / requests this EPP routed to e after that scrape, still in flight (exact:
                scheduling/live_load.py)
     prompt, cached(e)   this request's prompt tokens and those e holds, from the profile's prefix scorer
-               (PrefixMatchSource; without one nothing is cached)
+               (the cycle's PREFIX_MATCH; without one nothing is cached)
     R(e)       e's prefill rate in tokens/s, estimated online by the datalayer (datalayer/prefill_rate.py), else
                defaultPrefillTokensPerSecond
     d          decodeMsPerRunningRequest: what each running (decoding) request adds to the wait

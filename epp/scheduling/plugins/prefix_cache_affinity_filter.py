@@ -1,7 +1,7 @@
 """prefix-cache-affinity-filter (llm-d's name): stay on the endpoints that hold most of the prompt, until their
 load costs more than the hit saves.
 
-    f(e)    = cached_tokens(e) / prompt_tokens                 from the profile's prefix scorer (PrefixMatchSource)
+    f(e)    = cached(e) / prompt_tokens                       from the profile's prefix match (PREFIX_MATCH)
     warm    = {e : f(e) ≥ affinityThreshold},  cold = the other candidates
     L(e)    = loadSignal backlog: prompt tokens e still has to prefill — its kvgate:num_prefill_tokens_pending as
               last scraped, less what its running step had computed by then (EndpointMetrics.prefill_backlog),
@@ -54,8 +54,8 @@ next request of the prefix finds two warm endpoints and the rule above chooses b
 Where the copy must fit: without a fit test the spill evens the load where the pool's caches have room for the second
 copy, and costs hit rate and the tail where they do not: the copy evicts what the cold replica serves (`kvgate bench
 routing --workloads hot-tenant --configs kvgate,kvgate-no-spill,kvgate-spill-anywhere`, and the same with `kv_tokens`
-doubled for caches with room). So with spillFit (default) and a fit check in the profile (the group balance's
-fitKvCapacity, kv_fit.py) only the cold candidates where the copy fits beside the groups they serve count as cold above;
+doubled for caches with room). So with spillFit (default) and the KV room in the profile (KV_ROOM, kv_fit.py: produced by
+the group balance with fitKvCapacity) only the cold candidates where the copy fits beside the groups they serve count as cold above;
 where none does the request is not spilled (counted as a spill without room) and the rule above decides: on
 oversubscribed caches the filter then behaves as without spilling, and where caches have room it spills
 (docs/benchmarks.md).

@@ -14,11 +14,11 @@ The whole index is also held under `indexMaxBytes` (flag `kvgate epp --prefix-in
 least recently used entries of the whole index go first, whichever endpoint holds them.
 
 The scoring work (hashes, matches) stays in the cycle state for `pre_request`, which adds the picked endpoint's
-blocks without hashing the prompt again. It is also a PrefixMatchSource (scheduling/prefix_match.py) for
-load-aware plugins, from the same cycle's match:
+blocks without hashing the prompt again. It also produces the cycle's prefix match (PREFIX_MATCH, scheduling/prefix_match.py)
+for load-aware plugins, from the same match:
 
     prompt_tokens      = UTF-8 bytes / CHARS_PER_TOKEN                                  (an estimate)
-    cached_tokens(e)   = min(matched blocks(e) × block characters / CHARS_PER_TOKEN, prompt_tokens)
+    cached(e)          = min(matched blocks(e) × block characters / CHARS_PER_TOKEN, prompt_tokens)
 """
 
 from __future__ import annotations
