@@ -21,8 +21,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--engine-loop", choices=["auto", "thread", "process"], default="auto",
                    help="run the engine loop in its own process or in a thread of the server; auto (default): "
-                        "process for --backend torch (measured: equal or better throughput and lower tail "
-                        "latency, see `kvgate bench engine-loop`), thread for sim (its loop mostly sleeps)")
+                        "process for --backend torch (equal or better throughput and lower tail latency: "
+                        "`kvgate bench engine-loop` compares them), thread for sim (its loop mostly sleeps)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish (new ones get 503, /health "
                         "503) before they are failed and the server exits; 0: at once (vLLM's flag; default 30)")

@@ -410,9 +410,8 @@ def parse_duration(value: Any) -> float:
 # and hot-tenant, where a hot tenant's replica otherwise takes other tenants' cold prompts), and break ties on the
 # TTFT each engine's own latency model predicts (predicted-latency-scorer, learnFrom: engines — the model every
 # kvgate engine fits from the requests it serves and publishes on /metrics; an engine that has not fitted 32 requests
-# yet is predicted by the analytic model, and the EPP logs which per endpoint. It took the place of token-load in
-# seconds on 2026-12-05: level with it or ahead on the tuning shapes in 60 s cells, multi-turn's p90 0.79 s against
-# 0.97 s over three seeds, at the same gateway CPU per request; docs/benchmarks.md). Loads in seconds (loadUnit): in a
+# yet is predicted by the analytic model, and the EPP logs which per endpoint; `kvgate bench routing --shapes tuning
+# --configs kvgate,kvgate-token-load` compares it with token-load in seconds). Loads in seconds (loadUnit): in a
 # pool of mixed hardware each endpoint's load counts by how fast it prefills, as its engine times itself (kvgate
 # bench routing --shapes mixed-hardware; a uniform pool routes exactly as in tokens).
 # Needs the engines' KV events (`kvgate up --profile kvgate` turns them on; in Kubernetes, spec.engine.kvEvents).
