@@ -27,7 +27,7 @@ from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import IncrementalDetokenizer
 from kvgate.common.errors import ConfigError, InvalidRequestError, LoRAError
 from kvgate.engine.kv_cache_manager import KVCacheManager, cdiv
-from kvgate.engine.kv_event_publisher import create_publisher
+from kvgate.engine.kv_event_publisher import create_publisher, kv_events_enabled
 from kvgate.engine.kv_events import KVEventBatch
 from kvgate.engine.lora.manager import LoRAManager
 from kvgate.engine.lora.request import LoRARequest
@@ -161,7 +161,8 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                                max_blocks_per_request=cdiv(self.max_model_len, config.block_size),
-                                               max_requests=config.max_num_seqs)
+                                               max_requests=config.max_num_seqs,
+                                               record_kv_events=kv_events_enabled(config.kv_events_config))
         self.lora = LoRAManager(config.max_loras, config.max_cpu_loras, self.runner.load_lora,
                                 self.runner.set_lora_slot) if config.enable_lora else None
         for lora_id, module in enumerate(config.lora_modules, start=1):
@@ -169,6 +170,8 @@ class LLMEngine:
                 self.lora.add(LoRARequest(module.name, lora_id, module.path, module.base_model_name))
             except LoRAError as exc:
                 raise ConfigError(f"--lora-modules {module.name}={module.path}: {exc}") from None
+        spec = config.speculative_config
+        self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * spec.num_speculative_tokens) if spec else None
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -178,15 +181,12 @@ class LLMEngine:
             policy=config.scheduling_policy,
             lora=self.lora,
             proposer=self._proposer(),
+            spec_stats=self.spec_stats,
+            draft_backoff=DraftBackoff(config.speculative_backoff_threshold, self.spec_stats)
+            if spec and config.speculative_backoff_threshold > 0 else None,
         )
-        self.spec_stats: SpecDecodeStats | None = None
         self.prefill_tokens_computed = 0  # EngineStats' prefill timing
         self.prefill_step_seconds = 0.0
-        if config.speculative_config is not None:
-            self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * config.speculative_config.num_speculative_tokens)
-            self.scheduler.spec_stats = self.spec_stats
-            if config.speculative_backoff_threshold > 0:
-                self.scheduler.draft_backoff = DraftBackoff(config.speculative_backoff_threshold, self.spec_stats)
         self.eos_token_ids = _eos_token_ids(config.model, self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -203,10 +203,8 @@ class LLMEngine:
         self._queued: _QueuedStep | None = None  # async scheduling: the step the device is running
         # Last: it opens sockets, which nothing after it could close if it raised.
         self.kv_event_publisher = create_publisher(config.kv_events_config)
-        if self.kv_event_publisher is not None:
-            self.kv_cache_manager.pool.kv_events = []
-            if not config.enable_prefix_caching:
-                log.warning("KV-cache events are on but prefix caching is off: no block will be announced")
+        if self.kv_event_publisher is not None and not config.enable_prefix_caching:
+            log.warning("KV-cache events are on but prefix caching is off: no block will be announced")
         log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (kv cache dtype %s), max_model_len %d, "
                  "async scheduling %s, speculative decoding %s", self.model_name, self.device, self.dtype, num_blocks,
                  config.block_size, config.kv_cache_dtype, self.max_model_len,
@@ -387,40 +385,48 @@ class LLMEngine:
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Schedule and run one batch; returns an output for every request that got a token, or with final_only
-        (vLLM's RequestOutputKind.FINAL_ONLY, what the offline LLM asks for) only for the samples that finished:
-        building a streaming output per request per step was a quarter of the host time of a 256-sequence decode
-        step on an H200 (`python -m tests.engine.gpu_profile engine` prints it: outputs 1.03 ms of 4 ms).
+        (vLLM's RequestOutputKind.FINAL_ONLY, what the offline LLM asks for) only for the samples that finished,
+        which spares building a streaming output per request per step (`python -m tests.engine.gpu_profile engine`
+        shows what outputs cost a step's host time).
 
         With async scheduling the tokens returned are those of the batch queued by the step before, taken after
-        this step's batch is queued: the host's work on them runs while the device runs this step's batch."""
+        this step's batch is queued: the host's work on them runs while the device runs this step's batch. Without
+        it (or while a request samples from host state), the step before ends before this one is scheduled and this
+        step's batch ends before it returns."""
         started = time.perf_counter()
         self._admit_built_grammars()
         overlap = self.async_scheduling and self.scheduler.num_host_bound == 0
-        outputs = []
-        if self._queued is not None and not overlap:
-            outputs = self._take(final_only)
+        outputs = [] if overlap else self._take(final_only)
+        out = self._schedule()
+        outputs += self._launch(out, final_only)
+        if not overlap:
+            outputs += self._take(final_only)
+        self._count_prefill(out, started)
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
         self._scheduling_failures += out.failed
+        return out
+
+    def _launch(self, out: SchedulerOutput, final_only: bool) -> list[RequestOutput]:
+        """Queue the batch on the device, then take the outputs of the step queued before it (whose sampled ids
+        the new batch's placeholders read on the device). With nothing to run, only those outputs, and the block
+        pool's changes announced."""
         if out.is_empty:
-            if self._queued is not None:  # nothing new (the rest ends with the queued step): take its tokens
-                outputs = self._take(final_only)
+            outputs = self._take(final_only)
             self._publish_kv_events()
             return outputs
         events = self._take_kv_events()
         result = self.runner.launch(out, self._queued.result if self._queued is not None else None)
-        if self._queued is not None:
-            outputs = self._take(final_only)
+        outputs = self._take(final_only)
         self._queued = _QueuedStep(out, result, events)
-        if not overlap:
-            outputs += self._take(final_only)
-        computed = prefill_tokens(out)
-        if computed > 0:  # with async scheduling the wait is for the step before: the same in a steady stream
-            self.prefill_tokens_computed += computed
-            self.prefill_step_seconds += time.perf_counter() - started
         return outputs
 
     def _take(self, final_only: bool) -> list[RequestOutput]:
-        """Wait for the queued step's tokens, put them in place and turn them into outputs."""
+        """Wait for the queued step's tokens (if a step is queued), put them in place and turn them into outputs."""
+        if self._queued is None:
+            return []
         queued, self._queued = self._queued, None
         tokens, logprobs = queued.result.result()
         progressed = self.scheduler.update_from_output(queued.out, tokens)
@@ -433,6 +439,14 @@ class LLMEngine:
             if not final_only or r.is_finished:
                 outputs.append(self._make_output(r, now))
         return outputs
+
+    def _count_prefill(self, out: SchedulerOutput, started: float) -> None:
+        """EngineStats' prefill timing: a step that computed prompt tokens counts whole. With async scheduling the
+        wait in it is for the step before: the same in a steady stream."""
+        computed = prefill_tokens(out)
+        if computed > 0:
+            self.prefill_tokens_computed += computed
+            self.prefill_step_seconds += time.perf_counter() - started
 
     def _take_kv_events(self) -> list:
         return self.kv_cache_manager.pool.take_kv_events() if self.kv_event_publisher is not None else []
