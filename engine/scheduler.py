@@ -312,29 +312,27 @@ class Scheduler:
     def _schedule_running(self, batch: _Batch) -> None:
         """Running requests, oldest first, each with its chunk allocated (or preempted, with what it displaced)."""
         i = 0  # running[i] is the next to schedule; a preempted request before it moves it back one
+        allocate = self.kv.allocate_slots
         while i < len(self.running) and batch.budget > 0:
             request = self.running[i]
-            if self._ends_with_queued_steps(request):
-                i += 1
+            placeholders = request.num_output_placeholders
+            if placeholders and len(request.output_token_ids) + placeholders >= request.output_limit:
+                i += 1  # async scheduling: the tokens its queued steps sample end it (max_tokens, context length)
                 continue
             num_new, draft = self._running_chunk(request, batch.budget)
-            num_new, draft, num_unscheduled = self._allocate_or_preempt(request, num_new, draft, batch)
-            if request.status != RequestStatus.RUNNING:
-                break  # it preempted itself: nothing else fits this step
+            num_unscheduled = 0
+            if allocate(request, num_new) is None:
+                num_new, draft, num_unscheduled = self._make_room(request, num_new, draft, batch)
+                if request.status != RequestStatus.RUNNING:
+                    break  # it preempted itself: nothing else fits this step
             batch.take(request, num_new, draft)
             i += 1 - num_unscheduled
-
-    @staticmethod
-    def _ends_with_queued_steps(request: Request) -> bool:
-        """Async scheduling: the tokens its queued steps sample end it (max_tokens, the context length)."""
-        placeholders = request.num_output_placeholders
-        return bool(placeholders) and len(request.output_token_ids) + placeholders >= request.output_limit
 
     def _running_chunk(self, request: Request, budget: int) -> tuple[int, list[int] | None]:
         """A running request's chunk: the tokens it has not computed (with draft slots after a decode's token when
         it speculates), a prefill's capped by long_prefill_token_threshold, all within the budget."""
         num_new = len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
-        draft = self._reserve_draft(request, budget) if num_new == 1 else None
+        draft = self._reserve_draft(request, budget) if num_new == 1 and self.proposer is not None else None
         if draft:
             num_new += len(draft)
         elif 0 < self.long_prefill_token_threshold < num_new:
@@ -346,31 +344,32 @@ class Scheduler:
         max_tokens or the budget would be computed for nothing. Adaptive drafting (draft_backoff) holds back a
         request whose drafts keep being rejected: they would cost K positions a step for nothing; outputs are the
         same either way."""
-        if (self.proposer is None or request.num_output_placeholders or not speculation_eligible(request)
+        if (request.num_output_placeholders or not speculation_eligible(request)
                 or (self.draft_backoff is not None and not self.draft_backoff.allows(request))):
             return None
         limit = min(budget, request.output_limit - request.num_output_tokens) - 1
         return self.proposer.reserve(request, limit) or None
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, draft: list[int] | None, batch: _Batch
-                             ) -> tuple[int, list[int] | None, int]:
-        """Allocate the chunk's slots. Without room, its drafts go first (a plain decode before anyone is
-        preempted), then the lowest-priority running requests, until it fits or is preempted itself. Returns the
+    def _make_room(self, request: Request, num_new: int, draft: list[int] | None, batch: _Batch
+                   ) -> tuple[int, list[int] | None, int]:
+        """The chunk's slots are not free: its drafts go first (a plain decode before anyone is preempted), then the
+        lowest-priority running requests, until its slots are allocated or it is preempted itself. Returns the
         chunk's (tokens, drafts) and how many requests this step had already scheduled were preempted."""
         num_unscheduled = 0
-        while self.kv.allocate_slots(request, num_new) is None:
+        while True:
             if draft:
                 draft, num_new = None, 1
-                continue
-            victim = self._pick_victim()
-            if victim.request_id in batch.chunks:  # already scheduled this step (priority policy)
-                batch.give_back(victim)
-                num_unscheduled += 1
-            self._preempt(victim)
-            batch.out.preempted.append(victim)
-            if victim is request:
-                break
-        return num_new, draft, num_unscheduled
+            else:
+                victim = self._pick_victim()
+                if victim.request_id in batch.chunks:  # already scheduled this step (priority policy)
+                    batch.give_back(victim)
+                    num_unscheduled += 1
+                self._preempt(victim)
+                batch.out.preempted.append(victim)
+                if victim is request:
+                    return num_new, draft, num_unscheduled
+            if self.kv.allocate_slots(request, num_new) is not None:
+                return num_new, draft, num_unscheduled
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
