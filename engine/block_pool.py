@@ -92,7 +92,7 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, record_kv_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError("the KV block pool needs at least one block")
         self.num_blocks = num_blocks
@@ -100,7 +100,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
-        self.kv_events: list[KVCacheEvent] | None = None  # a list when KV-cache events are on
+        self.kv_events: list[KVCacheEvent] | None = [] if record_kv_events else None  # recorded since taken
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         events = self.kv_events

@@ -31,10 +31,10 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 max_blocks_per_request: int = 64, max_requests: int = 64) -> None:
+                 max_blocks_per_request: int = 64, max_requests: int = 64, record_kv_events: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, record_kv_events)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same block ids as rows of one array (block_table.py), for the runner's step inputs; sized for the
         # expected requests and lengths (it grows past them).

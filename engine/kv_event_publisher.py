@@ -297,8 +297,11 @@ class ZmqKVEventPublisher:
         self._ctx.term()
 
 
+def kv_events_enabled(config: KVEventsConfig | None) -> bool:
+    """Whether KV-cache events are published (publisher "zmq"): only then does the block pool record them."""
+    return config is not None and config.enabled
+
+
 def create_publisher(config: KVEventsConfig | None) -> ZmqKVEventPublisher | None:
-    """A publisher when events are on (publisher "zmq"); None otherwise (the pool then records nothing)."""
-    if config is None or not config.enabled:
-        return None
-    return ZmqKVEventPublisher(config)
+    """A publisher when events are on (kv_events_enabled); None otherwise."""
+    return ZmqKVEventPublisher(config) if kv_events_enabled(config) else None

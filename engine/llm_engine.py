@@ -27,7 +27,7 @@ from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import IncrementalDetokenizer
 from kvgate.common.errors import ConfigError, InvalidRequestError, LoRAError
 from kvgate.engine.kv_cache_manager import KVCacheManager, cdiv
-from kvgate.engine.kv_event_publisher import create_publisher
+from kvgate.engine.kv_event_publisher import create_publisher, kv_events_enabled
 from kvgate.engine.kv_events import KVEventBatch
 from kvgate.engine.lora.manager import LoRAManager
 from kvgate.engine.lora.request import LoRARequest
@@ -161,32 +161,15 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                                max_blocks_per_request=cdiv(self.max_model_len, config.block_size),
-                                               max_requests=config.max_num_seqs)
-        self.lora = LoRAManager(config.max_loras, config.max_cpu_loras, self.runner.load_lora,
-                                self.runner.set_lora_slot) if config.enable_lora else None
-        for lora_id, module in enumerate(config.lora_modules, start=1):
-            try:
-                self.lora.add(LoRARequest(module.name, lora_id, module.path, module.base_model_name))
-            except LoRAError as exc:
-                raise ConfigError(f"--lora-modules {module.name}={module.path}: {exc}") from None
-        self.scheduler = Scheduler(
-            self.kv_cache_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            policy=config.scheduling_policy,
-            lora=self.lora,
-            proposer=self._proposer(),
-        )
-        self.spec_stats: SpecDecodeStats | None = None
+                                               max_requests=config.max_num_seqs,
+                                               record_kv_events=kv_events_enabled(config.kv_events_config))
+        self.lora = self._build_lora()
+        spec = config.speculative_config
+        self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * spec.num_speculative_tokens) \
+            if spec is not None else None
+        self.scheduler = self._build_scheduler()
         self.prefill_tokens_computed = 0  # EngineStats' prefill timing
         self.prefill_step_seconds = 0.0
-        if config.speculative_config is not None:
-            self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * config.speculative_config.num_speculative_tokens)
-            self.scheduler.spec_stats = self.spec_stats
-            if config.speculative_backoff_threshold > 0:
-                self.scheduler.draft_backoff = DraftBackoff(config.speculative_backoff_threshold, self.spec_stats)
         self.eos_token_ids = _eos_token_ids(config.model, self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -203,14 +186,41 @@ class LLMEngine:
         self._queued: _QueuedStep | None = None  # async scheduling: the step the device is running
         # Last: it opens sockets, which nothing after it could close if it raised.
         self.kv_event_publisher = create_publisher(config.kv_events_config)
-        if self.kv_event_publisher is not None:
-            self.kv_cache_manager.pool.kv_events = []
-            if not config.enable_prefix_caching:
-                log.warning("KV-cache events are on but prefix caching is off: no block will be announced")
+        if self.kv_event_publisher is not None and not config.enable_prefix_caching:
+            log.warning("KV-cache events are on but prefix caching is off: no block will be announced")
         log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (kv cache dtype %s), max_model_len %d, "
                  "async scheduling %s, speculative decoding %s", self.model_name, self.device, self.dtype, num_blocks,
                  config.block_size, config.kv_cache_dtype, self.max_model_len,
                  "on" if self.async_scheduling else "off", self._speculation_summary())
+
+    def _build_lora(self) -> LoRAManager | None:
+        """The adapters' runner slots (None: LoRA off), with --lora-modules' adapters registered."""
+        config = self.config
+        lora = LoRAManager(config.max_loras, config.max_cpu_loras, self.runner.load_lora,
+                           self.runner.set_lora_slot) if config.enable_lora else None
+        for lora_id, module in enumerate(config.lora_modules, start=1):
+            try:
+                lora.add(LoRARequest(module.name, lora_id, module.path, module.base_model_name))
+            except LoRAError as exc:
+                raise ConfigError(f"--lora-modules {module.name}={module.path}: {exc}") from None
+        return lora
+
+    def _build_scheduler(self) -> Scheduler:
+        config = self.config
+        backoff = config.speculative_backoff_threshold
+        return Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            policy=config.scheduling_policy,
+            lora=self.lora,
+            proposer=self._proposer(),
+            spec_stats=self.spec_stats,
+            draft_backoff=DraftBackoff(backoff, self.spec_stats)
+            if self.spec_stats is not None and backoff > 0 else None,
+        )
 
     def _speculation_summary(self) -> str:
         config = self.config
@@ -277,6 +287,25 @@ class LLMEngine:
             raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} is not loaded", param="model")
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._prompt_token_ids(prompt)
+        params = self._request_params(params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        # Build every child before registering any: a failure here leaves nothing
+        # behind — no parent, no sibling generating for nobody.
+        children = [(child_id, index, self._child_request(child_id, index, token_ids, params, arrival, priority,
+                                                          cache_salt, lora_request, block_hashes))
+                    for index, child_id in enumerate(child_ids)]
+        self._parents[request_id] = _Parent(text, token_ids, child_ids)
+        if params.structured_outputs is not None:
+            # Built off this loop, once for all n samples; scheduled when ready (vLLM's WAITING_FOR_FSM).
+            self._grammar_builds[request_id] = (self.structured_outputs.submit(params.structured_outputs), children)
+            return token_ids
+        self._schedule_children(request_id, children)
+        return token_ids
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(the prompt's text or None, its token ids), checked to fit the vocabulary and leave room to generate."""
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenize(prompt)
         else:
@@ -293,6 +322,10 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but the model's context length is {self.max_model_len} "
                 "(max_model_len), which leaves no room to generate"
             )
+        return text, token_ids
+
+    def _request_params(self, params: SamplingParams) -> SamplingParams:
+        """The request's sampling parameters, checked against this model's vocabulary, with its EOS ids."""
         params.validate()
         # Ids past the vocabulary would index out of the logits inside a step (killing the loop for everyone).
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -305,30 +338,18 @@ class LLMEngine:
                                       f"[0, {self.vocab_size})", param="logit_bias")
         # A top_k past the vocabulary keeps every token: the same as off (and never overflows a tensor).
         top_k = 0 if params.top_k >= self.vocab_size else params.top_k
-        params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids, top_k=top_k)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        # Build every child before registering any: a failure here leaves nothing
-        # behind — no parent, no sibling generating for nobody.
-        children = []
-        for index, child_id in enumerate(child_ids):
-            child_params = params
-            if params.n > 1:
-                child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
-            request = Request(child_id, token_ids, child_params, arrival_time=arrival, priority=priority,
-                              cache_salt=cache_salt, lora_request=lora_request, max_model_len=self.max_model_len,
-                              sample_index=index)
-            if block_hashes:
-                request.block_hashes = list(block_hashes)
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, child_params, token_ids)
-            children.append((child_id, index, request))
-        self._parents[request_id] = _Parent(text, token_ids, child_ids)
-        if params.structured_outputs is not None:
-            # Built off this loop, once for all n samples; scheduled when ready (vLLM's WAITING_FOR_FSM).
-            self._grammar_builds[request_id] = (self.structured_outputs.submit(params.structured_outputs), children)
-            return token_ids
-        self._schedule_children(request_id, children)
-        return token_ids
+        return dataclasses.replace(params, eos_token_ids=self.eos_token_ids, top_k=top_k)
+
+    def _child_request(self, child_id: str, index: int, token_ids: list[int], params: SamplingParams,
+                       arrival: float, priority: int, cache_salt: str | None, lora_request: LoRARequest | None,
+                       block_hashes: list[bytes] | None) -> Request:
+        """Sample `index` of a request: with n > 1 a request of its own, seeded seed + index."""
+        if params.n > 1:
+            params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+        return Request(child_id, token_ids, params, arrival_time=arrival, priority=priority, cache_salt=cache_salt,
+                       lora_request=lora_request, max_model_len=self.max_model_len, sample_index=index,
+                       block_hashes=list(block_hashes or ()),
+                       detokenizer=IncrementalDetokenizer(self.tokenizer, params, token_ids))
 
     def _schedule_children(self, request_id: str, children) -> None:
         for child_id, index, request in children:
@@ -387,40 +408,48 @@ class LLMEngine:
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Schedule and run one batch; returns an output for every request that got a token, or with final_only
-        (vLLM's RequestOutputKind.FINAL_ONLY, what the offline LLM asks for) only for the samples that finished:
-        building a streaming output per request per step was a quarter of the host time of a 256-sequence decode
-        step on an H200 (`python -m tests.engine.gpu_profile engine` prints it: outputs 1.03 ms of 4 ms).
+        (vLLM's RequestOutputKind.FINAL_ONLY, what the offline LLM asks for) only for the samples that finished,
+        which spares building a streaming output per request per step (`python -m tests.engine.gpu_profile engine`
+        shows what outputs cost a step's host time).
 
         With async scheduling the tokens returned are those of the batch queued by the step before, taken after
-        this step's batch is queued: the host's work on them runs while the device runs this step's batch."""
+        this step's batch is queued: the host's work on them runs while the device runs this step's batch. Without
+        it (or while a request samples from host state), the step before ends before this one is scheduled and this
+        step's batch ends before it returns."""
         started = time.perf_counter()
         self._admit_built_grammars()
         overlap = self.async_scheduling and self.scheduler.num_host_bound == 0
-        outputs = []
-        if self._queued is not None and not overlap:
-            outputs = self._take(final_only)
+        outputs = [] if overlap else self._take(final_only)
+        out = self._schedule()
+        outputs += self._launch(out, final_only)
+        if not overlap:
+            outputs += self._take(final_only)
+        self._count_prefill(out, started)
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
         self._scheduling_failures += out.failed
+        return out
+
+    def _launch(self, out: SchedulerOutput, final_only: bool) -> list[RequestOutput]:
+        """Queue the batch on the device, then take the outputs of the step queued before it (whose sampled ids
+        the new batch's placeholders read on the device). With nothing to run, only those outputs, and the block
+        pool's changes announced."""
         if out.is_empty:
-            if self._queued is not None:  # nothing new (the rest ends with the queued step): take its tokens
-                outputs = self._take(final_only)
+            outputs = self._take(final_only)
             self._publish_kv_events()
             return outputs
         events = self._take_kv_events()
         result = self.runner.launch(out, self._queued.result if self._queued is not None else None)
-        if self._queued is not None:
-            outputs = self._take(final_only)
+        outputs = self._take(final_only)
         self._queued = _QueuedStep(out, result, events)
-        if not overlap:
-            outputs += self._take(final_only)
-        computed = prefill_tokens(out)
-        if computed > 0:  # with async scheduling the wait is for the step before: the same in a steady stream
-            self.prefill_tokens_computed += computed
-            self.prefill_step_seconds += time.perf_counter() - started
         return outputs
 
     def _take(self, final_only: bool) -> list[RequestOutput]:
-        """Wait for the queued step's tokens, put them in place and turn them into outputs."""
+        """Wait for the queued step's tokens (if a step is queued), put them in place and turn them into outputs."""
+        if self._queued is None:
+            return []
         queued, self._queued = self._queued, None
         tokens, logprobs = queued.result.result()
         progressed = self.scheduler.update_from_output(queued.out, tokens)
@@ -433,6 +462,14 @@ class LLMEngine:
             if not final_only or r.is_finished:
                 outputs.append(self._make_output(r, now))
         return outputs
+
+    def _count_prefill(self, out: SchedulerOutput, started: float) -> None:
+        """EngineStats' prefill timing: a step that computed prompt tokens counts whole. With async scheduling the
+        wait in it is for the step before: the same in a steady stream."""
+        computed = prefill_tokens(out)
+        if computed > 0:
+            self.prefill_tokens_computed += computed
+            self.prefill_step_seconds += time.perf_counter() - started
 
     def _take_kv_events(self) -> list:
         return self.kv_cache_manager.pool.take_kv_events() if self.kv_event_publisher is not None else []

@@ -6,11 +6,9 @@ requests are admitted while the budget, `max_num_seqs` and free KV blocks allow.
 prefill chunks share a batch. When a running request cannot get a block, the lowest-priority (newest)
 running request is preempted: its blocks are freed and it is recomputed later.
 
-The scheduler also keeps `num_prefill_tokens_pending` (exported as `kvgate:num_prefill_tokens_pending`, the
-prefill backlog a router weighs): the sum of `prefill_tokens_pending(r)` over every waiting and running
-request, kept exact by adjusting it wherever a request's computed tokens, tokens or queue change (O(1) per
-change: a recount over 1024 waiting + 128 running requests took 0.7 ms per step on a 2-core machine, over
-10% of a 6 ms sim step).
+The scheduler also keeps the prefill backlog (`PrefillBacklog`, exported as `kvgate:num_prefill_tokens_pending`,
+what a router weighs): the sum of `prefill_tokens_pending(r)` over every waiting and running request, kept exact by
+adjusting it wherever a request's computed tokens, tokens or queue change, so reading it never walks the queues.
 
 Scheduling a chunk advances the request's `num_computed_tokens` at once (vLLM V1's order), and a chunk that samples
 adds an output placeholder that the step's update replaces with the token. With async scheduling (vLLM's
@@ -33,7 +31,7 @@ from kvgate.common.errors import LoRAError
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.lora.manager import LoRAManager
 from kvgate.engine.request import Request, RequestStatus
-from kvgate.engine.spec_decode import speculation_eligible
+from kvgate.engine.spec_decode import DraftBackoff, SpecDecodeStats, speculation_eligible
 
 
 def prefill_tokens_pending(request: Request) -> int:
@@ -45,9 +43,9 @@ def prefill_tokens_pending(request: Request) -> int:
     last output token, which is its next decode token. A request that is decoding has 0.
 
     Why the cache at arrival counts for a waiting request: a router weighs this backlog as the work between a new
-    request and its first token (the EPP's affinity filter leaves a warm replica when it is too long). Counted
-    whole, a replica serving one tenant with three cached requests waiting (2300 prompt tokens each, 100 uncached)
-    reported 6900 tokens, ~1.4 s of prefill on `kvgate bench routing`'s sim engines, where ~0.06 s was left.
+    request and its first token (the EPP's affinity filter leaves a warm replica when it is too long). Counting a
+    waiting request's prompt whole would report the tokens its cached prefix already holds as work to do, so a replica
+    serving one tenant's mostly cached prompts would look far busier than it is.
     """
     decode = 1 if request.output_token_ids or request.num_output_placeholders else 0
     computed = request.num_computed_tokens
@@ -156,6 +154,64 @@ class PriorityQueue:
 WAITING_QUEUES = {"fcfs": FCFSQueue, "priority": PriorityQueue}
 
 
+class PrefillBacklog:
+    """The sum of prefill_tokens_pending() over the scheduler's waiting and running requests (the one place it is
+    kept): a request counts from add() to remove(), and every change to one that it counts for is made inside
+    `with backlog.change(request):`, which adds the difference. O(1) a change, where a recount would walk every
+    request each time the backlog is read."""
+
+    __slots__ = ("total",)
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def add(self, request: Request) -> None:
+        self.total += prefill_tokens_pending(request)
+
+    def remove(self, request: Request) -> None:
+        self.total -= prefill_tokens_pending(request)
+
+    def change(self, request: Request) -> _BacklogChange:
+        return _BacklogChange(self, request)
+
+
+class _BacklogChange:
+    """`with PrefillBacklog.change(request):` the request's backlog before the block, the difference added after."""
+
+    __slots__ = ("backlog", "request", "before")
+
+    def __init__(self, backlog: PrefillBacklog, request: Request) -> None:
+        self.backlog, self.request = backlog, request
+
+    def __enter__(self) -> None:
+        self.before = prefill_tokens_pending(self.request)
+
+    def __exit__(self, *exc) -> None:
+        self.backlog.total += prefill_tokens_pending(self.request) - self.before
+
+
+@dataclass(eq=False)
+class _Batch:
+    """What one schedule() call has chosen so far: each request's chunk, the drafts after it, the budget left."""
+
+    out: SchedulerOutput
+    budget: int  # tokens still free in this step's batch
+    chunks: dict[str, int] = field(default_factory=dict)  # request id -> tokens scheduled this step
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> draft tokens after its last token
+    draft_probs: dict[str, object] = field(default_factory=dict)  # request id -> q of a draft model's drafts
+
+    def take(self, request: Request, num_new: int, draft: list[int] | None = None) -> None:
+        self.chunks[request.request_id] = num_new
+        if draft:
+            self.drafts[request.request_id] = draft
+        self.budget -= num_new
+
+    def give_back(self, request: Request) -> None:
+        """A request taken earlier in this step was preempted: its chunk's tokens are free again."""
+        self.budget += self.chunks.pop(request.request_id)
+        self.drafts.pop(request.request_id, None)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -167,12 +223,14 @@ class Scheduler:
         policy: str = "fcfs",
         lora: LoRAManager | None = None,
         proposer=None,
+        spec_stats: SpecDecodeStats | None = None,
+        draft_backoff: DraftBackoff | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         # spec_decode.Proposer (n-grams or a draft model): drafts for decoding requests; None = no speculation
         self.proposer = proposer
-        self.spec_stats = None  # spec_decode.SpecDecodeStats when speculating (the engine sets it)
-        self.draft_backoff = None  # spec_decode.DraftBackoff: pauses drafting for requests whose drafts fail
+        self.spec_stats = spec_stats  # counts drafts and accepted tokens when speculating
+        self.draft_backoff = draft_backoff  # pauses drafting for requests whose drafts keep being rejected
         self.lora = lora  # with LoRA on: a waiting request is admitted only once its adapter holds a slot
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -187,7 +245,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.num_prefill_tokens_pending = 0  # sum of prefill_tokens_pending() over waiting + running
+        self.backlog = PrefillBacklog()
         self.num_host_bound = 0  # unfinished requests for which samples_from_host_state is true
 
     # -- queue management -------------------------------------------------------------------------
@@ -196,29 +254,33 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         request.status = RequestStatus.WAITING
-        # hashes the prompt's blocks now rather than at admission (kept on the request): ~1.8 µs a block, 256 µs for
-        # a 2304-token prompt on the 2-core dev machine (KVCacheManager.get_computed_blocks, block size 16); the
-        # lookup that admission repeats then costs ~1.5 µs when the first block misses
+        # Hashes the prompt's blocks now, kept on the request, so admission's lookup only repeats the table lookups;
+        # what the cache holds now is also what the backlog leaves out while the request waits.
         request.num_cached_on_arrival = self.kv.get_computed_blocks(request)[1]
         self.requests[request.request_id] = request
         self.waiting.add(request)
-        self.num_prefill_tokens_pending += prefill_tokens_pending(request)
+        self.backlog.add(request)
         self.num_host_bound += samples_from_host_state(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (stop string, abort) a request wherever it is; frees its blocks."""
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return None
-        self.num_prefill_tokens_pending -= prefill_tokens_pending(request)
+        self._remove(request, running=request.status == RequestStatus.RUNNING)
+        request.status = status
+        return request
+
+    def _remove(self, request: Request, running: bool) -> None:
+        """Take an ending request out of the scheduler (its queue, the backlog) and free its blocks."""
+        self.requests.pop(request.request_id, None)
+        self.backlog.remove(request)
         self.num_host_bound -= samples_from_host_state(request)
-        if request.status == RequestStatus.RUNNING:
+        if running:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        request.status = status
         self.kv.free(request)
-        return request
 
     @property
     def num_waiting(self) -> int:
@@ -228,10 +290,86 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_prefill_tokens_pending(self) -> int:
+        return self.backlog.total
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # -- one step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """One step's batch: running requests first, then waiting ones while the budget, max_num_seqs and free KV
+        blocks allow; each chosen chunk then advances its request (the module docstring says how)."""
+        batch = _Batch(SchedulerOutput(block_table=self.kv.block_table), self.max_num_batched_tokens)
+        self._schedule_running(batch)
+        self._fill_drafts(batch)
+        self._admit_waiting(batch)
+        self._advance_scheduled(batch)
+        return batch.out
+
+    def _schedule_running(self, batch: _Batch) -> None:
+        """Running requests, oldest first, each with its chunk allocated (or preempted, with what it displaced)."""
+        i = 0  # running[i] is the next to schedule; a preempted request before it moves it back one
+        allocate = self.kv.allocate_slots
+        while i < len(self.running) and batch.budget > 0:
+            request = self.running[i]
+            placeholders = request.num_output_placeholders
+            if placeholders and len(request.output_token_ids) + placeholders >= request.output_limit:
+                i += 1  # async scheduling: the tokens its queued steps sample end it (max_tokens, context length)
+                continue
+            num_new, draft = self._running_chunk(request, batch.budget)
+            num_unscheduled = 0
+            if allocate(request, num_new) is None:
+                num_new, draft, num_unscheduled = self._make_room(request, num_new, draft, batch)
+                if request.status != RequestStatus.RUNNING:
+                    break  # it preempted itself: nothing else fits this step
+            batch.take(request, num_new, draft)
+            i += 1 - num_unscheduled
+
+    def _running_chunk(self, request: Request, budget: int) -> tuple[int, list[int] | None]:
+        """A running request's chunk: the tokens it has not computed (with draft slots after a decode's token when
+        it speculates), a prefill's capped by long_prefill_token_threshold, all within the budget."""
+        num_new = len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
+        draft = self._reserve_draft(request, budget) if num_new == 1 and self.proposer is not None else None
+        if draft:
+            num_new += len(draft)
+        elif 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        return min(num_new, budget), draft
+
+    def _reserve_draft(self, request: Request, budget: int) -> list[int] | None:
+        """The proposer's phase one (spec_decode.Proposer) for a decode: its draft slots, or None. Drafts past
+        max_tokens or the budget would be computed for nothing. Adaptive drafting (draft_backoff) holds back a
+        request whose drafts keep being rejected: they would cost K positions a step for nothing; outputs are the
+        same either way."""
+        if (request.num_output_placeholders or not speculation_eligible(request)
+                or (self.draft_backoff is not None and not self.draft_backoff.allows(request))):
+            return None
+        limit = min(budget, request.output_limit - request.num_output_tokens) - 1
+        return self.proposer.reserve(request, limit) or None
+
+    def _make_room(self, request: Request, num_new: int, draft: list[int] | None, batch: _Batch
+                   ) -> tuple[int, list[int] | None, int]:
+        """The chunk's slots are not free: its drafts go first (a plain decode before anyone is preempted), then the
+        lowest-priority running requests, until its slots are allocated or it is preempted itself. Returns the
+        chunk's (tokens, drafts) and how many requests this step had already scheduled were preempted."""
+        num_unscheduled = 0
+        while True:
+            if draft:
+                draft, num_new = None, 1
+            else:
+                victim = self._pick_victim()
+                if victim.request_id in batch.chunks:  # already scheduled this step (priority policy)
+                    batch.give_back(victim)
+                    num_unscheduled += 1
+                self._preempt(victim)
+                batch.out.preempted.append(victim)
+                if victim is request:
+                    return num_new, draft, num_unscheduled
+            if self.kv.allocate_slots(request, num_new) is not None:
+                return num_new, draft, num_unscheduled
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -242,156 +380,120 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
-        before = prefill_tokens_pending(victim)
-        victim.num_computed_tokens = 0
-        victim.num_output_placeholders = 0  # a queued step's token for it is appended as it comes (update_from_output)
-        self.num_prefill_tokens_pending += prefill_tokens_pending(victim) - before
+        with self.backlog.change(victim):
+            victim.num_computed_tokens = 0
+            victim.num_output_placeholders = 0  # a queued step's token for it is appended as it comes
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(victim, front=True)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(block_table=self.kv.block_table)
-        budget = self.max_num_batched_tokens
-        chunk: dict[str, int] = {}  # request id -> tokens scheduled this step
-        drafts: dict[str, list[int]] = {}  # request id -> draft tokens scheduled after its last token
-        proposer, backoff = self.proposer, self.draft_backoff
+    def _fill_drafts(self, batch: _Batch) -> None:
+        """The proposer's phase two, for all of the step's drafting requests at once, their chunks sized and
+        allocated (a draft model drafts here, into slots those chunks cover; n-gram drafts are already made)."""
+        if not batch.drafts:
+            return
+        ids = list(batch.drafts)
+        proposed = self.proposer.fill([self.requests[rid] for rid in ids], [batch.drafts[rid] for rid in ids],
+                                      self.kv.block_table)
+        for rid, (tokens, q) in zip(ids, proposed):
+            batch.drafts[rid] = tokens
+            if q is not None:
+                batch.draft_probs[rid] = q
 
-        # 1. Running requests, oldest first.
-        i = 0
-        allocate = self.kv.allocate_slots
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            placeholders = request.num_output_placeholders
-            if placeholders and len(request.output_token_ids) + placeholders >= request.output_limit:
-                i += 1  # async scheduling: the tokens its running steps sample end it (max_tokens, context length)
-                continue
-            num_new = len(request.all_token_ids) + placeholders - request.num_computed_tokens
-            draft = None
-            # Adaptive drafting (backoff) holds back a request whose drafts keep being rejected: they would cost
-            # K positions a step for nothing (spec_decode.DraftBackoff); outputs are the same either way.
-            if (proposer is not None and num_new == 1 and not placeholders and speculation_eligible(request)
-                    and (backoff is None or backoff.allows(request))):
-                # The proposer's phase one (spec_decode.Proposer). Drafts past max_tokens or the budget would be
-                # computed for nothing.
-                draft = proposer.reserve(request,
-                                         min(budget, request.output_limit - request.num_output_tokens) - 1) or None
-                if draft:
-                    num_new += len(draft)
-            if 0 < self.long_prefill_token_threshold < num_new and not draft:
-                num_new = self.long_prefill_token_threshold
-            if num_new > budget:
-                num_new = budget
-            while True:
-                if allocate(request, num_new) is not None:
-                    break
-                if draft:  # no room for the drafts: a plain decode before anyone is preempted
-                    draft, num_new = None, 1
-                    continue
-                victim = self._pick_victim()
-                if victim.request_id in chunk:  # already scheduled this step (priority policy)
-                    budget += chunk.pop(victim.request_id)
-                    drafts.pop(victim.request_id, None)
-                    i -= 1
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            if request.status != RequestStatus.RUNNING:
-                break  # it preempted itself: nothing else fits this step
-            chunk[request.request_id] = num_new
-            if draft:
-                drafts[request.request_id] = draft
-            budget -= num_new
-            i += 1
-        draft_probs = {}
-        if drafts:
-            # The proposer's phase two, for all of the step's drafting requests at once, their chunks sized and
-            # allocated above (a draft model drafts here, into slots those chunks cover; ngram's are already made).
-            ids = list(drafts)
-            proposed = proposer.fill([self.requests[rid] for rid in ids], [drafts[rid] for rid in ids],
-                                     self.kv.block_table)
-            for rid, (tokens, q) in zip(ids, proposed):
-                drafts[rid] = tokens
-                if q is not None:
-                    draft_probs[rid] = q
-
-        # 2. Waiting requests, unless this step had to preempt (memory is tight). One whose adapter cannot get a
-        # slot (all hold adapters with running requests) waits without holding up those behind it.
+    def _admit_waiting(self, batch: _Batch) -> None:
+        """Waiting requests in the queue's order, unless this step had to preempt (memory is tight). One whose
+        adapter cannot get a slot (all hold adapters with running requests) waits without holding up those behind
+        it."""
         if self.lora is not None and self.lora.retired:
             self.lora.drop_retired(self.adapters_in_use())
+        if batch.out.preempted:
+            return
         skipped: list[Request] = []
-        while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while len(self.waiting) and batch.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if request.lora_request is not None:
-                try:
-                    slot = self.lora.make_resident(
-                        request.lora_request, {r.lora_request.lora_int_id for r in self.running if r.lora_request})
-                except LoRAError as exc:  # its host copy was dropped and its folder no longer loads
-                    self.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
-                    out.failed.append((request, exc))
-                    continue
-                if slot is None:
-                    skipped.append(self.waiting.pop())
-                    continue
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
-            if 0 < self.long_prefill_token_threshold < num_new:
-                num_new = self.long_prefill_token_threshold
-            if num_new > budget and not self.enable_chunked_prefill:
+            if request.lora_request is not None and not self._adapter_resident(request, batch, skipped):
+                continue
+            if not self._admit(request, batch):
                 break
-            num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
-                break
-            self.waiting.pop()
-            if request.num_preemptions == 0:
-                self.kv.record_prefix_query(request.num_tokens, num_hit)
-                request.num_cached_tokens = num_hit
-            before = prefill_tokens_pending(request)
-            request.num_computed_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
-            if request.scheduled_time is None:
-                request.scheduled_time = time.monotonic()
-            self.running.append(request)
-            chunk[request.request_id] = num_new
-            budget -= num_new
-
-        out.has_drafts = bool(drafts)
         for request in reversed(skipped):  # back in their places
             self.waiting.add(request, front=True)
-        scheduled, rows = out.scheduled, self.kv.block_table.row_of
+
+    def _adapter_resident(self, request: Request, batch: _Batch, skipped: list[Request]) -> bool:
+        """Whether the waiting request's adapter holds a runner slot (loading it into one if it can). If not, the
+        request is set aside in `skipped`, or ended (batch.out.failed) when its adapter no longer loads."""
+        in_use = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        try:
+            slot = self.lora.make_resident(request.lora_request, in_use)
+        except LoRAError as exc:  # its host copy was dropped and its folder no longer loads
+            self.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+            batch.out.failed.append((request, exc))
+            return False
+        if slot is None:
+            skipped.append(self.waiting.pop())
+            return False
+        return True
+
+    def _admit(self, request: Request, batch: _Batch) -> bool:
+        """Move the waiting request at the queue's head to running with its first chunk after its cached prefix;
+        False (it stays) when the chunk does not fit the budget without chunked prefill, or its blocks are not free."""
+        hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit
+        if 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        if num_new > batch.budget and not self.enable_chunked_prefill:
+            return False
+        num_new = min(num_new, batch.budget)
+        if self.kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+            return False
+        self.waiting.pop()
+        if request.num_preemptions == 0:
+            self.kv.record_prefix_query(request.num_tokens, num_hit)
+            request.num_cached_tokens = num_hit
+        with self.backlog.change(request):
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
+        self.running.append(request)
+        batch.take(request, num_new)
+        return True
+
+    def _advance_scheduled(self, batch: _Batch) -> None:
+        """The batch's ScheduledRequests in running order, each request advanced past its chunk, and the runner
+        slots of their adapters."""
+        out, rows = batch.out, self.kv.block_table.row_of
         for request in self.running:
-            num_new = chunk.get(request.request_id)
+            num_new = batch.chunks.get(request.request_id)
             if num_new is None:
                 continue
-            # The chunk, with the request's computed tokens advanced past it and a placeholder for what it samples.
-            start = request.num_computed_tokens
-            draft = drafts.get(request.request_id) if drafts else None
-            samples = start + num_new == len(request.all_token_ids) + request.num_output_placeholders
-            if draft is not None:  # its last token and the drafts; rolled back to what is accepted (update)
-                before = prefill_tokens_pending(request)
-                request.num_computed_tokens = start + num_new
-                request.num_output_placeholders += 1
-                self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
-                samples = True
-            elif num_new == 1 and samples and (request.output_token_ids or request.num_output_placeholders):
-                # A decode (one token after earlier output) has no prefill backlog before or after: the common
-                # case of a full batch skips the bookkeeping.
-                request.num_computed_tokens = start + 1
-                request.num_output_placeholders += 1
-            else:
-                before = prefill_tokens_pending(request)
-                request.num_computed_tokens = start + num_new
-                if samples:
-                    request.num_output_placeholders += 1
-                self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
-            scheduled.append(ScheduledRequest(request, num_new, rows[request.request_id], start, samples, draft,
-                                              draft_probs.get(request.request_id) if draft_probs else None))
+            draft = batch.drafts.get(request.request_id)
+            start, samples = self._advance(request, num_new, draft)
+            out.scheduled.append(ScheduledRequest(request, num_new, rows[request.request_id], start, samples, draft,
+                                                  batch.draft_probs.get(request.request_id)))
             if request.lora_request is not None:
                 lora_id = request.lora_request.lora_int_id
                 out.lora_slots[lora_id] = self.lora.slot_of(lora_id)
-        return out
+        out.has_drafts = bool(batch.drafts)
+
+    def _advance(self, request: Request, num_new: int, draft: list[int] | None) -> tuple[int, bool]:
+        """Advance the request's computed tokens past its chunk, with a placeholder for the token the chunk samples
+        (one that carries drafts always samples: its last token and the drafts, rolled back to what is accepted in
+        update_from_output). Returns (the chunk's start, whether it samples)."""
+        start = request.num_computed_tokens
+        samples = draft is not None or start + num_new == len(request.all_token_ids) + request.num_output_placeholders
+        if draft is None and num_new == 1 and samples and (request.output_token_ids or request.num_output_placeholders):
+            # A decode (one token after earlier output) has no prefill backlog before or after: the common case of a
+            # full batch skips the bookkeeping.
+            request.num_computed_tokens = start + 1
+            request.num_output_placeholders += 1
+            return start, samples
+        with self.backlog.change(request):
+            request.num_computed_tokens = start + num_new
+            if samples:
+                request.num_output_placeholders += 1
+        return start, samples
+
+    # -- after a step -----------------------------------------------------------------------------
 
     def adapters_in_use(self) -> set[int]:
         """Ids of the adapters of every unfinished request."""
@@ -416,9 +518,9 @@ class Scheduler:
             if not s.samples or request.status >= FINISHED:
                 continue
             token = sampled[request.request_id]  # a runner samples every row whose chunk samples
+            progressed.append(request)
             if s.draft is not None:
                 self._update_speculated(s, token)
-                progressed.append(request)
                 continue
             request.num_step_tokens = 1
             running = request.status == RUNNING
@@ -427,23 +529,11 @@ class Scheduler:
                 request.output_token_ids.append(token)  # in place of its placeholder: the backlog does not change
                 request.all_token_ids.append(token)
             else:  # preempted while the step ran: one more token to recompute
-                before = prefill_tokens_pending(request)
-                request.append_output_token(token)
-                self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
-            progressed.append(request)
+                with self.backlog.change(request):
+                    request.append_output_token(token)
             if request.check_stop():
-                self._finished(request, running)
+                self._remove(request, running)
         return progressed
-
-    def _finished(self, request: Request, running: bool) -> None:
-        self.num_prefill_tokens_pending -= prefill_tokens_pending(request)
-        self.num_host_bound -= samples_from_host_state(request)
-        self.requests.pop(request.request_id, None)
-        if running:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        self.kv.free(request)
 
     def _update_speculated(self, s: ScheduledRequest, tokens: list[int]) -> None:
         """A speculating request's step: `tokens` are its accepted drafts and the target's next token. Its computed
@@ -457,18 +547,17 @@ class Scheduler:
             self.spec_stats.record(len(s.draft), accepted)
         if self.draft_backoff is not None:
             self.draft_backoff.record(request, accepted)
-        before = prefill_tokens_pending(request)
-        request.num_output_placeholders -= 1
-        request.num_computed_tokens -= len(s.draft) - accepted
         finished = False
-        for n, token in enumerate(tokens, start=1):
-            request.append_output_token(token)
-            if request.check_stop():
-                finished = True
-                break
-        request.num_step_tokens = n
-        self.num_prefill_tokens_pending += prefill_tokens_pending(request) - before
+        with self.backlog.change(request):
+            request.num_output_placeholders -= 1
+            request.num_computed_tokens -= len(s.draft) - accepted
+            for n, token in enumerate(tokens, start=1):
+                request.append_output_token(token)
+                if request.check_stop():
+                    finished = True
+                    break
+            request.num_step_tokens = n
         if finished:
-            self._finished(request, True)
+            self._remove(request, running=True)
         else:
             self.kv.trim(request, request.num_tokens)
