@@ -1,4 +1,4 @@
-"""The EPP's KV-event subscriber against a hostile publisher (issue 20, item 5): real ZeroMQ PUB sockets speaking
+"""The EPP's KV-event subscriber against a hostile publisher: real ZeroMQ PUB sockets speaking
 vLLM's wire format send malformed batches (a list parent hash, a non-int or >= 2^63 token id, garbage msgpack,
 an oversized message, a stream of LoRA names), interleaved with good batches from the same and another endpoint.
 The thread keeps running, the good endpoint's blocks are all indexed, the bad batch drops the bad endpoint's

@@ -1,4 +1,4 @@
-"""Must-show with real processes: two `kvgate serve --backend sim` engines with a small KV cache (evictions,
+"""The precise scorer against real processes: two `kvgate serve --backend sim` engines with a small KV cache (evictions,
 preemptions) publishing events; the precise scorer routes a mixed workload of shared-prefix completions and
 chats to them, and afterwards
 

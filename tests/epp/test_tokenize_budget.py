@@ -1,4 +1,4 @@
-"""Hostile prompts against the EPP's tokenization (issue 20, items 6 and 8): a long prompt is tokenized only up to
+"""Hostile prompts against the EPP's tokenization: a long prompt is tokenized only up to
 the prefix the precise index can use, off the event loop, within `tokenizeTimeout` (past it that request alone is
 scored by the approximate scorer), and no other decision waits for it; token ids that are not ints in
 [0, 2^31) are a 400 where the request enters, never a 500."""

@@ -1,6 +1,5 @@
 """/tokenize, /detokenize and the render endpoints answer at most max_model_len tokens (a 400 naming the field
-beyond), build their answers off the event loop, and refuse token ids outside the vocabulary with a 400 (issue
-20, items 7 and 8)."""
+beyond), build their answers off the event loop, and refuse token ids outside the vocabulary with a 400."""
 
 import asyncio
 import time
