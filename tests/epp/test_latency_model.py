@@ -13,6 +13,7 @@ from kvgate.epp.scheduling.framework import CycleState, Scheduler
 from kvgate.epp.scheduling.live_load import LoadTracker
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from kvgate.common.online_ridge import TTFT_WEIGHT_FLOOR_S, OnlineRidge
+from tests.epp.helpers import request
 from tests.epp.test_load_plugins import PROMPT, config, warmed
 
 
@@ -89,13 +90,9 @@ def scorer_and_states(extra: str = ""):
     return scheduler, scorer, states
 
 
-def request(rid="r1", headers=None, stream=True):
-    return LLMRequest(rid, "m", "m", PROMPT, headers=headers or {})
-
-
 def test_the_prior_is_the_analytic_ttft_model():
     _, scorer, states = scorer_and_states()
-    _, ttft, _, tpot = scorer.predict(request(), states, CycleState(LoadTracker().view(states)))
+    _, ttft, _, tpot = scorer.predict(request(PROMPT), states, CycleState(LoadTracker().view(states)))
     # a: 2000 pending / 4000 + 10 × 2 ms; b: 160 uncached / 1000 (default rate); c: 160 / 2000 + 50 × 2 ms
     assert ttft == pytest.approx([0.52, 0.16, 0.18])
     assert list(tpot) == [0.0, 0.0, 0.0]  # unknown until measured
@@ -104,14 +101,14 @@ def test_the_prior_is_the_analytic_ttft_model():
 def test_objectives_prefer_endpoints_that_meet_them():
     _, scorer, states = scorer_and_states()
     cycle = CycleState(LoadTracker().view(states))
-    plain = scorer.score(request(), states, cycle)
+    plain = scorer.score(request(PROMPT), states, cycle)
     assert int(np.argmax(plain)) == 1  # b: lowest predicted TTFT
-    met = scorer.score(request(headers={"x-slo-ttft-ms": "200"}), states, cycle)
+    met = scorer.score(request(PROMPT, headers={"x-slo-ttft-ms": "200"}), states, cycle)
     assert met[1] == 1.0 and met[2] >= 0.5 and met[0] < 0.5  # a misses 200 ms, b and c meet it
-    none = scorer.score(request(headers={"x-slo-ttft-ms": "10"}), states, cycle)
+    none = scorer.score(request(PROMPT, headers={"x-slo-ttft-ms": "10"}), states, cycle)
     assert (none < 0.5).all() and int(np.argmax(none)) == 1  # no one meets it: the smallest miss wins
     assert scorer.counts["objectives"] == 2 and scorer.counts["objectives_unmeetable"] == 1
-    bad = scorer.score(request(headers={"x-slo-ttft-ms": "soon", "x-slo-tpot-ms": "-3"}), states, cycle)
+    bad = scorer.score(request(PROMPT, headers={"x-slo-ttft-ms": "soon", "x-slo-tpot-ms": "-3"}), states, cycle)
     assert list(bad) == list(plain) and scorer.counts["objectives_bad"] == 1
 
 
@@ -119,13 +116,15 @@ def test_stated_objectives_filter_out_the_candidates_predicted_to_miss_them():
     _, scorer, states = scorer_and_states(", objectivesFilter: true")
     cycle = CycleState(LoadTracker().view(states))
     addresses = lambda kept: [e.address for e in kept]  # noqa: E731
-    assert scorer.filter(request(), states, cycle) is states  # no objective: every candidate
-    assert addresses(scorer.filter(request(headers={"x-slo-ttft-ms": "200"}), states, cycle)) == ["b:1", "c:1"]
-    assert scorer.filter(request(headers={"x-slo-ttft-ms": "10"}), states, cycle) is states  # none meets it
-    assert scorer.filter(request(headers={"x-slo-ttft-ms": "1000"}), states, cycle) is states  # all meet it
-    assert scorer.filter(request(headers={"x-slo-ttft-ms": "soon"}), states, cycle) is states  # not an objective
+    assert scorer.filter(request(PROMPT), states, cycle) is states  # no objective: every candidate
+    met = request(PROMPT, headers={"x-slo-ttft-ms": "200"})
+    assert addresses(scorer.filter(met, states, cycle)) == ["b:1", "c:1"]
+    assert scorer.filter(request(PROMPT, headers={"x-slo-ttft-ms": "10"}), states, cycle) is states  # none meets it
+    assert scorer.filter(request(PROMPT, headers={"x-slo-ttft-ms": "1000"}), states, cycle) is states  # all meet it
+    # not an objective
+    assert scorer.filter(request(PROMPT, headers={"x-slo-ttft-ms": "soon"}), states, cycle) is states
     _, off, states = scorer_and_states()  # off by default
-    assert off.filter(request(headers={"x-slo-ttft-ms": "200"}), states, cycle) is states
+    assert off.filter(request(PROMPT, headers={"x-slo-ttft-ms": "200"}), states, cycle) is states
 
 
 def test_an_objective_outweighs_the_cache_scorers_that_would_miss_it():
@@ -141,9 +140,9 @@ def test_an_objective_outweighs_the_cache_scorers_that_would_miss_it():
     states = [lat_state("a:1", pending=2000, rate=4000, running=10), lat_state("b:1"),
               lat_state("c:1", rate=2000, running=50)]
     warmed(scheduler, states, {"a:1": PROMPT})
-    plain = scheduler.schedule(request(), states, CycleState(LoadTracker().view(states)))
+    plain = scheduler.schedule(request(PROMPT), states, CycleState(LoadTracker().view(states)))
     assert plain[0].address == "a:1"  # 0.52 s predicted, but it holds the prompt
-    hurried = scheduler.schedule(request(headers={"x-slo-ttft-ms": "200"}), states,
+    hurried = scheduler.schedule(request(PROMPT, headers={"x-slo-ttft-ms": "200"}), states,
                                  CycleState(LoadTracker().view(states)))
     assert [e.address for e in hurried] == ["b:1", "c:1", "a:1"]
 
@@ -157,7 +156,7 @@ def test_responses_teach_the_model_the_pool_s_real_ttft():
     for i in range(600):
         states = [lat_state(f"e{j}:1", pending=int(rng.integers(0, 8000)), rate=4000,
                             running=int(rng.integers(0, 60))) for j in range(3)]
-        r = request(rid=f"q{i}")
+        r = request(PROMPT, request_id=f"q{i}")
         cycle = CycleState(LoadTracker().view(states))
         ordered = scheduler.schedule(r, states, cycle)
         scheduler.on_picked(r, ordered[0], cycle)
@@ -173,7 +172,7 @@ def test_responses_teach_the_model_the_pool_s_real_ttft():
 
 def test_learn_false_keeps_the_prior_but_measures_its_error():
     scheduler, scorer, states = scorer_and_states(", learn: false")
-    r = request()
+    r = request(PROMPT)
     cycle = CycleState(LoadTracker().view(states))
     ordered = scheduler.schedule(r, states, cycle)
     scheduler.on_picked(r, ordered[0], cycle)
@@ -184,7 +183,7 @@ def test_learn_false_keeps_the_prior_but_measures_its_error():
 
 def test_a_request_without_a_first_token_teaches_nothing():
     scheduler, scorer, states = scorer_and_states()
-    r = request()
+    r = request(PROMPT)
     cycle = CycleState(LoadTracker().view(states))
     scheduler.on_picked(r, scheduler.schedule(r, states, cycle)[0], cycle)
     scheduler.on_response_complete(r, "b:1", 0, 0)  # an error answer, or not streamed

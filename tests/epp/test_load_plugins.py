@@ -16,7 +16,7 @@ from kvgate.epp.scheduling.live_load import PICKED_UNCACHED_TOKENS, LoadTracker
 from kvgate.epp.scheduling.plugins import create_plugin
 from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import PredictedTTFTScorer
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
-from tests.epp.helpers import state
+from tests.epp.helpers import request, state
 
 HEAD = "You are a careful assistant. " * 9  # 261 characters: 4 full 64-character blocks + 5
 PROMPT = (HEAD + "Tell me about the tides, the moon and the sea, " * 9)[:640]  # 10 blocks of 64 = 160 tokens
@@ -39,10 +39,6 @@ def warmed(scheduler: Scheduler, states, holds: dict[str, str]) -> None:
         scheduler.on_picked(LLMRequest(f"warm-{address}", "m", "m", prompt), by_address[address])
 
 
-def req(prompt=PROMPT, rid="r1", max_tokens=None):
-    return LLMRequest(rid, "m", "m", prompt, max_tokens=max_tokens)
-
-
 # -------------------------------------------------------------------------------- prefix source, wiring
 
 def test_the_approximate_prefix_scorer_is_a_prefix_source_from_one_hashing():
@@ -54,12 +50,12 @@ def test_the_approximate_prefix_scorer_is_a_prefix_source_from_one_hashing():
     real = scorer.hashes
     scorer.hashes = lambda *a: calls.append(1) or real(*a)
     cycle = CycleState()
-    assert scorer.prompt_tokens(req(), cycle) == 160
-    assert list(scorer.cached_tokens(req(), states, cycle)) == [160, 64, 0]  # 10 and 4 blocks of 16 tokens
-    assert list(scorer.score(req(), states, cycle)) == [1.0, 0.4, 0.0]  # the score it always gave
-    scheduler.on_picked(req(), states[2], cycle)
+    assert scorer.prompt_tokens(request(PROMPT), cycle) == 160
+    assert list(scorer.cached_tokens(request(PROMPT), states, cycle)) == [160, 64, 0]  # 10 and 4 blocks of 16 tokens
+    assert list(scorer.score(request(PROMPT), states, cycle)) == [1.0, 0.4, 0.0]  # the score it always gave
+    scheduler.on_picked(request(PROMPT), states[2], cycle)
     assert len(calls) == 1  # cached_tokens, score and the pick hook shared one hashing
-    assert list(scorer.score(req(rid="r2"), states, CycleState())) == [1.0, 0.4, 1.0]
+    assert list(scorer.score(request(PROMPT, request_id="r2"), states, CycleState())) == [1.0, 0.4, 1.0]
 
 
 @pytest.mark.parametrize("plugin", ["prefix-cache-affinity-filter", "no-hit-lru-scorer", "predicted-ttft-scorer"])
@@ -120,27 +116,27 @@ def addresses(states):
 
 def test_affinity_keeps_warm_endpoints_until_their_load_exceeds_the_saved_prefill():
     _, f, states = affinity()
-    assert addresses(f.filter(req(), states, loads(states, {}))) == ["a:1"]
+    assert addresses(f.filter(request(PROMPT), states, loads(states, {}))) == ["a:1"]
     # w* = a (cached 160), c* = the least loaded cold endpoint; saved = 160 - cached(c*)
     # c* = c (0 cached, no load): saved 160; a may carry 160 tokens more than c
-    assert addresses(f.filter(req(), states, loads(states, {"a:1": 160, "b:1": 500}))) == ["a:1"]
-    assert f.filter(req(), states, loads(states, {"a:1": 161, "b:1": 500})) is states  # all kept, same list
+    assert addresses(f.filter(request(PROMPT), states, loads(states, {"a:1": 160, "b:1": 500}))) == ["a:1"]
+    assert f.filter(request(PROMPT), states, loads(states, {"a:1": 161, "b:1": 500})) is states  # all kept, same list
     # c* = b (64 cached, least loaded): saved 96
-    assert addresses(f.filter(req(), states, loads(states, {"a:1": 196, "b:1": 100, "c:1": 101}))) == ["a:1"]
-    assert f.filter(req(), states, loads(states, {"a:1": 197, "b:1": 100, "c:1": 101})) is states
+    assert addresses(f.filter(request(PROMPT), states, loads(states, {"a:1": 196, "b:1": 100, "c:1": 101}))) == ["a:1"]
+    assert f.filter(request(PROMPT), states, loads(states, {"a:1": 197, "b:1": 100, "c:1": 101})) is states
 
 
 def test_affinity_threshold_tolerance_and_never_empty():
     _, f, states = affinity(threshold=0.4)  # b (64/160 = 0.4) is warm too
-    assert addresses(f.filter(req(), states, loads(states, {"a:1": 10}))) == ["a:1", "b:1"]
+    assert addresses(f.filter(request(PROMPT), states, loads(states, {"a:1": 10}))) == ["a:1", "b:1"]
     _, f, states = affinity(tolerance=0)  # any extra load on the warm side breaks stickiness
-    assert f.filter(req(), states, loads(states, {"a:1": 1})) is states
-    assert addresses(f.filter(req(), states, loads(states, {}))) == ["a:1"]
+    assert f.filter(request(PROMPT), states, loads(states, {"a:1": 1})) is states
+    assert addresses(f.filter(request(PROMPT), states, loads(states, {}))) == ["a:1"]
     _, f, states = affinity(tolerance=1e6)
-    assert addresses(f.filter(req(), states, loads(states, {"a:1": 10**6}))) == ["a:1"]
-    cold = req("nothing like it " * 40)
+    assert addresses(f.filter(request(PROMPT), states, loads(states, {"a:1": 10**6}))) == ["a:1"]
+    cold = request("nothing like it " * 40)
     assert f.filter(cold, states, loads(states, {})) is states  # no warm endpoint: keep all
-    assert f.filter(req(), states[:1], loads(states, {})) == states[:1]
+    assert f.filter(request(PROMPT), states[:1], loads(states, {})) == states[:1]
 
 
 def test_affinity_is_a_preference_the_cold_endpoints_follow_as_fallbacks():
@@ -160,12 +156,12 @@ def test_affinity_is_a_preference_the_cold_endpoints_follow_as_fallbacks():
     three = scheduler_with("type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}")
     warmed(three, states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384})  # cached 160, 64, 0 of 160
     cycle = CycleState()
-    assert addresses(three.schedule(req(), states, cycle)) == ["a:1", "c:1", "b:1"]  # warm, then by queue
+    assert addresses(three.schedule(request(PROMPT), states, cycle)) == ["a:1", "c:1", "b:1"]  # warm, then by queue
     assert cycle.snapshot is not None and addresses(cycle.snapshot.endpoints) == ["a:1"]  # the primary's
 
     one = scheduler_with("type: max-score-picker")
     warmed(one, states, {"a:1": PROMPT})
-    assert addresses(one.schedule(req(), states, CycleState())) == ["a:1"]
+    assert addresses(one.schedule(request(PROMPT), states, CycleState())) == ["a:1"]
 
     class NotC(Filter):
         def filter(self, request, endpoints, cycle=None):
@@ -173,7 +169,7 @@ def test_affinity_is_a_preference_the_cold_endpoints_follow_as_fallbacks():
 
     hard = scheduler_with("type: max-score-picker\n  parameters: {maxNumOfEndpoints: 3}", NotC())
     warmed(hard, states, {"a:1": PROMPT})
-    assert addresses(hard.schedule(req(), states, CycleState())) == ["a:1", "b:1"]
+    assert addresses(hard.schedule(request(PROMPT), states, CycleState())) == ["a:1", "b:1"]
 
 
 def test_affinity_exploration_keeps_all_for_about_its_share_of_requests():
@@ -182,9 +178,10 @@ def test_affinity_exploration_keeps_all_for_about_its_share_of_requests():
     f = scheduler.plugins_of_type("prefix-cache-affinity-filter")[0]
     states = [state("a:1"), state("b:1")]
     warmed(scheduler, states, {"a:1": PROMPT})
-    kept_all = sum(len(f.filter(req(rid=f"r{i}"), states, CycleState())) == 2 for i in range(2000))
+    kept_all = sum(len(f.filter(request(PROMPT, request_id=f"r{i}"), states, CycleState())) == 2 for i in range(2000))
     assert 400 < kept_all < 600  # 25% ± 5 standard deviations
-    assert len(f.filter(req(rid="r7"), states, CycleState())) == len(f.filter(req(rid="r7"), states, CycleState()))
+    first, again = request(PROMPT, request_id="r7"), request(PROMPT, request_id="r7")
+    assert len(f.filter(first, states, CycleState())) == len(f.filter(again, states, CycleState()))
 
 
 def test_affinity_on_the_prefill_backlog_counts_only_uncached_work():
@@ -196,13 +193,13 @@ def test_affinity_on_the_prefill_backlog_counts_only_uncached_work():
     warmed(scheduler, states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384})
     heavy_in_flight = {"a:1": 10_000}  # 10k tokens in flight to a (prompt + max_tokens, mostly cached)
     # c* = b (no backlog, 64 cached): going to a saves 96 prefill tokens, and a's backlog is 96
-    assert addresses(f.filter(req(), states, loads(states, heavy_in_flight))) == ["a:1"]
+    assert addresses(f.filter(request(PROMPT), states, loads(states, heavy_in_flight))) == ["a:1"]
     states[0].metrics.prefill_tokens_pending = 97  # more backlog than the hit saves
-    assert f.filter(req(), states, loads(states, {})) is states
+    assert f.filter(request(PROMPT), states, loads(states, {})) is states
     tokens = create_plugin("prefix-cache-affinity-filter", {"loadSignal": "tokens", "explorationProbability": 0})
     tokens.prefix_source = f.prefix_source
     states[0].metrics.prefill_tokens_pending = 0
-    assert tokens.filter(req(), states, loads(states, heavy_in_flight)) is states  # the old signal lets go
+    assert tokens.filter(request(PROMPT), states, loads(states, heavy_in_flight)) is states  # the old signal lets go
 
 
 def test_the_backlog_less_what_the_running_step_computed_by_the_scrape():
@@ -226,14 +223,15 @@ def test_affinity_and_predicted_ttft_see_the_running_steps_progress():
     states = [ttft_state("a:1", pending=250, rate=1000), ttft_state("b:1", pending=0, rate=1000),
               ttft_state("c:1", pending=0, rate=1000)]
     warmed(scheduler, states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384})  # saved going to a over b: 96
-    assert f.filter(req(), states, loads(states, {})) is states  # 250 > 96: all kept
+    assert f.filter(request(PROMPT), states, loads(states, {})) is states  # 250 > 96: all kept
     for s in states:
         s.metrics.prefill_tokens_awaiting_step, s.metrics.step_age_s = 0, 0.0
     states[0].metrics.step_age_s = 0.16  # 160 of a's 250 tokens computed by the scrape: 90 left
-    assert addresses(f.filter(req(), states, loads(states, {}))) == ["a:1"]
+    assert addresses(f.filter(request(PROMPT), states, loads(states, {}))) == ["a:1"]
     ttft = PredictedTTFTScorer(default_prefill_tokens_per_s=1000, decode_ms_per_running_request=0)
     ttft.prefix_source = f.prefix_source
-    assert ttft.predict(req(), states, loads(states, {}))[0] == pytest.approx(0.09)  # (250 - 160 + 0 uncached) / 1000
+    # (250 - 160 + 0 uncached) / 1000
+    assert ttft.predict(request(PROMPT), states, loads(states, {}))[0] == pytest.approx(0.09)
 
 
 def test_affinity_backlog_adds_the_uncached_tokens_routed_since_the_scrape():
@@ -241,9 +239,10 @@ def test_affinity_backlog_adds_the_uncached_tokens_routed_since_the_scrape():
     states = [ttft_state(a, pending=0) for a in ("a:1", "b:1", "c:1")]
     tracker = LoadTracker()  # a holds all 160 tokens of the prompt, b 64 (affinity()'s warm-up), c none
     tracker.add(LLMRequest("since", "m", "m", ""), "a:1", tokens=5000, prompt_tokens=90)  # uncached part: 90
-    assert addresses(f.filter(req(), states, CycleState(tracker.view(states)))) == ["a:1"]  # 90 ≤ 96 saved over b
+    # uncached 90 ≤ 96 saved over b
+    assert addresses(f.filter(request(PROMPT), states, CycleState(tracker.view(states)))) == ["a:1"]
     tracker.add(LLMRequest("since-2", "m", "m", ""), "a:1", tokens=5000, prompt_tokens=7)
-    assert f.filter(req(), states, CycleState(tracker.view(states))) is states  # 97 > 96
+    assert f.filter(request(PROMPT), states, CycleState(tracker.view(states))) is states  # 97 > 96
 
 
 def test_affinity_in_seconds_weighs_each_side_by_its_speed():
@@ -257,19 +256,19 @@ def test_affinity_in_seconds_weighs_each_side_by_its_speed():
               ttft_state("c:1", pending=0, rate=2000)]
     # in c's seconds: saved = 160 / 1 (c computes all 160) - 0 / 0.5 = 160; a's backlog counts L / 0.5
     states[0].metrics.prefill_tokens_pending = 80
-    assert addresses(seconds.filter(req(), states, loads(states, {}))) == ["a:1"]  # 160 ≤ 160
+    assert addresses(seconds.filter(request(PROMPT), states, loads(states, {}))) == ["a:1"]  # 160 ≤ 160
     states[0].metrics.prefill_tokens_pending = 81
-    assert seconds.filter(req(), states, loads(states, {})) is states  # 162 > 160
+    assert seconds.filter(request(PROMPT), states, loads(states, {})) is states  # 162 > 160
     tokens = create_plugin("prefix-cache-affinity-filter", {"loadSignal": "backlog", "explorationProbability": 0})
     tokens.prefix_source = seconds.prefix_source
-    assert addresses(tokens.filter(req(), states, loads(states, {}))) == ["a:1"]  # in tokens: 81 ≤ 160
+    assert addresses(tokens.filter(request(PROMPT), states, loads(states, {}))) == ["a:1"]  # in tokens: 81 ≤ 160
     # a uniform pool (rates within the estimate's noise) routes exactly as in tokens
     for s, rate in zip(states, (1900, 2000, 2100)):
         s.metrics.prefill_tokens_per_s = rate
     states[0].metrics.prefill_tokens_pending = 160
-    assert addresses(seconds.filter(req(), states, loads(states, {}))) == ["a:1"]
+    assert addresses(seconds.filter(request(PROMPT), states, loads(states, {}))) == ["a:1"]
     states[0].metrics.prefill_tokens_pending = 161
-    assert seconds.filter(req(), states, loads(states, {})) is states
+    assert seconds.filter(request(PROMPT), states, loads(states, {})) is states
 
 
 def test_relative_speed_fills_unmeasured_endpoints_and_ignores_small_differences():
@@ -290,12 +289,12 @@ def test_load_scorers_in_seconds_prefer_the_faster_endpoint_for_the_same_tokens(
     cycle = loads(states, {"a:1": 300, "b:1": 500})
     by_tokens = create_plugin("token-load-scorer", None)
     by_seconds = create_plugin("token-load-scorer", {"loadUnit": "seconds"})
-    assert list(by_tokens.score(req(), states, cycle)) == [1.0, 0.0]
-    assert list(by_seconds.score(req(), states, cycle)) == [0.0, 1.0]  # 600 against 500 of b's seconds
+    assert list(by_tokens.score(request(PROMPT), states, cycle)) == [1.0, 0.0]
+    assert list(by_seconds.score(request(PROMPT), states, cycle)) == [0.0, 1.0]  # 600 against 500 of b's seconds
     groups = create_plugin("prefix-group-balance-scorer", {"groupChars": 8, "loadUnit": "seconds"})
-    groups.pre_request(req("tenant-1 " + "x" * 900), states[0], None)  # ~300 tokens on the slow a
-    groups.pre_request(req("tenant-2 " + "x" * 1500), states[1], None)  # ~500 on the fast b
-    assert list(groups.score(req("tenant-3 new"), states)) == [0.0, 1.0]
+    groups.pre_request(request("tenant-1 " + "x" * 900), states[0], None)  # ~300 tokens on the slow a
+    groups.pre_request(request("tenant-2 " + "x" * 1500), states[1], None)  # ~500 on the fast b
+    assert list(groups.score(request("tenant-3 new"), states)) == [0.0, 1.0]
     for plugin in ("token-load-scorer", "prefix-group-balance-scorer", "prefix-cache-affinity-filter"):
         with pytest.raises(ValueError, match="loadUnit must be one of tokens, seconds"):
             create_plugin(plugin, {"loadUnit": "minutes"})
@@ -310,22 +309,22 @@ def test_group_balance_gives_a_homeless_prefix_to_the_endpoint_with_the_fewest_g
     states = [state("a:1"), state("b:1"), state("c:1")]
 
     def pick(prompt, address):
-        scorer.pre_request(req(prompt), states[addresses(states).index(address)], None)
+        scorer.pre_request(request(prompt), states[addresses(states).index(address)], None)
 
-    assert list(scorer.score(req("tenant-1 hello"), states)) == [1.0, 1.0, 1.0]
+    assert list(scorer.score(request("tenant-1 hello"), states)) == [1.0, 1.0, 1.0]
     pick("tenant-1 system prompt", "a:1")
     pick("tenant-2 system prompt", "a:1")
     pick("tenant-3 system prompt", "b:1")
-    assert list(scorer.score(req("tenant-4 system prompt"), states)) == [0.0, 0.5, 1.0]  # groups 2, 1, 0
+    assert list(scorer.score(request("tenant-4 system prompt"), states)) == [0.0, 0.5, 1.0]  # groups 2, 1, 0
     # tenant-1's own endpoint counts it already: a (2 - 1) ties b (1); c (0) still best
-    assert list(scorer.score(req("tenant-1 system prompt, again"), states)) == [0.0, 0.0, 1.0]
+    assert list(scorer.score(request("tenant-1 system prompt, again"), states)) == [0.0, 0.0, 1.0]
     pick("tenant-1 system prompt", "a:1")  # the same group again: still 2 groups on a, not 3
     assert len(scorer._groups["a:1"]) == 2
     now[0] += 10.5  # the window passed for a and b's groups
     pick("tenant-5 system prompt", "c:1")
-    assert list(scorer.score(req("tenant-6 system prompt"), states)) == [1.0, 1.0, 0.0]
+    assert list(scorer.score(request("tenant-6 system prompt"), states)) == [1.0, 1.0, 0.0]
     scorer.remove_endpoint("c:1")
-    assert list(scorer.score(req("tenant-6 system prompt"), states)) == [1.0, 1.0, 1.0]
+    assert list(scorer.score(request("tenant-6 system prompt"), states)) == [1.0, 1.0, 1.0]
 
 
 def test_group_balance_by_tokens_weighs_each_group_by_its_latest_prompt():
@@ -335,16 +334,16 @@ def test_group_balance_by_tokens_weighs_each_group_by_its_latest_prompt():
     by_groups = create_plugin("prefix-group-balance-scorer", {"groupChars": 8})
     states = [state("a:1"), state("b:1")]
     for scorer in (by_tokens, by_groups):
-        scorer.pre_request(req("convo-1 " + "x" * 4000), states[0], None)  # ~1000 tokens on a, one group
-        scorer.pre_request(req("convo-2 short"), states[1], None)  # two small groups on b
-        scorer.pre_request(req("convo-3 short"), states[1], None)
-    assert list(by_groups.score(req("convo-4 new"), states)) == [1.0, 0.0]
-    assert list(by_tokens.score(req("convo-4 new"), states)) == [0.0, 1.0]
+        scorer.pre_request(request("convo-1 " + "x" * 4000), states[0], None)  # ~1000 tokens on a, one group
+        scorer.pre_request(request("convo-2 short"), states[1], None)  # two small groups on b
+        scorer.pre_request(request("convo-3 short"), states[1], None)
+    assert list(by_groups.score(request("convo-4 new"), states)) == [1.0, 0.0]
+    assert list(by_tokens.score(request("convo-4 new"), states)) == [0.0, 1.0]
     # a group's footprint is its latest prompt (a conversation grows; it is not counted twice)
-    by_tokens.pre_request(req("convo-2 " + "y" * 8000), states[1], None)
-    assert list(by_tokens.score(req("convo-4 new"), states)) == [1.0, 0.0]
+    by_tokens.pre_request(request("convo-2 " + "y" * 8000), states[1], None)
+    assert list(by_tokens.score(request("convo-4 new"), states)) == [1.0, 0.0]
     # its own group does not count against the endpoint that has it
-    assert list(by_tokens.score(req("convo-1 again"), states)) == [1.0, 0.0]
+    assert list(by_tokens.score(request("convo-1 again"), states)) == [1.0, 0.0]
     with pytest.raises(ValueError, match="balanceBy"):
         create_plugin("prefix-group-balance-scorer", {"balanceBy": "bytes"})
 
@@ -359,13 +358,13 @@ def test_group_balance_counts_footprints_as_shares_of_each_endpoints_kv():
 
     scorer = create_plugin("prefix-group-balance-scorer", {"groupChars": 8, "balanceBy": "tokens"})
     big_small = states(512, 256)
-    scorer.pre_request(req("tenant-1 " + "x" * 4000), big_small[0], None)  # ~1000 tokens on a (8192 tokens of KV)
-    scorer.pre_request(req("tenant-2 " + "x" * 2400), big_small[1], None)  # ~600 on b (4096): 1200 of a's scale
-    assert list(scorer.score(req("tenant-3 new"), big_small)) == [1.0, 0.0]
-    assert list(scorer.score(req("tenant-3 new"), states(512, 512))) == [0.0, 1.0]
-    assert list(scorer.score(req("tenant-3 new"), states(None, None))) == [0.0, 1.0]
+    scorer.pre_request(request("tenant-1 " + "x" * 4000), big_small[0], None)  # ~1000 tokens on a (8192 tokens of KV)
+    scorer.pre_request(request("tenant-2 " + "x" * 2400), big_small[1], None)  # ~600 on b (4096): 1200 of a's scale
+    assert list(scorer.score(request("tenant-3 new"), big_small)) == [1.0, 0.0]
+    assert list(scorer.score(request("tenant-3 new"), states(512, 512))) == [0.0, 1.0]
+    assert list(scorer.score(request("tenant-3 new"), states(None, None))) == [0.0, 1.0]
     scorer.kv_capacity_shares = False  # kvCapacityShares: false
-    assert list(scorer.score(req("tenant-3 new"), big_small)) == [0.0, 1.0]
+    assert list(scorer.score(request("tenant-3 new"), big_small)) == [0.0, 1.0]
 
 
 def test_group_balance_in_seconds_weighs_reused_groups_by_kv_and_one_off_prompts_by_speed():
@@ -378,22 +377,22 @@ def test_group_balance_in_seconds_weighs_reused_groups_by_kv_and_one_off_prompts
     def fill(scorer, states, times):
         for name, e in (("t1", 0), ("t2", 0), ("t3", 1), ("t4", 1), ("t5", 1)):  # ~1000 tokens each: 2 on a, 3 on b
             for _ in range(times):
-                scorer.pre_request(req(f"{name}-sys " + "x" * 4000), states[e], None)
+                scorer.pre_request(request(f"{name}-sys " + "x" * 4000), states[e], None)
 
     tenants = create_plugin("prefix-group-balance-scorer", {"groupChars": 6, "balanceBy": "tokens",
                                                             "loadUnit": "seconds"})
     fill(tenants, pool(), times=2)
-    assert list(tenants.score(req("t6-sys new"), pool())) == [1.0, 0.0]  # 2000 tokens of cache on a, 3000 on b
+    assert list(tenants.score(request("t6-sys new"), pool())) == [1.0, 0.0]  # 2000 tokens of cache on a, 3000 on b
     one_off = create_plugin("prefix-group-balance-scorer", {"groupChars": 6, "balanceBy": "tokens",
                                                             "loadUnit": "seconds"})
     fill(one_off, pool(), times=1)
-    assert list(one_off.score(req("t6-sys new"), pool())) == [0.0, 1.0]  # 2000 tokens of work on a: 4000 of b's
+    assert list(one_off.score(request("t6-sys new"), pool())) == [0.0, 1.0]  # 2000 tokens of work on a: 4000 of b's
     by_groups = create_plugin("prefix-group-balance-scorer", {"groupChars": 6, "loadUnit": "seconds"})
     fill(by_groups, pool(), times=2)
-    assert list(by_groups.score(req("t6-sys new"), pool())) == [1.0, 0.0]  # 2 tenants against 3
+    assert list(by_groups.score(request("t6-sys new"), pool())) == [1.0, 0.0]  # 2 tenants against 3
     in_tokens = create_plugin("prefix-group-balance-scorer", {"groupChars": 6, "balanceBy": "tokens"})
     fill(in_tokens, pool(), times=1)
-    assert list(in_tokens.score(req("t6-sys new"), pool())) == [1.0, 0.0]  # loadUnit tokens: speed not counted
+    assert list(in_tokens.score(request("t6-sys new"), pool())) == [1.0, 0.0]  # loadUnit tokens: speed not counted
 
 
 def test_group_balance_token_totals_follow_every_change():
@@ -410,8 +409,8 @@ def test_group_balance_token_totals_follow_every_change():
     for _ in range(500):
         now[0] += rng.random()
         e = rng.choice(states)
-        scorer.pre_request(req(f"g{rng.randrange(12):03d}" + "x" * rng.randrange(4, 400)), e, None)
-        scorer.score(req("g999 new"), states)  # expires what the window passed
+        scorer.pre_request(request(f"g{rng.randrange(12):03d}" + "x" * rng.randrange(4, 400)), e, None)
+        scorer.score(request("g999 new"), states)  # expires what the window passed
         for address, groups in scorer._groups.items():
             reused = [tokens for _, tokens, again in groups.values() if again]
             assert scorer._totals[address] == [sum(entry[1] for entry in groups.values()), sum(reused), len(reused)]
@@ -423,10 +422,10 @@ def test_group_balance_memory_is_bounded_per_endpoint():
     scorer = create_plugin("prefix-group-balance-scorer", {"groupChars": 9, "maxGroupsPerEndpoint": 3})
     a = state("a:1")
     for i in range(10):
-        scorer.pre_request(req(f"prompt-{i:02d} and the rest"), a, None)
+        scorer.pre_request(request(f"prompt-{i:02d} and the rest"), a, None)
     assert len(scorer._groups["a:1"]) == 3
-    assert scorer.group(req("prompt-09 again")) in scorer._groups["a:1"]
-    assert scorer.group(req("prompt-00 again")) not in scorer._groups["a:1"]
+    assert scorer.group(request("prompt-09 again")) in scorer._groups["a:1"]
+    assert scorer.group(request("prompt-00 again")) not in scorer._groups["a:1"]
     with pytest.raises(ValueError, match="maxGroupsPerEndpoint"):
         create_plugin("prefix-group-balance-scorer", {"maxGroupsPerEndpoint": 0})
 
@@ -437,8 +436,8 @@ def test_group_balance_is_neutral_for_a_warm_prompt():
     scorer = scheduler.plugins_of_type("prefix-group-balance-scorer")[0]
     states = [state("a:1"), state("b:1")]
     warmed(scheduler, states, {"a:1": PROMPT})
-    assert list(scorer.score(req(), states, CycleState())) == [0.5, 0.5]
-    assert list(scorer.score(req("something nobody holds " * 20), states, CycleState())) == [0.0, 1.0]
+    assert list(scorer.score(request(PROMPT), states, CycleState())) == [0.5, 0.5]
+    assert list(scorer.score(request("something nobody holds " * 20), states, CycleState())) == [0.0, 1.0]
 
 
 def test_group_balance_keeps_a_group_whose_prefix_its_home_evicted_at_home():
@@ -453,14 +452,14 @@ def test_group_balance_keeps_a_group_whose_prefix_its_home_evicted_at_home():
     old = "tenant-1" + "x" * 632  # 10 blocks of 64 characters
     warmed(scheduler, states, {"a:1": old})
     for i in range(3):  # a carries three more groups: the balance alone would send tenant-1's next prompt away
-        scheduler.on_picked(req(f"other-{i}" + "y" * 300), states[0])
+        scheduler.on_picked(request(f"other-{i}" + "y" * 300), states[0])
     evicted = old[:192] + "z" * 448  # a holds 3 of its 10 blocks: as if a had evicted the rest
-    assert list(scorer.score(req(evicted), states, CycleState())) == [1.0, 0.0, 0.0]
+    assert list(scorer.score(request(evicted), states, CycleState())) == [1.0, 0.0, 0.0]
     mostly = old[:384] + "z" * 256  # 6 of 10: not warm (under the affinity threshold), not evicted: balanced
-    assert list(scorer.score(req(mostly), states, CycleState())) == [0.0, 1.0, 1.0]
-    assert list(scorer.score(req("tenant-9" + "z" * 632), states, CycleState())) == [0.0, 1.0, 1.0]  # no home
-    scheduler.on_picked(req(evicted), states[1])  # it went to b after all: b is its home now
-    assert list(scorer.score(req(old[:64] + "w" * 576), states, CycleState())) == [0.0, 1.0, 0.0]
+    assert list(scorer.score(request(mostly), states, CycleState())) == [0.0, 1.0, 1.0]
+    assert list(scorer.score(request("tenant-9" + "z" * 632), states, CycleState())) == [0.0, 1.0, 1.0]  # no home
+    scheduler.on_picked(request(evicted), states[1])  # it went to b after all: b is its home now
+    assert list(scorer.score(request(old[:64] + "w" * 576), states, CycleState())) == [0.0, 1.0, 0.0]
     off = create_plugin("prefix-group-balance-scorer", {"groupChars": 8})
     assert off.keep_home_below == 0.0
     with pytest.raises(ValueError, match="keepHomeBelow"):
@@ -479,22 +478,22 @@ def test_group_balance_fit_check_keeps_a_homeless_group_where_its_footprint_stil
                                                            "fitKvCapacity": 1.0})
     a, b, c = kv_state("a:1", 256), kv_state("b:1", 256), kv_state("c:1", 256)  # 4096 tokens each
     for name in ("tenant-1", "tenant-2", "tenant-3"):
-        scorer.pre_request(req(name + "x" * 4392), a, None)  # 1100 tokens each: 3300 on a
-    scorer.pre_request(req("tenant-4" + "x" * 4392), b, None)  # 1100 on b, nothing on c
-    new = req("tenant-5" + "x" * 4392)
+        scorer.pre_request(request(name + "x" * 4392), a, None)  # 1100 tokens each: 3300 on a
+    scorer.pre_request(request("tenant-4" + "x" * 4392), b, None)  # 1100 on b, nothing on c
+    new = request("tenant-5" + "x" * 4392)
     assert addresses(scorer.filter(new, [a, b, c])) == ["b:1", "c:1"]  # 3300 + 1100 > 4096 on a
     assert list(scorer.score(new, [a, b, c])) == pytest.approx([0.0, 2 / 3, 1.0])  # the balance still ranks them
     again = [a, b, c]
-    assert scorer.filter(req("tenant-1" + "x" * 4392), again) is again  # a counts tenant-1 already: 3300 fits
+    assert scorer.filter(request("tenant-1" + "x" * 4392), again) is again  # a counts tenant-1 already: 3300 fits
     unknown = kv_state("a:1", None)
     assert addresses(scorer.filter(new, [unknown, b])) == ["a:1", "b:1"]
     for name in ("tenant-6", "tenant-7"):
-        scorer.pre_request(req(name + "x" * 4392), b, None)
-        scorer.pre_request(req(name + "y" * 4392), c, None)
+        scorer.pre_request(request(name + "x" * 4392), b, None)
+        scorer.pre_request(request(name + "y" * 4392), c, None)
     full = [a, b]
     assert scorer.filter(new, full) is full  # none fits: the balance decides as without the check
     off = create_plugin("prefix-group-balance-scorer", {"groupChars": 8, "balanceBy": "tokens"})
-    off.pre_request(req("tenant-1" + "x" * 40000), a, None)
+    off.pre_request(request("tenant-1" + "x" * 40000), a, None)
     assert off.filter(new, full) is full
     with pytest.raises(ValueError, match="fitKvCapacity"):
         create_plugin("prefix-group-balance-scorer", {"fitKvCapacity": -1})
@@ -522,19 +521,19 @@ def test_no_hit_lru_ranks_cold_requests_by_their_last_cold_pick():
 
     def score(prompt):
         cycle = CycleState()
-        return list(lru.score(req(prompt), states, cycle)), cycle
+        return list(lru.score(request(prompt), states, cycle)), cycle
 
     assert score("cold zero " * 30)[0] == [1.0, 1.0, 1.0, 1.0]  # nobody served a cold request yet: all tie
     for address, prompt in (("c:1", "cold one " * 30), ("a:1", "cold two " * 30)):
         cycle = CycleState()
-        lru.score(req(prompt), states, cycle)
-        scheduler.on_picked(req(prompt), states[addresses(states).index(address)], cycle)
+        lru.score(request(prompt), states, cycle)
+        scheduler.on_picked(request(prompt), states[addresses(states).index(address)], cycle)
     # b, d never: rank 0 → 1; c (older) rank 2 → 1 - 2/3; a (newest) rank 3 → 0
     assert score("cold three " * 30)[0] == pytest.approx([0.0, 1.0, 1 / 3, 1.0])
     # a warm request (c holds "cold one"'s prefix): neutral, and its pick does not count as cold
     warm, cycle = score("cold one " * 30)
     assert warm == [0.5] * 4
-    scheduler.on_picked(req("cold one " * 30), states[1], cycle)
+    scheduler.on_picked(request("cold one " * 30), states[1], cycle)
     assert score("cold four " * 30)[0] == pytest.approx([0.0, 1.0, 1 / 3, 1.0])
     lru.remove_endpoint("a:1")
     assert score("cold five " * 30)[0] == pytest.approx([1.0, 1.0, 0.0, 1.0])
@@ -545,10 +544,10 @@ def test_no_hit_lru_without_a_prefix_scorer_treats_every_request_as_cold_and_bou
     states = [state("a:1"), state("b:1"), state("c:1")]
     for s in states:
         cycle = CycleState()
-        lru.score(req(), states, cycle)
-        lru.pre_request(req(), s, cycle)
+        lru.score(request(PROMPT), states, cycle)
+        lru.pre_request(request(PROMPT), s, cycle)
     assert list(lru._cold_picks) == ["b:1", "c:1"]  # a fell out: it ranks as never used
-    assert list(lru.score(req(), states, CycleState())) == pytest.approx([1.0, 0.5, 0.0])
+    assert list(lru.score(request(PROMPT), states, CycleState())) == pytest.approx([1.0, 0.5, 0.0])
 
 
 # -------------------------------------------------------------------------------- predicted-ttft-scorer
@@ -573,14 +572,14 @@ def test_predicted_ttft_math():
     cycle = CycleState(tracker.view(states))
     time.sleep(0.001)
     tracker.add(LLMRequest("x", "m", "m", ""), "b:1", tokens=900, prompt_tokens=800)  # after b's scrape
-    t = ttft.predict(req(), states, cycle)
+    t = ttft.predict(request(PROMPT), states, cycle)
     expected = [(2000 + 0 + 0) / 4000 + 10 * 0.002,  # 0.52 s
                 (0 + 800 + 160) / 1000 + 1 * 0.002,  # 0.962 s: the unseen request counts in both terms
                 (0 + 0 + 160) / 2000 + 50 * 0.002]  # 0.18 s
     assert t == pytest.approx(expected)
     lo, hi = min(expected), max(expected)
-    assert ttft.score(req(), states, cycle) == pytest.approx([(hi - x) / (hi - lo) for x in expected])
-    scheduler.on_picked(req(), states[0], cycle)
+    assert ttft.score(request(PROMPT), states, cycle) == pytest.approx([(hi - x) / (hi - lo) for x in expected])
+    scheduler.on_picked(request(PROMPT), states[0], cycle)
     assert cycle[PICKED_UNCACHED_TOKENS] == 0  # a held all of it: the director adds no backlog there
 
 
@@ -589,10 +588,10 @@ def test_the_director_records_the_uncached_part_as_backlog():
 
     director, layer = one_round_director(parse_config(config("type: prefix-cache-scorer",
                                                              "type: predicted-ttft-scorer")), ["a:1", "b:1"])
-    first = director.pick(req(rid="first"))[0].address  # cold everywhere: all 160 tokens to prefill
+    first = director.pick(request(PROMPT, request_id="first"))[0].address  # cold everywhere: all 160 tokens to prefill
     view = director.load.view(layer.snapshot())
     assert view.unseen_prompt[view.positions[first]] == 160
-    second = director.pick(req(PROMPT[:256] + "y" * 384, rid="second"))[0].address
+    second = director.pick(request(PROMPT[:256] + "y" * 384, request_id="second"))[0].address
     # `first` holds 4 of its 10 blocks (64 tokens) but has 160 unseen tokens to prefill: (160 + 96) / R there,
     # 160 / R on the other, which wins and prefills all 160
     assert second != first and view.unseen_prompt[view.positions[second]] == 160
@@ -699,6 +698,6 @@ schedulingProfiles:
 """
     director, layer = one_round_director(parse_config(text), ["a:1", "b:1"])
     warmed(director.scheduler, layer.snapshot(), {"a:1": PROMPT})  # a holds all 160 tokens, b none
-    picks = [director.pick(req(rid=f"r{i}", max_tokens=0))[0].address for i in range(3)]
+    picks = [director.pick(request(PROMPT, request_id=f"r{i}", max_tokens=0))[0].address for i in range(3)]
     # in flight on a: 0, then 160 (≤ 160 saved: stay), then 320 (> 160: any endpoint, and b carries less)
     assert picks == ["a:1", "a:1", "b:1"]

@@ -11,6 +11,7 @@ from kvgate.epp.scheduling.live_load import LoadTracker
 from kvgate.epp.scheduling.plugins import create_plugin
 from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMRequest
 from tests.epp.test_load_plugins import PROMPT, config, warmed
+from tests.epp.helpers import request
 
 SCORER = "type: prefill-interference-scorer\n  parameters: {windowSeconds: 10}"
 
@@ -20,10 +21,6 @@ def ep(address, *, running=0, waiting=0, rate=None, kv_blocks=512):
                         prefill_rate_timed=rate is not None, updated_at=time.monotonic(), kv_block_size=16,
                         num_kv_blocks=kv_blocks)
     return EndpointState(Endpoint(address), m, stale=False)
-
-
-def req(prompt=PROMPT, rid="r1"):
-    return LLMRequest(rid, "m", "m", prompt)
 
 
 def scorer_with_prefix(states, holds, clock=time.monotonic):
@@ -42,16 +39,16 @@ def test_harm_is_the_prefill_time_times_the_requests_held_and_arriving():
     _, scorer = scorer_with_prefix(states, {"a:1": PROMPT, "b:1": PROMPT[:256] + "x" * 384}, lambda: now[0])
     scorer.capacity_shares = False  # the formula itself (c is 2x faster: its share is tested below)
     for _ in range(40):  # 40 picks in the 10 s window: λ(c) = 4/s; a and b had one each (warming): 0.1/s
-        scorer.pre_request(req(), states[2], None)
+        scorer.pre_request(request(PROMPT), states[2], None)
     cycle = CycleState(LoadTracker().view(states))
     t_b, t_c = 96 / 1000, 160 / 2000
-    harm = scorer.harm(req(), states, cycle)
+    harm = scorer.harm(request(PROMPT), states, cycle)
     assert harm == pytest.approx([0.0, t_b * (3 + 0.1 * t_b / 2), t_c * (0 + 4 * t_c / 2)])
-    scores = scorer.score(req(), states, cycle)
+    scores = scorer.score(request(PROMPT), states, cycle)
     assert scores == pytest.approx(1 - (harm - harm.min()) / harm.max())
     assert scores[0] == 1.0 and scores[1] == 0.0  # a computes nothing: it holds nobody up however busy it is
     now[0] += 10.5  # the window passed: c's arrivals are forgotten
-    assert scorer.harm(req(), states, cycle)[2] == 0.0
+    assert scorer.harm(request(PROMPT), states, cycle)[2] == 0.0
 
 
 def test_picks_since_the_scrape_count_as_held_and_scores_stay_proportional():
@@ -61,13 +58,13 @@ def test_picks_since_the_scrape_count_as_held_and_scores_stay_proportional():
     scheduler, scorer = scorer_with_prefix(states, {})
     tracker = LoadTracker()
     cycle = CycleState(tracker.view(states))
-    scores = scorer.score(req(), states, cycle)
+    scores = scorer.score(request(PROMPT), states, cycle)
     assert scores == pytest.approx([1 - 2 / 50, 1.0])  # no rates timed: uncached × held, in tokens
     for i in range(4):
         tracker.add(LLMRequest(f"x{i}", "m", "m", ""), "b:1", tokens=10, prompt_tokens=5)
-    assert scorer.score(req(), states, CycleState(tracker.view(states))) == pytest.approx([1.0, 1 - 2 / 52])
+    assert scorer.score(request(PROMPT), states, CycleState(tracker.view(states))) == pytest.approx([1.0, 1 - 2 / 52])
     idle = [ep("a:1"), ep("b:1")]
-    assert list(scorer.score(req(), idle, CycleState(LoadTracker().view(idle)))) == [1.0, 1.0]
+    assert list(scorer.score(request(PROMPT), idle, CycleState(LoadTracker().view(idle)))) == [1.0, 1.0]
 
 
 def hot_pool(config_name: str):
@@ -80,18 +77,18 @@ def hot_pool(config_name: str):
     states = [ep("a:1", running=12, rate=5000), ep("b:1", running=2, rate=5000), ep("c:1", running=2, rate=5000)]
     quiet = {f"{s.address}/{k}": f"Quiet tenant {s.address} {k}. " * 40 for s in states[1:] for k in range(2)}
     for key, prompt in quiet.items():
-        scheduler.on_picked(req(prompt), states[1] if key.startswith("b") else states[2])
+        scheduler.on_picked(request(prompt), states[1] if key.startswith("b") else states[2])
     for i in range(100):  # the hot tenant: 100 picks in the last 10 s
-        scheduler.on_picked(req(PROMPT, rid=f"hot{i}"), states[0])
+        scheduler.on_picked(request(PROMPT, request_id=f"hot{i}"), states[0])
     return scheduler, states
 
 
 def cold_picks(scheduler, states, n=12) -> list[str]:
     picked = []
     for i in range(n):
-        request = req(f"Tenant {i} arrives cold. " * 30, rid=f"cold{i}")
-        best = scheduler.schedule(request, states)[0]
-        scheduler.on_picked(request, best)
+        cold = request(f"Tenant {i} arrives cold. " * 30, request_id=f"cold{i}")
+        best = scheduler.schedule(cold, states)[0]
+        scheduler.on_picked(cold, best)
         picked.append(best.address)
     return picked
 
@@ -103,7 +100,7 @@ def test_a_cold_prompt_leaves_the_busy_replica_a_warm_one_stays():
     assert cold_picks(scheduler, states)[0] == "a:1"
     scheduler, states = hot_pool("kvgate")
     assert "a:1" not in cold_picks(scheduler, states)
-    assert scheduler.schedule(req(PROMPT, rid="hot"), states)[0].address == "a:1"
+    assert scheduler.schedule(request(PROMPT, request_id="hot"), states)[0].address == "a:1"
 
 
 def test_peers_picks_count_and_memory_is_bounded():
@@ -111,7 +108,7 @@ def test_peers_picks_count_and_memory_is_bounded():
     now = [0.0]
     scorer.clock = lambda: now[0]
     a = ep("a:1")
-    assert scorer.share_pick(req(), a, None) == []
+    assert scorer.share_pick(request(PROMPT), a, None) == []
     for i in range(8):
         scorer.peer_pick(f"p{i}", "a:1", [] if i % 2 else [1, 2, 3])  # the content is not read
     assert len(scorer._picks["a:1"]) == 5 and scorer.arrival_rate("a:1", now[0]) == 2.5
@@ -150,7 +147,7 @@ def test_on_mixed_hardware_harm_counts_beyond_each_replicas_capacity_share():
 
     def harms(states):
         cycle = CycleState(LoadTracker().view(states))
-        return plain.harm(req(), states, cycle), shared.harm(req(), states, cycle)
+        return plain.harm(request(PROMPT), states, cycle), shared.harm(request(PROMPT), states, cycle)
 
     # cards of two memory sizes, as fast: the big one holds twice the requests of the small one, as meant
     kv = [ep("big:1", running=8, rate=4000, kv_blocks=512), ep("small:1", running=4, rate=4000, kv_blocks=256)]
