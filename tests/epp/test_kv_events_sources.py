@@ -11,15 +11,10 @@ from kvgate.common.epp_protocol import (KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REP
                                  KV_EVENTS_TOPIC_ANNOTATION)
 from kvgate.epp.types import Endpoint
 from tests.procs import KVGATE
+from tests.builders import pod
 
 POOL = {"metadata": {"namespace": "ns"}, "spec": {"selector": {"matchLabels": {"app": "llm"}},
                                                   "targetPorts": [{"number": 8000}]}}
-
-
-def pod(name: str, ip: str, annotations: dict | None = None) -> dict:
-    return {"metadata": {"name": name, "namespace": "ns", "labels": {"app": "llm"},
-                         "annotations": {"unrelated": "x", **(annotations or {})}},
-            "status": {"podIP": ip, "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
 def test_flags_name_the_ports_on_each_endpoint_ip():
@@ -31,9 +26,11 @@ def test_flags_name_the_ports_on_each_endpoint_ip():
 
 
 def test_pod_annotations_override_the_flags_and_only_they_are_kept():
-    pods = [pod("a", "10.0.0.1", {KV_EVENTS_PORT_ANNOTATION: "6000", KV_EVENTS_REPLAY_PORT_ANNOTATION: "6001",
-                                  KV_EVENTS_TOPIC_ANNOTATION: "t"}),
-            pod("b", "10.0.0.2"), pod("c", "10.0.0.3", {KV_EVENTS_PORT_ANNOTATION: "not-a-port"})]
+    pods = [pod("a", "10.0.0.1", annotations={"unrelated": "x", KV_EVENTS_PORT_ANNOTATION: "6000",
+                                              KV_EVENTS_REPLAY_PORT_ANNOTATION: "6001",
+                                              KV_EVENTS_TOPIC_ANNOTATION: "t"}),
+            pod("b", "10.0.0.2", annotations={"unrelated": "x"}),
+            pod("c", "10.0.0.3", annotations={"unrelated": "x", KV_EVENTS_PORT_ANNOTATION: "not-a-port"})]
     a, b, c = pool_endpoints(POOL, pods)
     assert dict(a.annotations) == {KV_EVENTS_PORT_ANNOTATION: "6000", KV_EVENTS_REPLAY_PORT_ANNOTATION: "6001",
                                    KV_EVENTS_TOPIC_ANNOTATION: "t"}
