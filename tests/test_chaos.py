@@ -12,7 +12,7 @@ import pytest
 from kvgate.chaos.runner import LEADER_RECOVER_S, SCENARIOS
 from tests.procs import KVGATE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from kvgate.chaos.attacks import ATTACKS
 from tests.procs import KVGATE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 
 def test_every_attack_is_absorbed_while_good_traffic_flows(tmp_path):

@@ -150,6 +150,7 @@ def assert_same_outputs(got, expected):
     dict(max_num_seqs=8, max_num_batched_tokens=48),  # chunked prefill beside decodes
     dict(max_num_seqs=16, max_num_batched_tokens=64, num_gpu_blocks_override=10),  # preemption
 ], ids=["chunked-prefill", "preemption"])
+@pytest.mark.slow
 def test_outputs_equal_synchronous_steps(engine_args):
     prompts, params = workload()
     sync, _ = run(prompts, params, async_scheduling=False, **engine_args)
@@ -161,6 +162,7 @@ def test_outputs_equal_synchronous_steps(engine_args):
     assert reasons == {"length", "stop"}  # both kinds of end were exercised
 
 
+@pytest.mark.slow
 def test_abort_while_a_step_is_queued():
     rng = random.Random(8)
     prompts = [[rng.randrange(256) for _ in range(20)] for _ in range(4)]
@@ -188,6 +190,7 @@ def test_abort_while_a_step_is_queued():
     assert_same_outputs(got, expected)
 
 
+@pytest.mark.slow
 def test_a_constrained_request_makes_steps_synchronous():
     llm = LLM("demo", max_model_len=256, async_scheduling=True)
     engine = llm.engine

@@ -347,6 +347,7 @@ pub.shutdown()
 """
 
 
+@pytest.mark.processes
 def test_subscribers_that_never_read_cost_at_most_the_byte_budget(zctx):
     """Three subscribers that connect and never read grow the publisher (a process of its own, by its RSS) by
     at most three times the per-subscriber byte budget."""

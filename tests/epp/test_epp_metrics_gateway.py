@@ -8,8 +8,11 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.gateway import Gateway
+
+pytestmark = pytest.mark.processes
 
 STREAMS = 200
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from kvgate.epp.datastore import pool_endpoints
 from kvgate.epp.kv_events.sources import EventSource, event_source
 from kvgate.common.epp_protocol import (KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION,
@@ -40,6 +42,7 @@ def test_pod_annotations_override_the_flags_and_only_they_are_kept():
     assert event_source(c, 5557, None, "") is None  # logged; a typo never points the EPP elsewhere
 
 
+@pytest.mark.processes
 def test_bad_flags_are_one_line_errors(tmp_path):
     r = subprocess.run([KVGATE, "epp", "--endpoints", "127.0.0.1:1", "--kv-events-port", "70000"],
                        capture_output=True, text=True, timeout=60)

@@ -10,6 +10,8 @@ import pytest
 from tests.procs import KvgateServe
 from tests.server.test_hostile_input import _assert_error
 
+pytestmark = pytest.mark.processes
+
 MAX_MODEL_LEN = 3 * 2**20  # large enough that a 2 MiB prompt is allowed: its 2M ids must not stall the loop
 
 
