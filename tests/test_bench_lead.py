@@ -1,5 +1,5 @@
-"""`kvgate bench routing --lead` (bench/routing/lead.py): issue 23's must-show 1 verdict from several seeds'
-result files, on files whose answer is known."""
+"""`kvgate bench routing --lead` (bench/routing/lead.py): the verdict whether the subject leads on
+every seed's result file, on files whose answer is known."""
 
 from __future__ import annotations
 

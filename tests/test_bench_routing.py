@@ -95,6 +95,7 @@ def test_ratios_are_against_the_same_rate():
 SHORT_SHAPE = "multi-tenant:output_spread=0.5"
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_short_run_end_to_end(tmp_path):
     result_file = tmp_path / "routing.json"
@@ -188,6 +189,7 @@ def test_base_workloads_send_the_streams_they_always_sent():
         assert {r.max_tokens for r in reqs} == {32}
 
 
+@pytest.mark.slow
 def test_knobs_do_what_they_say():
     import numpy as np
 
@@ -308,6 +310,7 @@ def test_oracle_placement_deals_the_groups_out_in_a_snake():
         placement(requests, [])
 
 
+@pytest.mark.processes
 def test_oracle_placement_reaches_the_engines_through_envoy_and_the_epp(tmp_path):
     """Each tenant's requests are served by the one replica its rank gives (the engines' own answer header)."""
     result_file = tmp_path / "oracle.json"

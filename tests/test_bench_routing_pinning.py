@@ -45,6 +45,7 @@ def test_split_leaves_the_others_the_rest_or_everything():
     assert rest == (set(CPUS) - {CPUS[0]} or set(CPUS))
 
 
+@pytest.mark.processes
 def test_a_process_group_is_pinned_whole():
     proc = subprocess.Popen([sys.executable, "-c", PROGRAM], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -89,6 +90,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.processes
 def test_cpu_seconds_count_every_process_and_thread_of_a_group():
     from kvgate.bench.routing.runner import cpu_use
 

@@ -18,6 +18,8 @@ from kvgate.common.bounded_file import FileLimitError, read_bytes
 from kvgate.common.demo import build_demo_model
 from tests.procs import KVGATE, KvgateServe
 
+pytestmark = pytest.mark.processes
+
 DEEP = "[" * 100_000 + "]" * 100_000  # what the report sent: json.loads recurses out of its stack
 DEEP_FLAG = '{"a": ' * 1000 + "1" + "}" * 1000  # a flag's value is at most 128 KiB (Linux's MAX_ARG_STRLEN)
 

@@ -54,6 +54,7 @@ def assert_safe(config: dict) -> None:
             assert cluster["circuit_breakers"]["thresholds"][0]["max_requests"] > 1024, cluster["name"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_config_validates_and_is_safe(tmp_path, name):
     assert_safe(CONFIGS[name])
@@ -180,6 +181,7 @@ def _gateway_files():
     return render_gateway_files(rules, [8080, 9090], 9901)
 
 
+@pytest.mark.processes
 def test_gateway_files_validate(tmp_path):
     """The dynamic file set: the bootstrap loads with the files beside it, and every route table and cluster
     passes validation folded into a static bootstrap (validate mode does not read dynamic resources)."""

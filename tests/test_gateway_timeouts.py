@@ -28,6 +28,8 @@ import pytest
 
 from tests.procs import KVGATE, free_port, scrape
 
+pytestmark = pytest.mark.processes
+
 CLOSE_GRACE = 1.0  # Envoy's default delayed_close_timeout
 SLACK = 0.5  # scheduling on a shared 2-core machine
 

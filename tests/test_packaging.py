@@ -9,9 +9,12 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.processes
 def test_no_shadowing_of_stdlib_operator_or_the_envoy_packages():
     code = ("import sys; sys.path.insert(0, %r); import operator, envoy.service.ext_proc.v3, kvgate.epp, "
             "kvgate.engine; print(operator.__file__); print(envoy.__file__)") % str(ROOT)
@@ -26,6 +29,7 @@ def test_no_shadowing_of_stdlib_operator_or_the_envoy_packages():
         assert not (ROOT / folder / "__init__.py").exists(), f"{folder}/ must not become a top-level package"
 
 
+@pytest.mark.processes
 def test_python_m_from_the_checkout_keeps_the_standard_operator():
     # `python -m pip` in a fresh venv, run from the checkout: nothing has imported `operator` yet when the
     # checkout is put first on sys.path (-S reproduces that: no site, no .pth files).
@@ -142,6 +146,7 @@ def test_dockerignore_rules():
     assert not ignored("epp/main.py", patterns) and not ignored("conformance/manifests/base.yaml", patterns)
 
 
+@pytest.mark.processes
 def test_the_docker_images_file_set_installs_and_runs(tmp_path):
     """Exactly what the Dockerfile copies, pip-installed offline into a fresh venv: every kvgate package
     imports and `kvgate --help` runs (a folder the Dockerfile forgets fails here, not at `docker build`)."""

@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from kvgate.common.envoy_config import RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC, PoolBackend, ext_proc_route_config
 from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, parse_config
@@ -102,10 +103,12 @@ def _check(tmp_path, config: str | None, body_through_epp: bool) -> None:
         stack.stop()
 
 
+@pytest.mark.processes
 def test_headers_only_when_the_config_needs_no_body(tmp_path):
     _check(tmp_path, None, body_through_epp=False)  # StackSpec's default: upstream's profile
 
 
+@pytest.mark.processes
 def test_bodies_stream_through_the_epp_when_a_plugin_learns_from_them(tmp_path):
     _check(tmp_path, LEARNING_CONFIG, body_through_epp=True)
 

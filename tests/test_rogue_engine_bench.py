@@ -13,7 +13,7 @@ import pytest
 
 from tests.procs import KVGATE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 PAGES = ("huge-int-labels", "inf-counters", "2mb-1-byte-chunks")
 

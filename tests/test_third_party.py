@@ -6,6 +6,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.upstream import CONFORMANCE, ROOT, THIRD_PARTY, upstream_crds
 
 
@@ -42,6 +44,7 @@ def _tracked_text_files() -> list[Path]:
             and p.is_file() and "third_party" not in p.parts]
 
 
+@pytest.mark.processes
 def test_nothing_points_outside_the_repository():
     """The first design notes and reference data lived in a folder beside the repository; a clone alone must be
     whole, so no file names that folder."""

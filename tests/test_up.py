@@ -14,6 +14,8 @@ import pytest
 
 from tests.procs import KVGATE, free_port, stop_group
 
+pytestmark = pytest.mark.processes
+
 
 def descendants(pid: int) -> set[int]:
     out = set()

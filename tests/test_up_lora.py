@@ -13,9 +13,12 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from tests.procs import free_port, stop_group
 from tests.test_up import read_until_up, start_up
+
+pytestmark = pytest.mark.processes
 
 SERVED_BY = "x-kvgate-endpoint"
 LORA_CONFIG = """\

@@ -19,6 +19,8 @@ import pytest
 from tests.procs import KVGATE, free_port
 from tests.test_up import descendants, read_until_up, start_up
 
+pytestmark = pytest.mark.processes
+
 MARK = "KVGATE_TEST_SUPERVISION_MARK"
 
 

@@ -1,4 +1,4 @@
-"""Control-plane faults on the rig (issue 12 item 10), with crds/samples/ run by `kvgate operator`:
+"""Control-plane faults on the rig, with crds/samples/ run by `kvgate operator`:
 
 1. the operator SIGKILLed while it applies the samples' objects, then started again, converges to exactly the
    objects the samples call for — none missing, none twice, each owned by the live object that wants it — and

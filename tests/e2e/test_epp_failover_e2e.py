@@ -1,4 +1,4 @@
-"""EPP leader failover under streaming load on the rig (issue 22, must-show 1): the samples with their pool asking for
+"""EPP leader failover under streaming load on the rig: the samples with their pool asking for
 two EPP replicas (annotation kvgate.dev/epp-replicas), run by `kvgate operator --epp-high-availability enabled`
 with its EPPs under their own ServiceAccount and Role (the Lease rules the operator grants: a 403 would show in
 their logs), and requests streamed through the Gateway while the leading EPP pod is deleted.

@@ -1,7 +1,7 @@
 """The e2e rig itself: control plane, pod runner (processes on loopback IPs), volumes, services, failures.
 
-These are the issue's "must show" checks; later tiers (operator, EPP Kubernetes mode) build on the same
-fixtures.
+Each part of the rig the later tiers (operator, EPP Kubernetes mode) build on, checked on its own with the
+same fixtures.
 """
 from __future__ import annotations
 

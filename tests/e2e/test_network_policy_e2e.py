@@ -1,4 +1,4 @@
-"""The engines' NetworkPolicy, enforced on the rig (issue 20): a pool whose ModelServer publishes KV events, made by
+"""The engines' NetworkPolicy, enforced on the rig: a pool whose ModelServer publishes KV events, made by
 the operator; a pod in another namespace and a pod of the pool's own namespace that is not the EPP try the engine's
 HTTP, KV-event PUB and replay ports and are refused, while the EPP, under the same rules, still receives every
 event batch (no gap, no failed replay) and the node (this test) reaches everything.

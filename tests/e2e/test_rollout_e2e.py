@@ -1,4 +1,4 @@
-"""Rollouts under streaming load on the rig (issue 12, items 5 and 3 in Kubernetes mode), with crds/samples/ run
+"""Rollouts under streaming load on the rig (the operator in Kubernetes mode), with crds/samples/ run
 by `kvgate operator`, and requests sent to the Gateway's address (its Service's cluster IP):
 
 1. a rolling update of the ModelServer (an engine argument changes, so its Deployment rolls: maxSurge 1,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 19 and 24 in one run (tests/engine/gpu_prepare.sh readies the wheels and the copier), for a
+# The engine's GPU checks in one run (tests/engine/gpu_prepare.sh readies the wheels and the copier), for a
 # lent GPU machine (the device tool) or any CUDA host with torch, triton, transformers and peft: the compiled kernels,
-# `kvgate bench engine` (the must-show runs), then the engine suites on CUDA. Logs and JSON go to
+# `kvgate bench engine` (qwen3-0.5b, 1024 and 256 requests) with a GPU profile of the engine, then the engine suites on CUDA. Logs and JSON go to
 # ${OUT:-/tmp/kvgate-gpu}. Each stage has its own time limit and a failing stage does not stop the next. Wheels for
 # packages the machine lacks are installed from .whl/ when it exists: kvgate itself, llguidance, jsonschema and its
 # three dependencies, pyzmq (the CLI imports the chaos bench, which needs it) and msgspec; see the device tool's README.
@@ -51,7 +51,7 @@ case ",$STAGES," in *,suites,*)
     tests/engine/test_async_scheduling.py tests/engine/test_hf_parity.py tests/engine/test_lora_parity.py \
     tests/engine/test_structured_outputs.py \
     --deselect tests/engine/test_structured_outputs.py::test_bench_prints_the_ratio ;; esac
-# Issue 24 on the GPU (STAGES=qkernels,spec,kvfp8,spectests): the quantized-cache kernels and speculation on graphs
+# Quantized KV cache and speculation on the GPU (STAGES=qkernels,spec,kvfp8,spectests): the quantized-cache kernels and speculation on graphs
 # under the `cuda` marker; speculation's speed-up at batch 1 and 32, each beside the same workload without it in the
 # same process (K=4, the quote workload): copier-wide (a 0.37B Llama computing the trained copier, so prompt lookup's
 # drafts are accepted; engine/copier_wide.py) with n-grams and with the tiny copier as its draft model, and

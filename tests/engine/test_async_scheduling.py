@@ -7,33 +7,18 @@ import random
 import pytest
 
 from kvgate.engine import LLM, SamplingParams
-from kvgate.engine.kv_cache_manager import KVCacheManager
-from kvgate.engine.request import Request, RequestStatus
+from kvgate.engine.request import RequestStatus
 from kvgate.engine.sampling_params import StructuredOutputsParams
-from kvgate.engine.scheduler import Scheduler, prefill_tokens_pending
-
-
-def make_scheduler(num_blocks=64, block_size=4, **kw):
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=kw.pop("caching", True))
-    args = dict(max_num_seqs=8, max_num_batched_tokens=32)
-    args.update(kw)
-    return Scheduler(kv, **args)
-
-
-def req(rid, tokens, **params):
-    return Request(rid, list(tokens), SamplingParams(**params), max_model_len=256)
-
-
-def tokens_for(out, token):
-    return {x.request.request_id: token for x in out.scheduled if x.samples}
+from kvgate.engine.scheduler import prefill_tokens_pending
+from tests.engine.helpers import request, sampled, scheduler
 
 
 # -- the scheduler's placeholders -----------------------------------------------------------------
 
 
 def test_a_decode_is_scheduled_on_the_placeholder_of_the_running_step():
-    s = make_scheduler()
-    s.add_request(req("a", range(10), max_tokens=3))
+    s = scheduler()
+    s.add_request(request("a", range(10), max_tokens=3))
     out1 = s.schedule()  # the prompt: samples the first output
     a = s.requests["a"]
     assert (out1.scheduled[0].start, out1.scheduled[0].num_new_tokens, out1.scheduled[0].samples) == (0, 10, True)
@@ -46,41 +31,41 @@ def test_a_decode_is_scheduled_on_the_placeholder_of_the_running_step():
     assert s.schedule().is_empty  # three outputs are being sampled: max_tokens needs no fourth step
     assert s.num_prefill_tokens_pending == 0
     for out, token in ((out1, 5), (out2, 6), (out3, 7)):
-        s.update_from_output(out, tokens_for(out, token))
+        s.update_from_output(out, sampled(out, token))
     assert a.output_token_ids == [5, 6, 7] and a.status == RequestStatus.FINISHED_LENGTH
     assert not s.requests and s.kv.usage() == 0.0
 
 
 def test_the_token_of_a_step_queued_after_the_end_is_dropped():
-    s = make_scheduler()
-    s.add_request(req("a", range(10), max_tokens=50, stop_token_ids=[6]))
+    s = scheduler()
+    s.add_request(request("a", range(10), max_tokens=50, stop_token_ids=[6]))
     out1, out2 = s.schedule(), s.schedule()
-    s.update_from_output(out1, tokens_for(out1, 6))  # the stop id: a ends while out2 is queued
+    s.update_from_output(out1, sampled(out1, 6))  # the stop id: a ends while out2 is queued
     assert s.requests == {} and s.kv.usage() == 0.0
     out3 = s.schedule()
     assert out3.is_empty
-    assert s.update_from_output(out2, tokens_for(out2, 9)) == []
+    assert s.update_from_output(out2, sampled(out2, 9)) == []
     a = out1.scheduled[0].request
     assert a.output_token_ids == [6] and a.stop_reason == 6
 
 
 def test_a_preempted_request_keeps_the_token_of_its_queued_step():
-    s = make_scheduler(num_blocks=4, block_size=4, caching=False)
-    s.add_request(req("a", range(8), max_tokens=50))
-    s.add_request(req("b", range(100, 108), max_tokens=50))
+    s = scheduler(num_blocks=4, block_size=4, caching=False)
+    s.add_request(request("a", range(8), max_tokens=50))
+    s.add_request(request("b", range(100, 108), max_tokens=50))
     out1 = s.schedule()  # both prompts: 4 blocks, the whole pool
     out2 = s.schedule()  # a's decode needs a fifth block: b, the newest, is preempted
     b = s.requests["b"]
     assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 0
     assert [x.request.request_id for x in out2.scheduled] == ["a"]
-    s.update_from_output(out1, tokens_for(out1, 3))
+    s.update_from_output(out1, sampled(out1, 3))
     # Sampled from b's whole prompt before its blocks were freed: kept, and recomputed with the prompt.
     assert b.output_token_ids == [3] and s.requests["a"].output_token_ids == [3]
     assert s.num_prefill_tokens_pending == prefill_tokens_pending(b) == 8
     out3 = s.schedule()  # a decodes; b waits (a holds the pool)
-    s.update_from_output(out2, tokens_for(out2, 4))
+    s.update_from_output(out2, sampled(out2, 4))
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
-    s.update_from_output(out3, tokens_for(out3, 5))  # a ended: dropped
+    s.update_from_output(out3, sampled(out3, 5))  # a ended: dropped
     out4 = s.schedule()  # b again: prompt and its token, to sample its second
     assert [(x.request.request_id, x.start, x.num_new_tokens, x.samples) for x in out4.scheduled] == [("b", 0, 9, True)]
 
@@ -88,22 +73,22 @@ def test_a_preempted_request_keeps_the_token_of_its_queued_step():
 def test_the_backlog_counter_equals_a_recount_with_a_step_queued():
     rng = random.Random(5)
     for policy in ("fcfs", "priority"):
-        s = make_scheduler(num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, policy=policy)
+        s = scheduler(num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, policy=policy)
         prefixes = [list(range(p * 100, p * 100 + 12)) for p in range(3)]
         queued = None
         finished = []
         for i in range(400):
             if rng.random() < 0.3:
                 tail = [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 20))]
-                r = req(f"r{i}", rng.choice(prefixes) + tail, max_tokens=rng.randrange(1, 12),
-                        stop_token_ids=[13])
+                r = request(f"r{i}", rng.choice(prefixes) + tail, max_tokens=rng.randrange(1, 12),
+                            stop_token_ids=[13])
                 r.priority = rng.randrange(3)
                 s.add_request(r)
             if s.requests and rng.random() < 0.05:
                 s.finish_request(rng.choice(list(s.requests)), RequestStatus.FINISHED_ABORTED)
             out = s.schedule()
             if queued is not None:
-                finished += [r for r in s.update_from_output(queued, tokens_for(queued, rng.randrange(5, 50)))
+                finished += [r for r in s.update_from_output(queued, sampled(queued, rng.randrange(5, 50)))
                              if r.is_finished]
             queued = out
             assert s.num_prefill_tokens_pending == sum(prefill_tokens_pending(r) for r in s.requests.values())
@@ -165,6 +150,7 @@ def assert_same_outputs(got, expected):
     dict(max_num_seqs=8, max_num_batched_tokens=48),  # chunked prefill beside decodes
     dict(max_num_seqs=16, max_num_batched_tokens=64, num_gpu_blocks_override=10),  # preemption
 ], ids=["chunked-prefill", "preemption"])
+@pytest.mark.slow
 def test_outputs_equal_synchronous_steps(engine_args):
     prompts, params = workload()
     sync, _ = run(prompts, params, async_scheduling=False, **engine_args)
@@ -176,6 +162,7 @@ def test_outputs_equal_synchronous_steps(engine_args):
     assert reasons == {"length", "stop"}  # both kinds of end were exercised
 
 
+@pytest.mark.slow
 def test_abort_while_a_step_is_queued():
     rng = random.Random(8)
     prompts = [[rng.randrange(256) for _ in range(20)] for _ in range(4)]
@@ -203,6 +190,7 @@ def test_abort_while_a_step_is_queued():
     assert_same_outputs(got, expected)
 
 
+@pytest.mark.slow
 def test_a_constrained_request_makes_steps_synchronous():
     llm = LLM("demo", max_model_len=256, async_scheduling=True)
     engine = llm.engine

@@ -180,6 +180,7 @@ def test_given_values_are_kept():
     assert engine.settings.get("max_num_seqs").source == engine.settings.get("max_model_len").source == "given"
 
 
+@pytest.mark.processes
 def test_serve_print_config_prints_every_setting_and_exits(tmp_path):
     env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path))
     r = subprocess.run([KVGATE, "serve", "demo", "--print-config", "--max-num-seqs", "8", "--cpu-threads", "1",
@@ -215,6 +216,7 @@ def served_settings(tmp_path: Path, model: str, flags: list[str], env: dict, tim
             if "auto_config: config:" in line]
 
 
+@pytest.mark.processes
 def test_served_engine_logs_its_settings_first(tmp_path):
     """The engine process (spawned) logs at the server's --log-level: its settings come before `engine ready`."""
     env = dict(os.environ, KVGATE_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")

@@ -24,6 +24,7 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("kvgate-cache")
 
 
+@pytest.mark.processes
 def test_generate_on_demo(cache):
     r = run(["generate", "demo", "--prompt", "Hello", "--prompt", "kvgate", "--max-tokens", "12"], cache)
     assert r.returncode == 0, r.stderr
@@ -35,6 +36,7 @@ def test_generate_on_demo(cache):
     assert chat.stdout.count("finish_reason=") == 2
 
 
+@pytest.mark.processes
 def test_generate_reports_bad_input_without_a_traceback(cache, tmp_path):
     r = run(["generate", str(tmp_path / "missing"), "--prompt", "x"], cache)
     assert r.returncode == 2
@@ -43,6 +45,7 @@ def test_generate_reports_bad_input_without_a_traceback(cache, tmp_path):
     assert r.returncode == 2 and "top_p" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.processes
 def test_bench_engine_runs(cache):
     r = run(["bench", "engine", "--num-requests", "3", "--output-len", "4", "--max-prompt-len", "40",
              "--hf-batch-size", "2"], cache, timeout=400)
@@ -51,6 +54,7 @@ def test_bench_engine_runs(cache):
         assert label in r.stdout
 
 
+@pytest.mark.processes
 def test_bench_engine_judges_bf16_first_tokens_against_hfs_own_rounding(cache, tmp_path):
     """In bf16 the bench compares first tokens with HF bf16, and, on the prompts whose float32 margin bf16 rounding
     cannot overturn (twice HF's own error), kvgate must agree on every one; each disagreement is a near tie."""

@@ -40,6 +40,7 @@ def small_model(tmp_path_factory):
     return folder, model
 
 
+@pytest.mark.slow
 def test_the_wide_model_computes_the_small_one(small_model, tmp_path):
     folder, small = small_model
     widen_copier(folder, tmp_path, WIDE)

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-pytestmark = [pytest.mark.cuda,
+pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 from kvgate.engine import LLM, SamplingParams  # noqa: E402

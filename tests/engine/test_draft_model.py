@@ -21,6 +21,8 @@ from tests.engine import test_spec_decode
 from tests.engine.test_spec_decode import MAX_NEW, MODES, check_speculative_greedy, chi_square_p, repetitive_prompts
 from tests.engine.tiny_models import build_tiny_model, hf_greedy, make_config
 
+pytestmark = pytest.mark.slow
+
 K = 3
 hf_reference = test_spec_decode.hf_reference  # the ngram tests' fixture: HF's greedy outputs per family
 

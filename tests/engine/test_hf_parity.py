@@ -8,6 +8,8 @@ import torch
 from kvgate.engine import LLM, SamplingParams
 from tests.engine.tiny_models import hf_greedy, hf_greedy_by_family
 
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 24
 PROMPT_LENGTHS = [3, 7, 15, 16, 17, 33, 48, 70, 5, 40]
 

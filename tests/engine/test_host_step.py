@@ -1,4 +1,4 @@
-"""The host side of a step, made cheap for issue 19 without changing what it computes: the KV cache manager's block
+"""The host side of a step, cheap and computing what the plain version does: the KV cache manager's block
 table rows (what the runner gathers instead of per-request block lists), text decoded when it is read, the end of
 a request tested against one set of ids, and the greedy argmax taken in the model's dtype."""
 

@@ -61,6 +61,7 @@ def _agreement(base, other):
 EXPECTED = {"int8": (0.95, 0.01), "fp8": (0.95, 0.05), "fp8_e5m2": (0.75, 0.15)}
 
 
+@pytest.mark.slow
 def test_greedy_agrees_with_the_unquantized_cache(smooth_llama, monkeypatch):
     prompts = [random_tokens(8 + 5 * i, seed=100 + i) for i in range(NUM_PROMPTS)]
     base = _greedy(smooth_llama, prompts)
@@ -102,6 +103,7 @@ def _blocks(folder, **engine_args):
     return llm, llm.engine.stats().num_blocks
 
 
+@pytest.mark.slow
 def test_capacity_doubles_and_preemption_goes(wide_heads):
     """Same --kv-cache-memory: int8/fp8 hold (2 * 128) / (128 + 4) = 1.94x the blocks of bf16 (a float32 scale per
     128 values) and 3.88x those of float32; a workload that preempts in bf16 runs without preemption."""

@@ -271,6 +271,7 @@ def test_replay_socket_returns_missed_batches_within_buffer_steps(zctx, kvgate_c
         sub.close()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("engine_loop", ["thread", "process"])
 def test_kvgate_serve_sim_stream_decodes_and_replays(zctx, kvgate_cache, engine_loop):
     """A real `kvgate serve --backend sim`, its engine loop in a thread or a process of its own (the publisher lives
@@ -327,6 +328,7 @@ def test_bad_kv_events_config_is_a_one_line_error(config, message, capsys):
     assert message in err
 
 
+@pytest.mark.processes
 def test_bad_kv_events_config_exits_the_real_command():
     config, message = BAD_CONFIGS[0]
     r = subprocess.run([KVGATE, "serve", "sim", "--backend", "sim", "--kv-events-config", config],

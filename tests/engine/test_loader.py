@@ -239,6 +239,7 @@ def test_open_safetensors_checks_every_header_before_loading(tmp_path, tiny_mode
 
 # -- kvgate bench load ----------------------------------------------------------------------------------------------
 
+@pytest.mark.processes
 def test_bench_load_end_to_end(tmp_path):
     """A tiny checkpoint, every loader and layout once: the numbers come back and pass the bench's own checks."""
     result = tmp_path / "load.json"

@@ -14,6 +14,8 @@ from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.lora.request import LoRARequest
 from tests.engine.tiny_models import hf_greedy
 
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 12
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # name -> LoraConfig arguments

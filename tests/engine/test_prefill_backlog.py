@@ -6,24 +6,8 @@ import random
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.engine.scheduler import Scheduler, prefill_tokens_pending
-
-
-def make(num_blocks=64, block_size=4, **kw):
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=kw.pop("caching", True))
-    args = dict(max_num_seqs=8, max_num_batched_tokens=32)
-    args.update(kw)
-    return Scheduler(kv, **args)
-
-
-def req(rid, tokens, max_tokens=100):
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), max_model_len=256)
-
-
-def step(s, token=7):
-    out = s.schedule()
-    s.update_from_output(out, {x.request.request_id: token for x in out.scheduled if x.samples})
-    return out
+from kvgate.engine.scheduler import prefill_tokens_pending
+from tests.engine.helpers import request, sampled, scheduler, step
 
 
 def recount(s) -> int:
@@ -31,10 +15,10 @@ def recount(s) -> int:
 
 
 def test_exact_values_through_chunked_prefill():
-    s = make(max_num_batched_tokens=32)
+    s = scheduler(max_num_batched_tokens=32)
     assert s.num_prefill_tokens_pending == 0
-    s.add_request(req("a", range(100, 150)))  # 50 prompt tokens
-    s.add_request(req("b", range(200, 210)))  # 10
+    s.add_request(request("a", range(100, 150)))  # 50 prompt tokens
+    s.add_request(request("b", range(200, 210)))  # 10
     assert s.num_prefill_tokens_pending == 60  # both waiting, in full
     step(s)  # a's first chunk: 32 of 50
     assert s.num_prefill_tokens_pending == 18 + 10
@@ -45,44 +29,44 @@ def test_exact_values_through_chunked_prefill():
 
 
 def test_prefix_cache_hits_count_as_computed_at_admission():
-    s = make(block_size=4, max_num_batched_tokens=64)
+    s = scheduler(block_size=4, max_num_batched_tokens=64)
     prefix = list(range(500, 520))  # 5 full blocks
-    s.add_request(req("a", prefix + [1, 2]))
+    s.add_request(request("a", prefix + [1, 2]))
     step(s)
     assert s.num_prefill_tokens_pending == 0
-    s.add_request(req("b", prefix + [3, 4, 5]))
+    s.add_request(request("b", prefix + [3, 4, 5]))
     assert s.num_prefill_tokens_pending == 3 == recount(s)  # waiting: less the 20 tokens the cache held on arrival
     s.max_num_batched_tokens = 2  # admit b with a budget that leaves part of its prompt
     out = s.schedule()
     b = s.requests["b"]
     assert b.num_cached_tokens == 20  # 5 blocks from a
-    s.update_from_output(out, {x.request.request_id: 7 for x in out.scheduled if x.samples})
+    s.update_from_output(out, sampled(out, 7))
     # a decoded its 1; b got 20 from the cache and 1 computed: 2 of its 23 left
     assert s.num_prefill_tokens_pending == 2 == recount(s)
 
 
 def test_a_waiting_request_whose_cached_prefix_is_evicted_before_admission_counts_it_once_admitted():
-    s = make(num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    s = scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64)
     prefix = list(range(500, 520))  # 5 full blocks
-    s.add_request(req("a", prefix + [1], max_tokens=1))
+    s.add_request(request("a", prefix + [1], max_tokens=1))
     step(s)  # a ran and finished: its 5 blocks stay cached, free
     s.max_num_seqs = 0  # hold the next arrivals in the queue
-    s.add_request(req("b", prefix + [3, 4, 5]))
+    s.add_request(request("b", prefix + [3, 4, 5]))
     assert s.requests["b"].num_cached_on_arrival == 20 and s.num_prefill_tokens_pending == 3
     s.max_num_seqs = 8
-    squatter = req("squatter", range(900, 932))
+    squatter = request("squatter", range(900, 932))
     s.kv.allocate_slots(squatter, 32)  # takes all 8 blocks: the prefix is evicted
     s.kv.free(squatter)
     out = s.schedule()
     assert s.requests["b"].num_cached_tokens == 0  # admission asked the cache again: nothing left
-    s.update_from_output(out, {x.request.request_id: 7 for x in out.scheduled if x.samples})
+    s.update_from_output(out, sampled(out, 7))
     assert s.num_prefill_tokens_pending == 0 == recount(s)
 
 
 def test_preempted_request_counts_its_recompute_less_its_decode_token():
-    s = make(num_blocks=6, block_size=4, max_num_batched_tokens=64, caching=False)
-    s.add_request(req("a", range(10, 18)))  # 8 tokens: 2 blocks, then grows
-    s.add_request(req("b", range(30, 38)))
+    s = scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, caching=False)
+    s.add_request(request("a", range(10, 18)))  # 8 tokens: 2 blocks, then grows
+    s.add_request(request("b", range(30, 38)))
     step(s)
     assert s.num_prefill_tokens_pending == 0
     for _ in range(12):  # decode until the 6-block pool preempts the newer request
@@ -97,9 +81,9 @@ def test_preempted_request_counts_its_recompute_less_its_decode_token():
 
 
 def test_abort_removes_what_is_left():
-    s = make(max_num_batched_tokens=16)
-    s.add_request(req("a", range(100, 140)))
-    s.add_request(req("b", range(200, 220)))
+    s = scheduler(max_num_batched_tokens=16)
+    s.add_request(request("a", range(100, 140)))
+    s.add_request(request("b", range(200, 220)))
     step(s)
     assert s.num_prefill_tokens_pending == 24 + 20
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
@@ -111,13 +95,13 @@ def test_abort_removes_what_is_left():
 def test_counter_equals_a_recount_under_a_random_workload():
     rng = random.Random(14)
     for policy in ("fcfs", "priority"):
-        s = make(num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, policy=policy)
+        s = scheduler(num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, policy=policy)
         prefixes = [list(range(p * 100, p * 100 + 12)) for p in range(3)]
         next_id = 0
         for _ in range(400):
             if rng.random() < 0.3:
                 tail = [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 20))]
-                r = req(f"r{next_id}", rng.choice(prefixes) + tail, max_tokens=rng.randrange(1, 12))
+                r = request(f"r{next_id}", rng.choice(prefixes) + tail, max_tokens=rng.randrange(1, 12))
                 r.priority = rng.randrange(3)
                 s.add_request(r)
                 next_id += 1
@@ -139,7 +123,7 @@ def test_the_arrival_probe_finds_what_admission_would_and_changes_nothing():
 
     rng = random.Random(5)
     lora = LoRARequest("a", 3, "/nowhere")
-    s = make(num_blocks=64, block_size=4, max_num_batched_tokens=256)
+    s = scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=256)
     prefix = list(range(300, 330))  # 7 full blocks and 2 tokens
     s.add_request(Request("cached", prefix, SamplingParams(max_tokens=1), max_model_len=256, cache_salt="t1"))
     step(s)
@@ -171,8 +155,8 @@ def test_the_arrival_probe_counts_the_uncached_prompt_and_never_raises():
     from kvgate.engine.engine_loop import arrival_probe
     from kvgate.engine.engine_messages import AddRequest, ArrivalProbe
 
-    s = make(num_blocks=64, block_size=4, max_num_batched_tokens=256)
-    s.add_request(req("a", range(400, 420)))
+    s = scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=256)
+    s.add_request(request("a", range(400, 420)))
     step(s)
     engine = SimpleNamespace(kv_cache_manager=s.kv)
     follower = AddRequest("b", list(range(400, 420)) + [1, 2, 3], SamplingParams(n=2))

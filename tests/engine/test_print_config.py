@@ -214,6 +214,7 @@ def test_a_large_sparse_checkpoint_prints_without_its_weights(capsys, tmp_path):
     assert rows["max_model_len"] == "4096  (the model's)"
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("draft", [False, True])
 def test_print_config_on_cuda(checkpoints, tmp_path, draft):

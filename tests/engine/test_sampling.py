@@ -26,6 +26,7 @@ def gen(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_reproducible_across_runs_and_batches(llm, tiny_model_dir):
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20, seed=1234, ignore_eos=True)
     prompt = tokens(20, 1)

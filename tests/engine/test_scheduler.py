@@ -1,40 +1,21 @@
 """Scheduler behaviour on its own: token budget, chunked prefill, max_num_seqs, preemption order, priority."""
 
-from kvgate.engine.kv_cache_manager import KVCacheManager
-from kvgate.engine.request import Request, RequestStatus
+from kvgate.engine.request import RequestStatus
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.engine.scheduler import Scheduler
-
-
-def make(num_blocks=64, block_size=4, **kw):
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=kw.pop("caching", True))
-    args = dict(max_num_seqs=8, max_num_batched_tokens=32)
-    args.update(kw)
-    return Scheduler(kv, **args)
-
-
-def req(rid, n, priority=0, max_tokens=100):
-    return Request(rid, list(range(1000 * len(rid), 1000 * len(rid) + n)), SamplingParams(max_tokens=max_tokens),
-                   priority=priority, max_model_len=256)
-
-
-def run_step(s, token=7):
-    out = s.schedule()
-    s.update_from_output(out, {x.request.request_id: token for x in out.scheduled if x.samples})
-    return out
+from tests.engine.helpers import request, scheduler, step
 
 
 def test_budget_and_chunked_prefill():
-    s = make(max_num_batched_tokens=32)
-    s.add_request(req("a", 50))
-    s.add_request(req("bb", 10))
-    out = run_step(s)
+    s = scheduler(max_num_batched_tokens=32)
+    s.add_request(request("a", 50))
+    s.add_request(request("bb", 10))
+    out = step(s)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 32)]
     assert not out.scheduled[0].samples  # a partial prefill chunk samples nothing
-    out = run_step(s)
+    out = step(s)
     # a finishes its prompt (18) and bb's whole prompt (10) joins in the same step
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 18), ("bb", 10)]
-    out = run_step(s)
+    out = step(s)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("bb", 1)]
 
 
@@ -42,50 +23,50 @@ def test_long_prefill_token_threshold_lets_short_prompts_in_between_a_long_ones_
     """vLLM's --long-prefill-token-threshold: a long prompt computes at most the threshold a step, running or
     waiting, and the budget it leaves takes the short prompts queued behind it whole (their first token a step
     later, not after the whole long prefill)."""
-    s = make(num_blocks=128, max_num_batched_tokens=64, long_prefill_token_threshold=16)
-    s.add_request(req("a", 60))
-    s.add_request(req("bb", 12))
-    out = run_step(s)
+    s = scheduler(num_blocks=128, max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    s.add_request(request("a", 60))
+    s.add_request(request("bb", 12))
+    out = step(s)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 16), ("bb", 12)]
     assert [x.samples for x in out.scheduled] == [False, True]  # bb's first token in the long prompt's first step
-    s.add_request(req("ccc", 9))
-    out = run_step(s)
+    s.add_request(request("ccc", 9))
+    out = step(s)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 16), ("bb", 1), ("ccc", 9)]
     assert [x.samples for x in out.scheduled] == [False, True, True]
-    chunks = [dict((x.request.request_id, x.num_new_tokens) for x in run_step(s).scheduled)["a"] for _ in range(2)]
+    chunks = [dict((x.request.request_id, x.num_new_tokens) for x in step(s).scheduled)["a"] for _ in range(2)]
     assert chunks == [16, 12] and s.requests["a"].num_computed_tokens == 60  # the last chunk is what is left
     # decodes are never capped, and a cap above the prompt changes nothing
-    assert [x.num_new_tokens for x in run_step(s).scheduled] == [1, 1, 1]
-    wide = make(max_num_batched_tokens=64, long_prefill_token_threshold=100)
-    wide.add_request(req("a", 60))
-    assert [x.num_new_tokens for x in run_step(wide).scheduled] == [60]
+    assert [x.num_new_tokens for x in step(s).scheduled] == [1, 1, 1]
+    wide = scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=100)
+    wide.add_request(request("a", 60))
+    assert [x.num_new_tokens for x in step(wide).scheduled] == [60]
 
 
 def test_without_chunked_prefill_a_long_prompt_waits_for_a_whole_budget():
-    s = make(max_num_batched_tokens=32, enable_chunked_prefill=False)
-    s.add_request(req("a", 20))
-    s.add_request(req("bb", 20))
-    out = run_step(s)
+    s = scheduler(max_num_batched_tokens=32, enable_chunked_prefill=False)
+    s.add_request(request("a", 20))
+    s.add_request(request("bb", 20))
+    out = step(s)
     assert [x.request.request_id for x in out.scheduled] == ["a"]
 
 
 def test_max_num_seqs():
-    s = make(max_num_seqs=2, max_num_batched_tokens=100)
+    s = scheduler(max_num_seqs=2, max_num_batched_tokens=100)
     for rid in ("a", "bb", "ccc"):
-        s.add_request(req(rid, 5))
-    out = run_step(s)
+        s.add_request(request(rid, 5))
+    out = step(s)
     assert len(out.scheduled) == 2 and s.num_waiting == 1
 
 
 def test_preemption_recomputes_the_newest_request():
-    s = make(num_blocks=6, block_size=4, max_num_batched_tokens=64)
-    s.add_request(req("a", 8))
-    s.add_request(req("bb", 8))
-    run_step(s)  # both prompts: 2 + 2 blocks, plus room for 1 token each -> 3 + 3 blocks
+    s = scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    s.add_request(request("a", 8))
+    s.add_request(request("bb", 8))
+    step(s)  # both prompts: 2 + 2 blocks, plus room for 1 token each -> 3 + 3 blocks
     # decodes eventually need a 4th block each: the newest (bb) is preempted, a keeps running
     preempted = []
     for _ in range(8):
-        preempted += [r.request_id for r in run_step(s).preempted]
+        preempted += [r.request_id for r in step(s).preempted]
         if preempted:
             break
     assert preempted == ["bb"]
@@ -95,28 +76,28 @@ def test_preemption_recomputes_the_newest_request():
 
 
 def test_priority_policy_admits_and_preempts_by_priority():
-    s = make(num_blocks=64, max_num_seqs=1, policy="priority")
-    s.add_request(req("low", 4, priority=5))
-    s.add_request(req("high", 4, priority=-1))
-    out = run_step(s)
+    s = scheduler(num_blocks=64, max_num_seqs=1, policy="priority")
+    s.add_request(request("low", 4, priority=5))
+    s.add_request(request("high", 4, priority=-1))
+    out = step(s)
     assert [x.request.request_id for x in out.scheduled] == ["high"]
 
-    s = make(num_blocks=5, block_size=4, max_num_batched_tokens=64, policy="priority")
-    s.add_request(req("high", 8, priority=0))
-    s.add_request(req("low", 8, priority=9))
+    s = scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64, policy="priority")
+    s.add_request(request("high", 8, priority=0))
+    s.add_request(request("low", 8, priority=9))
     preempted = []
     for _ in range(8):
-        preempted += [r.request_id for r in run_step(s).preempted]
+        preempted += [r.request_id for r in step(s).preempted]
         if preempted:
             break
     assert preempted[0] == "low"
 
 
 def test_finish_and_abort_free_blocks():
-    s = make()
-    s.add_request(req("a", 10))
-    s.add_request(req("bb", 10))
-    run_step(s)
+    s = scheduler()
+    s.add_request(request("a", 10))
+    s.add_request(request("bb", 10))
+    step(s)
     assert s.kv.usage() > 0
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
     s.finish_request("bb", RequestStatus.FINISHED_ABORTED)

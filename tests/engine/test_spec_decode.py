@@ -70,6 +70,7 @@ def check_speculative_greedy(llm: LLM, expected: list[list[int]], label: str, mo
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_with_ngram_speculation_matches_hf(family, mode, tiny_model_dir, hf_reference):
     folder, _ = tiny_model_dir(family)
@@ -77,6 +78,7 @@ def test_greedy_with_ngram_speculation_matches_hf(family, mode, tiny_model_dir, 
     check_speculative_greedy(llm, hf_reference(family), family, mode)
 
 
+@pytest.mark.slow
 def test_stops_inside_an_accepted_run_match_plain_decoding(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     plain = LLM(str(folder), max_model_len=128)
@@ -97,6 +99,7 @@ def test_stops_inside_an_accepted_run_match_plain_decoding(tiny_model_dir):
     assert spec.engine.stats().spec_decode.num_accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_rejected_tokens_never_enter_the_prefix_cache(tiny_model_dir):
     """Every cached block hash is one of a real token sequence's (prompt + output) blocks, and the blocks of rejected
     drafts are freed at once: a request never holds a block past its tokens. With block size 4 and K = 8, rejected
@@ -174,6 +177,7 @@ def test_backoff_pauses_rejected_drafting_with_doubling_gaps_and_resumes_on_succ
     assert drive_backoff(backoff, req2, lambda i: i % 2, 50) == list(range(50))
 
 
+@pytest.mark.slow
 def test_backoff_keeps_greedy_outputs_where_drafts_fail():
     """The demo model (random weights: it does not continue the text it quotes) with n-grams from 1, so drafts are
     proposed in most steps and nearly all rejected: with adaptive drafting on, the outputs equal plain greedy's
@@ -196,6 +200,7 @@ def test_backoff_keeps_greedy_outputs_where_drafts_fail():
     assert 0 < on.num_drafts < 0.5 * off.num_drafts, (on, off)  # 74 against 258 when written
 
 
+@pytest.mark.slow
 def test_bench_engine_compares_with_and_without_backoff(tmp_path, capsys):
     import json
 
@@ -272,6 +277,7 @@ class PausingBackoff(DraftBackoff):
     PRIOR = 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adaptive", ["default", "pausing"])
 def test_sampling_with_speculation_keeps_the_distribution(adaptive, tiny_model_dir):
     """10k requests each way (20k draws a position), one prompt (prefix-cached), temperature 0.4: the second to
@@ -399,6 +405,7 @@ def test_speculative_config_defaults_as_vllm():
             EngineConfig(model="x", speculative_config=SPEC, speculative_backoff_threshold=bad)
 
 
+@pytest.mark.slow
 def test_speculation_flags_on_the_command_line(tiny_model_dir, capsys, caplog):
     """A bad --speculative-config or --speculative-backoff-threshold is a one-line error; the threshold
     reaches the engine (its start line says which adaptive drafting runs)."""

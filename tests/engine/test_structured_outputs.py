@@ -19,6 +19,8 @@ from kvgate.engine import LLM, SamplingParams
 from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.sampling_params import StructuredOutputsParams
 
+pytestmark = pytest.mark.slow
+
 NUM_SAMPLES = 200
 MAX_TOKENS = 400
 
@@ -242,6 +244,7 @@ def test_masks_filled_beside_the_forward_pass_give_the_same_tokens(llm):
     assert threaded == in_line and runner._mask_pool is not None
 
 
+@pytest.mark.processes
 def test_bench_prints_the_ratio(llm, cache_dir):
     import os
     import subprocess

@@ -122,6 +122,7 @@ def test_kernel_dequantizes_inside(name, heads, kv_heads, head_dim, block_size, 
     assert err < (1e-6 if dtype == torch.float32 else 2e-3), err
 
 
+@pytest.mark.slow
 def test_engine_triton_int8_matches_torch_int8(tiny_model_dir):
     """The whole engine with an int8 cache: the Triton path (store kernel, graph-padded steps, prefix-cache hits
     read through the block tables) gives the SDPA path's tokens, and logprobs within float32 rounding. (fp8 runs
@@ -176,6 +177,7 @@ def _hf_greedy(model, prompts, n):
     return hf_greedy(model, prompts, n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_on_triton_path_matches_hf(case, tiny_model_dir):
     family, engine_args = CASES[case]
@@ -197,6 +199,7 @@ def test_engine_on_triton_path_matches_hf(case, tiny_model_dir):
         assert llm.engine.stats().num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_sliding_window_on_triton_path_matches_hf(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -216,6 +219,7 @@ def test_sliding_window_on_triton_path_matches_hf(tmp_path):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch, tiny_model_dir):
     from kvgate.common.errors import ConfigError
 
@@ -265,6 +269,7 @@ def test_fused_ops_match_the_torch_layers(dtype):
     assert mlp.fused is False
 
 
+@pytest.mark.slow
 def test_speculation_on_triton_path_keeps_greedy_tokens(tiny_model_dir):
     """Speculative decoding through the graph path's padded shapes and static buffers (verification chunks of
     1 + K positions in mixed-step shapes; the CUDA run is test_cuda.py's): n-grams with every step drafting, and the

@@ -18,9 +18,11 @@ def state(address: str, *, queue: int = 0, running: int = 0, kv: float = 0.0, ma
 
 
 def request(prompt: str = "hello", *, model: str = "m", request_id: str = "r1", headers=None,
-            priority: int = 0, cache_salt: str | None = None) -> LLMRequest:
+            priority: int = 0, cache_salt: str | None = None, max_tokens: int | None = None,
+            body=None) -> LLMRequest:
     return LLMRequest(request_id=request_id, model=model, target_model=model, prompt=prompt,
-                      headers=headers or {}, priority=priority, cache_salt=cache_salt)
+                      headers=headers or {}, priority=priority, cache_salt=cache_salt, max_tokens=max_tokens,
+                      body=body)
 
 
 def addresses(states) -> list[str]:

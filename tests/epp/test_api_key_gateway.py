@@ -12,6 +12,8 @@ from kvgate.epp.types import LLMRequest
 from tests.epp.test_stock_envoy import stock_envoy
 from tests.gateway import Gateway
 
+pytestmark = pytest.mark.processes
+
 KEY = "gw-key-5a7c9e1b3d"
 
 

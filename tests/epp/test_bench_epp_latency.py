@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 
 

@@ -73,6 +73,7 @@ ALPHABET = st.sampled_from([*"aaaabbbcde  \n\t.,;:()=_-'\"0123456789", "é", "ß
                             "def ", "self.", "return ", *SPECIALS])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["byte", "bpe", "bpe-unsplit"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(parts=st.lists(ALPHABET, min_size=1, max_size=600), limit=st.integers(1, 120), chat=st.booleans())

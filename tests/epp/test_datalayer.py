@@ -427,6 +427,7 @@ def test_the_log_says_once_which_prefill_speed_signal_an_endpoint_gives(caplog):
                     "of its measured prefill speed"], said
 
 
+@pytest.mark.processes
 def test_against_a_real_kvgate_sim_engine(tmp_path, caplog):
     async def main(url: str, address: str):
         layer = Datalayer(interval=0.05)

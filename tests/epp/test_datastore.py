@@ -10,14 +10,7 @@ import yaml
 
 from kvgate.epp.datastore import (Datastore, EndpointsFile, parse_endpoints, parse_endpoints_lines,
                                   parse_objectives, parse_rewrites, pool_endpoints)
-
-
-def pod(name, ip, labels, ready=True, phase="Running", namespace="ns", deleting=False):
-    meta = {"name": name, "namespace": namespace, "labels": labels}
-    if deleting:
-        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    return {"metadata": meta, "status": {"podIP": ip, "phase": phase, "conditions": [
-        {"type": "Ready", "status": "True" if ready else "False"}]}}
+from tests.builders import pod
 
 
 POOL = {"metadata": {"name": "p", "namespace": "ns"},

@@ -13,6 +13,8 @@ from kvgate.common.gateway_routes import render_pool_gateway
 from tests.gateway import EPP, Envoy
 from tests.procs import KVGATE, KvgateServe, free_port
 
+pytestmark = pytest.mark.processes
+
 SERVED_BY = "x-kvgate-endpoint"
 
 

@@ -16,6 +16,8 @@ import pytest
 from kvgate.chaos.load import StreamLoad
 from tests.gateway import Gateway
 
+pytestmark = pytest.mark.processes
+
 SLOW_SIM = ["--backend", "sim", "--sim-step-overhead-ms", "20"]  # ~50 tokens/s a stream
 
 

@@ -15,6 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.gateway import EPP
 from tests.procs import KvgateServe, free_port
 
+pytestmark = pytest.mark.processes
+
 FULL = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 DEST = "x-gateway-destination-endpoint"

@@ -260,6 +260,7 @@ def start_epp(tmp_path, i: int, lease: str):
     return proc, ports[1]
 
 
+@pytest.mark.processes
 def test_two_epp_processes_one_serves_and_the_follower_leads_when_it_is_killed(tmp_path):
     (tmp_path / "endpoints").write_text("")  # an empty pool: ready at once, no engine needed
     lease = str(tmp_path / "epp.lease")

@@ -12,6 +12,7 @@ from kvgate.epp.director import RoutingError
 from kvgate.epp.flow_config import EDF, FCFS, GLOBAL_STRICT, ROUND_ROBIN, SPF, BandConfig, FlowControlConfig
 from kvgate.epp.flow_control import FlowController
 from kvgate.epp.types import LLMRequest
+from tests.epp.helpers import request
 
 
 class Pool:
@@ -24,11 +25,12 @@ class Pool:
         return self.free
 
 
-def req(i, priority=0, flow="a", slo_ms=None) -> LLMRequest:
+def flow_request(i, priority=0, flow="a", slo_ms=None) -> LLMRequest:
+    """Request i of fairness flow `flow` (with a TTFT objective where slo_ms is given)."""
     headers = {"x-gateway-inference-fairness-id": flow}
     if slo_ms is not None:
         headers["x-slo-ttft-ms"] = str(slo_ms)
-    return LLMRequest(request_id=str(i), model="m", target_model="m", prompt="p", headers=headers, priority=priority)
+    return request("p", request_id=str(i), headers=headers, priority=priority)
 
 
 def config(**band) -> FlowControlConfig:
@@ -69,11 +71,11 @@ def test_no_queue_while_the_pool_has_room():
         pool = Pool(room=2)
         fc = FlowController(config(), pool.room, poll_s=0.01)
         h = Harness(fc, pool)
-        h.submit(req(1))
-        h.submit(req(2))
+        h.submit(flow_request(1))
+        h.submit(flow_request(2))
         await settle()
         assert h.order == ["1", "2"] and fc.count == 0
-        h.submit(req(3))
+        h.submit(flow_request(3))
         await settle()
         assert h.order == ["1", "2"] and fc.count == 1  # no room: it waits
         await h.release(1)
@@ -87,9 +89,9 @@ def test_higher_priority_leaves_first():
         fc = FlowController(config(), pool.room, poll_s=0.01)
         h = Harness(fc, pool)
         for i in range(3):
-            h.submit(req(f"low{i}", priority=-1))
-        h.submit(req("mid", priority=0))
-        h.submit(req("high", priority=10))
+            h.submit(flow_request(f"low{i}", priority=-1))
+        h.submit(flow_request("mid", priority=0))
+        h.submit(flow_request("high", priority=10))
         await settle()
         await h.release(2)
         assert h.order == ["high", "mid"]
@@ -104,9 +106,9 @@ def test_round_robin_gives_a_flood_and_a_trickle_turns():
         fc = FlowController(config(fairness=ROUND_ROBIN), pool.room, poll_s=0.01)
         h = Harness(fc, pool)
         for i in range(10):
-            h.submit(req(f"A{i}", flow="A"))
+            h.submit(flow_request(f"A{i}", flow="A"))
         for i in range(3):
-            h.submit(req(f"B{i}", flow="B"))
+            h.submit(flow_request(f"B{i}", flow="B"))
         await settle()
         await h.release(8)
         assert h.order == ["A0", "B0", "A1", "B1", "A2", "B2", "A3", "A4"]
@@ -119,7 +121,7 @@ def test_global_strict_keeps_arrival_order_across_flows():
         fc = FlowController(config(fairness=GLOBAL_STRICT, ordering=FCFS), pool.room, poll_s=0.01)
         h = Harness(fc, pool)
         for i, flow in enumerate("AABAB"):
-            h.submit(req(f"{flow}{i}", flow=flow))
+            h.submit(flow_request(f"{flow}{i}", flow=flow))
         await settle()
         await h.release(5)
         assert h.order == ["A0", "A1", "B2", "A3", "B4"]
@@ -131,9 +133,9 @@ def test_edf_orders_by_the_requests_ttft_objective():
         pool = Pool()
         fc = FlowController(config(ordering=EDF), pool.room, poll_s=0.01)
         h = Harness(fc, pool)
-        h.submit(req("none"))                  # deadline: its TTL (60 s)
-        h.submit(req("slow", slo_ms=5000))
-        h.submit(req("fast", slo_ms=200))
+        h.submit(flow_request("none"))                  # deadline: its TTL (60 s)
+        h.submit(flow_request("slow", slo_ms=5000))
+        h.submit(flow_request("fast", slo_ms=200))
         await settle()
         await h.release(3)
         assert h.order == ["fast", "slow", "none"]
@@ -168,11 +170,11 @@ def test_a_full_band_answers_429_with_retry_after():
                                 bands={5: BandConfig(priority=5, max_requests=2)})
         fc = FlowController(cfg, pool.room, poll_s=0.01)
         h = Harness(fc, pool)
-        h.submit(req(1, priority=5))
-        h.submit(req(2, priority=5))
-        third = h.submit(req(3, priority=5))
-        other_band = h.submit(req(4, priority=0), size=900)
-        too_big = h.submit(req(5, priority=0), size=200)   # 900 + 200 bytes > maxBytes 1000
+        h.submit(flow_request(1, priority=5))
+        h.submit(flow_request(2, priority=5))
+        third = h.submit(flow_request(3, priority=5))
+        other_band = h.submit(flow_request(4, priority=0), size=900)
+        too_big = h.submit(flow_request(5, priority=0), size=200)   # 900 + 200 bytes > maxBytes 1000
         await settle()
         for task in (third, too_big):
             with pytest.raises(RoutingError) as e:
@@ -192,7 +194,7 @@ def test_ttl_answers_503_or_429_for_sheddable():
         fc = FlowController(FlowControlConfig(enabled=True, default_ttl_s=5.0), pool.room, clock=lambda: now[0],
                             poll_s=0.01)
         h = Harness(fc, pool)
-        critical, sheddable = h.submit(req(1, priority=0)), h.submit(req(2, priority=-1))
+        critical, sheddable = h.submit(flow_request(1, priority=0)), h.submit(flow_request(2, priority=-1))
         await settle()
         now[0] = 4.9
         fc.dispatch()
@@ -211,8 +213,8 @@ def test_a_client_that_goes_away_leaves_the_queue_and_nothing_leaks():
         pool = Pool()
         fc = FlowController(config(), pool.room, poll_s=0.01)
         h = Harness(fc, pool)
-        gone = h.submit(req("gone"), size=50)
-        h.submit(req("stays"))
+        gone = h.submit(flow_request("gone"), size=50)
+        h.submit(flow_request("stays"))
         await settle()
         gone.cancel()
         await settle()
@@ -227,7 +229,7 @@ def test_let_go_then_cancelled_gives_its_place_back():
         pool = Pool()
         fc = FlowController(config(), pool.room, poll_s=0.01)
         h = Harness(fc, pool)
-        first = h.submit(req("first"))
+        first = h.submit(flow_request("first"))
         await settle()
         pool.free = 1
         fc.dispatch()           # let go, but its task has not run yet
@@ -243,7 +245,7 @@ def test_scale_from_zero_holds_then_serves_everything():
         fc = FlowController(config(), pool.room, poll_s=0.005)
         h = Harness(fc, pool)
         for i in range(20):
-            h.submit(req(i))
+            h.submit(flow_request(i))
         await asyncio.sleep(0.05)
         assert h.order == [] and fc.count == 20
         pool.free = 20  # an endpoint became ready: the dispatcher's poll finds room without a wake
@@ -263,7 +265,7 @@ def test_random_traffic_is_served_or_refused_exactly_once():
         fc = FlowController(cfg, pool.room, poll_s=0.002)
         h = Harness(fc, pool)
         for i in range(300):
-            h.submit(req(i, priority=rng.choice([-1, 0, 0, 5]), flow=rng.choice("abcde"),
+            h.submit(flow_request(i, priority=rng.choice([-1, 0, 0, 5]), flow=rng.choice("abcde"),
                          slo_ms=rng.choice([None, 100, 1000])), size=rng.randint(1, 100))
             if rng.random() < 0.2:
                 victim = h.tasks[str(rng.randrange(i + 1))]

@@ -18,11 +18,14 @@ import statistics
 import time
 
 import httpx
+import pytest
 
 from kvgate.common.upstream_envoy import render_upstream_envoy
 from tests.epp.test_stock_envoy import stock_envoy
 from tests.gateway import EPP, Envoy, Gateway
 from tests.procs import KvgateServe, free_port
+
+pytestmark = pytest.mark.processes
 
 FLOW_CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig

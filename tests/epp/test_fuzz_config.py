@@ -188,6 +188,7 @@ def _check_outcome(text: str, outcome) -> str:
     return "valid"
 
 
+@pytest.mark.slow
 def test_fuzzed_configs_load_or_fail_with_a_config_error():
     seen = {"cases": 0, "valid": 0, "error": 0, "slowest_s": 0.0}
 
@@ -280,6 +281,7 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
 
 # --- through the real process -----------------------------------------------------------------------------------
 
+@pytest.mark.processes
 def test_kvgate_epp_refuses_fuzzed_invalid_configs_with_one_line(tmp_path):
     """A few invalid texts (one per kind of mangling) through `kvgate epp --config-text` (two by `--config-file`):
     exit status 1 and one line on stderr, no traceback, before any port is opened."""

@@ -21,6 +21,8 @@ from kvgate.common.envoy_config import UPSTREAM_HOST_HEADER, UPSTREAM_IDLE_S, Po
 from kvgate.common.gateway_routes import render_pool_gateway
 from kvgate.common.epp_protocol import DESTINATION_HEADER, SERVED_TEST_HEADER, TEST_ENDPOINT_SELECTION_HEADER
 
+pytestmark = pytest.mark.processes
+
 SERVED_BY = "x-kvgate-endpoint"
 
 

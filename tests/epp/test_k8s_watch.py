@@ -14,14 +14,9 @@ import pytest
 from kvgate.epp.datastore import Datastore
 from kvgate.epp.k8s_watch import (REQUEST_TIMEOUT, WATCH_TIMEOUT_S, PoolWatcher, apply_pod_event,
                                   label_selector)
+from tests.builders import pod
 
 NS = "ns"
-
-
-def pod(name, ip, rv, labels=None, ready=True):
-    return {"metadata": {"name": name, "namespace": NS, "labels": labels or {"app": "llm"}, "resourceVersion": rv},
-            "status": {"podIP": ip, "phase": "Running",
-                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
 def pool(selector=None, ports=(8000,)):
@@ -97,10 +92,10 @@ def test_label_selector_and_events_are_pure():
     assert label_selector(pool({"b": "2", "a": "1"})) == "a=1,b=2"
     assert label_selector({"spec": {}}) == ""
     pods = {}
-    assert apply_pod_event(pods, {"type": "ADDED", "raw_object": pod("a", "10.0.0.1", "5")}) == "5"
-    apply_pod_event(pods, {"type": "MODIFIED", "object": pod("a", "10.0.0.9", "6")})
+    assert apply_pod_event(pods, {"type": "ADDED", "raw_object": pod("a", "10.0.0.1", rv="5")}) == "5"
+    apply_pod_event(pods, {"type": "MODIFIED", "object": pod("a", "10.0.0.9", rv="6")})
     assert pods["a"]["status"]["podIP"] == "10.0.0.9"
-    apply_pod_event(pods, {"type": "DELETED", "raw_object": pod("a", "10.0.0.9", "7")})
+    apply_pod_event(pods, {"type": "DELETED", "raw_object": pod("a", "10.0.0.9", rv="7")})
     assert pods == {}
     assert apply_pod_event(pods, {"type": "BOOKMARK", "raw_object": {"metadata": {"resourceVersion": "9"}}}) == "9"
     assert pods == {}
@@ -113,14 +108,14 @@ def test_list_then_watch_from_its_version_one_event_no_relist(fake):
     assert all(kw["_request_timeout"] == REQUEST_TIMEOUT for _, kw in custom.calls)
 
     core.lists.append({"metadata": {"resourceVersion": "100"},
-                       "items": [pod("a", "10.0.0.1", "90"), pod("b", "10.0.0.2", "95", ready=False)]})
+                       "items": [pod("a", "10.0.0.1", rv="90"), pod("b", "10.0.0.2", rv="95", ready=False)]})
     watcher.pod_watch_step()  # no cache yet: list
     (_, ns, kw), = core.calls
     assert ns == NS and kw["label_selector"] == "app=llm" and kw["_request_timeout"] == REQUEST_TIMEOUT
     assert not kw.get("watch") and addresses(store) == ["10.0.0.1:8000"] and store.synced
 
-    core.watches.append([{"type": "MODIFIED", "object": pod("b", "10.0.0.2", "101")},
-                         {"type": "ADDED", "object": pod("c", "10.0.0.3", "102")},
+    core.watches.append([{"type": "MODIFIED", "object": pod("b", "10.0.0.2", rv="101")},
+                         {"type": "ADDED", "object": pod("c", "10.0.0.3", rv="102")},
                          {"type": "BOOKMARK", "object": {"kind": "Pod", "metadata": {"resourceVersion": "150"}}}])
     seen = []
     store.listeners.append(lambda eps: seen.append([e.address for e in eps]))
@@ -142,12 +137,12 @@ def test_list_then_watch_from_its_version_one_event_no_relist(fake):
 def test_gone_relists_and_resumes_from_the_new_version(fake):
     watcher, core, custom, store = fake
     watcher.sync_pool()
-    core.lists.append({"metadata": {"resourceVersion": "100"}, "items": [pod("a", "10.0.0.1", "90")]})
+    core.lists.append({"metadata": {"resourceVersion": "100"}, "items": [pod("a", "10.0.0.1", rv="90")]})
     watcher.pod_watch_step()
     core.watches.append([{"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
                                                       "message": "too old resource version: 100"}}])
     watcher.pod_watch_step()  # 410: the cache is dropped ...
-    core.lists.append({"metadata": {"resourceVersion": "300"}, "items": [pod("z", "10.0.0.26", "299")]})
+    core.lists.append({"metadata": {"resourceVersion": "300"}, "items": [pod("z", "10.0.0.26", rv="299")]})
     watcher.pod_watch_step()  # ... and listed again
     assert [bool(kw.get("watch")) for _, _, kw in core.calls] == [False, True, False]
     assert addresses(store) == ["10.0.0.26:8000"]
@@ -159,7 +154,7 @@ def test_gone_relists_and_resumes_from_the_new_version(fake):
 def test_a_new_selector_relists_with_it_and_new_ports_apply_at_once(fake):
     watcher, core, custom, store = fake
     watcher.sync_pool()
-    core.lists.append({"metadata": {"resourceVersion": "1"}, "items": [pod("a", "10.0.0.1", "1")]})
+    core.lists.append({"metadata": {"resourceVersion": "1"}, "items": [pod("a", "10.0.0.1", rv="1")]})
     watcher.pod_watch_step()
     custom.pool = pool(ports=(8000, 8001))
     watcher.sync_pool()
@@ -167,7 +162,7 @@ def test_a_new_selector_relists_with_it_and_new_ports_apply_at_once(fake):
     custom.pool = pool({"app": "other"})
     watcher.sync_pool()
     core.lists.append({"metadata": {"resourceVersion": "2"},
-                       "items": [pod("o", "10.0.0.5", "2", labels={"app": "other"})]})
+                       "items": [pod("o", "10.0.0.5", {"app": "other"}, rv="2")]})
     watcher.pod_watch_step()
     assert core.calls[-1][2]["label_selector"] == "app=other" and not core.calls[-1][2].get("watch")
     assert addresses(store) == ["10.0.0.5:8000"]
@@ -186,8 +181,8 @@ def test_a_pool_without_selector_lists_no_pods(fake):
 def test_threads_follow_events_and_stop(fake):
     """The two loops together: the first list, then events, then stop() ends both threads promptly."""
     watcher, core, custom, store = fake
-    core.lists.append({"metadata": {"resourceVersion": "1"}, "items": [pod("a", "10.0.0.1", "1")]})
-    core.watches.append([{"type": "ADDED", "object": pod("b", "10.0.0.2", "2")}])
+    core.lists.append({"metadata": {"resourceVersion": "1"}, "items": [pod("a", "10.0.0.1", rv="1")]})
+    core.watches.append([{"type": "ADDED", "object": pod("b", "10.0.0.2", rv="2")}])
     released = threading.Event()
 
     class Idle(WatchResponse):  # then a watch with no events until stopped
@@ -240,7 +235,7 @@ def test_a_watch_refused_with_410_relists_too(fake):
     kubernetes client raises ApiException(410)). Same outcome: the cache is dropped and listed again."""
     watcher, core, custom, store = fake
     watcher.sync_pool()
-    core.lists.append({"metadata": {"resourceVersion": "100"}, "items": [pod("a", "10.0.0.1", "90")]})
+    core.lists.append({"metadata": {"resourceVersion": "100"}, "items": [pod("a", "10.0.0.1", rv="90")]})
     watcher.pod_watch_step()
     orig = core.list_namespaced_pod
 
@@ -253,7 +248,7 @@ def test_a_watch_refused_with_410_relists_too(fake):
 
     core.list_namespaced_pod = gone_once
     watcher.pod_watch_step()  # HTTP 410: dropped, no exception out of the step (so no error backoff either)
-    core.lists.append({"metadata": {"resourceVersion": "300"}, "items": [pod("b", "10.0.0.2", "299")]})
+    core.lists.append({"metadata": {"resourceVersion": "300"}, "items": [pod("b", "10.0.0.2", rv="299")]})
     watcher.pod_watch_step()
     assert [bool(kw.get("watch")) for _, _, kw in core.calls] == [False, True, False]
     assert addresses(store) == ["10.0.0.2:8000"]

@@ -1,4 +1,4 @@
-"""The EPP's KV-event subscriber against a hostile publisher (issue 20, item 5): real ZeroMQ PUB sockets speaking
+"""The EPP's KV-event subscriber against a hostile publisher: real ZeroMQ PUB sockets speaking
 vLLM's wire format send malformed batches (a list parent hash, a non-int or >= 2^63 token id, garbage msgpack,
 an oversized message, a stream of LoRA names), interleaved with good batches from the same and another endpoint.
 The thread keeps running, the good endpoint's blocks are all indexed, the bad batch drops the bad endpoint's
@@ -333,6 +333,7 @@ def check_event(event) -> None:
         chain(event.token_ids, event.block_size, root_hash(event.lora_name, event.cache_salt))
 
 
+@pytest.mark.slow
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches)
 def test_any_event_structure_decodes_to_valid_events_or_bad_payload(structure):
@@ -348,6 +349,7 @@ def test_any_event_structure_decodes_to_valid_events_or_bad_payload(structure):
         check_event(event)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_any_bytes_decode_to_valid_events_or_bad_payload(payload):
@@ -372,6 +374,7 @@ def test_the_message_bound_holds_a_huge_engine_step(block_size, min_tokens):
     assert MAX_MESSAGE_BYTES / per_token >= min_tokens
 
 
+@pytest.mark.slow
 def test_a_batch_storing_and_removing_many_blocks_costs_linear_time(zctx, harness):
     """Stored-then-removed blocks within one batch net out; with 50000 of each that must not be quadratic (a
     list's membership test per block made it 29 s of the thread's time, every endpoint waiting)."""

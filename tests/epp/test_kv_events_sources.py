@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from kvgate.epp.datastore import pool_endpoints
 from kvgate.epp.kv_events.sources import EventSource, event_source
 from kvgate.common.epp_protocol import (KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION,
                                  KV_EVENTS_TOPIC_ANNOTATION)
 from kvgate.epp.types import Endpoint
 from tests.procs import KVGATE
+from tests.builders import pod
 
 POOL = {"metadata": {"namespace": "ns"}, "spec": {"selector": {"matchLabels": {"app": "llm"}},
                                                   "targetPorts": [{"number": 8000}]}}
-
-
-def pod(name: str, ip: str, annotations: dict | None = None) -> dict:
-    return {"metadata": {"name": name, "namespace": "ns", "labels": {"app": "llm"},
-                         "annotations": {"unrelated": "x", **(annotations or {})}},
-            "status": {"podIP": ip, "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
 def test_flags_name_the_ports_on_each_endpoint_ip():
@@ -31,9 +28,11 @@ def test_flags_name_the_ports_on_each_endpoint_ip():
 
 
 def test_pod_annotations_override_the_flags_and_only_they_are_kept():
-    pods = [pod("a", "10.0.0.1", {KV_EVENTS_PORT_ANNOTATION: "6000", KV_EVENTS_REPLAY_PORT_ANNOTATION: "6001",
-                                  KV_EVENTS_TOPIC_ANNOTATION: "t"}),
-            pod("b", "10.0.0.2"), pod("c", "10.0.0.3", {KV_EVENTS_PORT_ANNOTATION: "not-a-port"})]
+    pods = [pod("a", "10.0.0.1", annotations={"unrelated": "x", KV_EVENTS_PORT_ANNOTATION: "6000",
+                                              KV_EVENTS_REPLAY_PORT_ANNOTATION: "6001",
+                                              KV_EVENTS_TOPIC_ANNOTATION: "t"}),
+            pod("b", "10.0.0.2", annotations={"unrelated": "x"}),
+            pod("c", "10.0.0.3", annotations={"unrelated": "x", KV_EVENTS_PORT_ANNOTATION: "not-a-port"})]
     a, b, c = pool_endpoints(POOL, pods)
     assert dict(a.annotations) == {KV_EVENTS_PORT_ANNOTATION: "6000", KV_EVENTS_REPLAY_PORT_ANNOTATION: "6001",
                                    KV_EVENTS_TOPIC_ANNOTATION: "t"}
@@ -43,6 +42,7 @@ def test_pod_annotations_override_the_flags_and_only_they_are_kept():
     assert event_source(c, 5557, None, "") is None  # logged; a typo never points the EPP elsewhere
 
 
+@pytest.mark.processes
 def test_bad_flags_are_one_line_errors(tmp_path):
     r = subprocess.run([KVGATE, "epp", "--endpoints", "127.0.0.1:1", "--kv-events-port", "70000"],
                        capture_output=True, text=True, timeout=60)

@@ -14,6 +14,8 @@ from openai import OpenAI
 from tests.epp.test_stock_envoy import stock_envoy
 from tests.gateway import Gateway
 
+pytestmark = pytest.mark.processes
+
 CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:

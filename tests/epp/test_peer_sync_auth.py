@@ -305,6 +305,7 @@ def test_key_flags_need_peer_sync(flag, capsys):
     assert "needs --peer-sync-bind" in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_a_keyless_epp_process_exits_2_with_one_line():
     r = subprocess.run([KVGATE, "epp", "--endpoints", "127.0.0.1:1", "--peer-sync-bind", bind_address()],
                        capture_output=True, text=True, timeout=60)
@@ -318,6 +319,7 @@ def peer_count(epp: EPP) -> float:
     return -1.0
 
 
+@pytest.mark.processes
 def test_keyed_epp_processes_sync_and_an_insecure_one_is_left_out(tmp_path, pool_key):
     """Real `kvgate epp` processes: two given the pool's key file hear each other; a third started with
     --peer-sync-insecure and subscribed to the first hears nothing from it and says once that it runs keyless."""

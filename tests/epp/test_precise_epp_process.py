@@ -11,11 +11,14 @@ import time
 import grpc
 import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+import pytest
 
 from tests.engine.test_kv_events import free_port_v6
 from tests.epp.test_extproc_grpc import body_msgs, destination, headers_msg, run
 from tests.gateway import EPP
 from tests.procs import KvgateServe, free_port
+
+pytestmark = pytest.mark.processes
 
 CONFIG = """
 apiVersion: inference.networking.x-k8s.io/v1alpha1

@@ -1,5 +1,5 @@
 """The precise prefix index fed by KV-cache events: both of vLLM's encodings, gaps (replayed, or dropped and
-rebuilt), engine restarts, endpoint removal, bounded memory, speculative entries; and the must-show: after a
+rebuilt), engine restarts, endpoint removal, bounded memory, speculative entries; and, after a
 mixed workload with evictions and preemptions on two real sim engines, the index of each endpoint equals that
 engine's block pool."""
 
@@ -220,7 +220,7 @@ def test_match_is_the_leading_run_per_endpoint():
     assert index.match([]) == {}
 
 
-# -- the must-show: the index equals the engines' block pools ----------------------------------------------------
+# -- the index equals the engines' block pools ------------------------------------------------------------------
 
 
 def free_port_v6() -> int:

@@ -281,6 +281,7 @@ schedulingProfiles:
 """, source="test")
 
 
+@pytest.mark.slow
 def test_tokenize_and_hash_cost():
     """µs per request for a 1k-token prompt (printed; the numbers in the plugin's docstring come from here)."""
     scorer = PrecisePrefixCacheScorer(speculative_ttl_s=1)

@@ -1,4 +1,4 @@
-"""Must-show with real processes: two `kvgate serve --backend sim` engines with a small KV cache (evictions,
+"""The precise scorer against real processes: two `kvgate serve --backend sim` engines with a small KV cache (evictions,
 preemptions) publishing events; the precise scorer routes a mixed workload of shared-prefix completions and
 chats to them, and afterwards
 
@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 import zmq
 
 from kvgate.epp.kv_events.sources import EventSource
@@ -25,6 +26,8 @@ from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState, LLMReques
 from tests.engine.test_kv_events import Subscriber, free_port_v6
 from tests.epp.kv_events_helpers import Harness
 from tests.procs import KvgateServe, scrape
+
+pytestmark = pytest.mark.processes
 
 BLOCK = 16
 NUM_BLOCKS = 48

@@ -27,6 +27,7 @@ def fill(index: PrefixIndex, endpoints: int, blocks: int, rng: random.Random, sh
         index.add(list(shared) + [rng.getrandbits(64) for _ in range(blocks - len(shared))], address(i))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared_blocks", [0, 64])
 def test_1000_endpoints_at_full_capacity_stay_under_the_memory_budget(shared_blocks):
     budget = 8 * 1024 * 1024

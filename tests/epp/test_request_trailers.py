@@ -24,6 +24,8 @@ from kvgate.common.gateway_routes import render_pool_gateway
 from tests.epp.test_stock_envoy import stock_envoy
 from tests.gateway import Gateway
 
+pytestmark = pytest.mark.processes
+
 BODY = json.dumps({"model": "sim-model", "prompt": "trailers at the end", "max_tokens": 3}).encode()
 HEADERS = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "http"), (":authority", "gateway"),
            ("content-type", "application/json")]

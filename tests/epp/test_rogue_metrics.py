@@ -327,6 +327,7 @@ _PAGES = st.one_of(
 @pytest.mark.parametrize("config", ["kvgate", "default"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                       HealthCheck.too_slow])
+@pytest.mark.slow
 @given(pages=st.lists(_PAGES, min_size=1, max_size=4))
 def test_any_page_leaves_the_other_endpoint_picked(config, pages):
     pool = Pool(KVGATE_PROFILE_YAML if config == "kvgate" else None)

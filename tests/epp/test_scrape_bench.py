@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from kvgate.epp.datalayer import DIALECTS, parse_metrics
 from kvgate.bench.datalayer import filtered_page, metrics_page
 from tests.procs import KVGATE
@@ -18,6 +20,7 @@ def test_the_served_page_narrowed_like_prometheus_client_still_parses_the_same()
     assert whole == small and (small.waiting_queue_size, small.kv_block_size) == (3, 16)
 
 
+@pytest.mark.processes
 def test_bench_scrape_runs_and_writes_json(tmp_path):
     result = tmp_path / "scrape.json"
     r = subprocess.run([KVGATE, "bench", "scrape", "--endpoint-counts", "5,10", "--seconds", "0.5",

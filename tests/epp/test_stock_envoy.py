@@ -16,6 +16,8 @@ from kvgate.common.epp_protocol import SERVED_TEST_HEADER, TEST_ENDPOINT_SELECTI
 from kvgate.common.upstream_envoy import UPSTREAM_ENVOY_YAML, render_upstream_envoy
 from tests.gateway import Gateway
 
+pytestmark = pytest.mark.processes
+
 FIXTURE = UPSTREAM_ENVOY_YAML
 SERVED_BY = "x-kvgate-endpoint"  # set by the engine: the endpoint that really served the request
 REQUESTS = 200

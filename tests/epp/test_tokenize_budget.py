@@ -1,4 +1,4 @@
-"""Hostile prompts against the EPP's tokenization (issue 20, items 6 and 8): a long prompt is tokenized only up to
+"""Hostile prompts against the EPP's tokenization: a long prompt is tokenized only up to
 the prefix the precise index can use, off the event loop, within `tokenizeTimeout` (past it that request alone is
 scored by the approximate scorer), and no other decision waits for it; token ids that are not ints in
 [0, 2^31) are a 400 where the request enters, never a 500."""
@@ -159,6 +159,7 @@ def _decide(stub, body: bytes, chunks: int = 1):
     return list(stub.Process(iter([headers_msg({}), *body_msgs(body, chunks)]), timeout=120))
 
 
+@pytest.mark.processes
 def test_token_ids_past_int64_are_a_400_not_a_500(epp):
     addresses, stub, server = epp
     for prompt in ([2**63] * 40, [[5, 6], [2**64]], [-3]):
@@ -169,6 +170,7 @@ def test_token_ids_past_int64_are_a_400_not_a_500(epp):
     assert 'kvgate_epp_requests_total{code="500"}' not in server.metrics()
 
 
+@pytest.mark.processes
 def test_a_multi_mib_prompt_delays_no_other_decision_and_is_still_routed(epp):
     """Before: the precise scorer tokenized the whole 12 MiB prompt on the event loop (~9 s here), and every
     decision meanwhile waited for it. Now the small decisions go on (each well under a second) and the big ones
@@ -207,6 +209,7 @@ def test_a_multi_mib_prompt_delays_no_other_decision_and_is_still_routed(epp):
         time.sleep(0.1)
 
 
+@pytest.mark.processes
 def test_a_long_prompt_ending_in_trailers_keeps_the_responses_in_order(epp):
     """The decision waits for the prepare step; the trailers' answer must still come after the body's."""
     addresses, stub, _ = epp

@@ -5,16 +5,12 @@ from kvgate.common.envoy_config import PoolBackend
 from kvgate.common.gateway_routes import RouteRule, ServiceBackend, WeightedBackend
 from kvgate.operator.epp_pod_address import routing_via_epp_pods
 from kvgate.operator.gateway import GatewayRouting
+from tests.builders import pod
 
 
 def _epp_service(name, ns):
     return {"metadata": {"name": name, "namespace": ns},
             "spec": {"selector": {"app": name}, "ports": [{"port": 9002, "targetPort": 19002}]}}
-
-
-def _pod(name, ip, app):
-    return {"metadata": {"name": name, "labels": {"app": app}},
-            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
 def test_routing_via_epp_pods_swaps_pool_backends_only():
@@ -28,7 +24,7 @@ def test_routing_via_epp_pods_swaps_pool_backends_only():
 
     def pods_of(ns):
         listed.append(ns)
-        return {"ns": [_pod("p-epp-1", "10.0.0.1", "p-epp")], "other": []}[ns]
+        return {"ns": [pod("p-epp-1", "10.0.0.1", {"app": "p-epp"})], "other": []}[ns]
 
     swapped = routing_via_epp_pods(routing, [_epp_service("p-epp", "ns"), _epp_service("q-epp", "other")], pods_of)
     first, second = swapped.rules

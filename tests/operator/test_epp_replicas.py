@@ -1,4 +1,4 @@
-"""Several EPP replicas per pool (annotation kvgate.dev/epp-replicas; issue 22): leader election's flag and Lease
+"""Several EPP replicas per pool (annotation kvgate.dev/epp-replicas): leader election's flag and Lease
 rules only then, spread across nodes, a PodDisruptionBudget, and nothing of it while the operator's HA is off."""
 
 from __future__ import annotations

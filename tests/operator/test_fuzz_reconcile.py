@@ -177,6 +177,7 @@ def _valid(spec, schema) -> bool:
     return jsonschema.Draft7Validator(schema).is_valid(spec)
 
 
+@pytest.mark.slow
 def test_fuzzed_specs_end_in_objects_or_conditions():
     seen = {"cases": 0, "schema_valid": 0, "deployments": 0, "ready_false": 0, "epp_entries": 0, "slowest_s": 0.0,
             "reasons": {}}

@@ -67,6 +67,7 @@ def test_gatewayclass_accepted(samples):
     assert (c["type"], c["status"], c["reason"]) == ("Accepted", "True", "Accepted")
 
 
+@pytest.mark.processes
 def test_samples_render_valid_envoy_and_objects(samples, tmp_path):
     docs = [samples[k] for k in ("Gateway", "HTTPRoute", "InferencePool")]
     docs += p.desired_epp_objects(samples["InferencePool"], IMAGE)
@@ -122,6 +123,7 @@ def test_clusters_linger_after_their_routes_go(samples, conformance):
     assert g.desired_envoy_objects(gateway, without, IMAGE, previous_config_map=junk, now=1.0)[0] == gone[0]
 
 
+@pytest.mark.processes
 def test_invalid_pool_ref_is_backend_not_found(conformance, tmp_path):
     docs = conformance("httproute_invalid_inferencepool_ref.yaml")
     routing = _route(docs, _gw(docs, "conformance-primary"))
@@ -131,6 +133,7 @@ def test_invalid_pool_ref_is_backend_not_found(conformance, tmp_path):
     _validate(g.render_config(_gw(docs, "conformance-primary"), routing), tmp_path)
 
 
+@pytest.mark.processes
 def test_invalid_epp_service(conformance, tmp_path):
     docs = conformance("inferencepool_invalid_epp_service.yaml")
     gateway = _gw(docs, "conformance-primary")
@@ -146,6 +149,7 @@ def test_invalid_epp_service(conformance, tmp_path):
     _validate(g.render_config(gateway, routing), tmp_path)
 
 
+@pytest.mark.processes
 def test_resolvedrefs_condition_two_gateways(conformance, tmp_path):
     docs = conformance("inferencepool_resolvedrefs_condition.yaml")
     pool_key = ("inference-conformance-app-backend", "primary-inference-pool")
@@ -179,6 +183,7 @@ def test_secondary_listener_hostname_limits_routes(conformance):
     assert primary.pools_used == [("inference-conformance-app-backend", "primary-inference-pool")]
 
 
+@pytest.mark.processes
 def test_weighted_two_pools(conformance, tmp_path):
     docs = conformance("gateway_weighted_two_pools.yaml")
     gateway = _gw(docs, "conformance-primary")
@@ -225,6 +230,7 @@ def test_cross_namespace_needs_reference_grant_and_kinds(samples):
     assert _cond(routing.route_parents[("default", "demo-route")][0], "ResolvedRefs") == ("False", "InvalidKind")
 
 
+@pytest.mark.processes
 def test_service_backend_and_unresolved_share(samples, tmp_path):
     route = copy.deepcopy(samples["HTTPRoute"])
     route["spec"]["rules"] = [{"matches": [{"path": {"type": "Exact", "value": "/x"}}],
@@ -248,6 +254,7 @@ def _pool_routes_and_cluster(samples, route, pool):
     return config, routes, cluster
 
 
+@pytest.mark.processes
 def test_httproute_timeouts_and_pool_limits(samples, tmp_path):
     """HTTPRoute rules[].timeouts (request, backendRequest) set the route's timeout and per-try timeout; the
     pool's kvgate.dev annotations set its circuit breakers and stream-idle timeout; without them, the defaults."""
@@ -448,6 +455,7 @@ def _propagation_s(since: float, check, timeout_s: float = 10.0) -> float:
     return time.monotonic() - since
 
 
+@pytest.mark.processes
 def test_live_envoy_applies_route_and_pool_changes_in_place(tmp_path):
     """Envoy runs on the operator's files in a kubelet-style folder; route and pool changes swapped in with
     `..data` apply within seconds, on the same process, with no keep-alive or in-flight request failed and no
@@ -568,6 +576,7 @@ def test_live_envoy_applies_route_and_pool_changes_in_place(tmp_path):
         b.stop()
 
 
+@pytest.mark.processes
 def test_a_pool_whose_epp_returns_lists_gets_retries_over_the_list(samples, tmp_path):
     """pool.returns_lists → the Gateway routes that pool through override_host (hosts: its ready pods) with
     retries; the other pools keep ORIGINAL_DST on the EPP's pick."""
@@ -588,6 +597,7 @@ def test_a_pool_whose_epp_returns_lists_gets_retries_over_the_list(samples, tmp_
         "picked", "failopen"]
 
 
+@pytest.mark.processes
 def test_a_pool_whose_epp_needs_no_response_body_gets_headers_only_routes(samples, tmp_path):
     """not pool.needs_response_body → that pool's routes send its EPP the response headers only (the real Envoy
     accepts the override); other pools keep streaming bodies through their EPP."""
@@ -608,6 +618,7 @@ def test_a_pool_whose_epp_needs_no_response_body_gets_headers_only_routes(sample
     assert modes() and all(m is None for m in modes())
 
 
+@pytest.mark.processes
 def test_epp_pods_by_ip_are_eds_hosts_so_an_epp_rollout_never_changes_the_cluster(samples, tmp_path):
     """--epp-address-mode pod-ip: the EPP's pods are the hosts of an EDS cluster fed by its own file. An EPP
     rollout (new pod joins, old pod leaves) changes only that file; cds.yaml stays byte-identical, so Envoy

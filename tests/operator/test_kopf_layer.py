@@ -9,6 +9,7 @@ from kvgate.common.envoy_config import PoolBackend
 from kvgate.operator.apply import _no_empty_messages, kind_of, summarize_status
 from kvgate.operator.epp_pod_address import epp_backend_via_pod
 from kvgate.operator.workqueue import WorkQueue
+from tests.builders import pod
 
 
 def test_work_queue_deduplicates_waiting_keys_and_keeps_order():
@@ -35,20 +36,13 @@ def test_work_queue_delays_retries_and_stops():
     assert got == [None] and not consumer.is_alive()
 
 
-def pod(name, ip, labels, ready=True, ports=()):
-    return {"metadata": {"name": name, "labels": labels},
-            "spec": {"containers": [{"name": "epp", "ports": [{"name": n, "containerPort": p} for n, p in ports]}]},
-            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
-
-
 SERVICE = {"spec": {"selector": {"app": "epp"}, "ports": [
     {"name": "grpc", "port": 9002, "targetPort": "grpc"}, {"name": "health", "port": 9003, "targetPort": 9003}]}}
 
 
 def test_epp_backend_via_pod_uses_every_ready_pod_and_its_target_ports():
     backend = PoolBackend("ns-p", "p-epp.ns.svc.cluster.local", 9002, [], epp_health_port=9003)
-    deleting = pod("d", "127.1.0.4", {"app": "epp"}, ports=[("grpc", 19002)])
-    deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    deleting = pod("d", "127.1.0.4", {"app": "epp"}, deleting=True, ports=[("grpc", 19002)])
     pods = [pod("b", "127.1.0.2", {"app": "epp"}, ports=[("grpc", 19002)]),
             pod("a", "127.1.0.1", {"app": "epp"}, ready=False, ports=[("grpc", 19002)]),
             pod("c", "127.1.0.3", {"app": "other"}, ports=[("grpc", 19002)]),

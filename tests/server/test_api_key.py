@@ -13,6 +13,8 @@ import pytest
 
 from tests.procs import KVGATE, KvgateServe
 
+pytestmark = pytest.mark.processes
+
 KEYS = ("k1-9f3a7c2e5b", "k2-4d8e1f6a0c")
 WRONG = "wrong-7e2b9d4c1a"
 ENV_KEY = "env-key-3c5e7a9b1d"

@@ -91,6 +91,7 @@ def client(auto_server):
     return openai.OpenAI(base_url=auto_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+@pytest.mark.processes
 def test_auto_reads_the_models_calls(client):
     for tool_choice in ("auto", openai.NOT_GIVEN):  # auto is also the default when tools are given
         r = client.chat.completions.create(model="sim-8b", messages=ASK, tools=[WEATHER], tool_choice=tool_choice,
@@ -102,6 +103,7 @@ def test_auto_reads_the_models_calls(client):
         assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
 
 
+@pytest.mark.processes
 def test_auto_without_a_call_is_text(client):
     r = client.chat.completions.create(model="sim-8b", messages=ASK, tools=[WEATHER], max_tokens=200,
                                        extra_body={"structured_outputs": {"regex": "No tool needed[.]"}})
@@ -110,6 +112,7 @@ def test_auto_without_a_call_is_text(client):
     assert not choice.message.tool_calls
 
 
+@pytest.mark.processes
 def test_streamed_auto_sends_text_then_the_whole_call(client):
     stream = client.chat.completions.create(model="sim-8b", messages=ASK, tools=[WEATHER], stream=True,
                                             max_tokens=200, extra_body=WRITES_A_CALL)
@@ -138,6 +141,7 @@ def test_flags_go_together(capsys):
     assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_named_and_required_still_constrain_with_auto_enabled(auto_server):
     bounded = {"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},

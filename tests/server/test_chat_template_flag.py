@@ -87,6 +87,7 @@ def client(server):
 
 # -- a template file, and --response-role ------------------------------------------------------------------------
 
+@pytest.mark.processes
 def test_openai_chat_is_rendered_by_the_server_template_and_names_the_response_role(tpl_server, tokenizer):
     expected = ids_of(tokenizer.apply_chat_template(MESSAGES, chat_template=SERVER_TEMPLATE, tokenize=True,
                                                     add_generation_prompt=True))
@@ -97,6 +98,7 @@ def test_openai_chat_is_rendered_by_the_server_template_and_names_the_response_r
     assert r.usage.prompt_tokens == len(expected) and r.usage.completion_tokens == 6
 
 
+@pytest.mark.processes
 def test_tokenize_and_render_show_the_server_template(tpl_server, tokenizer):
     expected = ids_of(tokenizer.apply_chat_template(MESSAGES, chat_template=SERVER_TEMPLATE, tokenize=True,
                                                     add_generation_prompt=True))
@@ -109,6 +111,7 @@ def test_tokenize_and_render_show_the_server_template(tpl_server, tokenizer):
     assert detokenize(tpl_server, no_gen) == text[:-len("<|assistant|>\n")]
 
 
+@pytest.mark.processes
 def test_response_role_streamed_and_with_tools(tpl_server):
     stream = client(tpl_server).chat.completions.create(model="demo", messages=MESSAGES, max_tokens=6,
                                                         temperature=0, stream=True, n=2)
@@ -128,6 +131,7 @@ def test_response_role_streamed_and_with_tools(tpl_server):
     assert message.role == "narrator" and message.tool_calls and message.tool_calls[0].function.name == "pick"
 
 
+@pytest.mark.processes
 def test_without_the_generation_prompt_the_answer_names_the_last_messages_role(tpl_server):
     body = {"messages": [*MESSAGES, {"role": "assistant", "content": "Well"}], "add_generation_prompt": False,
             "max_tokens": 4, "temperature": 0}
@@ -145,6 +149,7 @@ def test_without_the_generation_prompt_the_answer_names_the_last_messages_role(t
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize", "/v1/chat/completions/render"])
 @pytest.mark.parametrize("extra", [{"chat_template": "{{ 7 * 7 }}"},
                                    {"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}])
+@pytest.mark.processes
 def test_a_request_template_is_still_refused_without_trust(tpl_server, path, extra):
     r = post(tpl_server, path, {"messages": MESSAGES, **extra})
     assert r.status_code == 400, r.text
@@ -154,6 +159,7 @@ def test_a_request_template_is_still_refused_without_trust(tpl_server, path, ext
 
 # -- a model without a template of its own, an inline template ----------------------------------------------------
 
+@pytest.mark.processes
 def test_a_model_without_a_template_serves_chats_with_the_inline_one(bare_server):
     r = client(bare_server).chat.completions.create(model="bare", messages=MESSAGES, max_tokens=5, temperature=0)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
@@ -164,12 +170,14 @@ def test_a_model_without_a_template_serves_chats_with_the_inline_one(bare_server
     assert rendered == tokens
 
 
+@pytest.mark.processes
 def test_a_trusted_request_template_takes_precedence_over_the_servers(bare_server):
     tokens = post(bare_server, "/tokenize", {"messages": MESSAGES,
                                              "chat_template": "REQ:{{ messages[-1]['content'] }}"}).json()["tokens"]
     assert detokenize(bare_server, tokens) == "REQ:Héllo?"
 
 
+@pytest.mark.processes
 def test_a_model_without_a_template_and_no_flag_says_which_flag(kvgate_cache, bare_folder):
     with KvgateServe(str(bare_folder), "--backend", "sim", "--sim-max-model-len", "1024",
                      cache_dir=kvgate_cache) as server:
@@ -201,6 +209,7 @@ def _bad_templates(folder):
     ]
 
 
+@pytest.mark.processes
 def test_a_bad_template_is_a_start_error_of_one_line_before_any_model_is_built(tmp_path):
     cache = tmp_path / "cache"  # the demo model would be built here: it must stay empty
     cache.mkdir()

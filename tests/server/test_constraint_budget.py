@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.sampling_params import StructuredOutputsParams
@@ -23,6 +24,7 @@ def _rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.processes
 def test_large_repeat_regex_times_n_is_refused_while_others_are_served(kvgate_cache):
     """`a{200000}` x n=16 built its matcher 16 times inside the engine loop, then spent ~30 ms per token per
     sample: good requests beside it waited 11 s, and with a 5 s step watchdog the loop could be declared hung
@@ -72,6 +74,7 @@ def _big_schema(i: int, description_bytes: int) -> dict:
             "properties": {f"field_{i}": {"type": "string", "maxLength": 8}}, "required": [f"field_{i}"]}
 
 
+@pytest.mark.processes
 def test_distinct_large_schemas_do_not_grow_rss_without_bound(kvgate_cache):
     """Each distinct schema was kept (text and grammar) in a 256-entry cache: 12 schemas of 7 MiB raised the
     server's RSS by 200 MiB for good. Now a schema over 1/16 of the cache's byte bound is compiled, not kept."""

@@ -7,8 +7,11 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.procs import KvgateServe
+
+pytestmark = pytest.mark.processes
 
 
 class Stream(threading.Thread):

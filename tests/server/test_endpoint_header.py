@@ -8,6 +8,8 @@ import pytest
 
 from tests.procs import KvgateServe
 
+pytestmark = pytest.mark.processes
+
 HEADER = "x-kvgate-endpoint"
 
 

@@ -18,6 +18,8 @@ import pytest
 
 from tests.procs import KvgateServe
 
+pytestmark = pytest.mark.processes
+
 DEATH_BUDGET = 1.0  # seconds: the bound for errors and for /health
 # Requests are in flight well before this step (the sim runs a step every ~6 ms).
 FAULT_STEP = "150"

@@ -6,11 +6,14 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 
 from kvgate.common import engine_latency_protocol as published
 from kvgate.epp.datalayer.dialects import DIALECTS
 from kvgate.epp.datalayer.exposition import parse_metrics
 from tests.procs import KvgateServe
+
+pytestmark = pytest.mark.processes
 
 MS_PER_TOKEN = 1.0  # the sim's prefill cost: a 500-token prompt's first token ~0.5 s after the request
 

@@ -8,6 +8,8 @@ import pytest
 
 from tests.procs import KvgateServe, scrape
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def process_server(kvgate_cache):

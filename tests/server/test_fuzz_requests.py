@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from tests.procs import KvgateServe
 
+pytestmark = pytest.mark.processes
+
 MAX_EXAMPLES = 200  # ~20-40 s on 2 shared cores
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",

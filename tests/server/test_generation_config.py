@@ -15,6 +15,8 @@ from kvgate.common.errors import ConfigError
 from kvgate.engine.generation_defaults import load_generation_defaults, parse_override
 from tests.procs import KVGATE, KvgateServe
 
+pytestmark = pytest.mark.processes
+
 # The checkpoint recommends greedy decoding and at most 6 new tokens (do_sample and the token ids are not sampling
 # defaults: vLLM takes neither).
 RECOMMENDED = {"temperature": 0.0, "top_k": 50, "max_new_tokens": 6, "do_sample": False, "bos_token_id": 1}

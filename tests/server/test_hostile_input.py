@@ -12,6 +12,8 @@ import pytest
 
 from tests.procs import KVGATE, KvgateServe, scrape
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def server(kvgate_cache):

@@ -5,8 +5,11 @@ import json
 import time
 
 import httpx
+import pytest
 
 from tests.procs import scrape
+
+pytestmark = pytest.mark.processes
 
 METRIC_NAMES = [
     "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",

@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 
+pytestmark = pytest.mark.processes
+
 PROMPT = "The quick brown fox"
 
 

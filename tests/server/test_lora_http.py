@@ -17,6 +17,8 @@ from kvgate.engine.lora.request import LoRARequest
 from tests.engine.test_lora_parity import ADAPTERS, make_adapter
 from tests.procs import KvgateServe
 
+pytestmark = pytest.mark.processes
+
 PROMPT = "the quick brown fox"
 STREAM_TOKENS = 480  # the load / unload test's streams: as long as --max-model-len 512 allows, so they outlast it
 

@@ -3,6 +3,8 @@
 import openai
 import pytest
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def client(demo_server):

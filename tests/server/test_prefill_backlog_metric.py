@@ -10,6 +10,8 @@ import pytest
 
 from tests.procs import KvgateServe, scrape
 
+pytestmark = pytest.mark.processes
+
 PHASE = ("kvgate:num_prefill_tokens_pending", "kvgate:num_prefill_tokens_awaiting_step",
          "kvgate:engine_step_age_seconds")
 PROMPT = 160  # tokens per prompt, prefilled in chunks of CHUNK; one request at a time (--max-num-seqs 1)

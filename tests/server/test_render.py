@@ -7,6 +7,8 @@ import pytest
 from kvgate.common.demo import ensure_demo_model
 from kvgate.common.tokenizer_files import load_tokenizer
 
+pytestmark = pytest.mark.processes
+
 # The fields of vLLM's GenerateRequest (vllm/entrypoints/scale_out/token_in_token_out/protocol.py).
 GENERATE_REQUEST_FIELDS = {"request_id", "token_ids", "assistant_tokens_mask", "token_offsets", "features",
                            "sampling_params", "model", "stream", "stream_options", "cache_salt", "priority",

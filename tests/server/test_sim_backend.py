@@ -8,8 +8,11 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.procs import KVGATE, KvgateServe, scrape
+
+pytestmark = pytest.mark.processes
 
 
 def ttft(url: str, prompt: str) -> float:

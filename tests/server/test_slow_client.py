@@ -6,8 +6,11 @@ import socket
 import time
 
 import httpx
+import pytest
 
 from tests.procs import KvgateServe, scrape
+
+pytestmark = pytest.mark.processes
 
 STALL_TIMEOUT = 1.0
 

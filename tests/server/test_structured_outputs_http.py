@@ -10,6 +10,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+pytestmark = pytest.mark.processes
+
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "ok": {"type": "boolean"}},
           "required": ["n", "ok"], "additionalProperties": False}

@@ -1,6 +1,5 @@
 """/tokenize, /detokenize and the render endpoints answer at most max_model_len tokens (a 400 naming the field
-beyond), build their answers off the event loop, and refuse token ids outside the vocabulary with a 400 (issue
-20, items 7 and 8)."""
+beyond), build their answers off the event loop, and refuse token ids outside the vocabulary with a 400."""
 
 import asyncio
 import time
@@ -10,6 +9,8 @@ import pytest
 
 from tests.procs import KvgateServe
 from tests.server.test_hostile_input import _assert_error
+
+pytestmark = pytest.mark.processes
 
 MAX_MODEL_LEN = 3 * 2**20  # large enough that a 2 MiB prompt is allowed: its 2M ids must not stall the loop
 
