@@ -24,7 +24,6 @@ COPY engine ./engine
 COPY epp ./epp
 COPY operator ./operator
 COPY conformance ./conformance
-COPY chaos ./chaos
 RUN pip install --no-cache-dir . && rm -rf /src
 
 # Non-root; the engine writes only to its cache (an emptyDir in the pods the operator makes).

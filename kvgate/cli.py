@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvgate.bench.epp import add_bench_epp_parser
     from kvgate.bench.datalayer import add_bench_scrape_parser
     from kvgate.bench.routing.cli import add_bench_routing_parser
-    from kvgate.chaos.cli import add_bench_chaos_parser
-    from kvgate.chaos.hostile import add_bench_hostile_parser
+    from kvgate.bench.chaos.cli import add_bench_chaos_parser
+    from kvgate.bench.chaos.hostile import add_bench_hostile_parser
     from kvgate.epp.main import add_epp_parser, add_keygen_parser
     from kvgate.operator.main import add_operator_parser
     from kvgate.stack.up import add_up_parser

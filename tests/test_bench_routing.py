@@ -239,7 +239,7 @@ def test_shape_sets_and_command_line_shapes():
 
 def _outcome(ttft_s: float, ok: bool = True):
     """A streamed answer whose first token came `ttft_s` after it was sent (failed unless `ok`)."""
-    from kvgate.chaos.load import Outcome
+    from kvgate.bench.chaos.load import Outcome
 
     o = Outcome(sent_at=10.0, max_tokens=1)
     o.status, o.first_token_at, o.ended_at, o.tokens, o.usage_tokens, o.done = 200, 10.0 + ttft_s, 11.0, 1, 1, ok
@@ -280,7 +280,7 @@ def test_a_share_of_the_requests_states_the_objective_the_same_ones_for_every_co
 
 def test_a_per_request_row_keeps_what_a_failed_request_got_back():
     from kvgate.bench.routing.runner import request_records
-    from kvgate.chaos.load import Outcome
+    from kvgate.bench.chaos.load import Outcome
 
     requests = arrivals(WORKLOADS["multi-tenant"], 4, 2, 0)[:2]
     served = Outcome(sent_at=1.0, max_tokens=requests[0].max_tokens, status=200, first_token_at=1.25, ended_at=2.0,

@@ -1,6 +1,6 @@
 """The chaos suite, shortened, as a user runs it: `kvgate bench chaos --short` injects every fault into local sim
 stacks (kvgate's Envoy and the stock upstream-shaped one) under 32 streams, and each row must hold its
-expectation (chaos/runner.py `verdict`). The same command, full length, is the chaos bench itself."""
+expectation (bench/chaos/runner.py `verdict`). The same command, full length, is the chaos bench itself."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from kvgate.chaos.runner import LEADER_RECOVER_S, SCENARIOS
+from kvgate.bench.chaos.runner import LEADER_RECOVER_S, SCENARIOS
 from tests.procs import KVGATE
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]

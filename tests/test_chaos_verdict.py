@@ -1,6 +1,6 @@
-"""The chaos rows' judging, without a stack: `epp-replica-streams` (chaos/runner.py `verdict`) and how the
+"""The chaos rows' judging, without a stack: `epp-replica-streams` (bench/chaos/runner.py `verdict`) and how the
 `epp-kill-active-active` fault counts the streams the killed EPP carried (Envoy's /clusters `rq_active` for its
-host, chaos/faults.py), against a stand-in admin page on loopback."""
+host, bench/chaos/faults.py), against a stand-in admin page on loopback."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvgate.chaos.faults import _envoy_streams_to
-from kvgate.chaos.runner import Row, verdict
+from kvgate.bench.chaos.faults import _envoy_streams_to
+from kvgate.bench.chaos.runner import Row, verdict
 
 
 def _row(failed: int, held: int | None, recover_s: float | None = 4.0) -> Row:

@@ -1,4 +1,4 @@
-"""`kvgate bench hostile --short`, as a user runs it: every attack of chaos/attacks.py against one local stack
+"""`kvgate bench hostile --short`, as a user runs it: every attack of bench/chaos/attacks.py against one local stack
 (sim engines with KV events, the EPP on kvgate's profile, kvgate's Envoy) while good streams flow. Each row must
 hold: no good request lost, each attack answered as it should be (a clear 4xx where it is refused), no process
 died or would have failed a kubelet's liveness probe, memory bounded, the EPP still reading engine events. The
@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from kvgate.chaos.attacks import ATTACKS
+from kvgate.bench.chaos.attacks import ATTACKS
 from tests.procs import KVGATE
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]

@@ -4,7 +4,7 @@ Each cell gets a fresh stack (launch_local_stack: new sim replicas, EPP, Envoy),
 starts with cold engine caches and a cold EPP index: the engines have no prefix-cache reset endpoint, and a
 restart also clears what the EPP learnt. The replicas sit on their own loopback addresses (127.0.0.2, ...), as
 pods would, so engines publishing KV events share one port pair. The identical arrival sequence (workloads.py)
-is sent open-loop: each request at its time, whatever the others are doing, streamed through chaos/load.py's
+is sent open-loop: each request at its time, whatever the others are doing, streamed through bench/chaos/load.py's
 checking client. Requests still running `drain_s` after the last arrival are cancelled and count as failed.
 
 The prefix-cache hit rate and the per-replica load come from the engines' own counters, scraped before and
@@ -32,7 +32,7 @@ from kvgate.bench.routing import oracle, pinning
 from kvgate.bench.routing.configurations import (SIM_MODEL, RoutingConfig, router_program, slow_replica_args,
                                                   sim_engine_args)
 from kvgate.bench.routing.workloads import BenchRequest, WorkloadShape
-from kvgate.chaos.load import Outcome, StreamLoad
+from kvgate.bench.chaos.load import Outcome, StreamLoad
 from kvgate.common.epp_protocol import TEST_ENDPOINT_SELECTION_HEADER, TTFT_OBJECTIVE_HEADER
 from kvgate.common.processes import free_port
 from kvgate.stack.local_stack import LocalStack, StackSpec, launch_local_stack

@@ -20,7 +20,7 @@ from k8srig.kube import CORE, wait_default_service_account, wait_for
 from operator_run import (Stages, gateway_serves, grpc_health, is_ready, print_log_tail, sample_namespace,
                           sample_resources, start_operator, stop_operator)
 
-from kvgate.chaos.load import StreamLoad, Tally
+from kvgate.bench.chaos.load import StreamLoad, Tally
 from kvgate.operator.naming import EPP_HEALTH_PORT
 from kvgate.operator.pool import REPLICAS_ANNOTATION
 

@@ -28,7 +28,7 @@ from k8srig.kube import CORE, DEPLOYMENT, ApiError, wait_default_service_account
 from operator_run import (TUNED_EPP_CONFIG, Stages, gateway_serves, is_ready, pod_story, print_log_tail,
                           sample_namespace, sample_resources, start_operator, stop_operator)
 
-from kvgate.chaos.load import StreamLoad, Tally
+from kvgate.bench.chaos.load import StreamLoad, Tally
 
 pytestmark = pytest.mark.e2e
 ENGINES = "app=demo-llm"

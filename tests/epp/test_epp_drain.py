@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from kvgate.chaos.load import StreamLoad
+from kvgate.bench.chaos.load import StreamLoad
 from tests.gateway import Gateway
 
 pytestmark = pytest.mark.processes

@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 
 from kvgate.bench.routing.runner import all_counters, epp_kv_event_counts, hit_rate
-from kvgate.chaos import attacks, faults
-from kvgate.chaos.load import Outcome, StreamLoad, tenant_prompts
+from kvgate.bench.chaos import attacks, faults
+from kvgate.bench.chaos.load import Outcome, StreamLoad, tenant_prompts
 from kvgate.epp.scheduling.config import FALLBACK_CONFIG_YAML, KVGATE_PROFILE_FALLBACK_YAML
 from kvgate.common.processes import free_port
 from kvgate.stack.local_stack import (EPP_LEASE_TIMINGS, LocalStack, StackSpec, epp_healthy_in_envoy, epp_ready,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from kvgate.chaos.load import StreamLoad
-from kvgate.chaos.runner import SIM_MODEL
+from kvgate.bench.chaos.load import StreamLoad
+from kvgate.bench.chaos.runner import SIM_MODEL
 from kvgate.common.processes import end_with_me, free_port
 from kvgate.stack.local_stack import StackSpec, launch_local_stack
 from kvgate.stack.supervisor import Stack

@@ -1,7 +1,7 @@
 """The faults of `kvgate bench chaos`, each injected into a running local stack while streaming load flows.
 
 A fault is a function `(stack) -> Injected`: it breaks something and says which endpoint (if any) it hit and
-when. The runner (chaos/runner.py) owns the load, the timing and the verdict; faults stay small and pure
+when. The runner (bench/chaos/runner.py) owns the load, the timing and the verdict; faults stay small and pure
 side effects on the stack's processes.
 """
 
@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate.chaos import attacks
+from kvgate.bench.chaos import attacks
 from kvgate.stack.local_stack import LocalStack
 
 # Stacks of a shape with a rogue KV-event publisher: its PUB socket, bound before the stack started where the EPP
-# believes the last engine publishes (chaos/runner.py StackPool), by the stack's workdir.
+# believes the last engine publishes (bench/chaos/runner.py StackPool), by the stack's workdir.
 ROGUE_PUBLISHERS: dict[Path, object] = {}
 
 

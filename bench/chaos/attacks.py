@@ -1,7 +1,7 @@
 """The attacks of `kvgate bench hostile`: what a hostile or broken client, a rogue pod on the pool's network or a
 rogue publisher of KV events sends, each one way in which a peer could make the stack misbehave. An attack is a
 function `(Target) -> Attempt`: it sends its input, records what came back, and never judges the stack — the
-runner (chaos/hostile.py) holds the good traffic and the verdict.
+runner (bench/chaos/hostile.py) holds the good traffic and the verdict.
 
 Each attack names the answer it expects: `4xx` (a clear refusal: a 4xx status with an OpenAI-style JSON error
 body), `4xx-or-200` (refused, or served within its bounds), `absorbed` (no answer to check: what is judged is
@@ -20,7 +20,7 @@ import httpx
 import msgpack
 import zmq
 
-from kvgate.chaos.load import text
+from kvgate.bench.chaos.load import text
 
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)
 

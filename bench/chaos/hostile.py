@@ -1,11 +1,11 @@
-"""`kvgate bench hostile`: the attacks of chaos/attacks.py against one local stack — sim engines publishing KV
+"""`kvgate bench hostile`: the attacks of bench/chaos/attacks.py against one local stack — sim engines publishing KV
 events, `kvgate epp` on kvgate's profile (precise prefix routing, tokenizing in the EPP), kvgate's Envoy — while
 a stream of good requests flows, and what that stream felt.
 
 Timeline: `warmup_s` of good traffic alone (the baseline window), then each attack in turn while the good
 traffic goes on (one window per attack, from its first byte to its last answer), then `warmup_s` more (the after
 window: is the stack still as good as before?). Good requests are streamed completions over a few tenants' shared
-system prompts (so the prefix cache matters), each checked to the last token (chaos/load.py).
+system prompts (so the prefix cache matters), each checked to the last token (bench/chaos/load.py).
 
 Measured: per window, the good requests sent, failed, and their latency p50/p99 (send to last token); the
 engines' /health answers polled every 0.2 s (a kubelet fails a pod after 3 probes in a row over 1 s); RSS of every
@@ -32,8 +32,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from kvgate.chaos import attacks as A
-from kvgate.chaos.load import Outcome, StreamLoad, tenant_prompts
+from kvgate.bench.chaos import attacks as A
+from kvgate.bench.chaos.load import Outcome, StreamLoad, tenant_prompts
 
 MODEL = "demo"
 SIM_ENGINE_ARGS = ["--sim-step-overhead-ms", "5", "--sim-decode-ms-per-seq", "0.05"]

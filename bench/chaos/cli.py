@@ -1,8 +1,8 @@
-"""`kvgate bench chaos`: the faults of chaos/faults.py against a local sim stack under streaming load, one row
+"""`kvgate bench chaos`: the faults of bench/chaos/faults.py against a local sim stack under streaming load, one row
 per fault (sent, succeeded, failed, running on the victim, failed after the fault, time out of rotation, time
 to recover, the expectation and whether it held), and `--result-file` JSON. `--short` is the shape the test
-suite runs. `load-1000` (1000 concurrent streams, no fault) is chaos/capacity.py's, `rogue-engine` (one endpoint
-serving hostile /metrics pages while a client picks) chaos/rogue_engine.py's."""
+suite runs. `load-1000` (1000 concurrent streams, no fault) is bench/chaos/capacity.py's, `rogue-engine` (one endpoint
+serving hostile /metrics pages while a client picks) bench/chaos/rogue_engine.py's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from kvgate.chaos.runner import BY_NAME, SCENARIOS, StackPool, default_workdir, rows_as_dicts, run_scenario
+from kvgate.bench.chaos.runner import BY_NAME, SCENARIOS, StackPool, default_workdir, rows_as_dicts, run_scenario
 
 
 def add_bench_chaos_parser(sub) -> None:
@@ -26,7 +26,7 @@ def add_bench_chaos_parser(sub) -> None:
     p.add_argument("--streams", type=int, default=1000, help="load-1000: concurrent streams")
     p.add_argument("--replicas", type=int, default=8, help="load-1000: sim replicas")
     p.add_argument("--rogue-pages", default=None, metavar="NAMES",
-                   help="rogue-engine: comma-separated bad pages (default all: see chaos/rogue_engine.py)")
+                   help="rogue-engine: comma-separated bad pages (default all: see bench/chaos/rogue_engine.py)")
     p.add_argument("--result-file", default=None)
     p.set_defaults(func=run_bench_chaos)
 
@@ -85,14 +85,14 @@ def run_bench_chaos(args) -> int:
             for kind, count in sorted(r["errors"].items()):
                 print(f"  {r['fault']}: {kind} x{count}  e.g. {r['error_examples'].get(kind) or '-'}")
     if "load-1000" in names:
-        from kvgate.chaos.capacity import print_capacity, run_capacity
+        from kvgate.bench.chaos.capacity import print_capacity, run_capacity
 
         cap = run_capacity(workdir, streams=args.streams, replicas=args.replicas, max_tokens=args.max_tokens)
         result["load_1000"] = cap
         print_capacity(cap)
         failed_expectation |= not cap["passed"]
     if "rogue-engine" in names:
-        from kvgate.chaos.rogue_engine import PAGES, print_rogue_engine, run_rogue_engine
+        from kvgate.bench.chaos.rogue_engine import PAGES, print_rogue_engine, run_rogue_engine
 
         pages = tuple(n.strip() for n in args.rogue_pages.split(",")) if args.rogue_pages else PAGES
         if set(pages) - set(PAGES):
