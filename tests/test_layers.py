@@ -69,6 +69,7 @@ def test_no_module_outside_the_cli_imports_the_cli():
     assert not wrong, wrong
 
 
+@pytest.mark.processes  # a fresh interpreter: this one has torch loaded already
 @pytest.mark.parametrize("module", ["kvgate.epp.main", "kvgate.operator.main", "kvgate.common.tokenizer_files",
                                     "kvgate.epp.kv_events.tokenize"])
 def test_the_epp_and_the_operator_never_import_torch(module):
