@@ -259,8 +259,14 @@ def test_set_endpoints_before_start_and_stop_is_idempotent():
     run(main())
 
 
+@pytest.fixture
+def no_read_backoff(monkeypatch):
+    monkeypatch.setattr(collector_module, "READ_BACKOFF", 0.0)
+
+
 class ManualTicker:
-    """An injected ticker: a round runs when the test says so."""
+    """An injected ticker: a round runs when the test says so. Its tests turn the read backoff off (no_read_backoff):
+    a round that came before an endpoint's hold-back ended would skip it, and no later round would come."""
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -275,7 +281,7 @@ class ManualTicker:
             yield loop.time()
 
 
-def test_one_injected_ticker_drives_every_collector():
+def test_one_injected_ticker_drives_every_collector(no_read_backoff):
     async def main():
         engines = [await FakeEngine(vllm_page(waiting=i)).start() for i in range(5)]
         ticker = ManualTicker()
@@ -301,7 +307,7 @@ def test_one_injected_ticker_drives_every_collector():
     run(main())
 
 
-def test_one_failed_scrape_keeps_an_endpoint_in_rotation_two_take_it_out():
+def test_one_failed_scrape_keeps_an_endpoint_in_rotation_two_take_it_out(no_read_backoff):
     async def main():
         engine = await FakeEngine(vllm_page(waiting=1)).start()
         ticker = ManualTicker()
