@@ -67,3 +67,12 @@ def test_which_qwen3_moe_layers_are_sparse():
     assert [is_sparse_layer(config, i) for i in range(3)] == [False, True, True]  # mlp_only_layers=[0]
     config.mlp_only_layers, config.decoder_sparse_step = [], 2
     assert [is_sparse_layer(config, i) for i in range(4)] == [False, True, False, True]
+
+
+def test_lora_on_a_moe_model_is_a_config_error(tiny_model_dir):
+    from kvgate.common.errors import ConfigError
+    from kvgate.engine import LLM
+
+    folder, _ = tiny_model_dir("mixtral")
+    with pytest.raises(ConfigError, match="LoRA is not supported for MixtralForCausalLM"):
+        LLM(str(folder), max_model_len=64, enable_lora=True)
