@@ -76,3 +76,19 @@ def test_lora_on_a_moe_model_is_a_config_error(tiny_model_dir):
     folder, _ = tiny_model_dir("mixtral")
     with pytest.raises(ConfigError, match="LoRA is not supported for MixtralForCausalLM"):
         LLM(str(folder), max_model_len=64, enable_lora=True)
+
+
+def test_roofline_counts_the_experts_a_batch_reads():
+    """bench's decode bound: all dense weights, and per MoE layer top_k experts for one sequence, up to all of
+    them for a large batch."""
+    from kvgate.bench.engine_roofline import weight_bytes
+
+    config = make_config("qwen3_moe")
+    model = Qwen3MoeForCausalLM(config, 64)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    expert = 3 * config.moe_intermediate_size * config.hidden_size * 4
+    sparse_layers = 2
+    weights = weight_bytes(model)
+    assert weights.dense == total - sparse_layers * config.num_experts * expert
+    assert weights.read_by(1) == weights.dense + sparse_layers * config.num_experts_per_tok * expert
+    assert weights.read_by(1000) == total
