@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 import re
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -109,9 +108,10 @@ class LlamaForCausalLM(nn.Module):
         q, kv = attn.q_size, attn.kv_size
         return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
 
-    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> tuple[str, torch.Tensor]:
+    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> tuple[str, torch.Tensor | None]:
         """(coverage key, the parameter slice it fills) of checkpoint tensor `name`: its parameter, its rows of a
-        fused one (qkv_proj, gate_up_proj), or its expert's slice of a FusedMoE's stacked weight."""
+        fused one (qkv_proj, gate_up_proj), or its expert's slice of a FusedMoE's stacked weight; None for a tensor
+        the model does not have."""
         for piece, ours in self.checkpoint_renames:
             name = name.replace(piece, ours)
         expert = _EXPERT_TENSOR.match(name)
