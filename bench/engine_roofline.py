@@ -1,6 +1,7 @@
 """How far a decode step is from the memory-bandwidth bound: `kvgate bench engine`'s step accounting.
 
-A decode step must read every weight once and the K/V of every token in its sequences' contexts once; at the
+A decode step must read every weight once (of a mixture-of-experts layer, the experts its batch is routed to:
+WeightBytes) and the K/V of every token in its sequences' contexts once; at the
 device's copy bandwidth (measured in the same run) that many bytes take the bound time. The step timer wraps an
 engine's step and its runner: for each step that queues a decode-only batch it records the wall time of the whole
 step (scheduling and output processing included: what a user waits for), the time spent in the runner (inputs,
@@ -40,14 +41,36 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 1
     return 2 * nbytes / statistics.median(times)
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters, each shared tensor once (a tied LM head reads the embedding table)."""
-    seen, total = set(), 0
+@dataclass(frozen=True)
+class WeightBytes:
+    """The weight bytes a decode step reads: every dense parameter, and of each MoE layer's stacked experts those
+    its batch is routed to, counted as the expected number of distinct experts when each token's top_k of E experts
+    are drawn uniformly, E * (1 - (1 - top_k / E) ** batch): top_k experts for one sequence, all E for a large batch."""
+
+    dense: int
+    experts: tuple[tuple[int, int, int], ...] = ()  # per MoE layer: (experts, top_k, bytes of one expert)
+
+    def read_by(self, batch: int) -> int:
+        return self.dense + round(sum(e * (1 - (1 - k / e) ** batch) * size for e, k, size in self.experts))
+
+
+def weight_bytes(model: torch.nn.Module) -> WeightBytes:
+    """The model's parameter bytes, each shared tensor once (a tied LM head reads the embedding table), with the
+    FusedMoE layers' stacked expert weights apart."""
+    from kvgate.engine.models.moe import FusedMoE
+
+    seen, experts = set(), []
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            size = sum(p.numel() * p.element_size() for p in (module.w13_weight, module.w2_weight))
+            experts.append((module.num_experts, module.top_k, size // module.num_experts))
+            seen.update(p.data_ptr() for p in (module.w13_weight, module.w2_weight))
+    total = 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
-    return total
+    return WeightBytes(total, tuple(experts))
 
 
 def kv_bytes_per_token(runner) -> int:
@@ -62,7 +85,7 @@ class StepTimer:
 
     engine: object
     bandwidth: float  # bytes/s
-    weights: int
+    weights: WeightBytes
     kv_per_token: int
     steps: list[dict] = field(default_factory=list)
 
@@ -83,7 +106,7 @@ class StepTimer:
         if out.scheduled and all(s.num_new_tokens == 1 for s in out.scheduled):
             context = sum(s.start + 1 for s in out.scheduled)
             self._pending = {"batch": len(out.scheduled), "context_tokens": context,
-                             "bytes": self.weights + context * self.kv_per_token}
+                             "bytes": self.weights.read_by(len(out.scheduled)) + context * self.kv_per_token}
         result = launched.result
 
         def timed_result():

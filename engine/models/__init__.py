@@ -3,14 +3,18 @@
 from kvgate.common.errors import ModelLoadError
 from kvgate.engine.models.llama import LlamaForCausalLM
 from kvgate.engine.models.mistral import MistralForCausalLM
+from kvgate.engine.models.mixtral import MixtralForCausalLM
 from kvgate.engine.models.qwen2 import Qwen2ForCausalLM
 from kvgate.engine.models.qwen3 import Qwen3ForCausalLM
+from kvgate.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

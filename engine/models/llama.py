@@ -1,7 +1,8 @@
-"""Llama (and the shared decoder stack that Mistral, Qwen2 and Qwen3 reuse)."""
+"""Llama (and the shared decoder stack that Mistral, Qwen2, Qwen3 and the MoE families reuse)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -19,13 +20,20 @@ STACKED_PARAMS = [
     ("gate_up_proj", "up_proj", 1),
 ]
 
+# "<prefix>.experts.<expert id>.<projection>.weight": one expert's tensor of a sparse layer's FusedMoE
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<piece>\w+)\.weight$")
+
+
+def dense_mlp(config, layer_idx: int) -> nn.Module:
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                    bias=getattr(config, "mlp_bias", False))
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, max_positions: int, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, max_positions: int, qkv_bias: bool, qk_norm: bool, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = Attention(config, max_positions, qkv_bias=qkv_bias, qk_norm=qk_norm)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                            bias=getattr(config, "mlp_bias", False))
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -35,11 +43,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, max_positions: int, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, max_positions: int, qkv_bias: bool, qk_norm: bool,
+                 make_mlp: Callable[[object, int], nn.Module]) -> None:
+        """make_mlp(config, layer index): the layer's MLP (dense, or a sparse MoE block)."""
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, max_positions, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, max_positions, qkv_bias, qk_norm, make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -53,11 +64,19 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    # checkpoint name piece -> ours, applied before any other mapping (Mixtral's block_sparse_moe -> mlp)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # expert tensor's projection name -> (FusedMoE parameter, shard: 0 gate rows / 1 up rows / None all of it)
+    expert_params: dict[str, tuple[str, int | None]] = {}
+
+    @staticmethod
+    def make_mlp(config, layer_idx: int) -> nn.Module:
+        return dense_mlp(config, layer_idx)
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, max_positions, self.qkv_bias, self.qk_norm)
+        self.model = DecoderModel(config, max_positions, self.qkv_bias, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -81,13 +100,51 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights ----------------------------------------------------------------------------------
 
-    def _shard_slice(self, param_name: str, shard) -> slice:
-        if isinstance(shard, int):  # gate/up halves
-            size = self.config.intermediate_size
+    def _shard_slice(self, param: torch.Tensor, shard) -> slice:
+        if isinstance(shard, int):  # gate/up halves (of a dense MLP's gate_up_proj or an expert's w13 rows)
+            size = param.shape[-2] // 2
             return slice(shard * size, (shard + 1) * size)
         attn = self.model.layers[0].self_attn
         q, kv = attn.q_size, attn.kv_size
         return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
+
+    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> tuple[str, torch.Tensor | None]:
+        """(coverage key, the parameter slice it fills) of checkpoint tensor `name`: its parameter, its rows of a
+        fused one (qkv_proj, gate_up_proj), or its expert's slice of a FusedMoE's stacked weight; None for a tensor
+        the model does not have."""
+        for piece, ours in self.checkpoint_renames:
+            name = name.replace(piece, ours)
+        expert = _EXPERT_TENSOR.match(name)
+        if expert and expert["piece"] in self.expert_params:
+            fused, shard = self.expert_params[expert["piece"]]
+            target, index = f"{expert['prefix']}.{fused}", int(expert["expert"])
+            param = params.get(target)
+            if param is not None and index < param.shape[0]:
+                dest = param.data[index]
+                rows = slice(None) if shard is None else self._shard_slice(dest, shard)
+                return _expert_key(target, index), dest[rows]
+            return target, None
+        for fused, piece, shard in STACKED_PARAMS:
+            if f".{piece}." in name:
+                target = name.replace(piece, fused)
+                param = params.get(target)
+                return target, None if param is None else param.data[self._shard_slice(param, shard)]
+        param = params.get(name)
+        return name, None if param is None else param.data
+
+    def _expected_coverage(self, params: dict[str, nn.Parameter]) -> dict[str, int]:
+        """Coverage key -> elements the checkpoint must write: one key per parameter, one per expert of a
+        FusedMoE's stacked weights (so a missing expert is named)."""
+        stacked = {fused for fused, _ in self.expert_params.values()}
+        expected = {}
+        for name, p in params.items():
+            if name.rsplit(".", 1)[-1] in stacked:
+                expected |= {_expert_key(name, e): p[e].numel() for e in range(p.shape[0])}
+            else:
+                expected[name] = p.numel()
+        if self.tie_word_embeddings:
+            expected.pop("lm_head.weight", None)
+        return expected
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      copy: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None) -> None:
@@ -95,24 +152,17 @@ class LlamaForCausalLM(nn.Module):
         or its rows of a fused one, with one copy (dtype conversion included). copy(name, dest, tensor), when
         given, does that copy instead of dest.copy_(tensor) (engine/loader.py's may queue it on a thread pool)."""
         params = dict(self.named_parameters())
-        # Every row of every parameter must be written exactly once; track what the checkpoint covered.
-        expected = {name: p.shape[0] for name, p in params.items()}
+        # Every element of every parameter must be written exactly once; track what the checkpoint covered.
+        expected = self._expected_coverage(params)
         covered: dict[str, int] = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            target, rows = name, slice(None)
-            for fused, piece, shard in STACKED_PARAMS:
-                if f".{piece}." in name:
-                    target = name.replace(piece, fused)
-                    rows = self._shard_slice(target, shard)
-                    break
-            param = params.get(target)
-            if param is None:
+            key, dest = self._destination(name, params)
+            if dest is None:
                 raise ModelLoadError(f"checkpoint tensor {name!r} does not belong to {type(self).__name__}")
-            dest = param.data[rows]
             if dest.shape != tensor.shape:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(dest.shape)}")
@@ -120,11 +170,12 @@ class LlamaForCausalLM(nn.Module):
                 dest.copy_(tensor)
             else:
                 copy(name, dest, tensor)
-            covered[target] = covered.get(target, 0) + tensor.shape[0]
-        if self.tie_word_embeddings:
-            covered.pop("lm_head.weight", None)
-            expected.pop("lm_head.weight", None)
-        missing = sorted(n for n, rows in expected.items() if covered.get(n, 0) != rows)
+            covered[key] = covered.get(key, 0) + tensor.numel()
+        missing = sorted(n for n, size in expected.items() if covered.get(n, 0) != size)
         if missing:
             raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}"
                                  + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _expert_key(param_name: str, expert: int) -> str:
+    return f"{param_name}[expert {expert}]"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvgate.engine import LLM, SamplingParams
-from tests.engine.tiny_models import hf_greedy, hf_greedy_by_family
+from tests.engine.tiny_models import FAMILIES, MOE_FAMILIES, hf_greedy, hf_greedy_by_family
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +38,7 @@ def hf_reference(tiny_model_dir):
     return hf_greedy_by_family(tiny_model_dir, make_prompts(), MAX_NEW)
 
 
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_hf(family, mode, tiny_model_dir, hf_reference):
     folder, _ = tiny_model_dir(family)

@@ -15,6 +15,7 @@ import torch
 from kvgate.engine import LLM, ModelLoadError, SamplingParams
 from kvgate.bench.engine_load import check_sane, reference_iterate_weights
 from kvgate.engine.loader import MAX_HEADER_BYTES, SafetensorsFile, load_hf_config, load_model, open_safetensors
+from tests.engine.tiny_models import MOE_FAMILIES
 
 CPU = torch.device("cpu")
 
@@ -130,6 +131,38 @@ def test_unknown_tensor_wrong_shape_and_missing_weights(tmp_path, tiny_model_dir
     with pytest.raises(ModelLoadError, match="missing weights: model.norm.weight"):
         _load(missing, workers=workers)
     with pytest.raises(ModelLoadError, match="missing weights"):  # through the engine, as before
+        LLM(str(missing), max_model_len=64)
+
+
+@pytest.mark.parametrize("moe_family", MOE_FAMILIES)
+def test_moe_experts_load_into_the_stacked_weights(moe_family, tiny_model_dir):
+    """Each expert's per-expert checkpoint tensors land in its slice of the stacked w13 (gate rows, then up rows)
+    and w2 weights; bit for bit what the reference loader gives."""
+    folder, hf = tiny_model_dir(moe_family)
+    model = _load(folder)
+    _assert_same(_state(model), _state(_load(folder, weights=reference_iterate_weights(folder, torch.float32))))
+    hf_experts, ours = hf.model.layers[1].mlp.experts, model.model.layers[1].mlp.experts
+    assert torch.equal(ours.w13_weight, hf_experts.gate_up_proj) and torch.equal(ours.w2_weight, hf_experts.down_proj)
+
+
+def test_moe_missing_or_unknown_expert_tensor(tmp_path, tiny_model_dir):
+    folder, _ = tiny_model_dir("qwen3_moe")
+    missing = _copy_folder(folder, tmp_path / "missing")
+    _rewrite(missing, lambda w: w.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
+    with pytest.raises(ModelLoadError, match=r"missing weights: model.layers.2.mlp.experts.w13_weight\[expert 5\]$"):
+        _load(missing)
+    extra = _copy_folder(folder, tmp_path / "extra")  # an expert past num_experts
+    _rewrite(extra, lambda w: w.update({"model.layers.1.mlp.experts.8.down_proj.weight": torch.zeros(64, 48)}))
+    with pytest.raises(ModelLoadError, match="'model.layers.1.mlp.experts.8.down_proj.weight' does not belong"):
+        _load(extra)
+    dense = _copy_folder(folder, tmp_path / "dense")  # layer 0 is dense (mlp_only_layers): it has no experts
+    _rewrite(dense, lambda w: w.update({"model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(48, 64)}))
+    with pytest.raises(ModelLoadError, match="'model.layers.0.mlp.experts.0.gate_proj.weight' does not belong"):
+        _load(dense)
+    mixtral, _ = tiny_model_dir("mixtral")
+    missing = _copy_folder(mixtral, tmp_path / "mixtral")
+    _rewrite(missing, lambda w: w.pop("model.layers.1.block_sparse_moe.experts.3.w2.weight"))
+    with pytest.raises(ModelLoadError, match=r"missing weights: model.layers.1.mlp.experts.w2_weight\[expert 3\]$"):
         LLM(str(missing), max_model_len=64)
 
 

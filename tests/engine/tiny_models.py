@@ -9,6 +9,9 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Mixture-of-experts families: in the HF parity tests; kept out of FAMILIES (the `family` fixture's list) so the
+# other per-family tests do not grow.
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def random_tokens(n: int, seed: int) -> list[int]:
@@ -18,7 +21,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 
 def make_config(family: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=262, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=512, bos_token_id=256, eos_token_id=257)
@@ -33,6 +36,13 @@ def make_config(family: str):
         return Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
     if family == "qwen3":  # q/k norm, explicit head_dim
         return Qwen3Config(**common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    if family == "qwen3_moe":  # 8 experts, top-2 renormalised; layer 0 dense (mlp_only_layers), layers 1-2 sparse
+        return Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=32,
+                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[0], tie_word_embeddings=False)
+    if family == "mixtral":  # 4 experts of width intermediate_size, top-2
+        return MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                             sliding_window=None, tie_word_embeddings=False)
     raise ValueError(family)
 
 
