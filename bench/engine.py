@@ -30,7 +30,7 @@ def add_bench_engine_parser(sub) -> None:
     from kvgate.engine.cli_args import add_engine_args
     from kvgate.engine.config import KV_CACHE_DTYPES
 
-    p = sub.add_parser("engine", help="engine throughput against HF transformers generate")
+    p = sub.add_parser("engine", help="engine throughput against HF transformers generate or vLLM")
     p.add_argument("--model", default="demo",
                    help="'demo' (default), 'copier' (a tiny model trained here to quote its prompt, for speculative "
                         "decoding), 'copier-wide' (the copier inside a Llama of a 0.37B model's cost), a random model "
@@ -510,8 +510,8 @@ def _speculation_speed_ups(results: dict) -> None:
               f"({s['seconds']:.2f} s); greedy outputs identical: {s['greedy_identical_to_kvgate']}", flush=True)
 
 
-def _hf_baselines(args: argparse.Namespace, baselines: list[str], model_path: str, device, dtype, work: _Workload,
-                  ours_tokens: list[list[int]], results: dict) -> tuple[list | None, list | None]:
+def _hf_baselines(args: argparse.Namespace, baselines: list[str], model_path: str, device, dtype,
+                  work: _Workload, ours_tokens: list[list[int]], results: dict) -> tuple[list | None, list | None]:
     """HF transformers on the same model and workload: first tokens of each prompt alone, then each of `baselines`
     ("single", "batched") timed. Its outputs one at a time (None without that baseline), and those of the first
     baseline run."""
