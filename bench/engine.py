@@ -1,5 +1,6 @@
 """`kvgate bench engine`: the same greedy workload through kvgate's engine and through HF transformers'
-generate (one request at a time, and left-padded batches), on the same model, with throughput ratios."""
+generate (one request at a time, and left-padded batches) or vLLM's offline LLM.generate (engine_vllm.py), on the
+same model, with throughput ratios."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def add_bench_engine_parser(sub) -> None:
     from kvgate.engine.cli_args import add_engine_args
     from kvgate.engine.config import KV_CACHE_DTYPES
 
-    p = sub.add_parser("engine", help="engine throughput against HF transformers generate")
+    p = sub.add_parser("engine", help="engine throughput against HF transformers generate or vLLM")
     p.add_argument("--model", default="demo",
                    help="'demo' (default), 'copier' (a tiny model trained here to quote its prompt, for speculative "
                         "decoding), 'copier-wide' (the copier inside a Llama of a 0.37B model's cost), a random model "
@@ -40,7 +41,11 @@ def add_bench_engine_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--baselines", default="single,batched",
-                   help="HF runs to compare with: single, batched, both (default) or none")
+                   help="runs to compare with, comma-separated: HF single, batched, both (default) or none; vllm "
+                        "(vLLM's offline LLM.generate, needs --vllm-python)")
+    p.add_argument("--vllm-python", default=None,
+                   help="with --baselines vllm: an interpreter with vLLM installed (not a kvgate dependency), which "
+                        "runs the workload in a child process (default: $KVGATE_VLLM_PYTHON)")
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--workload", choices=["random", "quote", "shared-prefix"], default=None,
                    help="random: random prompts; quote: each prompt is a random text followed by the start of it "
@@ -240,11 +245,30 @@ def _spec_decode_summary(before, after) -> dict:
             "mean_acceptance_length": s.mean_acceptance_length, "num_paused_steps": s.num_paused_steps}
 
 
+def parse_baselines(text: str) -> tuple[list[str], bool]:
+    """--baselines: the HF runs in order ("single", "batched") and whether vLLM runs; a ConfigError names a
+    baseline it does not know."""
+    from kvgate.common.errors import ConfigError
+
+    hf, vllm = [], False
+    for name in filter(None, (n.strip() for n in text.split(","))):
+        if name == "vllm":
+            vllm = True
+        elif name in ("single", "batched", "both", "none"):
+            hf.extend(n for n in {"both": ["single", "batched"], "none": []}.get(name, [name]) if n not in hf)
+        else:
+            raise ConfigError(f"--baselines: unknown baseline {name!r} (single, batched, both, none, vllm)")
+    return hf, vllm
+
+
 def run_bench_engine(args: argparse.Namespace) -> int:
     import torch
 
+    from kvgate.bench.engine_vllm import vllm_python
     from kvgate.engine.cli_args import engine_config_from_args
 
+    hf_baselines, with_vllm = parse_baselines(args.baselines)
+    python = vllm_python(args) if with_vllm else None  # refused here, before any model is built
     model_path, tmp = _model_path(args)
     config = engine_config_from_args(model_path, args)
     spec = config.speculative_config
@@ -262,7 +286,9 @@ def run_bench_engine(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
     if spec is not None:
         _speculation_speed_ups(results)
-    hf_single, hf_outputs = _hf_baselines(args, model_path, device, dtype, work, ours_tokens, results)
+    hf_single, hf_outputs = _hf_baselines(args, hf_baselines, model_path, device, dtype, work, ours_tokens, results)
+    if python is not None:
+        _vllm_baseline(python, model_path, dtype, work, ours_tokens, results)
     _print_comparison(args, results, work, ours_tokens, hf_single, hf_outputs, dtype)
     if args.result_file:
         Path(args.result_file).write_text(json.dumps({
@@ -484,11 +510,11 @@ def _speculation_speed_ups(results: dict) -> None:
               f"({s['seconds']:.2f} s); greedy outputs identical: {s['greedy_identical_to_kvgate']}", flush=True)
 
 
-def _hf_baselines(args: argparse.Namespace, model_path: str, device, dtype, work: _Workload,
-                  ours_tokens: list[list[int]], results: dict) -> tuple[list | None, list | None]:
-    """HF transformers on the same model and workload: first tokens of each prompt alone, then each --baselines
-    run timed. Its outputs one at a time (None without that baseline), and those of the first baseline run."""
-    baselines = {"both": ["single", "batched"], "none": []}.get(args.baselines, args.baselines.split(","))
+def _hf_baselines(args: argparse.Namespace, baselines: list[str], model_path: str, device, dtype,
+                  work: _Workload, ours_tokens: list[list[int]], results: dict) -> tuple[list | None, list | None]:
+    """HF transformers on the same model and workload: first tokens of each prompt alone, then each of `baselines`
+    ("single", "batched") timed. Its outputs one at a time (None without that baseline), and those of the first
+    baseline run."""
     if not (baselines or args.hf_first_tokens):
         return None, None
     from transformers import AutoModelForCausalLM
@@ -514,6 +540,24 @@ def _hf_baselines(args: argparse.Namespace, model_path: str, device, dtype, work
         hf_outputs = hf_outputs or outs
         print(f"  {label}: {elapsed:.2f} s", flush=True)
     return hf_single, hf_outputs
+
+
+def _vllm_baseline(python: str, model_path: str, dtype, work: _Workload, ours_tokens: list[list[int]],
+                   results: dict) -> None:
+    """vLLM's offline LLM.generate on the same model, dtype and workload (greedy, ignore_eos), in a child process
+    of `python`: its time into results["vllm"], with how many outputs equal kvgate's first run's."""
+    from kvgate.bench.engine_vllm import run_vllm, vllm_request
+
+    print(f"vLLM ({python}) ...", flush=True)
+    out = run_vllm(python, vllm_request(model_path, str(dtype).removeprefix("torch."), work.prompts,
+                                        work.params.max_tokens))
+    assert sum(map(len, out["outputs"])) == work.n_out, "vLLM did not generate exactly --output-len tokens each"
+    same = sum(a == b for a, b in zip(ours_tokens, out["outputs"]))
+    results["vllm"] = {"seconds": out["seconds"], "output_tokens_per_s": work.n_out / out["seconds"],
+                       "vllm_version": out["vllm_version"],
+                       "greedy_identical_to_kvgate": f"{same}/{len(work.prompts)}",
+                       "mean_common_prefix_with_kvgate": _agreement(ours_tokens, out["outputs"])["mean_common_prefix"]}
+    print(f"  vllm {out['vllm_version']}: {out['seconds']:.2f} s", flush=True)
 
 
 def _hf_first_token_check(hf, model_path: str, device, dtype, prompts: list[list[int]],
@@ -558,3 +602,8 @@ def _print_comparison(args: argparse.Namespace, results: dict, work: _Workload, 
         print(f"against HF generate ({'one at a time' if hf_single is not None else 'left-padded batches'}): "
               f"first token equal for {100 * agree['first_token']:.1f}% of prompts; mean common prefix "
               f"{agree['mean_common_prefix']:.1f} of {args.output_len} tokens")
+    if "vllm" in results:
+        v = results["vllm"]
+        print(f"against vLLM {v['vllm_version']}: kvgate {base:.1f} tok/s, vLLM {v['output_tokens_per_s']:.1f} tok/s "
+              f"({v['kvgate_speedup']:.2f}x); greedy outputs identical {v['greedy_identical_to_kvgate']}, mean "
+              f"common prefix {v['mean_common_prefix_with_kvgate']:.1f} of {args.output_len} tokens")
