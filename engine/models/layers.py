@@ -7,12 +7,17 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kvgate.engine import triton_ops
-
+# kvgate.engine.triton_ops, imported by use_fused_kernels: only the GPU path imports triton (on CPU its kernels run
+# under the interpreter, which must be chosen before triton is first imported)
+triton_ops = None
 
 
 def use_fused_kernels(model: nn.Module) -> None:
     """Switch the model's norms, RoPE and MLP activations to triton_ops.py's fused kernels (the GPU path)."""
+    global triton_ops
+    from kvgate.engine import triton_ops as ops
+
+    triton_ops = ops
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
             module.fused = True
