@@ -41,6 +41,13 @@ PRE_STOP_SLEEP_S = 5
 EXIT_MARGIN_S = 5  # after the drain grace, for the process to exit before the kubelet's SIGKILL
 # Flags the operator sets itself; extraArgs may not set them again (argparse's last one would win).
 OPERATOR_FLAGS = ("--host", "--port", "--shutdown-timeout")
+# Flags with a spec field that the pod's shape depends on (GPUs requested, /dev/shm): set through the field only.
+SPEC_FLAGS = {"--tensor-parallel-size": "engine.tensorParallelSize", "--quantization": "engine.quantization"}
+QUANTIZATIONS = ("fp8", "compressed-tensors", "gptq", "awq")  # vLLM's --quantization values the engine loads
+GPU_RESOURCE = "nvidia.com/gpu"
+# A memory-backed /dev/shm for tensor-parallel ranks (torch.distributed's transfers between the ranks' processes
+# use shared memory; the container runtime's default /dev/shm is 64Mi). It counts against the pod's memory.
+SHM_SIZE = "1Gi"
 API_KEY_ENV = "VLLM_API_KEY"  # what `kvgate serve` reads (engine/server/auth.py), as vLLM does
 # spec.engine.apiKeySecretRef: a Secret's name (a DNS subdomain) and one of its keys, as the API server checks them
 _SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -99,6 +106,12 @@ def _spec_problems(ms: dict) -> list[dict]:
     else:
         flags = {str(a).split("=", 1)[0] for a in spec.get("extraArgs") or []}
         taken = sorted(flags & set(OPERATOR_FLAGS))
+        spec_owned = sorted(f"{flag} (set {field})" for flag, field in SPEC_FLAGS.items()
+                            if any(len(f) > 2 and flag.startswith(f) for f in flags))
+        if spec_owned:
+            problems.append({"reason": "InvalidSpec",
+                             "message": f"extraArgs may not set {', '.join(spec_owned)}: the pod's resources and "
+                                        "volumes follow those fields"})
         if taken:
             problems.append({"reason": "InvalidSpec",
                              "message": f"extraArgs may not set {', '.join(taken)}: the operator sets them (the "
@@ -110,11 +123,41 @@ def _spec_problems(ms: dict) -> list[dict]:
                                         "can read the ModelServer, its Deployment or its pods; put it in a Secret "
                                         "and name it in spec.engine.apiKeySecretRef"})
     problems += _api_key_ref_problems(spec)
+    problems += _parallelism_problems(spec)
     lookup = (spec.get("engine") or {}).get("speculativeConfig") or {}
     if (lookup.get("promptLookupMin") or 0) > (lookup.get("promptLookupMax") or float("inf")):
         problems.append({"reason": "InvalidSpec", "message": "engine.speculativeConfig: promptLookupMin "
                          f"({lookup['promptLookupMin']}) must be <= promptLookupMax ({lookup['promptLookupMax']})"})
     return problems
+
+
+def tensor_parallel_size(spec: dict) -> int:
+    return int((spec.get("engine") or {}).get("tensorParallelSize") or 1)
+
+
+def requests_gpus(spec: dict) -> bool:
+    """Whether the pod asks for tensorParallelSize GPUs itself: above 1, unless the engine runs on the CPU."""
+    return tensor_parallel_size(spec) > 1 and (spec.get("engine") or {}).get("device") != "cpu"
+
+
+def _parallelism_problems(spec: dict) -> list[dict]:
+    """engine.quantization spelled as the engine takes it; engine.tensorParallelSize consistent with the device
+    and with a GPU count given in resources."""
+    engine = spec.get("engine") or {}
+    problems = []
+    if engine.get("quantization") is not None and engine["quantization"] not in QUANTIZATIONS:
+        problems.append(f"quantization {str(engine['quantization'])[:40]!r} is not one of {', '.join(QUANTIZATIONS)}")
+    size = tensor_parallel_size(spec)
+    if size > 1 and str(engine.get("device") or "").startswith("cuda:"):
+        problems.append(f"device {engine['device']!r} names one GPU; with tensorParallelSize {size} use cuda or "
+                        "auto (rank r runs on GPU r of the pod)")
+    if requests_gpus(spec):
+        for kind in ("limits", "requests"):
+            given = ((spec.get("resources") or {}).get(kind) or {}).get(GPU_RESOURCE)
+            if given is not None and str(given) != str(size):
+                problems.append(f"resources.{kind}[{GPU_RESOURCE}] is {given!r} but tensorParallelSize is {size} "
+                                "(one GPU a rank; leave it out and the operator requests them)")
+    return [{"reason": "InvalidSpec", "message": f"engine: {p}"} for p in problems]
 
 
 def _api_key_ref_problems(spec: dict) -> list[dict]:
@@ -252,6 +295,10 @@ def engine_flags(engine: dict) -> list[str]:
         flags += ["--gpu-memory-utilization", repr(float(engine["gpuMemoryUtilization"]))]
     if engine.get("kvCacheDtype") is not None:
         flags += ["--kv-cache-dtype", engine["kvCacheDtype"]]
+    if engine.get("quantization") is not None:
+        flags += ["--quantization", engine["quantization"]]
+    if engine.get("tensorParallelSize") is not None:
+        flags += ["--tensor-parallel-size", str(int(engine["tensorParallelSize"]))]
     if engine.get("speculativeConfig"):
         flags += ["--speculative-config", json.dumps(speculative_config(engine["speculativeConfig"]),
                                                       separators=(",", ":"))]
@@ -356,6 +403,9 @@ def _volumes(spec: dict) -> tuple[list[dict], list[dict]]:
     if lora:
         volumes.append(lora_volume(lora))
         mounts.append({"name": "lora-adapters", "mountPath": ADAPTERS_DIR, "readOnly": True})
+    if tensor_parallel_size(spec) > 1:
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     return volumes, mounts
 
 
@@ -408,6 +458,9 @@ def _container(spec: dict, image: str, port: int) -> dict:
         container["imagePullPolicy"] = spec["imagePullPolicy"]
     if spec.get("resources"):
         container["resources"] = _only(spec["resources"], ("limits", "requests", "claims"))
+    if requests_gpus(spec):  # one GPU a rank (an extended resource: its request is its limit)
+        resources = container.setdefault("resources", {})
+        resources["limits"] = {**(resources.get("limits") or {}), GPU_RESOURCE: str(tensor_parallel_size(spec))}
     return container
 
 

@@ -65,6 +65,7 @@ MODELSERVER_SPEC = {
                "maxNumSeqs": Int(1, 2**31 - 1), "maxNumBatchedTokens": Int(1, 2**31 - 1),
                "maxModelLen": Int(1, 2**31 - 1), "kvCacheMemory": INT_OR_STRING, "enablePrefixCaching": bool,
                "gpuMemoryUtilization": Number(0, 1, exclusive_minimum=True), "kvCacheDtype": str,
+               "quantization": str, "tensorParallelSize": Int(1, 16),
                "speculativeConfig": {"method": str, "numSpeculativeTokens": Required(Int(1, 32)),
                                      "promptLookupMin": Int(1, 64), "promptLookupMax": Int(1, 64)},
                "shutdownGracePeriodSeconds": Int(1, 3600),
