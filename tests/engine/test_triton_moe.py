@@ -44,6 +44,8 @@ def _check(args, dtype):
     expected = torch_experts(*args)
     got = tm.triton_experts(*args)
     assert got.shape == expected.shape and got.dtype == expected.dtype
+    if not expected.numel():
+        return
     assert torch.isfinite(got).all()
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -148,3 +150,24 @@ def test_engine_on_triton_path_matches_hf(family, tiny_model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == expected
+
+
+def test_bench_moe_preset_builds_a_loadable_checkpoint(tmp_path, monkeypatch):
+    """`kvgate bench engine --model qwen3-moe-tiny`'s builder, scaled down: HF writes the per-expert checkpoint
+    the loader reads, and --compare-moe-reference's switch puts every layer back on torch_experts."""
+    from kvgate.bench import engine as bench
+    from kvgate.engine import LLM
+    from kvgate.engine.models.moe import FusedMoE
+
+    cls, kwargs = bench.RANDOM_MODELS["qwen3-moe-tiny"]
+    small = dict(kwargs, vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                 num_experts=6, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    monkeypatch.setitem(bench.RANDOM_MODELS, "qwen3-moe-tiny", (cls, small))
+    bench._build_random_model("qwen3-moe-tiny", tmp_path, torch.float32)
+    llm = LLM(str(tmp_path), max_model_len=64, max_num_seqs=2)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(layers) == 2 and layers[0].w13_weight.shape == (6, 64, 64)
+    assert bench._moe_experts(llm.engine.runner) == "torch_experts"  # the CPU path
+    for layer in layers:
+        layer.experts_fn = lambda *a: None
+    assert bench._use_torch_experts(llm.engine) == 2 and all(m.experts_fn is torch_experts for m in layers)
