@@ -44,10 +44,18 @@ if HAS_TRITON:
             return x.to(dtype).to(tl.float32)
 
     @triton.jit
+    def dot(a, b, acc, IEEE: tl.constexpr):
+        """acc + a @ b; IEEE: fp32 operands multiplied in full fp32 (no TF32 rounding of the inputs)."""
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
     def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
                             H, I, stride_xt, stride_we, stride_wn, stride_wk, stride_ot, TOP_K: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PRECISION: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
+                            IEEE: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
         pid_m = tl.program_id(0)
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
@@ -72,8 +80,8 @@ if HAS_TRITON:
             up = tl.load(w_up + k[:, None] * stride_wk, mask=w_ok, other=0.0)
             if INTERPRETED_BF16:
                 a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
-            acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
-            acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+            acc_gate = dot(a, gate, acc_gate, IEEE)
+            acc_up = dot(a, up, acc_up, IEEE)
         dtype = out_ptr.dtype.element_ty
         gate = round_to(acc_gate, dtype, INTERPRETED_BF16)  # F.linear's result in the model dtype
         up = round_to(acc_up, dtype, INTERPRETED_BF16)
@@ -85,7 +93,7 @@ if HAS_TRITON:
     def _moe_down_kernel(h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_expert_ptr,
                          num_padded_ptr, num_pairs, H, I, stride_ht, stride_we, stride_wn, stride_wk, stride_ot,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
+                         IEEE: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
         pid_m = tl.program_id(0)
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
@@ -106,7 +114,7 @@ if HAS_TRITON:
             w = tl.load(w_rows + k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if INTERPRETED_BF16:
                 a, w = a.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            acc = dot(a, w, acc, IEEE)
         dtype = out_ptr.dtype.element_ty
         weight = tl.load(topk_weights_ptr + rows, mask=row_ok, other=0.0)
         # the expert's output in the model dtype times the routing weight in its own dtype, rounded once
@@ -139,10 +147,12 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
     return sorted_pairs, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
-def _block_sizes(num_pairs: int, num_experts: int, inter: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): short blocks while experts get few rows each (decode), else taller ones."""
-    block_m = 16 if num_pairs <= 16 * num_experts else 64
-    return block_m, 64, 64
+def _block_sizes(num_tokens: int, num_experts: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K), vLLM's defaults: while the tokens are no more than the experts (decode), short
+    blocks, narrow enough that the few blocks still spread over the device; else taller, wider ones."""
+    if num_tokens <= num_experts:
+        return 16, 32, 64
+    return 64, 64, 64
 
 
 def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -159,21 +169,21 @@ def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         return torch.zeros_like(x)
     x = x if x.stride(-1) == 1 else x.contiguous()
     num_pairs = num_tokens * top_k
-    block_m, block_n, block_k = _block_sizes(num_pairs, num_experts, inter)
+    block_m, block_n, block_k = _block_sizes(num_tokens, num_experts)
     sorted_pairs, block_expert, num_padded = align_by_expert(topk_ids, num_experts, block_m)
     max_blocks = block_expert.numel()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding of the inputs
+    ieee = x.dtype == torch.float32  # fp32 models: no TF32 rounding of the inputs
     interpreted = interpreted_bf16(x)
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, block_n))](
         x, w13, h, sorted_pairs, block_expert, num_padded, num_pairs, hidden, inter, x.stride(0),
         w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PRECISION=precision, INTERPRETED_BF16=interpreted, num_warps=4)
+        BLOCK_K=block_k, IEEE=ieee, INTERPRETED_BF16=interpreted, num_warps=4)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _moe_down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
         h, w2, y, topk_weights.reshape(-1), sorted_pairs, block_expert, num_padded, num_pairs, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PRECISION=precision, INTERPRETED_BF16=interpreted, num_warps=4)
+        BLOCK_K=block_k, IEEE=ieee, INTERPRETED_BF16=interpreted, num_warps=4)
     if top_k == 1:
         return y
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

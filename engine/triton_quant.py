@@ -7,7 +7,7 @@ The canonical int layout (what loaders repack into):
   qweight  bits 8: uint8 [N, K] (int8 tensors are read as their uint8 bit pattern);
            bits 4: uint8 [N, K // 2], two values a byte, the low nibble the even k (pack_int4)
   scales   [N, K // group_size] in the activations' dtype
-  zeros    [N, K // group_size] integers, or None: symmetric, zero point 2**(bits - 1)
+  zeros    [N, K // group_size] integers (int8 read as uint8, as qweight), or None: symmetric, 2**(bits - 1)
   w[n, k] = (q[n, k] - zero[n, k // group_size]) * scale[n, k // group_size]
 The FP8 layout: w_fp8 [N, K] float8_e4m3fn; w_scale a scalar (per tensor), [N] (per channel), or, with block_size
 (bn, bk), [ceil(N / bn), ceil(K / bk)] (DeepSeek-V3's and Qwen3-FP8's weight_scale_inv); w[n, k] = w_fp8[n, k] *
@@ -34,7 +34,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from kvgate.engine.triton_moe import round_to
+    from kvgate.engine.triton_moe import dot, round_to
 
     @triton.jit
     def _decode_e4m3(byte):
@@ -53,7 +53,7 @@ if HAS_TRITON:
                             stride_sn, stride_sk, stride_zn, stride_zk, stride_om, GROUP_N, GROUP_K,
                             FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, ZERO: tl.constexpr,
                             SCALE_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
+                            BLOCK_K: tl.constexpr, IEEE: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
         """out = x @ dequant(w)^T, one [BLOCK_M, BLOCK_N] tile of out a program. Scales are indexed
         [n // GROUP_N, k // GROUP_K] through their strides (0 for a broadcast axis); SCALE_PER_TILE: a K tile lies in
         one scale group, so one scale row serves the whole tile."""
@@ -101,7 +101,7 @@ if HAS_TRITON:
                 a = a.to(tl.float32)
             else:
                 w = w.to(dtype)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            acc = dot(a, w, acc, IEEE)
         out = round_to(acc, dtype, INTERPRETED_BF16).to(dtype)
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], out,
                  mask=m_ok[:, None] & n_ok[None, :])
@@ -130,6 +130,8 @@ def dequantize_int_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: to
                           group_size: int) -> torch.Tensor:
     """The torch reference: [N, K] weights in scales' dtype, (q - zero) * scale per group of group_size along K."""
     q = _int_values(qweight, bits).to(torch.int32)
+    if zeros is not None and zeros.dtype == torch.int8:
+        zeros = zeros.view(torch.uint8)
     zero = torch.full_like(scales, 2 ** (bits - 1), dtype=torch.int32) if zeros is None else zeros.to(torch.int32)
     expand = lambda t: t.repeat_interleave(group_size, dim=1)  # noqa: E731 - [N, K // g] -> [N, K]
     return ((q - expand(zero)).float() * expand(scales).float()).to(scales.dtype)
@@ -196,7 +198,7 @@ def _launch(x, w, fmt, scale, stride_sn, stride_sk, group_n, group_k, zeros, zer
         x, w, scale, zero_t, out, m, n, k, x.stride(0), w.stride(0), stride_sn, stride_sk,
         zero_t.stride(0) if zeros is not None else 0, zero_t.stride(1) if zeros is not None else 0, out.stride(0),
         group_n, group_k, FORMAT=fmt, HAS_ZEROS=zeros is not None, ZERO=zero, SCALE_PER_TILE=scale_per_tile,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
         INTERPRETED_BF16=interpreted_bf16(x), num_warps=4)
     return out
 
@@ -216,6 +218,8 @@ def int_weight_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if zeros is not None and tuple(zeros.shape) != tuple(scales.shape):
         raise ValueError(f"int weight GEMM: zeros {list(zeros.shape)} differ from scales {list(scales.shape)}")
     w = qweight.view(torch.uint8)
+    if zeros is not None and zeros.dtype == torch.int8:
+        zeros = zeros.view(torch.uint8)  # 8-bit zero points up to 255 in int8 storage
     if w.stride(-1) != 1:
         w = w.contiguous()
     return _launch(x, w, _INT4 if bits == 4 else _INT8, scales, scales.stride(0), scales.stride(1), 1, group_size,

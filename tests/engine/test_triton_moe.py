@@ -56,9 +56,10 @@ def _check(args, dtype):
 
 @interpreted
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,idle", [
-    (1, 8, 2, 64, 32, ()),  # decode of one sequence
-    (37, 6, 2, 96, 80, (1, 4)),  # six experts, two idle; widths not multiples of the blocks
-    (70, 5, 1, 72, 40, (3,)),  # top-1; more than one 64-row block for an expert
+    (1, 8, 2, 64, 32, ()),  # decode of one sequence (16-row blocks)
+    (37, 6, 1, 96, 80, (1, 4)),  # top-1; six experts, two idle; widths not multiples of the blocks
+    (150, 5, 2, 72, 40, (3,)),  # two 64-row blocks for each busy expert
+    (30, 40, 8, 48, 24, tuple(range(8, 40))),  # top-8 of forty, 32 idle: two 16-row blocks for each busy expert
     (20, 12, 8, 48, 24, ()),  # top-8 of twelve: every token in most experts
     (5, 3, 3, 130, 100, ()),  # hidden wider than two K tiles; every expert busy
 ])

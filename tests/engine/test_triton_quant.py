@@ -31,8 +31,9 @@ def _int_problem(m, n, k, bits, group, dtype, zeros, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8)
     scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.005).to(dtype)
-    zero = torch.randint(0, 2**bits, (n, k // group), generator=g, dtype=torch.int32).to(
-        torch.int8 if bits == 4 else torch.int32) if zeros else None
+    # zero points in int8 storage, as loaders keep them: 8-bit ones up to 255 as their bit pattern
+    zero = torch.randint(0, 2**bits, (n, k // group), generator=g, dtype=torch.int32).to(torch.uint8).view(
+        torch.int8) if zeros else None
     qweight = tq.pack_int4(q) if bits == 4 else q
     x = torch.randn(m, k, generator=g).to(dtype)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -56,7 +57,8 @@ def test_pack_int4_and_reference(bits):
         assert int(qweight[0, 0]) == int(q[0, 0]) | (int(q[0, 1]) << 4)  # the low nibble is the even k
     w = tq.dequantize_int_weight(qweight, scales, zeros, bits, 32)
     assert w.shape == (3, 64)
-    assert w[1, 40].item() == pytest.approx((int(q[1, 40]) - int(zeros[1, 1])) * scales[1, 1].item())
+    zero = int(zeros.view(torch.uint8)[1, 1])  # int8 storage of an unsigned zero point
+    assert w[1, 40].item() == pytest.approx((int(q[1, 40]) - zero) * scales[1, 1].item())
     sym = tq.dequantize_int_weight(qweight, scales, None, bits, 32)
     assert sym[2, 5].item() == pytest.approx((int(q[2, 5]) - 2 ** (bits - 1)) * scales[2, 0].item())
 
@@ -80,6 +82,8 @@ def test_int_weight_gemm_group_off_the_tile_and_int8_storage():
     x, qweight, scales, zero = _int_problem(3, 24, 96, 8, 48, torch.float32, zeros=True, seed=7)
     x_wide = torch.randn(3, 200)
     x_wide[:, :96] = x
+    zero = zero.view(torch.uint8).to(torch.int32)  # zero points as int32 this time
+    assert zero.max() > 127
     got = tq.int_weight_gemm(x_wide[:, :96], qweight.view(torch.int8), scales, zero, 8, 48)
     _assert_matches(got, x, tq.dequantize_int_weight(qweight, scales, zero, 8, 48))
 
