@@ -29,6 +29,7 @@ def interpreted_bf16(x: torch.Tensor) -> bool:
     bf16 operands and the hardware conversion."""
     return x.dtype == torch.bfloat16 and x.device.type != "cuda"
 
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
