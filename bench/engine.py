@@ -24,7 +24,7 @@ RANDOM_MODELS = {
                                         head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True,
                                         rope_theta=1000000.0, rms_norm_eps=1e-6)),
     # Qwen3-30B-A3B's layer shape scaled down (hidden 2048 -> 1024, 128 -> 64 experts of 768 -> 384, top-8, 48 -> 12
-    # layers; 1.1B parameters of which 0.2B active a token): loads in seconds, still routes like the real one.
+    # layers; 1.3B parameters, 0.9B of them in the experts): loads in seconds, still routes like the real one.
     "qwen3-moe-tiny": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                                               moe_intermediate_size=384, num_experts=64, num_experts_per_tok=8,
                                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
@@ -370,7 +370,11 @@ def _use_torch_experts(engine) -> int:
     """Every FusedMoE of the engine's model back on torch_experts (the reference); how many were switched."""
     from kvgate.engine.models.moe import FusedMoE, torch_experts
 
-    layers = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    model = getattr(engine.runner, "model", None)
+    if model is None:
+        raise SystemExit("--compare-moe-reference needs the model in this process (not the sim backend, not tensor "
+                         "parallel workers)")
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
     for layer in layers:
         layer.experts_fn = torch_experts
     return len(layers)

@@ -91,10 +91,10 @@ case ",$STAGES," in *,spectests,*)
 # bound; then the kernels alone (tests/engine/gpu_kernel_bench.py): the fused experts against torch_experts, and the
 # int8/int4/FP8 weight GEMMs against the bf16 matmul.
 case ",$STAGES," in *,moe,*)
-  TAIL=22 stage moe 80 python3 -m kvgate bench engine --model qwen3-moe-tiny --device cuda --num-requests 128 \
+  TAIL=22 stage moe 90 python3 -m kvgate bench engine --model qwen3-moe-tiny --device cuda --num-requests 128 \
     --max-num-seqs 128 --max-prompt-len 256 --output-len 64 --max-cudagraph-capture-size 512 --baselines none \
     --compare-moe-reference --result-file "$OUT/moe.json" ;; esac
 case ",$STAGES," in *,fp8,*)
-  TAIL=60 stage fp8 70 python3 -m tests.engine.gpu_kernel_bench moe quant ;; esac
+  TAIL=60 stage fp8 60 python3 -m tests.engine.gpu_kernel_bench moe quant ;; esac
 case ",$STAGES," in *,sweep,*)
   TAIL=30 stage sweep 120 python3 -m tests.engine.gpu_profile attention ;; esac
