@@ -1,8 +1,9 @@
 """The quantized-weight GEMMs (engine/triton_quant.py) on CPU under Triton's interpreter, against x @ the torch
 references' dequantized weights: int4/int8 with and without zero points, group sizes 32/64/128, per-channel and
 block-wise FP8 scales, FP8 through Triton's fp8 conversion and through the in-kernel bit decoding (the path of
-devices below compute capability 8.9), M of one row and of more than one row tile, sizes off the tiles. The `cuda`
-tests run the kernels compiled and torch._scaled_mm's FP8 path (skipped without CUDA)."""
+devices below compute capability 8.9), M of one row and of more than one row tile, sizes off the tiles; the
+_scaled_mm path's arithmetic through torch's CPU _scaled_mm. The `cuda` tests run the kernels compiled and
+torch._scaled_mm's FP8 path on the GPU (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -143,6 +144,24 @@ def test_fp8_decoding_covers_every_bit_pattern(decode_bits):
     assert (~finite).sum() == 2
     if decode_bits:
         assert decoded[~finite].isnan().all()
+
+
+@pytest.mark.parametrize("scale_kind", ["tensor", "channel"])
+def test_fp8_scaled_mm_arithmetic(scale_kind):
+    """fp8_scaled_mm's per-token activation quantization and both scales, through torch._scaled_mm's CPU
+    implementation (the CUDA one runs in test_compiled_fp8_scaled_mm): equal, to bf16 rounding, to the product of
+    the FP8-rounded activations and the dequantized weights."""
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("this torch has no _scaled_mm")
+    x, w, scale = _fp8_problem(24, 48, 64, torch.bfloat16, scale_kind, seed=5)
+    x[3] *= 100  # rows of very different ranges: each its own scale
+    got = tq.fp8_scaled_mm(x, w, scale)
+    x_scale = x.float().abs().amax(dim=1, keepdim=True) / tq.FP8_MAX
+    x_rounded = (x.float() / x_scale).to(torch.float8_e4m3fn).double() * x_scale.double()
+    expected = x_rounded @ tq.dequantize_fp8_weight(w, scale, None, torch.float32).double().t()
+    assert got.dtype == torch.bfloat16
+    err = ((got.double() - expected).norm(dim=1) / expected.norm(dim=1)).max().item()
+    assert err < 5e-3, err
 
 
 @pytest.mark.cuda
