@@ -23,6 +23,14 @@ RANDOM_MODELS = {
                                         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                         head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True,
                                         rope_theta=1000000.0, rms_norm_eps=1e-6)),
+    # Qwen3-30B-A3B's layer shape scaled down (hidden 2048 -> 1024, 128 -> 64 experts of 768 -> 384, top-8, 48 -> 12
+    # layers; 1.3B parameters, 0.9B of them in the experts): loads in seconds, still routes like the real one.
+    "qwen3-moe-tiny": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                              moe_intermediate_size=384, num_experts=64, num_experts_per_tok=8,
+                                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                              num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
+                                              head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
+                                              rope_theta=1000000.0, rms_norm_eps=1e-6)),
 }
 
 
@@ -70,6 +78,10 @@ def add_bench_engine_parser(sub) -> None:
     p.add_argument("--compare-kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                    help="also run kvgate with this --kv-cache-dtype on the same workload and KV memory, side by "
                         "side: blocks, preemptions, time, outputs against the first run")
+    p.add_argument("--compare-moe-reference", action="store_true",
+                   help="with a MoE model: also run its experts through the torch reference (torch_experts, one "
+                        "batch per expert; eager: it reads the expert counts back to the host) instead of the fused "
+                        "Triton kernels, side by side")
     p.add_argument("--result-file", default=None, help="also write the results as JSON here")
     add_engine_args(p)
     p.set_defaults(func=run_bench_engine)
@@ -87,11 +99,14 @@ def _build_random_model(name: str, folder: Path, dtype) -> None:
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    config.save_pretrained(str(folder))
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if getattr(config, "num_experts", 0):  # HF's own writer: the per-expert tensors of the checkpoint format
+        model.save_pretrained(str(folder), safe_serialization=True)
+    else:
+        state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        config.save_pretrained(str(folder))
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer_files(build_byte_tokenizer(), folder, kwargs["max_position_embeddings"])
 
 
@@ -337,7 +352,32 @@ def _planned_runs(args: argparse.Namespace, config: EngineConfig) -> list[tuple[
     if args.compare_kv_cache_dtype and args.compare_kv_cache_dtype != config.kv_cache_dtype:
         runs.append((f"kvgate_kv_{args.compare_kv_cache_dtype}",
                      dataclasses.replace(config, kv_cache_dtype=args.compare_kv_cache_dtype)))
+    if args.compare_moe_reference:
+        runs.append(("kvgate_moe_torch", dataclasses.replace(config, enforce_eager=True)))
     return runs
+
+
+def _moe_experts(runner) -> str | None:
+    """The name of the function the model's MoE layers run their experts through; None without MoE layers."""
+    from kvgate.engine.models.moe import FusedMoE
+
+    model = getattr(runner, "model", None)
+    layer = next((m for m in model.modules() if isinstance(m, FusedMoE)), None) if model is not None else None
+    return layer.experts_fn.__name__ if layer is not None else None
+
+
+def _use_torch_experts(engine) -> int:
+    """Every FusedMoE of the engine's model back on torch_experts (the reference); how many were switched."""
+    from kvgate.engine.models.moe import FusedMoE, torch_experts
+
+    model = getattr(engine.runner, "model", None)
+    if model is None:
+        raise SystemExit("--compare-moe-reference needs the model in this process (not the sim backend, not tensor "
+                         "parallel workers)")
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    for layer in layers:
+        layer.experts_fn = torch_experts
+    return len(layers)
 
 
 @dataclasses.dataclass
@@ -388,6 +428,9 @@ def _run_kvgate(label: str, run_config: EngineConfig, args: argparse.Namespace, 
     engine = llm.engine
     if label == "kvgate_spec_no_draft_reuse":
         engine.runner.draft.reuse_prefix = False
+    if label == "kvgate_moe_torch":
+        if not _use_torch_experts(engine):
+            raise SystemExit("--compare-moe-reference: the model has no MoE layers")
     work = work or _workload_for(args, workload, engine)
     stats_before = engine.stats()
     info = _engine_info(label, engine, run_config, stats_before)
@@ -420,6 +463,10 @@ def _engine_info(label: str, engine, run_config, stats_before) -> dict:
             "kv_cache_tokens": stats_before.num_blocks * stats_before.block_size}
     print(f"  {label}: KV cache {run_config.kv_cache_dtype}: {stats_before.num_blocks} blocks "
           f"({info['kv_cache_tokens']} tokens)", flush=True)
+    experts = _moe_experts(runner)
+    if experts:
+        info["moe_experts"] = experts
+        print(f"  {label}: MoE experts through {experts}", flush=True)
     if info["cuda_graphs"]:
         info["graph_capture_s"] = shapes.capture_seconds
         info["graph_memory_gib"] = shapes.capture_bytes / 2**30

@@ -13,14 +13,19 @@ triton_ops = None
 
 
 def use_fused_kernels(model: nn.Module) -> None:
-    """Switch the model's norms, RoPE and MLP activations to triton_ops.py's fused kernels (the GPU path)."""
+    """Switch the model's norms, RoPE and MLP activations to triton_ops.py's fused kernels and its MoE experts to
+    triton_moe.py's (the GPU path)."""
     global triton_ops
     from kvgate.engine import triton_ops as ops
+    from kvgate.engine.models.moe import FusedMoE
+    from kvgate.engine.triton_moe import triton_experts
 
     triton_ops = ops
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
             module.fused = True
+        elif isinstance(module, FusedMoE):
+            module.experts_fn = triton_experts
 
 
 class RMSNorm(nn.Module):

@@ -85,5 +85,16 @@ case ",$STAGES," in *,spectests,*)
   TAIL=12 KVGATE_TEST_DEVICE=cuda stage spectests 200 python3 -m pytest -q -p no:cacheprovider \
     tests/engine/test_spec_decode.py tests/engine/test_draft_model.py tests/engine/test_kv_cache_dtype.py \
     tests/engine/test_copier_wide.py -k "not keeps_the_distribution and not test_bench" ;; esac
+# The MoE and quantized-weight kernels (STAGES=moe,fp8; 150 s together): qwen3-moe-tiny (a scaled-down
+# Qwen3-30B-A3B, random weights) through the fused Triton experts (CUDA graphs) and through the torch reference
+# (torch_experts, eager) on the same workload: tok/s of both, identical greedy outputs, decode steps against the
+# bound; then the kernels alone (tests/engine/gpu_kernel_bench.py): the fused experts against torch_experts, and the
+# int8/int4/FP8 weight GEMMs against the bf16 matmul.
+case ",$STAGES," in *,moe,*)
+  TAIL=22 stage moe 90 python3 -m kvgate bench engine --model qwen3-moe-tiny --device cuda --num-requests 128 \
+    --max-num-seqs 128 --max-prompt-len 256 --output-len 64 --max-cudagraph-capture-size 512 --baselines none \
+    --compare-moe-reference --result-file "$OUT/moe.json" ;; esac
+case ",$STAGES," in *,fp8,*)
+  TAIL=60 stage fp8 60 python3 -m tests.engine.gpu_kernel_bench moe quant ;; esac
 case ",$STAGES," in *,sweep,*)
   TAIL=30 stage sweep 120 python3 -m tests.engine.gpu_profile attention ;; esac
