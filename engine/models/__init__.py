@@ -7,6 +7,7 @@ from kvgate.engine.models.llama import LlamaForCausalLM
 from kvgate.engine.models.mistral import MistralForCausalLM
 from kvgate.engine.models.mixtral import MixtralForCausalLM
 from kvgate.engine.models.qwen2 import Qwen2ForCausalLM
+from kvgate.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from kvgate.engine.models.qwen3 import Qwen3ForCausalLM
 from kvgate.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -15,6 +16,7 @@ MODEL_REGISTRY = {
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }

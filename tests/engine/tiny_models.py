@@ -11,7 +11,7 @@ import torch
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Mixture-of-experts families: in the HF parity tests; kept out of FAMILIES (the `family` fixture's list) so the
 # other per-family tests do not grow.
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 # Architectures outside the native families, served by the transformers fallback (engine/models/
 # transformers_fallback.py); tests/engine/test_transformers_fallback.py runs them in every HF parity mode.
 FALLBACK_FAMILIES = ("phi3", "olmo2", "granite")
@@ -25,7 +25,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 def make_config(family: str):
     from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
-                              Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=262, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=512, bos_token_id=256, eos_token_id=257)
@@ -44,6 +44,11 @@ def make_config(family: str):
         return Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=32,
                               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
                               decoder_sparse_step=1, mlp_only_layers=[0], tie_word_embeddings=False)
+    if family == "qwen2_moe":  # qkv bias, 8 experts top-2 not renormalised, a shared expert; layer 1 dense
+        return Qwen2MoeConfig(**{**common, "num_hidden_layers": 3}, num_key_value_heads=2, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                              norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+                              tie_word_embeddings=False)
     if family == "mixtral":  # 4 experts of width intermediate_size, top-2
         return MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                              sliding_window=None, tie_word_embeddings=False)
