@@ -59,9 +59,9 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
         raise RuntimeError(f"{type(module).__name__} has attention sinks, which kvgate's paged attention does not "
                            "compute")
     window = kwargs.get("sliding_window")
-    if window is not None and window != step.sliding_window:
-        raise RuntimeError(f"{type(module).__name__} (layer {module.layer_idx}) asks for a sliding window of "
-                           f"{window}, the model was loaded with {step.sliding_window}")
+    if window != step.sliding_window:  # the config promised one window for every layer; the module says otherwise
+        raise RuntimeError(f"{type(module).__name__} (layer {module.layer_idx}) asks for sliding window {window}, "
+                           f"the model was loaded with {step.sliding_window} from its config")
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
     k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
     v = value[0].transpose(0, 1).contiguous()

@@ -104,3 +104,13 @@ def test_roofline_counts_the_experts_a_batch_reads():
     assert weights.dense == total - sparse_layers * config.num_experts * expert
     assert weights.read_by(1) == weights.dense + sparse_layers * config.num_experts_per_tok * expert
     assert weights.read_by(1000) == total
+
+
+def test_qwen2_moe_sliding_layers_among_full_ones_are_refused():
+    from kvgate.common.errors import ModelLoadError
+
+    config = make_config("qwen2_moe")
+    assert [is_sparse_layer(config, i) for i in range(3)] == [True, False, True]  # mlp_only_layers=[1]
+    config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]  # use_sliding_window's pattern
+    with pytest.raises(ModelLoadError, match="sliding-window layers among full-attention ones"):
+        Qwen2MoeForCausalLM(config, 64)
