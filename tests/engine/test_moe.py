@@ -110,7 +110,7 @@ def test_qwen2_moe_sliding_layers_among_full_ones_are_refused():
     from kvgate.common.errors import ModelLoadError
 
     config = make_config("qwen2_moe")
-    assert [is_sparse_layer(config, i) for i in range(3)] == [True, False, True]  # mlp_only_layers=[1]
+    assert [is_sparse_layer(config, i) for i in range(3)] == [True, True, False]  # mlp_only_layers=[2]
     config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]  # use_sliding_window's pattern
     with pytest.raises(ModelLoadError, match="sliding-window layers among full-attention ones"):
         Qwen2MoeForCausalLM(config, 64)

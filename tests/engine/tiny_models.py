@@ -44,10 +44,10 @@ def make_config(family: str):
         return Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=32,
                               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
                               decoder_sparse_step=1, mlp_only_layers=[0], tie_word_embeddings=False)
-    if family == "qwen2_moe":  # qkv bias, 8 experts top-2 not renormalised, a shared expert; layer 1 dense
+    if family == "qwen2_moe":  # qkv bias, 8 experts top-2 not renormalised, a shared expert; layer 2 dense
         return Qwen2MoeConfig(**{**common, "num_hidden_layers": 3}, num_key_value_heads=2, num_experts=8,
                               num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
-                              norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+                              norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[2],
                               tie_word_embeddings=False)
     if family == "mixtral":  # 4 experts of width intermediate_size, top-2
         return MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
