@@ -9,8 +9,8 @@ kernels), exactly as the native models' Attention does. The engine packs a step'
 them as one sequence of batch 1 ([1, T] ids and positions), and the attention metadata keeps the sequences apart.
 
 What the paged attention cannot do is refused at load (ModelLoadError) rather than computed wrongly: attention
-logit softcapping, attention sinks, layers with different sliding windows or head sizes, non-causal (encoder)
-attention, encoder-decoder and multimodal models. The weights keep the HF model's own parameter names; load_weights
+logit softcapping, attention sinks, multi-head latent attention, layers with different sliding windows or head
+sizes, non-causal (encoder) attention, encoder-decoder and multimodal models. The weights keep the HF model's own parameter names; load_weights
 has the native models' contract (an unknown tensor, a wrong shape or a missing weight is a ModelLoadError). LoRA is
 not served on this path (lora/layers.py refuses it: the HF modules have no fused projections to wrap).
 """
@@ -87,6 +87,9 @@ def check_supported(config) -> str:
     if causal is None or not archs or causal not in archs:
         raise ModelLoadError(f"model architecture {name} (model_type {getattr(config, 'model_type', None)!r}) is "
                              "neither a native family nor a decoder-only causal LM that transformers builds")
+    if getattr(config, "kv_lora_rank", None) is not None:
+        raise ModelLoadError(f"{causal}: multi-head latent attention (kv_lora_rank) is not supported (kvgate's KV "
+                             "cache holds one K and one V of one head size per KV head)")
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise ModelLoadError(f"{causal}: attn_logit_softcapping {config.attn_logit_softcapping} is not supported "
                              "(kvgate's paged attention has no logit softcapping)")

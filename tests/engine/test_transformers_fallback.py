@@ -125,11 +125,12 @@ def _config(name: str, **kwargs):
 @pytest.mark.parametrize("config, message", [
     (lambda: _config("Gemma2Config", architectures=["Gemma2ForCausalLM"]), "attn_logit_softcapping 50.0"),
     (lambda: _config("Gemma3TextConfig", architectures=["Gemma3ForCausalLM"]), "different sliding windows"),
+    (lambda: _config("DeepseekV2Config", architectures=["DeepseekV2ForCausalLM"]), "multi-head latent attention"),
     (lambda: _config("T5Config", architectures=["T5ForConditionalGeneration"]), "encoder-decoder"),
     (lambda: _config("BertConfig", architectures=["BertForMaskedLM"]), "neither a native family nor a decoder-only"),
     (lambda: _config("LlavaConfig", architectures=["LlavaForConditionalGeneration"]), "multimodal"),
     (lambda: _config("LlamaConfig", architectures=[]), "none given in config.json"),
-], ids=["softcapping", "per-layer-windows", "encoder-decoder", "encoder", "multimodal", "no-architecture"])
+], ids=["softcapping", "per-layer-windows", "latent-attention", "encoder-decoder", "encoder", "multimodal", "no-architecture"])
 def test_unsupported_architectures_are_refused(config, message):
     from kvgate.engine.models import resolve_model_class
 
