@@ -10,9 +10,10 @@ them as one sequence of batch 1 ([1, T] ids and positions), and the attention me
 
 What the paged attention cannot do is refused at load (ModelLoadError) rather than computed wrongly: attention
 logit softcapping, attention sinks, multi-head latent attention, layers with different sliding windows or head
-sizes, non-causal (encoder) attention, encoder-decoder and multimodal models. The weights keep the HF model's own parameter names; load_weights
-has the native models' contract (an unknown tensor, a wrong shape or a missing weight is a ModelLoadError). LoRA is
-not served on this path (lora/layers.py refuses it: the HF modules have no fused projections to wrap).
+sizes, non-causal (encoder) attention, encoder-decoder and multimodal models. The weights keep the HF model's own
+parameter names; load_weights has the native models' contract (an unknown tensor, a wrong shape or a missing weight
+is a ModelLoadError). LoRA is not served on this path (lora/layers.py refuses it: the HF modules have no fused
+projections to wrap).
 """
 
 from __future__ import annotations
