@@ -130,7 +130,8 @@ def _config(name: str, **kwargs):
     (lambda: _config("BertConfig", architectures=["BertForMaskedLM"]), "neither a native family nor a decoder-only"),
     (lambda: _config("LlavaConfig", architectures=["LlavaForConditionalGeneration"]), "multimodal"),
     (lambda: _config("LlamaConfig", architectures=[]), "none given in config.json"),
-], ids=["softcapping", "per-layer-windows", "latent-attention", "encoder-decoder", "encoder", "multimodal", "no-architecture"])
+], ids=["softcapping", "per-layer-windows", "latent-attention", "encoder-decoder", "encoder", "multimodal",
+        "no-architecture"])
 def test_unsupported_architectures_are_refused(config, message):
     from kvgate.engine.models import resolve_model_class
 
