@@ -26,7 +26,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM
-from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from kvgate.common.errors import ModelLoadError
@@ -120,12 +121,26 @@ def layer_windows(config) -> list[int | None]:
     return windows
 
 
+class _DecoderOutput:
+    """What _HiddenStates returns: the hidden states, and None for any other decoder output the head code reads
+    (the cache, all layers' hidden states, an MoE's router logits)."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.last_hidden_state = hidden
+
+    def __getattr__(self, name: str) -> None:
+        return None
+
+    def __getitem__(self, index: int) -> torch.Tensor | None:
+        return self.last_hidden_state if index == 0 else None
+
+
 class _HiddenStates(nn.Module):
     """Stands in for the decoder inside the HF causal LM that compute_logits runs: returns the hidden states it is
     given, so the LM's own head code (its LM head and any scaling or softcapping of the logits) runs on them."""
 
-    def forward(self, inputs_embeds=None, **kwargs) -> BaseModelOutputWithPast:
-        return BaseModelOutputWithPast(last_hidden_state=inputs_embeds)
+    def forward(self, inputs_embeds=None, **kwargs) -> _DecoderOutput:
+        return _DecoderOutput(inputs_embeds)
 
 
 class TransformersForCausalLM(nn.Module):
@@ -147,6 +162,10 @@ class TransformersForCausalLM(nn.Module):
         if type(hf).__name__ != self.architecture:
             raise ModelLoadError(f"transformers built {type(hf).__name__} for {self.architecture}")
         self.config = hf_config
+        # transformers' renamings and conversions of this model's checkpoint names (load_weights follows them)
+        transforms = get_model_conversion_mapping(hf)
+        self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
         self._decoder_name = hf.base_model_prefix
         for name, child in hf.named_children():
             self.add_module(name, child)
@@ -227,19 +246,21 @@ class TransformersForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      copy: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None) -> None:
-        """Write checkpoint tensors (the HF model's own names, any dtype) into the parameters and persistent
-        buffers, with LlamaForCausalLM.load_weights' contract: each lands whole in the tensor of its name with one
-        copy; an unknown tensor, a wrong shape, or a tensor left unwritten is a ModelLoadError; a tied parameter's
-        tensor is skipped (it is its source's)."""
+        """Write checkpoint tensors (HF names, any dtype) into the parameters and persistent buffers, with
+        LlamaForCausalLM.load_weights' contract: each lands in its tensor, or its slice of one, with one copy; an
+        unknown tensor, a wrong shape, or a tensor (or one expert's slice) left unwritten is a ModelLoadError; a tied
+        parameter's tensor is skipped (it is its source's). Names go through transformers' own renamings of the
+        model's checkpoints; its converters that stack per-expert tensors (an MoE's experts.{i}.gate_proj/up_proj/
+        down_proj into experts.gate_up_proj/down_proj) are followed by writing each tensor into its expert's slice."""
         targets = dict(self.named_parameters())
         targets |= {name: b for name, b in self.named_buffers() if name not in self._computed_buffers}
         ignored = list(getattr(self._head[0], "_keys_to_ignore_on_load_unexpected", None) or [])
-        expected = {name for name in targets if name not in self._tied}
-        covered: set[str] = set()
+        expected = self._expected_coverage(targets)
+        covered: dict[str, int] = {}
         for name, tensor in weights:
             if name in self._tied or "rotary_emb.inv_freq" in name:
                 continue
-            dest = targets.get(name)
+            key, dest = self._destination(name, targets)
             if dest is None:
                 if any(_matches(pattern, name) for pattern in ignored):
                     continue
@@ -248,14 +269,55 @@ class TransformersForCausalLM(nn.Module):
                 raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(dest.shape)}")
             if copy is None:
-                dest.data.copy_(tensor)
+                dest.copy_(tensor)
             else:
-                copy(name, dest.data, tensor)
-            covered.add(name)
-        missing = sorted(expected - covered)
+                copy(name, dest, tensor)
+            covered[key] = covered.get(key, 0) + tensor.numel()
+        missing = sorted(k for k, size in expected.items() if covered.get(k, 0) != size)
         if missing:
             raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}"
                                  + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+    def _expected_coverage(self, targets: dict[str, torch.Tensor]) -> dict[str, int]:
+        """Coverage key -> elements the checkpoint must write: one key per tensor, one per expert of a tensor that
+        per-expert checkpoint tensors are stacked into (so a missing expert is named)."""
+        stacked = [t for converter in self._converters for t in converter.target_patterns]
+        expected = {}
+        for name, tensor in targets.items():
+            if name in self._tied:
+                continue
+            if any(name == t or name.endswith("." + t) for t in stacked):
+                expected |= {_expert_key(name, e): tensor[e].numel() for e in range(tensor.shape[0])}
+            else:
+                expected[name] = tensor.numel()
+        return expected
+
+    def _destination(self, name: str, targets: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor | None]:
+        """(coverage key, the tensor or slice checkpoint tensor `name` fills; None when the model has none)."""
+        renamed, pattern = rename_source_key(name, self._renamings, self._converters)
+        if pattern is None:
+            dest = targets.get(renamed)
+            return renamed, None if dest is None else dest.data
+        converter = next(c for c in self._converters if pattern in c.source_patterns)
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+        if ops not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+            raise ModelLoadError(f"checkpoint tensor {name!r}: transformers converts it into {renamed!r} with "
+                                 f"{ops}, which kvgate's loader does not")
+        index = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), name)
+        dest = targets.get(renamed)
+        if index is None or dest is None or int(index[1]) >= dest.shape[0]:
+            return renamed, None
+        expert = int(index[1])
+        dest = dest.data[expert]
+        if len(ops) == 2:  # the sources' tensors are concatenated: this one's rows of the expert's slice
+            size = dest.shape[0] // len(converter.source_patterns)
+            part = converter.source_patterns.index(pattern)
+            dest = dest[part * size:(part + 1) * size]
+        return _expert_key(renamed, expert), dest
+
+
+def _expert_key(name: str, expert: int) -> str:
+    return f"{name}[expert {expert}]"
 
 
 def _matches(pattern: str, name: str) -> bool:

@@ -37,6 +37,15 @@ def test_gemma3_matches_hf(tiny_model_dir, hf_reference):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["chunked-prefill", "async-preemption"])
+def test_moe_with_stacked_experts_matches_hf(mode, tiny_model_dir, hf_reference):
+    """OLMoE: its checkpoint's per-expert tensors go into the expert slices of the stacked weights transformers'
+    modules hold (transformers' own conversion of its checkpoints, followed by load_weights)."""
+    folder, _ = tiny_model_dir("olmoe")
+    check_greedy_parity("olmoe", mode, folder, hf_reference("olmoe"))
+
+
+@pytest.mark.slow
 def test_uniform_sliding_window_matches_hf(tmp_path):
     """A window on every layer (Phi-3's sliding_window) goes to the attention metadata: prompts longer than it."""
     config = make_config("phi3")
@@ -50,7 +59,7 @@ def test_uniform_sliding_window_matches_hf(tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-@pytest.mark.parametrize("family", [*FALLBACK_FAMILIES, "gemma3"])
+@pytest.mark.parametrize("family", [*FALLBACK_FAMILIES, "gemma3", "olmoe"])
 def test_logits_match_hf_forward(family, tiny_model_dir):
     """A prefill then a decode on the paged cache give HF's own logits (Granite's logits_scaling and Gemma 3's
     softcapping included: greedy tokens alone would not see a monotone rescaling of the logits)."""
@@ -113,6 +122,18 @@ def test_bad_checkpoint_is_a_load_error(edit, message, tmp_path, tiny_model_dir)
     folder, _ = tiny_model_dir("phi3")
     _copy_with_weights(folder, tmp_path, edit)
     with pytest.raises(ModelLoadError, match=message):
+        LLM(str(tmp_path), max_model_len=128)
+
+
+def test_missing_expert_tensor_is_named(tmp_path, tiny_model_dir):
+    folder, _ = tiny_model_dir("olmoe")
+    _copy_with_weights(folder, tmp_path, lambda w: w.pop("model.layers.1.mlp.experts.5.up_proj.weight"))
+    missing = r"missing weights: model.layers.1.mlp.experts.gate_up_proj\[expert 5\]$"
+    with pytest.raises(ModelLoadError, match=missing):
+        LLM(str(tmp_path), max_model_len=128)
+    _copy_with_weights(folder, tmp_path, lambda w: w.update(
+        {"model.layers.1.mlp.experts.8.down_proj.weight": torch.zeros(64, 160)}))  # one expert past num_experts
+    with pytest.raises(ModelLoadError, match="'model.layers.1.mlp.experts.8.down_proj.weight' does not belong"):
         LLM(str(tmp_path), max_model_len=128)
 
 

@@ -25,6 +25,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 def make_config(family: str):
     from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
+                              OlmoeConfig,
                               Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=262, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -59,6 +60,9 @@ def make_config(family: str):
     if family == "granite":  # attention, embedding, residual and logits multipliers
         return GraniteConfig(**common, num_key_value_heads=2, tie_word_embeddings=False, attention_multiplier=0.1,
                              embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=4.0)
+    if family == "olmoe":  # an MoE whose per-expert checkpoint tensors transformers stacks on load: 8 experts, top-2
+        return OlmoeConfig(**common, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                           tie_word_embeddings=False, pad_token_id=0)
     if family == "gemma3":  # text-only Gemma 3 with every layer full attention (kvgate has one window for all):
         # q/k norm, query_pre_attn_scalar, a scaled embedding (a computed buffer), final logit softcapping
         return Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=32,
