@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvgate.engine import LLM, ModelLoadError, SamplingParams
+from tests.engine.test_draft_model import draft_dir  # noqa: F401 (a fixture: a one-layer draft of a tiny model)
 from tests.engine.test_hf_parity import MAX_NEW, MODES, check_greedy_parity, make_prompts
 from tests.engine.tiny_models import FALLBACK_FAMILIES, build_tiny_model, hf_greedy, hf_greedy_by_family, make_config
 
@@ -43,6 +44,20 @@ def test_moe_with_stacked_experts_matches_hf(mode, tiny_model_dir, hf_reference)
     modules hold (transformers' own conversion of its checkpoints, followed by load_weights)."""
     folder, _ = tiny_model_dir("olmoe")
     check_greedy_parity("olmoe", mode, folder, hf_reference("olmoe"))
+
+
+@pytest.mark.slow
+def test_speculative_decoding_with_a_fallback_draft_matches_hf(tiny_model_dir, draft_dir):
+    """Phi-3 speculating with a one-layer Phi-3 draft, both on the fallback: the verification chunks (a decode and
+    its drafts, batched) and the draft's own KV cache give HF's greedy tokens."""
+    from tests.engine import test_spec_decode
+    from tests.engine.test_draft_model import spec_config
+
+    folder, model = tiny_model_dir("phi3")
+    expected = hf_greedy(model, test_spec_decode.repetitive_prompts(), test_spec_decode.MAX_NEW)
+    llm = LLM(str(folder), max_model_len=128, speculative_config=spec_config(draft_dir("phi3")),
+              **MODES["chunked-prefill"])
+    test_spec_decode.check_speculative_greedy(llm, expected, "phi3", "chunked-prefill")
 
 
 @pytest.mark.slow

@@ -25,8 +25,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 def make_config(family: str):
     from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
-                              OlmoeConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                              OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=262, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=512, bos_token_id=256, eos_token_id=257)
