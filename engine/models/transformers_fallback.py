@@ -327,7 +327,8 @@ def _matches(pattern: str, name: str) -> bool:
 @contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """Every nn.Parameter registered while active is moved to the meta device (never allocated for real:
-    torch.empty's fresh pages are not touched), while buffers are computed on the current device."""
+    torch.empty's fresh pages are not touched), while buffers are computed on the current device. Patches
+    nn.Module.register_parameter: not thread-safe (as loader._no_random_init)."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
