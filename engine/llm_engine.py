@@ -188,10 +188,19 @@ class LLMEngine:
         self.kv_event_publisher = create_publisher(config.kv_events_config)
         if self.kv_event_publisher is not None and not config.enable_prefix_caching:
             log.warning("KV-cache events are on but prefix caching is off: no block will be announced")
-        log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (kv cache dtype %s), max_model_len %d, "
-                 "async scheduling %s, speculative decoding %s", self.model_name, self.device, self.dtype, num_blocks,
-                 config.block_size, config.kv_cache_dtype, self.max_model_len,
+        log.info("engine ready: %s (%s) on %s (%s), %d KV blocks x %d tokens (kv cache dtype %s), max_model_len %d, "
+                 "async scheduling %s, speculative decoding %s", self.model_name, self._model_path(), self.device,
+                 self.dtype, num_blocks, config.block_size, config.kv_cache_dtype, self.max_model_len,
                  "on" if self.async_scheduling else "off", self._speculation_summary())
+
+    def _model_path(self) -> str:
+        """The model's implementation: a native family or the transformers fallback (or the simulator)."""
+        model = getattr(self.runner, "model", None)
+        if model is None:
+            return "simulated"
+        from kvgate.engine.models import describe_model
+
+        return describe_model(model)
 
     def _build_lora(self) -> LoRAManager | None:
         """The adapters' runner slots (None: LoRA off), with --lora-modules' adapters registered."""

@@ -262,6 +262,8 @@ def build_model(hf_config, device: torch.device, dtype: torch.dtype, max_positio
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.reset_buffers(device)
+        if hasattr(model, "reset_buffers"):  # the transformers fallback's buffers computed at build time
+            model.reset_buffers(device)
     return model
 
 

@@ -70,6 +70,9 @@ class LoRALinear(nn.Module):
 def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoRAState, list[dict[str, LoRALinear]]]:
     """Wrap every decoder layer's projections (after the base weights are loaded); returns the shared state and,
     per layer, {"qkv_proj" | "o_proj" | "gate_up_proj" | "down_proj": its LoRALinear}."""
+    if not getattr(model, "supports_lora", True):
+        raise ConfigError(f"LoRA is not supported for {getattr(model, 'architecture', type(model).__name__)} on the "
+                          "transformers fallback: only the native families serve adapters")
     if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.model.layers):
         raise ConfigError(f"LoRA is not supported for {type(model).__name__}: its mixture-of-experts layers have "
                           "no single gate/up/down projection to adapt")

@@ -42,7 +42,12 @@ def hf_reference(tiny_model_dir):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_hf(family, mode, tiny_model_dir, hf_reference):
     folder, _ = tiny_model_dir(family)
-    expected = hf_reference(family)
+    check_greedy_parity(family, mode, folder, hf_reference(family))
+
+
+def check_greedy_parity(family: str, mode: str, folder, expected: list[list[int]]) -> LLM:
+    """The engine over make_prompts() in `mode` gives HF's greedy tokens `expected` (and leaves nothing behind);
+    returns the engine."""
     llm = LLM(str(folder), max_model_len=128, **MODES[mode])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], params)
@@ -59,6 +64,7 @@ def test_greedy_matches_hf(family, mode, tiny_model_dir, hf_reference):
         assert sum(o.num_cached_tokens for o in again) > 0
     assert stats.num_running == stats.num_waiting == 0
     assert stats.kv_cache_usage == 0.0
+    return llm
 
 
 def test_mistral_sliding_window_matches_hf(tmp_path):

@@ -1,11 +1,13 @@
-"""engine/models/moe.py against HF transformers' own sparse MoE blocks (Qwen3-MoE, Mixtral) in fp32: the same
-routing (softmax, top-k, each family's normalisation) and the same weighted sum of the experts' outputs."""
+"""engine/models/moe.py against HF transformers' own sparse MoE blocks (Qwen3-MoE, Mixtral, Qwen2-MoE) in fp32: the
+same routing (softmax, top-k, each family's normalisation) and the same weighted sum of the experts' outputs (plus
+Qwen2-MoE's gated shared expert)."""
 
 import pytest
 import torch
 
 from kvgate.engine.models.mixtral import MixtralForCausalLM
 from kvgate.engine.models.moe import select_experts, torch_experts
+from kvgate.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from kvgate.engine.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 from tests.engine.tiny_models import make_config
 
@@ -13,12 +15,16 @@ from tests.engine.tiny_models import make_config
 def _hf_block(family: str, norm_topk_prob: bool = True):
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
     config = make_config(family)
     config._experts_implementation = "eager"  # HF's per-expert loop (the reference), not a grouped-matmul kernel
     if family == "qwen3_moe":
         config.norm_topk_prob = norm_topk_prob
         block, ours = Qwen3MoeSparseMoeBlock(config), Qwen3MoeForCausalLM.make_mlp(config, 1)
+    elif family == "qwen2_moe":
+        config.norm_topk_prob = norm_topk_prob
+        block, ours = Qwen2MoeSparseMoeBlock(config), Qwen2MoeForCausalLM.make_mlp(config, 0)
     else:
         block, ours = MixtralSparseMoeBlock(config), MixtralForCausalLM.make_mlp(config, 0)
     torch.manual_seed(0)
@@ -28,10 +34,16 @@ def _hf_block(family: str, norm_topk_prob: bool = True):
         ours.gate.weight.copy_(block.gate.weight)
         ours.experts.w13_weight.copy_(block.experts.gate_up_proj)
         ours.experts.w2_weight.copy_(block.experts.down_proj)
+        if family == "qwen2_moe":
+            shared = block.shared_expert
+            ours.shared_expert.gate_up_proj.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+            ours.shared_expert.down_proj.weight.copy_(shared.down_proj.weight)
+            ours.shared_expert_gate.weight.copy_(block.shared_expert_gate.weight)
     return config, block.eval(), ours.eval()
 
 
-@pytest.mark.parametrize("family,norm", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)])
+@pytest.mark.parametrize("family,norm", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True),
+                                         ("qwen2_moe", False), ("qwen2_moe", True)])
 def test_sparse_block_matches_hf(family, norm):
     config, hf, ours = _hf_block(family, norm)
     x = torch.randn(1, 37, config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -92,3 +104,13 @@ def test_roofline_counts_the_experts_a_batch_reads():
     assert weights.dense == total - sparse_layers * config.num_experts * expert
     assert weights.read_by(1) == weights.dense + sparse_layers * config.num_experts_per_tok * expert
     assert weights.read_by(1000) == total
+
+
+def test_qwen2_moe_sliding_layers_among_full_ones_are_refused():
+    from kvgate.common.errors import ModelLoadError
+
+    config = make_config("qwen2_moe")
+    assert [is_sparse_layer(config, i) for i in range(3)] == [True, True, False]  # mlp_only_layers=[2]
+    config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]  # use_sliding_window's pattern
+    with pytest.raises(ModelLoadError, match="sliding-window layers among full-attention ones"):
+        Qwen2MoeForCausalLM(config, 64)

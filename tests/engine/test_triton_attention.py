@@ -158,6 +158,8 @@ CASES = {  # name -> (family, engine arguments)
     "qwen3-chunked-prefill": ("qwen3", dict(max_num_batched_tokens=16, max_num_seqs=10)),
     "qwen2-preemption": ("qwen2", dict(num_gpu_blocks_override=12, max_num_seqs=10)),
     "qwen3-eager": ("qwen3", dict(enforce_eager=True, max_num_seqs=10)),
+    # the transformers fallback (HF modules calling the kernels through its attention function), padded shapes
+    "phi3-fallback": ("phi3", dict(max_num_seqs=10)),
 }
 
 

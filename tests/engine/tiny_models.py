@@ -11,7 +11,10 @@ import torch
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Mixture-of-experts families: in the HF parity tests; kept out of FAMILIES (the `family` fixture's list) so the
 # other per-family tests do not grow.
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+# Architectures outside the native families, served by the transformers fallback (engine/models/
+# transformers_fallback.py); tests/engine/test_transformers_fallback.py runs them in every HF parity mode.
+FALLBACK_FAMILIES = ("phi3", "olmo2", "granite")
 
 
 def random_tokens(n: int, seed: int) -> list[int]:
@@ -21,7 +24,8 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 
 def make_config(family: str):
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
+                              OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=262, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=512, bos_token_id=256, eos_token_id=257)
@@ -40,9 +44,29 @@ def make_config(family: str):
         return Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=32,
                               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
                               decoder_sparse_step=1, mlp_only_layers=[0], tie_word_embeddings=False)
+    if family == "qwen2_moe":  # qkv bias, 8 experts top-2 not renormalised, a shared expert; layer 2 dense
+        return Qwen2MoeConfig(**{**common, "num_hidden_layers": 3}, num_key_value_heads=2, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                              norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[2],
+                              tie_word_embeddings=False)
     if family == "mixtral":  # 4 experts of width intermediate_size, top-2
         return MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                              sliding_window=None, tie_word_embeddings=False)
+    if family == "phi3":  # fused qkv_proj and gate_up_proj in HF's own modules
+        return Phi3Config(**common, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0)
+    if family == "olmo2":  # q/k norm over all heads, norms after attention and MLP, tied embeddings
+        return Olmo2Config(**common, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0)
+    if family == "granite":  # attention, embedding, residual and logits multipliers
+        return GraniteConfig(**common, num_key_value_heads=2, tie_word_embeddings=False, attention_multiplier=0.1,
+                             embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=4.0)
+    if family == "olmoe":  # an MoE whose per-expert checkpoint tensors transformers stacks on load: 8 experts, top-2
+        return OlmoeConfig(**common, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                           tie_word_embeddings=False, pad_token_id=0)
+    if family == "gemma3":  # text-only Gemma 3 with every layer full attention (kvgate has one window for all):
+        # q/k norm, query_pre_attn_scalar, a scaled embedding (a computed buffer), final logit softcapping
+        return Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=32,
+                                layer_types=["full_attention"] * 3, final_logit_softcapping=30.0,
+                                attn_logit_softcapping=None, query_pre_attn_scalar=24, pad_token_id=0)
     raise ValueError(family)
 
 
