@@ -1,0 +1,380 @@
+"""The Grafana dashboard the chart ships (charts/kvgate/dashboards, a ConfigMap for Grafana's sidecar) and the
+PodMonitors that feed it.
+
+Every panel's and variable's PromQL is parsed with a real PromQL parser (`promql-parser`, Prometheus's grammar)
+and every metric name and label it uses is checked against what really carries it: the /metrics pages of a real
+EPP and real engines (started here, `processes`), plus the target labels the chart's PodMonitors attach
+(`namespace`, `pod`, their relabelings' `pool` / `modelserver`). The PodMonitors' selectors and ports are checked
+against the pods the operator's own code makes for the chart's sample pool.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections import Counter, defaultdict
+
+import httpx
+import pytest
+
+from tests.test_helm_chart import CHART, NAMESPACE, render
+
+promql_parser = pytest.importorskip("promql_parser", reason="promql-parser is not installed (pip install promql-parser)")
+
+ENABLED = {"dashboards": {"enabled": True}, "monitoring": {"podMonitors": {"enabled": True, "assumeCRDs": True}},
+           "samplePool": {"enabled": True}}
+# Grafana replaces its interval variables before Prometheus sees a query; any duration parses the same.
+GRAFANA_INTERVALS = re.compile(r"\$__(rate_interval|interval|range)\b|\$\{__(rate_interval|interval|range)\}")
+VARIABLE_USE = re.compile(r"\$\{?(\w+)")
+LABEL_VALUES = re.compile(r"^label_values\((.*),\s*(\w+)\)$", re.S)
+# What the Prometheus Operator puts on every PodMonitor target (besides the relabelings' labels).
+POD_MONITOR_TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "job", "instance"}
+# kube-state-metrics' Deployment series (its documented names and labels): kvgate does not export replica counts,
+# and the operator exports no metrics at all.
+KUBE_STATE_METRICS = {"kube_deployment_spec_replicas": {"namespace", "deployment"},
+                      "kube_deployment_status_replicas_available": {"namespace", "deployment"}}
+
+
+# --- the rendered chart ----------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _objects() -> list[dict]:
+    return render(ENABLED)
+
+
+def dashboards() -> dict[str, dict]:
+    """File name -> dashboard, as the rendered ConfigMap carries them."""
+    (config_map,) = [o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboards")]
+    return {name: json.loads(text) for name, text in config_map["data"].items()}
+
+
+def pod_monitors() -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in _objects() if o["kind"] == "PodMonitor"}
+
+
+def panels(dashboard: dict) -> list[dict]:
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out += panel.get("panels", [])  # a collapsed row's panels
+    return out
+
+
+def queries(dashboard: dict) -> list[tuple[str, str, str | None]]:
+    """(where, PromQL, label asked of it) for every panel target and query variable; a variable's
+    label_values(selector, label) gives its selector and its label."""
+    out = []
+    for panel in panels(dashboard):
+        for target in panel.get("targets", []):
+            out.append((f"panel {panel['title']!r} {target['refId']}", target["expr"], None))
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "query":
+            query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+            m = LABEL_VALUES.match(query.strip())
+            assert m, f"variable {var['name']}: only label_values(selector, label) is used here: {query}"
+            out.append((f"variable {var['name']}", m.group(1), m.group(2)))
+    return out
+
+
+def parse(expr: str):
+    return promql_parser.parse(GRAFANA_INTERVALS.sub("5m", expr))
+
+
+# --- what a query uses ------------------------------------------------------------------------------------------
+
+
+def _selectors(node) -> list:
+    found = []
+
+    def visit(n):
+        if isinstance(n, promql_parser.VectorSelector):
+            found.append(n)
+
+    promql_parser.walk(node, visit)
+    return found
+
+
+def _name(selector) -> str:
+    if selector.name:
+        return selector.name
+    (name,) = [m.value for m in selector.matchers.matchers if m.name == "__name__"]
+    return name
+
+
+def uses(expr: str, asked_label: str | None = None) -> dict[str, set[str]]:
+    """Metric name -> the labels the query needs it to carry: those of its own matchers, and those of every
+    `by` / `on` / `group_left` above it (each metric under an aggregation must carry its grouping labels)."""
+    needed: dict[str, set[str]] = defaultdict(set)
+
+    def visit(n):
+        if isinstance(n, promql_parser.VectorSelector):
+            needed[_name(n)] |= {m.name for m in n.matchers.matchers if m.name != "__name__"}
+            return
+        if isinstance(n, promql_parser.AggregateExpr) and n.modifier is not None:
+            assert n.modifier.type == promql_parser.AggModifierType.By, f"{expr}: use `by`, not `without`"
+            for selector in _selectors(n):
+                needed[_name(selector)] |= set(n.modifier.labels)
+        if isinstance(n, promql_parser.BinaryExpr) and n.modifier is not None:
+            matching = n.modifier.matching
+            if matching is not None:
+                assert matching.type == promql_parser.LabelModifierType.Include, f"{expr}: use `on`, not `ignoring`"
+                for selector in _selectors(n):  # both sides match on these
+                    needed[_name(selector)] |= set(matching.labels)
+            # group_left copies its labels from the right ("one") side, group_right from the left
+            card = n.modifier.card
+            one_side = (n.rhs if card == promql_parser.VectorMatchCardinality.ManyToOne else
+                        n.lhs if card == promql_parser.VectorMatchCardinality.OneToMany else None)
+            for selector in _selectors(one_side) if one_side is not None else ():
+                needed[_name(selector)] |= set(n.modifier.group_labels)
+
+    root = parse(expr)
+    promql_parser.walk(root, visit)
+    if asked_label:
+        for selector in _selectors(root):
+            needed[_name(selector)].add(asked_label)
+    return dict(needed)
+
+
+# --- the dashboard without processes ----------------------------------------------------------------------------
+
+
+def test_dashboard_configmap_is_the_sidecars_and_carries_every_dashboard_file():
+    (config_map,) = [o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboards")]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["namespace"] == NAMESPACE
+    files = sorted(p.name for p in (CHART / "dashboards").glob("*.json"))
+    assert files and sorted(config_map["data"]) == files
+    for name in files:
+        assert json.loads(config_map["data"][name]) == json.loads((CHART / "dashboards" / name).read_text())
+    moved = render({"dashboards": {"enabled": True, "namespace": "monitoring", "labels": {"team": "x"},
+                                   "annotations": {"grafana_folder": "kvgate"}}})
+    (config_map,) = [o for o in moved if o["kind"] == "ConfigMap"]
+    assert config_map["metadata"]["namespace"] == "monitoring"
+    assert config_map["metadata"]["labels"]["team"] == "x"
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "kvgate"}
+
+
+def test_nothing_of_the_dashboard_or_monitors_renders_by_default():
+    kinds = Counter(o["kind"] for o in render())
+    assert "PodMonitor" not in kinds and "ConfigMap" not in kinds
+
+
+def test_pod_monitors_need_the_prometheus_operator_api():
+    """Enabled but not asserted: the (offline) render's .Capabilities lacks monitoring.coreos.com/v1."""
+    objects = render({"monitoring": {"podMonitors": {"enabled": True}}})
+    assert not [o for o in objects if o["kind"] == "PodMonitor"]
+    assert sorted(pod_monitors()) == ["kvgate-engines", "kvgate-epp"]
+
+
+@pytest.mark.parametrize("values, namespace_selector", [
+    ({}, {"matchNames": [NAMESPACE]}),
+    ({"watchNamespaces": ["team-a", "team-b"]}, {"matchNames": ["team-a", "team-b"]}),
+    ({"allNamespaces": True}, {"any": True}),
+])
+def test_pod_monitors_cover_the_namespaces_the_operator_serves(values, namespace_selector):
+    objects = render({**values, "monitoring": {"podMonitors": {"enabled": True, "assumeCRDs": True,
+                                                               "labels": {"release": "kps"}}}})
+    monitors = [o for o in objects if o["kind"] == "PodMonitor"]
+    assert len(monitors) == 2
+    for monitor in monitors:
+        assert monitor["spec"]["namespaceSelector"] == namespace_selector
+        assert monitor["metadata"]["labels"]["release"] == "kps"
+
+
+def _operator_pods() -> dict[str, dict]:
+    """The EPP's and the engines' pod templates the operator makes for the chart's sample pool."""
+    from kvgate.operator.modelserver import desired_engine_deployment
+    from kvgate.operator.pool import desired_epp_objects
+
+    pool = next(o for o in _objects() if o["kind"] == "InferencePool")
+    modelserver = next(o for o in _objects() if o["kind"] == "ModelServer")
+    for obj in (pool, modelserver):
+        obj["metadata"]["uid"] = f"uid-{obj['metadata']['name']}"
+    (epp,) = [o for o in desired_epp_objects(pool, "kvgate:test") if o["kind"] == "Deployment"]
+    engines = desired_engine_deployment(modelserver, pool, "kvgate:test")
+    return {"kvgate-epp": (epp["spec"]["template"], pool["metadata"]["name"], "pool"),
+            "kvgate-engines": (engines["spec"]["template"], modelserver["metadata"]["name"], "modelserver")}
+
+
+def test_pod_monitors_select_the_operators_pods_on_their_metrics_ports():
+    monitors = pod_monitors()
+    for name, (template, owner, label) in _operator_pods().items():
+        spec = monitors[name]["spec"]
+        pod_labels = template["metadata"]["labels"]
+        assert spec["selector"]["matchLabels"].items() <= pod_labels.items(), (name, pod_labels)
+        (endpoint,) = spec["podMetricsEndpoints"]
+        ports = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+        assert endpoint["port"] in ports, (name, ports)
+        # the relabeling copies the pod label that names the pool / ModelServer
+        (relabel,) = endpoint["relabelings"]
+        source = relabel["sourceLabels"][0].removeprefix("__meta_kubernetes_pod_label_")
+        (key,) = [k for k in pod_labels if re.sub(r"[^a-zA-Z0-9_]", "_", k) == source]
+        assert (relabel["targetLabel"], pod_labels[key]) == (label, owner)
+    # the other monitor does not pick these pods up too
+    (epp_template, _, _), (engine_template, _, _) = _operator_pods().values()
+    assert not monitors["kvgate-engines"]["spec"]["selector"]["matchLabels"].items() \
+        <= epp_template["metadata"]["labels"].items()
+
+
+def test_every_query_parses_with_the_prometheus_grammar():
+    for dashboard in dashboards().values():
+        found = queries(dashboard)
+        assert len(found) >= 20
+        for where, expr, _ in found:
+            try:
+                parse(expr)
+            except Exception as exc:  # the parser's own error type: report where
+                pytest.fail(f"{where}: {exc}: {expr}")
+
+
+def test_dashboard_grafana_basics():
+    """Unique dashboard uids and panel ids, a Prometheus data source variable every panel and query uses, every
+    variable a query names defined, no hard-coded namespace, panels laid out without overlapping."""
+    found = dashboards()
+    uids = [d["uid"] for d in found.values()]
+    assert all(uids) and len(set(uids)) == len(uids)
+    for name, dashboard in found.items():
+        assert dashboard["title"] and dashboard["schemaVersion"] >= 36, name
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        assert variables["datasource"]["type"] == "datasource"
+        assert variables["datasource"]["query"] == "prometheus"
+        all_panels = panels(dashboard)
+        ids = [p["id"] for p in all_panels]
+        assert len(set(ids)) == len(ids), name
+        for panel in all_panels:
+            if panel["type"] == "row":
+                continue
+            assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+            assert panel["targets"] and panel["title"] and panel.get("description"), panel["title"]
+            for target in panel["targets"]:
+                assert target["datasource"]["uid"] == "${datasource}"
+        for var in variables.values():
+            if var["type"] == "query":
+                assert var["datasource"]["uid"] == "${datasource}"
+        for where, expr, _ in queries(dashboard):
+            assert {v for v in VARIABLE_USE.findall(expr) if not v.startswith("__")} <= variables.keys(), where
+            for selector in _selectors(parse(expr)):
+                namespace = [m for m in selector.matchers.matchers if m.name == "namespace"]
+                if where != "variable namespace":
+                    assert [m.value for m in namespace] == ["$namespace"], f"{where}: {expr}"
+        cells = set()
+        for panel in all_panels:
+            g = panel["gridPos"]
+            assert g["x"] + g["w"] <= 24, panel["title"]
+            mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+            assert not mine & cells, f"panel {panel['title']!r} overlaps another"
+            cells |= mine
+
+
+def test_uses_reads_names_and_labels_from_the_syntax_tree():
+    """The helper the scrape test relies on: histogram series, matchers, by / on / group_left, label_values."""
+    got = uses('histogram_quantile(0.9, sum by (le, pod) (rate(a_bucket{namespace="$namespace"}[$__rate_interval])))'
+               ' / on (pod) group_left (pool) b{x=~"y"}')
+    assert got == {"a_bucket": {"le", "pod", "namespace"}, "b": {"x", "pod", "pool"}}
+    assert uses('vllm:num_requests_running{namespace="n"}', "modelserver") == {
+        "vllm:num_requests_running": {"namespace", "modelserver"}}
+
+
+# --- against the real processes -------------------------------------------------------------------------------
+
+FLOW_CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- type: queue-scorer
+- type: round-robin-fairness-policy
+saturationDetector: {queueDepthThreshold: 1, kvCacheUtilThreshold: 0.95}
+flowControl:
+  defaultRequestTTL: 30s
+  maxRequests: 100
+  defaultPriorityBand: {fairnessPolicyRef: round-robin-fairness-policy}
+"""
+
+
+def _exported(text: str) -> dict[str, set[str]]:
+    """Sample name -> the label names its samples carry (histograms: _bucket / _sum / _count each)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, set[str]] = defaultdict(set)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] |= set(sample.labels)
+    return out
+
+
+SIM = ["--backend", "sim", "--max-num-seqs", "1", "--sim-step-overhead-ms", "10"]
+REQUESTS = 12
+
+
+def _union(into: dict[str, set[str]], text: str) -> None:
+    for name, labels in _exported(text).items():
+        into.setdefault(name, set()).update(labels)
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory) -> dict[str, dict[str, set[str]]]:
+    """Process ("epp" / "engine") -> its exported series, scraped during and after real traffic through Envoy:
+    engines taking one request at a time and a saturation threshold of one waiting request, so that flow control
+    holds requests while the EPP is scraped; peer sync on so its families have samples."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.gateway import Gateway
+    from tests.procs import free_port
+
+    tmp = tmp_path_factory.mktemp("dashboard")
+    (tmp / "logs").mkdir()
+    epp_args = ["--config-text", FLOW_CONFIG, "--peer-sync-bind", f"tcp://127.0.0.1:{free_port()}",
+                "--peer-sync-insecure"]
+    epp: dict[str, set[str]] = {}
+    engines: dict[str, set[str]] = {}
+    with Gateway(tmp / "logs", tmp / "cache", [SIM] * 2, epp_args=epp_args) as gw:
+        def complete(i: int) -> httpx.Response:
+            body = {"model": "sim-model", "prompt": f"shared prefix {i}", "max_tokens": 24, "ignore_eos": True,
+                    "stream": i % 2 == 0}
+            return httpx.post(gw.url + "/v1/completions", json=body, timeout=60)
+
+        with ThreadPoolExecutor(REQUESTS) as pool:
+            answers = [pool.submit(complete, i) for i in range(REQUESTS)]
+            while not all(a.done() for a in answers):
+                _union(epp, gw.epp.metrics())
+        assert [a.result().status_code for a in answers] == [200] * REQUESTS
+        _union(epp, gw.epp.metrics())
+        for engine in gw.engines:
+            _union(engines, httpx.get(engine.url + "/metrics", timeout=5).text)
+    return {"epp": epp, "engine": engines}
+
+
+def _target_labels(monitor: dict) -> set[str]:
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    return POD_MONITOR_TARGET_LABELS | {r["targetLabel"] for r in endpoint.get("relabelings", [])}
+
+
+@pytest.mark.processes
+def test_every_metric_and_label_a_query_uses_is_exported(scraped):
+    monitors = pod_monitors()
+    carried = {"epp": _target_labels(monitors["kvgate-epp"]), "engine": _target_labels(monitors["kvgate-engines"])}
+    problems, used = [], set()
+    for dashboard in dashboards().values():
+        for where, expr, asked in queries(dashboard):
+            for name, labels in uses(expr, asked).items():
+                used.add(name)
+                if name in KUBE_STATE_METRICS:
+                    missing = labels - KUBE_STATE_METRICS[name]
+                    if missing:
+                        problems.append(f"{where}: kube-state-metrics' {name} has no label {sorted(missing)}")
+                    continue
+                owners = [p for p, series in scraped.items() if name in series]
+                if not owners:
+                    problems.append(f"{where}: no process exports {name}")
+                    continue
+                (process,) = owners
+                missing = labels - scraped[process][name] - carried[process]
+                if missing:
+                    problems.append(f"{where}: {name} ({process}) carries no label {sorted(missing)}")
+    assert not problems, "\n".join(problems)
+    # the dashboard reads both processes, and the families this test turned on
+    assert {n for n in used if n.startswith("kvgate_epp_")} and {n for n in used if n.startswith("vllm:")}
+    assert "inference_extension_flow_control_request_queue_duration_seconds_bucket" in used
+    assert "kvgate_epp_peer_sync_total" in used
