@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
@@ -275,6 +275,9 @@ class EppMetrics:
         self.tokens = EndpointCounter(Counter("kvgate_epp_tokens", "Tokens served per endpoint, from response usage.",
                                               ["endpoint", "kind"], registry=r))
         self.gauges: EndpointGauges | None = None
+        self.serving = Gauge("kvgate_epp_serving", "1 while this replica reports ready to the health check Envoy "
+                             "routes by: it can route and, with leader election, leads (the active replica).",
+                             registry=r)
         # upstream's name and labels (its inference_pool and model labels aside): time in flow control per outcome
         self.flow_seconds = Histogram(
             "inference_extension_flow_control_request_queue_duration_seconds", "Time requests spend in flow control, "

@@ -61,8 +61,9 @@ class Readiness:
     (every 0.05 s until it can, then every 0.5 s) and turns SERVING once it can and leads. A leadership change
     (`set_leading`, from the elector's thread) wakes the loop at once."""
 
-    def __init__(self, director, datastore, health: Health, leading: bool) -> None:
+    def __init__(self, director, datastore, health: Health, leading: bool, on_serving=None) -> None:
         self.director, self.datastore, self.health = director, datastore, health
+        self.on_serving = on_serving  # called with each new `serving` (the EPP's kvgate_epp_serving gauge)
         self.leading = leading  # True without leader election
         self.ready = False  # the EPP can route (set once)
         self.serving = False  # what the health service reports: ready and leading
@@ -89,6 +90,8 @@ class Readiness:
             if (self.ready and self.leading) != self.serving:
                 self.serving = self.ready and self.leading
                 await self.health.report(self.serving)
+                if self.on_serving is not None:
+                    self.on_serving(self.serving)
             self._wake.clear()
             try:
                 await asyncio.wait_for(_first(stop.wait(), self._wake.wait()), timeout=0.5 if self.ready else 0.05)

@@ -36,7 +36,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, peer_key=None) ->
     the ext-proc server drains. `peer_key`: the pool's peer sync key (main.peer_sync_key), None to sync in clear."""
     epp = await assemble(args, peer_key)
     await epp.start()
-    readiness = Readiness(epp.director, epp.datastore, epp.health, leading=not args.ha_enable_leader_election)
+    readiness = Readiness(epp.director, epp.datastore, epp.health, leading=not args.ha_enable_leader_election,
+                          on_serving=epp.director.metrics.serving.set)
     elector = None
     if args.ha_enable_leader_election:  # a candidate once it can route (routable): a cold replica never leads
         elector = start_elector(args, readiness.set_leading, readiness.routable.is_set)

@@ -378,3 +378,10 @@ def test_every_metric_and_label_a_query_uses_is_exported(scraped):
     assert {n for n in used if n.startswith("kvgate_epp_")} and {n for n in used if n.startswith("vllm:")}
     assert "inference_extension_flow_control_request_queue_duration_seconds_bucket" in used
     assert "kvgate_epp_peer_sync_total" in used
+
+
+def test_lint_passes_with_the_dashboard_and_monitors():
+    helm = pytest.importorskip("helm_python")
+    report = helm.lint(CHART, ENABLED, namespace=NAMESPACE, kube_version="v1.20.0")
+    assert report["errors"] == [], report
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -13,6 +14,7 @@ import threading
 import time
 from datetime import datetime, timedelta, timezone
 
+import httpx
 import pytest
 from kubernetes.client import V1Lease, V1LeaseSpec, V1ObjectMeta
 from kubernetes.client.rest import ApiException
@@ -257,7 +259,13 @@ def start_epp(tmp_path, i: int, lease: str):
          "--ha-renew-deadline", "1.5s", "--ha-retry-period", "0.25s"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
-    return proc, ports[1]
+    return proc, ports[1], ports[2]  # the process, its health and metrics ports
+
+
+def serving_gauge(metrics_port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    (value,) = re.findall(r"^kvgate_epp_serving (\S+)$", text, re.M)
+    return float(value)
 
 
 @pytest.mark.processes
@@ -270,9 +278,9 @@ def test_two_epp_processes_one_serves_and_the_follower_leads_when_it_is_killed(t
             replicas.append(start_epp(tmp_path, i, lease))
 
         def serving() -> list[bool]:
-            for i, (proc, _) in enumerate(replicas):
+            for i, (proc, *_) in enumerate(replicas):
                 assert proc.poll() is None, (tmp_path / f"epp{i}.log").read_text()[-3000:]
-            return [epp_ready(port) for _, port in replicas]
+            return [epp_ready(port) for _, port, _ in replicas]
 
         deadline = time.monotonic() + 60
         while sorted(serving()) != [False, True]:
@@ -282,6 +290,8 @@ def test_two_epp_processes_one_serves_and_the_follower_leads_when_it_is_killed(t
         states = serving()
         assert sorted(states) == [False, True]
         leader, follower = replicas[states.index(True)], replicas[states.index(False)]
+        # the active replica shows on /metrics too (the dashboard's "Active EPP replica")
+        assert [serving_gauge(metrics_port) for *_, metrics_port in replicas] == [float(s) for s in states]
         killed_at = time.monotonic()
         os.kill(leader[0].pid, signal.SIGKILL)
         leader[0].wait(10)
@@ -290,7 +300,7 @@ def test_two_epp_processes_one_serves_and_the_follower_leads_when_it_is_killed(t
             time.sleep(0.05)
         assert 1.0 <= time.monotonic() - killed_at < 6
     finally:
-        for proc, _ in replicas:
+        for proc, *_ in replicas:
             stop_group(proc)
 
 
