@@ -10,6 +10,7 @@ against the pods the operator's own code makes for the chart's sample pool.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -18,9 +19,10 @@ from collections import Counter, defaultdict
 import httpx
 import pytest
 
-from tests.test_helm_chart import CHART, NAMESPACE, render
+from tests.test_helm_chart import CHART, NAMESPACE, helm, render
 
-promql_parser = pytest.importorskip("promql_parser", reason="promql-parser is not installed (pip install promql-parser)")
+promql_parser = pytest.importorskip("promql_parser",
+                                    reason="promql-parser is not installed (pip install promql-parser)")
 
 ENABLED = {"dashboards": {"enabled": True}, "monitoring": {"podMonitors": {"enabled": True, "assumeCRDs": True}},
            "samplePool": {"enabled": True}}
@@ -46,7 +48,7 @@ def _objects() -> list[dict]:
 
 def dashboards() -> dict[str, dict]:
     """File name -> dashboard, as the rendered ConfigMap carries them."""
-    (config_map,) = [o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboards")]
+    (config_map,) = [o for o in _objects() if o["kind"] == "ConfigMap"]
     return {name: json.loads(text) for name, text in config_map["data"].items()}
 
 
@@ -141,7 +143,8 @@ def uses(expr: str, asked_label: str | None = None) -> dict[str, set[str]]:
 
 
 def test_dashboard_configmap_is_the_sidecars_and_carries_every_dashboard_file():
-    (config_map,) = [o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboards")]
+    (config_map,) = [o for o in _objects() if o["kind"] == "ConfigMap"]
+    assert config_map["metadata"]["name"] == "kvgate-dashboards"
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert config_map["metadata"]["namespace"] == NAMESPACE
     files = sorted(p.name for p in (CHART / "dashboards").glob("*.json"))
@@ -168,6 +171,12 @@ def test_pod_monitors_need_the_prometheus_operator_api():
     assert sorted(pod_monitors()) == ["kvgate-engines", "kvgate-epp"]
 
 
+def test_lint_passes_with_the_dashboard_and_monitors():
+    report = helm.lint(CHART, ENABLED, namespace=NAMESPACE, kube_version="v1.20.0")
+    assert report["errors"] == [], report
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
 @pytest.mark.parametrize("values, namespace_selector", [
     ({}, {"matchNames": [NAMESPACE]}),
     ({"watchNamespaces": ["team-a", "team-b"]}, {"matchNames": ["team-a", "team-b"]}),
@@ -183,13 +192,14 @@ def test_pod_monitors_cover_the_namespaces_the_operator_serves(values, namespace
         assert monitor["metadata"]["labels"]["release"] == "kps"
 
 
-def _operator_pods() -> dict[str, dict]:
-    """The EPP's and the engines' pod templates the operator makes for the chart's sample pool."""
+def _operator_pods() -> dict[str, tuple[dict, str, str]]:
+    """Monitor name -> (the pod template the operator makes for the chart's sample pool, the name its relabeled
+    label must carry, that label)."""
     from kvgate.operator.modelserver import desired_engine_deployment
     from kvgate.operator.pool import desired_epp_objects
 
-    pool = next(o for o in _objects() if o["kind"] == "InferencePool")
-    modelserver = next(o for o in _objects() if o["kind"] == "ModelServer")
+    pool = copy.deepcopy(next(o for o in _objects() if o["kind"] == "InferencePool"))
+    modelserver = copy.deepcopy(next(o for o in _objects() if o["kind"] == "ModelServer"))
     for obj in (pool, modelserver):
         obj["metadata"]["uid"] = f"uid-{obj['metadata']['name']}"
     (epp,) = [o for o in desired_epp_objects(pool, "kvgate:test") if o["kind"] == "Deployment"]
@@ -212,10 +222,11 @@ def test_pod_monitors_select_the_operators_pods_on_their_metrics_ports():
         source = relabel["sourceLabels"][0].removeprefix("__meta_kubernetes_pod_label_")
         (key,) = [k for k in pod_labels if re.sub(r"[^a-zA-Z0-9_]", "_", k) == source]
         assert (relabel["targetLabel"], pod_labels[key]) == (label, owner)
-    # the other monitor does not pick these pods up too
-    (epp_template, _, _), (engine_template, _, _) = _operator_pods().values()
-    assert not monitors["kvgate-engines"]["spec"]["selector"]["matchLabels"].items() \
-        <= epp_template["metadata"]["labels"].items()
+    # neither monitor picks up the other's pods
+    pods = _operator_pods()
+    for name, other in (("kvgate-epp", "kvgate-engines"), ("kvgate-engines", "kvgate-epp")):
+        assert not monitors[name]["spec"]["selector"]["matchLabels"].items() \
+            <= pods[other][0]["metadata"]["labels"].items()
 
 
 def test_every_query_parses_with_the_prometheus_grammar():
@@ -379,9 +390,3 @@ def test_every_metric_and_label_a_query_uses_is_exported(scraped):
     assert "inference_extension_flow_control_request_queue_duration_seconds_bucket" in used
     assert "kvgate_epp_peer_sync_total" in used
 
-
-def test_lint_passes_with_the_dashboard_and_monitors():
-    helm = pytest.importorskip("helm_python")
-    report = helm.lint(CHART, ENABLED, namespace=NAMESPACE, kube_version="v1.20.0")
-    assert report["errors"] == [], report
-    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
