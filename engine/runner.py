@@ -111,7 +111,7 @@ def plan_model(config: EngineConfig, settings: Settings) -> LoadedModel:
     not read (read_weights False): that profile measures the device's memory after a forward pass, which needs the
     model on the device, but not the values of its weights."""
     from kvgate.engine.kv_quant import kv_quant_spec
-    from kvgate.engine.loader import build_model, checkpoint_weight_bytes
+    from kvgate.engine.loader import build_model, checkpoint_file_bytes, checkpoint_weight_bytes
     from kvgate.engine.quantization import quant_config_from_hf
     from kvgate.engine.model_runner import (ModelRunner, check_kv_cache_backend, choose_attention_backend,
                                             kv_cache_is_measured)
@@ -120,7 +120,8 @@ def plan_model(config: EngineConfig, settings: Settings) -> LoadedModel:
     meta = torch.device("meta")
     model = build_model(hf_config, meta, dtype, max_model_len)
     qconfig = quant_config_from_hf(hf_config, config.quantization)
-    _add_weights(settings, "weights", config.model, checkpoint_weight_bytes(model, config.model, qconfig), dtype)
+    _add_weights(settings, "weights", config.model, checkpoint_weight_bytes(model, config.model, qconfig), dtype,
+                 None if qconfig is None else (qconfig.describe(), checkpoint_file_bytes(config.model)))
     models = [(model, hf_config.num_hidden_layers)]
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
@@ -142,11 +143,15 @@ def plan_model(config: EngineConfig, settings: Settings) -> LoadedModel:
     return LoadedModel(runner, tokenizer, hf_config, max_model_len, config, settings)
 
 
-def _add_weights(settings: Settings, name: str, path: str, sized: tuple[int, int], dtype: torch.dtype) -> None:
+def _add_weights(settings: Settings, name: str, path: str, sized: tuple[int, int], dtype: torch.dtype,
+                 quantized: tuple[str, int] | None = None) -> None:
+    """quantized: (the checkpoint's quantization, the bytes it stores) of a checkpoint dequantized at load."""
     nbytes, tensors = sized
     size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    how = (f"; the checkpoint stores {quantized[1]} bytes, quantized with {quantized[0]}, dequantized at load"
+           if quantized else "")
     settings.add(name, size, f"{nbytes} bytes: {tensors} tensors as {str(dtype).removeprefix('torch.')}, from the "
-                 f"safetensors headers in {path}")
+                 f"safetensors headers in {path}{how}")
 
 
 class RunnerPlan:
