@@ -364,3 +364,12 @@ def test_serve_flag_parses():
         from kvgate.engine.config import EngineConfig
 
         EngineConfig(model="m", quantization="int3")
+
+
+def test_serve_stops_at_start_on_another_quantization(fp8_llama, capsys):
+    """`kvgate serve --quantization` other than the checkpoint's: exit 2 before the server or the engine starts."""
+    from kvgate.cli import main
+
+    _, folder = fp8_llama
+    assert main(["serve", str(folder), "--quantization", "awq", "--port", "0"]) == 2
+    assert "--quantization awq was given, but the checkpoint is quantized with fp8" in capsys.readouterr().err
