@@ -73,3 +73,19 @@ def test_quantized_greedy_matches_hf(family, mode, fmt, quantized):
         assert out.outputs[0].token_ids == want, f"{family}/{fmt}/{mode}: prompt {i} diverges from HF"
     if mode.endswith("preemption"):
         assert llm.engine.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("fmt", ["ct-fp8-channel", "ct-w4a16"])
+def test_transformers_compressed_tensors_loader_agrees(fmt, quantized):
+    """transformers' own compressed-tensors loader (dequantize=True) reads the symmetric compressed-tensors
+    checkpoints to the same weights, and generates what the engine generates. (It cannot read asymmetric
+    pack-quantized zero points: it expects them unpacked.)"""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    folder, reference, expected = quantized("llama", fmt)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                              quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    state = hf.state_dict()
+    for name, weight in reference.items():
+        assert torch.equal(state[name], weight.float()), name
+    assert hf_greedy(hf, make_prompts(), MAX_NEW) == expected
