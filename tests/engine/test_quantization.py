@@ -373,3 +373,45 @@ def test_serve_stops_at_start_on_another_quantization(fp8_llama, capsys):
     _, folder = fp8_llama
     assert main(["serve", str(folder), "--quantization", "awq", "--port", "0"]) == 2
     assert "--quantization awq was given, but the checkpoint is quantized with fp8" in capsys.readouterr().err
+
+
+def test_quantized_tensors_split_across_shards_load_the_same(fp8_llama, tmp_path):
+    """Every weight in one shard and every scale in another, the scales' shard read last: each module waits for
+    its scale, and the model holds the same weights as from the single file."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from kvgate.engine import LLM
+    from tests.engine.quant_checkpoints import read_checkpoint
+
+    _, folder = fp8_llama
+    sharded = tmp_path / "sharded"
+    shutil.copytree(folder, sharded)
+    (sharded / "model.safetensors").unlink()
+    tensors = read_checkpoint(folder)
+    shards = {"model-00001-of-00002.safetensors": {n: t for n, t in tensors.items() if "scale" not in n},
+              "model-00002-of-00002.safetensors": {n: t for n, t in tensors.items() if "scale" in n}}
+    for file, part in shards.items():
+        save_file(part, str(sharded / file), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    whole = LLM(str(folder), max_model_len=64, dtype="float32").engine.runner.model.state_dict()
+    split = LLM(str(sharded), max_model_len=64, dtype="float32").engine.runner.model.state_dict()
+    assert whole.keys() == split.keys() and all(torch.equal(whole[k], split[k]) for k in whole)
+
+
+def test_bench_engine_reports_held_and_stored_weight_bytes(fp8_llama, tmp_path, capsys):
+    from kvgate.cli import main
+
+    _, folder = fp8_llama
+    result = tmp_path / "bench.json"
+    assert main(["bench", "engine", "--model", str(folder), "--baselines", "none", "--num-requests", "2",
+                 "--output-len", "3", "--min-prompt-len", "8", "--max-prompt-len", "16", "--dtype", "float32",
+                 "--result-file", str(result)]) == 0
+    run = json.loads(result.read_text())["results"]["kvgate"]
+    assert run["weight_bytes_checkpoint"] < run["weight_bytes_held"] / 2
+    assert run["quantization"].startswith("fp8 (fp8_e4m3 block 16x16): 14 linear weights quantized")
+    assert 0 < run["decode"]["mean_bound_stored_weights_ms"] < run["decode"]["mean_bound_ms"]
+    out = capsys.readouterr().out
+    assert "MiB held by the engine (float32)" in out and "the bound would be" in out
