@@ -30,16 +30,18 @@ class QuantConfig:
         kinds = sorted({scheme.describe() for scheme in self.schemes})
         return f"{self.method} ({'; '.join(kinds)})" if kinds else self.method
 
-    def scheme_for(self, prefix: str) -> LinearScheme:
-        """The scheme of the quantized module `prefix` (a ModelLoadError when the config leaves it dense): a target
-        naming it wins over a regex, a regex over "Linear"; among equals, the first group."""
+    def schemes_for(self, prefix: str) -> list[LinearScheme]:
+        """The schemes that may store the quantized module `prefix`, best first (a ModelLoadError when the config
+        leaves it dense): a target naming it before a regex, a regex before "Linear"; among equals, the config's
+        order."""
         if any(_matches(prefix, target) for target in self.ignore):
             raise ModelLoadError(f"module {prefix!r} has quantized tensors, but quantization_config ignores it")
-        for rank in (_by_name, _by_regex, _by_class):
-            for targets, scheme in self.groups:
-                if any(rank(prefix, t) for t in targets):
-                    return scheme
-        raise ModelLoadError(f"module {prefix!r} has quantized tensors, but no quantization_config group targets it")
+        found = [scheme for rank in (_by_name, _by_regex, _by_class)
+                 for targets, scheme in self.groups if any(rank(prefix, t) for t in targets)]
+        if not found:
+            raise ModelLoadError(f"module {prefix!r} has quantized tensors, but no quantization_config group "
+                                 "targets it")
+        return found
 
 
 def _by_name(prefix: str, target: str) -> bool:
@@ -90,8 +92,8 @@ def parse_quant_config(qc: dict) -> QuantConfig:
     if method == "fp8":
         from kvgate.engine.quantization.fp8 import parse_fp8
 
-        scheme, ignore = parse_fp8(qc)
-        return QuantConfig(method, ((("Linear",), scheme),), ignore)
+        schemes, ignore = parse_fp8(qc)
+        return QuantConfig(method, tuple((("Linear",), scheme) for scheme in schemes), ignore)
     if method == "compressed-tensors":
         from kvgate.engine.quantization.compressed_tensors import parse_compressed_tensors
 

@@ -1,5 +1,5 @@
 """FP8 checkpoints as HF transformers writes them (quant_method "fp8", its fine-grained FP8 integration): each
-quantized linear's `weight` in float8_e4m3fn and its `weight_scale_inv`, the factor that multiplies the stored
+quantized linear's `weight` in float8_e4m3fn and its `weight_scale_inv` (vLLM's per-tensor FP8 checkpoints: `weight_scale`), the factor that multiplies the stored
 values back to the weight: one per [block_n, block_k] tile of the weight (shape [ceil(N / block_n),
 ceil(K / block_k)], the last tiles partial) with `weight_block_size`, one for the whole tensor without it. A
 static activation scheme adds `activation_scale` (or `input_scale`), not needed to dequantize."""
@@ -16,14 +16,15 @@ SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Fp8BlockScheme(LinearScheme):
-    required = ("weight", "weight_scale_inv")
     dropped = ("activation_scale", "input_scale")
     bits = 8
 
     def __init__(self, block: tuple[int, int] | None, scale_suffix: str = "weight_scale_inv") -> None:
-        """block: (block_n, block_k); None: one scale per tensor."""
+        """block: (block_n, block_k); None: one scale per tensor. scale_suffix: weight_scale_inv (transformers),
+        or weight_scale (vLLM's per-tensor FP8 checkpoints, the same multiplier under another name)."""
         self.block = block
         self.scale_suffix = scale_suffix
+        self.required = ("weight", scale_suffix)
 
     def describe(self) -> str:
         return f"fp8_e4m3 block {self.block[0]}x{self.block[1]}" if self.block else "fp8_e4m3 per-tensor"
@@ -60,8 +61,9 @@ def expand_block_scales(scale: torch.Tensor, shape: torch.Size, block: tuple[int
     return scale.repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
 
 
-def parse_fp8(qc: dict) -> tuple[Fp8BlockScheme, tuple[str, ...]]:
-    """(the scheme, modules left dense) of a transformers FP8 quantization_config."""
+def parse_fp8(qc: dict) -> tuple[list[Fp8BlockScheme], tuple[str, ...]]:
+    """(the schemes, modules left dense) of an FP8 quantization_config: transformers' weight_scale_inv, and for
+    per-tensor scales also vLLM's weight_scale."""
     block = qc.get("weight_block_size")
     if block is not None:
         if not (isinstance(block, (list, tuple)) and len(block) == 2
@@ -78,7 +80,8 @@ def parse_fp8(qc: dict) -> tuple[Fp8BlockScheme, tuple[str, ...]]:
     scale_fmt = qc.get("scale_fmt")
     if scale_fmt not in (None, "float"):
         raise ModelLoadError(f"quantization_config.scale_fmt is {scale_fmt!r}: only float scales are supported")
-    return Fp8BlockScheme(block), tuple(_names(qc, "modules_to_not_convert"))
+    schemes = [Fp8BlockScheme(block)] + ([Fp8BlockScheme(None, "weight_scale")] if block is None else [])
+    return schemes, tuple(_names(qc, "modules_to_not_convert") + _names(qc, "ignored_layers"))
 
 
 def _names(qc: dict, key: str) -> list[str]:

@@ -19,6 +19,8 @@ class LinearScheme:
     optional: tuple[str, ...] = ()
     # suffixes read and dropped (activation scales of W8A8 schemes: the CPU path computes in the model dtype)
     dropped: tuple[str, ...] = ()
+    # suffixes of the format this engine does not read: a module with one is a load error naming it
+    refused: tuple[str, ...] = ()
     bits: int = 0
 
     def describe(self) -> str:

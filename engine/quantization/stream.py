@@ -48,26 +48,24 @@ def plan_modules(names: Iterable[str], qconfig: QuantConfig) -> dict[str, _Modul
     schemes = qconfig.schemes
     markers = {s for scheme in schemes for s in scheme.required if s != "weight"}
     known = {"weight"} | {s for scheme in schemes
-                          for s in scheme.required + scheme.optional + scheme.dropped + _refused(scheme)}
+                          for s in scheme.required + scheme.optional + scheme.dropped + scheme.refused}
     prefixes = {name.rsplit(".", 1)[0] for name in names if "." in name and name.rsplit(".", 1)[1] in markers}
     plan = {}
     for prefix in sorted(prefixes):
-        scheme = qconfig.scheme_for(prefix)
         present = {s for s in known if f"{prefix}.{s}" in names}
+        candidates = qconfig.schemes_for(prefix)
+        # the first scheme whose tensors are all there (FP8: weight_scale_inv, or vLLM's weight_scale)
+        scheme = next((s for s in candidates if set(s.required) <= present), candidates[0])
         for suffix in scheme.required:
             if suffix not in present:
                 raise ModelLoadError(f"quantized module {prefix!r} ({qconfig.method}) lacks tensor "
                                      f"{prefix}.{suffix}")
-        reads = set(scheme.required + scheme.optional + scheme.dropped)
-        for suffix in sorted(present - reads):
-            raise ModelLoadError(f"checkpoint tensor {prefix}.{suffix} is not read by the {qconfig.method} scheme "
-                                 f"of {prefix!r} ({scheme.describe()})")
+        unread = sorted(present - set(scheme.required + scheme.optional + scheme.dropped))
+        if unread:
+            raise ModelLoadError(f"checkpoint tensor {prefix}.{unread[0]} is not read by the {qconfig.method} "
+                                 f"scheme of {prefix!r} ({scheme.describe()})")
         plan[prefix] = _Module(scheme, tuple(sorted(present)))
     return plan
-
-
-def _refused(scheme: LinearScheme) -> tuple[str, ...]:
-    return getattr(scheme, "refused", ())
 
 
 def dequantize_weights(stream: Iterable[tuple[str, torch.Tensor]], qconfig: QuantConfig, dtype: torch.dtype,

@@ -60,6 +60,13 @@ def test_fp8_quantize_roundtrip_matches_transformers_fp8_dequantize():
     assert torch.equal(ours, theirs)
 
 
+def test_fp8_per_tensor_weight_scale_as_vllm_writes_it():
+    weight = (torch.randn(16, 32) * 10).to(torch.float8_e4m3fn)
+    tensors = {"weight": weight, "weight_scale": torch.tensor(0.25), "input_scale": torch.tensor(0.5)}
+    ours = dequantize({"quant_method": "fp8", "activation_scheme": "static"}, tensors)
+    assert torch.equal(ours, weight.float() * 0.25)
+
+
 # -- compressed-tensors --------------------------------------------------------------------------------------------
 
 CT_CASES = {  # name -> (num_bits, type, strategy, symmetric, format, group_size)
