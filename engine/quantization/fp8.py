@@ -57,8 +57,8 @@ def expand_block_scales(scale: torch.Tensor, shape: torch.Size, block: tuple[int
     """Per-tile scales broadcast to every element of an [N, K] weight (a single scale as a scalar)."""
     if scale.numel() == 1:
         return scale.reshape(())
-    n, k = shape
-    return scale.repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
+    n, k = shape  # indexing, not repeat_interleave: the result is [N, K] whatever the (config's) block size
+    return scale[torch.arange(n) // block[0]][:, torch.arange(k) // block[1]]
 
 
 def parse_fp8(qc: dict) -> tuple[list[Fp8BlockScheme], tuple[str, ...]]:

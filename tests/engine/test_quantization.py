@@ -249,6 +249,10 @@ HOSTILE = {
     "negative scale": (W4_QC, _set(_w4_tensors(), "weight_scale", -torch.ones(8, 2)), "not finite and > 0"),
     "zero-sized scale": (FP8_QC, _set(_fp8_tensors(), "weight_scale_inv", torch.ones(0, 2)),
                          r"weight_scale_inv has shape \(0, 2\), expected \(2, 2\)"),
+    "fp8 block larger than the weight, scale grid wrong": (
+        {"quant_method": "fp8", "weight_block_size": [2 ** 40, 2 ** 40]}, _set(_fp8_tensors(), "weight_scale_inv",
+                                                                             torch.ones(2, 2)),
+        r"weight_scale_inv has shape \(2, 2\), expected \(1, 1\)"),
     "fp8 weight of another dtype": (FP8_QC, _set(_fp8_tensors(), "weight", torch.zeros(32, 32)),
                                     "up_proj.weight' has dtype float32, expected float8_e4m3fn"),
     "packed of the wrong shape": (W4_QC, _set(_w4_tensors(), "weight_packed", torch.zeros(8, 3, dtype=torch.int32)),
