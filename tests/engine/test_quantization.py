@@ -333,6 +333,7 @@ def test_quantized_model_loads_with_its_start_line(fp8_llama, caplog):
     with caplog.at_level(logging.INFO, logger="kvgate.engine.llm_engine"):
         llm = LLM(str(folder), max_model_len=64, dtype="float32", quantization="fp8")
     summary = llm.engine.quantization
+    llm.engine.close()
     assert (summary.method, summary.quantized, summary.dense) == ("fp8", 14, 1)
     line = "fp8 (fp8_e4m3 block 16x16): 14 linear weights quantized, 1 dense, dequantized to float32 at load"
     assert any(line in r.getMessage() for r in caplog.records)
@@ -407,8 +408,12 @@ def test_quantized_tensors_split_across_shards_load_the_same(fp8_llama, tmp_path
         save_file(part, str(sharded / file), metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
-    whole = LLM(str(folder), max_model_len=64, dtype="float32").engine.runner.model.state_dict()
-    split = LLM(str(sharded), max_model_len=64, dtype="float32").engine.runner.model.state_dict()
+    states = []
+    for path in (folder, sharded):
+        engine = LLM(str(path), max_model_len=64, dtype="float32").engine
+        states.append(engine.runner.model.state_dict())
+        engine.close()
+    whole, split = states
     assert whole.keys() == split.keys() and all(torch.equal(whole[k], split[k]) for k in whole)
 
 

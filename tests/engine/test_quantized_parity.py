@@ -59,21 +59,23 @@ def quantized(tiny_model_dir, tmp_path_factory):
 def test_quantized_greedy_matches_hf(family, mode, fmt, quantized):
     folder, reference, expected = quantized(family, fmt)
     llm = LLM(str(folder), max_model_len=128, dtype="float32", **MODES[mode])
-    assert llm.engine.quantization.method == ("compressed-tensors" if fmt.startswith("ct-") else fmt)
-    if mode == "no-prefix-caching":  # once per checkpoint: every quantized weight is the reference's, exactly
-        model = llm.engine.runner.model
-        params = dict(model.named_parameters())
-        assert reference
-        for name, weight in reference.items():
-            _, dest = model._destination(name, params)
-            assert torch.equal(dest, weight.float()), f"{family}/{fmt}: {name} differs from the reference"
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], params)
-    for i, (out, want) in enumerate(zip(outs, expected)):
-        assert out.outputs[0].token_ids == want, f"{family}/{fmt}/{mode}: prompt {i} diverges from HF"
-    if mode.endswith("preemption"):
-        assert llm.engine.stats().num_preemptions > 0
-
+    try:
+        assert llm.engine.quantization.method == ("compressed-tensors" if fmt.startswith("ct-") else fmt)
+        if mode == "no-prefix-caching":  # once per checkpoint: every quantized weight is the reference's, exactly
+            model = llm.engine.runner.model
+            params = dict(model.named_parameters())
+            assert reference
+            for name, weight in reference.items():
+                _, dest = model._destination(name, params)
+                assert torch.equal(dest, weight.float()), f"{family}/{fmt}: {name} differs from the reference"
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], params)
+        for i, (out, want) in enumerate(zip(outs, expected)):
+            assert out.outputs[0].token_ids == want, f"{family}/{fmt}/{mode}: prompt {i} diverges from HF"
+        if mode.endswith("preemption"):
+            assert llm.engine.stats().num_preemptions > 0
+    finally:
+        llm.engine.close()
 
 @pytest.mark.parametrize("fmt", ["ct-fp8-channel", "ct-w4a16"])
 def test_transformers_compressed_tensors_loader_agrees(fmt, quantized):
