@@ -50,13 +50,19 @@ class AwqScheme(LinearScheme):
                                                                "in int32")
         return n, k
 
-    def _dequantize(self, prefix, tensors):
-        q = unpack_awq(tensors["qweight"])  # [K, N]
-        zeros = unpack_awq(tensors["qzeros"])  # [groups, N]
-        scale = check_scales(prefix, "scales", tensors["scales"])
-        g = q.shape[0] // scale.shape[0]
-        zeros, scale = zeros.repeat_interleave(g, dim=0), scale.repeat_interleave(g, dim=0)
-        return ((q - zeros).float() * scale).t()
+    def row_align(self):
+        return 8  # outputs sharing a word
+
+    def _prepare(self, prefix, tensors):
+        return {"scale": check_scales(prefix, "scales", tensors["scales"])}
+
+    def _rows(self, prefix, tensors, state, start, stop):
+        words = slice(start // 8, stop // 8)  # n is a multiple of 8: so is every chunk's end
+        q = unpack_awq(tensors["qweight"][:, words])  # [K, rows]
+        zeros = unpack_awq(tensors["qzeros"][:, words])  # [groups, rows]
+        scale = state["scale"][:, start:stop]
+        groups = torch.arange(q.shape[0]) // self.group_size
+        return ((q - zeros[groups]).float() * scale[groups]).t()
 
 
 def parse_awq(qc: dict) -> tuple[AwqScheme, tuple[str, ...]]:

@@ -110,29 +110,50 @@ class CompressedScheme(LinearScheme):
                                  f"not hold a [{n}, {k}] weight (weight_shape) of {self.bits}-bit values")
         return n, k
 
-    def _dequantize(self, prefix, tensors):
+    def row_align(self):
+        if self.strategy == "block":
+            return self.block[0]
+        return 32 // self.bits if self.fmt == "pack-quantized" else 1  # outputs sharing a packed zero point
+
+    def _packed_zero(self) -> bool:
+        return self.fmt == "pack-quantized" and self.strategy in ("group", "channel")
+
+    def _prepare(self, prefix, tensors):
         scale = check_scales(prefix, "weight_scale", tensors["weight_scale"])
-        offset = 1 << (self.bits - 1)
+        if self.strategy == "channel":
+            scale = scale.reshape(-1, 1)
+        zero = tensors.get("weight_zero_point")
+        if zero is not None and not self._packed_zero():
+            zero = zero.float().reshape(scale.shape)
+        return {"scale": scale, "zero": zero}
+
+    def _rows(self, prefix, tensors, state, start, stop):
+        scale, zero, offset = state["scale"], state["zero"], 1 << (self.bits - 1)
         if self.fmt == "pack-quantized":
-            n, k = (int(v) for v in tensors["weight_shape"].tolist())
-            q = unpack_int32(tensors["weight_packed"], self.bits, dim=1, count=k) - offset
+            k = int(tensors["weight_shape"][1])
+            q = unpack_int32(tensors["weight_packed"][start:stop], self.bits, dim=1, count=k) - offset
         else:
-            q = tensors["weight"]
-            n, k = q.shape
+            q = tensors["weight"][start:stop]
+            k = q.shape[1]
             if self.kind == "int":
                 q = q.to(torch.int32)
                 if self.bits < 8 and bool(((q < -offset) | (q >= offset)).any()):
                     raise ModelLoadError(f"quantized tensor {prefix}.weight has values outside the int{self.bits} "
                                          f"range [{-offset}, {offset})")
-        zero = None
-        if "weight_zero_point" in tensors:
-            zero = tensors["weight_zero_point"]
-            if self.fmt == "pack-quantized" and self.strategy in ("group", "channel"):
-                cols = scale.shape[1] if scale.dim() == 2 else 1
-                zero = unpack_int32(zero, self.bits, dim=0, count=n) - offset
-                zero = zero.reshape(n, cols)
-            zero = zero.float().reshape(scale.shape)
-        return self._apply(q.float(), scale, zero, n, k)
+        rows = stop - start
+        if self.strategy in ("channel", "group"):
+            scale = scale[start:stop]
+            if zero is not None and self._packed_zero():
+                per_word = 32 // self.bits
+                words = zero[start // per_word:-(-stop // per_word)]
+                zero = (unpack_int32(words, self.bits, dim=0, count=rows) - offset).float()
+            elif zero is not None:
+                zero = zero[start:stop]
+        elif self.strategy == "block":
+            blocks = slice(start // self.block[0], -(-stop // self.block[0]))
+            scale = scale[blocks] if scale.numel() != 1 else scale
+            zero = zero[blocks] if zero is not None and zero.numel() != 1 else zero
+        return self._apply(q.float(), scale, zero, rows, k)
 
     def _apply(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, n: int, k: int):
         if self.strategy in ("tensor", "channel"):
@@ -142,7 +163,7 @@ class CompressedScheme(LinearScheme):
         if self.strategy == "group":
             q = q.unflatten(1, (k // self.group_size, self.group_size))
             scale = scale.unsqueeze(-1)
-            zero = None if zero is None else zero.unsqueeze(-1)
+            zero = None if zero is None else zero.reshape(scale.shape)
             return ((q - zero if zero is not None else q) * scale).flatten(1)
         if zero is not None:
             q = q - expand_block_scales(zero, q.shape, self.block)

@@ -47,9 +47,16 @@ class Fp8BlockScheme(LinearScheme):
             return (1,)
         return -(-n // self.block[0]), -(-k // self.block[1])
 
-    def _dequantize(self, prefix, tensors):
-        weight = tensors["weight"].float()
-        scale = check_scales(prefix, self.scale_suffix, tensors[self.scale_suffix])
+    def row_align(self):
+        return self.block[0] if self.block else 1
+
+    def _prepare(self, prefix, tensors):
+        return {"scale": check_scales(prefix, self.scale_suffix, tensors[self.scale_suffix])}
+
+    def _rows(self, prefix, tensors, state, start, stop):
+        weight, scale = tensors["weight"][start:stop].float(), state["scale"]
+        if scale.numel() != 1:
+            scale = scale[start // self.block[0]:-(-stop // self.block[0])]
         return weight * expand_block_scales(scale, weight.shape, self.block)
 
 

@@ -53,10 +53,12 @@ class GptqScheme(LinearScheme):
             check_shape(prefix, "g_idx", tensors["g_idx"], (k,), "one group index per input channel")
         return n, k
 
-    def _dequantize(self, prefix, tensors):
-        qweight, scales = tensors["qweight"], tensors["scales"]
-        k, n = qweight.shape[0] * (32 // self.bits), qweight.shape[1]
-        groups = scales.shape[0]
+    def row_align(self):
+        return 32 // self.bits  # outputs sharing a word of qzeros
+
+    def _prepare(self, prefix, tensors):
+        k = tensors["qweight"].shape[0] * (32 // self.bits)
+        groups = tensors["scales"].shape[0]
         if "g_idx" in tensors:
             g_idx = tensors["g_idx"].long()
             bad = (g_idx < 0) | (g_idx >= groups)
@@ -65,9 +67,14 @@ class GptqScheme(LinearScheme):
                                      f"[0, {groups}) (e.g. {int(g_idx[bad][0])})")
         else:
             g_idx = torch.arange(k) // (k // groups)
-        q = unpack_int32(qweight, self.bits, dim=0, count=k)  # [K, N]
-        zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1, count=n) + self.zero_offset  # [groups, N]
-        scale = check_scales(prefix, "scales", scales)
+        return {"g_idx": g_idx, "scale": check_scales(prefix, "scales", tensors["scales"])}
+
+    def _rows(self, prefix, tensors, state, start, stop):
+        per_word, g_idx = 32 // self.bits, state["g_idx"]
+        q = unpack_int32(tensors["qweight"][:, start:stop], self.bits, dim=0, count=len(g_idx))  # [K, rows]
+        words = tensors["qzeros"][:, start // per_word:-(-stop // per_word)]
+        zeros = unpack_int32(words, self.bits, dim=1, count=stop - start) + self.zero_offset  # [groups, rows]
+        scale = state["scale"][:, start:stop]
         return ((q - zeros[g_idx]).float() * scale[g_idx]).t()
 
 

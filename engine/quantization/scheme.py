@@ -9,11 +9,16 @@ import torch
 from kvgate.common.errors import ModelLoadError
 
 
+# Output rows dequantized at a time: the temporaries of a dequantization (unpacked ints, expanded scales) are
+# about this many elements, whatever the weight's size; the dense weight itself is allocated once.
+CHUNK_ELEMENTS = 1 << 22
+
+
 class LinearScheme:
     """How one quantized linear is stored: the tensors it reads (checkpoint name suffixes after the module's
     prefix), their checks, and its dense weight. A subclass sets `required` and `optional`, and implements
-    dense_shape (shapes and dtypes only: it also runs on the meta device, where no value exists) and
-    _dequantize (values: called after dense_shape)."""
+    dense_shape (shapes and dtypes only: it also runs on the meta device, where no value exists), _prepare (the
+    checks of values, once) and _rows (the dense rows [start, stop), start a multiple of row_align())."""
 
     required: tuple[str, ...] = ()
     optional: tuple[str, ...] = ()
@@ -32,14 +37,29 @@ class LinearScheme:
         raise NotImplementedError
 
     def dequantize(self, prefix: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """The dense weight in `dtype`, after the shape, dtype and value checks."""
-        shape = self.dense_shape(prefix, tensors)
-        dense = self._dequantize(prefix, tensors)
-        if tuple(dense.shape) != shape:  # a scheme's own invariant, not the checkpoint's
-            raise AssertionError(f"{prefix}: dequantized to {tuple(dense.shape)}, expected {shape}")
-        return dense.to(dtype)
+        """The dense weight in `dtype`, after the shape, dtype and value checks, computed in float32 a chunk of
+        output rows at a time (CHUNK_ELEMENTS)."""
+        n, k = self.dense_shape(prefix, tensors)
+        state = self._prepare(prefix, tensors)
+        dense = torch.empty((n, k), dtype=dtype)
+        align = self.row_align()
+        step = max(align, CHUNK_ELEMENTS // k // align * align)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            dense[start:stop] = self._rows(prefix, tensors, state, start, stop)
+        return dense
 
-    def _dequantize(self, prefix: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def row_align(self) -> int:
+        """Output rows that share a packed word or a scale block: chunks start at multiples of it."""
+        return 1
+
+    def _prepare(self, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:
+        """The checks of values (scales, indices) and what every chunk uses."""
+        raise NotImplementedError
+
+    def _rows(self, prefix: str, tensors: dict[str, torch.Tensor], state: dict, start: int,
+              stop: int) -> torch.Tensor:
+        """Dense rows [start, stop) in float32."""
         raise NotImplementedError
 
 

@@ -101,6 +101,12 @@ def ct_qparams(weight: torch.Tensor, args):
         lo, hi = weight.amin().reshape(1), weight.amax().reshape(1)
     elif strategy == "channel":
         lo, hi = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+    elif strategy == "block":  # per [bn, bk] tile, the last ones partial
+        bn, bk = args.block_structure
+        n, k = weight.shape
+        tiles = [[weight[i:i + bn, j:j + bk] for j in range(0, k, bk)] for i in range(0, n, bn)]
+        lo = torch.tensor([[t.min() for t in row] for row in tiles])
+        hi = torch.tensor([[t.max() for t in row] for row in tiles])
     else:
         grouped = weight.unflatten(1, (weight.shape[1] // args.group_size, args.group_size))
         lo, hi = grouped.amin(-1), grouped.amax(-1)

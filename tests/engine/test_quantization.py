@@ -26,10 +26,17 @@ def dequantize(qc: dict, tensors: dict[str, torch.Tensor], prefix: str = "model.
     return out[f"{prefix}.weight"]
 
 
+@pytest.fixture(params=["one-chunk", "row-chunks"])
+def chunks(request, monkeypatch):
+    """Dequantize whole, or a few output rows at a time (the rows sharing a packed word or a scale block)."""
+    if request.param == "row-chunks":
+        monkeypatch.setattr("kvgate.engine.quantization.scheme.CHUNK_ELEMENTS", 64)
+
+
 # -- FP8 (transformers' fine-grained FP8) -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape,block", [((48, 64), [16, 16]), ((50, 70), [16, 32]), ((40, 24), None)])
-def test_fp8_matches_transformers_dequantization(shape, block):
+def test_fp8_matches_transformers_dequantization(shape, block, chunks):
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
     torch.manual_seed(0)
@@ -69,9 +76,10 @@ def test_fp8_per_tensor_weight_scale_as_vllm_writes_it():
 
 # -- compressed-tensors --------------------------------------------------------------------------------------------
 
-CT_CASES = {  # name -> (num_bits, type, strategy, symmetric, format, group_size)
+CT_CASES = {  # name -> (num_bits, type, strategy, symmetric, format, group_size or block_structure)
     "fp8-channel": (8, "float", "channel", True, "float-quantized", None),
     "fp8-tensor": (8, "float", "tensor", True, "float-quantized", None),
+    "fp8-block": (8, "float", "block", True, "float-quantized", [16, 32]),  # partial tiles at both edges
     "int8-channel-asym": (8, "int", "channel", False, "int-quantized", None),
     "int4-naive-group": (4, "int", "group", True, "naive-quantized", 16),
     "w4a16-group": (4, "int", "group", True, "pack-quantized", 16),
@@ -83,13 +91,16 @@ CT_CASES = {  # name -> (num_bits, type, strategy, symmetric, format, group_size
 
 
 @pytest.mark.parametrize("case", list(CT_CASES))
-def test_compressed_tensors_matches_its_decompression(case):
+def test_compressed_tensors_matches_its_decompression(case, chunks):
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     bits, kind, strategy, symmetric, fmt, group = CT_CASES[case]
-    args = QuantizationArgs(num_bits=bits, type=kind, strategy=strategy, symmetric=symmetric, group_size=group)
+    block = group if strategy == "block" else None
+    group = None if strategy == "block" else group
+    args = QuantizationArgs(num_bits=bits, type=kind, strategy=strategy, symmetric=symmetric, group_size=group,
+                            block_structure=block)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     torch.manual_seed(2)
     weight = torch.randn(36, 80) + 0.3  # 36 outputs: packed zero points pad their last word
@@ -103,7 +114,7 @@ def test_compressed_tensors_matches_its_decompression(case):
     assert torch.equal(dequantize(qc, stored), theirs.float())
 
 
-def test_awq_matches_compressed_tensors_awq_converter():
+def test_awq_matches_compressed_tensors_awq_converter(chunks):
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
@@ -125,7 +136,7 @@ def test_awq_matches_compressed_tensors_awq_converter():
     assert torch.equal(ours, theirs)
 
 
-def test_awq_unpacks_the_interleaved_order():
+def test_awq_unpacks_the_interleaved_order(chunks):
     """A packer written from AutoAWQ's description (outputs [0, 2, 4, 6, 1, 3, 5, 7] in fields 0..7)."""
     q = torch.randint(0, 16, (32, 16), dtype=torch.int32)  # [K, N]
     zeros = torch.randint(0, 16, (2, 16), dtype=torch.int32)
@@ -139,7 +150,7 @@ def test_awq_unpacks_the_interleaved_order():
 # -- GPTQ ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bits,fmt,act_order", [(4, "gptq", True), (8, "gptq", False), (4, "gptq_v2", False)])
-def test_gptq_dequantization(bits, fmt, act_order):
+def test_gptq_dequantization(bits, fmt, act_order, chunks):
     k, n, group = 64, 32, 16
     torch.manual_seed(4)
     q = torch.randint(0, 2 ** bits, (k, n), dtype=torch.int32)
