@@ -222,8 +222,8 @@ def load_safetensors(model, model_path: str | Path, workers: int = 1, quantizati
     """Write the folder's weights into `model`'s parameters (allocated, on any device) through its load_weights.
 
     quantization: the checkpoint's QuantConfig (engine/quantization), or None: each quantized linear's tensors
-    are dequantized into the parameters' dtype on the way (quantization.dequantize_weights); returns what was
-    read (a QuantSummary), None for an unquantized checkpoint.
+    are dequantized into the parameters' dtype on the way (quantization.dequantize_weights), copied on this
+    thread whatever `workers`; returns what was read (a QuantSummary), None for an unquantized checkpoint.
 
     workers > 1 runs the copies on that many threads (copy_ releases the GIL) while this thread maps the names
     and checks the shapes; load_weights' own checks (unknown tensor, wrong shape, missing weights) are the same.
@@ -243,7 +243,8 @@ def load_safetensors(model, model_path: str | Path, workers: int = 1, quantizati
         release(name)
 
     weights, summary = _dequantized(iterate_weights(files), quantization, model, owner, release)
-    if workers <= 1:
+    # a dequantized weight is memory, not a view of the file: queued copies would hold many at once
+    if workers <= 1 or quantization is not None:
         model.load_weights(weights, copy)
         return summary
     pending = []
