@@ -278,6 +278,12 @@ HOSTILE = {
                            r"up_proj.g_idx has 30 group indices outside \[0, 2\) \(e.g. 2\)"),
     "g_idx of the wrong length": (GPTQ_QC, _set(gptq_tensors(), "g_idx", torch.zeros(31, dtype=torch.int32)),
                                   r"up_proj.g_idx' has shape \(31,\), expected \(32,\)"),
+    "activation-ordered groups": (W4_QC, _set(_w4_tensors(), "weight_g_idx", torch.zeros(32, dtype=torch.int32)),
+                                  "up_proj.weight_g_idx is not read by the compressed-tensors scheme"),
+    "asymmetric without zero points": (
+        {**W4_QC, "config_groups": {"g": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": 16, "symmetric": False}}}},
+        _w4_tensors(), "is asymmetric but its checkpoint has no model.layers.0.mlp.up_proj.weight_zero_point"),
     "int4 values out of range": (
         {**W4_QC, "format": "int-quantized"},
         {"weight": torch.full((8, 32), 9, dtype=torch.int8), "weight_scale": torch.ones(8, 2)},
