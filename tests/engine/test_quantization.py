@@ -136,6 +136,27 @@ def test_awq_matches_compressed_tensors_awq_converter(chunks):
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.slow  # importing AutoAWQ takes tens of seconds
+def test_awq_matches_autoawq(chunks):
+    """AutoAWQ's own GEMM packer (WQLinear_GEMM.from_linear, which needs a multiple of 32 outputs) and its
+    dequantize_gemm. AutoAWQ (deprecated) installs only without its dependencies (`pip install --no-deps
+    --no-build-isolation autoawq`); skipped without it."""
+    pytest.importorskip("awq")
+    from awq.modules.linear.gemm import WQLinear_GEMM
+    from awq.utils.packing_utils import dequantize_gemm
+
+    torch.manual_seed(5)
+    linear = torch.nn.Linear(64, 96, bias=False)
+    grouped = linear.weight.data.reshape(96, 64 // GROUP, GROUP)
+    lo, hi = grouped.amin(-1), grouped.amax(-1)
+    scales = ((hi - lo) / 15).half().float()
+    zeros = torch.round(-lo / scales).clamp(0, 15)
+    packed = WQLinear_GEMM.from_linear(linear, 4, GROUP, scales=scales.t(), zeros=zeros.t())
+    tensors = {"qweight": packed.qweight, "qzeros": packed.qzeros, "scales": packed.scales.float()}
+    theirs = dequantize_gemm(packed.qweight, packed.qzeros, packed.scales.float(), 4, GROUP).t()  # [K, N] -> [N, K]
+    assert torch.equal(dequantize({"quant_method": "awq", "bits": 4, "group_size": GROUP}, tensors), theirs)
+
+
 def test_awq_unpacks_the_interleaved_order(chunks):
     """A packer written from AutoAWQ's description (outputs [0, 2, 4, 6, 1, 3, 5, 7] in fields 0..7)."""
     q = torch.randint(0, 16, (32, 16), dtype=torch.int32)  # [K, N]
