@@ -478,7 +478,7 @@ def _engine_info(label: str, engine, run_config, stats_before) -> dict:
 def _timed_generate(llm, work: _Workload, info: dict, preemptions_before: int) -> tuple[float, list, dict]:
     """The workload through `llm` after a short warm-up, from an empty prefix cache: seconds, outputs and the
     decode steps against their bound; the run's preemptions and speculative-decoding counters go into `info`."""
-    from kvgate.bench.engine_roofline import StepTimer, kv_bytes_per_token, weight_bytes
+    from kvgate.bench.engine_roofline import StepTimer, kv_bytes_per_token
     from kvgate.engine import SamplingParams
 
     engine = llm.engine
@@ -486,8 +486,10 @@ def _timed_generate(llm, work: _Workload, info: dict, preemptions_before: int) -
     llm.generate([{"prompt_token_ids": work.prompts[0][:16]}], SamplingParams(max_tokens=4))  # warm-up
     engine.reset_prefix_cache()
     # The sim backend (--backend sim) has no weights: no bound to compare with, only the engine's own time.
-    timer = StepTimer(engine, work.bandwidth, weight_bytes(runner.model), kv_bytes_per_token(runner)) \
-        if hasattr(runner, "model") else None
+    timer = None
+    if hasattr(runner, "model"):
+        held, stored = _weights_read(engine, info)
+        timer = StepTimer(engine, work.bandwidth, held, kv_bytes_per_token(runner), stored)
     spec_before = engine.stats().spec_decode
     draft = getattr(runner, "draft", None)  # a draft model's proposer: its own counters (prefix reuse)
     draft_before = dataclasses.replace(draft.stats) if draft is not None else None
@@ -506,6 +508,24 @@ def _timed_generate(llm, work: _Workload, info: dict, preemptions_before: int) -
         return elapsed, outs, {"decode_steps": 0}
     timer.close()
     return elapsed, outs, timer.summary()
+
+
+def _weights_read(engine, info: dict):
+    """(the weight bytes a decode step reads, the checkpoint's as stored where the engine holds more: a quantized
+    checkpoint dequantized at load; else None), into `info` and printed."""
+    from kvgate.bench.engine_roofline import stored_weight_bytes, weight_bytes
+
+    held = weight_bytes(engine.runner.model)
+    stored = stored_weight_bytes(engine.runner.model, engine.config.model)
+    quantization = engine.quantization
+    info["weight_bytes_held"], info["weight_bytes_checkpoint"] = held.total, stored.total
+    info["quantization"] = quantization.line() if quantization is not None else "dense"
+    print(f"  weights: {info['weight_bytes_held'] / 2**20:.1f} MiB held by the engine "
+          f"({str(engine.dtype).removeprefix('torch.')}), {info['weight_bytes_checkpoint'] / 2**20:.1f} MiB in the "
+          f"checkpoint ({info['quantization']}"
+          + ("; dequantized at load: the bound counts the held bytes" if quantization is not None else "") + ")",
+          flush=True)
+    return held, (stored if quantization is not None else None)
 
 
 def _print_spec_decode(s: dict, spec) -> None:
@@ -532,6 +552,9 @@ def _print_decode_steps(decode: dict) -> None:
           f"({100 * decode['fraction_of_bound_execute']:.1f}% counting the runner alone); "
           f"at the full batch of {decode['full_batch']}: {decode['full_batch_median_step_ms']:.2f} ms vs "
           f"{decode['full_batch_median_bound_ms']:.2f} ms", flush=True)
+    if "mean_bound_stored_weights_ms" in decode:
+        print(f"    with the weights read as the checkpoint stores them (quantized kernels), the bound would be "
+              f"{decode['mean_bound_stored_weights_ms']:.2f} ms a step", flush=True)
 
 
 def _speculation_speed_ups(results: dict) -> None:

@@ -50,6 +50,10 @@ class WeightBytes:
     dense: int
     experts: tuple[tuple[int, int, int], ...] = ()  # per MoE layer: (experts, top_k, bytes of one expert)
 
+    @property
+    def total(self) -> int:
+        return self.dense + sum(e * size for e, _, size in self.experts)
+
     def read_by(self, batch: int) -> int:
         return self.dense + round(sum(e * (1 - (1 - k / e) ** batch) * size for e, k, size in self.experts))
 
@@ -73,6 +77,29 @@ def weight_bytes(model: torch.nn.Module) -> WeightBytes:
     return WeightBytes(total, tuple(experts))
 
 
+def stored_weight_bytes(model: torch.nn.Module, model_path) -> WeightBytes:
+    """The checkpoint's weight bytes as its safetensors files store them (a quantized checkpoint's packed weights,
+    scales and zero points at their stored size; from the headers alone), with each FusedMoE layer's experts
+    apart as in weight_bytes: what a decode step would read if the engine kept the weights as stored. The engine
+    dequantizes quantized linears at load (engine/quantization), so weight_bytes is what it reads."""
+    from kvgate.engine.loader import open_safetensors
+    from kvgate.engine.models.moe import FusedMoE
+
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, FusedMoE)}
+    per_layer, dense = dict.fromkeys(layers, 0), 0
+    for f in open_safetensors(model_path, map_data=False):
+        for name, (_, _, begin, end) in f.entries.items():
+            for piece, ours in getattr(model, "checkpoint_renames", ()):
+                name = name.replace(piece, ours)
+            layer = next((p for p in layers if name.startswith(p + ".")), None)
+            if layer is None:
+                dense += end - begin
+            else:
+                per_layer[layer] += end - begin
+    return WeightBytes(dense, tuple((m.num_experts, m.top_k, per_layer[p] // m.num_experts)
+                                    for p, m in layers.items()))
+
+
 def kv_bytes_per_token(runner) -> int:
     return runner.bytes_per_block // runner.block_size
 
@@ -87,6 +114,9 @@ class StepTimer:
     bandwidth: float  # bytes/s
     weights: WeightBytes
     kv_per_token: int
+    # the checkpoint's weights as stored, where a quantized checkpoint stores fewer bytes than the engine holds:
+    # each step's bound at that size too (what kernels reading the quantized weights would be bound by)
+    stored_weights: WeightBytes | None = None
     steps: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -105,8 +135,10 @@ class StepTimer:
         self._runner_s += time.perf_counter() - t0
         if out.scheduled and all(s.num_new_tokens == 1 for s in out.scheduled):
             context = sum(s.start + 1 for s in out.scheduled)
-            self._pending = {"batch": len(out.scheduled), "context_tokens": context,
-                             "bytes": self.weights.read_by(len(out.scheduled)) + context * self.kv_per_token}
+            batch, kv = len(out.scheduled), context * self.kv_per_token
+            self._pending = {"batch": batch, "context_tokens": context, "bytes": self.weights.read_by(batch) + kv}
+            if self.stored_weights is not None:
+                self._pending["stored_bytes"] = self.stored_weights.read_by(batch) + kv
         result = launched.result
 
         def timed_result():
@@ -158,5 +190,7 @@ class StepTimer:
             "full_batch_steps": len(at_full),
             "full_batch_median_step_ms": 1e3 * statistics.median(s["step_s"] for s in at_full),
             "full_batch_median_bound_ms": 1e3 * statistics.median(s["bytes"] for s in at_full) / self.bandwidth,
+            **({"mean_bound_stored_weights_ms": 1e3 * sum(s["stored_bytes"] for s in self.steps) / self.bandwidth
+                / len(self.steps)} if self.stored_weights is not None else {}),
             "decode_seconds": step_s,
         }

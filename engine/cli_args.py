@@ -53,6 +53,10 @@ def _add_model_flags(g) -> None:
                    help="auto, float32, bfloat16 or float16 (default auto: the checkpoint's on GPU, bfloat16 for "
                         "float32 checkpoints, float16 below compute capability 8.0; on CPU bfloat16 with "
                         "AVX512-BF16/AMX for hidden sizes >= 512, else float32)")
+    g.add_argument("--quantization", "-q", choices=["fp8", "compressed-tensors", "gptq", "awq"], default=None,
+                   help="the checkpoint's weight quantization, checked against its config.json quantization_config "
+                        "(vLLM's flag; default: read from config.json). On CPU quantized linears are dequantized "
+                        "into --dtype at load")
 
 
 def _add_batching_flags(g) -> None:
@@ -211,6 +215,7 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         served_model_name=args.served_model_name,
         device=args.device,
         dtype=args.dtype,
+        quantization=getattr(args, "quantization", None),
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -41,6 +41,9 @@ class EngineConfig:
     served_model_name: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"
+    # vLLM's --quantization: fp8 | compressed-tensors | gptq | awq; None = the checkpoint's quantization_config
+    # (engine/quantization); given, it must be the checkpoint's method.
+    quantization: str | None = None
     block_size: int = 16
     # None: derived at start (auto_config.py), as are max_model_len, dtype and cpu_threads.
     max_num_seqs: int | None = None
@@ -121,6 +124,12 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.quantization is not None:
+            from kvgate.engine.quantization.config import METHODS
+
+            if self.quantization not in METHODS:
+                raise ConfigError(f"quantization must be one of {', '.join(METHODS)} (or None: from the checkpoint), "
+                                  f"got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                               f"{self.kv_cache_dtype!r}")

@@ -158,6 +158,8 @@ class LLMEngine:
         self.runner: Runner = loaded.runner
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
         self.device, self.dtype = self.runner.device, self.runner.dtype
+        # what the weights load read of a quantized checkpoint (quantization.QuantSummary); None: dense weights
+        self.quantization = getattr(self.runner, "quantization", None)
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                                max_blocks_per_request=cdiv(self.max_model_len, config.block_size),
@@ -189,9 +191,9 @@ class LLMEngine:
         if self.kv_event_publisher is not None and not config.enable_prefix_caching:
             log.warning("KV-cache events are on but prefix caching is off: no block will be announced")
         log.info("engine ready: %s (%s) on %s (%s), %d KV blocks x %d tokens (kv cache dtype %s), max_model_len %d, "
-                 "async scheduling %s, speculative decoding %s", self.model_name, self._model_path(), self.device,
-                 self.dtype, num_blocks, config.block_size, config.kv_cache_dtype, self.max_model_len,
-                 "on" if self.async_scheduling else "off", self._speculation_summary())
+                 "async scheduling %s, speculative decoding %s, weights %s", self.model_name, self._model_path(),
+                 self.device, self.dtype, num_blocks, config.block_size, config.kv_cache_dtype, self.max_model_len,
+                 "on" if self.async_scheduling else "off", self._speculation_summary(), self._weights_summary())
 
     def _model_path(self) -> str:
         """The model's implementation: a native family or the transformers fallback (or the simulator)."""
@@ -230,6 +232,11 @@ class LLMEngine:
             draft_backoff=DraftBackoff(backoff, self.spec_stats)
             if self.spec_stats is not None and backoff > 0 else None,
         )
+
+    def _weights_summary(self) -> str:
+        if self.quantization is None:
+            return "dense"
+        return f"{self.quantization.line()}, dequantized to {str(self.dtype).removeprefix('torch.')} at load"
 
     def _speculation_summary(self) -> str:
         config = self.config

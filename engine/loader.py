@@ -218,8 +218,12 @@ def iterate_weights(files: list[SafetensorsFile]) -> Iterator[tuple[str, torch.T
             yield name, f.tensor(name)
 
 
-def load_safetensors(model, model_path: str | Path, workers: int = 1) -> None:
+def load_safetensors(model, model_path: str | Path, workers: int = 1, quantization=None):
     """Write the folder's weights into `model`'s parameters (allocated, on any device) through its load_weights.
+
+    quantization: the checkpoint's QuantConfig (engine/quantization), or None: each quantized linear's tensors
+    are dequantized into the parameters' dtype on the way (quantization.dequantize_weights), copied on this
+    thread whatever `workers`; returns what was read (a QuantSummary), None for an unquantized checkpoint.
 
     workers > 1 runs the copies on that many threads (copy_ releases the GIL) while this thread maps the names
     and checks the shapes; load_weights' own checks (unknown tensor, wrong shape, missing weights) are the same.
@@ -230,18 +234,37 @@ def load_safetensors(model, model_path: str | Path, workers: int = 1) -> None:
     files = open_safetensors(model_path)
     owner = {name: f for f in files for name in f.entries}
 
+    def release(name: str) -> None:
+        if name in owner:  # a dequantized weight's name may be none of the checkpoint's tensors
+            owner[name].release(name)
+
     def copy(name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
         dest.copy_(tensor)
-        owner[name].release(name)
+        release(name)
 
-    if workers <= 1:
-        model.load_weights(iterate_weights(files), copy)
-        return
+    weights, summary = _dequantized(iterate_weights(files), quantization, model, owner, release)
+    # a dequantized weight is memory, not a view of the file: queued copies would hold many at once
+    if workers <= 1 or quantization is not None:
+        model.load_weights(weights, copy)
+        return summary
     pending = []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvgate-load") as pool:  # exit waits for all
-        model.load_weights(iterate_weights(files), lambda *args: pending.append(pool.submit(copy, *args)))
+        model.load_weights(weights, lambda *args: pending.append(pool.submit(copy, *args)))
     for future in pending:
         future.result()
+    return summary
+
+
+def _dequantized(weights, quantization, model, names, release=None):
+    """(the weight stream, with quantization's linears dequantized into the model's floating-point dtype; the
+    QuantSummary it fills) — the stream as it is and None for an unquantized checkpoint."""
+    if quantization is None:
+        return weights, None
+    from kvgate.engine.quantization import QuantSummary, dequantize_weights
+
+    summary = QuantSummary(quantization.method)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return dequantize_weights(weights, quantization, dtype, names, release, summary), summary
 
 
 def build_model(hf_config, device: torch.device, dtype: torch.dtype, max_positions: int):
@@ -268,29 +291,38 @@ def build_model(hf_config, device: torch.device, dtype: torch.dtype, max_positio
 
 
 def load_model(hf_config, model_path: str | Path, device: torch.device, dtype: torch.dtype, max_positions: int,
-               workers: int = 1, weights: Iterator[tuple[str, torch.Tensor]] | None = None, read_weights: bool = True):
+               workers: int = 1, weights: Iterator[tuple[str, torch.Tensor]] | None = None, read_weights: bool = True,
+               quantization: str | None = None):
     """Our model of hf_config's architecture on `device` in `dtype`, with the folder's weights: built and allocated
     (build_model), then every parameter written once (load_safetensors). weights: (name, tensor) pairs to load
     instead of the folder's (the load benchmark's reference loader). read_weights False: the parameters stay
     uninitialised and no byte of the checkpoint is read (`kvgate serve --print-config`'s CUDA memory profile, whose
-    memory use does not depend on the values)."""
+    memory use does not depend on the values). quantization: --quantization (None: from config.json), checked
+    against the checkpoint's quantization_config; the model's `quantization` attribute is what the load read (a
+    QuantSummary; None for an unquantized checkpoint or without read_weights)."""
+    from kvgate.engine.quantization import quant_config_from_hf
+
+    qconfig = quant_config_from_hf(hf_config, quantization)
     model = build_model(hf_config, device, dtype, max_positions)
+    model.quantization = None
     if not read_weights:
         return model.eval()
     if weights is None:
-        load_safetensors(model, model_path, workers)
+        model.quantization = load_safetensors(model, model_path, workers, qconfig)
     else:
         model.load_weights(weights)
     return model.eval()
 
 
-def checkpoint_weight_bytes(model, model_path: str | Path) -> tuple[int, int]:
+def checkpoint_weight_bytes(model, model_path: str | Path, quantization=None) -> tuple[int, int]:
     """(bytes, tensors) the folder's weights take in `model`'s parameters, each tensor counted at its parameter's
     dtype (the one the engine casts it to), from the safetensors headers alone: every file's header is read and
     checked as for a load, and every tensor against the model as load_weights checks it (it belongs to the model,
-    its shape fits, no parameter is left unwritten, a tied LM head is skipped), but no byte of tensor data is read.
-    model: build_model's, on the meta device."""
-    files = open_safetensors(model_path, map_data=False)
+    its shape fits, no parameter is left unwritten, a tied LM head is skipped), but no byte of tensor data is read
+    (but the few bytes of a pack-quantized module's weight_shape, its dense shape). quantization: the checkpoint's
+    QuantConfig; a quantized linear counts as its dense weight (what the engine holds; checkpoint_file_bytes is
+    what the folder stores). model: build_model's, on the meta device."""
+    files = open_safetensors(model_path, map_data=quantization is not None)
     total = count = 0
 
     def add(name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -298,10 +330,23 @@ def checkpoint_weight_bytes(model, model_path: str | Path) -> tuple[int, int]:
         total += tensor.numel() * dest.element_size()
         count += 1
 
-    shapes = ((name, torch.empty(shape, dtype=dtype, device="meta"))
-              for f in files for name, (dtype, shape, _, _) in f.entries.items())
+    def shape_of(f: SafetensorsFile, name: str) -> torch.Tensor:
+        dtype, shape, _, _ = f.entries[name]
+        if quantization is not None and name.endswith(".weight_shape"):
+            return f.tensor(name)
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    shapes = ((name, shape_of(f, name)) for f in files for name in f.entries)
+    shapes, _ = _dequantized(shapes, quantization, model, {name for f in files for name in f.entries})
     model.load_weights(shapes, add)
     return total, count
+
+
+def checkpoint_file_bytes(model_path: str | Path) -> int:
+    """Bytes of tensor data the folder's safetensors files store (quantized weights at their stored size), from
+    their headers."""
+    return sum(end - begin for f in open_safetensors(model_path, map_data=False)
+               for _, _, begin, end in f.entries.values())
 
 
 @contextmanager

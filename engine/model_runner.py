@@ -54,7 +54,8 @@ class ModelRunner:
             torch.cuda.empty_cache()  # blocks a freed engine left cached are not another engine's
             self._reserved_before = torch.cuda.memory_reserved(device)
         self.model = model = load_model(hf_config, config.model, device, dtype, max_model_len,
-                                        read_weights=read_weights)
+                                        read_weights=read_weights, quantization=config.quantization)
+        self.quantization = model.quantization  # what the load read (quantization.QuantSummary), None: dense
         self.lora_state = self.lora_layers = None
         if config.enable_lora:  # after the base weights: the wrapped projections keep them as they are
             self.lora_state, self.lora_layers = add_lora_layers(model, config.max_loras, config.max_lora_rank)

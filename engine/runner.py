@@ -111,14 +111,17 @@ def plan_model(config: EngineConfig, settings: Settings) -> LoadedModel:
     not read (read_weights False): that profile measures the device's memory after a forward pass, which needs the
     model on the device, but not the values of its weights."""
     from kvgate.engine.kv_quant import kv_quant_spec
-    from kvgate.engine.loader import build_model, checkpoint_weight_bytes
+    from kvgate.engine.loader import build_model, checkpoint_file_bytes, checkpoint_weight_bytes
+    from kvgate.engine.quantization import quant_config_from_hf
     from kvgate.engine.model_runner import (ModelRunner, check_kv_cache_backend, choose_attention_backend,
                                             kv_cache_is_measured)
 
     hf_config, tokenizer, device, dtype, max_model_len = _resolve_model(config, settings)
     meta = torch.device("meta")
     model = build_model(hf_config, meta, dtype, max_model_len)
-    _add_weights(settings, "weights", config.model, checkpoint_weight_bytes(model, config.model), dtype)
+    qconfig = quant_config_from_hf(hf_config, config.quantization)
+    _add_weights(settings, "weights", config.model, checkpoint_weight_bytes(model, config.model, qconfig), dtype,
+                 None if qconfig is None else (qconfig.describe(), checkpoint_file_bytes(config.model)))
     models = [(model, hf_config.num_hidden_layers)]
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
@@ -126,7 +129,8 @@ def plan_model(config: EngineConfig, settings: Settings) -> LoadedModel:
 
         path, draft_hf = resolve_draft(spec, config, hf_config, max_model_len)
         draft = build_model(draft_hf, meta, dtype, max_model_len)
-        _add_weights(settings, "draft_weights", path, checkpoint_weight_bytes(draft, path), dtype)
+        _add_weights(settings, "draft_weights", path,
+                     checkpoint_weight_bytes(draft, path, quant_config_from_hf(draft_hf)), dtype)
         models.append((draft, draft_hf.num_hidden_layers))
     config = resolve_step_budget(config, max_model_len, settings)
     if kv_cache_is_measured(config, device):
@@ -139,11 +143,15 @@ def plan_model(config: EngineConfig, settings: Settings) -> LoadedModel:
     return LoadedModel(runner, tokenizer, hf_config, max_model_len, config, settings)
 
 
-def _add_weights(settings: Settings, name: str, path: str, sized: tuple[int, int], dtype: torch.dtype) -> None:
+def _add_weights(settings: Settings, name: str, path: str, sized: tuple[int, int], dtype: torch.dtype,
+                 quantized: tuple[str, int] | None = None) -> None:
+    """quantized: (the checkpoint's quantization, the bytes it stores) of a checkpoint dequantized at load."""
     nbytes, tensors = sized
     size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    how = (f"; the checkpoint stores {quantized[1]} bytes, quantized with {quantized[0]}, dequantized at load"
+           if quantized else "")
     settings.add(name, size, f"{nbytes} bytes: {tensors} tensors as {str(dtype).removeprefix('torch.')}, from the "
-                 f"safetensors headers in {path}")
+                 f"safetensors headers in {path}{how}")
 
 
 class RunnerPlan:

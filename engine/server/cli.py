@@ -105,6 +105,12 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(model_path, args)
     served = args.served_model_name or args.model
     config.served_model_name = served
+    if config.quantization is not None and args.backend == "torch":
+        # a --quantization that is not the checkpoint's stops the server before it starts (a ConfigError: exit 2)
+        from kvgate.engine.loader import load_hf_config
+        from kvgate.engine.quantization import quant_config_from_hf
+
+        quant_config_from_hf(load_hf_config(model_path), config.quantization)
     if args.print_config:
         return print_config(config)
     # read and checked before the model loads: a bad file or override stops the server at once
