@@ -1,8 +1,15 @@
-"""ModelServer → a Deployment of `kvgate serve` pods that are members of the ModelServer's InferencePool.
+"""ModelServer → a Deployment of engine pods that are members of the ModelServer's InferencePool.
+
+The engine is spec.engine.type's: `kvgate serve` (the default), `vllm serve` or SGLang's launch_server, each
+with its own command line from the same fields (engine_commands.py) and, for vLLM and SGLang, their own image
+(spec.image, or the operator's --vllm-image / --sglang-image) and the engine-type pod label by which the EPP
+reads their metric names (SGLang's differ from vLLM's; kvgate's engine exports vLLM's).
 
 The pods carry the pool's selector labels and serve on the pool's first target port, so the pool (and its
 EPP) picks them up with no further wiring. The root filesystem is read-only: the engine writes only to its
-cache dir (the demo model, compiled kernels) and /tmp, both emptyDirs.
+cache dir (the demo model, compiled kernels) and /tmp, both emptyDirs; vLLM and SGLang, whose images run as
+root with caches under root's HOME, get HOME, XDG, Hugging Face, Triton, inductor and vLLM cache variables
+pointing there (engine_env).
 
 Security: the pods run as the image's own non-root user (uid 10001, the Dockerfile's USER; set explicitly so
 that an allowed override image whose USER is root cannot run as root), with no privilege escalation, every
@@ -13,10 +20,12 @@ Drain (a rolling update or scale-down): the kubelet runs the preStop hook (a sho
 still serves: by then its deletion has reached the EPP's pod watch (and the Gateways' FailOpen fallback
 lists), so no new request is routed to it when the engine gets SIGTERM. The engine then turns /health 503,
 admits nothing new and finishes its streams within `--shutdown-timeout` (vLLM's flag; spec.engine.
-shutdownGracePeriodSeconds); terminationGracePeriodSeconds covers the sleep, that grace and a margin to exit.
+shutdownGracePeriodSeconds; SGLang has no such flag and stops at SIGTERM, so for it only the preStop pause
+keeps new requests away); terminationGracePeriodSeconds covers the sleep, that grace and a margin to exit.
 Liveness is /live: 200 while the model loads and while it drains, 503 only once the engine loop died (and by
 default the server then exits, so the container restarts at once); the kubelet also stops liveness probes once
-a pod is being deleted, so a draining engine is never restarted.
+a pod is being deleted, so a draining engine is never restarted. vLLM and SGLang have no /live: their liveness
+is /health, behind the same startup probe.
 """
 
 from __future__ import annotations
@@ -29,13 +38,10 @@ from kvgate.common.epp_protocol import (ENGINE_TYPE_LABEL, KV_EVENTS_PORT_ANNOTA
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, find, stamp
 from kvgate.operator.engine_commands import (ADAPTERS_DIR, DEFAULT_MODEL, KVGATE, OPERATOR_FLAGS, QUANTIZATIONS,
-                                             SGLANG, SPEC_FLAGS, VLLM, engine_flags, engine_problems, engine_type,
-                                             kv_cache_bytes, kv_events_config, lora_flags, serve_command,
-                                             shutdown_grace_s, speculative_config)
+                                             SGLANG, SPEC_FLAGS, VLLM, engine_problems, engine_type, kv_cache_bytes,
+                                             serve_command, shutdown_grace_s)
 from kvgate.operator.spec_shape import modelserver_problems, pool_problems, pool_ref_name
 from kvgate.operator.tenancy import TenantPolicy, escalation_problems, label_problems
-
-__all__ = ["engine_flags", "kv_events_config", "lora_flags", "serve_command", "speculative_config"]  # re-exported
 
 CACHE_DIR = "/var/cache/kvgate"
 CONTAINER = "engine"

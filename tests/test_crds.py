@@ -555,6 +555,14 @@ MODEL_SERVER_CASES = [
     ("security-context-is-no-field", model_server(securityContext={"privileged": True}), False),
     ("volumes-is-no-field", model_server(volumes=[{"name": "root", "hostPath": {"path": "/"}}]), False),
     ("negative-status-replicas", {**model_server(), "status": {"replicas": -1}}, False),
+    # spec.engine.type: the engine the pods run (what one engine lacks is the operator's condition, not the schema's)
+    ("engine-type-kvgate", model_server(engine={"type": "kvgate", "backend": "sim"}), True),
+    ("engine-type-vllm", model_server(engine={"type": "vllm", "tensorParallelSize": 2}, image="vllm/vllm-openai:v1"),
+     True),
+    ("engine-type-sglang", model_server(engine={"type": "sglang", "kvCacheDtype": "fp8"}), True),
+    ("engine-type-unknown", model_server(engine={"type": "tgi"}), False),
+    ("engine-type-capitalized", model_server(engine={"type": "vLLM"}), False),
+    ("engine-type-not-a-string", model_server(engine={"type": 1}), False),
 ]
 
 
@@ -570,6 +578,10 @@ def test_model_server_defaults():
     assert spec["replicas"] == 1
     assert spec["model"] == {"path": "demo", "pvc": {"claimName": "c", "readOnly": True}}
     assert "engine" not in spec  # unset engine flags keep the engine's own defaults
+    # no schema default for engine.type: unset is kvgate (the operator's reading), and specs written before the
+    # field existed render the same Deployment
+    engine = our_schema("ModelServer").defaulted(model_server(engine={"maxNumSeqs": 8}))["spec"]["engine"]
+    assert "type" not in engine
 
 
 def objective(**spec) -> dict:
