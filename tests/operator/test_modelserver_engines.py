@@ -18,11 +18,13 @@ from kvgate.common.epp_protocol import ENGINE_TYPE_LABEL
 from kvgate.epp.datalayer import DIALECTS, dialect_for
 from kvgate.epp.datalayer.exposition import parse_metrics
 from kvgate.epp.datastore import pool_endpoints
-from kvgate.operator import modelserver as m
+from kvgate.operator import modelserver as m, naming
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.main import add_operator_parser
+from kvgate.operator.reconciler import Reconciler
 from kvgate.operator.tenancy import TenantPolicy, privileged_uses
 from tests.operator.conftest import REPO, load_docs
+from tests.operator.memory_kube import MemoryKube
 
 IMAGE = "kvgate:test"
 VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
@@ -354,3 +356,20 @@ def test_an_unknown_type_and_the_engine_type_label_in_pod_labels_are_refused(sam
     problems = _problems(samples, {"type": "vllm"}, podLabels={ENGINE_TYPE_LABEL: "sglang"})
     assert any(f"podLabels may not set {ENGINE_TYPE_LABEL}" in p for p in problems)
     assert any("spec.engine.type: expected a string" in p for p in _problems(samples, {"type": 3}))
+
+
+def test_the_reconciler_runs_a_vllm_modelserver_with_the_operators_vllm_image(samples):
+    kube = MemoryKube()
+    ms = _ms(samples, {"type": "vllm"})
+    for obj in (samples["InferencePool"], ms):
+        kube.put(obj)
+    reconciler = Reconciler(kube, OperatorConfig(IMAGE, IMAGE, "envoy:test"))
+    reconciler.reconcile_modelserver("default", naming.name_of(ms))  # no --vllm-image: a condition, no Deployment
+    assert kube.stored("Deployment", naming.engine_deployment_name(ms)) is None
+    ready = next(c for c in kube.stored("ModelServer", naming.name_of(ms))["status"]["conditions"]
+                 if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec") and "--vllm-image" in ready["message"]
+    reconciler = Reconciler(kube, OperatorConfig(IMAGE, IMAGE, "envoy:test", vllm_image=VLLM_IMAGE))
+    reconciler.reconcile_modelserver("default", naming.name_of(ms))
+    dep = kube.stored("Deployment", naming.engine_deployment_name(ms))
+    assert _container(dep)["image"] == VLLM_IMAGE and _container(dep)["command"][:2] == ["vllm", "serve"]
