@@ -4,6 +4,8 @@ spec.engine.type picks the engine (kvgate, the default; vllm; sglang). The field
 are spelled as each engine's own flags:
 
   field                  kvgate serve / vllm serve          python3 -m sglang.launch_server
+  device                 --device / (none: the image's      --device cpu|cuda (auto: none)
+                         build; cpu: no GPUs requested)
   model.path             positional MODEL                   --model-path
   servedModelName        --served-model-name                --served-model-name
   tensorParallelSize     --tensor-parallel-size             --tp-size
@@ -92,9 +94,9 @@ def engine_problems(spec: dict) -> list[str]:
     if engine.get("backend") is not None:
         problems.append(f"backend is the kvgate engine's own (torch or sim); {kind} has no such setting")
     device = engine.get("device")
-    if kind == VLLM and device not in (None, "auto"):
+    if kind == VLLM and device not in (None, "auto", "cpu"):
         problems.append(f"device {device!r}: vLLM runs on the platform its build (the image) is for; leave device "
-                        "unset and pick a CPU or GPU vLLM image")
+                        "unset with a GPU image (cpu: a CPU image, no GPUs requested)")
     if kind == SGLANG and device is not None and device not in ("auto", "cpu", "cuda"):
         problems.append(f"device {device!r}: SGLang takes a device kind (cpu or cuda), not one GPU")
     dtype = engine.get("kvCacheDtype")

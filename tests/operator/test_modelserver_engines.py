@@ -250,6 +250,13 @@ def test_every_engine_type_requests_a_gpu_a_rank_with_shared_memory(samples, kin
     assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
 
 
+def test_a_cpu_vllm_image_with_several_ranks_requests_no_gpus(samples):
+    _, dep = _render(samples, {"type": "vllm", "device": "cpu", "tensorParallelSize": 2})
+    c = _container(dep)
+    assert m.GPU_RESOURCE not in (c.get("resources") or {}).get("limits", {})
+    assert "--device" not in c["command"] and c["command"][c["command"].index("--tensor-parallel-size") + 1] == "2"
+
+
 def test_vllm_gets_the_api_key_from_the_secret_in_its_environment(samples):
     _, dep = _render(samples, {"type": "vllm", "apiKeySecretRef": {"name": "llm-keys", "key": "api-key"}})
     c = _container(dep)
