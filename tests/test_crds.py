@@ -390,6 +390,17 @@ def test_the_lora_sample_is_valid_for_ours_and_upstreams_crds():
     assert schemas[(bad["apiVersion"], "ModelServer")].errors(bad)
 
 
+def test_the_engine_type_samples_are_valid():
+    """crds/samples/engines/ (kept out of the main samples: GPUs, a model PVC and the engines' images)."""
+    docs = load_docs(SAMPLES / "engines" / "engines.yaml")
+    assert [(d["kind"], (d["spec"].get("engine") or {}).get("type")) for d in docs] == [
+        ("InferencePool", None), ("ModelServer", "vllm"), ("InferencePool", None), ("ModelServer", "sglang")]
+    schemas = schemas_by_type()
+    for doc in docs:
+        schema = schemas.get((doc["apiVersion"], doc["kind"]))
+        assert schema is not None and schema.errors(doc) == [], doc["metadata"]["name"]
+
+
 def test_samples_make_one_consistent_pool():
     by_kind: dict[str, list[dict]] = {}
     for _, doc in sample_docs():

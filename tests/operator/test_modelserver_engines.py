@@ -380,3 +380,17 @@ def test_the_reconciler_runs_a_vllm_modelserver_with_the_operators_vllm_image(sa
     reconciler.reconcile_modelserver("default", naming.name_of(ms))
     dep = kube.stored("Deployment", naming.engine_deployment_name(ms))
     assert _container(dep)["image"] == VLLM_IMAGE and _container(dep)["command"][:2] == ["vllm", "serve"]
+
+
+def test_the_engine_samples_render_with_the_operators_images():
+    docs = load_docs(REPO / "crds" / "samples" / "engines" / "engines.yaml")
+    for doc in docs:
+        doc["metadata"]["namespace"] = "default"
+    pools = {d["metadata"]["name"]: d for d in docs if d["kind"] == "InferencePool"}
+    for ms in (d for d in docs if d["kind"] == "ModelServer"):
+        pool = pools[ms["spec"]["poolRef"]["name"]]
+        dep = m.desired_engine_deployment(ms, pool, IMAGES, TenantPolicy(), list(pools.values()))
+        kind = ms["spec"]["engine"]["type"]
+        assert dep is not None, m.validate_modelserver(ms, pool, TenantPolicy(), list(pools.values()), IMAGES)
+        assert _container(dep)["image"] == IMAGES[kind]
+        assert dep["spec"]["template"]["metadata"]["labels"][ENGINE_TYPE_LABEL] == kind
