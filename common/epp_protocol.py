@@ -33,6 +33,10 @@ TEST_ENDPOINT_SELECTION_HEADER = "test-epp-endpoint-selection"  # header-based-t
 SERVED_TEST_HEADER = "x-conformance-test-served-endpoint"  # destination-endpoint-served-verifier
 SERVED_MISSING = "fail: missing destination endpoint served metadata"  # what upstream's test EPP reports then
 
+# Pod label (Kubernetes mode) naming the metrics dialect of the model server the pod runs: vllm (also kvgate's
+# engine, which exports vLLM's names), sglang or trtllm; a pod without it is read as vllm.
+ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
+
 # Pod annotations (Kubernetes mode) saying where a model server publishes its KV-cache events (vLLM's
 # --kv-events-config; used only when the EPP's config has a precise-prefix-cache-scorer): the PUB port, the
 # replay (ROUTER) port and the topic, on the pod's IP. They override `kvgate epp --kv-events-port`,

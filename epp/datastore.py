@@ -20,11 +20,10 @@ from pathlib import Path
 import yaml
 
 from kvgate.common import bounded_file, bounded_yaml
+from kvgate.common.epp_protocol import ENGINE_TYPE_LABEL
 from kvgate.epp.types import Endpoint
 
 log = logging.getLogger(__name__)
-
-ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
 
 
 def parse_endpoint(item: str) -> Endpoint:

@@ -26,3 +26,12 @@ class OperatorConfig:
     epp_high_availability: bool = False
     # What ModelServers may use beyond the default (tenancy.py): --allow-host-path, --allow-image-prefix.
     tenant_policy: TenantPolicy = TenantPolicy()
+    # The images of ModelServers with engine.type vllm or sglang that name no spec.image (--vllm-image,
+    # --sglang-image); None: such a ModelServer must name its image (and an allowed prefix must cover it).
+    vllm_image: str | None = None
+    sglang_image: str | None = None
+
+    def engine_images(self) -> dict[str, str]:
+        """The operator's image per engine type, for those it has one."""
+        images = {"kvgate": self.engine_image, "vllm": self.vllm_image, "sglang": self.sglang_image}
+        return {kind: image for kind, image in images.items() if image}

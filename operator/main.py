@@ -27,6 +27,11 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
                    help="watch only this namespace (default: all namespaces)")
     p.add_argument("--engine-image", default=DEFAULT_KVGATE_IMAGE,
                    help="image of the engine pods when a ModelServer names none (default %(default)s)")
+    p.add_argument("--vllm-image", default=None, metavar="IMAGE",
+                   help="image of ModelServers with engine.type vllm that name none (default: none, so each must "
+                        "name one under an --allow-image-prefix); runs as uid 10001 on a read-only root")
+    p.add_argument("--sglang-image", default=None, metavar="IMAGE",
+                   help="image of ModelServers with engine.type sglang that name none (default: none)")
     p.add_argument("--epp-image", default=DEFAULT_KVGATE_IMAGE, help="image of the EPP pods (default %(default)s)")
     p.add_argument("--envoy-image", default=DEFAULT_ENVOY_IMAGE,
                    help="image of the Gateways' Envoy pods (default %(default)s)")
@@ -92,6 +97,7 @@ def run_operator(args: argparse.Namespace) -> int:
                             network_policy=args.epp_network_policy == "enabled",
                             epp_high_availability=args.epp_high_availability == "enabled",
                             epp_metrics_from=args.epp_metrics_from,
+                            vllm_image=args.vllm_image, sglang_image=args.sglang_image,
                             tenant_policy=TenantPolicy(allow_host_path=args.allow_host_path,
                                                        image_prefixes=tuple(args.allow_image_prefix)))
     if args.allow_host_path or args.allow_image_prefix:

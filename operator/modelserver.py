@@ -1,8 +1,15 @@
-"""ModelServer → a Deployment of `kvgate serve` pods that are members of the ModelServer's InferencePool.
+"""ModelServer → a Deployment of engine pods that are members of the ModelServer's InferencePool.
+
+The engine is spec.engine.type's: `kvgate serve` (the default), `vllm serve` or SGLang's launch_server, each
+with its own command line from the same fields (engine_commands.py) and, for vLLM and SGLang, their own image
+(spec.image, or the operator's --vllm-image / --sglang-image) and the engine-type pod label by which the EPP
+reads their metric names (SGLang's differ from vLLM's; kvgate's engine exports vLLM's).
 
 The pods carry the pool's selector labels and serve on the pool's first target port, so the pool (and its
 EPP) picks them up with no further wiring. The root filesystem is read-only: the engine writes only to its
-cache dir (the demo model, compiled kernels) and /tmp, both emptyDirs.
+cache dir (the demo model, compiled kernels) and /tmp, both emptyDirs; vLLM and SGLang, whose images run as
+root with caches under root's HOME, get HOME, XDG, Hugging Face, Triton, inductor and vLLM cache variables
+pointing there (engine_env).
 
 Security: the pods run as the image's own non-root user (uid 10001, the Dockerfile's USER; set explicitly so
 that an allowed override image whose USER is root cannot run as root), with no privilege escalation, every
@@ -13,37 +20,36 @@ Drain (a rolling update or scale-down): the kubelet runs the preStop hook (a sho
 still serves: by then its deletion has reached the EPP's pod watch (and the Gateways' FailOpen fallback
 lists), so no new request is routed to it when the engine gets SIGTERM. The engine then turns /health 503,
 admits nothing new and finishes its streams within `--shutdown-timeout` (vLLM's flag; spec.engine.
-shutdownGracePeriodSeconds); terminationGracePeriodSeconds covers the sleep, that grace and a margin to exit.
+shutdownGracePeriodSeconds; SGLang has no such flag and stops at SIGTERM, so for it only the preStop pause
+keeps new requests away); terminationGracePeriodSeconds covers the sleep, that grace and a margin to exit.
 Liveness is /live: 200 while the model loads and while it drains, 503 only once the engine loop died (and by
 default the server then exits, so the container restarts at once); the kubelet also stops liveness probes once
-a pod is being deleted, so a draining engine is never restarted.
+a pod is being deleted, so a draining engine is never restarted. vLLM and SGLang have no /live: their liveness
+is /health, behind the same startup probe.
 """
 
 from __future__ import annotations
 
-import json
 import re
+from collections.abc import Mapping
 
-from kvgate.common.epp_protocol import KV_EVENTS_PORT_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION
+from kvgate.common.epp_protocol import (ENGINE_TYPE_LABEL, KV_EVENTS_PORT_ANNOTATION,
+                                        KV_EVENTS_REPLAY_PORT_ANNOTATION)
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, find, stamp
+from kvgate.operator.engine_commands import (ADAPTERS_DIR, DEFAULT_MODEL, KVGATE, OPERATOR_FLAGS, QUANTIZATIONS,
+                                             SGLANG, SPEC_FLAGS, VLLM, engine_problems, engine_type, kv_cache_bytes,
+                                             serve_command, shutdown_grace_s)
 from kvgate.operator.spec_shape import modelserver_problems, pool_problems, pool_ref_name
 from kvgate.operator.tenancy import TenantPolicy, escalation_problems, label_problems
 
 CACHE_DIR = "/var/cache/kvgate"
 CONTAINER = "engine"
-DEFAULT_MODEL = "demo"
 RUN_AS = 10001  # the kvgate image's USER (Dockerfile): files the image gives its user stay readable
-DEFAULT_SHUTDOWN_GRACE_S = 30  # the engine's --shutdown-timeout unless spec.engine says otherwise
 # preStop sleep before SIGTERM: a pod watch event reaches the EPP in well under a second, an operator-rendered
 # FailOpen fallback list within a reconcile; 5 s covers both with room, and is short against the drain grace.
 PRE_STOP_SLEEP_S = 5
 EXIT_MARGIN_S = 5  # after the drain grace, for the process to exit before the kubelet's SIGKILL
-# Flags the operator sets itself; extraArgs may not set them again (argparse's last one would win).
-OPERATOR_FLAGS = ("--host", "--port", "--shutdown-timeout")
-# Flags with a spec field that the pod's shape depends on (GPUs requested, /dev/shm): set through the field only.
-SPEC_FLAGS = {"--tensor-parallel-size": "engine.tensorParallelSize", "--quantization": "engine.quantization"}
-QUANTIZATIONS = ("fp8", "compressed-tensors", "gptq", "awq")  # vLLM's --quantization values the engine loads
 GPU_RESOURCE = "nvidia.com/gpu"
 # A memory-backed /dev/shm for tensor-parallel ranks (torch.distributed's transfers between the ranks' processes
 # use shared memory; the container runtime's default /dev/shm is 64Mi). It counts against the pod's memory.
@@ -52,20 +58,6 @@ API_KEY_ENV = "VLLM_API_KEY"  # what `kvgate serve` reads (engine/server/auth.py
 # spec.engine.apiKeySecretRef: a Secret's name (a DNS subdomain) and one of its keys, as the API server checks them
 _SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _SECRET_KEY = re.compile(r"\.?[-_a-zA-Z0-9][-._a-zA-Z0-9]*")  # not "." nor ".." nor "..x"
-
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti)?$")
-
-
-def kv_cache_bytes(quantity: int | str) -> int:
-    """`kvCacheMemory` (bytes, or a binary-suffixed quantity such as "2Gi") as bytes."""
-    if isinstance(quantity, int):
-        return quantity
-    m = _QUANTITY.match(str(quantity).strip())
-    if not m:
-        raise ValueError(f"not a byte quantity: {quantity!r} (e.g. 2147483648 or 2Gi)")
-    power = ["", "Ki", "Mi", "Gi", "Ti"].index(m.group(2) or "")
-    return int(float(m.group(1)) * 1024 ** power)
-
 
 # --- validation: what the CRD schema cannot say -------------------------------------------------------------
 
@@ -105,9 +97,10 @@ def _spec_problems(ms: dict) -> list[dict]:
         problems.append({"reason": "InvalidSpec", "message": "extraArgs must be a list of strings"})
     else:
         flags = {str(a).split("=", 1)[0] for a in spec.get("extraArgs") or []}
-        taken = sorted(flags & set(OPERATOR_FLAGS))
-        spec_owned = sorted(f"{flag} (set {field})" for flag, field in SPEC_FLAGS.items()
-                            if any(len(f) > 2 and flag.startswith(f) for f in flags))
+        kind = engine_type(spec) if engine_type(spec) in OPERATOR_FLAGS else KVGATE
+        taken = sorted(flags & set(OPERATOR_FLAGS[kind]))
+        spec_owned = sorted({f"{flag} (set {field})" for flag, field in SPEC_FLAGS[kind].items()
+                             if any(len(f) > 2 and flag.startswith(f) for f in flags)})
         if spec_owned:
             problems.append({"reason": "InvalidSpec",
                              "message": f"extraArgs may not set {', '.join(spec_owned)}: the pod's resources and "
@@ -115,13 +108,17 @@ def _spec_problems(ms: dict) -> list[dict]:
         if taken:
             problems.append({"reason": "InvalidSpec",
                              "message": f"extraArgs may not set {', '.join(taken)}: the operator sets them (the "
-                                        "pool's port; spec.engine.shutdownGracePeriodSeconds)"})
+                                        "pool's port; model.path; spec.engine.shutdownGracePeriodSeconds)"})
         # argparse takes any unambiguous prefix of a flag, so `--api` is `--api-key` too.
         if any(len(f) > 2 and "--api-key".startswith(f) for f in flags):
             problems.append({"reason": "InvalidSpec",
                              "message": "extraArgs may not set --api-key: a key there is readable by anyone who "
                                         "can read the ModelServer, its Deployment or its pods; put it in a Secret "
                                         "and name it in spec.engine.apiKeySecretRef"})
+    problems += [{"reason": "InvalidSpec", "message": p} for p in engine_problems(spec)]
+    if ENGINE_TYPE_LABEL in (spec.get("podLabels") or {}):
+        problems.append({"reason": "InvalidSpec", "message": f"podLabels may not set {ENGINE_TYPE_LABEL}: the "
+                         "operator sets it from engine.type (the EPP reads the engine's metrics by it)"})
     problems += _api_key_ref_problems(spec)
     problems += _parallelism_problems(spec)
     lookup = (spec.get("engine") or {}).get("speculativeConfig") or {}
@@ -177,7 +174,6 @@ def _api_key_ref_problems(spec: dict) -> list[dict]:
 
 
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][-A-Za-z0-9_.:]*")
-ADAPTERS_DIR = "/adapters"  # where spec.engine.lora.source is mounted (read-only)
 
 
 def _lora_problems(ms: dict) -> list[dict]:
@@ -213,16 +209,6 @@ def _lora_problems(ms: dict) -> list[dict]:
     return [{"reason": "InvalidSpec", "message": f"engine.lora: {p}"} for p in problems]
 
 
-def lora_flags(lora: dict) -> list[str]:
-    """spec.engine.lora as vLLM's flags, each adapter a --lora-modules name=/adapters/<path>."""
-    flags = ["--enable-lora"]
-    for field, flag in (("maxLoras", "--max-loras"), ("maxLoraRank", "--max-lora-rank"),
-                        ("maxCpuLoras", "--max-cpu-loras")):
-        if lora.get(field) is not None:
-            flags += [flag, str(lora[field])]
-    return flags + ["--lora-modules", *(f"{a['name']}={ADAPTERS_DIR}/{a['path'].strip('/')}" for a in lora["adapters"])]
-
-
 def lora_volume(lora: dict) -> dict:
     source = lora["source"]
     if source.get("pvc"):
@@ -244,18 +230,43 @@ def _kv_events_problems(ms: dict, pool: dict | None) -> list[dict]:
     return []
 
 
+OperatorImages = str | Mapping[str, str]  # the kvgate engine image, or the operator's image per engine type
+
+
+def operator_images(images: OperatorImages | None) -> dict[str, str]:
+    """The operator's default image per engine type (`kvgate operator --engine-image`, `--vllm-image`,
+    `--sglang-image`); a bare string is the kvgate engine's."""
+    if images is None:
+        return {}
+    return {k: v for k, v in images.items() if v} if isinstance(images, Mapping) else {KVGATE: images}
+
+
+def _image_problems(ms: dict, images: dict[str, str]) -> list[dict]:
+    """A vllm or sglang ModelServer runs that engine's image: spec.image, or the operator's for that type."""
+    spec = ms.get("spec") or {}
+    kind = engine_type(spec)
+    if spec.get("image") or kind not in (VLLM, SGLANG) or images.get(kind):
+        return []
+    return [{"reason": "InvalidSpec",
+             "message": f"engine.type {kind} needs a {kind} image: set spec.image (allowed by the operator's "
+                        f"--allow-image-prefix) or start the operator with --{kind}-image"}]
+
+
 def validate_modelserver(ms: dict, pool: dict | None, policy: TenantPolicy = TenantPolicy(),
-                         other_pools: list[dict] = (), operator_image: str | None = None) -> list[dict]:
+                         other_pools: list[dict] = (), operator_image: OperatorImages | None = None) -> list[dict]:
     """Problems ({reason, message}) the schema cannot catch; empty when a Deployment can be made.
 
     Some of these the CRD's CEL rules also reject — they are checked again for clusters too old to run CEL
     (the e2e rig is Kubernetes 1.20). `policy`, `other_pools` (the namespace's other InferencePools) and
-    `operator_image` (the engine image the operator runs by default) feed tenancy.py's rules."""
+    `operator_image` (the engine image the operator runs by default, or its image per engine type) feed
+    tenancy.py's rules; without it, whether a vllm or sglang ModelServer has an image is not judged."""
     shape = modelserver_problems(ms)
     if shape:  # nothing else can be judged (or rendered) from a spec of the wrong shape
         return [{"reason": "InvalidSpec", "message": "; ".join(shape)}] + _pool_problems(ms, pool)
+    images = operator_images(operator_image)
     problems = (_pool_problems(ms, pool) + _spec_problems(ms) + _kv_events_problems(ms, pool) + _lora_problems(ms)
-                + escalation_problems(ms, policy, operator_image))
+                + (_image_problems(ms, images) if operator_image is not None else [])
+                + escalation_problems(ms, policy, images.get(engine_type(ms.get("spec") or {}))))
     if not problems:
         own = naming.key_of(pool)
         # A misshapen pool selects nothing (its own reconcile reports it).
@@ -280,41 +291,6 @@ def replicas_of(ms: dict) -> int:
     return 1 if replicas is None else int(replicas)
 
 
-def engine_flags(engine: dict) -> list[str]:
-    """`spec.engine` as `kvgate serve` flags, in a fixed order; unset fields keep the engine's defaults."""
-    valued = [("backend", "--backend"), ("device", "--device"), ("dtype", "--dtype"),
-              ("blockSize", "--block-size"), ("maxNumSeqs", "--max-num-seqs"),
-              ("maxNumBatchedTokens", "--max-num-batched-tokens"), ("maxModelLen", "--max-model-len")]
-    flags = []
-    for field, flag in valued:
-        if engine.get(field) is not None:
-            flags += [flag, str(engine[field])]
-    if engine.get("kvCacheMemory") is not None:
-        flags += ["--kv-cache-memory", str(kv_cache_bytes(engine["kvCacheMemory"]))]
-    if engine.get("gpuMemoryUtilization") is not None:
-        flags += ["--gpu-memory-utilization", repr(float(engine["gpuMemoryUtilization"]))]
-    if engine.get("kvCacheDtype") is not None:
-        flags += ["--kv-cache-dtype", engine["kvCacheDtype"]]
-    if engine.get("quantization") is not None:
-        flags += ["--quantization", engine["quantization"]]
-    if engine.get("tensorParallelSize") is not None:
-        flags += ["--tensor-parallel-size", str(int(engine["tensorParallelSize"]))]
-    if engine.get("speculativeConfig"):
-        flags += ["--speculative-config", json.dumps(speculative_config(engine["speculativeConfig"]),
-                                                      separators=(",", ":"))]
-    if engine.get("enablePrefixCaching") is not None:
-        flags.append("--enable-prefix-caching" if engine["enablePrefixCaching"] else "--no-enable-prefix-caching")
-    if engine.get("kvEvents"):
-        flags += ["--kv-events-config", json.dumps(kv_events_config(engine["kvEvents"]), separators=(",", ":"))]
-    if engine.get("lora"):
-        flags += lora_flags(engine["lora"])
-    if engine.get("apiKeySecretRef"):
-        # The key itself comes in the environment (api_key_env); this makes an empty Secret value a failed start
-        # rather than an engine that serves without a key.
-        flags.append("--require-api-key")
-    return flags
-
-
 def api_key_env(engine: dict) -> list[dict]:
     """VLLM_API_KEY from spec.engine.apiKeySecretRef: a reference the kubelet resolves in the pod's own namespace
     (the ModelServer's), so the key is in no object the operator writes, and the operator never reads it. Not
@@ -326,27 +302,6 @@ def api_key_env(engine: dict) -> list[dict]:
              "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"], "optional": False}}}]
 
 
-def speculative_config(spec: dict) -> dict:
-    """spec.engine.speculativeConfig as vLLM's --speculative-config JSON (prompt lookup; unset keys keep the engine's
-    defaults)."""
-    config = {"method": spec.get("method") or "ngram", "num_speculative_tokens": spec["numSpeculativeTokens"]}
-    for field, key in (("promptLookupMin", "prompt_lookup_min"), ("promptLookupMax", "prompt_lookup_max")):
-        if spec.get(field) is not None:
-            config[key] = spec[field]
-    return config
-
-
-def kv_events_config(kv_events: dict) -> dict:
-    """spec.engine.kvEvents as vLLM's --kv-events-config JSON: bind every interface of the pod (the EPP connects
-    from its own pod) on the given ports. The events carry prompts' token ids and cache salts: the pool's
-    `<pool>-engines` NetworkPolicy (network_policy.py) admits only its EPP to these ports. The publisher's byte
-    and replay limits keep the engine's defaults (engine/kv_events.py)."""
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{int(kv_events['port'])}"}
-    if kv_events.get("replayPort"):
-        config["replay_endpoint"] = f"tcp://*:{int(kv_events['replayPort'])}"
-    return config
-
-
 def kv_events_ports(spec: dict) -> list[tuple[str, int, str]]:
     """(port name, port, pod annotation) for each KV-event socket spec.engine.kvEvents opens."""
     kv_events = (spec.get("engine") or {}).get("kvEvents") or {}
@@ -355,24 +310,9 @@ def kv_events_ports(spec: dict) -> list[tuple[str, int, str]]:
     return [(name, int(port), annotation) for name, port, annotation in named if port]
 
 
-def shutdown_grace_s(spec: dict) -> int:
-    value = (spec.get("engine") or {}).get("shutdownGracePeriodSeconds")
-    return DEFAULT_SHUTDOWN_GRACE_S if value is None else int(value)
-
-
 def termination_grace_s(spec: dict) -> int:
     """The pod's terminationGracePeriodSeconds: the preStop sleep, the engine's drain grace, a margin to exit."""
     return PRE_STOP_SLEEP_S + shutdown_grace_s(spec) + EXIT_MARGIN_S
-
-
-def serve_command(spec: dict, port: int) -> list[str]:
-    model = spec.get("model") or {}
-    path = model.get("path") or DEFAULT_MODEL
-    command = ["kvgate", "serve", path, "--host", "0.0.0.0", "--port", str(port),
-               "--served-model-name", model.get("servedModelName") or path]
-    return (command + engine_flags(spec.get("engine") or {})
-            + ["--shutdown-timeout", str(shutdown_grace_s(spec))]
-            + [str(a) for a in spec.get("extraArgs") or []])
 
 
 def model_volume(model: dict) -> dict | None:
@@ -412,7 +352,7 @@ def _volumes(spec: dict) -> tuple[list[dict], list[dict]]:
 STARTUP_LIMIT_S = 1800  # the longest a model may take to load before the container is restarted
 
 
-def _probes(port_name: str) -> dict:
+def _probes(port_name: str, kind: str = KVGATE) -> dict:
     # Startup and readiness are GET /health: 503 until the model is loaded, 200 while the engine serves, 503
     # once the engine loop died or a drain began. Liveness is GET /live, 503 only once the loop died. The startup
     # probe holds liveness off during a model load (up to STARTUP_LIMIT_S), probed every second so a new replica is
@@ -422,12 +362,15 @@ def _probes(port_name: str) -> dict:
     # Liveness restarts a container whose engine loop died (and which was told to stay up) within ~30 s (6
     # failures, 5 s apart) and tolerates /live being slow for ~25 s (a slow step starving the server). No gRPC
     # probes: the e2e rig runs Kubernetes 1.20.
+    # vLLM and SGLang have no /live: their HTTP server listens only once the model is loaded, and /health answers
+    # 200 while the engine runs (SGLang's /health_generate runs a generation: too dear for a probe every second).
+    # Liveness is /health too, so an engine that died is restarted; the startup probe covers the load.
     health = {"httpGet": {"path": "/health", "port": port_name}}
+    live = {"httpGet": {"path": "/live" if kind == KVGATE else "/health", "port": port_name}}
     return {
         "startupProbe": {**health, "periodSeconds": 1, "timeoutSeconds": 2, "failureThreshold": STARTUP_LIMIT_S},
         "readinessProbe": {**health, "periodSeconds": 1, "timeoutSeconds": 2, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": {"path": "/live", "port": port_name}, "periodSeconds": 5, "timeoutSeconds": 5,
-                          "failureThreshold": 6},
+        "livenessProbe": {**live, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 6},
     }
 
 
@@ -435,6 +378,27 @@ def _only(mapping: dict, keys: tuple[str, ...]) -> dict:
     """The named fields of a user-supplied structure: the pod spec never carries a field the operator did not
     choose to pass (the API server prunes unknown fields too; this holds where a schema is looser)."""
     return {k: mapping[k] for k in keys if k in mapping}
+
+
+def engine_env(spec: dict) -> list[dict]:
+    """The engine's environment: every cache it writes under the cache emptyDir or /tmp (the root filesystem is
+    read-only; vLLM's and SGLang's images expect to write under root's HOME), a user name for the non-root uid
+    (torch's compile cache asks getpass, which fails for a uid with no passwd entry), no usage reports."""
+    env = [{"name": "KVGATE_CACHE_DIR", "value": CACHE_DIR}, {"name": "HOME", "value": "/tmp"},
+           {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    if engine_type(spec) != KVGATE:
+        env += [{"name": "USER", "value": "engine"}, {"name": "LOGNAME", "value": "engine"},
+                {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+                {"name": "XDG_CONFIG_HOME", "value": f"{CACHE_DIR}/config"},
+                {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+                {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+                {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/inductor"},
+                {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}, {"name": "DO_NOT_TRACK", "value": "1"}]
+    if engine_type(spec) == VLLM:
+        env += [{"name": "VLLM_CACHE_ROOT", "value": f"{CACHE_DIR}/vllm"},
+                {"name": "VLLM_CONFIG_ROOT", "value": f"{CACHE_DIR}/vllm-config"},
+                {"name": "VLLM_NO_USAGE_STATS", "value": "1"}]
+    return env + api_key_env(spec.get("engine") or {})
 
 
 def _container(spec: dict, image: str, port: int) -> dict:
@@ -445,14 +409,13 @@ def _container(spec: dict, image: str, port: int) -> dict:
         "command": serve_command(spec, port),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]
                  + [{"name": name, "containerPort": p, "protocol": "TCP"} for name, p, _ in kv_events_ports(spec)],
-        "env": [{"name": "KVGATE_CACHE_DIR", "value": CACHE_DIR}, {"name": "HOME", "value": "/tmp"},
-                {"name": "PYTHONUNBUFFERED", "value": "1"}, *api_key_env(spec.get("engine") or {})],
+        "env": engine_env(spec),
         "volumeMounts": volumes_mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "privileged": False, "capabilities": {"drop": ["ALL"]}},
         # Exec, not the `sleep` lifecycle action: that needs Kubernetes 1.30 (the e2e rig runs 1.20).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_SLEEP_S)]}}},
-        **_probes("http"),
+        **_probes("http", engine_type(spec)),
     }
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
@@ -483,8 +446,12 @@ def _pod_spec(spec: dict, image: str, port: int) -> dict:
 
 
 def _operator_pod_labels(ms: dict, pool: dict) -> dict[str, str]:
-    """The labels the operator sets on the engine pods itself: its own and the pool's selector."""
-    return {**naming.component_labels("engine", naming.engine_deployment_name(ms)), **pool_labels(pool)}
+    """The labels the operator sets on the engine pods itself: its own, the pool's selector and, for vLLM and
+    SGLang, the engine type by which the EPP reads their metrics (kvgate's engine exports vLLM's names, the EPP's
+    default)."""
+    kind = engine_type(ms.get("spec") or {})
+    dialect = {ENGINE_TYPE_LABEL: kind} if kind in (VLLM, SGLANG) else {}
+    return {**naming.component_labels("engine", naming.engine_deployment_name(ms)), **dialect, **pool_labels(pool)}
 
 
 def engine_pod_labels(ms: dict, pool: dict) -> dict[str, str]:
@@ -492,10 +459,11 @@ def engine_pod_labels(ms: dict, pool: dict) -> dict[str, str]:
     return dict(sorted({**((ms.get("spec") or {}).get("podLabels") or {}), **_operator_pod_labels(ms, pool)}.items()))
 
 
-def desired_engine_deployment(modelserver: dict, pool: dict | None, image: str,
+def desired_engine_deployment(modelserver: dict, pool: dict | None, image: OperatorImages,
                               policy: TenantPolicy = TenantPolicy(), other_pools: list[dict] = ()) -> dict | None:
     """The engine Deployment for `modelserver`, or None when `validate_modelserver` finds problems (with
-    `image`, the operator's engine image, as the one image that needs no --allow-image-prefix).
+    `image`, the operator's engine image or its images per engine type, as the images that need no
+    --allow-image-prefix).
 
     The Deployment's selector is exactly the pool's selector, so every pod it makes is a pool member.
     (Kubernetes makes a Deployment's selector immutable: see `needs_recreate`.)"""
@@ -518,7 +486,7 @@ def desired_engine_deployment(modelserver: dict, pool: dict | None, image: str,
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
                 "metadata": {"labels": dict(sorted(pod_labels.items())), "annotations": annotations},
-                "spec": _pod_spec(spec, image, port),
+                "spec": _pod_spec(spec, operator_images(image).get(engine_type(spec), ""), port),
             },
         },
     }

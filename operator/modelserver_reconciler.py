@@ -16,6 +16,7 @@ from kvgate.operator import naming
 from kvgate.operator.apply import DEPLOYMENT, MODELSERVER, POOL, ApiError, Kube, NameConflict, describe
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.config import OperatorConfig
+from kvgate.operator.engine_commands import engine_type
 from kvgate.operator.failures import REASON as FAILED, failure_message
 from kvgate.operator.modelserver import (desired_engine_deployment, modelserver_status, needs_recreate,
                                          validate_modelserver)
@@ -37,7 +38,7 @@ class ModelServerReconciler:
         pool_name = pool_ref_name(ms)
         pools = [p for p in self.kube.list(POOL, ns) if not naming.is_deleting(p)]  # its pool, the others' selectors
         pool = next((p for p in pools if naming.name_of(p) == pool_name), None)
-        policy, image = self.config.tenant_policy, self.config.engine_image
+        policy, image = self.config.tenant_policy, self.config.engine_images()
         problems = validate_modelserver(ms, pool, policy, pools, image)
         desired = None if problems else desired_engine_deployment(ms, pool, image, policy, pools)
         existing = self.kube.get(DEPLOYMENT, naming.engine_deployment_name(ms), ns)
@@ -83,7 +84,7 @@ class ModelServerReconciler:
     def _log_privileged_uses(self, ms: dict) -> None:
         """Log what an allowed ModelServer uses beyond the default (hostPath, another image): once per
         generation, so that each use is on record without a line every resync."""
-        uses = privileged_uses(ms, self.config.engine_image)
+        uses = privileged_uses(ms, self.config.engine_images().get(engine_type(ms.get("spec") or {})))
         key = naming.key_of(ms)
         seen = ((ms.get("metadata") or {}).get("generation"), tuple(uses))
         if uses and self._uses_logged.get(key) != seen:

@@ -61,7 +61,7 @@ MODELSERVER_SPEC = {
     "replicas": Int(0, 2**31 - 1),
     "model": {"path": str, "servedModelName": str, "pvc": {"claimName": Required(str), "readOnly": bool},
               "hostPath": {"path": Required(str)}, "image": {"reference": Required(str), "pullPolicy": str}},
-    "engine": {"backend": str, "device": str, "dtype": str, "blockSize": Int(1, 2**31 - 1),
+    "engine": {"type": str, "backend": str, "device": str, "dtype": str, "blockSize": Int(1, 2**31 - 1),
                "maxNumSeqs": Int(1, 2**31 - 1), "maxNumBatchedTokens": Int(1, 2**31 - 1),
                "maxModelLen": Int(1, 2**31 - 1), "kvCacheMemory": INT_OR_STRING, "enablePrefixCaching": bool,
                "gpuMemoryUtilization": Number(0, 1, exclusive_minimum=True), "kvCacheDtype": str,

@@ -74,7 +74,8 @@ VARIANTS = {
     "no-gatewayclass": ({"gatewayClass": {"create": False}}, BASE),
     "custom-images": ({"image": {"repository": "registry.example/kvgate", "tag": "1.2.3", "pullPolicy": "Always"},
                        "envoyImage": {"repository": "registry.example/envoy", "tag": "v9"},
-                       "operator": {"eppImage": "registry.example/epp:7"}},
+                       "operator": {"eppImage": "registry.example/epp:7", "vllmImage": "vllm/vllm-openai:v0.32.0",
+                                    "sglangImage": "lmsysorg/sglang:v0.5.0"}},
                       BASE + Counter({"GatewayClass": 1})),
     "tcp-probes-extra-args": ({"probes": {"type": "tcp"}, "logLevel": "debug",
                                "operator": {"extraArgs": ["--epp-address-mode", "pod-ip"],
@@ -187,6 +188,7 @@ def test_default_operator_args():
         NAMESPACE, image, image, "envoyproxy/envoy:v1.36-latest")  # the release namespace only
     assert (args.allow_host_path, args.allow_image_prefix) == (False, [])  # tenants get no node or foreign image
     assert (args.envoy_service_type, args.epp_address_mode, args.resync_seconds) == ("ClusterIP", "service", 15.0)
+    assert (args.vllm_image, args.sglang_image) == (None, None)  # vllm / sglang ModelServers name their image
     assert (args.epp_network_policy, args.epp_metrics_from) == ("enabled", ())  # on, and no metrics scraper
 
 
@@ -221,6 +223,7 @@ def test_custom_images():
     assert pod["containers"][0]["imagePullPolicy"] == "Always"
     assert (args.engine_image, args.epp_image, args.envoy_image) == (
         "registry.example/kvgate:1.2.3", "registry.example/epp:7", "registry.example/envoy:v9")
+    assert (args.vllm_image, args.sglang_image) == ("vllm/vllm-openai:v0.32.0", "lmsysorg/sglang:v0.5.0")
 
 
 def test_extra_args_and_scheduling():
