@@ -84,8 +84,30 @@ def load_model(config: EngineConfig, read_weights: bool = True) -> LoadedModel:
 
     hf_config, tokenizer, device, dtype, max_model_len = _resolve_model(config, settings)
     config = resolve_step_budget(config, max_model_len, settings)
-    runner = ModelRunner(config, hf_config, device, dtype, max_model_len)
+    if config.tensor_parallel_size == 1:
+        runner = ModelRunner(config, hf_config, device, dtype, max_model_len)
+    else:
+        runner = _tensor_parallel_runner(config, hf_config, device, dtype, max_model_len, settings)
     return LoadedModel(runner, tokenizer, hf_config, max_model_len, config, settings)
+
+
+def _tensor_parallel_runner(config: EngineConfig, hf_config, device, dtype, max_model_len: int, settings: Settings):
+    """Rank 0's ModelRunner, with ranks 1..N-1 started (distributed/workers.py) and each one's model built."""
+    from kvgate.engine.distributed.workers import start_ranks
+    from kvgate.engine.model_runner import ModelRunner
+
+    group, workers = start_ranks(config, hf_config, device, dtype, max_model_len)
+    try:
+        runner = ModelRunner(config, hf_config, device, dtype, max_model_len, tp=group, workers=workers)
+        for rank in range(1, group.size):  # each worker says when its model is built
+            workers.receive(rank)
+    except BaseException:
+        workers.close()
+        group.abort()
+        raise
+    settings.add("tensor_parallel_size", group.size, f"given: ranks 1..{group.size - 1} are worker processes "
+                 f"(pids {', '.join(str(p.pid) for p in workers.procs)}), {torch.get_num_threads()} CPU threads each")
+    return runner
 
 
 def _resolve_model(config: EngineConfig, settings: Settings):

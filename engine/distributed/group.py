@@ -1,0 +1,121 @@
+"""The tensor-parallel group a model is built for: this process's rank, the group's size and its collectives.
+
+A model reads the group it is built for from `current()` (set around model construction by `building_for`), as
+vLLM's layers read get_tensor_model_parallel_world_size(); without one it is `SINGLE` (size 1), and the layers are
+the plain torch modules. The group is a c10d process group object of its own (ProcessGroupGloo on CPU,
+ProcessGroupNCCL on CUDA), not torch.distributed's global default group: a process may start and close several
+engines, and nothing global is left behind.
+
+Every collective is bounded: gloo's by the group's timeout (a peer that dies closes its sockets, which gloo reports
+at once); NCCL's by the watchdog's timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING, set before the group is made).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+# How long one collective may wait for the other ranks. A dead peer is noticed long before (gloo: its socket
+# closes; workers.py's watchdog: its process ends); this bounds a peer that hangs.
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+class TensorParallelGroup:
+    """rank and size of this process in its group; `pg` the c10d process group (None at size 1)."""
+
+    def __init__(self, rank: int = 0, size: int = 1, pg=None) -> None:
+        self.rank, self.size, self.pg = rank, size, pg
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (x must be contiguous)."""
+        if self.size > 1:
+            self.pg.allreduce([x]).wait()
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x concatenated along the last dimension, rank order."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.pg.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x from rank src into every rank's x (same shape and dtype everywhere)."""
+        if self.size > 1:
+            self.pg.broadcast(x, src).wait()
+        return x
+
+    def abort(self) -> None:
+        """Drop the group after a failure (a peer died): its connections are closed, nothing waits on them."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except RuntimeError:
+                pass
+
+
+SINGLE = TensorParallelGroup()
+_building: TensorParallelGroup = SINGLE
+
+
+def current() -> TensorParallelGroup:
+    """The group the model being built is sharded for (SINGLE outside building_for)."""
+    return _building
+
+
+@contextmanager
+def building_for(group: TensorParallelGroup) -> Iterator[None]:
+    """Models constructed inside are sharded for `group` (module-level: build one engine's model at a time)."""
+    global _building
+    saved, _building = _building, group
+    try:
+        yield
+    finally:
+        _building = saved
+
+
+def create_store(world_size: int):
+    """Rank 0's rendezvous store on a free loopback port (its .port is handed to the workers)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def connect_store(port: int, world_size: int):
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def create_group(store, rank: int, size: int, device: torch.device) -> TensorParallelGroup:
+    """The ranks' process group over `store`: gloo for CPU tensors, NCCL for CUDA ones (blocks until all joined)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    prefixed = dist.PrefixStore("kvgate-tp", store)
+    if device.type == "cuda":
+        # A collective past its timeout aborts the communicator instead of hanging the step (and its process).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+        # NCCL connects lazily: one collective now, so a rank that cannot join fails here and not in a step
+        probe = torch.ones(1, device=device)
+        pg.allreduce([probe]).wait()
+        torch.cuda.synchronize(device)
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    return TensorParallelGroup(rank, size, pg)
