@@ -93,9 +93,15 @@ def load_model(config: EngineConfig, read_weights: bool = True) -> LoadedModel:
 
 def _tensor_parallel_runner(config: EngineConfig, hf_config, device, dtype, max_model_len: int, settings: Settings):
     """Rank 0's ModelRunner, with ranks 1..N-1 started (distributed/workers.py) and each one's model built."""
+    from kvgate.engine.distributed.group import TensorParallelGroup
     from kvgate.engine.distributed.workers import start_ranks
     from kvgate.engine.model_runner import ModelRunner
+    from kvgate.engine.models.parallel_linear import attention_heads
 
+    # the heads' split checked before any process starts (the other sizes as the model is built, on every rank)
+    heads = hf_config.num_attention_heads
+    attention_heads(heads, getattr(hf_config, "num_key_value_heads", None) or heads,
+                    TensorParallelGroup(0, config.tensor_parallel_size))
     group, workers = start_ranks(config, hf_config, device, dtype, max_model_len)
     try:
         runner = ModelRunner(config, hf_config, device, dtype, max_model_len, tp=group, workers=workers)

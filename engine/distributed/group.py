@@ -109,6 +109,7 @@ def create_group(store, rank: int, size: int, device: torch.device) -> TensorPar
     if device.type == "cuda":
         # A collective past its timeout aborts the communicator instead of hanging the step (and its process).
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        torch.cuda.set_device(device)  # per thread: the group may be made on a thread of its own (workers._join)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         pg = dist.ProcessGroupNCCL(prefixed, rank, size, options)

@@ -78,7 +78,8 @@ class TensorParallelWorkers:
         self._closing = False
         self._group = None  # rank 0's TensorParallelGroup, aborted when a rank dies (NCCL)
         self._on_failure: list = []
-        self._stop_r, self._stop_w = os.pipe()
+        self._stop_r, self._stop_w = os.pipe()  # closing the write end stops the watchdog
+        self._watchdog: threading.Thread | None = None
         self._finalizer = weakref.finalize(self, _end_workers, self.procs, self.conns)
 
     def start(self, starts: list[WorkerStart]) -> None:
@@ -94,7 +95,8 @@ class TensorParallelWorkers:
             conn.send(start)
             self.procs.append(proc)
             self.conns.append(conn)
-        threading.Thread(target=self._watch, name="kvgate-tp-watchdog", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch, name="kvgate-tp-watchdog", daemon=True)
+        self._watchdog.start()
 
     def watch_group(self, group) -> None:
         self._group = group
@@ -117,14 +119,22 @@ class TensorParallelWorkers:
                         self._died(rank, proc)
                         return
         finally:
-            for fd in waits:
+            for fd in waits + [self._stop_r]:
                 os.close(fd)
 
     def _died(self, rank: int, proc: subprocess.Popen) -> None:
         if self._closing or self.failure is not None:
             return
-        self.failure = (f"tensor-parallel rank {rank} (pid {proc.pid}) died ({_describe_exit(proc.returncode)}): "
-                        "the engine cannot continue")
+        why = _describe_exit(proc.returncode)
+        conn = self.conns[rank - 1]
+        try:  # a worker that failed says why before it exits
+            while conn.poll(0):
+                kind, value = conn.recv()
+                if kind == "error":
+                    why += f": {value}"
+        except (EOFError, OSError, ValueError):
+            pass
+        self.failure = f"tensor-parallel rank {rank} (pid {proc.pid}) died ({why}): the engine cannot continue"
         log.error("%s", self.failure)
         group = self._group
         if group is not None and group.pg is not None and type(group.pg).__name__ == "ProcessGroupNCCL":
@@ -192,15 +202,15 @@ class TensorParallelWorkers:
         if self._closing:
             return
         self._closing = True
-        os.write(self._stop_w, b"x")
+        os.close(self._stop_w)
+        if self._watchdog is None:
+            os.close(self._stop_r)
         for conn in self.conns:
             try:
                 conn.send(("stop",))
             except OSError:
                 pass
         self._finalizer()
-        os.close(self._stop_w)
-        os.close(self._stop_r)
 
 
 def _pidfd_or_poll(proc: subprocess.Popen):
@@ -233,7 +243,7 @@ def start_ranks(config, hf_config, device, dtype, max_model_len: int):
     import torch
 
     from kvgate.common.errors import ConfigError
-    from kvgate.engine.distributed.group import create_group, create_store
+    from kvgate.engine.distributed.group import create_store
 
     size = config.tensor_parallel_size
     if device.type == "cuda":
@@ -252,10 +262,33 @@ def start_ranks(config, hf_config, device, dtype, max_model_len: int):
     try:
         workers.start([WorkerStart(rank, size, store.port, config, hf_config, devices[rank], dtype, max_model_len,
                                    threads) for rank in range(1, size)])
-        group = create_group(store, 0, size, torch.device(devices[0]))
+        group = _join(workers, store, size, torch.device(devices[0]))
     except BaseException:
         workers.close()
         raise
     group.store = store  # the workers' rendezvous lives as long as the group
     workers.watch_group(group)
     return group, workers
+
+
+def _join(workers: TensorParallelWorkers, store, size: int, device):
+    """Rank 0's process group, made in a thread while this one watches the workers: one that dies before it
+    joins fails the start at once instead of after the store's timeout."""
+    from kvgate.engine.distributed.group import create_group
+
+    made: dict = {}
+
+    def join() -> None:
+        try:
+            made["group"] = create_group(store, 0, size, device)
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+            made["error"] = exc
+
+    thread = threading.Thread(target=join, name="kvgate-tp-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        workers.check()
+    if "error" in made:
+        raise made["error"]
+    return made["group"]

@@ -359,3 +359,75 @@ def test_killed_rank_turns_the_server_unhealthy(tiny_model_dir, tmp_path):
         response = result["response"]
         assert response.status_code >= 500 or "error" in response.text, response.text
         assert "rank 1" in server.log()
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_workers_end_with_rank_0(tiny_model_dir, tmp_path):
+    """Rank 0 SIGKILLed (no chance to clean up): its workers end too, none is left behind."""
+    import subprocess
+    import sys
+
+    folder, _ = tiny_model_dir("llama")
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import sys\n"
+        "from kvgate.engine import LLM\n"
+        f"llm = LLM({str(folder)!r}, max_model_len=128, tensor_parallel_size=2)\n"
+        "print(' '.join(str(p.pid) for p in llm.engine.runner.workers.procs), flush=True)\n"
+        "sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 1, line
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if Path(f"/proc/{p}").exists()
+                     and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+            time.sleep(0.05)
+        assert not alive, f"workers {alive} outlived rank 0"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.cuda
+@pytest.mark.processes
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_cuda_tp2_with_graphs_matches_tp1(family, tiny_model_dir):
+    """NCCL between two GPUs, the all-reduces captured in the CUDA graphs (the default: Triton kernels, graphs on):
+    float32 greedy outputs token-identical to one GPU's."""
+    folder, _ = tiny_model_dir(family)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
+    single = LLM(str(folder), device="cuda", dtype="float32", max_model_len=128)
+    try:
+        expected = [o.outputs[0].token_ids for o in single.generate(prompts, params)]
+    finally:
+        single.engine.close()
+    del single
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=128, tensor_parallel_size=2)
+    try:
+        assert llm.engine.runner.shapes is not None and llm.engine.runner.shapes.graphs, "no CUDA graphs captured"
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert got == expected
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_size_that_does_not_divide_the_heads_fails_the_start(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    started = time.monotonic()
+    with pytest.raises(ModelLoadError, match="num_attention_heads \\(4\\) is not divisible by tensor_parallel_size 3"):
+        LLM(str(folder), max_model_len=128, tensor_parallel_size=3)
+    assert time.monotonic() - started < 60
