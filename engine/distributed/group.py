@@ -7,13 +7,15 @@ ProcessGroupNCCL on CUDA), not torch.distributed's global default group: a proce
 engines, and nothing global is left behind.
 
 Every collective is bounded: gloo's by the group's timeout (a peer that dies closes its sockets, which gloo reports
-at once); NCCL's by the watchdog's timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING, set before the group is made).
+at once); NCCL's by the same timeout, which torch's NCCL watchdog enforces by tearing the communicator down
+(TORCH_NCCL_ASYNC_ERROR_HANDLING's default), and workers.py aborts the group as soon as a rank's process ends. The
+all-reduces inside captured CUDA graphs are plain NCCL collectives (capturable since NCCL 2.9): every rank
+captures the same graphs in the same order and replays them in step.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -107,8 +109,6 @@ def create_group(store, rank: int, size: int, device: torch.device) -> TensorPar
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     prefixed = dist.PrefixStore("kvgate-tp", store)
     if device.type == "cuda":
-        # A collective past its timeout aborts the communicator instead of hanging the step (and its process).
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         torch.cuda.set_device(device)  # per thread: the group may be made on a thread of its own (workers._join)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
