@@ -375,7 +375,9 @@ class ModelRunner:
                 batch, hidden = self._run_model(out, running)
                 logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows)) if samplers else None
             except RuntimeError as exc:
-                raise self.workers.explain(exc) from exc
+                error = self.workers.explain(exc)
+                self.tp.abort()  # no step can run on this group again
+                raise error from exc
             if not samplers:
                 return PendingStep.done()
         if out.has_drafts:

@@ -39,7 +39,7 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (x must be contiguous)."""
         if self.size > 1:
-            self.pg.allreduce([x]).wait()
+            self._live().allreduce([x]).wait()
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,14 +48,19 @@ class TensorParallelGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.pg.allgather([parts], [x]).wait()
+        self._live().allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """x from rank src into every rank's x (same shape and dtype everywhere)."""
         if self.size > 1:
-            self.pg.broadcast(x, src).wait()
+            self._live().broadcast(x, src).wait()
         return x
+
+    def _live(self):
+        if self.pg is None:
+            raise RuntimeError("the tensor-parallel group was aborted (a rank died or a collective failed)")
+        return self.pg
 
     def abort(self) -> None:
         """Drop the group after a failure (a peer died): its connections are closed, nothing waits on them."""

@@ -75,12 +75,12 @@ class TensorParallelWorkers:
         self.procs: list[subprocess.Popen] = []
         self.conns: list[multiprocessing.connection.Connection] = []
         self.failure: str | None = None  # set by the watchdog: which rank died, how
-        self._closing = False
+        self._ending = [False]  # set when the workers are asked to end (close(), or the finalizer at exit)
         self._group = None  # rank 0's TensorParallelGroup, aborted when a rank dies (NCCL)
         self._on_failure: list = []
         self._stop_r, self._stop_w = os.pipe()  # closing the write end stops the watchdog
         self._watchdog: threading.Thread | None = None
-        self._finalizer = weakref.finalize(self, _end_workers, self.procs, self.conns)
+        self._finalizer = weakref.finalize(self, _end_workers, self.procs, self.conns, self._ending)
 
     def start(self, starts: list[WorkerStart]) -> None:
         from kvgate.common.processes import end_with_me
@@ -112,7 +112,7 @@ class TensorParallelWorkers:
             while True:
                 ready = multiprocessing.connection.wait(waits + [self._stop_r],
                                                         timeout=0.2 if None in sentinels else None)
-                if self._stop_r in ready or self._closing:
+                if self._stop_r in ready or self._ending[0]:
                     return
                 for rank, proc in sentinels.values():
                     if proc.poll() is not None:
@@ -123,7 +123,7 @@ class TensorParallelWorkers:
                 os.close(fd)
 
     def _died(self, rank: int, proc: subprocess.Popen) -> None:
-        if self._closing or self.failure is not None:
+        if self._ending[0] or self.failure is not None:
             return
         why = _describe_exit(proc.returncode)
         conn = self.conns[rank - 1]
@@ -160,9 +160,9 @@ class TensorParallelWorkers:
             except TensorParallelError:
                 break
             time.sleep(0.02)
-        if self.failure is not None:
-            return TensorParallelError(self.failure)
-        return TensorParallelError(f"a tensor-parallel collective failed: {str(exc)[:300]}")
+        if self.failure is None:  # no rank died, but the group is broken all the same: later steps fail too
+            self.failure = f"a tensor-parallel collective failed: {str(exc)[:300]}"
+        return TensorParallelError(self.failure)
 
     # -- commands ---------------------------------------------------------------------------------
 
@@ -199,9 +199,9 @@ class TensorParallelWorkers:
 
     def close(self) -> None:
         """Stop the workers (asked, then SIGKILLed after STOP_TIMEOUT_S); idempotent."""
-        if self._closing:
+        if self._ending[0]:
             return
-        self._closing = True
+        self._ending[0] = True
         os.close(self._stop_w)
         if self._watchdog is None:
             os.close(self._stop_r)
@@ -223,8 +223,9 @@ def _pidfd_or_poll(proc: subprocess.Popen):
     return None
 
 
-def _end_workers(procs: list[subprocess.Popen], conns: list) -> None:
-    """Wait STOP_TIMEOUT_S for the workers to end, SIGKILL those left, close the channels."""
+def _end_workers(procs: list[subprocess.Popen], conns: list, ending: list[bool]) -> None:
+    """Close the channels, wait STOP_TIMEOUT_S for the workers to end, SIGKILL those left."""
+    ending[0] = True  # their end is no failure
     for conn in conns:  # a worker reads its channel's end as "stop"
         conn.close()
     deadline = time.monotonic() + STOP_TIMEOUT_S

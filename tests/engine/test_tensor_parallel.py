@@ -298,6 +298,10 @@ def test_killed_rank_fails_the_engine_at_once(tiny_model_dir):
         assert time.monotonic() - started < 5.0
         with pytest.raises(TensorParallelError):  # and every later step
             engine.step()
+        # a collective that was waiting on the dead rank fails at once, and is explained the same way
+        with pytest.raises(RuntimeError) as failed:
+            engine.runner.tp.all_reduce(torch.ones(4))
+        assert "rank 1" in str(engine.runner.workers.explain(failed.value))
     finally:
         engine.close()
 
