@@ -1,8 +1,8 @@
 """The tensor-parallel group a model is built for: this process's rank, the group's size and its collectives.
 
-A model reads the group it is built for from `current()` (set around model construction by `building_for`), as
-vLLM's layers read get_tensor_model_parallel_world_size(); without one it is `SINGLE` (size 1), and the layers are
-the plain torch modules. The group is a c10d process group object of its own (ProcessGroupGloo on CPU,
+A model reads the group it is built for from `current()` (set around model construction by `building_for`, per
+thread), as vLLM's layers read get_tensor_model_parallel_world_size(); without one it is `SINGLE` (size 1), and the
+layers are the plain torch modules. The group is a c10d process group object of its own (ProcessGroupGloo on CPU,
 ProcessGroupNCCL on CUDA), not torch.distributed's global default group: a process may start and close several
 engines, and nothing global is left behind.
 
@@ -16,6 +16,7 @@ captures the same graphs in the same order and replays them in step.
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -73,23 +74,23 @@ class TensorParallelGroup:
 
 
 SINGLE = TensorParallelGroup()
-_building: TensorParallelGroup = SINGLE
+_building = threading.local()  # .group: the group models built on this thread are sharded for
 
 
 def current() -> TensorParallelGroup:
-    """The group the model being built is sharded for (SINGLE outside building_for)."""
-    return _building
+    """The group the model being built on this thread is sharded for (SINGLE outside building_for)."""
+    return getattr(_building, "group", SINGLE)
 
 
 @contextmanager
 def building_for(group: TensorParallelGroup) -> Iterator[None]:
-    """Models constructed inside are sharded for `group` (module-level: build one engine's model at a time)."""
-    global _building
-    saved, _building = _building, group
+    """Models constructed inside (on this thread) are sharded for `group`."""
+    saved = current()
+    _building.group = group
     try:
         yield
     finally:
-        _building = saved
+        _building.group = saved
 
 
 def create_store(world_size: int):
