@@ -38,7 +38,7 @@ class EngineLoop:
         reported_at = time.monotonic()
         adds_received = 0
         reported_pending = 0
-        poll = engine.health_poll_s
+        poll = getattr(engine, "health_poll_s", None)  # None: nothing outside the loop to check on
         while True:
             failures: list[RequestFailed] = []
             replies: list[LoRAReply] = []
