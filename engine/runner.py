@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from kvgate.engine.auto_config import GIVEN, Settings, apply_cpu_threads, resolve_dtype, resolve_step_budget
+from kvgate.common.errors import ConfigError
 from kvgate.engine.config import EngineConfig
 from kvgate.common.tokenizer_files import load_tokenizer
 from kvgate.engine.loader import load_hf_config
@@ -143,9 +144,16 @@ def plan_model(config: EngineConfig, settings: Settings) -> LoadedModel:
     from kvgate.engine.model_runner import (ModelRunner, check_kv_cache_backend, choose_attention_backend,
                                             kv_cache_is_measured)
 
+    from kvgate.engine.distributed.group import TensorParallelGroup, building_for
+
     hf_config, tokenizer, device, dtype, max_model_len = _resolve_model(config, settings)
     meta = torch.device("meta")
-    model = build_model(hf_config, meta, dtype, max_model_len)
+    if config.tensor_parallel_size > 1 and kv_cache_is_measured(config, device):
+        raise ConfigError("--print-config with tensor_parallel_size > 1 on CUDA cannot profile the ranks' memory: "
+                          "give --kv-cache-memory or --num-gpu-blocks-override")
+    # With tensor parallelism the weights and the KV cache per block are rank 0's (each rank has its share).
+    with building_for(TensorParallelGroup(0, config.tensor_parallel_size)):
+        model = build_model(hf_config, meta, dtype, max_model_len)
     _add_weights(settings, "weights", config.model, checkpoint_weight_bytes(model, config.model), dtype)
     models = [(model, hf_config.num_hidden_layers)]
     spec = config.speculative_config

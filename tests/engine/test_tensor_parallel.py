@@ -7,7 +7,7 @@
   every family x mode x {2, 4}.
 - A rank SIGKILLed mid-generation: the engine raises a clear error at once; through a real `kvgate serve`, /health
   leaves 200 within a second and the running request fails.
-- n-gram speculative decoding's verification steps at TP=2 match HF.
+- n-gram speculative decoding's verification steps at TP=2 match HF; `--print-config -tp 2` prints rank 0's sizes.
 - Bad input: a size that does not divide the heads is a one-line ModelLoadError; flags that TP does not support
   are ConfigErrors.
 - On two GPUs (marker cuda; skipped otherwise): NCCL, CUDA graphs capturing the all-reduces, token-identical to one
@@ -450,5 +450,27 @@ def test_ngram_speculation_at_tp2_matches_hf(tiny_model_dir):
     llm = LLM(str(folder), max_model_len=128, tensor_parallel_size=2, speculative_config=SPEC)
     try:
         check_speculative_greedy(llm, hf_greedy(hf, repetitive_prompts(), MAX_NEW), "qwen2", "tp2")
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_print_config_sizes_rank_0(capsys, tiny_model_dir):
+    """`--print-config -tp 2` (CPU): the weights and KV blocks of rank 0, as a real TP=2 start has them."""
+    import re
+
+    from kvgate.cli import main
+
+    folder, _ = tiny_model_dir("llama")
+    capsys.readouterr()
+    assert main(["serve", str(folder), "--print-config", "--device", "cpu", "-tp", "2", "--max-model-len", "128"]) == 0
+    rows = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    llm = LLM(str(folder), device="cpu", max_model_len=128, tensor_parallel_size=2)
+    try:
+        runner = llm.engine.runner
+        assert rows["kv_cache_blocks"].split()[0] == str(runner.num_blocks)
+        assert int(re.search(r"\((\d+) bytes", rows["weights"]).group(1)) == sum(
+            p.numel() * p.element_size() for p in runner.model.parameters())
     finally:
         llm.engine.close()
