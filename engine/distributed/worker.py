@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import signal
 import sys
 import traceback
 
@@ -55,6 +56,8 @@ def serve(conn: multiprocessing.connection.Connection) -> None:
 
 
 def main() -> None:
+    # A Ctrl-C reaches the whole process group: ending is rank 0's to decide (this worker ends with its channel).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s tp-worker: %(message)s")
     conn = multiprocessing.connection.Connection(int(sys.argv[1]))
     try:
