@@ -226,7 +226,8 @@ class ModelRunner:
         already filled on the device) in one broadcast."""
         n = len(out.scheduled)
         dev = self.inputs.dev
-        width = dev["block_table"].shape[1]
+        # the block table's columns any sequence of the step reads (the rest of each row is not sent)
+        width = cdiv(max(s.start + s.num_new_tokens for s in out.scheduled), self.block_size)
         verify = tuple(s.draft is not None for s in out.scheduled) if out.has_drafts else None
         num_samples = batch.sample_rows.shape[0]
         header = (batch.num_tokens, batch.num_padded_tokens, n, batch.num_padded_seqs, batch.decode_only,
@@ -236,7 +237,7 @@ class ModelRunner:
         p, s = batch.num_padded_tokens, batch.num_padded_seqs
         packed = torch.cat([dev["input_ids"][:p], dev["positions"][:p], dev["slot_mapping"][:p],
                             dev["query_start_loc"][:s + 1].long(), dev["seq_lens"][:s].long(),
-                            dev["block_table"][:s].reshape(-1).long(), batch.sample_rows])
+                            dev["block_table"][:s, :width].reshape(-1).long(), batch.sample_rows])
         self.tp.broadcast(packed)
 
     @torch.inference_mode()
@@ -245,19 +246,19 @@ class ModelRunner:
         shard, and its part of the logits' gather."""
         num_tokens, p, n, s, decode_only, num_samples, replay, verify, width = header
         dev = self.inputs.dev
-        if width != dev["block_table"].shape[1]:
-            raise RuntimeError(f"rank 0's block table has {width} columns, this rank's {dev['block_table'].shape[1]}")
+        if width > dev["block_table"].shape[1]:
+            raise RuntimeError(f"rank 0 sent {width} block table columns, this rank has {dev['block_table'].shape[1]}")
         sizes = [p, p, p, s + 1, s, s * width, num_samples]
         packed = self.tp.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
         parts = packed.split(sizes)
         for name, part in zip(("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"), parts):
             dev[name][:part.shape[0]].copy_(part)
-        dev["block_table"][:s].copy_(parts[5].view(s, width))
+        dev["block_table"][:s, :width].copy_(parts[5].view(s, width))
         dev["sample_rows"][:num_samples].copy_(parts[6])
         seqs = None
         if self.attention_backend == "sdpa":
             qsl, lens = dev["query_start_loc"][:n + 1].tolist(), dev["seq_lens"][:n].tolist()
-            tables = dev["block_table"][:n].tolist()
+            tables = dev["block_table"][:n, :width].tolist()
             seqs = [(lens[i] - (qsl[i + 1] - qsl[i]), qsl[i + 1] - qsl[i], tables[i][:cdiv(lens[i], self.block_size)])
                     for i in range(n)]
         hidden = self._forward(num_tokens, p, s, decode_only, replay, seqs, list(verify) if verify else None)
