@@ -107,6 +107,9 @@ def _add_execution_flags(g) -> None:
     g.add_argument("--attention-backend", choices=["auto", "sdpa", "triton"], default="auto",
                    help="paged attention: triton kernels reading block tables (default on CUDA) or SDPA over "
                         "gathered blocks (default on CPU)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many ranks (one process each; on CUDA one GPU each, NCCL), "
+                        "as vLLM's flag (default: 1)")
 
 
 def _add_serving_flags(g) -> None:
@@ -228,6 +231,7 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         async_scheduling=args.async_scheduling,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         attention_backend=args.attention_backend,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,

@@ -90,6 +90,9 @@ class EngineConfig:
     # (generation_defaults.py; the server and LLM.get_default_sampling_params read them).
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    # vLLM's --tensor-parallel-size: the model sharded over this many ranks (rank 0 this process, the others worker
+    # processes; engine/distributed/), each on its own GPU on CUDA.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
@@ -105,6 +108,17 @@ class EngineConfig:
         threshold = self.speculative_backoff_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
             raise ConfigError(f"speculative_backoff_threshold must be a number >= 0, got {threshold!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1:
+            if self.backend != "torch":
+                raise ConfigError("tensor_parallel_size > 1 needs the torch backend")
+            if self.enable_lora:
+                raise ConfigError("LoRA adapters are not supported with tensor_parallel_size > 1")
+            if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+                raise ConfigError("a draft model (speculative decoding) is not supported with tensor_parallel_size "
+                                  "> 1: use the ngram method")
         if self.backend not in ("torch", "sim"):
             raise ConfigError(f"backend must be torch or sim, got {self.backend!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_threads"):

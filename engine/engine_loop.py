@@ -38,11 +38,15 @@ class EngineLoop:
         reported_at = time.monotonic()
         adds_received = 0
         reported_pending = 0
+        poll = getattr(engine, "health_poll_s", None)  # None: nothing outside the loop to check on
         while True:
             failures: list[RequestFailed] = []
             replies: list[LoRAReply] = []
-            # Idle: wait for a command. Busy: take what has arrived and step.
-            command = self.receive(None if not engine.has_unfinished_requests() else 0.0)
+            # Idle: wait for a command (waking every `poll` s to check the engine's other processes, whose death
+            # ends the loop with its error). Busy: take what has arrived and step.
+            command = self.receive(poll if not engine.has_unfinished_requests() else 0.0)
+            if poll is not None:
+                engine.check_health()
             changed = False
             while command is not None:
                 if isinstance(command, Shutdown):

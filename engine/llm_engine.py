@@ -433,6 +433,7 @@ class LLMEngine:
         it (or while a request samples from host state), the step before ends before this one is scheduled and this
         step's batch ends before it returns."""
         started = time.perf_counter()
+        self.check_health()
         self._admit_built_grammars()
         overlap = self.async_scheduling and self.scheduler.num_host_bound == 0
         outputs = [] if overlap else self._take(final_only)
@@ -582,6 +583,18 @@ class LLMEngine:
         done = self.kv_cache_manager.reset_prefix_cache()
         self._publish_kv_events()
         return done
+
+    @property
+    def health_poll_s(self) -> float | None:
+        """How often an idle loop must call check_health (None: never; the engine has no parts that can die apart
+        from it, as tensor-parallel workers can)."""
+        return getattr(self.runner, "health_poll_s", None)
+
+    def check_health(self) -> None:
+        """Raise (TensorParallelError) when a part of the engine outside this process has died."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
 
     def close(self) -> None:
         """Release what the engine holds outside its memory (the KV-event sockets, the runner's mask thread)."""

@@ -14,6 +14,7 @@ from kvgate.engine.block_table import BlockTable
 from kvgate.engine.cuda_graphs import DEFAULT_MAX_CAPTURE_SIZE, GraphSet
 from kvgate.engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig
 from kvgate.engine.cpu_allocator import keep_large_allocations_in_heap
+from kvgate.engine.distributed.group import SINGLE, TensorParallelGroup, building_for
 from kvgate.common.errors import ConfigError
 from kvgate.engine.kv_cache_manager import cdiv
 from kvgate.engine.kv_quant import QuantizedKVCache, allocate_kv_caches, kv_bytes_per_block, kv_quant_spec
@@ -34,11 +35,21 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, read_weights: bool = True) -> None:
+                 max_model_len: int, read_weights: bool = True, tp: TensorParallelGroup = SINGLE,
+                 workers=None) -> None:
         """read_weights False: the parameters (the draft model's too) are allocated but not read from the checkpoint
         (uninitialised), for `kvgate serve --print-config`'s CUDA memory profile: the same runner and allocations
-        as a start, so the same KV cache size, without the time to read the weights."""
+        as a start, so the same KV cache size, without the time to read the weights.
+
+        tp: the tensor-parallel group this runner's model is a shard for (SINGLE: no tensor parallelism). workers:
+        on rank 0 of a group, the other ranks' processes (distributed/workers.py), which this runner drives: each
+        step's inputs are broadcast to them, the KV cache is sized and allocated on all ranks alike. A worker's own
+        runner has none and runs the steps that arrive (run_worker_step)."""
         self.config = config
+        self.tp, self.workers = tp, workers
+        # Rank 0 sends each step to the workers; False while every rank runs the same thing on its own (the KV-cache
+        # profile, graph capture) and on the workers themselves.
+        self._lead = workers is not None
         self.hf_config = hf_config
         self.device = device
         self.dtype = dtype
@@ -53,8 +64,9 @@ class ModelRunner:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # blocks a freed engine left cached are not another engine's
             self._reserved_before = torch.cuda.memory_reserved(device)
-        self.model = model = load_model(hf_config, config.model, device, dtype, max_model_len,
-                                        read_weights=read_weights, quantization=config.quantization)
+        with building_for(tp):
+            self.model = model = load_model(hf_config, config.model, device, dtype, max_model_len,
+                                            read_weights=read_weights, quantization=config.quantization)
         self.quantization = model.quantization  # what the load read (quantization.QuantSummary), None: dense
         self.lora_state = self.lora_layers = None
         if config.enable_lora:  # after the base weights: the wrapped projections keep them as they are
@@ -105,11 +117,35 @@ class ModelRunner:
         return kv_bytes_per_block(self.model, self.num_layers, self.block_size, self.dtype, self.kv_quant) + draft
 
     def determine_num_blocks(self) -> int:
-        """Blocks the KV cache gets (whether max_model_len fits is auto_config.fit_to_kv_cache's to say)."""
-        return kv_cache_blocks(self.config, self.device, self.bytes_per_block, self.max_model_len,
-                               self._profile_cuda_kv_bytes)
+        """Blocks the KV cache gets (whether max_model_len fits is auto_config.fit_to_kv_cache's to say). With
+        tensor parallelism every rank sizes its own (its heads' share; on CUDA each profiles its GPU, the ranks'
+        forward passes in step) and the fewest blocks any rank has room for is the engine's."""
+        if not self._lead:
+            return kv_cache_blocks(self.config, self.device, self.bytes_per_block, self.max_model_len,
+                                   self._profile_cuda_kv_bytes)
+        self.workers.send(("num_blocks",))
+        self._lead = False
+        try:
+            own = kv_cache_blocks(self.config, self.device, self.bytes_per_block, self.max_model_len,
+                                  self._profile_cuda_kv_bytes)
+        finally:
+            self._lead = True
+        return min([own] + [self.workers.receive(rank) for rank in range(1, self.tp.size)])
 
     def allocate_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
+        if self._lead:  # every rank allocates its cache, then captures its graphs (their all-reduces) in step
+            self.workers.send(("allocate", num_blocks, capture_graphs))
+            self._lead = False
+            try:
+                self._allocate_kv_cache(num_blocks, capture_graphs)
+            finally:
+                self._lead = True
+            for rank in range(1, self.tp.size):
+                self.workers.receive(rank)
+            return
+        self._allocate_kv_cache(num_blocks, capture_graphs)
+
+    def _allocate_kv_cache(self, num_blocks: int, capture_graphs: bool) -> None:
         self.kv_caches = allocate_kv_caches(self.model, self.num_layers, num_blocks, self.block_size, self.dtype,
                                             self.kv_quant, self.device)
         self.num_blocks = num_blocks
@@ -170,6 +206,65 @@ class ModelRunner:
     def close(self) -> None:
         if self._mask_pool is not None:
             self._mask_pool.shutdown(wait=True)
+        if self.workers is not None:
+            self.workers.close()
+            self.tp.abort()  # the workers are gone: drop the group's connections to them
+
+    # -- tensor parallelism -----------------------------------------------------------------------
+
+    @property
+    def health_poll_s(self) -> float | None:
+        """How often an idle engine loop checks on the tensor-parallel workers (None: no workers)."""
+        return 0.2 if self.workers is not None else None
+
+    def check_health(self) -> None:
+        """Raise TensorParallelError when a tensor-parallel rank has died."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def _send_step(self, out: SchedulerOutput, batch, replay: bool) -> None:
+        """Rank 0: the step's header to the workers, then its inputs (the persistent buffers, async placeholders
+        already filled on the device) in one broadcast."""
+        n = len(out.scheduled)
+        dev = self.inputs.dev
+        # the block table's columns any sequence of the step reads (the rest of each row is not sent)
+        width = cdiv(max(s.start + s.num_new_tokens for s in out.scheduled), self.block_size)
+        verify = tuple(s.draft is not None for s in out.scheduled) if out.has_drafts else None
+        num_samples = batch.sample_rows.shape[0]
+        header = (batch.num_tokens, batch.num_padded_tokens, n, batch.num_padded_seqs, batch.decode_only,
+                  num_samples, replay, verify, width)
+        self.workers.check()
+        self.workers.send(("step", header))
+        p, s = batch.num_padded_tokens, batch.num_padded_seqs
+        packed = torch.cat([dev["input_ids"][:p], dev["positions"][:p], dev["slot_mapping"][:p],
+                            dev["query_start_loc"][:s + 1].long(), dev["seq_lens"][:s].long(),
+                            dev["block_table"][:s, :width].reshape(-1).long(), batch.sample_rows])
+        self.tp.broadcast(packed)
+
+    @torch.inference_mode()
+    def run_worker_step(self, header: tuple) -> None:
+        """A worker rank: one step whose inputs rank 0 broadcasts (see _send_step): the forward pass on this rank's
+        shard, and its part of the logits' gather."""
+        num_tokens, p, n, s, decode_only, num_samples, replay, verify, width = header
+        dev = self.inputs.dev
+        if width > dev["block_table"].shape[1]:
+            raise RuntimeError(f"rank 0 sent {width} block table columns, this rank has {dev['block_table'].shape[1]}")
+        sizes = [p, p, p, s + 1, s, s * width, num_samples]
+        packed = self.tp.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
+        parts = packed.split(sizes)
+        for name, part in zip(("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"), parts):
+            dev[name][:part.shape[0]].copy_(part)
+        dev["block_table"][:s, :width].copy_(parts[5].view(s, width))
+        dev["sample_rows"][:num_samples].copy_(parts[6])
+        seqs = None
+        if self.attention_backend == "sdpa":
+            qsl, lens = dev["query_start_loc"][:n + 1].tolist(), dev["seq_lens"][:n].tolist()
+            tables = dev["block_table"][:n, :width].tolist()
+            seqs = [(lens[i] - (qsl[i + 1] - qsl[i]), qsl[i + 1] - qsl[i], tables[i][:cdiv(lens[i], self.block_size)])
+                    for i in range(n)]
+        hidden = self._forward(num_tokens, p, s, decode_only, replay, seqs, list(verify) if verify else None)
+        if num_samples:
+            self.model.compute_logits(hidden.index_select(0, dev["sample_rows"][:num_samples]))
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -220,23 +315,32 @@ class ModelRunner:
         if self.lora_state is not None:
             self.lora_state.groups = [(slot, torch.from_numpy(rows).to(self.device))
                                       for slot, rows in batch.lora_rows.items()]
+        replay = self.shapes is not None and bool(self.shapes.graphs) and padded is not None
+        if self._lead:
+            self._send_step(out, batch, replay)
+        seqs = None
         if self.attention_backend == "sdpa":
             table, bs = out.block_table.ids, self.block_size
             seqs = [(s.start, s.num_new_tokens, table[s.block_row, :cdiv(s.start + s.num_new_tokens, bs)].tolist())
                     for s in out.scheduled]
+        hidden = self._forward(batch.num_tokens, batch.num_padded_tokens, batch.num_padded_seqs, batch.decode_only,
+                               replay, seqs, [s.draft is not None for s in out.scheduled] if out.has_drafts else None)
+        return batch, hidden
+
+    def _forward(self, num_tokens: int, num_padded_tokens: int, num_padded_seqs: int, decode_only: bool,
+                 replay: bool, seqs: list | None, verify: list[bool] | None) -> torch.Tensor:
+        """The model over the prepared buffers: SDPA over `seqs` ((computed, new, block ids) per sequence), a
+        captured graph's replay, or the padded static forward."""
+        if self.attention_backend == "sdpa":
             meta = AttentionMetadata.build(seqs, self.block_size, self.device, self.model.num_kv_heads,
                                            self.num_blocks, self.sliding_window,
-                                           slot_mapping=self.inputs.view("slot_mapping", batch.num_tokens),
-                                           verify=[s.draft is not None for s in out.scheduled]
-                                           if out.has_drafts else None, num_heads=self.model.num_heads)
+                                           slot_mapping=self.inputs.view("slot_mapping", num_tokens),
+                                           verify=verify, num_heads=self.model.num_heads)
             view = self.inputs.view
-            hidden = self.model(view("input_ids", batch.num_tokens), view("positions", batch.num_tokens),
-                                self.kv_caches, meta)
-        elif self.shapes is not None and self.shapes.graphs and padded is not None:
-            hidden = self.shapes.replay(batch.num_padded_tokens, batch.decode_only)
-        else:
-            hidden = self._forward_static(batch.num_padded_tokens, batch.decode_only, batch.num_padded_seqs)
-        return batch, hidden
+            return self.model(view("input_ids", num_tokens), view("positions", num_tokens), self.kv_caches, meta)
+        if replay:
+            return self.shapes.replay(num_padded_tokens, decode_only)
+        return self._forward_static(num_padded_tokens, decode_only, num_padded_seqs)
 
     def execute(self, out: SchedulerOutput):
         """One forward pass for the whole batch; returns {request_id: token} and {request_id: logprobs}."""
@@ -263,10 +367,21 @@ class ModelRunner:
                 if self._mask_pool is None:
                     self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-grammar")
                 masks = self._mask_pool.submit(fill_bitmasks, samplers, width)
-        batch, hidden = self._run_model(out, running)
-        if not samplers:
-            return PendingStep.done()
-        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        if self.workers is None:
+            batch, hidden = self._run_model(out, running)
+            if not samplers:
+                return PendingStep.done()
+            logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        else:
+            try:  # a rank that died mid-step fails its collective here: say which one
+                batch, hidden = self._run_model(out, running)
+                logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows)) if samplers else None
+            except RuntimeError as exc:
+                error = self.workers.explain(exc)
+                self.tp.abort()  # no step can run on this group again
+                raise error from exc
+            if not samplers:
+                return PendingStep.done()
         if out.has_drafts:
             return self._verify_drafts(out, samplers, logits, plain, masks)
         tokens, logprobs = self._sample(samplers, logits, plain, masks)

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from kvgate.engine.auto_config import GIVEN, Settings, apply_cpu_threads, resolve_dtype, resolve_step_budget
+from kvgate.common.errors import ConfigError
 from kvgate.engine.config import EngineConfig
 from kvgate.common.tokenizer_files import load_tokenizer
 from kvgate.engine.loader import load_hf_config
@@ -84,8 +85,36 @@ def load_model(config: EngineConfig, read_weights: bool = True) -> LoadedModel:
 
     hf_config, tokenizer, device, dtype, max_model_len = _resolve_model(config, settings)
     config = resolve_step_budget(config, max_model_len, settings)
-    runner = ModelRunner(config, hf_config, device, dtype, max_model_len)
+    if config.tensor_parallel_size == 1:
+        runner = ModelRunner(config, hf_config, device, dtype, max_model_len)
+    else:
+        runner = _tensor_parallel_runner(config, hf_config, device, dtype, max_model_len, settings)
     return LoadedModel(runner, tokenizer, hf_config, max_model_len, config, settings)
+
+
+def _tensor_parallel_runner(config: EngineConfig, hf_config, device, dtype, max_model_len: int, settings: Settings):
+    """Rank 0's ModelRunner, with ranks 1..N-1 started (distributed/workers.py) and each one's model built."""
+    from kvgate.engine.distributed.group import TensorParallelGroup
+    from kvgate.engine.distributed.workers import start_ranks
+    from kvgate.engine.model_runner import ModelRunner
+    from kvgate.engine.models.parallel_linear import attention_heads
+
+    # the heads' split checked before any process starts (the other sizes as the model is built, on every rank)
+    heads = hf_config.num_attention_heads
+    attention_heads(heads, getattr(hf_config, "num_key_value_heads", None) or heads,
+                    TensorParallelGroup(0, config.tensor_parallel_size))
+    group, workers = start_ranks(config, hf_config, device, dtype, max_model_len)
+    try:
+        runner = ModelRunner(config, hf_config, device, dtype, max_model_len, tp=group, workers=workers)
+        for rank in range(1, group.size):  # each worker says when its model is built
+            workers.receive(rank)
+    except BaseException:
+        workers.close()
+        group.abort()
+        raise
+    settings.add("tensor_parallel_size", group.size, f"given: ranks 1..{group.size - 1} are worker processes "
+                 f"(pids {', '.join(str(p.pid) for p in workers.procs)}), {torch.get_num_threads()} CPU threads each")
+    return runner
 
 
 def _resolve_model(config: EngineConfig, settings: Settings):
@@ -116,9 +145,16 @@ def plan_model(config: EngineConfig, settings: Settings) -> LoadedModel:
     from kvgate.engine.model_runner import (ModelRunner, check_kv_cache_backend, choose_attention_backend,
                                             kv_cache_is_measured)
 
+    from kvgate.engine.distributed.group import TensorParallelGroup, building_for
+
     hf_config, tokenizer, device, dtype, max_model_len = _resolve_model(config, settings)
     meta = torch.device("meta")
-    model = build_model(hf_config, meta, dtype, max_model_len)
+    if config.tensor_parallel_size > 1 and kv_cache_is_measured(config, device):
+        raise ConfigError("--print-config with tensor_parallel_size > 1 on CUDA cannot profile the ranks' memory: "
+                          "give --kv-cache-memory or --num-gpu-blocks-override")
+    # With tensor parallelism the weights and the KV cache per block are rank 0's (each rank has its share).
+    with building_for(TensorParallelGroup(0, config.tensor_parallel_size)):
+        model = build_model(hf_config, meta, dtype, max_model_len)
     qconfig = quant_config_from_hf(hf_config, config.quantization)
     _add_weights(settings, "weights", config.model, checkpoint_weight_bytes(model, config.model, qconfig), dtype,
                  None if qconfig is None else (qconfig.describe(), checkpoint_file_bytes(config.model)))

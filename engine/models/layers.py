@@ -7,6 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kvgate.engine.distributed import group as tp_group
+from kvgate.engine.models.parallel_linear import attention_heads, merged_column_linear, qkv_linear, row_linear
+
 # kvgate.engine.triton_ops, imported by use_fused_kernels: only the GPU path imports triton (on CPU its kernels run
 # under the interpreter, which must be chosen before triton is first imported)
 triton_ops = None
@@ -115,19 +118,23 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_di
 
 
 class Attention(nn.Module):
-    """GQA self-attention with a fused qkv projection, optional qkv bias (Qwen2) and q/k norm (Qwen3)."""
+    """GQA self-attention with a fused qkv projection, optional qkv bias (Qwen2) and q/k norm (Qwen3). Under tensor
+    parallelism (distributed/group.py's current group) num_heads and num_kv_heads are this rank's heads."""
 
     def __init__(self, config, max_positions: int, qkv_bias: bool = False, qk_norm: bool = False) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        tp = tp_group.current()
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.num_heads, self.num_kv_heads, _ = attention_heads(total_heads, total_kv_heads, tp)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         bias = qkv_bias or getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = qkv_linear(config.hidden_size, self.head_dim, total_heads, total_kv_heads, bias, tp)
+        self.o_proj = row_linear(total_heads * self.head_dim, config.hidden_size,
+                                 getattr(config, "attention_bias", False), tp, "num_attention_heads * head_dim")
         self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_positions)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -149,7 +156,8 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(act(gate(x)) * up(x)) with gate and up fused."""
+    """SwiGLU: down(act(gate(x)) * up(x)) with gate and up fused (under tensor parallelism: this rank's slice of the
+    intermediate features, the down projection all-reduced)."""
 
     fused = False  # triton_ops.silu_and_mul (use_fused_kernels)
 
@@ -157,9 +165,10 @@ class GatedMLP(nn.Module):
         super().__init__()
         if hidden_act not in ("silu", "swish"):
             raise NotImplementedError(f"MLP activation {hidden_act!r} is not supported")
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        tp = tp_group.current()
+        self.gate_up_proj = merged_column_linear(hidden_size, intermediate_size, bias, tp, "intermediate_size")
+        self.down_proj = row_linear(intermediate_size, hidden_size, bias, tp, "intermediate_size")
+        self.intermediate_size = intermediate_size // tp.size  # this rank's (split_evenly checked it divides)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:

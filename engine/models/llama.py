@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from kvgate.common.errors import ModelLoadError
+from kvgate.engine.distributed import group as tp_group
 from kvgate.engine.models.layers import Attention, GatedMLP, RMSNorm
+from kvgate.engine.models.parallel_linear import lm_head, vocab_embedding
 
 # checkpoint name piece -> (our fused parameter piece, shard id)
 STACKED_PARAMS = [
@@ -47,7 +49,7 @@ class DecoderModel(nn.Module):
                  make_mlp: Callable[[object, int], nn.Module]) -> None:
         """make_mlp(config, layer index): the layer's MLP (dense, or a sparse MoE block)."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp_group.current())
         self.layers = nn.ModuleList(
             DecoderLayer(config, max_positions, qkv_bias, qk_norm, make_mlp(config, i))
             for i in range(config.num_hidden_layers)
@@ -78,7 +80,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config, max_positions, self.qkv_bias, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp_group.current())
         self.tie_weights()
         attn = self.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -108,10 +110,13 @@ class LlamaForCausalLM(nn.Module):
         q, kv = attn.q_size, attn.kv_size
         return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
 
-    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> tuple[str, torch.Tensor | None]:
-        """(coverage key, the parameter slice it fills) of checkpoint tensor `name`: its parameter, its rows of a
-        fused one (qkv_proj, gate_up_proj), or its expert's slice of a FusedMoE's stacked weight; None for a tensor
-        the model does not have."""
+    def _destination(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
+                     sharded: dict[str, nn.Module]) -> tuple[str, torch.Tensor | None, torch.Tensor]:
+        """(coverage key, the parameter slice it fills, the part of the tensor that fills it) of checkpoint tensor
+        `name`: its parameter, its rows of a fused one (qkv_proj, gate_up_proj), or its expert's slice of a
+        FusedMoE's stacked weight; None for a tensor the model does not have. sharded: the tensor-parallel modules
+        by name (parallel_linear.py; empty without tensor parallelism), whose shard_weight cuts this rank's slice of
+        the tensor and of its destination."""
         for piece, ours in self.checkpoint_renames:
             name = name.replace(piece, ours)
         expert = _EXPERT_TENSOR.match(name)
@@ -122,15 +127,22 @@ class LlamaForCausalLM(nn.Module):
             if param is not None and index < param.shape[0]:
                 dest = param.data[index]
                 rows = slice(None) if shard is None else self._shard_slice(dest, shard)
-                return _expert_key(target, index), dest[rows]
-            return target, None
+                dest, tensor = _rank_slice(sharded, target, dest[rows], tensor, shard)
+                return _expert_key(target, index), dest, tensor
+            return target, None, tensor
         for fused, piece, shard in STACKED_PARAMS:
             if f".{piece}." in name:
                 target = name.replace(piece, fused)
                 param = params.get(target)
-                return target, None if param is None else param.data[self._shard_slice(param, shard)]
+                if param is None:
+                    return target, None, tensor
+                dest, tensor = _rank_slice(sharded, target, param.data[self._shard_slice(param, shard)], tensor, shard)
+                return target, dest, tensor
         param = params.get(name)
-        return name, None if param is None else param.data
+        if param is None:
+            return name, None, tensor
+        dest, tensor = _rank_slice(sharded, name, param.data, tensor, None)
+        return name, dest, tensor
 
     def _expected_coverage(self, params: dict[str, nn.Parameter]) -> dict[str, int]:
         """Coverage key -> elements the checkpoint must write: one key per parameter, one per expert of a
@@ -141,7 +153,10 @@ class LlamaForCausalLM(nn.Module):
             if name.rsplit(".", 1)[-1] in stacked:
                 expected |= {_expert_key(name, e): p[e].numel() for e in range(p.shape[0])}
             else:
-                expected[name] = p.numel()
+                prefix, _, short = name.rpartition(".")
+                module = self.get_submodule(prefix) if prefix else self
+                counted = getattr(module, "checkpoint_numel", None)  # a vocab-parallel layer's padding is not read
+                expected[name] = p.numel() if counted is None else counted(short)
         if self.tie_word_embeddings:
             expected.pop("lm_head.weight", None)
         return expected
@@ -152,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
         or its rows of a fused one, with one copy (dtype conversion included). copy(name, dest, tensor), when
         given, does that copy instead of dest.copy_(tensor) (engine/loader.py's may queue it on a thread pool)."""
         params = dict(self.named_parameters())
+        sharded = {name: m for name, m in self.named_modules() if hasattr(m, "shard_weight")}
         # Every element of every parameter must be written exactly once; track what the checkpoint covered.
         expected = self._expected_coverage(params)
         covered: dict[str, int] = {}
@@ -160,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            key, dest = self._destination(name, params)
+            key, dest, tensor = self._destination(name, tensor, params, sharded)
             if dest is None:
                 raise ModelLoadError(f"checkpoint tensor {name!r} does not belong to {type(self).__name__}")
             if dest.shape != tensor.shape:
@@ -175,6 +191,14 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}"
                                  + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _rank_slice(sharded: dict[str, nn.Module], param_name: str, dest: torch.Tensor, tensor: torch.Tensor,
+                shard) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of (dest, tensor) when the parameter's module is tensor-parallel, else both as they are."""
+    prefix, _, short = param_name.rpartition(".")
+    module = sharded.get(prefix)
+    return (dest, tensor) if module is None else module.shard_weight(short, dest, tensor, shard)
 
 
 def _expert_key(param_name: str, expert: int) -> str:

@@ -5,6 +5,9 @@ and w2_weight [E, H, I]. The checkpoint's per-expert tensors are written into th
 load_weights (llama.py's expert_params). Numerics follow HF transformers' Qwen3Moe/Mixtral sparse blocks: softmax
 over the router logits in fp32, top-k, optional renormalisation of the k weights, and each token's expert outputs
 summed in ascending expert order.
+
+Under tensor parallelism each rank holds every expert's slice of the intermediate features (w13's gate and up rows
+and w2's columns of its slice, as vLLM shards them) and the experts' partial outputs are all-reduced.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvgate.engine.distributed import group as tp_group
+from kvgate.engine.models.parallel_linear import split_evenly
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -72,7 +78,9 @@ class FusedMoE(nn.Module):
         if hidden_act not in ("silu", "swish"):
             raise NotImplementedError(f"MoE expert activation {hidden_act!r} is not supported")
         self.num_experts, self.top_k = num_experts, top_k
-        self.intermediate_size = intermediate_size
+        self.tp = tp_group.current()
+        intermediate_size = split_evenly(intermediate_size, self.tp, "the experts' intermediate size")
+        self.intermediate_size = intermediate_size  # this rank's
         self.renormalize, self.weights_in_fp32 = renormalize, weights_in_fp32
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -80,7 +88,15 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, self.weights_in_fp32)
-        return self.experts_fn(x, self.w13_weight, self.w2_weight, weights, ids)
+        out = self.experts_fn(x, self.w13_weight, self.w2_weight, weights, ids)
+        return self.tp.all_reduce(out) if self.tp.is_parallel else out
+
+    def shard_weight(self, param: str, dest: torch.Tensor, tensor: torch.Tensor, shard) -> tuple:
+        """This rank's slice of one expert's checkpoint tensor: its gate or up rows (w13), its columns (w2)."""
+        if not self.tp.is_parallel:
+            return dest, tensor
+        start, size = self.tp.rank * self.intermediate_size, self.intermediate_size
+        return dest, tensor.narrow(1 if param == "w2_weight" else 0, start, size)
 
 
 class SparseMoeBlock(nn.Module):
