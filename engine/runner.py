@@ -97,8 +97,13 @@ def _tensor_parallel_runner(config: EngineConfig, hf_config, device, dtype, max_
     from kvgate.engine.distributed.group import TensorParallelGroup
     from kvgate.engine.distributed.workers import start_ranks
     from kvgate.engine.model_runner import ModelRunner
+    from kvgate.engine.models import MODEL_REGISTRY, resolve_model_class
     from kvgate.engine.models.parallel_linear import attention_heads
 
+    if resolve_model_class(hf_config) not in MODEL_REGISTRY.values():  # its HF modules hold whole weights
+        raise ConfigError(f"tensor_parallel_size > 1 needs a native model family; "
+                          f"{'/'.join(getattr(hf_config, 'architectures', None) or ['this model'])} runs on the "
+                          "transformers fallback, which is not sharded")
     # the heads' split checked before any process starts (the other sizes as the model is built, on every rank)
     heads = hf_config.num_attention_heads
     attention_heads(heads, getattr(hf_config, "num_key_value_heads", None) or heads,

@@ -440,6 +440,12 @@ def test_size_that_does_not_divide_the_heads_fails_the_start(tiny_model_dir):
     assert time.monotonic() - started < 60
 
 
+def test_a_model_on_the_transformers_fallback_is_refused_before_any_rank_starts(tiny_model_dir):
+    folder, _ = tiny_model_dir("phi3")  # the fallback's HF modules hold whole weights: nothing would be sharded
+    with pytest.raises(ConfigError, match="Phi3ForCausalLM runs on the transformers fallback, which is not sharded"):
+        LLM(str(folder), max_model_len=128, tensor_parallel_size=2)
+
+
 @pytest.mark.processes
 @pytest.mark.slow
 def test_ngram_speculation_at_tp2_matches_hf(tiny_model_dir):

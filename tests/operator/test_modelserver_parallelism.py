@@ -103,3 +103,20 @@ def test_extra_args_may_not_set_what_a_spec_field_owns(samples, extra):
 def test_wrong_shapes_are_a_condition(samples, engine):
     ms, pool, dep = _render(samples, engine=engine)
     assert dep is None and m.validate_modelserver(ms, pool)[0]["reason"] == "InvalidSpec"
+
+
+def test_the_engine_parser_takes_the_rendered_flags(samples):
+    import argparse
+
+    from kvgate.engine.cli_args import add_engine_args, engine_config_from_args
+
+    _, _, dep = _render(samples, engine={"backend": "torch", "device": "cpu", "tensorParallelSize": 2,
+                                         "quantization": "gptq"})
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    for flag in ("--host", "--port", "--shutdown-timeout"):
+        parser.add_argument(flag)
+    add_engine_args(parser)
+    args = parser.parse_args(_container(dep)["command"][2:])
+    config = engine_config_from_args("/model", args)
+    assert (config.tensor_parallel_size, config.quantization, config.device) == (2, "gptq", "cpu")
