@@ -66,7 +66,7 @@ def test_quantized_greedy_matches_hf(family, mode, fmt, quantized):
             params = dict(model.named_parameters())
             assert reference
             for name, weight in reference.items():
-                _, dest = model._destination(name, params)
+                _, dest, _ = model._destination(name, weight, params, {})
                 assert torch.equal(dest, weight.float()), f"{family}/{fmt}: {name} differs from the reference"
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], params)
