@@ -1,0 +1,190 @@
+"""OpenTelemetry traces through the real Envoy, the EPP and sim engines, each its own process, exported over OTLP/gRPC
+to a real OTLP receiver (opentelemetry-proto's TraceService) in this test: one trace per request, with the right
+parent links and attributes, and never the prompt's or the answer's text."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import httpx
+import pytest
+
+from kvgate.common.envoy_config import EnvoyTracing
+from kvgate.common.gateway_routes import render_pool_gateway
+from tests.gateway import Gateway
+
+pytestmark = pytest.mark.processes
+
+trace_service_pb2 = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+trace_service_pb2_grpc = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc")
+
+SECRET = "zebra-quartz-sentinel"  # in the prompt: must appear in no exported byte
+SPAN_WAIT_S = 20.0
+
+
+class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace collector on a loopback port: every span it is sent, with its service's name."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.raw: list[bytes] = []
+        self.spans: list[tuple[str, object]] = []  # (service.name, Span)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def Export(self, request, context):  # noqa: N802 - gRPC method name
+        with self.lock:
+            self.raw.append(request.SerializeToString())
+            for resource_spans in request.resource_spans:
+                service = next((a.value.string_value for a in resource_spans.resource.attributes
+                                if a.key == "service.name"), "")
+                for scope_spans in resource_spans.scope_spans:
+                    self.spans.extend((service, s) for s in scope_spans.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: bytes) -> list[tuple[str, object]]:
+        with self.lock:
+            return [(svc, s) for svc, s in self.spans if s.trace_id == trace_id]
+
+    def wait_for(self, names: set[str], timeout: float = SPAN_WAIT_S) -> dict[str, tuple[str, object]]:
+        """{span name: (service, span)} once spans of every name in `names` have arrived, all of one trace."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                by_name = {s.name: (svc, s) for svc, s in self.spans}
+            if names <= by_name.keys():
+                return by_name
+            time.sleep(0.1)
+        raise AssertionError(f"spans {sorted(names - by_name.keys())} never arrived; got {sorted(by_name)}")
+
+    def stop(self) -> None:
+        self.server.stop(grace=None)
+
+
+def attributes(span) -> dict:
+    out = {}
+    for a in span.attributes:
+        v = a.value
+        kind = v.WhichOneof("value")
+        out[a.key] = list(getattr(x, x.WhichOneof("value")) for x in v.array_value.values) \
+            if kind == "array_value" else getattr(v, kind)
+    return out
+
+
+@pytest.fixture
+def receiver():
+    r = OtlpReceiver()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kvgate-cache")
+
+
+@pytest.fixture(autouse=True)
+def quick_export(monkeypatch):
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # the processes' batch processors export every 100 ms
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_SAMPLER",
+                 "OTEL_TRACES_SAMPLER_ARG", "OTEL_SERVICE_NAME"):
+        monkeypatch.delenv(name, raising=False)
+
+
+ENVOY_SPANS = {"ingress", "async envoy.service.ext_proc.v3.ExternalProcessor.Process egress"}
+EPP_SPANS = {"gateway.request", "gateway.scheduling"}
+ENGINE_SPANS = {"llm_request", "llm_request.queue", "llm_request.prefill", "llm_request.decode"}
+
+
+def test_one_request_is_one_trace_from_envoy_through_the_epp_to_the_engine(tmp_path, cache, receiver):
+    flag = ["--otlp-traces-endpoint", receiver.endpoint]
+    tracing = EnvoyTracing.from_endpoint(receiver.endpoint)
+    with Gateway(tmp_path, cache, [["--backend", "sim", *flag]] * 2, epp_args=flag,
+                 envoy_config=lambda pool, port, admin: render_pool_gateway(pool, "127.0.0.1", port, admin,
+                                                                            tracing=tracing)) as gw:
+        r = httpx.post(f"{gw.url}/v1/completions", timeout=30, json={
+            "model": "sim-model", "prompt": f"tell me about {SECRET}", "max_tokens": 5, "temperature": 0.5,
+            "top_p": 0.9})
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        spans = receiver.wait_for(ENVOY_SPANS | EPP_SPANS | ENGINE_SPANS)
+
+    services = {name: svc for name, (svc, _) in spans.items()}
+    assert services["ingress"] == "kvgate-gateway"
+    assert services["gateway.request"] == "kvgate-epp" and services["llm_request"] == "kvgate-engine"
+    span = {name: s for name, (_, s) in spans.items()}
+    trace_id = span["ingress"].trace_id
+    assert {s.trace_id for s in span.values()} == {trace_id}
+    assert len(receiver.trace(trace_id)) == len(ENVOY_SPANS | EPP_SPANS | ENGINE_SPANS)  # one request, one trace
+    egress = span["async envoy.service.ext_proc.v3.ExternalProcessor.Process egress"]
+    # Envoy → its ext_proc call → the EPP's request span → its scheduling span
+    assert egress.parent_span_id == span["ingress"].span_id
+    assert span["gateway.request"].parent_span_id == egress.span_id
+    assert span["gateway.scheduling"].parent_span_id == span["gateway.request"].span_id
+    # Envoy's router sends the upstream request under its ingress span (it rewrites the EPP's traceparent)
+    assert span["llm_request"].parent_span_id == span["ingress"].span_id
+    for child in ("queue", "prefill", "decode"):
+        assert span[f"llm_request.{child}"].parent_span_id == span["llm_request"].span_id
+    llm = span["llm_request"]
+    assert span["llm_request.queue"].start_time_unix_nano >= llm.start_time_unix_nano - 5_000_000
+    assert span["llm_request.decode"].end_time_unix_nano <= llm.end_time_unix_nano + 5_000_000
+
+    epp = attributes(span["gateway.request"])
+    scheduling = attributes(span["gateway.scheduling"])
+    assert epp["kvgate.epp.destination_endpoint"] in gw.endpoints
+    assert epp["gen_ai.request.model"] == "sim-model" and epp["http.response.status_code"] == 200
+    assert epp["gen_ai.usage.output_tokens"] == answer["usage"]["completion_tokens"]
+    assert scheduling["kvgate.epp.candidates"] == 2
+    assert scheduling["kvgate.epp.destination_endpoint"] == epp["kvgate.epp.destination_endpoint"]
+    assert sorted(scheduling["kvgate.epp.top_scores.endpoints"]) == sorted(gw.endpoints)
+    assert scheduling["kvgate.epp.top_scores.endpoints"][0] == epp["kvgate.epp.destination_endpoint"]
+    assert len(scheduling["kvgate.epp.top_scores.values"]) == 2
+    assert scheduling["kvgate.epp.profile"]
+    assert any(k.startswith("kvgate.epp.plugin.") for k in scheduling)
+
+    engine = attributes(llm)
+    assert engine["gen_ai.request.model"] == "sim-model"
+    assert engine["gen_ai.response.id"] == answer["id"]
+    assert engine["gen_ai.request.max_tokens"] == 5
+    assert engine["gen_ai.request.temperature"] == pytest.approx(0.5)
+    assert engine["gen_ai.request.top_p"] == pytest.approx(0.9)
+    assert engine["gen_ai.usage.input_tokens"] == answer["usage"]["prompt_tokens"]
+    assert engine["gen_ai.usage.output_tokens"] == answer["usage"]["completion_tokens"]
+    assert 0 <= engine["gen_ai.latency.time_in_queue"] <= engine["gen_ai.latency.time_to_first_token"]
+    assert engine["gen_ai.latency.time_to_first_token"] <= engine["gen_ai.latency.e2e"]
+
+    exported = b"".join(receiver.raw)
+    assert SECRET.encode() not in exported
+    text = answer["choices"][0]["text"]
+    assert len(text) < 4 or all(text not in str(v) for s in span.values() for v in attributes(s).values())
+
+
+def test_without_envoy_s_tracer_the_epp_parents_the_engine_and_follows_the_client_s_sampling(tmp_path, cache,
+                                                                                             receiver):
+    """An Envoy that does not trace passes the client's traceparent to the EPP and the EPP's to the engine; a parent
+    that is not sampled is followed (parent-based sampling): nothing is exported for it."""
+    flag = ["--otlp-traces-endpoint", receiver.endpoint]
+    with Gateway(tmp_path, cache, [["--backend", "sim", *flag]], epp_args=flag) as gw:
+        unsampled = "00-" + "a" * 32 + "-" + "b" * 16 + "-00"
+        sampled_trace, client_span = "c" * 32, "d" * 16
+        for traceparent in (unsampled, f"00-{sampled_trace}-{client_span}-01"):
+            r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=30, headers={"traceparent": traceparent},
+                           json={"model": "sim-model", "max_tokens": 3,
+                                 "messages": [{"role": "user", "content": SECRET}]})
+            assert r.status_code == 200, r.text
+        spans = receiver.wait_for(EPP_SPANS | ENGINE_SPANS)
+
+    span = {name: s for name, (_, s) in spans.items()}
+    assert span["gateway.request"].trace_id == bytes.fromhex(sampled_trace)
+    assert span["gateway.request"].parent_span_id == bytes.fromhex(client_span)
+    assert span["llm_request"].trace_id == bytes.fromhex(sampled_trace)
+    assert span["llm_request"].parent_span_id == span["gateway.request"].span_id  # the EPP's traceparent
+    assert attributes(span["llm_request"])["gen_ai.operation.name"] == "chat"
+    assert receiver.trace(bytes.fromhex("a" * 32)) == []
+    assert SECRET.encode() not in b"".join(receiver.raw)
