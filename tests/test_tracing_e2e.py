@@ -4,11 +4,6 @@ parent links and attributes, and never the prompt's or the answer's text."""
 
 from __future__ import annotations
 
-import threading
-import time
-from concurrent import futures
-
-import grpc
 import httpx
 import pytest
 
@@ -18,53 +13,11 @@ from tests.gateway import Gateway
 
 pytestmark = pytest.mark.processes
 
-trace_service_pb2 = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
-trace_service_pb2_grpc = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc")
+pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc")
+from kvgate.bench.otlp_receiver import OtlpReceiver  # noqa: E402
 
 SECRET = "zebra-quartz-sentinel"  # in the prompt: must appear in no exported byte
 SPAN_WAIT_S = 20.0
-
-
-class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace collector on a loopback port: every span it is sent, with its service's name."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.raw: list[bytes] = []
-        self.spans: list[tuple[str, object]] = []  # (service.name, Span)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-
-    def Export(self, request, context):  # noqa: N802 - gRPC method name
-        with self.lock:
-            self.raw.append(request.SerializeToString())
-            for resource_spans in request.resource_spans:
-                service = next((a.value.string_value for a in resource_spans.resource.attributes
-                                if a.key == "service.name"), "")
-                for scope_spans in resource_spans.scope_spans:
-                    self.spans.extend((service, s) for s in scope_spans.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def trace(self, trace_id: bytes) -> list[tuple[str, object]]:
-        with self.lock:
-            return [(svc, s) for svc, s in self.spans if s.trace_id == trace_id]
-
-    def wait_for(self, names: set[str], timeout: float = SPAN_WAIT_S) -> dict[str, tuple[str, object]]:
-        """{span name: (service, span)} once spans of every name in `names` have arrived, all of one trace."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                by_name = {s.name: (svc, s) for svc, s in self.spans}
-            if names <= by_name.keys():
-                return by_name
-            time.sleep(0.1)
-        raise AssertionError(f"spans {sorted(names - by_name.keys())} never arrived; got {sorted(by_name)}")
-
-    def stop(self) -> None:
-        self.server.stop(grace=None)
 
 
 def attributes(span) -> dict:
@@ -113,7 +66,7 @@ def test_one_request_is_one_trace_from_envoy_through_the_epp_to_the_engine(tmp_p
             "top_p": 0.9})
         assert r.status_code == 200, r.text
         answer = r.json()
-        spans = receiver.wait_for(ENVOY_SPANS | EPP_SPANS | ENGINE_SPANS)
+        spans = receiver.wait_for(ENVOY_SPANS | EPP_SPANS | ENGINE_SPANS, SPAN_WAIT_S)
 
     services = {name: svc for name, (svc, _) in spans.items()}
     assert services["ingress"] == "kvgate-gateway"
@@ -178,7 +131,7 @@ def test_without_envoy_s_tracer_the_epp_parents_the_engine_and_follows_the_clien
                            json={"model": "sim-model", "max_tokens": 3,
                                  "messages": [{"role": "user", "content": SECRET}]})
             assert r.status_code == 200, r.text
-        spans = receiver.wait_for(EPP_SPANS | ENGINE_SPANS)
+        spans = receiver.wait_for(EPP_SPANS | ENGINE_SPANS, SPAN_WAIT_S)
 
     span = {name: s for name, (_, s) in spans.items()}
     assert span["gateway.request"].trace_id == bytes.fromhex(sampled_trace)
