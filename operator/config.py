@@ -4,7 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgate.common.envoy_config import EnvoyTracing
 from kvgate.operator.tenancy import TenantPolicy
+
+
+@dataclass(frozen=True)
+class TraceExport:
+    """OpenTelemetry (--otlp-traces-endpoint, --trace-sampling-ratio): the OTLP/gRPC collector that the Gateways'
+    Envoys and the pools' EPPs send request spans to, and the share of requests without a sampling decision that
+    are traced (a client's or Envoy's sampled `traceparent` is always followed)."""
+    endpoint: str
+    sampling_ratio: float = 1.0
+
+    def env(self, service_name: str) -> list[dict]:
+        """A container's OTEL_* variables (kvgate.common.tracing reads them)."""
+        return [{"name": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "value": self.endpoint},
+                {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+                {"name": "OTEL_TRACES_SAMPLER_ARG", "value": f"{self.sampling_ratio:g}"},
+                {"name": "OTEL_SERVICE_NAME", "value": service_name}]
+
+    def envoy(self) -> EnvoyTracing:
+        return EnvoyTracing.from_endpoint(self.endpoint, self.sampling_ratio)
 
 
 @dataclass
@@ -26,3 +46,4 @@ class OperatorConfig:
     epp_high_availability: bool = False
     # What ModelServers may use beyond the default (tenancy.py): --allow-host-path, --allow-image-prefix.
     tenant_policy: TenantPolicy = TenantPolicy()
+    tracing: TraceExport | None = None  # None: no spans exported (no OTEL_* on the EPPs, no tracer in Envoy)

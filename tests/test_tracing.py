@@ -208,3 +208,43 @@ def test_an_unfinished_request_s_span_is_an_error(recorded):
     (span,) = memory.get_finished_spans()
     assert span.status.status_code.name == "ERROR" and span.parent is None
     assert "gen_ai.latency.time_to_first_token" not in span.attributes
+
+
+@pytest.mark.processes  # envoy --mode validate
+def test_the_operator_gives_epp_pods_otel_env_and_gateways_envoy_s_tracer(tmp_path):
+    import json
+
+    from kvgate.common.gateway_routes import RouteRule, WeightedBackend, render_gateway_files, static_bootstrap
+    from kvgate.common.envoy_config import PoolBackend, envoy_binary
+    from kvgate.operator import pool as p
+    from kvgate.operator.config import TraceExport
+
+    pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": "demo", "namespace": "default", "uid": "u1"},
+            "spec": {"selector": {"matchLabels": {"app": "x"}}, "targetPorts": [{"number": 8000}],
+                     "endpointPickerRef": {"name": "demo-epp", "port": {"number": 9002}}}}
+
+    def epp_env(tracing):
+        objs = p.render_epp_objects(pool, "kvgate:test", p.DEFAULT_EPP_CONFIG, tracing=tracing)
+        (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e["value"] for e in container["env"]}
+
+    assert not any(k.startswith("OTEL_") for k in epp_env(None))
+    export = TraceExport("http://otel.monitoring:4317", 0.1)
+    env = epp_env(export)
+    assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://otel.monitoring:4317"
+    assert (env["OTEL_TRACES_SAMPLER"], env["OTEL_TRACES_SAMPLER_ARG"]) == ("parentbased_traceidratio", "0.1")
+    assert tracing_from_env(env).sampling_percent == pytest.approx(10.0)  # what the EPP's setup reads, Envoy alike
+
+    rule = RouteRule("default/r/0", 8080, [WeightedBackend(PoolBackend("default-demo", "demo-epp", 9002, []))])
+    files = render_gateway_files([rule], [8080], 9901, tracing=export.envoy())
+    config = static_bootstrap(files)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["tracing"]["random_sampling"]["value"] == pytest.approx(10.0)
+    assert "kvgate-otel-collector" in {c["name"] for c in config["static_resources"]["clusters"]}
+    path = tmp_path / "envoy.json"
+    path.write_text(json.dumps(config))
+    r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
