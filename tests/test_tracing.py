@@ -248,3 +248,22 @@ def test_the_operator_gives_epp_pods_otel_env_and_gateways_envoy_s_tracer(tmp_pa
     r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_kvgate_up_traces_every_component_when_given_an_endpoint(monkeypatch):
+    from kvgate.cli import build_parser
+    from kvgate.stack.local_stack import StackSpec, _tracing_args, envoy_tracing
+    from kvgate.stack.up import stack_spec
+
+    spec = stack_spec(build_parser().parse_args(["up", "--otlp-traces-endpoint", "http://127.0.0.1:4317"]))
+    assert _tracing_args(spec) == ["--otlp-traces-endpoint", "http://127.0.0.1:4317"]  # the EPPs and the engines
+    assert (envoy_tracing(spec).host, envoy_tracing(spec).port, envoy_tracing(spec).sampling_percent) == (
+        "127.0.0.1", 4317, 100.0)
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
+    assert envoy_tracing(spec).sampling_percent == 50.0 and envoy_tracing(spec).host == "127.0.0.1"
+    off = StackSpec(1, "demo", "sim", "127.0.0.1", 8080)
+    assert _tracing_args(off) == [] and envoy_tracing(off).host == "collector"  # the children read the variables
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+    assert envoy_tracing(off) is None
