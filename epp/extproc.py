@@ -303,7 +303,6 @@ class _RequestStream:
         started = now_ns()
         ordered = self.director.pick(self.request, self.subset, trace=decision)
         self.span.decided(self.request, ordered, decision, started, now_ns())
-        self.span.routed()
         return ordered, self.span.traceparent()
 
     def _decide_without_body(self) -> pb.ProcessingResponse:

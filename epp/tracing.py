@@ -23,7 +23,7 @@ GATEWAY_SCHEDULING = "gateway.scheduling"
 
 
 class RequestSpan:
-    """The span of one ext-proc stream; its methods are no-ops after `end`."""
+    """The span of one ext-proc stream, ended once (`end`)."""
 
     def __init__(self, tracer, grpc_metadata, headers: dict[str, str]) -> None:
         from opentelemetry.trace import SpanKind
@@ -33,12 +33,13 @@ class RequestSpan:
         carrier = {k: v for k, v in (grpc_metadata or ()) if k in (TRACEPARENT, "tracestate")}
         if TRACEPARENT not in carrier:
             carrier = headers
-        self.tracer = tracer
-        self.span = tracer.start_span(GATEWAY_REQUEST, context=extract(carrier), kind=SpanKind.SERVER)
-        self.span.set_attribute("http.request.method", headers.get(":method", ""))
-        self.span.set_attribute("url.path", headers.get(":path", "").split("?", 1)[0][:256])
+        attributes = {"http.request.method": headers.get(":method", ""),
+                      "url.path": headers.get(":path", "").split("?", 1)[0][:256]}
         if "x-request-id" in headers:
-            self.span.set_attribute("kvgate.request_id", headers["x-request-id"][:128])
+            attributes["kvgate.request_id"] = headers["x-request-id"][:128]
+        self.tracer = tracer
+        self.span = tracer.start_span(GATEWAY_REQUEST, context=extract(carrier), kind=SpanKind.SERVER,
+                                      attributes=attributes)
         self.ended = False
 
     def traceparent(self) -> dict[str, str]:
@@ -48,30 +49,32 @@ class RequestSpan:
         return inject(self.span)
 
     def request_parsed(self, request) -> None:
-        self.span.set_attribute("gen_ai.request.model", request.model or "")
+        attributes = {"gen_ai.request.model": request.model or ""}
         if request.max_tokens is not None:
-            self.span.set_attribute("gen_ai.request.max_tokens", request.max_tokens)
+            attributes["gen_ai.request.max_tokens"] = request.max_tokens
+        self.span.set_attributes(attributes)
 
     def decided(self, request, ordered, decision: dict, started_ns: int, ended_ns: int) -> None:
         """The pick: `decision` is what Director.pick recorded (candidates, scores, profile, plugin times)."""
-        span = self.span
-        span.set_attribute("kvgate.epp.destination_endpoint", ordered[0].address)
-        span.set_attribute("kvgate.epp.fallback_endpoints", [s.address for s in ordered[1:TOP_SCORES]])
+        destination = ordered[0].address
+        attributes = {"kvgate.epp.destination_endpoint": destination, "kvgate.epp.priority": request.priority,
+                      "kvgate.epp.fallback_endpoints": [s.address for s in ordered[1:TOP_SCORES]],
+                      "http.response.status_code": 200}
         if request.target_model and request.target_model != request.model:
-            span.set_attribute("gen_ai.request.target_model", request.target_model)
-        span.set_attribute("kvgate.epp.priority", request.priority)
+            attributes["gen_ai.request.target_model"] = request.target_model
         if request.flow_wait_s:
-            span.set_attribute("kvgate.epp.flow_control.wait_ms", request.flow_wait_s * 1000)
-        scheduling = self.tracer.start_span(GATEWAY_SCHEDULING, context=_context_of(span), start_time=started_ns)
-        scheduling.set_attribute("kvgate.epp.candidates", decision.get("candidates", 0))
-        scheduling.set_attribute("kvgate.epp.profile", decision.get("profile", ""))
-        scheduling.set_attribute("kvgate.epp.destination_endpoint", ordered[0].address)
+            attributes["kvgate.epp.flow_control.wait_ms"] = request.flow_wait_s * 1000
+        self.span.set_attributes(attributes)
         scores = decision.get("scores", ())
-        scheduling.set_attribute("kvgate.epp.top_scores.endpoints", [a for a, _ in scores])
-        scheduling.set_attribute("kvgate.epp.top_scores.values", [float(v) for _, v in scores])
+        scheduling = {"kvgate.epp.candidates": decision.get("candidates", 0),
+                      "kvgate.epp.profile": decision.get("profile", ""),
+                      "kvgate.epp.destination_endpoint": destination,
+                      "kvgate.epp.top_scores.endpoints": [a for a, _ in scores],
+                      "kvgate.epp.top_scores.values": [v for _, v in scores]}
         for (point, name), seconds in decision.get("plugins", {}).items():
-            scheduling.set_attribute(f"kvgate.epp.plugin.{point}.{name}.ms", seconds * 1000)
-        scheduling.end(end_time=ended_ns)
+            scheduling[f"kvgate.epp.plugin.{point}.{name}.ms"] = seconds * 1000
+        self.tracer.start_span(GATEWAY_SCHEDULING, context=_context_of(self.span), start_time=started_ns,
+                               attributes=scheduling).end(end_time=ended_ns)
 
     def refused(self, status: int, message: str) -> None:
         from opentelemetry.trace import Status, StatusCode
@@ -79,12 +82,9 @@ class RequestSpan:
         self.span.set_attribute("http.response.status_code", status)
         self.span.set_status(Status(StatusCode.ERROR, message[:200]))
 
-    def routed(self) -> None:
-        self.span.set_attribute("http.response.status_code", 200)
-
     def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
-        self.span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
-        self.span.set_attribute("gen_ai.usage.output_tokens", completion_tokens)
+        self.span.set_attributes({"gen_ai.usage.input_tokens": prompt_tokens,
+                                  "gen_ai.usage.output_tokens": completion_tokens})
 
     def end(self) -> None:
         if not self.ended:
