@@ -4,6 +4,8 @@ parent links and attributes, and never the prompt's or the answer's text."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -58,9 +60,15 @@ ENGINE_SPANS = {"llm_request", "llm_request.queue", "llm_request.prefill", "llm_
 def test_one_request_is_one_trace_from_envoy_through_the_epp_to_the_engine(tmp_path, cache, receiver):
     flag = ["--otlp-traces-endpoint", receiver.endpoint]
     tracing = EnvoyTracing.from_endpoint(receiver.endpoint)
-    with Gateway(tmp_path, cache, [["--backend", "sim", *flag]] * 2, epp_args=flag,
-                 envoy_config=lambda pool, port, admin: render_pool_gateway(pool, "127.0.0.1", port, admin,
-                                                                            tracing=tracing)) as gw:
+
+    def envoy_config(pool, port, admin):
+        config = render_pool_gateway(pool, "127.0.0.1", port, admin, tracing=tracing)
+        # Envoy's tracer exports every 5 s unless 5 spans are waiting: every 100 ms here
+        config["layered_runtime"] = {"layers": [{"name": "quick-export", "static_layer": {
+            "tracing.opentelemetry.flush_interval_ms": 100}}]}
+        return config
+
+    with Gateway(tmp_path, cache, [["--backend", "sim", *flag]] * 2, epp_args=flag, envoy_config=envoy_config) as gw:
         r = httpx.post(f"{gw.url}/v1/completions", timeout=30, json={
             "model": "sim-model", "prompt": f"tell me about {SECRET}", "max_tokens": 5, "temperature": 0.5,
             "top_p": 0.9})
@@ -129,10 +137,18 @@ def test_without_envoy_s_tracer_the_epp_parents_the_engine_and_follows_the_clien
         sampled_trace, client_span = "c" * 32, "d" * 16
         for traceparent in (unsampled, f"00-{sampled_trace}-{client_span}-01"):
             r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=30, headers={"traceparent": traceparent},
-                           json={"model": "sim-model", "max_tokens": 3,
+                           json={"model": "sim-model", "max_tokens": 3, "stream": True,
                                  "messages": [{"role": "user", "content": SECRET}]})
-            assert r.status_code == 200, r.text
+            assert r.status_code == 200 and r.text.rstrip().endswith("[DONE]"), r.text
+        refused_trace = "e" * 32
+        r = httpx.post(f"{gw.url}/v1/completions", timeout=30, content=b'{"model": "sim-model", "prompt": ',
+                       headers={"traceparent": f"00-{refused_trace}-{'f' * 16}-01",
+                                "content-type": "application/json"})
+        assert r.status_code == 400, r.text
         spans = receiver.wait_for(EPP_SPANS | ENGINE_SPANS, SPAN_WAIT_S)
+        deadline = time.monotonic() + SPAN_WAIT_S
+        while not receiver.trace(bytes.fromhex(refused_trace)) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     span = {name: s for name, (_, s) in spans.items()}
     assert span["gateway.request"].trace_id == bytes.fromhex(sampled_trace)
@@ -141,4 +157,9 @@ def test_without_envoy_s_tracer_the_epp_parents_the_engine_and_follows_the_clien
     assert span["llm_request"].parent_span_id == span["gateway.request"].span_id  # the EPP's traceparent
     assert attributes(span["llm_request"])["gen_ai.operation.name"] == "chat"
     assert receiver.trace(bytes.fromhex("a" * 32)) == []
+    # a refusal: the EPP's span alone (no decision, no engine), its status the answer's
+    ((service, refused),) = receiver.trace(bytes.fromhex(refused_trace))
+    assert (service, refused.name) == ("kvgate-epp", "gateway.request")
+    assert attributes(refused)["http.response.status_code"] == 400
+    assert refused.status.code == refused.status.STATUS_CODE_ERROR
     assert SECRET.encode() not in b"".join(receiver.raw)
