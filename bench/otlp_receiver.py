@@ -44,13 +44,14 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         with self.lock:
             return [(svc, s) for svc, s in self.spans if s.trace_id == trace_id]
 
-    def wait_for(self, names: set[str], timeout: float) -> dict[str, tuple[str, object]]:
-        """{span name: (service, span)} once a span of every name in `names` has arrived (AssertionError if not in
-        `timeout` seconds)."""
+    def wait_for(self, names: set[str], timeout: float, trace_id: bytes | None = None
+                 ) -> dict[str, tuple[str, object]]:
+        """{span name: (service, span)} once a span of every name in `names` has arrived, of trace `trace_id` if
+        given (AssertionError if not in `timeout` seconds)."""
         deadline = time.monotonic() + timeout
         while True:
             with self.lock:
-                by_name = {s.name: (svc, s) for svc, s in self.spans}
+                by_name = {s.name: (svc, s) for svc, s in self.spans if trace_id is None or s.trace_id == trace_id}
             if names <= by_name.keys():
                 return by_name
             if time.monotonic() > deadline:
