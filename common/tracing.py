@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from kvgate.common.errors import ConfigError
+
 ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 PROTOCOL_ENV = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 TRACEPARENT = "traceparent"
@@ -27,8 +29,9 @@ DEFAULT_MAX_QUEUE_SIZE = 2048  # spans waiting for export; more are dropped
 DEFAULT_EXPORT_TIMEOUT_MS = 10_000  # one export call, before it gives up
 
 
-class TracingConfigError(ValueError):
-    """An OTEL_* setting kvgate cannot honour (e.g. an OTLP protocol other than grpc)."""
+class TracingConfigError(ConfigError):
+    """An OTEL_* setting kvgate cannot honour (an OTLP protocol other than grpc), or tracing asked for without the
+    OpenTelemetry SDK installed: `kvgate` prints it as one line and exits 2."""
 
 
 def configured_endpoint(flag: str | None = None) -> str | None:
@@ -74,10 +77,15 @@ def setup(component: str, endpoint_flag: str | None = None) -> Tracing | None:
     if protocol != "grpc":
         raise TracingConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL {protocol!r}: kvgate exports traces over OTLP/gRPC "
                                  "only (grpc)")
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as exc:
+        raise TracingConfigError(f"an OTLP endpoint is configured ({endpoint}) but the OpenTelemetry SDK is not "
+                                 f"installed ({exc.name}): pip install opentelemetry-sdk "
+                                 "opentelemetry-exporter-otlp-proto-grpc") from None
 
     service = os.environ.get("OTEL_SERVICE_NAME", "").strip() or component
     # The sampler comes from OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG (the SDK's own reading of them).

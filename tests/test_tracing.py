@@ -79,6 +79,14 @@ def test_only_otlp_grpc_is_exported(monkeypatch):
         tracing.setup("kvgate-test", "http://127.0.0.1:9")
 
 
+def test_an_endpoint_without_the_sdk_is_a_one_line_start_error(monkeypatch):
+    from kvgate.common.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # what an install without the SDK finds
+    with pytest.raises(ConfigError, match="pip install opentelemetry-sdk"):
+        tracing.setup("kvgate-test", "http://127.0.0.1:9")
+
+
 def test_service_name_from_the_environment(monkeypatch, recorded):
     monkeypatch.setenv("OTEL_SERVICE_NAME", "pool-a-epp")
     t, _ = recorded(component="kvgate-epp")
