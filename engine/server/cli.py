@@ -83,6 +83,9 @@ def run_serve(args: argparse.Namespace) -> int:
     api_keys = resolve_api_keys(args.api_key)
     if args.require_api_key and not api_keys:
         raise ConfigError(f"--require-api-key: no key given (--api-key, or a non-empty {API_KEY_ENV})")
+    from kvgate.common.tracing import setup as setup_tracing
+
+    tracing = setup_tracing("kvgate-engine", args.otlp_traces_endpoint)  # a bad OTEL_* setting stops it here too
 
     import uvicorn
 
@@ -129,9 +132,6 @@ def run_serve(args: argparse.Namespace) -> int:
         if server is not None and not (args.keep_alive_on_engine_death and llm.info is not None):
             server.should_exit = True
 
-    from kvgate.common.tracing import setup as setup_tracing
-
-    tracing = setup_tracing("kvgate-engine", args.otlp_traces_endpoint)
     app = create_app(llm, served, limits_from_args(args), on_fatal, server_id=f"{args.host}:{args.port}",
                      tool_parser=args.tool_call_parser, chat_template=chat_template,
                      response_role=args.response_role, generation_defaults=generation_defaults,
