@@ -29,6 +29,10 @@ def add_bench_epp_parser(sub) -> None:
     p.add_argument("--epp-cpus", default=None, metavar="CPUS",
                    help="latency part: pin the EPP to these CPUs (e.g. 0; Linux) and the engine, both Envoys and "
                         "the load to the others — the EPP on a core of its own; default: no pinning (shared cores)")
+    p.add_argument("--tracing", action="store_true",
+                   help="latency part: the EPP traces every request (OpenTelemetry, sampled always) and exports the "
+                        "spans to an OTLP/gRPC receiver in this process: the cost of tracing on (compare a run "
+                        "without)")
     p.add_argument("--result-file", default=None)
     p.set_defaults(func=run_bench_epp)
 
@@ -67,9 +71,11 @@ def _pin_epp(procs: list, epp, epp_cpus: frozenset[int]) -> dict:
     return {"epp": sorted(mine), "others": sorted(rest), "threads_pinned": threads}
 
 
-def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None = None) -> dict:
+def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None = None, tracing: bool = False
+                          ) -> dict:
     """Envoy + EPP vs Envoy routing by a client-set header, to the same sim engine, same request stream; with
-    `epp_cpus`, the EPP pinned to those CPUs and everything else to the others."""
+    `epp_cpus`, the EPP pinned to those CPUs and everything else to the others; with `tracing`, the EPP exporting a
+    span per request to an OTLP receiver in this process."""
     from kvgate.bench.routing.runner import epp_histograms, epp_metrics, epp_time
     from kvgate.common.envoy_config import PoolBackend, envoy_binary, render_direct
     from kvgate.common.gateway_routes import render_pool_gateway
@@ -78,6 +84,11 @@ def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None =
     work = Path(tempfile.mkdtemp(prefix="kvgate-bench-epp-"))
     procs = []
     own_cpus, pinned = os.sched_getaffinity(0), None
+    receiver = None
+    if tracing:
+        from kvgate.bench.otlp_receiver import OtlpReceiver
+
+        receiver = OtlpReceiver(keep_raw=False)
     try:
         port = free_port()
         procs.append(start_group([kvgate, "serve", "sim-model", "--backend", "sim", "--port", str(port),
@@ -86,7 +97,9 @@ def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None =
         endpoint = f"127.0.0.1:{port}"
         grpc, health, metrics = free_port(), free_port(), free_port()
         epp = start_group([kvgate, "epp", "--endpoints", endpoint, "--grpc-port", str(grpc),
-                           "--grpc-health-port", str(health), "--metrics-port", str(metrics)], work / "epp.log")
+                           "--grpc-health-port", str(health), "--metrics-port", str(metrics),
+                           *(["--otlp-traces-endpoint", receiver.endpoint] if receiver else [])], work / "epp.log",
+                          {"OTEL_TRACES_SAMPLER": "parentbased_always_on"} if receiver else None)
         procs.append(epp)
         wait_http_ok(f"http://127.0.0.1:{metrics}/metrics", 120)
         gw_port, gw_admin, direct_port, direct_admin = (free_port() for _ in range(4))
@@ -123,9 +136,12 @@ def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None =
         inside = epp_time(epp_before, epp_histograms(epp_metrics(metrics)))
     finally:
         for p in reversed(procs):
-            stop_group(p)
+            stop_group(p)  # the EPP's shutdown flushes its queued spans
         os.sched_setaffinity(0, own_cpus)
-    out = {"rate": rate, "requests": n, "cpus": pinned, "added_p50_ms_per_round": [round(r, 3) for r in rounds],
+        spans = receiver.count() if receiver else None
+        if receiver:
+            receiver.stop()
+    out = {"rate": rate, "requests": n, "cpus": pinned, "tracing": tracing, "spans_exported": spans, "added_p50_ms_per_round": [round(r, 3) for r in rounds],
            "added_p50_ms_median_of_rounds": float(np.median(rounds)) if rounds else None, "inside_epp": inside}
     for name, values in (("envoy_epp", via_epp), ("envoy_direct", direct)):
         a = np.asarray(values) * 1000
@@ -170,11 +186,13 @@ def run_bench_epp(args: argparse.Namespace) -> int:
             print(f"  {key:>9}  {r['match_us']:7.2f}  baseline {r['set_intersection_us']:9.2f}  "
                   f"({r['set_intersection_us'] / r['match_us']:.0f}x faster)")
     if "latency" in parts:
-        lat = results["latency"] = measure_added_latency(args.latency_requests, args.request_rate, epp_cpus)
+        lat = results["latency"] = measure_added_latency(args.latency_requests, args.request_rate, epp_cpus,
+                                                         args.tracing)
         where = f"the EPP on CPUs {lat['cpus']['epp']}, the rest on {lat['cpus']['others']}" if epp_cpus \
             else "shared cores"
+        traced = f", the EPP tracing ({lat['spans_exported']} spans exported)" if args.tracing else ""
         print(f"\nlatency at {args.request_rate:g} req/s, {args.latency_requests} requests (1 output token), "
-              f"{where}:")
+              f"{where}{traced}:")
         print(f"  Envoy + EPP      p50 {lat['envoy_epp']['p50_ms']:.2f} ms  p99 {lat['envoy_epp']['p99_ms']:.2f} ms")
         print(f"  Envoy direct     p50 {lat['envoy_direct']['p50_ms']:.2f} ms  "
               f"p99 {lat['envoy_direct']['p99_ms']:.2f} ms")

@@ -232,6 +232,92 @@ def listener(name: str, host: str, port: int, routes: dict, timeouts: ListenerTi
             "filter_chains": [{"filters": [http_connection_manager(name.replace("-", "_"), routes, timeouts)]}]}
 
 
+# --- tracing ----------------------------------------------------------------------------------------------------
+
+OTEL_COLLECTOR_CLUSTER = "kvgate-otel-collector"
+
+
+@dataclass(frozen=True)
+class EnvoyTracing:
+    """Envoy's OpenTelemetry tracer (envoy.tracers.opentelemetry), on when an OTLP endpoint is configured: each
+    listener's HCM starts a span per request (or continues the client's `traceparent`), sends its context to the
+    EPP on the ext_proc stream and to the engine with the request, and exports spans over OTLP/gRPC to the
+    collector at `host`:`port`. `sampling_percent`: the share of requests without a sampling decision that are
+    traced (HCM random_sampling)."""
+    host: str
+    port: int
+    sampling_percent: float = 100.0
+    service_name: str = "kvgate-gateway"
+
+    @classmethod
+    def from_endpoint(cls, endpoint: str, sampling_ratio: float = 1.0, service_name: str = "kvgate-gateway"
+                      ) -> "EnvoyTracing":
+        """From an OTLP/gRPC endpoint as OTEL_EXPORTER_OTLP_ENDPOINT writes it ("http://collector:4317")."""
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+        if parts.scheme not in ("http", "grpc") or not parts.hostname:
+            raise ValueError(f"OTLP endpoint {endpoint!r}: Envoy's tracer needs http://HOST:PORT (plaintext gRPC)")
+        if not 0.0 <= sampling_ratio <= 1.0:
+            raise ValueError(f"trace sampling ratio must be in [0, 1], got {sampling_ratio}")
+        return cls(parts.hostname, parts.port or 4317, sampling_ratio * 100.0, service_name)
+
+    def hcm(self) -> dict:
+        """The HCM's `tracing` block."""
+        return {"random_sampling": {"value": self.sampling_percent}, "provider": {
+            "name": "envoy.tracers.opentelemetry",
+            "typed_config": {"@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
+                             "grpc_service": {"envoy_grpc": {"cluster_name": OTEL_COLLECTOR_CLUSTER},
+                                              "timeout": "1s"},
+                             "service_name": self.service_name}}}
+
+    def cluster(self) -> dict:
+        """The collector's cluster (HTTP/2: OTLP/gRPC)."""
+        return {"name": OTEL_COLLECTOR_CLUSTER, "type": "STRICT_DNS", "connect_timeout": "2s",
+                "typed_extension_protocol_options": _http_options(http2=True),
+                "circuit_breakers": CircuitBreakers().envoy(),
+                "load_assignment": {"cluster_name": OTEL_COLLECTOR_CLUSTER, "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": _address(self.host, self.port)}}]}]}}
+
+
+def tracing_from_env(environ=None) -> EnvoyTracing | None:
+    """Envoy's tracer from the standard OTEL_* variables (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
+    OTEL_EXPORTER_OTLP_ENDPOINT; OTEL_TRACES_SAMPLER_ARG as the ratio when OTEL_TRACES_SAMPLER is a traceidratio
+    sampler); None when no endpoint is set."""
+    import os
+
+    env = os.environ if environ is None else environ
+    endpoint = (env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+                or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip())
+    if not endpoint:
+        return None
+    ratio = 1.0
+    if env.get("OTEL_TRACES_SAMPLER", "").strip() in ("traceidratio", "parentbased_traceidratio"):
+        arg = env.get("OTEL_TRACES_SAMPLER_ARG", "").strip() or "1.0"
+        try:
+            ratio = float(arg)
+        except ValueError:
+            raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be a number in [0, 1], got {arg!r}") from None
+    elif env.get("OTEL_TRACES_SAMPLER", "").strip() in ("always_off", "parentbased_always_off"):
+        ratio = 0.0
+    return EnvoyTracing.from_endpoint(endpoint, ratio)
+
+
+def add_tracing(bootstrap: dict, tracing: EnvoyTracing | None) -> dict:
+    """`bootstrap` with Envoy's tracer on every listener's HCM and the collector's cluster (in place; returned);
+    unchanged when `tracing` is None."""
+    if tracing is None:
+        return bootstrap
+    static = bootstrap.setdefault("static_resources", {})
+    for listener_doc in static.get("listeners", []):
+        for chain in listener_doc["filter_chains"]:
+            for network_filter in chain["filters"]:
+                if network_filter["typed_config"].get("@type") == _HCM_TYPE:
+                    network_filter["typed_config"]["tracing"] = tracing.hcm()
+    static["clusters"] = [*static.get("clusters", []), tracing.cluster()]
+    return bootstrap
+
+
 # --- routes -----------------------------------------------------------------------------------------------------
 
 # A pool whose EPP needs no response body (PoolBackend.response_body False): its routes process the request as the

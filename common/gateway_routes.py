@@ -57,7 +57,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from kvgate.common.envoy_config import (ListenerTimeouts, PoolBackend, RouteTimeouts, cluster_route, dns_cluster,
+from kvgate.common.envoy_config import (EnvoyTracing, ListenerTimeouts, PoolBackend, RouteTimeouts, add_tracing,
+                                 cluster_route, dns_cluster,
                                  epp_load_assignment, listener, overload_manager, pool_clusters, pool_routes)
 
 FRACTION_DENOMINATOR = 1_000_000
@@ -202,9 +203,11 @@ def _listener(port: int, listen_host: str, timeouts: ListenerTimeouts) -> dict:
 def render_gateway_files(rules: list[RouteRule], listen_ports: list[int], admin_port: int | None = None,
                          listen_host: str = "0.0.0.0", node_id: str = "kvgate-gateway",
                          node_cluster: str = "kvgate-gateway", admin_host: str = "127.0.0.1",
-                         listener_timeouts: ListenerTimeouts = ListenerTimeouts()) -> dict[str, dict]:
+                         listener_timeouts: ListenerTimeouts = ListenerTimeouts(),
+                         tracing: EnvoyTracing | None = None) -> dict[str, dict]:
     """A Gateway's Envoy config as files {name: document}: the bootstrap, one route table per listener port
-    (RDS) and the clusters (CDS). Load it with the folder holding all of them as Envoy's working directory."""
+    (RDS) and the clusters (CDS). Load it with the folder holding all of them as Envoy's working directory.
+    `tracing`: Envoy's OpenTelemetry tracer on every listener (its collector cluster is static, in the bootstrap)."""
     ports = sorted(set(listen_ports))
     bootstrap = {
         "node": {"id": node_id, "cluster": node_cluster},
@@ -214,6 +217,7 @@ def render_gateway_files(rules: list[RouteRule], listen_ports: list[int], admin_
     }
     if admin_port is not None:
         bootstrap["admin"] = {"address": {"socket_address": {"address": admin_host, "port_value": admin_port}}}
+    add_tracing(bootstrap, tracing)
     files = {BOOTSTRAP_FILE: bootstrap}
     for port in ports:
         route_config = {"@type": _ROUTE_CONFIG_TYPE, "name": f"gateway-{port}",
@@ -250,8 +254,9 @@ def static_bootstrap(files: dict[str, dict]) -> dict:
         rds = hcm.pop("rds")
         (route_config,) = files[file_name(rds["config_source"]["path_config_source"]["path"])]["resources"]
         hcm["route_config"] = {**_untyped(route_config), "validate_clusters": True}
-    bootstrap["static_resources"]["clusters"] = [_static_cluster(_untyped(c), files)
-                                                 for c in files[CDS_FILE]["resources"]]
+    bootstrap["static_resources"]["clusters"] = [*bootstrap["static_resources"].get("clusters", []),
+                                                 *(_static_cluster(_untyped(c), files)
+                                                   for c in files[CDS_FILE]["resources"])]
     return bootstrap
 
 
@@ -273,16 +278,20 @@ def listeners_of(files: dict[str, dict]) -> list[dict]:
 
 def render_static_gateway(rules: list[RouteRule], listen_host: str, admin_port: int | None = None, *,
                           admin_host: str = "127.0.0.1",
-                          listener_timeouts: ListenerTimeouts = ListenerTimeouts()) -> dict:
+                          listener_timeouts: ListenerTimeouts = ListenerTimeouts(),
+                          tracing: EnvoyTracing | None = None) -> dict:
     """The rules' config as one static bootstrap (a listener per port of the rules): what `envoy -c` loads."""
     return static_bootstrap(render_gateway_files(rules, [r.listen_port for r in rules], admin_port, listen_host,
-                                                 admin_host=admin_host, listener_timeouts=listener_timeouts))
+                                                 admin_host=admin_host, listener_timeouts=listener_timeouts,
+                                                 tracing=tracing))
 
 
 def render_pool_gateway(pool: PoolBackend, listen_host: str, listen_port: int, admin_port: int | None = None, *,
                         route_timeouts: RouteTimeouts = RouteTimeouts(),
-                        listener_timeouts: ListenerTimeouts = ListenerTimeouts()) -> dict:
+                        listener_timeouts: ListenerTimeouts = ListenerTimeouts(),
+                        tracing: EnvoyTracing | None = None) -> dict:
     """One pool behind one listener, every path of every host: `kvgate up`'s gateway (an HTTPRoute with one rule
     and one backendRef in Gateway API terms)."""
     rule = RouteRule(f"local/{pool.name}/0", listen_port, [WeightedBackend(pool)], timeouts=route_timeouts)
-    return render_static_gateway([rule], listen_host, admin_port, listener_timeouts=listener_timeouts)
+    return render_static_gateway([rule], listen_host, admin_port, listener_timeouts=listener_timeouts,
+                                 tracing=tracing)

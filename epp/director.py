@@ -26,6 +26,20 @@ class RoutingError(Exception):
         self.headers = headers or {}
 
 
+def _record_decision(trace: dict, profile, cycle: CycleState, plugin_ns_before: dict) -> None:
+    """A traced decision's profile, top scores (TOP_SCORES, best first) and each plugin's time in it."""
+    from kvgate.epp.tracing import TOP_SCORES
+
+    trace["profile"] = profile.name
+    if cycle.snapshot is not None and cycle.scores is not None:
+        endpoints = cycle.snapshot.endpoints
+        best = sorted(range(len(endpoints)), key=lambda i: -cycle.scores[i])[:TOP_SCORES]
+        trace["scores"] = [(endpoints[i].address, float(cycle.scores[i])) for i in best]
+    trace["plugins"] = {(point, name): (ns - plugin_ns_before.get((point, kind, name), 0)) / 1e9
+                        for (point, kind, name), ns in profile.timings.total_ns().items()
+                        if ns != plugin_ns_before.get((point, kind, name), 0)}
+
+
 class Director:
     def __init__(self, datastore, datalayer, scheduler, admission, metrics=None, seed: int | None = None,
                  trust_pool_readiness: bool = False, flow=None, peers=None) -> None:
@@ -131,8 +145,10 @@ class Director:
         load = self.load.view(self.datalayer.snapshot(self._in_flight_counts))
         return self.admission.room(states, load.column("unseen_requests", states))
 
-    def pick(self, request: LLMRequest, subset: list[str] | None = None) -> list[EndpointState]:
-        """Ordered endpoints for the request (primary first); raises RoutingError (503 / 429)."""
+    def pick(self, request: LLMRequest, subset: list[str] | None = None, trace: dict | None = None
+             ) -> list[EndpointState]:
+        """Ordered endpoints for the request (primary first); raises RoutingError (503 / 429). `trace`, when given
+        (the request is traced), gets the decision's details: candidates, top scores, profile, plugin times."""
         started = time.perf_counter()
         self.classify(request)
         states = self.candidates(subset, round_snapshot=True)
@@ -146,7 +162,12 @@ class Director:
                 request, states, load.column("unseen_requests", states)):
             raise RoutingError(429, "the pool is saturated and this request is sheddable (priority < 0)")
         cycle = CycleState(load)  # this decision's plugin state, from scoring to the pick hook
+        if trace is not None:
+            trace["candidates"] = len(states)
+            plugin_ns = self.scheduler.primary.timings.total_ns()
         ordered = self.scheduler.schedule(request, states, cycle)
+        if trace is not None:
+            _record_decision(trace, self.scheduler.primary, cycle, plugin_ns)
         if not ordered:
             raise RoutingError(503, "no eligible endpoint: every endpoint was filtered out")
         if request.priority < 0 and self.scheduler.objectives_unmeetable(cycle):

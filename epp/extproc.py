@@ -76,10 +76,15 @@ def _metadata_value(metadata, namespace: str, key: str):
     return None
 
 
-def _destination(value: str, rewritten_body: bytes | None, *, buffered_body: bool):
-    mutation = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION_HEADER,
-                                                                      raw_value=value.encode()))
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[mutation]), clear_route_cache=True)
+def _destination(value: str, rewritten_body: bytes | None, *, buffered_body: bool,
+                 trace_headers: dict[str, str] | None = None):
+    """`trace_headers`: the EPP span's W3C context, set on the upstream request too (a traced request)."""
+    mutations = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION_HEADER,
+                                                                        raw_value=value.encode()))]
+    if trace_headers:
+        mutations += [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+                      for k, v in trace_headers.items()]
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=mutations), clear_route_cache=True)
     if buffered_body and rewritten_body is not None:
         common.status = pb.CommonResponse.CONTINUE_AND_REPLACE
         common.body_mutation.body = rewritten_body
@@ -130,11 +135,15 @@ class _RequestStream:
     """State of one HTTP request as it passes through Envoy."""
 
     def __init__(self, director: Director, metrics, report_served: bool = False,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tracer=None, grpc_metadata=None) -> None:
         self.director = director
         self.metrics = metrics
         self.report_served = report_served
         self.max_body_bytes = max_body_bytes
+        # tracing (epp/tracing.py): the tracer when it is on, the stream's gRPC metadata (Envoy's trace context)
+        self.tracer = tracer
+        self.grpc_metadata = grpc_metadata
+        self.span = None  # the request's RequestSpan, from its headers to the end of the stream
         self.decided = False  # a decision (or refusal) went out: later request messages pass through
         self.request_full_duplex = False
         self.response_full_duplex = False
@@ -161,6 +170,10 @@ class _RequestStream:
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             self.headers = _headers(msg.request_headers)
+            if self.tracer is not None:
+                from kvgate.epp.tracing import RequestSpan
+
+                self.span = RequestSpan(self.tracer, self.grpc_metadata, self.headers)
             self.subset = _metadata_value(msg.metadata_context, SUBSET_NAMESPACE, SUBSET_KEY)
             if msg.request_headers.end_of_stream:  # no body (GET /v1/models, ...): decide now
                 return [self._decide_without_body()]
@@ -225,6 +238,8 @@ class _RequestStream:
         self.deferred = None
         self.body = bytearray()
         self._count(status)
+        if self.span is not None:
+            self.span.refused(status, message)
         return _immediate(status, message, headers)
 
     def _decide_on_body(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
@@ -235,6 +250,8 @@ class _RequestStream:
             self.request, body = parse_request(rid, raw, self.headers)
         except BadRequest as exc:
             return [self._refuse(400, str(exc))]
+        if self.span is not None:
+            self.span.request_parsed(self.request)
         if self.director.waits_before_pick(self.request):
             self.deferred = (raw, body, end_of_stream, [])
             return []
@@ -249,8 +266,12 @@ class _RequestStream:
 
     def _pick(self, raw: bytes, body: dict, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         rewritten = None
+        trace_headers = None
         try:
-            ordered = self.director.pick(self.request, self.subset)
+            if self.span is None:
+                ordered = self.director.pick(self.request, self.subset)
+            else:
+                ordered, trace_headers = self._traced_pick()
         except RoutingError as exc:
             return [self._refuse(exc.status, str(exc))]
         self._observe_path()
@@ -263,7 +284,7 @@ class _RequestStream:
         value = ",".join(s.address for s in ordered)
         self._count(200)
         if self.request_full_duplex:
-            common, metadata = _destination(value, None, buffered_body=False)
+            common, metadata = _destination(value, None, buffered_body=False, trace_headers=trace_headers)
             out_body = rewritten if rewritten is not None else raw
             return [
                 pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata),
@@ -271,22 +292,37 @@ class _RequestStream:
                     body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                         body=out_body, end_of_stream=end_of_stream))))),
             ]
-        common, metadata = _destination(value, rewritten, buffered_body=True)
+        common, metadata = _destination(value, rewritten, buffered_body=True, trace_headers=trace_headers)
         return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)]
+
+    def _traced_pick(self) -> tuple[list, dict[str, str]]:
+        """director.pick with the decision recorded on the request's span; (ordered, the span's W3C headers)."""
+        from kvgate.epp.tracing import now_ns
+
+        decision: dict = {}
+        started = now_ns()
+        ordered = self.director.pick(self.request, self.subset, trace=decision)
+        self.span.decided(self.request, ordered, decision, started, now_ns())
+        return ordered, self.span.traceparent()
 
     def _decide_without_body(self) -> pb.ProcessingResponse:
         self.path_started = time.perf_counter()
         rid = self.headers.get("x-request-id") or uuid.uuid4().hex
         self.request = LLMRequest(request_id=rid, model="", target_model="", prompt="", headers=self.headers)
+        trace_headers = None
         try:
-            ordered = self.director.pick(self.request, self.subset)
+            if self.span is None:
+                ordered = self.director.pick(self.request, self.subset)
+            else:
+                ordered, trace_headers = self._traced_pick()
         except RoutingError as exc:
             return self._refuse(exc.status, str(exc))
         self._observe_path()
         self.decided = True
         self.picked = ordered[0].address
         self._count(200)
-        common, metadata = _destination(",".join(s.address for s in ordered), None, buffered_body=False)
+        common, metadata = _destination(",".join(s.address for s in ordered), None, buffered_body=False,
+                                        trace_headers=trace_headers)
         return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
 
     def _observe_path(self) -> None:
@@ -302,12 +338,15 @@ class _RequestStream:
 
     def release(self) -> None:
         if self.released or self.request is None or self.picked is None:
-            return
+            return  # (a refused request's span ends with its stream, in Process)
         self.released = True
         if self.response_open and not self.response_body_seen:
             _warn_body_bypassed(self.director)
         usage = find_usage(bytes(self.tail)) or (0, 0)
         self.director.release(self.request, self.picked, *usage)
+        if self.span is not None:
+            self.span.usage(*usage)
+            self.span.end()
 
 
 _body_bypass_warned = False
@@ -327,18 +366,21 @@ def _warn_body_bypassed(director: Director) -> None:
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def __init__(self, director: Director, metrics=None, report_served: bool = False,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tracer=None) -> None:
+        """`tracer`: an OpenTelemetry tracer (kvgate.common.tracing) when tracing is on: a span per stream."""
         self.director = director
         self.metrics = metrics
         self.report_served = report_served
         self.max_body_bytes = max_body_bytes
+        self.tracer = tracer
         self.active = 0  # streams in flight: what a drain waits for
         self.last_started = 0.0  # event-loop time of the newest stream: a drain's lame duck waits for quiet
 
     async def Process(self, request_iterator, context):  # noqa: N802 - gRPC method name
         # context.read()/write() rather than iterating and yielding: grpc.aio's async-generator path costs more
         # per message.
-        stream = _RequestStream(self.director, self.metrics, self.report_served, self.max_body_bytes)
+        stream = _RequestStream(self.director, self.metrics, self.report_served, self.max_body_bytes,
+                                *((self.tracer, context.invocation_metadata()) if self.tracer is not None else ()))
         self.active += 1
         self.last_started = asyncio.get_running_loop().time()
         try:
@@ -360,6 +402,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         finally:
             self.active -= 1
             stream.release()  # the stream ended or broke: never leak in-flight accounting
+            if stream.span is not None:
+                stream.span.end()
 
     async def _decide_after_wait(self, stream: _RequestStream) -> list[pb.ProcessingResponse]:
         try:

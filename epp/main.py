@@ -76,7 +76,7 @@ def add_epp_parser(sub) -> None:
     p = sub.add_parser("epp", help="run the Endpoint Picker (Envoy ext-proc server)")
     for add_flags in (add_pool_flags, add_listen_flags, add_request_flags, add_shutdown_flags,
                       add_leader_election_flags, add_peer_sync_flags, add_datalayer_flags, add_scheduling_flags,
-                      add_precise_prefix_flags, add_upstream_compat_flags):
+                      add_precise_prefix_flags, add_tracing_flags, add_upstream_compat_flags):
         add_flags(p)
     p.set_defaults(func=run_epp)
 
@@ -111,6 +111,14 @@ def add_request_flags(p) -> None:
     p.add_argument("--config-text", help="the EndpointPickerConfig YAML itself, instead of --config-file")
     p.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
                    help="larger request bodies are answered 413 without being buffered (default 16 MiB)")
+
+
+def add_tracing_flags(p) -> None:
+    """OpenTelemetry tracing (epp/tracing.py): off unless an OTLP endpoint is given, here or by OTEL_* variables."""
+    p.add_argument("--otlp-traces-endpoint", metavar="URL", default=None,
+                   help="OTLP/gRPC collector for the EPP's request spans (http://HOST:4317); default: "
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing. The "
+                        "sampler is OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG's (default parentbased_always_on)")
 
 
 def add_shutdown_flags(p) -> None:

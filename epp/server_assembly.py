@@ -21,6 +21,7 @@ from kvgate.epp.datalayer import Datalayer
 from kvgate.epp.datastore import (Datastore, EndpointsFile, load_manifests, parse_endpoints, parse_objectives,
                                   parse_rewrites)
 from kvgate.epp.director import Director
+from kvgate.common.tracing import Tracing, setup as setup_tracing
 from kvgate.epp.extproc import ExtProcServicer
 from kvgate.epp.metrics import EppMetrics
 from kvgate.epp.readiness import Health, Readiness
@@ -63,13 +64,15 @@ async def assemble(args: argparse.Namespace, peer_key) -> Epp:
     datastore.listeners.append(PoolChanges(datalayer, scheduler, metrics))
     health = Health()
     await health.start()
-    extproc = ExtProcServicer(director, metrics, config.report_served_endpoint, args.max_request_body_bytes)
+    tracing = setup_tracing("kvgate-epp", getattr(args, "otlp_traces_endpoint", None))
+    extproc = ExtProcServicer(director, metrics, config.report_served_endpoint, args.max_request_body_bytes,
+                              tracer=tracing.tracer if tracing is not None else None)
     extproc_server = build_extproc_server(args, extproc)
     health_server = build_health_server(args, health)
     metrics_http, _ = start_http_server(args.metrics_port, addr=args.grpc_host, registry=metrics.registry)
     return Epp(args, datastore=datastore, datalayer=datalayer, scheduler=scheduler, director=director,
                extproc=extproc, health=health, extproc_server=extproc_server, health_server=health_server,
-               metrics_http=metrics_http, pool=PoolSource(args, datastore))
+               metrics_http=metrics_http, pool=PoolSource(args, datastore), tracing=tracing)
 
 
 @dataclass
@@ -86,6 +89,7 @@ class Epp:
     health_server: grpc.aio.Server
     metrics_http: object  # prometheus_client's HTTP server
     pool: PoolSource
+    tracing: Tracing | None = None  # OpenTelemetry (kvgate.common.tracing): None unless an OTLP endpoint is set
 
     async def start(self) -> None:
         """Scrapes, the gRPC servers, and the pool's endpoints, in that order."""
@@ -110,6 +114,8 @@ class Epp:
             self.director.peers.close()
         self.scheduler.stop()
         self.metrics_http.shutdown()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # the spans still queued go out (bounded by the export timeout)
 
 
 def build_datalayer(args: argparse.Namespace, saturation) -> Datalayer:

@@ -4,7 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgate.common.envoy_config import EnvoyTracing
 from kvgate.operator.tenancy import TenantPolicy
+
+
+@dataclass(frozen=True)
+class TraceExport:
+    """OpenTelemetry (--otlp-traces-endpoint, --trace-sampling-ratio): the OTLP/gRPC collector that the Gateways'
+    Envoys and the pools' EPPs send request spans to, and the share of requests without a sampling decision that
+    are traced (a client's or Envoy's sampled `traceparent` is always followed)."""
+    endpoint: str
+    sampling_ratio: float = 1.0
+
+    def env(self, service_name: str) -> list[dict]:
+        """A container's OTEL_* variables (kvgate.common.tracing reads them)."""
+        return [{"name": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "value": self.endpoint},
+                {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+                {"name": "OTEL_TRACES_SAMPLER_ARG", "value": f"{self.sampling_ratio:g}"},
+                {"name": "OTEL_SERVICE_NAME", "value": service_name}]
+
+    def envoy(self) -> EnvoyTracing:
+        return EnvoyTracing.from_endpoint(self.endpoint, self.sampling_ratio)
 
 
 @dataclass
@@ -30,6 +50,7 @@ class OperatorConfig:
     # --sglang-image); None: such a ModelServer must name its image (and an allowed prefix must cover it).
     vllm_image: str | None = None
     sglang_image: str | None = None
+    tracing: TraceExport | None = None  # None: no spans exported (no OTEL_* on the EPPs, no tracer in Envoy)
 
     def engine_images(self) -> dict[str, str]:
         """The operator's image per engine type, for those it has one."""

@@ -14,7 +14,7 @@ import time
 from typing import NamedTuple
 
 from kvgate.common import bounded_json
-from kvgate.common.envoy_config import CircuitBreakers, PoolBackend, RouteTimeouts
+from kvgate.common.envoy_config import CircuitBreakers, EnvoyTracing, PoolBackend, RouteTimeouts
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 from kvgate.common.gateway_routes import RouteRule, ServiceBackend, WeightedBackend, hostname_covers
@@ -307,12 +307,13 @@ def _rules_for(route: dict, route_rules: list, listeners: list[tuple[dict, list[
     return out
 
 
-def render_config(gateway: dict, routing: GatewayRouting) -> dict[str, dict]:
-    """The Gateway's Envoy config files, {file name: document}: the bootstrap, route tables and clusters."""
+def render_config(gateway: dict, routing: GatewayRouting, tracing: EnvoyTracing | None = None) -> dict[str, dict]:
+    """The Gateway's Envoy config files, {file name: document}: the bootstrap, route tables and clusters;
+    `tracing`: Envoy's OpenTelemetry tracer (the operator's --otlp-traces-endpoint)."""
     ports = [container_port(l["port"]) for l in _http_listeners(gateway)]
     return render_gateway_files(routing.rules, ports or [container_port(80)], ADMIN_PORT,
                                 node_id=f"{naming.namespace_of(gateway)}/{naming.name_of(gateway)}",
-                                node_cluster=naming.envoy_name(gateway))
+                                node_cluster=naming.envoy_name(gateway), tracing=tracing)
 
 
 def httproute_status(route: dict, our_parents: list[dict], now: str | None = None) -> dict:

@@ -104,8 +104,9 @@ class GatewayReconciler:
     def _program(self, gw: dict, routing: GatewayRouting) -> None:
         """Apply the Gateway's Envoy objects for `routing`, then its status."""
         previous = self.kube.get(CONFIGMAP, naming.envoy_name(gw), naming.namespace_of(gw))
+        tracing = self.config.tracing.envoy() if self.config.tracing is not None else None
         applied = [self.kube.apply(o) for o in
-                   desired_envoy_objects(gw, render_config(gw, routing), self.config.envoy_image,
+                   desired_envoy_objects(gw, render_config(gw, routing, tracing), self.config.envoy_image,
                                          self.config.envoy_service_type,
                                          previous if naming.is_owned_by(previous, gw) else None)]
         deployment = next(o for o in applied if o.get("kind") == "Deployment")

@@ -63,7 +63,7 @@ class InferencePoolReconciler:
         # choice.config_yaml parses (choose_epp_config parsed it), so only the pool's own problems stop the EPP.
         objects = render_epp_objects(pool, self.config.epp_image, choice.config_yaml,
                                      behind_service=self.config.epp_address_mode == "service", tokenizer=tokenizer,
-                                     replicas=replicas) \
+                                     replicas=replicas, tracing=self.config.tracing) \
             if choice.config_yaml is not None and not own_problems and not _conflicts(problems) else []
         for obj in objects:  # in order; a name taken by someone else stops the rest (the EPP needs them all)
             try:

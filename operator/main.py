@@ -61,6 +61,12 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
                    help="let ModelServers run spec.image values under PREFIX (repeatable; matched at a '/', ':' or "
                         "'@' boundary, e.g. registry.example/kvgate; '*' allows any image); by default only "
                         "--engine-image runs; each use is logged")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL", default=None,
+                   help="OpenTelemetry: the Gateways' Envoys and the pools' EPPs send request spans to this OTLP/gRPC "
+                        "collector (http://HOST:4317; the EPP pods get OTEL_* env); default: no tracing")
+    p.add_argument("--trace-sampling-ratio", type=_ratio, default=1.0, metavar="RATIO",
+                   help="with --otlp-traces-endpoint: the share of requests without a sampled traceparent that are "
+                        "traced, in [0, 1] (parentbased_traceidratio; default 1)")
     p.add_argument("--resync-seconds", type=float, default=15.0,
                    help="reconcile everything again this often (default %(default)s)")
     p.add_argument("--liveness-port", type=int, default=None,
@@ -69,6 +75,16 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
                    help="address of the liveness endpoint (default %(default)s: every interface of the pod)")
     p.set_defaults(func=run_operator)
     return p
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
 
 
 def _metrics_peers(text: str) -> tuple[dict, ...]:
@@ -84,7 +100,7 @@ def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
     from kvgate.operator.apply import Kube
-    from kvgate.operator.config import OperatorConfig
+    from kvgate.operator.config import OperatorConfig, TraceExport
     from kvgate.operator.reconciler import Reconciler
     from kvgate.operator.tenancy import TenantPolicy
     from kvgate.operator.watches import register
@@ -99,7 +115,9 @@ def run_operator(args: argparse.Namespace) -> int:
                             epp_metrics_from=args.epp_metrics_from,
                             vllm_image=args.vllm_image, sglang_image=args.sglang_image,
                             tenant_policy=TenantPolicy(allow_host_path=args.allow_host_path,
-                                                       image_prefixes=tuple(args.allow_image_prefix)))
+                                                       image_prefixes=tuple(args.allow_image_prefix)),
+                            tracing=TraceExport(args.otlp_traces_endpoint, args.trace_sampling_ratio)
+                            if args.otlp_traces_endpoint else None)
     if args.allow_host_path or args.allow_image_prefix:
         logging.getLogger("kvgate.operator").warning(
             "ModelServers may use: %s", ", ".join((["hostPath volumes"] if args.allow_host_path else [])

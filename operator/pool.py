@@ -26,7 +26,7 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvgate.epp.scheduling.config import (DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, ConfigError, EppConfig,
                                           parse_config)
@@ -35,6 +35,9 @@ from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.modelserver import DEFAULT_MODEL, kv_events_ports, model_volume
 from kvgate.operator.spec_shape import pool_problems, pool_ref_name
+
+if TYPE_CHECKING:
+    from kvgate.operator.config import TraceExport
 
 EPP_ANNOTATION = "kvgate.dev/endpoint-picker"
 REPLICAS_ANNOTATION = "kvgate.dev/epp-replicas"  # 1 (default) to MAX_EPP_REPLICAS; > 1 needs the operator's HA
@@ -171,7 +174,7 @@ def epp_command(pool: dict, behind_service: bool = True, tokenizer: str | None =
 
 
 def _epp_container(pool: dict, image: str, behind_service: bool, tokenizer: "EppTokenizer",
-                   ha: bool = False) -> dict:
+                   ha: bool = False, tracing: "TraceExport | None" = None) -> dict:
     # Kubernetes 1.20 has no gRPC probes: the probes check the health port's socket. Envoy itself
     # health-checks the EPP over gRPC (envoy_config), so traffic never depends on these probes alone.
     return {
@@ -181,7 +184,8 @@ def _epp_container(pool: dict, image: str, behind_service: bool, tokenizer: "Epp
         "ports": [{"name": "grpc", "containerPort": naming.EPP_GRPC_PORT, "protocol": "TCP"},
                   {"name": "grpc-health", "containerPort": naming.EPP_HEALTH_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": naming.EPP_METRICS_PORT, "protocol": "TCP"}],
-        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONUNBUFFERED", "value": "1"},
+                *(tracing.env("kvgate-epp") if tracing is not None else [])],
         # Exec, not the `sleep` lifecycle action: that needs Kubernetes 1.30 (the e2e rig runs 1.20).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(EPP_PRE_STOP_SLEEP_S)]}}},
         "readinessProbe": {"tcpSocket": {"port": "grpc-health"}, "periodSeconds": 5, "timeoutSeconds": 2},
@@ -200,7 +204,7 @@ def epp_config_digest(config_yaml: str) -> str:
 
 
 def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool, tokenizer: "EppTokenizer",
-                replicas: int = 1) -> dict:
+                replicas: int = 1, tracing: "TraceExport | None" = None) -> dict:
     name = naming.epp_name(pool)
     selector = naming.selector_labels("epp", naming.name_of(pool))
     # Replicas beyond one are followers: warm (watching, scraping), live, and NOT_SERVING on the gRPC readiness
@@ -224,7 +228,7 @@ def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool, 
                 "metadata": {"labels": _epp_labels(pool), "annotations": pod_annotations},
                 "spec": {
                     "serviceAccountName": name,
-                    "containers": [_epp_container(pool, image, behind_service, tokenizer, replicas > 1)],
+                    "containers": [_epp_container(pool, image, behind_service, tokenizer, replicas > 1, tracing)],
                     "volumes": [{"name": "config", "configMap": {"name": name}}, {"name": "tmp", "emptyDir": {}},
                                 *tokenizer.volumes],
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
@@ -296,13 +300,14 @@ def desired_epp_objects(pool: dict, image: str, config_yaml: str | None = None, 
 
 
 def render_epp_objects(pool: dict, image: str, config_yaml: str, behind_service: bool = True,
-                       tokenizer: "EppTokenizer | None" = None, replicas: int = 1) -> list[dict]:
+                       tokenizer: "EppTokenizer | None" = None, replicas: int = 1,
+                       tracing: "TraceExport | None" = None) -> list[dict]:
     """desired_epp_objects without its checks, for a caller that made them already: a pool without
     `epp_problems(pool, None)` and a config that parses (the reconciler parses each config once). `replicas` > 1:
     leader election (the Role's Lease rules, the flag) and a PodDisruptionBudget (applied by the caller, which
-    knows the cluster's policy API version)."""
+    knows the cluster's policy API version). `tracing`: the EPP exports request spans there (its OTEL_* env)."""
     return [_service_account(pool), _role(pool, replicas), _role_binding(pool), _config_map(pool, config_yaml),
-            _deployment(pool, image, config_yaml, behind_service, tokenizer or EppTokenizer(), replicas),
+            _deployment(pool, image, config_yaml, behind_service, tokenizer or EppTokenizer(), replicas, tracing),
             _service(pool)]
 
 

@@ -11,7 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgate.common.envoy_config import CircuitBreakers, ListenerTimeouts, PoolBackend, RouteTimeouts, envoy_binary
+from kvgate.common.envoy_config import (CircuitBreakers, EnvoyTracing, ListenerTimeouts, PoolBackend, RouteTimeouts,
+                                       envoy_binary, tracing_from_env)
 from kvgate.common.gateway_routes import render_pool_gateway
 from kvgate.common.processes import port_taken
 from kvgate.stack.supervisor import Child, Stack
@@ -125,6 +126,9 @@ class StackSpec:
     epp_peer_sync: bool = True
     epp_peer_sync_insecure: bool = False
     epp_lease_timings: tuple[float, float, float] = EPP_LEASE_TIMINGS
+    # OpenTelemetry: the OTLP/gRPC collector that Envoy, the EPPs and the engines send their spans to (each
+    # component's --otlp-traces-endpoint); None: the OTEL_* variables the stack runs with, else no tracing
+    otlp_traces_endpoint: str | None = None
 
     @property
     def with_epp(self) -> bool:
@@ -205,7 +209,8 @@ def _start_engines(stack: Stack, spec: StackSpec) -> _Engines:
     threads = str(max(1, (os.cpu_count() or 2) // spec.replicas))
     for i, (host, port) in enumerate(zip(hosts, ports)):
         stack.start(f"engine-{i}", [_kvgate(), "serve", spec.model, "--backend", spec.backend, "--host", host,
-                                    "--port", str(port), *spec.engine_args, *_engine_args(spec, engines, i)],
+                                    "--port", str(port), *spec.engine_args, *_engine_args(spec, engines, i),
+                                    *_tracing_args(spec)],
                     env={"OMP_NUM_THREADS": threads})
     return engines
 
@@ -237,6 +242,7 @@ def _start_epps(stack: Stack, spec: StackSpec, engines: _Engines, epps: list[tup
         stack.start("epp" if i == 0 else f"epp-{i}",
                     [_kvgate(), "epp", "--endpoints", ",".join(engines.endpoints), "--grpc-port", str(grpc_port),
                      "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), *shared,
+                     *_tracing_args(spec),
                      *(peer_sync[i] if peer_sync else [])])
 
 
@@ -277,6 +283,20 @@ def _peer_sync_args(stack: Stack, spec: StackSpec) -> list[list[str]]:
             for i, bind in enumerate(sync)]
 
 
+def _tracing_args(spec: StackSpec) -> list[str]:
+    return ["--otlp-traces-endpoint", spec.otlp_traces_endpoint] if spec.otlp_traces_endpoint else []
+
+
+def envoy_tracing(spec: StackSpec) -> EnvoyTracing | None:
+    """Envoy's tracer: to spec's collector (sampled as OTEL_TRACES_SAMPLER_ARG says), else as the OTEL_* variables
+    say; None: no tracing."""
+    from_env = tracing_from_env()
+    if spec.otlp_traces_endpoint:
+        ratio = from_env.sampling_percent / 100 if from_env is not None else 1.0
+        return EnvoyTracing.from_endpoint(spec.otlp_traces_endpoint, ratio)
+    return from_env
+
+
 def _envoy_config(spec: StackSpec, engines: _Engines, epps: list[tuple[int, int, int]], admin_port: int,
                   epp_config) -> dict:
     """Envoy's config for spec.envoy_flavor. kvgate's: the pool behind the EPPs (each a host of its EPP cluster
@@ -298,7 +318,7 @@ def _envoy_config(spec: StackSpec, engines: _Engines, epps: list[tuple[int, int,
                        epp_health_port=health_port, circuit_breakers=breakers, fallbacks=epp_config.returns_lists,
                        epp_pods=epp_hosts, response_body=epp_config.needs_response_body)
     return render_pool_gateway(pool, spec.host, spec.port, admin_port, route_timeouts=route_timeouts,
-                               listener_timeouts=listener_timeouts)
+                               listener_timeouts=listener_timeouts, tracing=envoy_tracing(spec))
 
 
 def _start_envoy(stack: Stack, config: dict, admin_port: int) -> None:

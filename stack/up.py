@@ -48,6 +48,10 @@ def add_up_parser(sub) -> None:
     p.add_argument("--kv-events", action="store_true",
                    help="engines publish KV-cache events (each on its own loopback ports) and the EPP subscribes: "
                         "what a --config-file naming precise-prefix-cache-scorer needs")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL", default=None,
+                   help="OpenTelemetry: Envoy, the EPP and the engines send request spans to this OTLP/gRPC "
+                        "collector (http://HOST:4317), one trace per request; default: OTEL_EXPORTER_OTLP_ENDPOINT, "
+                        "else no tracing")
     add_envoy_limit_flags(p)
     p.set_defaults(func=run_up)
 
@@ -94,7 +98,8 @@ def stack_spec(args: argparse.Namespace) -> StackSpec:
                      epp_config_text=None if args.config_file else profile_yaml,
                      engine_args=args.engine_arg, limits=envoy_limits(args), startup_timeout=args.startup_timeout,
                      kv_events=args.kv_events or (args.profile == "kvgate" and not args.config_file),
-                     epp_args=["--manifests", args.manifests] if args.manifests else [])
+                     epp_args=["--manifests", args.manifests] if args.manifests else [],
+                     otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def run_up(args: argparse.Namespace) -> int:

@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from kvgate.common.envoy_config import (CircuitBreakers, ListenerTimeouts, PoolBackend, RouteTimeouts, envoy_binary,
-                                 pool_clusters, render_direct, render_round_robin)
+from kvgate.common.envoy_config import (CircuitBreakers, EnvoyTracing, ListenerTimeouts, PoolBackend, RouteTimeouts,
+                                 envoy_binary, pool_clusters, render_direct, render_round_robin)
 from kvgate.common.gateway_routes import RouteRule, WeightedBackend, render_pool_gateway, render_static_gateway
 from kvgate.common.epp_protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
 
@@ -28,6 +28,9 @@ CONFIGS = {
                                              circuit_breakers=CircuitBreakers(max_requests=5000), fallbacks=True),
                                  "127.0.0.1", 8080, route_timeouts=RouteTimeouts(request_s=3600, backend_request_s=120),
                                  listener_timeouts=ListenerTimeouts(request_headers_s=5, stream_idle_s=60)),
+    "traced": render_pool_gateway(PoolBackend("p", "127.0.0.1", 9002, ["127.0.0.1:8000"], epp_health_port=9003),
+                                  "127.0.0.1", 8080, 9901,
+                                  tracing=EnvoyTracing.from_endpoint("http://otel-collector.monitoring:4317", 0.1)),
     "direct": render_direct("127.0.0.1", 8081, 9902),
     "round-robin": render_round_robin("127.0.0.1", 8082, ["127.0.0.2:8000", "127.0.0.3:8000"], 9903),
 }

@@ -206,6 +206,15 @@ def test_all_namespaces_and_watch_namespaces_exclude_each_other():
     assert _operator_args(pod).namespace is None
 
 
+def test_tracing_values_reach_the_operator():
+    (pod,) = _operators(render())
+    assert _operator_args(pod).otlp_traces_endpoint is None  # off by default
+    (pod,) = _operators(render({"tracing": {"otlpEndpoint": "http://otel-collector.monitoring:4317",
+                                            "samplingRatio": 0.05}}))
+    args = _operator_args(pod)
+    assert (args.otlp_traces_endpoint, args.trace_sampling_ratio) == ("http://otel-collector.monitoring:4317", 0.05)
+
+
 def test_network_policy_values_reach_the_operator():
     values = VARIANTS["metrics-from"][0]
     (pod,) = _operators(render(values))

@@ -23,6 +23,7 @@ from kvgate.engine.server.routes import completions, health, lora, models, token
 from kvgate.engine.server.server_id import ServerIdMiddleware
 from kvgate.engine.server.serving_chat import OpenAIServingChat
 from kvgate.engine.server.serving_completion import OpenAIServingCompletion
+from kvgate.engine.server.tracing import EngineTracing
 from kvgate.engine.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -59,19 +60,21 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
                on_fatal: Callable[[BaseException], None] | None = None, server_id: str | None = None,
                tool_parser: str | None = None, chat_template: str | None = None,
                response_role: str = "assistant", generation_defaults: GenerationDefaults | None = None,
-               api_keys: Sequence[str] = ()) -> FastAPI:
+               api_keys: Sequence[str] = (), tracing=None) -> FastAPI:
     """`on_fatal(exc)`: the engine failed to start, or its loop died later (the caller decides to exit).
     `tool_parser`: the tool-call parser that serves `tool_choice: auto` (None: auto is refused).
     `chat_template`: the server's template (--chat-template, already checked: chat_template.load_server_template),
     used instead of the model's; `response_role`: the role chat answers name (--response-role).
     `generation_defaults`: the model's sampling defaults (None: read as the engine's config says).
-    `api_keys`: when given, every request but the probes' and the scrape's needs one of them (auth.py)."""
+    `api_keys`: when given, every request but the probes' and the scrape's needs one of them (auth.py).
+    `tracing`: kvgate.common.tracing.Tracing when request spans are exported (tracing.py), else None."""
     limits = limits or RequestLimits()
     metrics = ServerMetrics(llm, served_model_name)
     serving = OpenAIServing(llm, served_model_name, metrics, limits, chat_template=chat_template,
                             generation_defaults=generation_defaults)
     server = ServerState(llm, served_model_name, metrics, serving, OpenAIServingCompletion(serving),
-                         OpenAIServingChat(serving, tool_parser, response_role), on_fatal)
+                         OpenAIServingChat(serving, tool_parser, response_role), on_fatal,
+                         tracing=EngineTracing(tracing) if tracing is not None else None)
     llm.on_dead = on_fatal
     app = FastAPI(title="kvgate engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server

@@ -23,6 +23,9 @@ def add_serve_parser(sub) -> None:
                    help="run the engine loop in its own process or in a thread of the server; auto (default): "
                         "process for --backend torch (equal or better throughput and lower tail latency: "
                         "`kvgate bench engine-loop` compares them), thread for sim (its loop mostly sleeps)")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL", default=None,
+                   help="OTLP/gRPC collector for request spans (http://HOST:4317; vLLM's flag); default: "
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish (new ones get 503, /health "
                         "503) before they are failed and the server exits; 0: at once (vLLM's flag; default 30)")
@@ -80,6 +83,9 @@ def run_serve(args: argparse.Namespace) -> int:
     api_keys = resolve_api_keys(args.api_key)
     if args.require_api_key and not api_keys:
         raise ConfigError(f"--require-api-key: no key given (--api-key, or a non-empty {API_KEY_ENV})")
+    from kvgate.common.tracing import setup as setup_tracing
+
+    tracing = setup_tracing("kvgate-engine", args.otlp_traces_endpoint)  # a bad OTEL_* setting stops it here too
 
     import uvicorn
 
@@ -135,7 +141,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(llm, served, limits_from_args(args), on_fatal, server_id=f"{args.host}:{args.port}",
                      tool_parser=args.tool_call_parser, chat_template=chat_template,
                      response_role=args.response_role, generation_defaults=generation_defaults,
-                     api_keys=api_keys)
+                     api_keys=api_keys, tracing=tracing)
     # httptools + uvloop, named rather than left to uvicorn's "auto" (which falls back to pure-Python h11 and asyncio
     # without a word): every EPP scrapes every replica every 50 ms, and in `--backend sim` the server shares the
     # GIL with the engine loop, so the server's CPU per request is the engine's loss (`kvgate bench routing
@@ -146,6 +152,8 @@ def run_serve(args: argparse.Namespace) -> int:
                             args.shutdown_timeout, functools.partial(start_drain, app.state.server))
     logging.getLogger("kvgate").info("serving %s on http://%s:%d", served, args.host, args.port)
     server.run()
+    if tracing is not None:
+        tracing.shutdown()  # the spans still queued go out (bounded by the export timeout)
     if fatal:
         print(f"kvgate serve: error: {fatal[0]}", file=sys.stderr)
         return 1

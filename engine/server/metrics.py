@@ -7,6 +7,7 @@ latency histograms are updated by the server as requests progress.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -16,6 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvgate.engine.server.exposition import Family, FamilySpec, render
 from kvgate.engine.server.latency_fit import Arrival, EngineLatencyFit
 from kvgate.common.engine_latency_protocol import MODEL_OBSERVATIONS, TPOT_MODEL_WEIGHT, TTFT_MODEL_WEIGHT, backlog_after_phase
+
+log = logging.getLogger(__name__)
 
 disable_created_metrics()  # no *_created series: vLLM does not export them and scrapers need not parse them
 
@@ -272,6 +275,7 @@ class RequestTracker:
         self.last_token_time: float | None = None
         self.generated = 0
         self.done = False
+        self.trace = None  # tracing.RequestTrace when the request is traced: its span is written on close
 
     def on_tokens(self, count: int, cached_tokens: int = 0) -> None:
         """`count` new tokens of a sample; `cached_tokens`: the prompt tokens the prefix cache held (its output's)."""
@@ -291,6 +295,8 @@ class RequestTracker:
     def on_finished_sample(self, finish_reason: str | None, metrics: dict) -> None:
         self.unfinished_samples -= 1
         self.m.request_success.labels(self.m.model_name, finish_reason or "abort").inc()
+        if self.trace is not None:
+            self.trace.sample_finished(finish_reason, metrics)
         arrival, scheduled = metrics.get("arrival_time"), metrics.get("scheduled_time")
         if arrival is not None and scheduled is not None:
             self.m.queue_time.labels(*self.labels).observe(max(scheduled - arrival, 0.0))
@@ -310,3 +316,8 @@ class RequestTracker:
         if self.latency_arrival is not None and self.unfinished_samples == 0 and self.first_token_time is not None:
             self.m.latency.finished(self.latency_arrival, self.first_token_time, self.last_token_time,
                                     self.generated - self.first_count)
+        if self.trace is not None:
+            try:
+                self.trace.end(self)
+            except Exception:  # noqa: BLE001 - a span that cannot be written costs the trace, never the answer
+                log.exception("writing the request's trace span failed")

@@ -310,6 +310,8 @@ class OpenAIServing:
                   prep: Prepared) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every prompt as they come, tagged with the prompt's index and counted in its tracker."""
         prompts, params, tracker = prep.prompts, prep.params, prep.tracker
+        if tracker.trace is not None:
+            tracker.trace.response_id = request_id
         arrival = time.monotonic()
         lora = self.check_model(req.model)  # again: an adapter removed since the request was checked is a 404
         streams = [

@@ -15,6 +15,7 @@ from kvgate.engine.server.metrics import ServerMetrics
 from kvgate.engine.server.openai_serving import OpenAIServing
 from kvgate.engine.server.serving_chat import OpenAIServingChat
 from kvgate.engine.server.serving_completion import OpenAIServingCompletion
+from kvgate.engine.server.tracing import EngineTracing
 
 
 @dataclass(eq=False)
@@ -33,6 +34,7 @@ class ServerState:
     startup_error: BaseException | None = None  # set by the lifespan when the engine fails to start
     loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once the lifespan runs
     drain_task: asyncio.Task | None = None  # the SIGTERM drain, once started (lifecycle.start_drain)
+    tracing: EngineTracing | None = None  # OpenTelemetry request spans (tracing.py); None: tracing is off
 
     def require_ready(self) -> None:
         """Raise unless the engine is ready and the server accepts requests (EngineError, ShuttingDown: 503)."""

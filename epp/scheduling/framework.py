@@ -115,14 +115,16 @@ class CycleState(dict):
     `snapshot` is the Snapshot the scorers saw (None before scoring, or when a filter pinned the order).
     `load` is the live in-flight overlay of the director's round snapshot (scheduling/live_load.py LiveLoad), or
     None when the caller gave none: plugins then read the states' own in_flight_* fields.
+    `scores` is the picker's input: the weighted score totals, one per endpoint of `snapshot` (what a trace shows).
     """
 
-    __slots__ = ("snapshot", "load")
+    __slots__ = ("snapshot", "load", "scores")
 
     def __init__(self, load: Any = None) -> None:
         super().__init__()
         self.snapshot: Snapshot | None = None
         self.load = load
+        self.scores = None
 
     def put(self, producer: Plugin, key: DataKey, value: Any) -> None:
         """`producer`'s data for `key` (one of its `produces`) in this cycle; a Deferred is computed at its first
@@ -335,6 +337,10 @@ class PluginTimings:
         if self.observer is not None:
             self.observer(point, plugin.type_name, plugin.name, ns / 1e9)
 
+    def total_ns(self) -> dict[tuple[str, str, str], int]:
+        """(point, type, name) → total ns so far (a decision's own times are the difference across it)."""
+        return {k: v[1] for k, v in self._records.items()}
+
     def totals(self) -> dict[tuple[str, str, str], tuple[int, float]]:
         """(point, type, name) → (calls, total seconds)."""
         return {k: (v[0], v[1] / 1e9) for k, v in self._records.items() if v[0]}
@@ -419,7 +425,7 @@ class SchedulingProfile:
         if self.picker is None:
             raise RuntimeError(f"scheduling profile {self.name!r} has no picker")
         snap = cycle.snapshot = self.snapshot(endpoints)
-        totals = self._score(request, snap, cycle)
+        totals = cycle.scores = self._score(request, snap, cycle)
         picked = self._timed("picker", self.picker, self.picker.pick, request, snap.endpoints, totals, cycle)
         if dropped and picked and (cap == 0 or len(picked) < cap):
             picked = list(picked) + self._fallbacks(request, dropped, cycle, cap - len(picked) if cap else 0)

@@ -35,6 +35,8 @@ async def completions(req: CompletionRequest, raw: Request):
     server = server_state(raw)
     server.require_ready()
     prep = await server.completion.prepare(req)
+    if server.tracing is not None:
+        server.tracing.start(raw.headers, "text_completion", server.serving.response_model(req), prep)
     if req.stream:
         return event_stream(server.completion.stream(req, prep), prep)
     return await unless_disconnected(raw, server.completion.response(req, prep), prep)
@@ -45,6 +47,8 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request):
     server = server_state(raw)
     server.require_ready()
     prep = await server.chat.prepare(req)
+    if server.tracing is not None:
+        server.tracing.start(raw.headers, "chat", server.serving.response_model(req), prep)
     if req.stream:
         return event_stream(server.chat.stream(req, prep), prep)
     return await unless_disconnected(raw, server.chat.response(req, prep), prep)
