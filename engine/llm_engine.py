@@ -236,7 +236,10 @@ class LLMEngine:
     def _weights_summary(self) -> str:
         if self.quantization is None:
             return "dense"
-        return f"{self.quantization.line()}, dequantized to {str(self.dtype).removeprefix('torch.')} at load"
+        dtype = str(self.dtype).removeprefix('torch.')
+        if self.quantization.kernels is not None:  # the GPU path: the line says what runs on the kernels
+            return f"{self.quantization.line()} (to {dtype})"
+        return f"{self.quantization.line()}, dequantized to {dtype} at load"
 
     def _speculation_summary(self) -> str:
         config = self.config
