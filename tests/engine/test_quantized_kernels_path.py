@@ -185,3 +185,76 @@ def test_fused_quantized_linear(case):
     x = torch.randn(3, 5, dense.shape[1])
     want = F.linear(x, dense, b)
     assert (layer(x) - want).abs().max() <= 1e-5 * want.abs().max()  # fp32, the sums in another order
+
+
+# -- the engine: kernel path vs dequantize-at-load --------------------------------------------------------------
+
+ENGINE_FORMATS = ("gptq", "ct-w8a16-asym", "fp8")  # int4 act-order, int8 asymmetric per-channel, FP8 block-wise
+ENGINE_MODES = {"no-prefix-caching": dict(enable_prefix_caching=False),
+                "chunked-prefill": dict(max_num_batched_tokens=16)}
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [200, 1, 64, 64, 8, 13, 77, 90, 31, 2, 150, 9, 33, 21, 18, 4, 260, 11]]
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def quantized_llama(tiny_model_dir, tmp_path_factory):
+    from tests.engine.quant_checkpoints import write_quantized
+
+    cache = {}
+
+    def get(fmt: str):
+        if fmt not in cache:
+            if fmt.startswith("ct-"):
+                pytest.importorskip("compressed_tensors")
+            dense, _ = tiny_model_dir("llama")
+            out = tmp_path_factory.mktemp(f"llama-{fmt}")
+            write_quantized(dense, out, fmt)
+            cache[fmt] = out
+        return cache[fmt]
+
+    return get
+
+
+def greedy(folder, kernels: bool, monkeypatch, device: str = "cpu", **mode):
+    """(token ids per prompt, the engine's QuantSummary, its held weight bytes)."""
+    from kvgate.bench.engine_roofline import weight_bytes
+    from kvgate.engine import LLM, SamplingParams
+
+    monkeypatch.setattr("kvgate.engine.quantization.linear.FORCE_ON_CPU", kernels)
+    extra = {} if device == "cpu" else {"attention_backend": "triton" if kernels else "sdpa", "enforce_eager": True}
+    llm = LLM(str(folder), max_model_len=64, dtype="float32", **extra, **mode)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        return ([o.outputs[0].token_ids for o in outs], llm.engine.quantization,
+                weight_bytes(llm.engine.runner.model).total)
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.slow  # the kernels under Triton's interpreter
+@pytest.mark.skipif(_CUDA, reason="CUDA is present: the cuda test checks the compiled kernels")
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
+@pytest.mark.parametrize("fmt", ENGINE_FORMATS)
+def test_kernel_path_generates_what_the_dequantized_path_does(fmt, mode, quantized_llama, monkeypatch):
+    folder = quantized_llama(fmt)
+    want, dense_summary, dense_bytes = greedy(folder, False, monkeypatch, **ENGINE_MODES[mode])
+    got, summary, held = greedy(folder, True, monkeypatch, **ENGINE_MODES[mode])
+    assert got == want
+    assert dense_summary.kernels is None
+    # 2 layers x 7 projections, all on the kernels (q|k|v and gate|up fused)
+    assert (summary.quantized, summary.kernels, summary.dequantized) == (14, 14, {})
+    assert "14 on the quantized kernels, 0 dequantized at load" in summary.line()
+    assert held < dense_bytes * (0.75 if fmt != "gptq" else 0.6)  # the projections at 1 byte (or half) of 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ENGINE_FORMATS)
+def test_kernel_path_on_cuda(fmt, quantized_llama, monkeypatch):
+    """The compiled kernels (attention_backend triton: the GPU path) against SDPA with dense weights, fp32."""
+    folder = quantized_llama(fmt)
+    want, _, _ = greedy(folder, False, monkeypatch, device="cuda")
+    got, summary, _ = greedy(folder, True, monkeypatch, device="cuda")
+    assert summary.kernels == 14
+    assert got == want
