@@ -239,7 +239,8 @@ class LLMEngine:
         dtype = str(self.dtype).removeprefix('torch.')
         if self.quantization.kernels is not None:  # the GPU path: the line says what runs on the kernels
             return f"{self.quantization.line()} (to {dtype})"
-        return f"{self.quantization.line()}, dequantized to {dtype} at load"
+        why = self.quantization.dense_path
+        return f"{self.quantization.line()}, dequantized to {dtype} at load" + (f" ({why})" if why else "")
 
     def _speculation_summary(self) -> str:
         config = self.config

@@ -74,6 +74,9 @@ class ModelRunner:
                                             read_weights=read_weights, quantization=config.quantization,
                                             keep_quantized=keep_quantized)
         self.quantization = model.quantization  # what the load read (quantization.QuantSummary), None: dense
+        if self.quantization is not None and device.type == "cuda" and not keep_quantized:
+            self.quantization.dense_path = ("tensor parallelism" if tp.size > 1 else "LoRA" if config.enable_lora
+                                            else "the SDPA attention backend")
         self.lora_state = self.lora_layers = None
         if config.enable_lora:  # after the base weights: the wrapped projections keep them as they are
             self.lora_state, self.lora_layers = add_lora_layers(model, config.max_loras, config.max_lora_rank)

@@ -137,11 +137,13 @@ class QuantizedLinear(nn.Module):
                 f"parts={[kind for kind, _ in self.parts]}, bias={self.bias is not None}")
 
 
-def route_kernel_linears(model: nn.Module, plan: dict) -> tuple[dict[str, tuple[QuantizedLinear, int]],
-                                                                 dict[str, int]]:
-    """Replace the model's fully quantized linears by QuantizedLinears. plan: stream.plan_modules' (checkpoint
-    module prefix -> scheme). Returns (prefix -> (its QuantizedLinear, shard index), reason -> checkpoint modules
-    left to the dense path for it)."""
+def route_kernel_linears(model: nn.Module, plan: dict, dtype: torch.dtype,
+                         device: torch.device) -> tuple[dict[str, tuple[QuantizedLinear, int]], dict[str, int]]:
+    """Replace the model's fully quantized linears by QuantizedLinears, whose quantized tensors will live on
+    `device` (a shard without a kernel layout dense in `dtype`). The model may still be on the meta device (the
+    loader routes before allocating, so a replaced linear's dense weight is never allocated). plan:
+    stream.plan_modules' (checkpoint module prefix -> scheme). Returns (prefix -> (its QuantizedLinear, shard
+    index), reason -> checkpoint modules left to the dense path for it)."""
     from kvgate.engine.models.llama import STACKED_PARAMS, LlamaForCausalLM
 
     dense: dict[str, int] = {}
@@ -182,8 +184,7 @@ def route_kernel_linears(model: nn.Module, plan: dict) -> tuple[dict[str, tuple[
             continue
         weight = module.weight
         shards = [(s, model._shard_slice(weight, s) if s is not None else slice(0, weight.shape[0])) for s in order]
-        qlinear = QuantizedLinear(module.in_features, module.out_features, shards, module.bias, weight.dtype,
-                                  weight.device)
+        qlinear = QuantizedLinear(module.in_features, module.out_features, shards, module.bias, dtype, device)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, qlinear)
         routes.update({by_shard[s]: (qlinear, i) for i, s in enumerate(order)})

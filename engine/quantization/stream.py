@@ -31,6 +31,8 @@ class QuantSummary:
     # load anyway, by reason; None: every quantized linear dequantized at load (the CPU and tensor-parallel path)
     kernels: int | None = None
     dequantized: dict[str, int] = field(default_factory=dict)
+    # on CUDA without the kernel path: why (tensor parallelism, LoRA, the SDPA backend), for the start line
+    dense_path: str | None = None
 
     def line(self) -> str:
         """E.g. "gptq (int4 group 128, symmetric): 196 linear weights quantized, 1 dense"; on the GPU path

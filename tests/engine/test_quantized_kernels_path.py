@@ -187,6 +187,41 @@ def test_fused_quantized_linear(case):
     assert (layer(x) - want).abs().max() <= 1e-5 * want.abs().max()  # fp32, the sums in another order
 
 
+def test_a_shard_of_the_wrong_shape_is_a_load_error():
+    from kvgate.common.errors import ModelLoadError
+
+    qc, tensors = gptq_stored(4, "gptq_v2", False, n=32)
+    layer = QuantizedLinear(64, 48, [("q", slice(0, 16)), ("k", slice(16, 48))], None, torch.float32,
+                            torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match=r"up_proj.weight has shape \(32, 64\), expected \(16, 64\)"):
+        layer.set_shard(0, scheme_of(qc, tensors), PREFIX, tensors)
+
+
+def test_routing_leaves_experts_and_partly_dense_projections_dense(tiny_model_dir, tmp_path):
+    """A MoE model's checkpoint: its attention projections routed to QuantizedLinears, its experts dense, and a
+    fused projection with one dense shard (k_proj's scale removed: a dense k_proj) left an nn.Linear."""
+    from kvgate.engine.loader import build_model, load_hf_config, open_safetensors
+    from kvgate.engine.quantization.config import quant_config_from_hf
+    from kvgate.engine.quantization.linear import route_kernel_linears
+    from tests.engine.quant_checkpoints import write_quantized
+
+    dense, _ = tiny_model_dir("qwen3_moe")
+    write_quantized(dense, tmp_path, "fp8")
+    hf = load_hf_config(tmp_path)
+    names = {n for f in open_safetensors(tmp_path, map_data=False) for n in f.entries}
+    names.discard("model.layers.1.self_attn.k_proj.weight_scale_inv")
+    plan = plan_modules(names, quant_config_from_hf(hf))
+    model = build_model(hf, torch.device("meta"), torch.float32, 64)
+    routes, dense_reasons = route_kernel_linears(model, plan, torch.float32, torch.device("cpu"))
+    experts = sum(".experts." in p for p in plan)
+    assert experts and dense_reasons == {"MoE experts": experts, "a fused projection with dense shards": 2}
+    assert len(routes) == len(plan) - experts - 2
+    layers = model.model.layers
+    assert type(layers[1].self_attn.qkv_proj) is torch.nn.Linear
+    assert isinstance(layers[1].self_attn.o_proj, QuantizedLinear)
+    assert isinstance(layers[0].self_attn.qkv_proj, QuantizedLinear)
+    assert not any(isinstance(m, QuantizedLinear) for m in layers[1].mlp.modules())
+
 # -- the engine: kernel path vs dequantize-at-load --------------------------------------------------------------
 
 ENGINE_FORMATS = ("gptq", "ct-w8a16-asym", "fp8")  # int4 act-order, int8 asymmetric per-channel, FP8 block-wise
