@@ -238,7 +238,7 @@ class LLMEngine:
             return "dense"
         dtype = str(self.dtype).removeprefix('torch.')
         if self.quantization.kernels is not None:  # the GPU path: the line says what runs on the kernels
-            return f"{self.quantization.line()} (to {dtype})"
+            return f"{self.quantization.line()}, computing in {dtype}"
         why = self.quantization.dense_path
         return f"{self.quantization.line()}, dequantized to {dtype} at load" + (f" ({why})" if why else "")
 

@@ -53,6 +53,7 @@ class QuantizedLinear(nn.Module):
         self.dtype, self.device = dtype, device
         self._arrived: list[KernelWeight | torch.Tensor | None] = [None] * len(shards)
         self.parts: list[tuple[str, dict]] = []  # ("int" | "fp8" | "dense", its settings and buffer names)
+        self._views: list | None = None  # kernel_weights() of the current buffers (reset when they are moved)
 
     @property
     def complete(self) -> bool:
@@ -99,8 +100,14 @@ class QuantizedLinear(nn.Module):
             self.parts.append((part.kind, {**names, "bits": part.bits, "group_size": part.group_size,
                                            "block": part.block}))
 
+    def _apply(self, fn, *args, **kwargs):
+        self._views = None  # the buffers are replaced (.to(), .half(), ...)
+        return super()._apply(fn, *args, **kwargs)
+
     def kernel_weights(self) -> list[KernelWeight | torch.Tensor]:
-        """The parts as KernelWeights (dense ones as their weight), reading the current buffers."""
+        """The parts as KernelWeights (dense ones as their weight), over the current buffers."""
+        if self._views is not None:
+            return self._views
         out = []
         for kind, spec in self.parts:
             get = lambda key: getattr(self, spec[key]) if key in spec else None  # noqa: E731
@@ -110,6 +117,8 @@ class QuantizedLinear(nn.Module):
             weight = get("weight")
             out.append(KernelWeight(kind, weight, get("scales"), get("zeros"), spec["bits"], spec["group_size"],
                                     spec["block"], (weight.shape[0], self.in_features), get("perm")))
+        if self.parts:
+            self._views = out
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
