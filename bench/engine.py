@@ -523,7 +523,7 @@ def _weights_read(engine, info: dict):
     print(f"  weights: {info['weight_bytes_held'] / 2**20:.1f} MiB held by the engine "
           f"({str(engine.dtype).removeprefix('torch.')}), {info['weight_bytes_checkpoint'] / 2**20:.1f} MiB in the "
           f"checkpoint ({info['quantization']}"
-          + ("; dequantized at load: the bound counts the held bytes" if quantization is not None else "") + ")",
+          + ("; the bound counts the held bytes" if quantization is not None else "") + ")",
           flush=True)
     return held, (stored if quantization is not None else None)
 

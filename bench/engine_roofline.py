@@ -60,8 +60,10 @@ class WeightBytes:
 
 def weight_bytes(model: torch.nn.Module) -> WeightBytes:
     """The model's parameter bytes, each shared tensor once (a tied LM head reads the embedding table), with the
-    FusedMoE layers' stacked expert weights apart."""
+    FusedMoE layers' stacked expert weights apart; a QuantizedLinear's (the GPU path of a quantized checkpoint)
+    quantized weights, scales and zero points at their held size."""
     from kvgate.engine.models.moe import FusedMoE
+    from kvgate.engine.quantization.linear import QuantizedLinear
 
     seen, experts = set(), []
     for module in model.modules():
@@ -70,7 +72,8 @@ def weight_bytes(model: torch.nn.Module) -> WeightBytes:
             experts.append((module.num_experts, module.top_k, size // module.num_experts))
             seen.update(p.data_ptr() for p in (module.w13_weight, module.w2_weight))
     total = 0
-    for p in model.parameters():
+    held = [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers(recurse=False)]
+    for p in [*model.parameters(), *held]:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()

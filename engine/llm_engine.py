@@ -236,7 +236,11 @@ class LLMEngine:
     def _weights_summary(self) -> str:
         if self.quantization is None:
             return "dense"
-        return f"{self.quantization.line()}, dequantized to {str(self.dtype).removeprefix('torch.')} at load"
+        dtype = str(self.dtype).removeprefix('torch.')
+        if self.quantization.kernels is not None:  # the GPU path: the line says what runs on the kernels
+            return f"{self.quantization.line()}, computing in {dtype}"
+        why = self.quantization.dense_path
+        return f"{self.quantization.line()}, dequantized to {dtype} at load" + (f" ({why})" if why else "")
 
     def _speculation_summary(self) -> str:
         config = self.config

@@ -17,7 +17,7 @@ import mmap
 import os
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -218,12 +218,15 @@ def iterate_weights(files: list[SafetensorsFile]) -> Iterator[tuple[str, torch.T
             yield name, f.tensor(name)
 
 
-def load_safetensors(model, model_path: str | Path, workers: int = 1, quantization=None):
+def load_safetensors(model, model_path: str | Path, workers: int = 1, quantization=None, kernel_routes=None):
     """Write the folder's weights into `model`'s parameters (allocated, on any device) through its load_weights.
 
     quantization: the checkpoint's QuantConfig (engine/quantization), or None: each quantized linear's tensors
     are dequantized into the parameters' dtype on the way (quantization.dequantize_weights), copied on this
     thread whatever `workers`; returns what was read (a QuantSummary), None for an unquantized checkpoint.
+    kernel_routes: the GPU path (quantization/linear.py's route_kernel_linears, run on the model before it was
+    allocated): the quantized linears it replaced by QuantizedLinears get the checkpoint's quantized tensors in the
+    Triton kernels' layout.
 
     workers > 1 runs the copies on that many threads (copy_ releases the GIL) while this thread maps the names
     and checks the shapes; load_weights' own checks (unknown tensor, wrong shape, missing weights) are the same.
@@ -242,10 +245,15 @@ def load_safetensors(model, model_path: str | Path, workers: int = 1, quantizati
         dest.copy_(tensor)
         release(name)
 
-    weights, summary = _dequantized(iterate_weights(files), quantization, model, owner, release)
+    weights, summary, routes = _dequantized(iterate_weights(files), quantization, model, owner, release,
+                                            kernel_routes)
     # a dequantized weight is memory, not a view of the file: queued copies would hold many at once
     if workers <= 1 or quantization is not None:
         model.load_weights(weights, copy)
+        if routes:
+            from kvgate.engine.quantization.linear import check_routes_complete
+
+            check_routes_complete(routes)
         return summary
     pending = []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvgate-load") as pool:  # exit waits for all
@@ -255,28 +263,38 @@ def load_safetensors(model, model_path: str | Path, workers: int = 1, quantizati
     return summary
 
 
-def _dequantized(weights, quantization, model, names, release=None):
-    """(the weight stream, with quantization's linears dequantized into the model's floating-point dtype; the
-    QuantSummary it fills) — the stream as it is and None for an unquantized checkpoint."""
+def _dequantized(weights, quantization, model, names, release=None, kernel_routes=None):
+    """(the weight stream, with quantization's linears dequantized into the model's floating-point dtype but those
+    of kernel_routes (route_kernel_linears' routes and reasons); the QuantSummary it fills; the routes) — the stream
+    as it is and None for an unquantized checkpoint."""
     if quantization is None:
-        return weights, None
+        return weights, None, None
     from kvgate.engine.quantization import QuantSummary, dequantize_weights
 
     summary = QuantSummary(quantization.method)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return dequantize_weights(weights, quantization, dtype, names, release, summary), summary
+    routes = None
+    if kernel_routes is not None:
+        routes, reasons = kernel_routes
+        summary.kernels, summary.dequantized = 0, dict(reasons)
+    stream = dequantize_weights(weights, quantization, dtype, names, release, summary, routes)
+    return stream, summary, routes
 
 
-def build_model(hf_config, device: torch.device, dtype: torch.dtype, max_positions: int):
+def build_model(hf_config, device: torch.device, dtype: torch.dtype, max_positions: int,
+                before_allocation: Callable[[nn.Module], None] | None = None):
     """Our model of hf_config's architecture on `device`, its floating-point parameters in `dtype`, allocated but
     not written (uninitialised): built on the meta device, then allocated. On the meta device nothing is allocated
-    (the shapes and dtypes alone, for checkpoint_weight_bytes)."""
+    (the shapes and dtypes alone, for checkpoint_weight_bytes). before_allocation(model): called on the meta
+    model before its parameters are allocated (the GPU path's quantized linears replace dense ones there)."""
     from kvgate.engine.models import resolve_model_class
     from kvgate.engine.models.layers import RotaryEmbedding
 
     model_cls = resolve_model_class(hf_config)
     with torch.device("meta"), _no_random_init():
         model = model_cls(hf_config, max_positions=max_positions)
+    if before_allocation is not None:
+        before_allocation(model)
     # to_empty's empty_like of a meta tensor goes through torch's Python refs, whose first use imports sympy (slow):
     # the same allocation (uninitialised, floating-point tensors in `dtype`) with torch.empty instead.
     model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
@@ -292,23 +310,35 @@ def build_model(hf_config, device: torch.device, dtype: torch.dtype, max_positio
 
 def load_model(hf_config, model_path: str | Path, device: torch.device, dtype: torch.dtype, max_positions: int,
                workers: int = 1, weights: Iterator[tuple[str, torch.Tensor]] | None = None, read_weights: bool = True,
-               quantization: str | None = None):
+               quantization: str | None = None, keep_quantized: bool = False):
     """Our model of hf_config's architecture on `device` in `dtype`, with the folder's weights: built and allocated
     (build_model), then every parameter written once (load_safetensors). weights: (name, tensor) pairs to load
     instead of the folder's (the load benchmark's reference loader). read_weights False: the parameters stay
     uninitialised and no byte of the checkpoint is read (`kvgate serve --print-config`'s CUDA memory profile, whose
     memory use does not depend on the values). quantization: --quantization (None: from config.json), checked
     against the checkpoint's quantization_config; the model's `quantization` attribute is what the load read (a
-    QuantSummary; None for an unquantized checkpoint or without read_weights)."""
+    QuantSummary; None for an unquantized checkpoint or without read_weights). keep_quantized: a quantized
+    checkpoint's linears stay quantized on the Triton kernels (load_safetensors; the runner's choice)."""
     from kvgate.engine.quantization import quant_config_from_hf
 
     qconfig = quant_config_from_hf(hf_config, quantization)
-    model = build_model(hf_config, device, dtype, max_positions)
+    routes = None
+
+    def route(meta_model) -> None:  # before allocation: a replaced linear's dense weight is never allocated
+        nonlocal routes
+        from kvgate.engine.quantization import plan_modules
+        from kvgate.engine.quantization.linear import route_kernel_linears
+
+        names = {name for f in open_safetensors(model_path, map_data=False) for name in f.entries}
+        routes = route_kernel_linears(meta_model, plan_modules(names, qconfig), dtype, torch.device(device))
+
+    keep = keep_quantized and qconfig is not None and read_weights and weights is None
+    model = build_model(hf_config, device, dtype, max_positions, route if keep else None)
     model.quantization = None
     if not read_weights:
         return model.eval()
     if weights is None:
-        model.quantization = load_safetensors(model, model_path, workers, qconfig)
+        model.quantization = load_safetensors(model, model_path, workers, qconfig, routes)
     else:
         model.load_weights(weights)
     return model.eval()
@@ -337,7 +367,7 @@ def checkpoint_weight_bytes(model, model_path: str | Path, quantization=None) ->
         return torch.empty(shape, dtype=dtype, device="meta")
 
     shapes = ((name, shape_of(f, name)) for f in files for name in f.entries)
-    shapes, _ = _dequantized(shapes, quantization, model, {name for f in files for name in f.entries})
+    shapes, _, _ = _dequantized(shapes, quantization, model, {name for f in files for name in f.entries})
     model.load_weights(shapes, add)
     return total, count
 

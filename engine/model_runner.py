@@ -23,6 +23,7 @@ from kvgate.engine.lora.adapter import LoRAWeights, load_lora_weights
 from kvgate.engine.lora.layers import add_lora_layers, module_shapes, set_slot
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.models.layers import use_fused_kernels
+from kvgate.engine.quantization.linear import kernel_path_applies
 from kvgate.engine.sampler import Sampler, SamplingBatch
 from kvgate.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvgate.engine.spec_decode import verify_greedy, verify_sampled
@@ -64,10 +65,18 @@ class ModelRunner:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # blocks a freed engine left cached are not another engine's
             self._reserved_before = torch.cuda.memory_reserved(device)
+        self.attention_backend = choose_attention_backend(config.attention_backend, device)
+        # a quantized checkpoint's linears stay quantized on the Triton GEMMs (GPU path, no tensor parallelism)
+        keep_quantized = kernel_path_applies(device, tp.size, self.attention_backend == "triton",
+                                             config.enable_lora)
         with building_for(tp):
             self.model = model = load_model(hf_config, config.model, device, dtype, max_model_len,
-                                            read_weights=read_weights, quantization=config.quantization)
+                                            read_weights=read_weights, quantization=config.quantization,
+                                            keep_quantized=keep_quantized)
         self.quantization = model.quantization  # what the load read (quantization.QuantSummary), None: dense
+        if self.quantization is not None and device.type == "cuda" and not keep_quantized:
+            self.quantization.dense_path = ("tensor parallelism" if tp.size > 1 else "LoRA" if config.enable_lora
+                                            else "the SDPA attention backend")
         self.lora_state = self.lora_layers = None
         if config.enable_lora:  # after the base weights: the wrapped projections keep them as they are
             self.lora_state, self.lora_layers = add_lora_layers(model, config.max_loras, config.max_lora_rank)
@@ -82,7 +91,6 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor | QuantizedKVCache] = []
         self.num_blocks = 0
         self.kv_quant = kv_quant_spec(config.kv_cache_dtype)  # None: K/V in the model's dtype
-        self.attention_backend = choose_attention_backend(config.attention_backend, device)
         check_kv_cache_backend(config.kv_cache_dtype, self.kv_quant, self.attention_backend, device)
         if self.attention_backend == "triton":
             use_fused_kernels(self.model)

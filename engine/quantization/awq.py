@@ -65,6 +65,16 @@ class AwqScheme(LinearScheme):
         return ((q - zeros[groups]).float() * scale[groups]).t()
 
 
+    def to_kernel_layout(self, prefix, tensors):
+        from kvgate.engine.quantization.kernel_layout import int_layout
+
+        self.dense_shape(prefix, tensors)
+        state = self._prepare(prefix, tensors)
+        q = unpack_awq(tensors["qweight"]).t()  # [N, K]
+        zeros = unpack_awq(tensors["qzeros"]).t()  # [N, groups]
+        return int_layout(q, zeros, state["scale"].t(), 4, self.group_size)
+
+
 def parse_awq(qc: dict) -> tuple[AwqScheme, tuple[str, ...]]:
     check_bits("bits", qc.get("bits", qc.get("w_bit")), (4,))
     group_size = qc.get("group_size", qc.get("q_group_size", 128))

@@ -170,6 +170,48 @@ class CompressedScheme(LinearScheme):
         return q * expand_block_scales(scale, q.shape, self.block)
 
 
+    def to_kernel_layout(self, prefix, tensors):
+        from kvgate.engine.quantization.kernel_layout import (NoKernelLayout, check_int_range, fp8_layout,
+                                                               int_layout)
+
+        n, k = self.dense_shape(prefix, tensors)
+        state = self._prepare(prefix, tensors)
+        scale, zero, offset = state["scale"], state["zero"], 1 << (self.bits - 1)
+        if self.kind == "float":
+            if zero is not None and bool((zero != 0).any()):
+                raise NoKernelLayout("FP8 weights with non-zero zero points")
+            if self.strategy in ("tensor", "channel"):
+                return fp8_layout(tensors["weight"], scale, None)
+            if self.strategy == "group":  # a [1, group_size] tile per scale
+                return fp8_layout(tensors["weight"], scale, (1, self.group_size))
+            return fp8_layout(tensors["weight"], scale, self.block)
+        if self.fmt == "pack-quantized":  # stored offset by 2**(bits - 1): already the unsigned values
+            q = unpack_int32(tensors["weight_packed"], self.bits, dim=1, count=k)
+            if zero is not None and self._packed_zero():
+                zero = unpack_int32(zero, self.bits, dim=0, count=n)
+            elif zero is not None:
+                zero = zero.to(torch.int32) + offset
+        else:
+            q = tensors["weight"].to(torch.int32)
+            check_int_range(prefix, q, self.bits)
+            q = q + offset
+            zero = None if zero is None else zero.to(torch.int32) + offset
+        if self.strategy in ("tensor", "channel"):  # one group of all K inputs per row
+            scale = scale.reshape(-1, 1).expand(n, 1)
+            zero = None if zero is None else zero.reshape(-1, 1).expand(n, 1)
+            return int_layout(q, zero, scale, self.bits, k)
+        if self.strategy == "group":
+            return int_layout(q, zero, scale, self.bits, self.group_size)
+        bn, bk = self.block  # block-wise ints: a group of bk inputs per row, each row its block's scale
+        if k % bk:
+            raise NoKernelLayout(f"int blocks of {bk} inputs do not divide {k} inputs")
+        rows = torch.arange(n) // bn
+        scale = scale.reshape(-1, 1).expand(n, k // bk) if scale.numel() == 1 else scale[rows]
+        if zero is not None:
+            zero = zero.reshape(-1, 1).expand(n, k // bk) if zero.numel() == 1 else zero[rows]
+        return int_layout(q, zero, scale, self.bits, bk)
+
+
 def parse_compressed_tensors(qc: dict) -> tuple[list[tuple[tuple[str, ...], CompressedScheme]], tuple[str, ...]]:
     """([(targets, scheme)] of the config groups that quantize weights, the ignore list)."""
     status = qc.get("quantization_status", "compressed")

@@ -60,6 +60,14 @@ class Fp8BlockScheme(LinearScheme):
         return weight * expand_block_scales(scale, weight.shape, self.block)
 
 
+    def to_kernel_layout(self, prefix, tensors):
+        from kvgate.engine.quantization.kernel_layout import fp8_layout
+
+        self.dense_shape(prefix, tensors)
+        scale = self._prepare(prefix, tensors)["scale"]
+        return fp8_layout(tensors["weight"], scale, self.block if scale.numel() != 1 else None)
+
+
 def expand_block_scales(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] | None) -> torch.Tensor:
     """Per-tile scales broadcast to every element of an [N, K] weight (a single scale as a scalar)."""
     if scale.numel() == 1:

@@ -78,6 +78,25 @@ class GptqScheme(LinearScheme):
         return ((q - zeros[g_idx]).float() * scale[g_idx]).t()
 
 
+    def to_kernel_layout(self, prefix, tensors):
+        from kvgate.engine.quantization.kernel_layout import NoKernelLayout, int_layout
+
+        n, k = self.dense_shape(prefix, tensors)
+        state = self._prepare(prefix, tensors)
+        g_idx, groups = state["g_idx"], tensors["scales"].shape[0]
+        group = k // groups
+        q = unpack_int32(tensors["qweight"], self.bits, dim=0, count=k).t()  # [N, K]
+        zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1, count=n) + self.zero_offset  # [groups, N]
+        in_order = torch.arange(k) // group
+        perm = None
+        if not torch.equal(g_idx, in_order):  # act-order: sort the inputs by group, the GEMM permutes x alike
+            perm = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[perm], in_order):
+                raise NoKernelLayout("act-order groups of unequal sizes")
+            q = q[:, perm]
+        return int_layout(q, zeros.t(), state["scale"].t(), self.bits, group, perm)
+
+
 def parse_gptq(qc: dict) -> GptqScheme:
     bits = check_bits("bits", qc.get("bits"))
     group_size = qc.get("group_size", 128)

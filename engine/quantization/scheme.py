@@ -49,6 +49,13 @@ class LinearScheme:
             dense[start:stop] = self._rows(prefix, tensors, state, start, stop)
         return dense
 
+    def to_kernel_layout(self, prefix: str, tensors: dict[str, torch.Tensor]):
+        """The weight in the GPU kernels' layout (kernel_layout.KernelWeight), after the same checks as
+        dequantize; kernel_layout.NoKernelLayout where it has none (the module is then dequantized)."""
+        from kvgate.engine.quantization.kernel_layout import NoKernelLayout
+
+        raise NoKernelLayout(f"no kernel layout for {self.describe()}")
+
     def row_align(self) -> int:
         """Output rows that share a packed word or a scale block: chunks start at multiples of it."""
         return 1

@@ -27,11 +27,23 @@ class QuantSummary:
     quantized: int = 0
     dense: int = 0
     schemes: set[str] = field(default_factory=set)  # each scheme's bits, group or block size and strategy
+    # the GPU path (linear.py): quantized linear weights kept quantized on the kernels, and those dequantized at
+    # load anyway, by reason; None: every quantized linear dequantized at load (the CPU and tensor-parallel path)
+    kernels: int | None = None
+    dequantized: dict[str, int] = field(default_factory=dict)
+    # on CUDA without the kernel path: why (tensor parallelism, LoRA, the SDPA backend), for the start line
+    dense_path: str | None = None
 
     def line(self) -> str:
-        """E.g. "gptq (int4 group 128, symmetric): 196 linear weights quantized, 1 dense"."""
-        return (f"{self.method} ({'; '.join(sorted(self.schemes)) or 'no quantized tensor'}): {self.quantized} "
+        """E.g. "gptq (int4 group 128, symmetric): 196 linear weights quantized, 1 dense"; on the GPU path
+        followed by "; 168 on the quantized kernels, 28 dequantized at load (28 MoE experts)"."""
+        line = (f"{self.method} ({'; '.join(sorted(self.schemes)) or 'no quantized tensor'}): {self.quantized} "
                 f"linear weights quantized, {self.dense} dense")
+        if self.kernels is None:
+            return line
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(self.dequantized.items()))
+        return (line + f"; {self.kernels} on the quantized kernels, {self.quantized - self.kernels} dequantized at "
+                f"load" + (f" ({reasons})" if reasons else ""))
 
 
 @dataclass(frozen=True)
@@ -70,12 +82,15 @@ def plan_modules(names: Iterable[str], qconfig: QuantConfig) -> dict[str, _Modul
 
 def dequantize_weights(stream: Iterable[tuple[str, torch.Tensor]], qconfig: QuantConfig, dtype: torch.dtype,
                        names: Iterable[str], release: Callable[[str], None] | None = None,
-                       summary: QuantSummary | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                       summary: QuantSummary | None = None,
+                       routes: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """`stream` with each quantized linear's tensors replaced by its dense `<module>.weight` in `dtype`. names:
     every name the stream yields (the checkpoint's), to plan the modules up front. release(name), when given, is
     called for each quantized tensor once its module is dequantized (the loader drops its mapped pages). On the
     meta device (the checkpoint's shapes alone) the dense weight is an empty meta tensor of its shape. summary:
-    filled with the counts as the stream is consumed."""
+    filled with the counts as the stream is consumed. routes: linear.route_kernel_linears' (prefix ->
+    (QuantizedLinear, shard index)): a routed module's tensors go to its shard in the kernels' layout, and nothing is
+    yielded for it."""
     plan = plan_modules(names, qconfig)
     owner = {f"{prefix}.{suffix}": (prefix, suffix) for prefix, module in plan.items() for suffix in module.members}
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -93,6 +108,21 @@ def dequantize_weights(stream: Iterable[tuple[str, torch.Tensor]], qconfig: Quan
             continue
         del pending[prefix]
         scheme = module.scheme
+        if routes is not None and prefix in routes:
+            qlinear, index = routes[prefix]
+            reason = qlinear.set_shard(index, scheme, prefix, tensors)
+            if release is not None:
+                for s in module.members:
+                    release(f"{prefix}.{s}")
+            del tensors
+            if summary is not None:
+                summary.quantized += 1
+                summary.schemes.add(scheme.describe())
+                if reason is None:
+                    summary.kernels = (summary.kernels or 0) + 1
+                else:
+                    summary.dequantized[reason] = summary.dequantized.get(reason, 0) + 1
+            continue
         if any(t.device.type == "meta" for s, t in tensors.items() if s != "weight_shape"):
             dense = torch.empty(scheme.dense_shape(prefix, tensors), dtype=dtype, device="meta")
         else:
