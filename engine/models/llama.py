@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kvgate.common.errors import ModelLoadError
+from kvgate.engine.models.checkpoint_writes import write_checkpoint
 from kvgate.engine.distributed import group as tp_group
 from kvgate.engine.models.layers import Attention, GatedMLP, RMSNorm
 from kvgate.engine.models.parallel_linear import lm_head, vocab_embedding
@@ -168,29 +169,15 @@ class LlamaForCausalLM(nn.Module):
         given, does that copy instead of dest.copy_(tensor) (engine/loader.py's may queue it on a thread pool)."""
         params = dict(self.named_parameters())
         sharded = {name: m for name, m in self.named_modules() if hasattr(m, "shard_weight")}
-        # Every element of every parameter must be written exactly once; track what the checkpoint covered.
-        expected = self._expected_coverage(params)
-        covered: dict[str, int] = {}
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            key, dest, tensor = self._destination(name, tensor, params, sharded)
-            if dest is None:
-                raise ModelLoadError(f"checkpoint tensor {name!r} does not belong to {type(self).__name__}")
-            if dest.shape != tensor.shape:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dest.shape)}")
-            if copy is None:
-                dest.copy_(tensor)
-            else:
-                copy(name, dest, tensor)
-            covered[key] = covered.get(key, 0) + tensor.numel()
-        missing = sorted(n for n, size in expected.items() if covered.get(n, 0) != size)
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}"
-                                 + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        tied_head = self.tie_word_embeddings
+
+        def place(name: str, tensor: torch.Tensor):
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and tied_head):
+                return None
+            return self._destination(name, tensor, params, sharded)
+
+        # every element of every parameter written exactly once
+        write_checkpoint(weights, place, self._expected_coverage(params), type(self).__name__, copy)
 
 
 def _rank_slice(sharded: dict[str, nn.Module], param_name: str, dest: torch.Tensor, tensor: torch.Tensor,

@@ -12,7 +12,7 @@ from kvgate.engine.models.layers import GatedMLP
 from kvgate.engine.models.llama import dense_mlp
 from kvgate.engine.models.moe import FusedMoE, SparseMoeBlock
 from kvgate.engine.models.qwen2 import Qwen2ForCausalLM
-from kvgate.engine.models.qwen3_moe import is_sparse_layer
+from kvgate.engine.models.qwen3_moe import is_sparse_layer, routed_experts
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
@@ -45,8 +45,5 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     def make_mlp(config, layer_idx: int) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
             return dense_mlp(config, layer_idx)
-        experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                           config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
-                           weights_in_fp32=False, hidden_act=config.hidden_act)
-        return SharedExpertMoeBlock(config.hidden_size, experts, config.shared_expert_intermediate_size,
-                                    config.hidden_act)
+        return SharedExpertMoeBlock(config.hidden_size, routed_experts(config),
+                                    config.shared_expert_intermediate_size, config.hidden_act)

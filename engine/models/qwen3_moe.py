@@ -22,7 +22,12 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def make_mlp(config, layer_idx: int) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
             return dense_mlp(config, layer_idx)
-        experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                           config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
-                           weights_in_fp32=False, hidden_act=config.hidden_act)
-        return SparseMoeBlock(config.hidden_size, experts)
+        return SparseMoeBlock(config.hidden_size, routed_experts(config))
+
+
+def routed_experts(config) -> FusedMoE:
+    """A Qwen MoE layer's routed experts: top-k of the fp32 softmax, renormalised when norm_topk_prob, the weights
+    cast back to the model's dtype."""
+    return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                    config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
+                    weights_in_fp32=False, hidden_act=config.hidden_act)

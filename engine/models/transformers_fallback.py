@@ -31,6 +31,7 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from kvgate.common.errors import ModelLoadError
+from kvgate.engine.models.checkpoint_writes import write_checkpoint
 
 ATTN_IMPLEMENTATION = "kvgate_paged"
 
@@ -255,28 +256,16 @@ class TransformersForCausalLM(nn.Module):
         targets = dict(self.named_parameters())
         targets |= {name: b for name, b in self.named_buffers() if name not in self._computed_buffers}
         ignored = list(getattr(self._head[0], "_keys_to_ignore_on_load_unexpected", None) or [])
-        expected = self._expected_coverage(targets)
-        covered: dict[str, int] = {}
-        for name, tensor in weights:
+
+        def place(name: str, tensor: torch.Tensor):
             if name in self._tied or "rotary_emb.inv_freq" in name:
-                continue
+                return None
             key, dest = self._destination(name, targets)
-            if dest is None:
-                if any(_matches(pattern, name) for pattern in ignored):
-                    continue
-                raise ModelLoadError(f"checkpoint tensor {name!r} does not belong to {self.architecture}")
-            if dest.shape != tensor.shape:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dest.shape)}")
-            if copy is None:
-                dest.copy_(tensor)
-            else:
-                copy(name, dest, tensor)
-            covered[key] = covered.get(key, 0) + tensor.numel()
-        missing = sorted(k for k, size in expected.items() if covered.get(k, 0) != size)
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}"
-                                 + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+            if dest is None and any(_matches(pattern, name) for pattern in ignored):
+                return None
+            return key, dest, tensor
+
+        write_checkpoint(weights, place, self._expected_coverage(targets), self.architecture, copy)
 
     def _expected_coverage(self, targets: dict[str, torch.Tensor]) -> dict[str, int]:
         """Coverage key -> elements the checkpoint must write: one key per tensor, one per expert of a tensor that
