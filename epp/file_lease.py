@@ -1,5 +1,5 @@
 """A Lease on one machine, for leader election without a Kubernetes API server (`kvgate epp --ha-lease-file`:
-`kvgate up`, benchmarks): the three calls epp/leader.py's LeaseElector makes on a CoordinationV1Api —
+`kvgate up`, benchmarks): the three calls common/lease_election.py's LeaseElector makes on a CoordinationV1Api —
 read, create, replace — with the API server's semantics, over a small JSON file.
 
 - `read_namespaced_lease`: the Lease, or ApiException 404 when the file does not exist.
@@ -16,7 +16,7 @@ not hold a valid record is an error (ApiException 500 naming the file and what i
 elector logs it and takes its failure path — a follower does not lead, a leader steps down after its renew
 deadline — until an operator removes the file. A valid record's leaseDurationSeconds may be any integer (as an
 API server's Lease may carry 2^31 - 1): whether its timing can be honoured is the elector's to judge, and one
-it cannot (negative, over epp/leader.py's MAX_LEASE_DURATION_S, a renewTime far ahead) it reports and takes
+it cannot (negative, over common/lease_election.py's MAX_LEASE_DURATION_S, a renewTime far ahead) it reports and takes
 over. The objects are kubernetes' own V1Lease, so the elector runs unchanged.
 """
 

@@ -1,7 +1,8 @@
 """`kvgate operator`: the kopf-based operator for ModelServers, InferencePools and Gateways of class kvgate.
 
 Runs in-process with kopf (standalone: no peering objects), against the in-cluster service account or
-$KUBECONFIG. What it watches is in watches.py, how it reconciles in reconciler.py (one *_reconciler.py per kind);
+$KUBECONFIG. With `--leader-election enabled` several replicas run and the one holding a Lease reconciles
+(leadership.py). What it watches is in watches.py, how it reconciles in reconciler.py (one *_reconciler.py per kind);
 how objects are built is in modelserver.py, pool.py, gateway.py.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import signal
 import threading
 import time
@@ -73,8 +76,63 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
                    help="serve kopf's liveness probe at http://HOST:PORT/healthz (default: off)")
     p.add_argument("--liveness-host", default="0.0.0.0",
                    help="address of the liveness endpoint (default %(default)s: every interface of the pod)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve the operator's Prometheus metrics (kvgate_operator_leader) at "
+                        "http://HOST:PORT/metrics, HOST being --liveness-host (default: off)")
+    add_leader_election_flags(p)
     p.set_defaults(func=run_operator)
     return p
+
+
+def add_leader_election_flags(p: argparse.ArgumentParser) -> None:
+    from kvgate.common.lease_election import (DEFAULT_LEASE_DURATION_S, DEFAULT_RENEW_DEADLINE_S,
+                                              DEFAULT_RETRY_PERIOD_S, MAX_LEASE_DURATION_S)
+    from kvgate.operator.leadership import OPERATOR_LEASE_NAME
+
+    g = p.add_argument_group("high availability (operator/leadership.py)")
+    g.add_argument("--leader-election", default="disabled", choices=["enabled", "disabled"],
+                   help="run as one of several replicas: the one holding a coordination.k8s.io Lease reconciles, "
+                        "the others keep their watches warm and take over when it stops renewing (default "
+                        "%(default)s: this replica always reconciles; the chart enables it)")
+    g.add_argument("--leader-election-namespace", default=None, metavar="NAMESPACE",
+                   help="the Lease's namespace (default: $POD_NAMESPACE, else --namespace)")
+    g.add_argument("--leader-election-lease-name", default=OPERATOR_LEASE_NAME, metavar="NAME",
+                   help="the Lease's name; replicas with the same name and namespace elect one (default %(default)s)")
+    g.add_argument("--leader-election-lease-duration", type=_seconds, default=DEFAULT_LEASE_DURATION_S,
+                   metavar="SECONDS", help="a standby takes over a leader that has not renewed for this long "
+                   f"(default %(default)g s, at most {MAX_LEASE_DURATION_S:g}); a leader that stops releases at once")
+    g.add_argument("--leader-election-renew-deadline", type=_seconds, default=DEFAULT_RENEW_DEADLINE_S,
+                   metavar="SECONDS", help="a leader that could not renew for this long stops writing and steps "
+                   "down (default %(default)g s; below the lease duration)")
+    g.add_argument("--leader-election-retry-period", type=_seconds, default=DEFAULT_RETRY_PERIOD_S,
+                   metavar="SECONDS", help="how often standbys try and the leader renews (default %(default)g s; "
+                   "below the renew deadline)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def leader_election_namespace(args: argparse.Namespace) -> str:
+    """The Lease's namespace; ConfigError (kvgate's one-line exit 2) when the flags cannot run an election."""
+    from kvgate.common.errors import ConfigError
+    from kvgate.common.lease_election import MAX_LEASE_DURATION_S
+
+    if not (0 < args.leader_election_retry_period < args.leader_election_renew_deadline
+            < args.leader_election_lease_duration <= MAX_LEASE_DURATION_S):
+        raise ConfigError("leader election needs --leader-election-retry-period < --leader-election-renew-deadline "
+                          f"< --leader-election-lease-duration <= {MAX_LEASE_DURATION_S:g} s")
+    namespace = args.leader_election_namespace or os.environ.get("POD_NAMESPACE") or args.namespace
+    if not namespace:
+        raise ConfigError("--leader-election enabled needs the Lease's namespace: --leader-election-namespace, "
+                          "$POD_NAMESPACE (the chart sets it) or --namespace")
+    return namespace
 
 
 def _ratio(text: str) -> float:
@@ -99,7 +157,7 @@ def _metrics_peers(text: str) -> tuple[dict, ...]:
 def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
-    from kvgate.operator.apply import Kube
+    from kvgate.operator.apply import Kube, load_config
     from kvgate.operator.config import OperatorConfig, TraceExport
     from kvgate.operator.reconciler import Reconciler
     from kvgate.operator.tenancy import TenantPolicy
@@ -122,13 +180,37 @@ def run_operator(args: argparse.Namespace) -> int:
         logging.getLogger("kvgate.operator").warning(
             "ModelServers may use: %s", ", ".join((["hostPath volumes"] if args.allow_host_path else [])
                                                   + [f"images under {p!r}" for p in args.allow_image_prefix]))
+    metrics = leadership = None
+    namespace = leader_election_namespace(args) if args.leader_election == "enabled" else None
+    if args.metrics_port:
+        from kvgate.operator.metrics import OperatorMetrics
+
+        metrics = OperatorMetrics()
+        metrics.serve(args.liveness_host, args.metrics_port)
+    if namespace is not None:
+        from kubernetes.client import CoordinationV1Api
+
+        from kvgate.common.lease_election import default_identity
+        from kvgate.operator.leadership import OperatorLeadership
+
+        leadership = OperatorLeadership(
+            CoordinationV1Api(load_config()), namespace, default_identity("kvgate-operator"),
+            lease_name=args.leader_election_lease_name, lease_duration=args.leader_election_lease_duration,
+            renew_deadline=args.leader_election_renew_deadline, retry_period=args.leader_election_retry_period,
+            metrics=metrics)
     liveness = f"http://{args.liveness_host}:{args.liveness_port}/healthz" if args.liveness_port else None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # kopf, in its own thread, leaves the signals to us
         signal.signal(sig, lambda *_: stop.set())
 
     def serve_once() -> None:
-        reconciler = Reconciler(Kube(), config)
+        if leadership is None:
+            reconciler = Reconciler(Kube(), config)
+        else:  # writes fenced by the Lease; the worker waits while this replica stands by
+            from kvgate.operator.fencing import FencedKube
+
+            reconciler = Reconciler(FencedKube(leadership.may_write), config)
+            leadership.follow(reconciler)
 
         def run() -> None:
             try:
@@ -140,10 +222,18 @@ def run_operator(args: argparse.Namespace) -> int:
 
         run_reactor(run, reconciler.stopped)
 
+    if leadership is not None:
+        leadership.start()
     runner = threading.Thread(target=serve_until_stopped, args=(serve_once, stop), name="kvgate-operator-kopf")
     runner.start()
-    while runner.is_alive():
-        runner.join(0.5)
+    try:
+        while runner.is_alive():
+            runner.join(0.5)
+    finally:
+        if leadership is not None:  # after the reactor: nothing writes once the Lease is released
+            leadership.stop()
+        if metrics is not None:
+            metrics.close()
     return 0
 
 

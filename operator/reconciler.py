@@ -14,6 +14,7 @@ Keys (deduplicated while queued, and while waiting for a retry):
     ("ConfigUsers", ns, name)    the pools whose kvgate.dev/epp-config names this ConfigMap
     ("PoolMembers", ns, name)    the ModelServers of a pool's namespace: its members' Deployments follow its
                                  selector, and no other's pods may match it (tenancy.py, JoinsOtherPool)
+    ("All",)                     every key above again: what a replica does first when it starts to lead
     ("Gateways",)                GatewayClass statuses; per Gateway of ours the Envoy objects and status;
                                  HTTPRoute and InferencePool status.parents (they need all Gateways at once:
                                  gateway_reconciler.py)
@@ -25,6 +26,11 @@ on its own) is a condition on the object — the ModelServer's Ready, the pool's
 Programmed, reason ReconcileFailed with the message — logged once, and not retried: the next event or resync
 looks again. A name the operator wants that is taken by an object not its own (apply.py's NameConflict) is
 permanent until a user acts, so it is such a condition too (reason NameConflict, naming the object).
+
+With leader election (operator/leadership.py) only the leading replica's worker takes keys; a standby's watches
+keep adding them (deduplicated), and its worker waits. Writes are fenced (fencing.py): one refused because the
+Lease was lost mid-reconcile (NotLeader) puts the key back, without backoff, for when this replica leads again
+(or in STANDBY_POLL_S, should the Lease be renewed after all).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from kvgate.operator import naming
 from kvgate.operator.apply import MODELSERVER, POOL, Kube
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.failures import PermanentFailureLog, classify
+from kvgate.operator.fencing import NotLeader
 from kvgate.operator.gateway_reconciler import GatewayReconciler
 from kvgate.operator.inferencepool_reconciler import InferencePoolReconciler
 from kvgate.operator.modelserver_reconciler import ModelServerReconciler
@@ -47,6 +54,8 @@ from kvgate.operator.workqueue import WorkQueue
 log = logging.getLogger("kvgate.operator")
 
 GATEWAYS_KEY = ("Gateways",)
+ALL_KEY = ("All",)
+STANDBY_POLL_S = 0.5  # how often a standby's worker, holding a key, looks whether it leads now
 
 
 class Reconciler:
@@ -61,6 +70,8 @@ class Reconciler:
         self.gateways = GatewayReconciler(kube, config, self.failure_log)
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
+        self.leading = threading.Event()  # the worker reconciles only while set: always, without leader election
+        self.leading.set()
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -75,6 +86,14 @@ class Reconciler:
         for t in self._threads:
             t.join(timeout=10)
 
+    def set_leading(self, leading: bool) -> None:
+        """Lead (reconcile everything again, then follow the queue) or stand by (the worker waits)."""
+        if leading and not self.leading.is_set():
+            self.leading.set()
+            self.queue.add(ALL_KEY)
+        elif not leading:
+            self.leading.clear()
+
     @property
     def stopped(self) -> threading.Event:
         """Set once stop() ran: kopf's cleanup, when its reactor ends (see main.run_reactor)."""
@@ -82,10 +101,15 @@ class Reconciler:
 
     def _work(self) -> None:
         while (key := self.queue.get()) is not None:
+            while not self.leading.is_set():  # a standby: the key waits until this replica leads
+                if self._stop.wait(STANDBY_POLL_S):
+                    return
             self.process(key)
 
     def _resync(self) -> None:
         while not self._stop.wait(self.config.resync_s):
+            if not self.leading.is_set():
+                continue
             try:
                 self.enqueue_all()
             except Exception as exc:
@@ -105,6 +129,10 @@ class Reconciler:
         permanent one is logged once and not retried (None, as for a success)."""
         try:
             self.reconcile(key)
+        except NotLeader as exc:  # the Lease was lost mid-reconcile: the leader now in office finishes it
+            log.info("reconcile %s stopped: %s", "/".join(key), exc)
+            self.queue.add(key, STANDBY_POLL_S)  # not at once: the election may not have seen the loss yet
+            return STANDBY_POLL_S
         except Exception as exc:
             failure = classify(exc)
             if isinstance(failure, kopf.PermanentError):  # not an object's (those are conditions): a list, say
@@ -133,6 +161,8 @@ class Reconciler:
                     self._guarded("InferencePool", *naming.key_of(pool))
         elif kind == "Gateways":
             self.gateways.reconcile()
+        elif kind == "All":
+            self.enqueue_all()
         else:
             raise ValueError(f"unknown key {key}")
 
@@ -142,6 +172,8 @@ class Reconciler:
         reconciler = self.modelservers if kind == "ModelServer" else self.pools
         try:
             reconciler.reconcile(ns, name)
+        except NotLeader:
+            raise
         except Exception as exc:
             failure = classify(exc)
             if isinstance(failure, kopf.TemporaryError):

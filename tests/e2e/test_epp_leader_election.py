@@ -87,7 +87,7 @@ def test_a_lease_with_an_absurd_duration_is_reported_and_taken_over(k8s, namespa
     electors = [LeaseElector(api, name, namespace, f"epp-{i}", lambda leading: None, lease_duration=LEASE_S,
                              renew_deadline=RENEW_S, retry_period=RETRY_S) for i in range(2)]
     try:
-        with caplog.at_level(logging.WARNING, logger="kvgate.epp.leader"):
+        with caplog.at_level(logging.WARNING, logger="kvgate.common.lease_election"):
             for e in electors:
                 e.start()
             leader = wait_one_leader(electors, timeout_s=4 * RETRY_S + 2)

@@ -179,7 +179,7 @@ def test_a_record_with_an_absurd_timing_is_reported_and_taken_over(tmp_path, cap
     write_record(path, "intruder", duration, datetime.now(timezone.utc) + timedelta(seconds=ahead_s), 2**31 - 1)
     es = electors(path)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvgate.epp.leader"):
+        with caplog.at_level(logging.WARNING, logger="kvgate.common.lease_election"):
             for e in es:
                 e.start()
             (leader,) = wait_leaders(es, 1, 5 * RETRY_S + 1)
@@ -206,7 +206,7 @@ def test_an_absurd_record_written_again_and_again_is_reported_once_per_elector(t
 
     writer = threading.Thread(target=rogue)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvgate.epp.leader"):
+        with caplog.at_level(logging.WARNING, logger="kvgate.common.lease_election"):
             writer.start()
             for e in es:
                 e.start()
