@@ -51,25 +51,34 @@ def kinds(objects: list[dict]) -> Counter:
 
 
 def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
-    (obj,) = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    (obj,) = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+              and not _leader_election(o)]
     return obj
 
 
+def _leader_election(obj: dict) -> bool:
+    """The operator's leader-election Role and RoleBinding (on its Leases only; tested on their own)."""
+    return obj["kind"] in ("Role", "RoleBinding") and obj["metadata"]["name"].endswith("-leader-election")
+
+
 # The default: the release namespace only (a Role there, a small ClusterRole for what is cluster-scoped).
+# Two operator replicas electing a leader: a Role and RoleBinding on their Lease, a PodDisruptionBudget.
+OPERATOR_HA = Counter({"Role": 1, "RoleBinding": 1, "PodDisruptionBudget": 1})
 BASE = Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1, "RoleBinding": 1,
-                "Deployment": 1})
+                "Deployment": 1}) + OPERATOR_HA
 SAMPLE = Counter({"InferencePool": 1, "ModelServer": 1, "Gateway": 1, "HTTPRoute": 1})
 VARIANTS = {
     "default": ({}, BASE + Counter({"GatewayClass": 1})),
     "all-namespaces": ({"allNamespaces": True},
                        Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Deployment": 1,
-                                "GatewayClass": 1})),
+                                "GatewayClass": 1}) + OPERATOR_HA),
     "tenant-allowances": ({"operator": {"allowHostPath": True,
                                         "allowedImagePrefixes": ["registry.example/kvgate", "mirror.example/ml/"]}},
                           BASE + Counter({"GatewayClass": 1})),
     "namespaced": ({"watchNamespaces": ["team-a", "team-b"]},
                    Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 2,
-                            "RoleBinding": 2, "Deployment": 2, "GatewayClass": 1})),
+                            "RoleBinding": 2, "Deployment": 2, "GatewayClass": 1, "PodDisruptionBudget": 1})
+                   + OPERATOR_HA),
     "sample-pool": ({"samplePool": {"enabled": True}}, BASE + Counter({"GatewayClass": 1}) + SAMPLE),
     "no-gatewayclass": ({"gatewayClass": {"create": False}}, BASE),
     "custom-images": ({"image": {"repository": "registry.example/kvgate", "tag": "1.2.3", "pullPolicy": "Always"},
@@ -91,7 +100,9 @@ VARIANTS = {
     "epp-high-availability": ({"eppHighAvailability": {"enabled": True}}, BASE + Counter({"GatewayClass": 1})),
     "no-network-policy": ({"networkPolicy": {"enabled": False}, "watchNamespaces": ["team-a"]},
                           Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1,
-                                   "RoleBinding": 1, "Deployment": 1, "GatewayClass": 1})),
+                                   "RoleBinding": 1, "Deployment": 1, "GatewayClass": 1}) + OPERATOR_HA),
+    "single-operator": ({"operator": {"replicas": 1, "leaderElection": {"enabled": False}}},
+                        BASE - OPERATOR_HA + Counter({"GatewayClass": 1})),
 }
 
 
@@ -150,6 +161,11 @@ def test_every_object_is_valid(variant):
             schema = schemas_by_type().get((obj["apiVersion"], obj["kind"]))
             assert schema is not None, f"{what}: no Gateway API CRD serves {obj['apiVersion']}"
             assert schema.errors(obj) == [], what
+        elif obj["kind"] == "PodDisruptionBudget":
+            assert obj["apiVersion"] in ("policy/v1", "policy/v1beta1"), what
+            (deployment,) = [d for d in objects if d["kind"] == "Deployment"
+                             and d["spec"]["selector"] == obj["spec"]["selector"]]
+            assert deployment["spec"]["replicas"] > obj["spec"]["minAvailable"], what
         else:
             assert obj["apiVersion"] in ("v1", "apps/v1", "rbac.authorization.k8s.io/v1"), what
             if obj["kind"] == "Deployment":
@@ -252,7 +268,8 @@ def test_namespaced_mode_runs_one_operator_per_namespace():
     assert watched == ["team-a", "team-b"]
     selectors = [yaml.safe_dump(d["spec"]["selector"]) for d in objects if d["kind"] == "Deployment"]
     assert len(set(selectors)) == 2, "the two operator Deployments must not select each other's pods"
-    assert {o["metadata"]["namespace"] for o in objects if o["kind"] in ("Role", "RoleBinding")} == {"team-a", "team-b"}
+    assert {o["metadata"]["namespace"] for o in objects
+            if o["kind"] in ("Role", "RoleBinding") and not _leader_election(o)} == {"team-a", "team-b"}
 
 
 def test_operator_pod_hardening_and_probes():
@@ -260,7 +277,7 @@ def test_operator_pod_hardening_and_probes():
                             ("tcp", {"tcpSocket": {"port": "healthz"}})):
         objects = render({"probes": {"type": probes}})
         deployment = one(objects, "Deployment")
-        assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+        assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
         pod = deployment["spec"]["template"]["spec"]
         assert pod["serviceAccountName"] == one(objects, "ServiceAccount")["metadata"]["name"]
         assert pod["securityContext"]["runAsNonRoot"] is True
@@ -368,7 +385,7 @@ def test_no_network_policy_rbac_when_policies_are_off():
     for values in ({"networkPolicy": {"enabled": False}}, VARIANTS["no-network-policy"][0]):
         objects = render(values)
         held = {}
-        for role in (o for o in objects if o["kind"] in ("Role", "ClusterRole")):
+        for role in (o for o in objects if o["kind"] in ("Role", "ClusterRole") and not _leader_election(o)):
             held.update(grants(role))
         without = {k: v for k, v in NAMESPACED_RULES.items() if k != ("networking.k8s.io", "networkpolicies")}
         assert held == {**without, **CLUSTER_RULES}
@@ -381,7 +398,7 @@ HA_RULES = {("coordination.k8s.io", "leases"): {"get", "create", "update"},
 def test_lease_and_budget_rbac_only_with_epp_high_availability():
     objects = render(VARIANTS["epp-high-availability"][0])
     held = {}
-    for role in (o for o in objects if o["kind"] in ("Role", "ClusterRole")):
+    for role in (o for o in objects if o["kind"] in ("Role", "ClusterRole") and not _leader_election(o)):
         held.update(grants(role))
     assert held == {**NAMESPACED_RULES, **HA_RULES, **CLUSTER_RULES}
     (pod,) = _operators(objects)
@@ -425,7 +442,7 @@ def test_operator_holds_every_kind_it_applies():
 
 def test_rbac_disabled_renders_no_rbac():
     objects = render({"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "existing"}})
-    assert kinds(objects) == Counter({"Deployment": 1, "GatewayClass": 1})
+    assert kinds(objects) == Counter({"Deployment": 1, "GatewayClass": 1, "PodDisruptionBudget": 1})
     assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
 
 
@@ -464,3 +481,63 @@ def test_chart_crds_are_byte_identical_to_crds_folder():
 def test_helm_loads_the_crds():
     loaded = {Path(c["filename"]).name for c in _chart().crds}
     assert loaded == {p.name for p in CRDS.glob("*.yaml")}
+
+
+# --- operator high availability ------------------------------------------------------------------------------
+
+
+def _pdb_and_deployments(objects):
+    return [o for o in objects if o["kind"] == "PodDisruptionBudget"], [o for o in objects if o["kind"] == "Deployment"]
+
+
+def test_operator_replicas_elect_a_leader_roll_and_spread():
+    for values in ({}, VARIANTS["namespaced"][0]):
+        objects = render(values)
+        budgets, deployments = _pdb_and_deployments(objects)
+        assert len(budgets) == len(deployments)
+        leases = set()
+        for deployment in deployments:
+            spec = deployment["spec"]
+            assert spec["replicas"] == 2
+            assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+            pod = spec["template"]["spec"]
+            args = _operator_args(pod)
+            assert args.leader_election == "enabled"
+            assert (args.leader_election_lease_duration, args.leader_election_renew_deadline,
+                    args.leader_election_retry_period) == (15.0, 10.0, 2.0)
+            assert args.leader_election_lease_name == deployment["metadata"]["name"]
+            leases.add(args.leader_election_lease_name)
+            env = {e["name"]: e for e in pod["containers"][0]["env"]}
+            assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+            (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+            assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+            assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+            (budget,) = [b for b in budgets if b["spec"]["selector"] == spec["selector"]]
+            assert budget["spec"]["minAvailable"] == 1 and budget["metadata"]["namespace"] == NAMESPACE
+            ports = {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
+            assert ports["metrics"] == args.metrics_port == 9090
+        assert len(leases) == len(deployments)  # one election per operator Deployment
+        role = [o for o in objects if o["kind"] == "Role" and _leader_election(o)]
+        binding = [o for o in objects if o["kind"] == "RoleBinding" and _leader_election(o)]
+        assert len(role) == len(binding) == 1
+        # least privilege: Leases only, in the release namespace only; reading and renewing only its own
+        assert role[0]["metadata"]["namespace"] == binding[0]["metadata"]["namespace"] == NAMESPACE
+        assert role[0]["rules"] == [
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": sorted(leases),
+             "verbs": ["get", "update"]}]
+        _subject_ok(binding[0], objects, "Role", role[0]["metadata"]["name"])
+
+
+def test_a_single_operator_without_election_never_overlaps():
+    objects = render(VARIANTS["single-operator"][0])
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert _operator_args(deployment["spec"]["template"]["spec"]).leader_election == "disabled"
+    assert "affinity" not in deployment["spec"]["template"]["spec"]
+    assert not [o for o in objects if o["kind"] == "PodDisruptionBudget" or _leader_election(o)]
+
+
+def test_replicas_without_an_election_fail_render():
+    with pytest.raises(Exception, match="needs operator.leaderElection.enabled"):
+        render({"operator": {"leaderElection": {"enabled": False}}})
