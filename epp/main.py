@@ -61,6 +61,15 @@ def tcp_endpoint(text: str) -> str:
     return text
 
 
+def pod_selector(text: str) -> str:
+    from kvgate.epp.peer_discovery import check_selector
+
+    try:
+        return check_selector(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def kv_events_endpoint(text: str) -> tuple[str, object]:
     """--kv-events-endpoint ENDPOINT=PUB[,REPLAY] → (endpoint address, its EventSource)."""
     from kvgate.epp.kv_events.sources import parse_event_endpoint
@@ -163,6 +172,10 @@ def add_peer_sync_flags(p) -> None:
                             "blocks and prefix-group placements; listen on the address the peers reach, no wider")
     peers.add_argument("--peer-sync-peer", type=tcp_endpoint, action="append", default=[], metavar="tcp://HOST:PORT",
                        help="another replica's --peer-sync-bind (repeat per replica)")
+    peers.add_argument("--peer-sync-discover-pods", type=pod_selector, metavar="SELECTOR",
+                       help="Kubernetes mode: the peers are the running pods of the pool's namespace with these labels "
+                            "(k=v[,k=v...]: the EPP's own), at their pod IP and --peer-sync-bind's port, followed "
+                            "by a watch (epp/peer_discovery.py); this pod ($HOSTNAME, $POD_IP) left out")
     peers.add_argument("--peer-sync-key-file", metavar="PATH",
                        help="the pool's CURVE key, the same file on every replica (a ZeroMQ certificate with "
                             "public-key and secret-key, as `kvgate peer-sync-keygen PATH` writes; in Kubernetes a "
@@ -341,6 +354,9 @@ def peer_sync_key(args: argparse.Namespace):
 
     if args.peer_sync_peer and not args.peer_sync_bind:
         raise SystemExit("kvgate epp: --peer-sync-peer needs --peer-sync-bind (peers sync both ways)")
+    if getattr(args, "peer_sync_discover_pods", None) and not (args.peer_sync_bind and args.pool_name):
+        raise PeerSyncKeyError("--peer-sync-discover-pods needs --peer-sync-bind and Kubernetes mode (--pool-name: "
+                               "the pods are the pool's namespace's)")
     if not args.peer_sync_bind:
         for flag, given in (("--peer-sync-key-file", args.peer_sync_key_file),
                             ("--peer-sync-insecure", args.peer_sync_insecure)):

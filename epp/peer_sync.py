@@ -178,6 +178,27 @@ class PeerSync:
         log.info("peer sync on: %s publishing on %s (%s), peers %s", self.identity, self.bind,
                  "CURVE, the pool's key" if self.key is not None else "no key", ", ".join(self.peers))
 
+    def set_peers(self, peers: list[str]) -> None:
+        """Follow a new peer list (peer_discovery.py: the pool's EPP pods): connect to the new addresses, disconnect
+        from those gone (their state ages out with peer_timeout_s, as a silent peer's). On the event loop."""
+        if self._sub is None:
+            return
+        wanted = list(dict.fromkeys(peers))
+        for gone in [p for p in self.peers if p not in wanted]:
+            try:
+                self._sub.disconnect(gone)
+            except zmq.ZMQError:
+                pass  # never connected (a bad address, refused earlier)
+        for new in [p for p in wanted if p not in self.peers]:
+            try:
+                self._sub.connect(new)
+            except zmq.ZMQError as exc:
+                log.warning("peer sync: cannot connect to %s: %s", new, exc)
+                wanted.remove(new)
+        if wanted != self.peers:
+            log.info("peer sync: peers now %s", ", ".join(wanted) or "(none)")
+        self.peers = wanted
+
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()

@@ -130,3 +130,11 @@ def curve_subscriber(sock: zmq.Socket, key: PoolKey) -> None:
     sock.curve_secretkey = key.secret
     sock.curve_publickey = key.public
     sock.curve_serverkey = key.public
+
+
+def new_pool_key_text() -> str:
+    """A new pool keypair as the text of a ZeroMQ certificate file (what load_pool_key reads): for a key that is
+    stored elsewhere than a local file, such as the Kubernetes Secret the operator makes per active-active pool."""
+    public, secret = zmq.curve_keypair()
+    return ("# kvgate peer sync pool key (ZeroMQ CURVE certificate)\nmetadata\ncurve\n"
+            f'    public-key = "{public.decode()}"\n    secret-key = "{secret.decode()}"\n')

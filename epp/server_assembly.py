@@ -60,7 +60,7 @@ async def assemble(args: argparse.Namespace, peer_key) -> Epp:
     metrics = EppMetrics()
     director = build_director(args, config, datastore, datalayer, scheduler, metrics, peer_key)
     metrics.watch(director)
-    start_peer_sync(args, director, scheduler, metrics)
+    peer_pods = start_peer_sync(args, director, scheduler, metrics)
     datastore.listeners.append(PoolChanges(datalayer, scheduler, metrics))
     health = Health()
     await health.start()
@@ -72,7 +72,7 @@ async def assemble(args: argparse.Namespace, peer_key) -> Epp:
     metrics_http, _ = start_http_server(args.metrics_port, addr=args.grpc_host, registry=metrics.registry)
     return Epp(args, datastore=datastore, datalayer=datalayer, scheduler=scheduler, director=director,
                extproc=extproc, health=health, extproc_server=extproc_server, health_server=health_server,
-               metrics_http=metrics_http, pool=PoolSource(args, datastore), tracing=tracing)
+               metrics_http=metrics_http, pool=PoolSource(args, datastore), tracing=tracing, peer_pods=peer_pods)
 
 
 @dataclass
@@ -90,6 +90,7 @@ class Epp:
     metrics_http: object  # prometheus_client's HTTP server
     pool: PoolSource
     tracing: Tracing | None = None  # OpenTelemetry (kvgate.common.tracing): None unless an OTLP endpoint is set
+    peer_pods: object | None = None  # the peers' pod watch (epp/peer_discovery.py), with --peer-sync-discover-pods
 
     async def start(self) -> None:
         """Scrapes, the gRPC servers, and the pool's endpoints, in that order."""
@@ -110,6 +111,8 @@ class Epp:
         await self.datalayer.stop()
         if self.director.flow is not None:
             self.director.flow.close()
+        if self.peer_pods is not None:
+            self.peer_pods.stop()
         if self.director.peers is not None:
             self.director.peers.close()
         self.scheduler.stop()
@@ -193,11 +196,12 @@ def flow_controller(flow, admission: Admission, datalayer: Datalayer, metrics: E
     return build
 
 
-def start_peer_sync(args: argparse.Namespace, director: Director, scheduler: Scheduler, metrics: EppMetrics) -> None:
-    """Peer sync's sockets bound and its metrics exported, when the director has peer sync. A bind that fails stops
-    the scheduler's plugins and ends the process with one line."""
+def start_peer_sync(args: argparse.Namespace, director: Director, scheduler: Scheduler, metrics: EppMetrics):
+    """Peer sync's sockets bound and its metrics exported, when the director has peer sync; with
+    --peer-sync-discover-pods the peers' pod watch, started and returned. A bind that fails stops the scheduler's
+    plugins and ends the process with one line."""
     if director.peers is None:
-        return
+        return None
     import zmq
 
     from kvgate.epp.metrics import PeerSyncCollector
@@ -208,6 +212,15 @@ def start_peer_sync(args: argparse.Namespace, director: Director, scheduler: Sch
         scheduler.stop()
         raise SystemExit(f"kvgate epp: --peer-sync-bind {args.peer_sync_bind}: {exc}") from exc
     metrics.registry.register(PeerSyncCollector(director.peers))
+    if not getattr(args, "peer_sync_discover_pods", None):
+        return None
+    from kvgate.epp.peer_discovery import PeerPods
+
+    loop, peers = asyncio.get_running_loop(), director.peers
+    pods = PeerPods(args.pool_namespace, args.peer_sync_discover_pods, int(args.peer_sync_bind.rsplit(":", 1)[1]),
+                    lambda addresses: loop.call_soon_threadsafe(peers.set_peers, addresses))
+    pods.start()
+    return pods
 
 
 class PoolChanges:

@@ -58,7 +58,7 @@ class Kind:
 def _kinds() -> dict[tuple[str, str], Kind]:
     table = [
         Kind("v1", "Pod", "pods"), Kind("v1", "Service", "services"), Kind("v1", "ConfigMap", "configmaps"),
-        Kind("v1", "ServiceAccount", "serviceaccounts"), Kind("v1", "Namespace", "namespaces", False),
+        Kind("v1", "ServiceAccount", "serviceaccounts"), Kind("v1", "Secret", "secrets"), Kind("v1", "Namespace", "namespaces", False),
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
@@ -87,6 +87,7 @@ DEPLOYMENT = KINDS[("apps/v1", "Deployment")]
 SERVICE = KINDS[("v1", "Service")]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 POD = KINDS[("v1", "Pod")]
+SECRET = KINDS[("v1", "Secret")]
 NAMESPACE = KINDS[("v1", "Namespace")]
 NETWORKPOLICY = KINDS[("networking.k8s.io/v1", "NetworkPolicy")]
 PDB = KINDS[("policy/v1", "PodDisruptionBudget")]
@@ -240,6 +241,21 @@ class Kube:
               != (out.get("metadata") or {}).get("resourceVersion")):
             log.info("updated %s", describe(obj))
         return out
+
+    def create(self, obj: dict) -> bool:
+        """Create `obj` unless an object of its name exists (then nothing is written, nor read): True when
+        created. For what must never be overwritten once made, such as a generated key (no read permission
+        needed either)."""
+        kind = kind_for(obj)
+        meta = obj["metadata"]
+        try:
+            self.request("POST", kind.path(meta.get("namespace")), obj)
+        except ApiError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        log.info("created %s", describe(obj))
+        return True
 
     def patch_status(self, obj: dict, status: dict) -> dict | None:
         """Merge-patch `obj`'s status subresource to `status` when it differs from the status read; the

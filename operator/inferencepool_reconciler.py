@@ -18,6 +18,8 @@ from kvgate.operator.apply import (CONFIGMAP, GATEWAY, GATEWAYCLASS, HTTPROUTE, 
                                    PDB_V1BETA1, POOL, REFERENCEGRANT, SERVICE, ApiError, Kube, NameConflict,
                                    describe)
 from kvgate.operator.config import OperatorConfig
+from kvgate.operator.epp_peer_sync import ACTIVE_ACTIVE, epp_mode, peer_sync_secret
+from kvgate.epp.peer_sync_keys import new_pool_key_text
 from kvgate.operator.failures import REASON as FAILED, failure_message
 from kvgate.operator.gateway import is_our_class
 from kvgate.operator.network_policy import (desired_engine_network_policy, desired_network_policy,
@@ -50,21 +52,28 @@ class InferencePoolReconciler:
                                    self.kube.get(CONFIGMAP, naming.epp_name(pool), ns), modelservers)
         own_problems = epp_problems(pool, None)  # the pool's own: its spec, its endpointPickerRef
         problems = own_problems + ([choice.problem] if choice.problem else [])
-        if problems and problems[0]["reason"] == "InvalidSpec":  # nothing can be rendered from it
+        invalid_spec = bool(problems) and problems[0]["reason"] == "InvalidSpec"
+        if invalid_spec:  # nothing can be rendered from it
             problems = problems[:1]
-        elif self.config.network_policy:  # before the EPP's pods: they never run unprotected
-            problems += self._apply_epp_network_policy(pool) + self._apply_engine_network_policy(pool, modelservers)
-        tokenizer = epp_tokenizer_for_config(choice.parsed, pool, modelservers)
-        if tokenizer.problem:  # the EPP still runs (it routes without the precise scorer's hits); the status says why
-            problems.append(tokenizer.problem)
         replicas, replica_problem = self._replicas(pool)
         if replica_problem:  # one EPP runs meanwhile
             problems.append(replica_problem)
+        active_active, mode_problem = self._active_active(pool, replicas)
+        if mode_problem:  # active-passive meanwhile
+            problems.append(mode_problem)
+        if not invalid_spec and self.config.network_policy:  # before the EPP's pods: they never run unprotected
+            problems += self._apply_epp_network_policy(pool, active_active) \
+                + self._apply_engine_network_policy(pool, modelservers)
+        tokenizer = epp_tokenizer_for_config(choice.parsed, pool, modelservers)
+        if tokenizer.problem:  # the EPP still runs (it routes without the precise scorer's hits); the status says why
+            problems.append(tokenizer.problem)
         # choice.config_yaml parses (choose_epp_config parsed it), so only the pool's own problems stop the EPP.
         objects = render_epp_objects(pool, self.config.epp_image, choice.config_yaml,
                                      behind_service=self.config.epp_address_mode == "service", tokenizer=tokenizer,
-                                     replicas=replicas, tracing=self.config.tracing) \
+                                     replicas=replicas, tracing=self.config.tracing, active_active=active_active) \
             if choice.config_yaml is not None and not own_problems and not _conflicts(problems) else []
+        if objects and active_active:  # the key before the pods that mount it
+            self.kube.create(peer_sync_secret(pool, new_pool_key_text()))
         for obj in objects:  # in order; a name taken by someone else stops the rest (the EPP needs them all)
             try:
                 self.kube.apply(obj)
@@ -99,6 +108,13 @@ class InferencePoolReconciler:
                                   "--epp-high-availability enabled (the chart's eppHighAvailability.enabled)"}
         return asked, None
 
+    def _active_active(self, pool: dict, replicas: int) -> tuple[bool, dict | None]:
+        """Whether the pool's replicas all serve, synced (epp_peer_sync.py), and the problem with its mode."""
+        try:
+            return epp_mode(pool) == ACTIVE_ACTIVE and replicas > 1, None
+        except ValueError as exc:
+            return False, {"reason": "InvalidEppMode", "message": str(exc)}
+
     def _apply_disruption_budget(self, pool: dict, replicas: int) -> list[dict]:
         """With several replicas the EPP's PodDisruptionBudget (policy/v1, else v1beta1 on Kubernetes < 1.21);
         with one, none (a budget of one pod would block node drains)."""
@@ -120,7 +136,7 @@ class InferencePoolReconciler:
                     raise
         return []
 
-    def _apply_epp_network_policy(self, pool: dict) -> list[dict]:
+    def _apply_epp_network_policy(self, pool: dict, peer_sync: bool = False) -> list[dict]:
         """Apply (or, for an opted-out pool, delete) the EPP's NetworkPolicy; its problems."""
         ns = naming.namespace_of(pool)
         if not policy_enabled(pool):
@@ -129,7 +145,7 @@ class InferencePoolReconciler:
                 self.kube.delete(existing)
             return []
         using = self._gateways_using(pool)
-        policy, problems = desired_network_policy(pool, using, self.config.epp_metrics_from)
+        policy, problems = desired_network_policy(pool, using, self.config.epp_metrics_from, peer_sync=peer_sync)
         try:
             self.kube.apply(policy)
         except NameConflict as exc:  # no EPP pods then: they would run without their policy
@@ -140,7 +156,7 @@ class InferencePoolReconciler:
             # The API server refused a peer of the pool's annotations: the policy without them (the Gateways'
             # and the operator's peers only) still protects the EPP; the status says what was refused.
             self.kube.apply(desired_network_policy(pool, using, self.config.epp_metrics_from,
-                                                   trust_annotations=False)[0])
+                                                   trust_annotations=False, peer_sync=peer_sync)[0])
             problems.append({"reason": "NetworkPolicyRejected",
                              "message": f"the NetworkPolicy with the pool's peer annotations was refused: {exc}"})
         return problems

@@ -9,7 +9,8 @@ ingress only:
   for routing), and from the peers of the pool's annotation `kvgate.dev/epp-ingress-from` (the proxies of
   another gateway implementation — Istio, Envoy Gateway, ... — whose pods the operator does not know);
 - to metrics (9090), from the peers of `--epp-metrics-from` (the operator's, for every pool: a Prometheus)
-  and of the pool's annotation `kvgate.dev/epp-metrics-from`.
+  and of the pool's annotation `kvgate.dev/epp-metrics-from`;
+- to peer sync (9004; active-active replicas only, epp_peer_sync.py), from the pool's own EPP pods.
 
 No peer for a port means no ingress to it at all: a rule with an empty `from` would admit everyone, so none
 is ever written. Peers are NetworkPolicyPeer lists in YAML or JSON, e.g.
@@ -41,6 +42,7 @@ import yaml
 
 from kvgate.common import bounded_yaml
 from kvgate.operator import naming
+from kvgate.operator.epp_peer_sync import peer_sync_policy_rule
 from kvgate.operator.gateway import _grant_allows
 from kvgate.operator.modelserver import kv_events_ports, pool_labels, pool_port
 from kvgate.operator.spec_shape import pool_problems, pool_ref_name
@@ -166,10 +168,11 @@ def _rule(peers: list[dict], ports: Iterable[int]) -> list[dict]:
 
 
 def desired_network_policy(pool: dict, gateways: list[dict], metrics_from: Iterable[dict] = (),
-                           trust_annotations: bool = True) -> tuple[dict, list[dict]]:
+                           trust_annotations: bool = True, peer_sync: bool = False) -> tuple[dict, list[dict]]:
     """(the EPP's NetworkPolicy, problems) for `pool` whose traffic comes from `gateways` (see
     gateways_routing_to). An unreadable peer annotation is a problem ({reason, message}) and adds no peer;
-    `trust_annotations` False leaves the annotations' peers out (when the API server refused them)."""
+    `trust_annotations` False leaves the annotations' peers out (when the API server refused them). `peer_sync`:
+    active-active replicas, whose sync port admits the pool's own EPP pods only (epp_peer_sync.py)."""
     problems, extra = [], {}
     for key in (INGRESS_FROM_ANNOTATION, METRICS_FROM_ANNOTATION):
         try:
@@ -187,7 +190,8 @@ def desired_network_policy(pool: dict, gateways: list[dict], metrics_from: Itera
             "podSelector": {"matchLabels": naming.selector_labels("epp", naming.name_of(pool))},
             "policyTypes": ["Ingress"],
             "ingress": _rule(ext_proc_from, EXT_PROC_PORTS)
-                       + _rule(list(metrics_from) + extra[METRICS_FROM_ANNOTATION], [naming.EPP_METRICS_PORT]),
+                       + _rule(list(metrics_from) + extra[METRICS_FROM_ANNOTATION], [naming.EPP_METRICS_PORT])
+                       + (peer_sync_policy_rule(pool) if peer_sync else []),
         },
     }
     return policy, problems

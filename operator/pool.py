@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from kvgate.epp.scheduling.config import (DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, ConfigError, EppConfig,
                                           parse_config)
 from kvgate.epp.leader import lease_name
+from kvgate.operator.epp_peer_sync import with_peer_sync
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.modelserver import DEFAULT_MODEL, kv_events_ports, model_volume
@@ -204,7 +205,7 @@ def epp_config_digest(config_yaml: str) -> str:
 
 
 def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool, tokenizer: "EppTokenizer",
-                replicas: int = 1, tracing: "TraceExport | None" = None) -> dict:
+                replicas: int = 1, tracing: "TraceExport | None" = None, leader_election: bool | None = None) -> dict:
     name = naming.epp_name(pool)
     selector = naming.selector_labels("epp", naming.name_of(pool))
     # Replicas beyond one are followers: warm (watching, scraping), live, and NOT_SERVING on the gRPC readiness
@@ -228,7 +229,9 @@ def _deployment(pool: dict, image: str, config_yaml: str, behind_service: bool, 
                 "metadata": {"labels": _epp_labels(pool), "annotations": pod_annotations},
                 "spec": {
                     "serviceAccountName": name,
-                    "containers": [_epp_container(pool, image, behind_service, tokenizer, replicas > 1, tracing)],
+                    "containers": [_epp_container(pool, image, behind_service, tokenizer,
+                                                  replicas > 1 if leader_election is None else leader_election,
+                                                  tracing)],
                     "volumes": [{"name": "config", "configMap": {"name": name}}, {"name": "tmp", "emptyDir": {}},
                                 *tokenizer.volumes],
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
@@ -301,14 +304,20 @@ def desired_epp_objects(pool: dict, image: str, config_yaml: str | None = None, 
 
 def render_epp_objects(pool: dict, image: str, config_yaml: str, behind_service: bool = True,
                        tokenizer: "EppTokenizer | None" = None, replicas: int = 1,
-                       tracing: "TraceExport | None" = None) -> list[dict]:
+                       tracing: "TraceExport | None" = None, active_active: bool = False) -> list[dict]:
     """desired_epp_objects without its checks, for a caller that made them already: a pool without
     `epp_problems(pool, None)` and a config that parses (the reconciler parses each config once). `replicas` > 1:
     leader election (the Role's Lease rules, the flag) and a PodDisruptionBudget (applied by the caller, which
-    knows the cluster's policy API version). `tracing`: the EPP exports request spans there (its OTEL_* env)."""
-    return [_service_account(pool), _role(pool, replicas), _role_binding(pool), _config_map(pool, config_yaml),
-            _deployment(pool, image, config_yaml, behind_service, tokenizer or EppTokenizer(), replicas, tracing),
-            _service(pool)]
+    knows the cluster's policy API version). `tracing`: the EPP exports request spans there (its OTEL_* env).
+    `active_active` (with `replicas` > 1): every replica serves, synced by peer sync instead of a Lease
+    (epp_peer_sync.py; the caller creates its key Secret)."""
+    active_active = active_active and replicas > 1
+    deployment = _deployment(pool, image, config_yaml, behind_service, tokenizer or EppTokenizer(), replicas, tracing,
+                             leader_election=replicas > 1 and not active_active)
+    if active_active:
+        deployment = with_peer_sync(deployment, pool)
+    return [_service_account(pool), _role(pool, 1 if active_active else replicas),  # no Lease without an election
+            _role_binding(pool), _config_map(pool, config_yaml), deployment, _service(pool)]
 
 
 # --- the tokenizer of a precise EPP ---------------------------------------------------------------------------

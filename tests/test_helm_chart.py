@@ -392,7 +392,8 @@ def test_no_network_policy_rbac_when_policies_are_off():
 
 
 HA_RULES = {("coordination.k8s.io", "leases"): {"get", "create", "update"},
-            ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"}}
+            ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
+            ("", "secrets"): {"create"}}  # active-active pools' peer-sync keys: created, never read
 
 
 def test_lease_and_budget_rbac_only_with_epp_high_availability():

@@ -84,6 +84,11 @@ class MemoryKube(Kube):
                 merged["metadata"]["resourceVersion"] = str(next(self._counter))
                 self.objects[key] = merged
             return copy.deepcopy(self.objects[key])
+        if method == "POST":
+            key = (plural, namespace, body["metadata"]["name"])
+            if key in self.objects:
+                raise ApiError(409, method, path, json.dumps({"reason": "AlreadyExists"}))
+            return copy.deepcopy(self.put(body))
         if method == "DELETE":
             if current is None:
                 raise ApiError(404, method, path, "")

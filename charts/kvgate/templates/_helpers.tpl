@@ -109,13 +109,17 @@ EPPs' policies, watched to put back one a user changed, deleted for a pool that 
 {{- end }}
 {{- if .Values.eppHighAvailability.enabled }}
 # The EPPs' leader election (their Role grants these on their Lease; RBAC lets the operator grant only what it
-# holds) and their PodDisruptionBudgets.
+# holds), their PodDisruptionBudgets, and the peer-sync keys of active-active pools.
 - apiGroups: ["coordination.k8s.io"]
   resources: ["leases"]
   verbs: ["get", "create", "update"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch", "delete"]
+# Active-active pools' peer-sync key: created once per pool, never read (operator/epp_peer_sync.py).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 {{- end }}
 - apiGroups: ["kvgate.dev"]
   resources: ["modelservers"]
