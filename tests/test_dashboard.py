@@ -32,8 +32,7 @@ VARIABLE_USE = re.compile(r"\$\{?(\w+)")
 LABEL_VALUES = re.compile(r"^label_values\((.*),\s*(\w+)\)$", re.S)
 # What the Prometheus Operator puts on every PodMonitor target (besides the relabelings' labels).
 POD_MONITOR_TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "job", "instance"}
-# kube-state-metrics' Deployment series (its documented names and labels): kvgate does not export replica counts,
-# and the operator exports no metrics at all.
+# kube-state-metrics' Deployment series (its documented names and labels): kvgate does not export replica counts.
 KUBE_STATE_METRICS = {"kube_deployment_spec_replicas": {"namespace", "deployment"},
                       "kube_deployment_status_replicas_available": {"namespace", "deployment"}}
 
@@ -168,7 +167,7 @@ def test_pod_monitors_need_the_prometheus_operator_api():
     """Enabled but not asserted: the (offline) render's .Capabilities lacks monitoring.coreos.com/v1."""
     objects = render({"monitoring": {"podMonitors": {"enabled": True}}})
     assert not [o for o in objects if o["kind"] == "PodMonitor"]
-    assert sorted(pod_monitors()) == ["kvgate-engines", "kvgate-epp"]
+    assert sorted(pod_monitors()) == ["kvgate-engines", "kvgate-epp", "kvgate-operator"]
 
 
 def test_lint_passes_with_the_dashboard_and_monitors():
@@ -185,8 +184,10 @@ def test_lint_passes_with_the_dashboard_and_monitors():
 def test_pod_monitors_cover_the_namespaces_the_operator_serves(values, namespace_selector):
     objects = render({**values, "monitoring": {"podMonitors": {"enabled": True, "assumeCRDs": True,
                                                                "labels": {"release": "kps"}}}})
-    monitors = [o for o in objects if o["kind"] == "PodMonitor"]
+    monitors = [o for o in objects if o["kind"] == "PodMonitor" and o["metadata"]["name"] != "kvgate-operator"]
     assert len(monitors) == 2
+    (operator,) = [o for o in objects if o["metadata"]["name"] == "kvgate-operator"]  # where the operator runs
+    assert operator["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     for monitor in monitors:
         assert monitor["spec"]["namespaceSelector"] == namespace_selector
         assert monitor["metadata"]["labels"]["release"] == "kps"
@@ -268,8 +269,10 @@ def test_dashboard_grafana_basics():
             assert {v for v in VARIABLE_USE.findall(expr) if not v.startswith("__")} <= variables.keys(), where
             for selector in _selectors(parse(expr)):
                 namespace = [m for m in selector.matchers.matchers if m.name == "namespace"]
-                if where != "variable namespace":
-                    assert [m.value for m in namespace] == ["$namespace"], f"{where}: {expr}"
+                # the operator's series come from where it runs (the release namespace), not the pools'
+                wanted = "$operator_namespace" if _name(selector).startswith("kvgate_operator_") else "$namespace"
+                if where not in ("variable namespace", "variable operator_namespace"):
+                    assert [m.value for m in namespace] == [wanted], f"{where}: {expr}"
         cells = set()
         for panel in all_panels:
             g = panel["gridPos"]
@@ -354,7 +357,22 @@ def scraped(tmp_path_factory) -> dict[str, dict[str, set[str]]]:
         _union(epp, gw.epp.metrics())
         for engine in gw.engines:
             _union(engines, httpx.get(engine.url + "/metrics", timeout=5).text)
-    return {"epp": epp, "engine": engines}
+    return {"epp": epp, "engine": engines, "operator": _operator_series()}
+
+
+def _operator_series() -> dict[str, set[str]]:
+    """The operator's metrics as its --metrics-port serves them (its real server, in process: the operator itself
+    needs an API server), once leading."""
+    from kvgate.operator.metrics import OperatorMetrics
+    from tests.procs import free_port
+
+    metrics, port = OperatorMetrics(), free_port()
+    metrics.serve("127.0.0.1", port)
+    try:
+        metrics.set_leader(True, transition=True)
+        return _exported(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text)
+    finally:
+        metrics.close()
 
 
 def _target_labels(monitor: dict) -> set[str]:
@@ -365,7 +383,8 @@ def _target_labels(monitor: dict) -> set[str]:
 @pytest.mark.processes
 def test_every_metric_and_label_a_query_uses_is_exported(scraped):
     monitors = pod_monitors()
-    carried = {"epp": _target_labels(monitors["kvgate-epp"]), "engine": _target_labels(monitors["kvgate-engines"])}
+    carried = {"epp": _target_labels(monitors["kvgate-epp"]), "engine": _target_labels(monitors["kvgate-engines"]),
+               "operator": _target_labels(monitors["kvgate-operator"])}
     problems, used = [], set()
     for dashboard in dashboards().values():
         for where, expr, asked in queries(dashboard):
@@ -389,4 +408,5 @@ def test_every_metric_and_label_a_query_uses_is_exported(scraped):
     assert {n for n in used if n.startswith("kvgate_epp_")} and {n for n in used if n.startswith("vllm:")}
     assert "inference_extension_flow_control_request_queue_duration_seconds_bucket" in used
     assert "kvgate_epp_peer_sync_total" in used
+    assert "kvgate_operator_leader" in used
 
