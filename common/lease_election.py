@@ -221,8 +221,9 @@ class LeaseElector:
     def _set_leading(self, leading: bool) -> None:
         if leading != self.leading:
             self.leading = leading
-            log.info("leader election: %s (%s)", "leading: this replica serves" if leading
-                     else "following: readiness NOT_SERVING, state kept warm", self.identity)
+            log.info("leader election: %s Lease %s/%s (%s)", "leading: this replica holds" if leading
+                     else "following: another replica leads or may lead; not holding", self.namespace, self.name,
+                     self.identity)
             self.on_change(leading)
 
     def step(self) -> None:
