@@ -1,4 +1,5 @@
-"""The operator's few verbs against the API server: get, list, server-side apply, status merge-patch, delete.
+"""The operator's few verbs against the API server: get, list, server-side apply, create (if absent), status
+merge-patch, delete.
 
 A thin layer over the `kubernetes` client's ApiClient (auth, TLS and config come from it: in-cluster, or
 $KUBECONFIG). Objects are plain dicts, exactly as the pure reconcile functions build them. Every call retries
