@@ -76,7 +76,7 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
                    help="serve kopf's liveness probe at http://HOST:PORT/healthz (default: off)")
     p.add_argument("--liveness-host", default="0.0.0.0",
                    help="address of the liveness endpoint (default %(default)s: every interface of the pod)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=_port, default=None,
                    help="serve the operator's Prometheus metrics (kvgate_operator_leader) at "
                         "http://HOST:PORT/metrics, HOST being --liveness-host (default: off)")
     add_leader_election_flags(p)
@@ -96,7 +96,7 @@ def add_leader_election_flags(p: argparse.ArgumentParser) -> None:
                         "%(default)s: this replica always reconciles; the chart enables it)")
     g.add_argument("--leader-election-namespace", default=None, metavar="NAMESPACE",
                    help="the Lease's namespace (default: $POD_NAMESPACE, else --namespace)")
-    g.add_argument("--leader-election-lease-name", default=OPERATOR_LEASE_NAME, metavar="NAME",
+    g.add_argument("--leader-election-lease-name", type=_object_name, default=OPERATOR_LEASE_NAME, metavar="NAME",
                    help="the Lease's name; replicas with the same name and namespace elect one (default %(default)s)")
     g.add_argument("--leader-election-lease-duration", type=_seconds, default=DEFAULT_LEASE_DURATION_S,
                    metavar="SECONDS", help="a standby takes over a leader that has not renewed for this long "
@@ -107,6 +107,21 @@ def add_leader_election_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--leader-election-retry-period", type=_seconds, default=DEFAULT_RETRY_PERIOD_S,
                    metavar="SECONDS", help="how often standbys try and the leader renews (default %(default)g s; "
                    "below the renew deadline)")
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port from 1 to 65535, got {text[:20]!r}")
+    return int(text)
+
+
+def _object_name(text: str) -> str:
+    """A Kubernetes object name (a DNS subdomain: lowercase alphanumerics, '-' and '.', at most 253)."""
+    import re
+
+    if len(text) > 253 or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", text):
+        raise argparse.ArgumentTypeError(f"must be a Kubernetes object name (DNS subdomain), got {text[:60]!r}")
+    return text
 
 
 def _seconds(text: str) -> float:

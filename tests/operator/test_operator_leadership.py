@@ -194,3 +194,15 @@ def test_the_lease_namespace_comes_from_the_pod(monkeypatch):
     args = argparse.Namespace(namespace=None, leader_election_namespace=None, leader_election_lease_duration=15.0,
                               leader_election_renew_deadline=10.0, leader_election_retry_period=2.0)
     assert leader_election_namespace(args) == "kvgate-system"
+
+
+@pytest.mark.parametrize("flags", [["--metrics-port", "0"], ["--metrics-port", "70000"],
+                                   ["--leader-election-lease-name", "Not_A_Name"],
+                                   ["--leader-election-lease-duration", "nan"],
+                                   ["--leader-election-retry-period", "-1"]])
+def test_out_of_range_flags_are_refused_by_the_parser(flags):
+    from kvgate.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["operator", *flags])
+    assert exit_info.value.code == 2
