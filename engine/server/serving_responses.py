@@ -129,8 +129,10 @@ def chat_fields(req: ResponsesRequest, messages: list[dict]) -> dict:
 def response_usage(usage: dict | None) -> dict | None:
     if usage is None:
         return None
+    # cache_write_tokens is OpenAI's count of tokens written to a cache kept on request; kvgate has no such cache
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     return {"input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
 
