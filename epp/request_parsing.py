@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from kvgate.common.anthropic_system import system_prompt
 from kvgate.common.api_errors import is_anthropic_path
 from kvgate.epp.types import LLMRequest
 
@@ -74,12 +75,12 @@ RESPONSES_PATH = "/v1/responses"
 _RESPONSES_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
-def _text(content, where: str) -> str:
-    """A content value: a string, or a list of parts whose text ones are kept."""
+def _text(content, where: str, joiner: str = "") -> str:
+    """A content value: a string, or a list of parts whose text ones are kept (joined as the engine joins them)."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        return joiner.join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
     raise BadRequest(f"{where} must be a string or a list of content parts")
 
 
@@ -119,14 +120,20 @@ def responses_messages(body: Mapping) -> list[dict]:
 
 def anthropic_messages(body: Mapping) -> list[dict]:
     """An Anthropic Messages body's conversation, as chat messages."""
-    system = body.get("system")
-    messages = [{"role": "system", "content": _text(system, "'system'")}] if system else []
     value = body.get("messages")
     if not isinstance(value, list) or not value:
         raise BadRequest("'messages' must be a non-empty list")
     for i, m in enumerate(value):
-        if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
-            raise BadRequest(f"messages[{i}] must be an object with role user or assistant")
+        if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant", "system"):
+            raise BadRequest(f"messages[{i}] must be an object with role user, assistant or system")
+    try:
+        system = system_prompt(body.get("system"), ((m["role"], m.get("content")) for m in value))
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    messages = [{"role": "system", "content": system}] if system else []
+    for i, m in enumerate(value):
+        if m["role"] == "system":
+            continue
         content = m.get("content")
         if isinstance(content, str):
             messages.append({"role": m["role"], "content": content})
@@ -143,7 +150,8 @@ def anthropic_messages(body: Mapping) -> list[dict]:
             elif kind == "tool_use":
                 text.append(_call_text(block.get("name"), block.get("input")))
             elif kind == "tool_result":
-                messages.append({"role": "tool", "content": _text(block.get("content"), f"messages[{i}] tool_result")})
+                messages.append({"role": "tool", "content": _text(block.get("content"), f"messages[{i}] tool_result",
+                                                                  "\n")})
         if text or m["role"] == "assistant" or not content:
             messages.append({"role": m["role"], "content": "".join(text)})
     return messages

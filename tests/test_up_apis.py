@@ -113,6 +113,8 @@ def test_messages_text_system_prompt_and_stream(claude, oai):
         {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "hello"}])
     no_system = claude.messages.create(model="demo", max_tokens=1, messages=[{"role": "user", "content": "hello"}])
     assert m.usage.input_tokens == chat.usage.prompt_tokens > no_system.usage.input_tokens + len("Answer briefly.")
+    assert claude.messages.count_tokens(model="demo", system="Answer briefly.", messages=[
+        {"role": "user", "content": "hello"}]).input_tokens == m.usage.input_tokens
     with claude.messages.stream(model="demo", max_tokens=6, system=[{"type": "text", "text": "Answer briefly."}],
                                 messages=[{"role": "user", "content": "hello"}]) as stream:
         text = "".join(stream.text_stream)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class AnthropicMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: part of the system prompt, as vLLM takes it
     content: str | list[dict[str, Any]]
 
 
@@ -53,3 +53,9 @@ class MessagesRequest(BaseModel):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages body whose max_tokens may be left out."""
+
+    max_tokens: int | None = Field(default=None, ge=1)

@@ -68,8 +68,8 @@ def arguments_object(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def text_of(parts, param: str, text_types: tuple[str, ...]) -> str:
-    """A content value (a string, or a list of text parts of `text_types`) as one string."""
+def text_of(parts, param: str, text_types: tuple[str, ...], joiner: str = "") -> str:
+    """A content value (a string, or a list of text parts of `text_types`, joined by `joiner`) as one string."""
     if isinstance(parts, str):
         return parts
     if not isinstance(parts, list):
@@ -81,4 +81,4 @@ def text_of(parts, param: str, text_types: tuple[str, ...]) -> str:
             raise InvalidRequestError(f"{param}[{k}]: content of type {kind!r} is not supported (text only: "
                                       f"{', '.join(text_types)})", param=param.split("[")[0].split(".")[0])
         out.append(part["text"])
-    return "".join(out)
+    return joiner.join(out)

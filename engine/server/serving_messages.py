@@ -15,6 +15,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 
+from kvgate.common.anthropic_system import system_prompt
 from kvgate.common.api_errors import anthropic_error_type
 from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.server.anthropic_protocol import MessagesRequest
@@ -31,9 +32,15 @@ PARAM_NAMES = {"stop": "stop_sequences", "prompt": "messages"}
 def conversation_of(req: MessagesRequest) -> list[dict]:
     """The request's system prompt and messages as chat messages."""
     messages = []
-    if req.system:
-        messages.append({"role": "system", "content": text_of(req.system, "system", _TEXT)})
+    try:
+        system = system_prompt(req.system, ((m.role, m.content) for m in req.messages))
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="system") from None
+    if system:
+        messages.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
+        if m.role == "system":  # part of the system prompt above
+            continue
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
             continue
@@ -53,7 +60,7 @@ def conversation_of(req: MessagesRequest) -> list[dict]:
                 if not isinstance(block.get("tool_use_id"), str):
                     raise InvalidRequestError(f"{where}: a tool_result block needs a tool_use_id", param="messages")
                 results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                                "content": text_of(block.get("content", ""), f"{where}.content", _TEXT)})
+                                "content": text_of(block.get("content", ""), f"{where}.content", _TEXT, "\n")})
             elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
                 continue  # earlier thinking: not part of the prompt (chat templates drop it too)
             else:
@@ -116,10 +123,20 @@ def stop_reason(finish_reason: str | None, engine_stop, called: bool,
     return "end_turn", None
 
 
+def reasoning_of(message: dict) -> str | None:
+    """A chat message's or delta's reasoning: `reasoning_content`, or `reasoning` (vLLM's newer name)."""
+    return message.get("reasoning_content") or message.get("reasoning")
+
+
+def _signature() -> str:
+    """A thinking block's `signature`: Anthropic's verifies the thinking; here an opaque id, as vLLM sends."""
+    return uuid.uuid4().hex
+
+
 def content_blocks(message: dict) -> list[dict]:
     blocks = []
-    if message.get("reasoning_content"):
-        blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+    if reasoning_of(message):
+        blocks.append({"type": "thinking", "thinking": reasoning_of(message), "signature": _signature()})
     if message.get("content"):
         blocks.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or ():
@@ -165,9 +182,9 @@ class MessageEvents:
         out = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
+            if reasoning_of(delta):
                 out += self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                out.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
+                out.append(self._delta({"type": "thinking_delta", "thinking": reasoning_of(delta)}))
             if delta.get("content"):
                 out += self._block("text", {"type": "text", "text": ""})
                 out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
@@ -204,8 +221,11 @@ class MessageEvents:
     def _close(self) -> list[dict]:
         if self.open is None:
             return []
+        out = []
+        if self.open == "thinking":  # a thinking block's signature comes last, as Anthropic's stream sends it
+            out.append(self._delta({"type": "signature_delta", "signature": _signature()}))
         self.open = None
-        return [{"type": "content_block_stop", "index": self.index}]
+        return [*out, {"type": "content_block_stop", "index": self.index}]
 
 
 def sse_event(event: dict) -> str:

@@ -155,8 +155,9 @@ def function_call_item(call: dict, status: str = "completed") -> dict:
 def output_items(message: dict) -> list[dict]:
     """A chat message as Response output items: its reasoning, its text, its tool calls."""
     items = []
-    if message.get("reasoning_content"):
-        items.append(reasoning_item(message["reasoning_content"]))
+    reasoning = message.get("reasoning_content") or message.get("reasoning")  # vLLM's newer name
+    if reasoning:
+        items.append(reasoning_item(reasoning))
     if message.get("content"):
         items.append(message_item(message["content"]))
     items += [function_call_item(call) for call in message.get("tool_calls") or ()]
@@ -232,8 +233,9 @@ class ResponseEvents:
         out = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                out += self._text("reasoning", delta["reasoning_content"])
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                out += self._text("reasoning", reasoning)
             if delta.get("content"):
                 out += self._text("message", delta["content"])
             for call in delta.get("tool_calls") or ():

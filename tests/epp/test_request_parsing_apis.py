@@ -30,6 +30,20 @@ def test_responses_and_messages_bodies_are_read_as_the_same_conversation_as_chat
         assert request.max_tokens == 9
 
 
+def test_claude_codes_attribution_block_and_system_messages_are_read_as_the_engine_reads_them():
+    """The per-request billing block is left out and system-role messages join the system prompt (vLLM's rules),
+    in the EPP and in the engine alike: the prefix stays shared."""
+    from kvgate.engine.server.anthropic_protocol import MessagesRequest
+    from kvgate.engine.server.serving_messages import conversation_of
+
+    body = {"model": "m", "max_tokens": 9, "system": [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=5f3e;"},
+        {"type": "text", "text": SYSTEM[:40]}], "messages": [
+        {"role": "system", "content": SYSTEM[40:]}, {"role": "user", "content": "hi"}]}
+    assert parse("/v1/messages", body).prompt == parse("/v1/chat/completions", CHAT).prompt
+    assert conversation_of(MessagesRequest.model_validate(body)) == CHAT["messages"]
+
+
 def test_items_and_blocks_are_read_in_order():
     responses = parse("/v1/responses", {"input": [
         {"role": "developer", "content": [{"type": "input_text", "text": "d"}]},
@@ -59,9 +73,10 @@ def test_the_precise_scorer_tokenizes_them_as_the_chat():
     ("/v1/responses", {"input": [{"type": "computer_call"}]}, "not supported"),
     ("/v1/responses", {"input": "x", "instructions": 5}, "'instructions'"),
     ("/v1/messages", {"messages": []}, "'messages'"),
-    ("/v1/messages", {"messages": [{"role": "system", "content": "x"}]}, "messages[0]"),
+    ("/v1/messages", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0]"),
     ("/v1/messages", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ("/v1/messages", {"system": 5, "messages": [{"role": "user", "content": "x"}]}, "'system'"),
+    ("/v1/messages", {"system": 5, "messages": [{"role": "user", "content": "x"}]}, "system"),
+    ("/v1/messages", {"system": [{"type": "image"}], "messages": [{"role": "user", "content": "x"}]}, "system[0]"),
 ])
 def test_malformed_bodies_are_bad_requests(path, body, says):
     with pytest.raises(BadRequest, match=".*".join(map(lambda c: "\\" + c if c in "[]()" else c, says))):

@@ -190,12 +190,14 @@ def test_a_chat_stream_as_anthropic_events():
     out = events.start() + [e for c in CHAT_STREAM for e in events.feed(c)] + events.finish()
     assert [(e["type"], e.get("index")) for e in out] == [
         ("message_start", None), ("ping", None),
-        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_delta", 0), ("content_block_stop", 0),
+        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_delta", 0), ("content_block_delta", 0),
+        ("content_block_stop", 0),
         ("content_block_start", 1), ("content_block_delta", 1), ("content_block_delta", 1), ("content_block_stop", 1),
         ("content_block_start", 2), ("content_block_delta", 2), ("content_block_stop", 2),
         ("message_delta", None), ("message_stop", None)]
-    assert [out[i]["content_block"]["type"] for i in (2, 6, 10)] == ["thinking", "text", "tool_use"]
-    assert out[11]["delta"] == {"type": "input_json_delta", "partial_json": '{"city": "P"}'}
+    assert [out[i]["content_block"]["type"] for i in (2, 7, 11)] == ["thinking", "text", "tool_use"]
+    assert [out[i]["delta"]["type"] for i in (3, 4, 5)] == ["thinking_delta", "thinking_delta", "signature_delta"]
+    assert out[12]["delta"] == {"type": "input_json_delta", "partial_json": '{"city": "P"}'}
     assert out[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert out[-2]["usage"] == {"input_tokens": 11, "output_tokens": 9}
     whole = sm.content_blocks({"reasoning_content": "thinking", "content": "Hello", "tool_calls": [
