@@ -162,7 +162,9 @@ def chat_view(path: str, body: dict) -> dict:
     any other body as it is."""
     path = path.split("?", 1)[0]
     if path == RESPONSES_PATH:
-        return {"messages": responses_messages(body)}
+        previous = body.get("previous_response_id")  # the stored response's engine: previous_response_filter.py
+        return {"messages": responses_messages(body),
+                **({"previous_response_id": previous} if isinstance(previous, str) else {})}
     if is_anthropic_path(path):
         return {"messages": anthropic_messages(body)}
     return body

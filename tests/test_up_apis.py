@@ -90,13 +90,16 @@ def test_responses_tool_calls_and_their_follow_ups(oai, gateway):
                                           "arguments": call.arguments},
                                          {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
     assert follow.status == "incomplete" and follow.store is False
-    # previous_response_id continues the stored conversation on the replica that stored it
+    # previous_response_id continues the stored conversation: the EPP sends it to the replica that stored it
+    # (previous-response-affinity-filter), each time
+    for _ in range(4):
+        raw_after = oai.responses.with_raw_response.create(
+            model="demo", previous_response_id=auto.id, max_output_tokens=3, tools=[tool], tool_choice="none",
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+        after = raw_after.parse()
+        assert raw_after.headers["x-kvgate-endpoint"] == raw.headers["x-kvgate-endpoint"]
+        assert after.previous_response_id == auto.id and after.usage.input_tokens > auto.usage.input_tokens
     replica = openai.OpenAI(base_url=f"http://{raw.headers['x-kvgate-endpoint']}/v1", api_key=KEY, max_retries=0)
-    after = replica.responses.create(model="demo", previous_response_id=auto.id, max_output_tokens=3,
-                                     tools=[tool], tool_choice="none",
-                                     input=[{"type": "function_call_output", "call_id": call.call_id,
-                                             "output": "sunny"}])
-    assert after.previous_response_id == auto.id and after.usage.input_tokens > auto.usage.input_tokens
     assert replica.responses.retrieve(auto.id).output[1].call_id == call.call_id
     with pytest.raises(openai.NotFoundError):
         replica.responses.create(model="demo", previous_response_id="resp_" + "0" * 32, input="x",

@@ -9,9 +9,8 @@ GET /v1/responses/{id} returns: held in this server's memory only, bounded three
 A response that is not (or no longer) stored: `previous_response_id` naming it is a 404, as vLLM answers for an
 id it does not hold; with the store off (entries 0) `store: true` is served without storing (the response says
 `"store": false`, as vLLM does when its store is off) and `previous_response_id` is a 400 saying so. Behind a
-gateway with several replicas, a response is stored on the replica that answered it: a follow-up reaches it
-only when routed there (prefix routing usually does: the conversation shares its prefix), so clients that must
-not depend on that send the whole conversation with `store: false`, as Codex-style clients do.
+gateway with several replicas, a response is stored on the replica that answered it; its id names that replica
+(common/response_ids.py) so the EPP can send a follow-up there.
 """
 
 from __future__ import annotations

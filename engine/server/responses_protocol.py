@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# a stored response's id: "resp_" and 32 hex digits here; longer ids are no id of this server's
+# a stored response's id: "resp_" and 40 hex digits here (common/response_ids.py); longer ids are none of ours
 MAX_RESPONSE_ID_CHARS = 128
 
 

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from kvgate.common.errors import InvalidRequestError
+from kvgate.common.response_ids import new_response_id
 from kvgate.engine.server.chat_bridge import chat_chunks, chat_request, passed_on, text_of
 from kvgate.engine.server.openai_serving import Prepared
 from kvgate.engine.server.protocol import ChatCompletionRequest
@@ -176,8 +177,8 @@ def answer_message(output: list[dict]) -> dict:
 class ResponseShape:
     """The Response object's fields that come from the request, and the finished object."""
 
-    def __init__(self, req: ResponsesRequest, model: str, stored: bool) -> None:
-        self.id = _id("resp")
+    def __init__(self, req: ResponsesRequest, model: str, stored: bool, endpoint: str = "") -> None:
+        self.id = new_response_id(endpoint)  # tagged with the answering engine (response_ids.py)
         self.created_at = int(time.time())
         self.req = req
         self.model = model
@@ -338,8 +339,10 @@ class OpenAIServingResponses:
         conversation = conversation_of(req, self.previous(req))
         return chat_request(chat_fields(req, conversation)), conversation
 
-    def shape(self, req: ResponsesRequest, chat_req: ChatCompletionRequest) -> ResponseShape:
-        return ResponseShape(req, self.chat.serving.response_model(chat_req), req.store and self.store.enabled)
+    def shape(self, req: ResponsesRequest, chat_req: ChatCompletionRequest, endpoint: str) -> ResponseShape:
+        """`endpoint`: this engine's address as the request reached it (its id's tag)."""
+        return ResponseShape(req, self.chat.serving.response_model(chat_req), req.store and self.store.enabled,
+                             endpoint)
 
     async def _keep(self, shape: ResponseShape, response: dict, conversation: list[dict]) -> None:
         if not shape.stored:
@@ -349,8 +352,8 @@ class OpenAIServingResponses:
         self.store.put(shape.id, response, kept, size)
 
     async def response(self, req: ResponsesRequest, chat_req: ChatCompletionRequest, conversation: list[dict],
-                       prep: Prepared) -> dict:
-        shape = self.shape(req, chat_req)
+                       prep: Prepared, endpoint: str = "") -> dict:
+        shape = self.shape(req, chat_req, endpoint)
         answer = await self.chat.response(chat_req, prep)
         choice = answer["choices"][0]
         response = shape.object("completed", output_items(choice["message"]), answer["usage"],
@@ -359,8 +362,8 @@ class OpenAIServingResponses:
         return response
 
     async def stream(self, req: ResponsesRequest, chat_req: ChatCompletionRequest, conversation: list[dict],
-                     prep: Prepared) -> AsyncIterator[str]:
-        events = ResponseEvents(self.shape(req, chat_req))
+                     prep: Prepared, endpoint: str = "") -> AsyncIterator[str]:
+        events = ResponseEvents(self.shape(req, chat_req, endpoint))
         for event in events.start():
             yield sse_event(event)
         chunks = chat_chunks(self.chat.stream(chat_req, prep))

@@ -116,3 +116,25 @@ def test_an_anthropic_key_is_kept_out_of_the_epps_view():
         base_pb2.HeaderValue(key=k, raw_value=v) for k, v in (
             (":path", b"/v1/messages"), ("x-api-key", b"secret"), ("Authorization", b"Bearer secret"))]))
     assert extproc._headers(headers) == {":path": "/v1/messages"}
+
+
+def test_a_continued_response_goes_to_the_endpoint_that_stored_it():
+    from kvgate.common.response_ids import new_response_id, tag_of
+    from kvgate.epp.scheduling.config import KVGATE_PROFILE_YAML, parse_config
+    from kvgate.epp.scheduling.plugins import create_plugin
+    from kvgate.epp.types import Endpoint, EndpointMetrics, EndpointState
+
+    endpoints = [EndpointState(Endpoint(f"10.0.0.{i}:8000"), EndpointMetrics(), stale=False) for i in range(4)]
+    stored_on = new_response_id("10.0.0.2:8000")
+    assert tag_of(stored_on) and tag_of(stored_on) != tag_of(new_response_id("10.0.0.3:8000"))
+    filt = create_plugin("previous-response-affinity-filter")
+    assert filt.preference  # the others stay as fallbacks
+    continued = parse("/v1/responses", {"input": "more", "previous_response_id": stored_on})
+    assert [e.address for e in filt.filter(continued, endpoints)] == ["10.0.0.2:8000"]
+    for other in ("resp_" + "0" * 40, "resp_abc", None):  # gone, or not an id of this scheme: every candidate
+        body = {"input": "more", **({"previous_response_id": other} if other else {})}
+        assert filt.filter(parse("/v1/responses", body), endpoints) == endpoints
+    assert filt.filter(parse("/v1/responses", {"input": "x", "previous_response_id": new_response_id("elsewhere")}),
+                       endpoints) == endpoints
+    profile = parse_config(KVGATE_PROFILE_YAML)
+    assert "previous-response-affinity-filter" in repr(profile.scheduler)

@@ -9,6 +9,7 @@ from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.server.chat_bridge import renamed
 from kvgate.engine.server.responses import error_response, event_stream, unless_disconnected
 from kvgate.engine.server.responses_protocol import MAX_RESPONSE_ID_CHARS, ResponsesRequest
+from kvgate.engine.server.server_id import local_address
 from kvgate.engine.server.serving_responses import PARAM_NAMES, PreviousResponseNotFound
 from kvgate.engine.server.state import server_state
 
@@ -28,9 +29,11 @@ async def create_response(req: ResponsesRequest, raw: Request):
         return error_response(404, str(exc), "invalid_request_error", "previous_response_id")
     if server.tracing is not None:
         server.tracing.start(raw.headers, "responses", server.serving.response_model(chat_req), prep)
+    endpoint = local_address(raw.scope)
     if req.stream:
-        return event_stream(server.responses.stream(req, chat_req, conversation, prep), prep)
-    return await unless_disconnected(raw, server.responses.response(req, chat_req, conversation, prep), prep)
+        return event_stream(server.responses.stream(req, chat_req, conversation, prep, endpoint), prep)
+    return await unless_disconnected(raw, server.responses.response(req, chat_req, conversation, prep, endpoint),
+                                     prep)
 
 
 @router.get("/v1/responses/{response_id}")
