@@ -215,8 +215,12 @@ def test_errors_and_limits_in_each_apis_shape(gateway):
                                  "stop_sequences": ["x"] * MAX_STOPS}).status_code == 200
     _anthropic_error(post("/v1/messages", {"model": "demo", "max_tokens": room + 1, "messages": one}), 400,
                      "invalid_request_error", "maximum context length")
-    _openai_error(post("/v1/responses", {"model": "demo", "input": "x", "max_output_tokens": MAX_MODEL_LEN}), 400,
-                  "maximum context length", "max_output_tokens")
+    responses_room = MAX_MODEL_LEN - post("/v1/responses", {"model": "demo", "input": "x", "max_output_tokens": 1}
+                                          ).json()["usage"]["input_tokens"]
+    assert post("/v1/responses", {"model": "demo", "input": "x", "max_output_tokens": responses_room,
+                                  "store": False}).status_code == 200
+    _openai_error(post("/v1/responses", {"model": "demo", "input": "x", "max_output_tokens": responses_room + 1}),
+                  400, "maximum context length", "max_output_tokens")
     _anthropic_error(post("/v1/messages", {"model": "demo", "max_tokens": 2, "messages": one,
                                            "stop_sequences": ["x"] * (MAX_STOPS + 1)}),
                      400, "invalid_request_error", f"at most {MAX_STOPS} stop sequences")

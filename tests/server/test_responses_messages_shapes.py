@@ -6,6 +6,7 @@ tests/test_up_apis.py.)"""
 import json
 
 import pytest
+from pydantic import ValidationError
 from anthropic.types import Message
 from openai.types.responses import Response
 
@@ -260,3 +261,22 @@ def test_anthropic_error_shape():
     assert json.loads(reshaped(503, b"plain"))["error"] == {"type": "overloaded_error", "message": "plain"}
     assert json.loads(reshaped(500, b"{}"))["error"]["type"] == "api_error"
 
+
+
+@pytest.mark.parametrize("model, body", [
+    (ResponsesRequest, {"input": "x", "previous_response_id": "r" * 129}),  # at most 128 characters
+    (ResponsesRequest, {"input": "x", "max_output_tokens": 0}),
+    (MessagesRequest, {"model": "m", "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}),
+    (MessagesRequest, {"model": "m", "max_tokens": 1, "messages": []}),
+    (MessagesRequest, {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+                       "tools": [{"name": "f" * 65, "input_schema": {}}]}),  # tool names: at most 64 characters
+])
+def test_request_fields_past_their_bounds_are_refused(model, body):
+    with pytest.raises(ValidationError):
+        model.model_validate(body)
+
+
+def test_request_fields_at_their_bounds_are_taken():
+    ResponsesRequest.model_validate({"input": "x", "previous_response_id": "r" * 128, "max_output_tokens": 1})
+    MessagesRequest.model_validate({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+                                    "tools": [{"name": "f" * 64, "input_schema": {}}]})
