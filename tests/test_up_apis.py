@@ -3,8 +3,6 @@ official `openai` and `anthropic` clients: text, streaming, tool calls, system p
 (requests sharing a long system prompt land on one replica, the same one as a chat request with that prompt);
 and each API's limits and errors in its own shape, from the EPP and from the engines. One stack for the module."""
 
-import re
-import time
 
 import anthropic
 import httpx
