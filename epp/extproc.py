@@ -34,6 +34,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvgate.common import bounded_json
+from kvgate.common.api_errors import anthropic_error_body, is_anthropic_path
 from kvgate.epp.director import Director, RoutingError
 from kvgate.common.epp_protocol import (DESTINATION_HEADER, DESTINATION_NAMESPACE as LB_NAMESPACE, SERVED_KEY, SERVED_MISSING,
                                  SERVED_TEST_HEADER, SUBSET_KEY, SUBSET_NAMESPACE)
@@ -51,7 +52,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 429:
 
 # Credentials the EPP has no use for (an engine's API key, `kvgate serve --api-key`): left out of its view of a
 # request, so no log line, error message, plugin or repr of an LLMRequest can carry them. Envoy still forwards them.
-CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization"})
+CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key"})
 
 
 def _headers(http_headers) -> dict[str, str]:
@@ -93,9 +94,14 @@ def _destination(value: str, rewritten_body: bytes | None, *, buffered_body: boo
     return common, metadata
 
 
-def _immediate(status: int, message: str, headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
-    kind = _ERROR_TYPES.get(status, "service_unavailable")
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
+def _immediate(status: int, message: str, headers: dict[str, str] | None = None,
+               anthropic: bool = False) -> pb.ProcessingResponse:
+    """A refusal in the client API's error shape: Anthropic's on its Messages path, else OpenAI's."""
+    if anthropic:
+        body = json.dumps(anthropic_error_body(status, message))
+    else:
+        kind = _ERROR_TYPES.get(status, "service_unavailable")
+        body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
     headers = pb.HeaderMutation(set_headers=[
         base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
         for key, value in {"content-type": "application/json", **(headers or {})}.items()])
@@ -104,8 +110,16 @@ def _immediate(status: int, message: str, headers: dict[str, str] | None = None)
         details=f"kvgate_epp_{status}"))
 
 
+def _token_counts(usage: dict) -> tuple[int, int]:
+    """(prompt, completion) tokens of an OpenAI `usage`, or of the Responses / Anthropic one (input / output)."""
+    if "prompt_tokens" in usage or "completion_tokens" in usage:
+        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    return int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
+
+
 def find_usage(tail: bytes) -> tuple[int, int] | None:
-    """(prompt_tokens, completion_tokens) from a JSON body or the last SSE events carrying usage."""
+    """(prompt_tokens, completion_tokens) from a JSON body or the last SSE events carrying usage: top-level
+    `usage` (completions, chat, Anthropic's message and message_delta), or a Responses event's `response.usage`."""
     text = tail.decode(errors="ignore")
     candidates = [text.strip()] if text.lstrip().startswith("{") else []
     candidates += [line[5:].strip() for line in reversed(text.splitlines()) if line.startswith("data:")]
@@ -113,18 +127,26 @@ def find_usage(tail: bytes) -> tuple[int, int] | None:
         if '"usage"' not in item:
             continue
         try:  # an upstream's bytes: deep nesting is a ValueError here, not a RecursionError out of the stream
-            usage = bounded_json.loads(item, _TAIL_BYTES).get("usage")
+            value = bounded_json.loads(item, _TAIL_BYTES)
+            usage = value.get("usage")
+            if usage is None and isinstance(value.get("response"), dict):
+                usage = value["response"].get("usage")
         except (ValueError, AttributeError):
             continue
         if isinstance(usage, dict):
-            return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+            try:
+                return _token_counts(usage)
+            except (TypeError, ValueError):
+                continue
     return None
 
 
 # A streamed chunk that carries generated text (completions' "text", chat's "content" or "reasoning_content", a
-# tool call): the first one marks the request's first token. Chat streams open with a role chunk whose content is
-# empty, which does not count.
-_TOKEN_CHUNK = re.compile(rb'"(?:text|content|reasoning_content)":\s*"(?!")|"tool_calls":\s*\[\s*\{')
+# tool call; the Responses API's string "delta"; Anthropic's "text", "thinking" and "partial_json" deltas): the
+# first one marks the request's first token. Chat streams open with a role chunk whose content is empty, and the
+# Responses and Anthropic streams with events whose text is empty, which do not count.
+_TOKEN_CHUNK = re.compile(rb'"(?:text|content|reasoning_content|delta|thinking|partial_json)":\s*"(?!")'
+                          rb'|"tool_calls":\s*\[\s*\{')
 
 
 def has_token(chunk: bytes) -> bool:
@@ -240,7 +262,7 @@ class _RequestStream:
         self._count(status)
         if self.span is not None:
             self.span.refused(status, message)
-        return _immediate(status, message, headers)
+        return _immediate(status, message, headers, anthropic=is_anthropic_path(self.headers.get(":path", "")))
 
     def _decide_on_body(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         self.path_started = time.perf_counter()

@@ -13,16 +13,20 @@ from fastapi import FastAPI
 
 from kvgate.engine.async_llm import AsyncLLM
 from kvgate.engine.generation_defaults import GenerationDefaults
+from kvgate.engine.server.anthropic_errors import AnthropicErrorShape
 from kvgate.engine.server.auth import PUBLIC_PATHS, ApiKeyAuth
 from kvgate.engine.server.exception_handlers import EXCEPTION_HANDLERS
 from kvgate.engine.server.guards import RequestBodyLimit, StalledClientGuard
 from kvgate.engine.server.limits import RequestLimits
 from kvgate.engine.server.metrics import ServerMetrics
 from kvgate.engine.server.openai_serving import OpenAIServing
-from kvgate.engine.server.routes import completions, health, lora, models, tokenize
+from kvgate.engine.server.response_store import ResponseStore
+from kvgate.engine.server.routes import completions, health, lora, messages, models, responses, tokenize
 from kvgate.engine.server.server_id import ServerIdMiddleware
 from kvgate.engine.server.serving_chat import OpenAIServingChat
 from kvgate.engine.server.serving_completion import OpenAIServingCompletion
+from kvgate.engine.server.serving_messages import AnthropicServingMessages
+from kvgate.engine.server.serving_responses import OpenAIServingResponses
 from kvgate.engine.server.tracing import EngineTracing
 from kvgate.engine.server.state import ServerState
 
@@ -60,14 +64,15 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
                on_fatal: Callable[[BaseException], None] | None = None, server_id: str | None = None,
                tool_parser: str | None = None, chat_template: str | None = None,
                response_role: str = "assistant", generation_defaults: GenerationDefaults | None = None,
-               api_keys: Sequence[str] = (), tracing=None) -> FastAPI:
+               api_keys: Sequence[str] = (), tracing=None, response_store: ResponseStore | None = None) -> FastAPI:
     """`on_fatal(exc)`: the engine failed to start, or its loop died later (the caller decides to exit).
     `tool_parser`: the tool-call parser that serves `tool_choice: auto` (None: auto is refused).
     `chat_template`: the server's template (--chat-template, already checked: chat_template.load_server_template),
     used instead of the model's; `response_role`: the role chat answers name (--response-role).
     `generation_defaults`: the model's sampling defaults (None: read as the engine's config says).
     `api_keys`: when given, every request but the probes' and the scrape's needs one of them (auth.py).
-    `tracing`: kvgate.common.tracing.Tracing when request spans are exported (tracing.py), else None."""
+    `tracing`: kvgate.common.tracing.Tracing when request spans are exported (tracing.py), else None.
+    `response_store`: the Responses API's stored responses (response_store.py; None: its default bounds)."""
     limits = limits or RequestLimits()
     metrics = ServerMetrics(llm, served_model_name)
     serving = OpenAIServing(llm, served_model_name, metrics, limits, chat_template=chat_template,
@@ -75,6 +80,8 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
     server = ServerState(llm, served_model_name, metrics, serving, OpenAIServingCompletion(serving),
                          OpenAIServingChat(serving, tool_parser, response_role), on_fatal,
                          tracing=EngineTracing(tracing) if tracing is not None else None)
+    server.responses = OpenAIServingResponses(server.chat, response_store or ResponseStore())
+    server.messages = AnthropicServingMessages(server.chat)
     llm.on_dead = on_fatal
     app = FastAPI(title="kvgate engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server
@@ -94,6 +101,8 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
         app.add_middleware(ApiKeyAuth, keys=list(api_keys))
         log.info("API keys required (%d accepted) on every request but GET/HEAD %s and OPTIONS", len(api_keys),
                  ", ".join(sorted(PUBLIC_PATHS)))
+    # Outermost: every error answer on the Anthropic API's path, the 401 and 413 included, in Anthropic's shape.
+    app.add_middleware(AnthropicErrorShape)
 
     app.include_router(health.router)
     app.include_router(models.router)
@@ -103,4 +112,6 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
         app.include_router(lora.router)
     app.include_router(tokenize.router)
     app.include_router(completions.router)
+    app.include_router(responses.router)
+    app.include_router(messages.router)
     return app

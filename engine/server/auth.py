@@ -1,5 +1,6 @@
 """API keys (vLLM's `--api-key` / VLLM_API_KEY): with keys set, a request must carry `Authorization: Bearer KEY`
-with one of them, or it is answered 401.
+with one of them — or, without an Authorization header, `x-api-key: KEY` (how Anthropic's clients send theirs) —
+or it is answered 401.
 
 - Fail closed: every request is guarded except GET and HEAD of PUBLIC_PATHS (the probes and the scrape, exact
   paths) and OPTIONS (CORS preflights, as vLLM). Unknown paths are guarded too (a 401 before the 404), so a route
@@ -28,7 +29,8 @@ API_KEY_ENV = "VLLM_API_KEY"
 PUBLIC_PATHS = frozenset({"/health", "/live", "/metrics"})
 _PUBLIC_METHODS = frozenset({"GET", "HEAD"})
 
-_MISSING = "No API key: this server requires one, sent as the header 'Authorization: Bearer <key>'."
+_MISSING = ("No API key: this server requires one, sent as the header 'Authorization: Bearer <key>' (or "
+            "'x-api-key: <key>').")
 _NOT_BEARER = "The Authorization header is not a Bearer token: send the API key as 'Authorization: Bearer <key>'."
 _WRONG = "Invalid API key."
 
@@ -80,10 +82,13 @@ class ApiKeyAuth:
 
     def _refusal(self, headers) -> tuple[str, bytes] | None:
         """(message, WWW-Authenticate) when the request's credentials do not pass; None when they do. The first
-        Authorization header counts; its scheme is case-insensitive (RFC 7235)."""
+        Authorization header counts (its scheme case-insensitive, RFC 7235); without one, the first x-api-key."""
         value = next((v for k, v in headers if k == b"authorization"), None)  # ASGI header names are lower case
         if value is None:
-            return _MISSING, b"Bearer"
+            api_key = next((v for k, v in headers if k == b"x-api-key"), None)  # Anthropic's header
+            if api_key is None:
+                return _MISSING, b"Bearer"
+            return None if self._matches(api_key.strip(b" ")) else (_WRONG, b'Bearer error="invalid_token"')
         scheme, _, token = value.partition(b" ")
         if scheme.lower() != b"bearer":
             return _NOT_BEARER, b"Bearer"

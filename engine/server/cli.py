@@ -13,6 +13,7 @@ def add_serve_parser(sub) -> None:
     from kvgate.engine.cli_args import add_engine_args
     from kvgate.engine.server.auth import API_KEY_ENV
     from kvgate.engine.server.limits import _positive_float, add_limit_args
+    from kvgate.engine.server.response_store import add_store_args
     from kvgate.engine.server.tool_parsers import TOOL_PARSERS
 
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API")
@@ -70,6 +71,7 @@ def add_serve_parser(sub) -> None:
                         "value then fails the pod instead of opening it)")
     p.add_argument("--uvicorn-log-level", default="warning")
     add_limit_args(p)
+    add_store_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -96,6 +98,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvgate.engine.server.app import create_app
     from kvgate.engine.server.lifecycle import FINAL_GRACE_SECONDS, DrainingServer, start_drain
     from kvgate.engine.server.limits import limits_from_args
+    from kvgate.engine.server.response_store import store_from_args
 
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         print("kvgate serve: error: --enable-auto-tool-choice and --tool-call-parser go together", file=sys.stderr)
@@ -141,7 +144,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(llm, served, limits_from_args(args), on_fatal, server_id=f"{args.host}:{args.port}",
                      tool_parser=args.tool_call_parser, chat_template=chat_template,
                      response_role=args.response_role, generation_defaults=generation_defaults,
-                     api_keys=api_keys, tracing=tracing)
+                     api_keys=api_keys, tracing=tracing, response_store=store_from_args(args))
     # httptools + uvloop, named rather than left to uvicorn's "auto" (which falls back to pure-Python h11 and asyncio
     # without a word): every EPP scrapes every replica every 50 ms, and in `--backend sim` the server shares the
     # GIL with the engine loop, so the server's CPU per request is the engine's loss (`kvgate bench routing

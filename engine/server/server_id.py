@@ -21,6 +21,12 @@ def _endpoint_header(host: str, port: int | None, fallback: str) -> tuple[bytes,
     return SERVER_ID_HEADER.encode(), address.encode()
 
 
+def local_address(scope) -> str:
+    """The "ip:port" a request's connection reached (what the header names); "" when the socket has none."""
+    local = scope.get("server")
+    return _endpoint_header(str(local[0]), local[1], "")[1].decode() if local else ""
+
+
 class ServerIdMiddleware:
     """Adds which replica answered to every response (plain ASGI: streaming and disconnects untouched): the
     address this connection reached (its socket's local address, ASGI's scope["server"]), so a server listening

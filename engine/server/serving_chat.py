@@ -125,7 +125,8 @@ class OpenAIServingChat:
                         continue
                     delta = {"content": c.delta_text} if c.delta_text else {}
                     yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": c.finish_reason}])
+                                  "finish_reason": c.finish_reason,
+                                  **({"stop_reason": c.stop_reason} if c.finished else {})}])
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage=usage(prep.prompts, completion_tokens, cached))
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -16,6 +17,10 @@ from kvgate.engine.server.openai_serving import OpenAIServing
 from kvgate.engine.server.serving_chat import OpenAIServingChat
 from kvgate.engine.server.serving_completion import OpenAIServingCompletion
 from kvgate.engine.server.tracing import EngineTracing
+
+if TYPE_CHECKING:
+    from kvgate.engine.server.serving_messages import AnthropicServingMessages
+    from kvgate.engine.server.serving_responses import OpenAIServingResponses
 
 
 @dataclass(eq=False)
@@ -35,6 +40,9 @@ class ServerState:
     loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once the lifespan runs
     drain_task: asyncio.Task | None = None  # the SIGTERM drain, once started (lifecycle.start_drain)
     tracing: EngineTracing | None = None  # OpenTelemetry request spans (tracing.py); None: tracing is off
+    # the Responses and Anthropic Messages APIs, on `chat`'s path (serving_responses.py, serving_messages.py)
+    responses: "OpenAIServingResponses | None" = None
+    messages: "AnthropicServingMessages | None" = None
 
     def require_ready(self) -> None:
         """Raise unless the engine is ready and the server accepts requests (EngineError, ShuttingDown: 503)."""

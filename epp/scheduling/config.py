@@ -415,10 +415,13 @@ def parse_duration(value: Any) -> float:
 # pool of mixed hardware each endpoint's load counts by how fast it prefills, as its engine times itself (kvgate
 # bench routing --shapes mixed-hardware; a uniform pool routes exactly as in tokens).
 # Needs the engines' KV events (`kvgate up --profile kvgate` turns them on; in Kubernetes, spec.engine.kvEvents).
+# First, a Responses API request continuing a stored response goes to the engine that stored it
+# (previous-response-affinity-filter; every other request passes it unchanged).
 KVGATE_PROFILE_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
+- type: previous-response-affinity-filter
 - type: prefix-cache-affinity-filter
   parameters: {loadSignal: backlog, loadTolerance: 4, explorationProbability: 0, loadUnit: seconds, spillShare: 1.25}
 - type: precise-prefix-cache-scorer
@@ -431,6 +434,7 @@ plugins:
 schedulingProfiles:
 - name: default
   plugins:
+  - pluginRef: previous-response-affinity-filter
   - pluginRef: prefix-cache-affinity-filter
   - pluginRef: precise-prefix-cache-scorer
     weight: 3

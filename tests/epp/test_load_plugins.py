@@ -538,10 +538,12 @@ def test_kvgates_profile_checks_the_fit_after_the_affinity_filter():
 
     profile = parse_config(KVGATE_PROFILE_YAML).scheduler.profiles[0]
     # (predicted-latency-scorer is a filter too, of requests stating objectives, off by default: it keeps them all)
-    assert [f.type_name for f in profile.filters] == ["prefix-cache-affinity-filter", "prefix-group-balance-scorer",
+    # (previous-response-affinity-filter first: it narrows only Responses requests continuing a stored response)
+    assert [f.type_name for f in profile.filters] == ["previous-response-affinity-filter",
+                                                      "prefix-cache-affinity-filter", "prefix-group-balance-scorer",
                                                       "predicted-latency-scorer"]
-    assert profile.filters[1].fit_kv_capacity == 1.0
-    assert profile.filters[1] in [ws.scorer for ws in profile.scorers]
+    assert profile.filters[2].fit_kv_capacity == 1.0
+    assert profile.filters[2] in [ws.scorer for ws in profile.scorers]
 
 
 # -------------------------------------------------------------------------------- no-hit-lru-scorer

@@ -297,9 +297,10 @@ def test_registry_names_match_upstream():
         "running-requests-size-scorer", "token-load-scorer", "header-based-testing-filter", "max-score-picker",
         "random-picker", "weighted-random-picker", "single-profile-handler",
         # llm-d's names, and kvgate's own predicted-ttft-scorer, predicted-latency-scorer, prefix-group-balance-scorer,
-        # prefill-interference-scorer
+        # prefill-interference-scorer, previous-response-affinity-filter
         "precise-prefix-cache-scorer", "prefix-cache-affinity-filter", "no-hit-lru-scorer", "predicted-ttft-scorer",
-        "predicted-latency-scorer", "prefix-group-balance-scorer", "prefill-interference-scorer"}
+        "predicted-latency-scorer", "prefix-group-balance-scorer", "prefill-interference-scorer",
+        "previous-response-affinity-filter"}
     for type_name in REGISTRY:
         assert create_plugin(type_name).type_name == type_name
 
