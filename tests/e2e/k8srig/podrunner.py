@@ -231,6 +231,14 @@ class PodWorker(threading.Thread):
         errors = []
         ready = True
         for vol in pod["spec"].get("volumes") or []:
+            if "hostPath" in vol:  # the node's own folder, mounted where it is (processes see the host's files)
+                self.volume_dirs[vol["name"]] = Path(vol["hostPath"]["path"])
+                problem = ps.host_path_problem(vol, Path(vol["hostPath"]["path"]).is_dir(),
+                                               Path(vol["hostPath"]["path"]).exists())
+                if problem:
+                    errors.append(problem)
+                    ready = False
+                continue
             vdir = self.dir / "volumes" / vol["name"]
             self.volume_dirs[vol["name"]] = vdir
             try:
