@@ -72,6 +72,13 @@ def test_vllm_images_run_vllm_serve_under_the_rigs_vllm_venv():
         ["/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     with pytest.raises(ImageNotRunnable, match="build-vllm"):
         TABLE.argv("vllm/vllm-openai:v0.32.0", ["vllm", "serve", "/models/m"], None)
+    # a venv installed after the runner started is found when a vLLM container starts
+    found: list[str | None] = [None]
+    late = ImageTable(PROGRAMS, find_vllm=lambda: found[0])
+    with pytest.raises(ImageNotRunnable):
+        late.argv("vllm/vllm-openai", None, ["/m"])
+    found[0] = "/later/bin/python"
+    assert late.argv("vllm/vllm-openai", None, ["/m"])[0] == "/later/bin/python"
 
 
 # --- env -----------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -192,12 +192,18 @@ def resolve_argv(image: str, command: list[str] | None, args: list[str] | None, 
 
 @dataclass
 class ImageTable:
-    """The runner's table: the defaults plus optional extra images (tests may register their own)."""
+    """The runner's table: the defaults plus optional extra images (tests may register their own).
+    `find_vllm`: looks for the vLLM venv again while none is known (one installed after the runner started)."""
     programs: Programs
     extra: tuple[Image, ...] = field(default=())
+    find_vllm: Callable[[], str | None] | None = None
 
     def argv(self, image: str, command: list[str] | None, args: list[str] | None,
              to_host: Callable[[str], str] = lambda w: w) -> list[str]:
+        if self.programs.vllm_python is None and self.find_vllm is not None:
+            found = self.find_vllm()
+            if found:
+                self.programs = replace(self.programs, vllm_python=found)
         return resolve_argv(image, command, args, self.programs, self.extra + DEFAULT_IMAGES, to_host)
 
     def config_flags(self, image: str) -> tuple[str, ...]:
