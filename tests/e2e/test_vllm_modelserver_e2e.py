@@ -76,8 +76,8 @@ def _prefix(rng: random.Random) -> str:
 
 
 def _metric(text: str, name: str) -> float:
-    found = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
+    """The sum of a metric's series in a Prometheus page (0 when absent)."""
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def test_vllm_modelserver_serves_through_the_gateway_with_precise_prefix_routing(k8s, tmp_path):
@@ -166,13 +166,24 @@ def test_vllm_modelserver_serves_through_the_gateway_with_precise_prefix_routing
                  interval_s=0.5, what=f"the EPP's index to hold the warmed prefixes ({blocks_needed} blocks)")
         mark(f"warmed {len(holder)} prefixes directly on the engines; the EPP indexed them from their KV events")
 
+        def served(kind: str) -> float:  # requests the engine finished (vLLM's counter; the kvgate engine's too)
+            return _metric(httpx.get(f"http://{ip[kind]}:8000/metrics", timeout=10).text,
+                           "vllm:request_success_total")
+
+        # Where each request was served: the engine whose finished-requests counter moved (requests go one at a
+        # time); the kvgate engine also names itself in its x-kvgate-endpoint header, vLLM has no such header.
         landed: list[tuple[str, str]] = []  # (holder, where the Gateway's request was served)
-        by_ip = {v: k for k, v in ip.items()}
         for round_ in range(REQUESTS_PER_GROUP):
             for prefix, kind in holder.items():
+                before = {k: served(k) for k in ip}
                 r = complete(envoy, prefix + f" question {round_}")
                 assert r.status_code == 200, r.text[:300]
-                landed.append((kind, by_ip.get(r.headers["x-kvgate-endpoint"].rsplit(":", 1)[0], "other")))
+                moved = wait_for(lambda: [k for k in ip if served(k) > before[k]], timeout_s=10, interval_s=0.1,
+                                 what="an engine's finished-requests counter to move")
+                assert len(moved) == 1, moved
+                if "x-kvgate-endpoint" in r.headers:
+                    assert moved == ["kvgate"] and r.headers["x-kvgate-endpoint"].startswith(ip["kvgate"] + ":")
+                landed.append((kind, moved[0]))
         hits = sum(1 for want, got in landed if want == got)
         per_pod = Counter(got for _, got in landed)
         vllm_metrics = httpx.get(f"http://{ip['vllm']}:8000/metrics", timeout=10).text
