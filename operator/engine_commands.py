@@ -122,10 +122,13 @@ def engine_problems(spec: dict) -> list[str]:
 
 # --- the command lines ---------------------------------------------------------------------------------------
 
-def serve_command(spec: dict, port: int) -> list[str]:
-    """The engine container's command for spec.engine.type, extraArgs last."""
+def serve_command(spec: dict, port: int, traces_endpoint: str | None = None) -> list[str]:
+    """The engine container's command for spec.engine.type, extraArgs last. `traces_endpoint` (the operator's
+    --otlp-traces-endpoint): vLLM traces only with its --otlp-traces-endpoint flag, so it gets the flag; the kvgate
+    engine and SGLang read the pod's OTEL_* variables (modelserver.engine_env)."""
     render = {KVGATE: kvgate_command, VLLM: vllm_command, SGLANG: sglang_command}[engine_type(spec)]
-    return render(spec, port) + [str(a) for a in spec.get("extraArgs") or []]
+    tracing = ["--otlp-traces-endpoint", traces_endpoint] if traces_endpoint and engine_type(spec) == VLLM else []
+    return render(spec, port) + tracing + [str(a) for a in spec.get("extraArgs") or []]
 
 
 def _model(spec: dict) -> tuple[str, str]:

@@ -65,8 +65,9 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
                         "'@' boundary, e.g. registry.example/kvgate; '*' allows any image); by default only "
                         "--engine-image runs; each use is logged")
     p.add_argument("--otlp-traces-endpoint", metavar="URL", default=None,
-                   help="OpenTelemetry: the Gateways' Envoys and the pools' EPPs send request spans to this OTLP/gRPC "
-                        "collector (http://HOST:4317; the EPP pods get OTEL_* env); default: no tracing")
+                   help="OpenTelemetry: the Gateways' Envoys, the pools' EPPs and the ModelServers' engines send "
+                        "request spans to this OTLP/gRPC collector (http://HOST:4317; EPP and engine pods get OTEL_* "
+                        "env, vLLM engines also its --otlp-traces-endpoint); default: no tracing")
     p.add_argument("--trace-sampling-ratio", type=_ratio, default=1.0, metavar="RATIO",
                    help="with --otlp-traces-endpoint: the share of requests without a sampled traceparent that are "
                         "traced, in [0, 1] (parentbased_traceidratio; default 1)")

@@ -37,6 +37,7 @@ from kvgate.common.epp_protocol import (ENGINE_TYPE_LABEL, KV_EVENTS_PORT_ANNOTA
                                         KV_EVENTS_REPLAY_PORT_ANNOTATION)
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, find, stamp
+from kvgate.operator.config import TraceExport
 from kvgate.operator.engine_commands import (ADAPTERS_DIR, DEFAULT_MODEL, KVGATE, OPERATOR_FLAGS, QUANTIZATIONS,
                                              SGLANG, SPEC_FLAGS, VLLM, engine_problems, engine_type, kv_cache_bytes,
                                              serve_command, shutdown_grace_s)
@@ -380,10 +381,16 @@ def _only(mapping: dict, keys: tuple[str, ...]) -> dict:
     return {k: mapping[k] for k in keys if k in mapping}
 
 
-def engine_env(spec: dict) -> list[dict]:
+# OTEL_SERVICE_NAME of each engine's spans (vLLM's and SGLang's own defaults name the process, not the engine).
+TRACE_SERVICE_NAMES = {KVGATE: "kvgate-engine", VLLM: "vllm", SGLANG: "sglang"}
+
+
+def engine_env(spec: dict, tracing: TraceExport | None = None) -> list[dict]:
     """The engine's environment: every cache it writes under the cache emptyDir or /tmp (the root filesystem is
     read-only; vLLM's and SGLang's images expect to write under root's HOME), a user name for the non-root uid
-    (torch's compile cache asks getpass, which fails for a uid with no passwd entry), no usage reports."""
+    (torch's compile cache asks getpass, which fails for a uid with no passwd entry), no usage reports; with
+    `tracing` (the operator's --otlp-traces-endpoint) the standard OTEL_* variables: the collector, parent-based
+    ratio sampling, the engine's service name."""
     env = [{"name": "KVGATE_CACHE_DIR", "value": CACHE_DIR}, {"name": "HOME", "value": "/tmp"},
            {"name": "PYTHONUNBUFFERED", "value": "1"}]
     if engine_type(spec) != KVGATE:
@@ -398,18 +405,20 @@ def engine_env(spec: dict) -> list[dict]:
         env += [{"name": "VLLM_CACHE_ROOT", "value": f"{CACHE_DIR}/vllm"},
                 {"name": "VLLM_CONFIG_ROOT", "value": f"{CACHE_DIR}/vllm-config"},
                 {"name": "VLLM_NO_USAGE_STATS", "value": "1"}]
+    if tracing is not None:
+        env += tracing.env(TRACE_SERVICE_NAMES.get(engine_type(spec), "kvgate-engine"))
     return env + api_key_env(spec.get("engine") or {})
 
 
-def _container(spec: dict, image: str, port: int) -> dict:
+def _container(spec: dict, image: str, port: int, tracing: TraceExport | None = None) -> dict:
     volumes_mounts = _volumes(spec)[1]
     container = {
         "name": CONTAINER,
         "image": spec.get("image") or image,
-        "command": serve_command(spec, port),
+        "command": serve_command(spec, port, tracing.endpoint if tracing is not None else None),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]
                  + [{"name": name, "containerPort": p, "protocol": "TCP"} for name, p, _ in kv_events_ports(spec)],
-        "env": engine_env(spec),
+        "env": engine_env(spec, tracing),
         "volumeMounts": volumes_mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "privileged": False, "capabilities": {"drop": ["ALL"]}},
@@ -427,9 +436,9 @@ def _container(spec: dict, image: str, port: int) -> dict:
     return container
 
 
-def _pod_spec(spec: dict, image: str, port: int) -> dict:
+def _pod_spec(spec: dict, image: str, port: int, tracing: TraceExport | None = None) -> dict:
     pod = {
-        "containers": [_container(spec, image, port)],
+        "containers": [_container(spec, image, port, tracing)],
         "volumes": _volumes(spec)[0],
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
                             "seccompProfile": {"type": "RuntimeDefault"}},
@@ -446,12 +455,13 @@ def _pod_spec(spec: dict, image: str, port: int) -> dict:
 
 
 def _operator_pod_labels(ms: dict, pool: dict) -> dict[str, str]:
-    """The labels the operator sets on the engine pods itself: its own, the pool's selector and, for vLLM and
-    SGLang, the engine type by which the EPP reads their metrics (kvgate's engine exports vLLM's names, the EPP's
-    default)."""
+    """The labels the operator sets on the engine pods itself: its own, `kvgate.dev/pool` (the pool's name, for
+    the metrics pipeline), the pool's selector and, for vLLM and SGLang, the engine type by which the EPP reads
+    their metrics (kvgate's engine exports vLLM's names, the EPP's default)."""
     kind = engine_type(ms.get("spec") or {})
     dialect = {ENGINE_TYPE_LABEL: kind} if kind in (VLLM, SGLANG) else {}
-    return {**naming.component_labels("engine", naming.engine_deployment_name(ms)), **dialect, **pool_labels(pool)}
+    return {**naming.component_labels("engine", naming.engine_deployment_name(ms)), **naming.pool_label(pool),
+            **dialect, **pool_labels(pool)}
 
 
 def engine_pod_labels(ms: dict, pool: dict) -> dict[str, str]:
@@ -460,10 +470,11 @@ def engine_pod_labels(ms: dict, pool: dict) -> dict[str, str]:
 
 
 def desired_engine_deployment(modelserver: dict, pool: dict | None, image: OperatorImages,
-                              policy: TenantPolicy = TenantPolicy(), other_pools: list[dict] = ()) -> dict | None:
+                              policy: TenantPolicy = TenantPolicy(), other_pools: list[dict] = (),
+                              tracing: TraceExport | None = None) -> dict | None:
     """The engine Deployment for `modelserver`, or None when `validate_modelserver` finds problems (with
     `image`, the operator's engine image or its images per engine type, as the images that need no
-    --allow-image-prefix).
+    --allow-image-prefix). `tracing`: the engines export request spans there (OTEL_* env; vLLM's flag).
 
     The Deployment's selector is exactly the pool's selector, so every pod it makes is a pool member.
     (Kubernetes makes a Deployment's selector immutable: see `needs_recreate`.)"""
@@ -486,7 +497,7 @@ def desired_engine_deployment(modelserver: dict, pool: dict | None, image: Opera
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
                 "metadata": {"labels": dict(sorted(pod_labels.items())), "annotations": annotations},
-                "spec": _pod_spec(spec, operator_images(image).get(engine_type(spec), ""), port),
+                "spec": _pod_spec(spec, operator_images(image).get(engine_type(spec), ""), port, tracing),
             },
         },
     }

@@ -40,7 +40,8 @@ class ModelServerReconciler:
         pool = next((p for p in pools if naming.name_of(p) == pool_name), None)
         policy, image = self.config.tenant_policy, self.config.engine_images()
         problems = validate_modelserver(ms, pool, policy, pools, image)
-        desired = None if problems else desired_engine_deployment(ms, pool, image, policy, pools)
+        desired = None if problems else desired_engine_deployment(ms, pool, image, policy, pools,
+                                                                  self.config.tracing)
         existing = self.kube.get(DEPLOYMENT, naming.engine_deployment_name(ms), ns)
         blocker = None
         if desired is None:

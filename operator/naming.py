@@ -16,6 +16,10 @@ INFERENCE_GROUP = "inference.networking.k8s.io"
 INFERENCE_X_GROUP = "inference.networking.x-k8s.io"
 GATEWAY_GROUP = "gateway.networking.k8s.io"
 
+# On engine pods: the InferencePool they serve (Prometheus relabels it to `pool`, as the EPP's instance label is for
+# the EPP's own pods, so the dashboard's per-pool panels read the engines of a pool of mixed ModelServers).
+POOL_LABEL = "kvgate.dev/pool"
+
 EPP_GRPC_PORT = 9002
 EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
@@ -67,6 +71,11 @@ def component_labels(component: str, instance: str) -> dict[str, str]:
         "app.kubernetes.io/part-of": PART_OF,
         MANAGED_BY_KEY: MANAGED_BY,
     }
+
+
+def pool_label(pool: dict) -> dict[str, str]:
+    """The engine pods' `kvgate.dev/pool` label: the pool's name (cut to a label value as instance names are)."""
+    return {POOL_LABEL: _dns_label(name_of(pool))}
 
 
 def selector_labels(component: str, instance: str) -> dict[str, str]:

@@ -194,8 +194,8 @@ def test_pod_monitors_cover_the_namespaces_the_operator_serves(values, namespace
 
 
 def _operator_pods() -> dict[str, tuple[dict, str, str]]:
-    """Monitor name -> (the pod template the operator makes for the chart's sample pool, the name its relabeled
-    label must carry, that label)."""
+    """Monitor name -> (the pod template the operator makes for the chart's sample pool, {relabeled label: the
+    name it must carry})."""
     from kvgate.operator.modelserver import desired_engine_deployment
     from kvgate.operator.pool import desired_epp_objects
 
@@ -205,24 +205,27 @@ def _operator_pods() -> dict[str, tuple[dict, str, str]]:
         obj["metadata"]["uid"] = f"uid-{obj['metadata']['name']}"
     (epp,) = [o for o in desired_epp_objects(pool, "kvgate:test") if o["kind"] == "Deployment"]
     engines = desired_engine_deployment(modelserver, pool, "kvgate:test")
-    return {"kvgate-epp": (epp["spec"]["template"], pool["metadata"]["name"], "pool"),
-            "kvgate-engines": (engines["spec"]["template"], modelserver["metadata"]["name"], "modelserver")}
+    return {"kvgate-epp": (epp["spec"]["template"], {"pool": pool["metadata"]["name"]}),
+            "kvgate-engines": (engines["spec"]["template"], {"modelserver": modelserver["metadata"]["name"],
+                                                             "pool": pool["metadata"]["name"]})}
 
 
 def test_pod_monitors_select_the_operators_pods_on_their_metrics_ports():
     monitors = pod_monitors()
-    for name, (template, owner, label) in _operator_pods().items():
+    for name, (template, owners) in _operator_pods().items():
         spec = monitors[name]["spec"]
         pod_labels = template["metadata"]["labels"]
         assert spec["selector"]["matchLabels"].items() <= pod_labels.items(), (name, pod_labels)
         (endpoint,) = spec["podMetricsEndpoints"]
         ports = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
         assert endpoint["port"] in ports, (name, ports)
-        # the relabeling copies the pod label that names the pool / ModelServer
-        (relabel,) = endpoint["relabelings"]
-        source = relabel["sourceLabels"][0].removeprefix("__meta_kubernetes_pod_label_")
-        (key,) = [k for k in pod_labels if re.sub(r"[^a-zA-Z0-9_]", "_", k) == source]
-        assert (relabel["targetLabel"], pod_labels[key]) == (label, owner)
+        # the relabelings copy the pod labels that name the pool and the ModelServer
+        copied = {}
+        for relabel in endpoint["relabelings"]:
+            source = relabel["sourceLabels"][0].removeprefix("__meta_kubernetes_pod_label_")
+            (key,) = [k for k in pod_labels if re.sub(r"[^a-zA-Z0-9_]", "_", k) == source]
+            copied[relabel["targetLabel"]] = pod_labels[key]
+        assert copied == owners, name
     # neither monitor picks up the other's pods
     pods = _operator_pods()
     for name, other in (("kvgate-epp", "kvgate-engines"), ("kvgate-engines", "kvgate-epp")):

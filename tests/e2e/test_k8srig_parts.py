@@ -161,6 +161,28 @@ def test_a_pod_keeps_its_volumes_while_the_api_server_is_unreachable(tmp_path):
     assert worker.mounts_ready and "refused" in worker.volume_error.lower(), worker.volume_error
 
 
+def test_a_host_path_volume_is_the_nodes_own_folder(tmp_path):
+    """hostPath: the container's paths under the mount point are the node's folder itself (a ModelServer's
+    model.hostPath); a Directory that is not there holds the pod in ContainerCreating with the reason."""
+    model = tmp_path / "models" / "m"
+    model.mkdir(parents=True)
+    client = Client(Kubeconfig(server=f"http://127.0.0.1:{_free_port()}", ca_pem=None))
+    runner = Runner(client, node_name="n", run_dir=tmp_path / "run", pod_network="127.99", images=None,
+                    backoff_base_s=1, backoff_cap_s=1)
+    container = {"name": "c", "image": "busybox",
+                 "volumeMounts": [{"name": "model", "mountPath": "/models/demo", "readOnly": True}]}
+    pod = {"metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+           "spec": {"containers": [container],
+                    "volumes": [{"name": "model", "hostPath": {"path": str(model), "type": "Directory"}}]}}
+    worker = PodWorker(runner, pod)
+    worker.refresh_volumes(pod)
+    assert worker.mounts_ready and worker.volume_error == ""
+    assert worker.mounts_for(container) == {"/models/demo": str(model)}
+    pod["spec"]["volumes"][0]["hostPath"]["path"] = str(tmp_path / "missing")
+    worker.refresh_volumes(pod)
+    assert not worker.mounts_ready and "is not a directory" in worker.volume_error
+
+
 def test_a_binding_the_api_server_refuses_is_tried_again(tmp_path, monkeypatch):
     """A kube-scheduler retries a pod it failed to bind; the rig's runner once logged the failure and left the
     pod Pending for good (no further watch event comes for a pod nobody bound). The fake API server answers the

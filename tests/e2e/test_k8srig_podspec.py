@@ -59,6 +59,28 @@ def test_unknown_or_missing_images_are_not_runnable():
         resolve_argv("envoyproxy/envoy:v1", None, None, Programs(python="py", kvgate=None, envoy=None))
 
 
+def test_vllm_images_run_vllm_serve_under_the_rigs_vllm_venv():
+    programs = Programs(python="/venv/bin/python", kvgate=None, envoy=None, vllm_python="/vllm/bin/python")
+    table = ImageTable(programs)
+    serve = str(Path(ps.__file__).with_name("vllm_serve.py"))
+    # the operator's command, and the image's own ENTRYPOINT (`vllm serve`) with args only
+    assert table.argv("vllm/vllm-openai:v0.32.0", ["vllm", "serve", "/models/m", "--port", "8000"], None) == \
+        ["/vllm/bin/python", serve, "serve", "/models/m", "--port", "8000"]
+    assert table.argv("docker.io/vllm/vllm-openai-cpu:v0.32.0", None, ["/models/m"]) == \
+        ["/vllm/bin/python", serve, "serve", "/models/m"]
+    assert table.argv("vllm/vllm-openai", ["python3", "-m", "vllm.entrypoints.openai.api_server"], None) == \
+        ["/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    with pytest.raises(ImageNotRunnable, match="build-vllm"):
+        TABLE.argv("vllm/vllm-openai:v0.32.0", ["vllm", "serve", "/models/m"], None)
+    # a venv installed after the runner started is found when a vLLM container starts
+    found: list[str | None] = [None]
+    late = ImageTable(PROGRAMS, find_vllm=lambda: found[0])
+    with pytest.raises(ImageNotRunnable):
+        late.argv("vllm/vllm-openai", None, ["/m"])
+    found[0] = "/later/bin/python"
+    assert late.argv("vllm/vllm-openai", None, ["/m"])[0] == "/later/bin/python"
+
+
 # --- env -----------------------------------------------------------------------------------------------------
 
 def test_env_downward_api_refs_and_expansion():
@@ -134,6 +156,18 @@ def test_volume_files_config_map_secret_items_and_missing():
     assert ps.volume_files({"name": "v", "emptyDir": {}}, full, POD, "ip") == {}
     with pytest.raises(ps.ConfigError, match="hostPath"):
         ps.volume_files({"name": "v", "hostPath": {"path": "/"}}, full, POD, "ip")
+
+
+def test_host_path_volumes_must_be_what_their_type_says():
+    vol = {"name": "model", "hostPath": {"path": "/models/m", "type": "Directory"}}
+    assert ps.host_path_problem(vol, is_dir=True, exists=True) is None
+    assert "is not a directory" in ps.host_path_problem(vol, is_dir=False, exists=False)
+    assert ps.host_path_problem({"name": "f", "hostPath": {"path": "/f", "type": "File"}}, False, True) is None
+    assert "is not a file" in ps.host_path_problem({"name": "f", "hostPath": {"path": "/f", "type": "File"}},
+                                                    True, True)
+    assert ps.host_path_problem({"name": "any", "hostPath": {"path": "/gone"}}, False, False) is None
+    assert "not supported" in ps.host_path_problem({"name": "s", "hostPath": {"path": "/s", "type": "Socket"}},
+                                                    False, True)
 
 
 # --- probes and restarts -------------------------------------------------------------------------------------

@@ -9,18 +9,21 @@ the image's ENTRYPOINT/CMD would interpret them:
     then argv = command + args.
 
 Images are matched on their repository (tag and digest are ignored). Everything here is pure: the caller
-passes the locations of local programs in a `Programs` value.
+passes the locations of local programs in a `Programs` value (`discover` finds them).
 """
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from . import vllm_venv
+
 ECHO_SERVER = Path(__file__).with_name("echoserver.py")
+VLLM_SERVE = Path(__file__).with_name("vllm_serve.py")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class Programs:
     python: str
     kvgate: str | None
     envoy: str | None
+    vllm_python: str | None = None  # the rig's vLLM venv's interpreter (vllm_venv.py)
 
     @classmethod
     def discover(cls) -> "Programs":
@@ -36,7 +40,7 @@ class Programs:
         kvgate = bindir / "kvgate"
         return cls(python=sys.executable,
                    kvgate=str(kvgate) if kvgate.exists() else None,
-                   envoy=_envoy_binary())
+                   envoy=_envoy_binary(), vllm_python=vllm_venv.find_python())
 
 
 def _envoy_binary() -> str | None:
@@ -58,7 +62,8 @@ class Image:
     name: str                                  # for messages
     matches: Callable[[str], bool]             # repository (no tag/digest) -> bool
     entrypoint: Callable[[Programs], list[str] | None]
-    binaries: Callable[[Programs], dict[str, str | None]] = lambda p: {}
+    # A command's first word -> the local program (a path, or an argv prefix such as [python, script]).
+    binaries: Callable[[Programs], dict[str, str | list[str] | None]] = lambda p: {}
     default_args: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()           # appended when absent (e.g. Envoy's --use-dynamic-base-id)
     missing: str = ""                          # why it cannot run when a program is not installed
@@ -114,6 +119,17 @@ DEFAULT_IMAGES: tuple[Image, ...] = (
         binaries=lambda p: {"python": p.python, "python3": p.python},
     ),
     Image(
+        # vLLM's images (vllm/vllm-openai, its CPU builds): `vllm serve` (their ENTRYPOINT, and the operator's
+        # command) runs vllm_serve.py under the rig's vLLM venv, `python3 -m vllm...` that venv's Python.
+        name="vllm",
+        matches=lambda repo: _last(repo).startswith(("vllm-openai", "vllm-cpu")),
+        entrypoint=lambda p: [p.vllm_python, str(VLLM_SERVE), "serve"] if p.vllm_python else None,
+        binaries=lambda p: {name: [p.vllm_python, str(VLLM_SERVE)] if name == "vllm" else p.vllm_python
+                            for name in ("vllm", "python", "python3")} if p.vllm_python else
+        {name: None for name in ("vllm", "python", "python3")},
+        missing=f"the rig's vLLM venv is not installed ({vllm_venv.BUILD_SCRIPT_HINT})",
+    ),
+    Image(
         name="echo-basic",
         matches=lambda repo: _last(repo) == "echo-basic",
         entrypoint=lambda p: [p.python, str(ECHO_SERVER)],
@@ -161,10 +177,11 @@ def resolve_argv(image: str, command: list[str] | None, args: list[str] | None, 
         if first in binaries:
             if binaries[first] is None:
                 raise ImageNotRunnable(f"image {image!r} cannot run here: {entry.missing}")
-            first = binaries[first]
+            program = binaries[first]
+            prefix = list(program) if isinstance(program, (list, tuple)) else [program]
         else:
-            first = to_host(first)
-        argv = [first, *(to_host(c) for c in command[1:]), *args]
+            prefix = [to_host(first)]
+        argv = [*prefix, *(to_host(c) for c in command[1:]), *args]
     else:
         argv = [*ep, *(args or [to_host(a) for a in entry.default_args])]
     for extra in entry.extra_args:
@@ -175,12 +192,18 @@ def resolve_argv(image: str, command: list[str] | None, args: list[str] | None, 
 
 @dataclass
 class ImageTable:
-    """The runner's table: the defaults plus optional extra images (tests may register their own)."""
+    """The runner's table: the defaults plus optional extra images (tests may register their own).
+    `find_vllm`: looks for the vLLM venv again while none is known (one installed after the runner started)."""
     programs: Programs
     extra: tuple[Image, ...] = field(default=())
+    find_vllm: Callable[[], str | None] | None = None
 
     def argv(self, image: str, command: list[str] | None, args: list[str] | None,
              to_host: Callable[[str], str] = lambda w: w) -> list[str]:
+        if self.programs.vllm_python is None and self.find_vllm is not None:
+            found = self.find_vllm()
+            if found:
+                self.programs = replace(self.programs, vllm_python=found)
         return resolve_argv(image, command, args, self.programs, self.extra + DEFAULT_IMAGES, to_host)
 
     def config_flags(self, image: str) -> tuple[str, ...]:

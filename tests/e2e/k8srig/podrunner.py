@@ -34,7 +34,7 @@ from pathlib import Path
 
 from . import netpol, podnet
 from . import podspec as ps
-from . import procs
+from . import procs, vllm_venv
 from .images import ImageNotRunnable, ImageTable, Programs, config_arg
 from .controlplane import SERVICE_BLOCK
 from .kube import CORE, LEASE, ApiError, Client, Kubeconfig
@@ -231,6 +231,14 @@ class PodWorker(threading.Thread):
         errors = []
         ready = True
         for vol in pod["spec"].get("volumes") or []:
+            if "hostPath" in vol:  # the node's own folder, mounted where it is (processes see the host's files)
+                self.volume_dirs[vol["name"]] = Path(vol["hostPath"]["path"])
+                problem = ps.host_path_problem(vol, Path(vol["hostPath"]["path"]).is_dir(),
+                                               Path(vol["hostPath"]["path"]).exists())
+                if problem:
+                    errors.append(problem)
+                    ready = False
+                continue
             vdir = self.dir / "volumes" / vol["name"]
             self.volume_dirs[vol["name"]] = vdir
             try:
@@ -799,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
     runner = Runner(Client.from_kubeconfig(a.kubeconfig), node_name=a.node_name, run_dir=a.run_dir,
-                    pod_network=a.pod_network, images=ImageTable(Programs.discover()),
+                    pod_network=a.pod_network, images=ImageTable(Programs.discover(), find_vllm=vllm_venv.find_python),
                     backoff_base_s=a.backoff_base, backoff_cap_s=a.backoff_cap,
                     network_policy_nft=a.network_policy_nft, rig_id=a.rig_id)
     signal.signal(signal.SIGTERM, lambda *_: runner.stop_event.set())

@@ -218,6 +218,21 @@ def volume_files(volume: dict, lookup_full: Callable[[str, str], dict | None], p
     raise ConfigError(f"volume {volume.get('name')!r}: type {kinds} is not supported by the pod runner")
 
 
+def host_path_problem(volume: dict, is_dir: bool, exists: bool) -> str | None:
+    """Why a hostPath volume cannot be mounted (the kubelet's FailedMount), given what is at its path; None when
+    it can. Types as the kubelet checks them: Directory and File must exist as such, "" (the default) takes
+    anything; the creating types (DirectoryOrCreate, FileOrCreate) and the device/socket types are not provided."""
+    source = volume["hostPath"]
+    kind = source.get("type") or ""
+    if kind == "Directory" and not is_dir:
+        return f"volume {volume['name']!r}: hostPath {source['path']!r} is not a directory"
+    if kind == "File" and (is_dir or not exists):
+        return f"volume {volume['name']!r}: hostPath {source['path']!r} is not a file"
+    if kind not in ("", "Directory", "File"):
+        return f"volume {volume['name']!r}: hostPath type {kind!r} is not supported by the pod runner"
+    return None
+
+
 # --- probes --------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
