@@ -1,0 +1,90 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs, what completions' `echo` with `logprobs` returns) equal HF
+transformers' own log-softmax of every prompt position, fp32, token by token — whole prefills, chunked prefills
+(synchronous and async scheduling), preemption, a warm prefix cache (which such a request skips) and logits
+computed in small pieces."""
+
+import pytest
+import torch
+
+from kvgate.engine import LLM, SamplingParams
+from kvgate.engine import prompt_logprobs
+from tests.engine.tiny_models import random_tokens
+
+TOLERANCE = 1e-4
+TOP = 3
+MAX_NEW = 40  # enough to fill the preemption mode's small KV pool
+PROMPTS = [random_tokens(n, seed) for n, seed in ((2, 1), (9, 2), (33, 3), (70, 4))]
+
+MODES = {
+    "whole-prefill": dict(),
+    "chunked-prefill": dict(max_num_batched_tokens=16),
+    "async-chunked-prefill": dict(async_scheduling=True, max_num_batched_tokens=16),
+    "preemption": dict(num_gpu_blocks_override=12, max_num_seqs=8, max_num_batched_tokens=16),
+}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def hf_prompt_logprobs(hf_model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, V]: row p is the log-softmax at position p, which scores prompt token p + 1."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long)).logits
+    return logits[0, :-1].float().log_softmax(dim=-1)
+
+
+def check_against_hf(hf_model, prompt: list[int], got: list) -> None:
+    """Every entry: the prompt token's logprob and rank, and the top-TOP tokens with theirs, as HF computes them."""
+    assert len(got) == len(prompt) and got[0] is None
+    want = hf_prompt_logprobs(hf_model, prompt)
+    for p, entry in enumerate(got[1:]):
+        token, row = prompt[p + 1], want[p]
+        assert abs(entry[token].logprob - row[token].item()) < TOLERANCE, (p, entry[token], row[token])
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        top_vals, top_ids = row.topk(TOP)
+        for rank, (tid, value) in enumerate(zip(top_ids.tolist(), top_vals.tolist()), start=1):
+            assert abs(entry[tid].logprob - value) < TOLERANCE, (p, tid)
+        assert set(entry) <= {token, *top_ids.tolist()}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_prompt_logprobs_match_hf(model, mode):
+    folder, hf_model = model
+    llm = LLM(str(folder), max_model_len=128, **MODES[mode])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=TOP, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, out in zip(PROMPTS, outs):
+        check_against_hf(hf_model, prompt, out.prompt_logprobs)
+        assert len(out.outputs[0].logprobs) == MAX_NEW  # the generated tokens' logprobs are there too
+    if mode == "preemption":
+        assert llm.engine.stats().num_preemptions > 0, "the small KV pool should have forced preemption"
+    stats = llm.engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_warm_prefix_cache_is_skipped_and_pieces_are_exact(model, monkeypatch):
+    """A request asking for prompt logprobs computes its whole prompt even when the cache holds it (a cached block
+    has no logits); one that does not ask still hits. Logits computed two rows at a time give the same numbers."""
+    folder, hf_model = model
+    llm = LLM(str(folder), max_model_len=128, enable_prefix_caching=True)
+    prompt = PROMPTS[3]
+    plain = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": prompt}], plain)
+    assert llm.generate([{"prompt_token_ids": prompt}], plain)[0].num_cached_tokens > 0
+    monkeypatch.setattr(prompt_logprobs, "PIECE_ELEMENTS", 2 * llm.engine.vocab_size)
+    asked = llm.generate([{"prompt_token_ids": prompt}],
+                         SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=TOP))[0]
+    assert asked.num_cached_tokens == 0
+    check_against_hf(hf_model, prompt, asked.prompt_logprobs)
+
+
+def test_prompt_logprobs_bounds():
+    assert SamplingParams(prompt_logprobs=20).prompt_logprobs == 20
+    for bad in (21, -1, "2"):
+        with pytest.raises(Exception) as info:
+            SamplingParams(prompt_logprobs=bad)
+        assert getattr(info.value, "param", None) == "prompt_logprobs"
+    assert prompt_logprobs.piece_rows(152_064) * 152_064 <= prompt_logprobs.PIECE_ELEMENTS
+    assert prompt_logprobs.piece_rows(2**30) == 1
