@@ -49,6 +49,7 @@ def check_against_hf(hf_model, prompt: list[int], got: list) -> None:
         assert set(entry) <= {token, *top_ids.tolist()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_prompt_logprobs_match_hf(model, mode):
     folder, hf_model = model
