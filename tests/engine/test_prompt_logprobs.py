@@ -89,3 +89,19 @@ def test_prompt_logprobs_bounds():
         assert getattr(info.value, "param", None) == "prompt_logprobs"
     assert prompt_logprobs.piece_rows(152_064) * 152_064 <= prompt_logprobs.PIECE_ELEMENTS
     assert prompt_logprobs.piece_rows(2**30) == 1
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_prompt_logprobs_with_tensor_parallel_workers(model):
+    """Rank 0 sends the rows it scores with the step; each worker runs the same LM-head pieces (a gather across
+    ranks), so the numbers are HF's on two ranks too."""
+    folder, hf_model = model
+    llm = LLM(str(folder), max_model_len=128, tensor_parallel_size=2, max_num_batched_tokens=16)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=TOP)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        for prompt, out in zip(PROMPTS, outs):
+            check_against_hf(hf_model, prompt, out.prompt_logprobs)
+    finally:
+        llm.engine.close()
