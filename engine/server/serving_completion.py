@@ -52,7 +52,7 @@ class OpenAIServingCompletion:
         serving.check_request(req, len(texts))
         serving.check_logprobs(req.logprobs, "logprobs")
         prompts = await serving.off_loop(serving.encode_prompts, texts)
-        prompt_logprobs = req.logprobs if req.echo else None
+        prompt_logprobs = self.prompt_logprobs(req)
         if prompt_logprobs is not None:
             self.check_prompt_logprob_tokens(prompts, req.n)
         constraint = await serving.off_loop(serving.constraint, req, None, param="structured_outputs")
@@ -63,6 +63,16 @@ class OpenAIServingCompletion:
         if prompt_logprobs is not None:
             params = [dataclasses.replace(p, prompt_logprobs=prompt_logprobs) for p in params]
         return prompts, params
+
+    def prompt_logprobs(self, req: CompletionRequest) -> int | None:
+        """The top-k the prompt's tokens are scored with: vLLM's prompt_logprobs when given, else echo's logprobs."""
+        if req.prompt_logprobs is None:
+            return req.logprobs if req.echo else None
+        self.serving.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        if req.stream:  # vLLM's rule: a stream's events have no place for them
+            raise InvalidRequestError("prompt_logprobs are not available when stream is true",
+                                      param="prompt_logprobs")
+        return req.prompt_logprobs
 
     def check_prompt_logprob_tokens(self, prompts: list[list[int]], n: int) -> None:
         limit = self.serving.limits.max_prompt_logprob_tokens
@@ -111,8 +121,19 @@ class OpenAIServingCompletion:
             text = prep.echo_texts[i] + text
             ids, entries = prep.prompts[i] + ids, (prompt_lps or []) + entries
         logprobs = self._logprobs(ids, entries, offset) if req.logprobs is not None else None
-        return {"index": i * req.n + c.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                "stop_reason": stop}, completion_tokens
+        choice = {"index": i * req.n + c.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                  "stop_reason": stop}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_lps or [])
+        return choice, completion_tokens
+
+    def _vllm_prompt_logprobs(self, entries: list) -> list:
+        """vLLM's choice.prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+        decoded_token}}."""
+        token_text = self.serving.token_text
+        return [None if entry is None else
+                {str(t): {"logprob": max(lp.logprob, LOGPROB_FLOOR), "rank": lp.rank, "decoded_token": token_text(t)}
+                 for t, lp in entry.items()} for entry in entries]
 
     async def response(self, req: CompletionRequest, prep: Prepared) -> dict:
         """The whole answer, once every prompt's samples have finished."""

@@ -85,3 +85,17 @@ def test_bad_echo_requests_are_400s_naming_their_field(client):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="demo", prompt=PROMPT, **kw)
         assert info.value.body["param"] == param, info.value.body
+
+
+def test_vllm_prompt_logprobs_field_without_echo(demo_server, client, prompt_ids):
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2}
+    r = httpx.post(demo_server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["logprobs"] is None and not choice["text"].startswith(PROMPT)
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    echoed = client.completions.create(model="demo", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2).choices[0]
+    for token, entry, lp in zip(prompt_ids[1:], entries[1:], echoed.logprobs.token_logprobs[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(lp, abs=1e-6)
+        assert entry[str(token)]["rank"] >= 1 and len(entry) <= 3

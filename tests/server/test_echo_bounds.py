@@ -63,3 +63,13 @@ def test_logit_bias_at_its_count_and_the_vocabulary_edge():
     refused("logit_bias", limits, prompt="hi", logit_bias={str(t): 1 for t in range(4)})
     refused("logit_bias", prompt="hi", logit_bias={str(VOCAB): 1})
     refused("logit_bias", prompt="hi", logit_bias={"1": 100.5})
+
+
+def test_vllm_prompt_logprobs_field_at_its_limits():
+    _, params = render(prompt="hi", prompt_logprobs=20)
+    assert params[0].prompt_logprobs == 20 and params[0].logprobs is None
+    refused("prompt_logprobs", prompt="hi", prompt_logprobs=21)
+    refused("prompt_logprobs", prompt="hi", prompt_logprobs=1, stream=True)  # vLLM's rule: not streamed
+    limits = RequestLimits(max_prompt_logprob_tokens=3)
+    render(limits, prompt=[[1, 2, 3]], prompt_logprobs=0)
+    refused("echo", limits, prompt=[[1, 2, 3, 4]], prompt_logprobs=0)
