@@ -175,11 +175,11 @@ class OpenAIServingCompletion:
                     echo = req.echo and key not in sent_tokens
                     start = sent_tokens.get(key, 0)
                     sent_tokens[key] = len(c.token_ids)
+                    if not (req.echo and req.max_tokens == 0):  # counted whether or not an event carries them
+                        completion_tokens += len(c.token_ids) - start
                     if not echo and not c.delta_text and not c.finished and c.logprobs is None:
                         continue
-                    choice, count = self._choice(req, prep, i, c, out.prompt_logprobs, echo, start,
-                                                 offsets.get(key, 0))
-                    completion_tokens += count
+                    choice, _ = self._choice(req, prep, i, c, out.prompt_logprobs, echo, start, offsets.get(key, 0))
                     offsets[key] = offsets.get(key, 0) + len(choice["text"])
                     yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                "choices": [choice]})

@@ -59,13 +59,17 @@ def test_echo_streams_the_prompt_first_then_the_generation(client, prompt_ids):
     kw = dict(model="demo", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, echo=True,
               extra_body={"ignore_eos": True})
     whole = client.completions.create(**kw).choices[0]
-    events = list(client.completions.create(stream=True, **kw))
+    events = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    usage = events.pop().usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), 3)
     assert events[0].choices[0].text.startswith(PROMPT)
     assert len(events[0].choices[0].logprobs.tokens) > len(prompt_ids)  # the prompt's and the first token's
     assert "".join(e.choices[0].text for e in events) == whole.text
     streamed = [lp for e in events for lp in e.choices[0].logprobs.token_logprobs]
     assert streamed[0] is None and streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-5)
-    only_prompt = list(client.completions.create(stream=True, **{**kw, "max_tokens": 0}))
+    only_prompt = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                                 **{**kw, "max_tokens": 0}))
+    assert only_prompt.pop().usage.completion_tokens == 0
     assert [e.choices[0].text for e in only_prompt] == [PROMPT]
     assert only_prompt[0].choices[0].finish_reason == "length"
 
