@@ -62,10 +62,14 @@ class KVCacheManager:
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of full blocks; the last token is always left to compute."""
+        """Longest cached prefix of full blocks; the last token is always left to compute. None for a request that
+        asks for prompt logprobs (vLLM's rule): a cached block has no logits, so its prompt is computed whole (and
+        its blocks are still cached for others)."""
         if not self.enable_caching:
             return [], 0
         hashes = self.update_block_hashes(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in hashes[:max_blocks]:

@@ -135,7 +135,7 @@ class LLM:
             out = last[rid]
             completions = [finals[rid][i] for i in sorted(finals[rid])]
             results.append(RequestOutput(rid, out.prompt, out.prompt_token_ids, completions, True,
-                                         out.num_cached_tokens, out.metrics))
+                                         out.num_cached_tokens, out.metrics, out.prompt_logprobs))
         return results
 
 

@@ -32,6 +32,7 @@ from kvgate.engine.kv_events import KVEventBatch
 from kvgate.engine.lora.manager import LoRAManager
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.outputs import CompletionOutput, RequestOutput
+from kvgate.engine import prompt_logprobs
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.runner import Runner, StepResult, load_model
 from kvgate.engine.sampling_params import SamplingParams
@@ -473,6 +474,7 @@ class LLMEngine:
             return []
         queued, self._queued = self._queued, None
         tokens, logprobs = queued.result.result()
+        prompt_logprobs.record(queued.out.scheduled, queued.result.prompt_logprobs)
         progressed = self.scheduler.update_from_output(queued.out, tokens)
         # After the step ran: the blocks it announces hold their KV now.
         self._publish_kv_events(queued.kv_events)
@@ -551,6 +553,10 @@ class LLMEngine:
             finished=all_done,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             metrics=metrics,
+            # in a sample's first output (the prompt is computed by then) and its last, not in every step's (a
+            # process engine loop pickles each output)
+            prompt_logprobs=request.prompt_logprobs
+            if finished or request.num_output_tokens <= max(request.num_step_tokens, 1) else None,
         )
 
     # -- introspection ----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from kvgate.engine.lora.adapter import LoRAWeights, load_lora_weights
 from kvgate.engine.lora.layers import add_lora_layers, module_shapes, set_slot
 from kvgate.engine.lora.request import LoRARequest
 from kvgate.engine.models.layers import use_fused_kernels
+from kvgate.engine import prompt_logprobs
 from kvgate.engine.quantization.linear import kernel_path_applies
 from kvgate.engine.sampler import Sampler, SamplingBatch
 from kvgate.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -230,7 +231,7 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.check()
 
-    def _send_step(self, out: SchedulerOutput, batch, replay: bool) -> None:
+    def _send_step(self, out: SchedulerOutput, batch, replay: bool, prompt_rows: torch.Tensor | None) -> None:
         """Rank 0: the step's header to the workers, then its inputs (the persistent buffers, async placeholders
         already filled on the device) in one broadcast."""
         n = len(out.scheduled)
@@ -239,25 +240,27 @@ class ModelRunner:
         width = cdiv(max(s.start + s.num_new_tokens for s in out.scheduled), self.block_size)
         verify = tuple(s.draft is not None for s in out.scheduled) if out.has_drafts else None
         num_samples = batch.sample_rows.shape[0]
+        num_prompt_rows = 0 if prompt_rows is None else prompt_rows.shape[0]
         header = (batch.num_tokens, batch.num_padded_tokens, n, batch.num_padded_seqs, batch.decode_only,
-                  num_samples, replay, verify, width)
+                  num_samples, replay, verify, width, num_prompt_rows)
         self.workers.check()
         self.workers.send(("step", header))
         p, s = batch.num_padded_tokens, batch.num_padded_seqs
         packed = torch.cat([dev["input_ids"][:p], dev["positions"][:p], dev["slot_mapping"][:p],
                             dev["query_start_loc"][:s + 1].long(), dev["seq_lens"][:s].long(),
-                            dev["block_table"][:s, :width].reshape(-1).long(), batch.sample_rows])
+                            dev["block_table"][:s, :width].reshape(-1).long(), batch.sample_rows,
+                            *([prompt_rows] if num_prompt_rows else [])])
         self.tp.broadcast(packed)
 
     @torch.inference_mode()
     def run_worker_step(self, header: tuple) -> None:
         """A worker rank: one step whose inputs rank 0 broadcasts (see _send_step): the forward pass on this rank's
         shard, and its part of the logits' gather."""
-        num_tokens, p, n, s, decode_only, num_samples, replay, verify, width = header
+        num_tokens, p, n, s, decode_only, num_samples, replay, verify, width, num_prompt_rows = header
         dev = self.inputs.dev
         if width > dev["block_table"].shape[1]:
             raise RuntimeError(f"rank 0 sent {width} block table columns, this rank has {dev['block_table'].shape[1]}")
-        sizes = [p, p, p, s + 1, s, s * width, num_samples]
+        sizes = [p, p, p, s + 1, s, s * width, num_samples, num_prompt_rows]
         packed = self.tp.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
         parts = packed.split(sizes)
         for name, part in zip(("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"), parts):
@@ -271,6 +274,8 @@ class ModelRunner:
             seqs = [(lens[i] - (qsl[i + 1] - qsl[i]), qsl[i + 1] - qsl[i], tables[i][:cdiv(lens[i], self.block_size)])
                     for i in range(n)]
         hidden = self._forward(num_tokens, p, s, decode_only, replay, seqs, list(verify) if verify else None)
+        if num_prompt_rows:  # rank 0's prompt-logprob pieces, in its order
+            prompt_logprobs.run_pieces(hidden, parts[7], self.model.compute_logits, self.vocab_size)
         if num_samples:
             self.model.compute_logits(hidden.index_select(0, dev["sample_rows"][:num_samples]))
 
@@ -311,7 +316,8 @@ class ModelRunner:
             return None, None, None  # larger than every graph: eager by design, not a fallback
         return padded, self._graph_seqs(padded), None
 
-    def _run_model(self, out: SchedulerOutput, running: PendingStep | None = None):
+    def _run_model(self, out: SchedulerOutput, running: PendingStep | None = None,
+                   prompt_rows: torch.Tensor | None = None):
         padded, padded_seqs, why_eager = self._padded_shape(out)
         if why_eager is not None and why_eager not in self._eager_causes:
             self._eager_causes.add(why_eager)
@@ -325,7 +331,7 @@ class ModelRunner:
                                       for slot, rows in batch.lora_rows.items()]
         replay = self.shapes is not None and bool(self.shapes.graphs) and padded is not None
         if self._lead:
-            self._send_step(out, batch, replay)
+            self._send_step(out, batch, replay, prompt_rows)
         seqs = None
         if self.attention_backend == "sdpa":
             table, bs = out.block_table.ids, self.block_size
@@ -375,27 +381,33 @@ class ModelRunner:
                 if self._mask_pool is None:
                     self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-grammar")
                 masks = self._mask_pool.submit(fill_bitmasks, samplers, width)
-        if self.workers is None:
-            batch, hidden = self._run_model(out, running)
-            if not samplers:
-                return PendingStep.done()
-            logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        # prompt logprobs: the rows of the chunks that score prompt tokens, computed piece by piece after the forward
+        plan = prompt_logprobs.plan_rows(out.scheduled)
+        prompt_rows = None if plan is None else torch.tensor(plan.rows, dtype=torch.long, device=self.device)
+        computed = {}
+        try:  # with tensor parallelism, a rank that died mid-step fails its collective here: say which one
+            batch, hidden = self._run_model(out, running, prompt_rows)
+            if plan is not None:
+                computed = prompt_logprobs.compute(hidden, plan, self.model.compute_logits, self.vocab_size,
+                                                   prompt_rows)
+            logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows)) if samplers else None
+        except RuntimeError as exc:
+            if self.workers is None:
+                raise
+            error = self.workers.explain(exc)
+            self.tp.abort()  # no step can run on this group again
+            raise error from exc
+        if not samplers:
+            step = PendingStep.done()
+        elif out.has_drafts:
+            step = self._verify_drafts(out, samplers, logits, plain, masks)
         else:
-            try:  # a rank that died mid-step fails its collective here: say which one
-                batch, hidden = self._run_model(out, running)
-                logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows)) if samplers else None
-            except RuntimeError as exc:
-                error = self.workers.explain(exc)
-                self.tp.abort()  # no step can run on this group again
-                raise error from exc
-            if not samplers:
-                return PendingStep.done()
-        if out.has_drafts:
-            return self._verify_drafts(out, samplers, logits, plain, masks)
-        tokens, logprobs = self._sample(samplers, logits, plain, masks)
-        ids = [r.request_id for r in samplers]
-        logprob_map = {rid: lp for rid, lp in zip(ids, logprobs)} if logprobs is not None else {}
-        return PendingStep.copy_back(ids, tokens, logprob_map, self._next_token_buffer())
+            tokens, logprobs = self._sample(samplers, logits, plain, masks)
+            ids = [r.request_id for r in samplers]
+            logprob_map = {rid: lp for rid, lp in zip(ids, logprobs)} if logprobs is not None else {}
+            step = PendingStep.copy_back(ids, tokens, logprob_map, self._next_token_buffer())
+        step.prompt_logprobs = computed
+        return step
 
     def _sample(self, samplers: list, logits: torch.Tensor, plain: bool, masks) -> tuple[torch.Tensor, list | None]:
         """One token per sampling request from its row of logits."""
@@ -473,6 +485,8 @@ class PendingStep:
 
     def __init__(self, ids: list[str], tokens: torch.Tensor | None, logprobs: dict) -> None:
         self.ids, self.tokens, self.logprobs = ids, tokens, logprobs
+        # {request id: (first prompt index, entries)}: the prompt logprobs its chunks computed (prompt_logprobs.py)
+        self.prompt_logprobs: dict = {}
         self.rows = {rid: i for i, rid in enumerate(ids)}
         self._host = self._event = self._ready = None
 

@@ -33,3 +33,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # The prompt's logprobs when its sampling params asked for them (vLLM's field): None for the first token, then
+    # {token_id: Logprob} per prompt token; whole, in a sample's first output and in its last (None in the others).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

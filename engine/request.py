@@ -76,6 +76,9 @@ class Request:
     stop_reason: int | str | None = None
     # One {token_id: Logprob} per generated token when sampling_params.logprobs is set.
     logprobs: list[dict[int, Logprob]] | None = None
+    # One entry per prompt token when sampling_params.prompt_logprobs is set, filled as its prefill chunks run: None
+    # for the first token (nothing precedes it), then {token_id: Logprob} for each one (prompt_logprobs.py).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     first_token_time: float | None = None
     scheduled_time: float | None = None  # first time it was scheduled (queue time ends)
     max_model_len: int = 0
@@ -99,6 +102,8 @@ class Request:
         params = self.sampling_params
         if params.logprobs is not None:
             self.logprobs = []
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         # Outputs after which it surely ends (max_tokens, or the context length when known): a request whose
         # scheduled steps already sample that many needs no more steps (async scheduling).
         room = self.max_model_len - len(self.prompt_token_ids) if self.max_model_len > 0 else float("inf")

@@ -22,6 +22,10 @@ from kvgate.engine.scheduler import SchedulerOutput
 
 
 class StepResult(Protocol):
+    # {request id: (index of its first prompt token scored, one {token id: Logprob} per token)}: the prompt logprobs
+    # the step's chunks computed (prompt_logprobs.py); empty when none asked
+    prompt_logprobs: dict
+
     def result(self) -> tuple[dict[str, int], dict[str, dict]]:
         """What execute returns, once the step has run."""
 

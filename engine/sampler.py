@@ -200,7 +200,7 @@ class Sampler:
             tokens = torch.where(batch.greedy, greedy_tokens, sampled)
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = self._gather_logprobs(raw_logprobs, tokens, batch.num_logprobs)
+            logprobs = gather_logprobs(raw_logprobs, tokens, batch.num_logprobs)
         return tokens, logprobs
 
     @staticmethod
@@ -217,25 +217,27 @@ class Sampler:
                 noise[i].exponential_(generator=g)
         return noise
 
-    @staticmethod
-    def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, counts: list[int | None]) -> list:
-        k = max(n or 0 for n in counts)
-        chosen = raw.gather(1, tokens[:, None]).squeeze(1)
-        ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
-        top_vals = top_ids = None
-        if k > 0:
-            top_vals, top_ids = raw.topk(k, dim=-1)
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        chosen, ranks, toks = chosen.tolist(), ranks.tolist(), tokens.tolist()
-        result = []
-        for i, n in enumerate(counts):
-            if n is None:
-                result.append(None)
-                continue
-            entry = {toks[i]: Logprob(chosen[i], ranks[i])}
-            for j in range(n):
-                tid = top_ids[i][j]
-                if tid not in entry:
-                    entry[tid] = Logprob(top_vals[i][j], j + 1)
-            result.append(entry)
-        return result
+
+def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, counts: list[int | None]) -> list:
+    """Per row of raw logprobs [B, V]: None where its count is None, else {its token: Logprob} and its top `count`
+    tokens' (ranks from 1, the most likely)."""
+    k = max(n or 0 for n in counts)
+    chosen = raw.gather(1, tokens[:, None]).squeeze(1)
+    ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
+    top_vals = top_ids = None
+    if k > 0:
+        top_vals, top_ids = raw.topk(k, dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    chosen, ranks, toks = chosen.tolist(), ranks.tolist(), tokens.tolist()
+    result = []
+    for i, n in enumerate(counts):
+        if n is None:
+            result.append(None)
+            continue
+        entry = {toks[i]: Logprob(chosen[i], ranks[i])}
+        for j in range(n):
+            tid = top_ids[i][j]
+            if tid not in entry:
+                entry[tid] = Logprob(top_vals[i][j], j + 1)
+        result.append(entry)
+    return result

@@ -81,6 +81,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (the chosen one is always given)
+    # number of top logprobs per prompt token (vLLM's prompt_logprobs; the prompt's own token is always given, the
+    # first prompt token has none). A request with it skips the prefix cache: a cached block has no logits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # {token id: bias} added to the token's logit before sampling (vLLM's logit_bias; the ids are checked against
@@ -132,6 +135,9 @@ class SamplingParams:
             raise bad("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):

@@ -30,6 +30,7 @@ from kvgate.common.errors import ConfigError
 from kvgate.engine.kv_quant import kv_bytes_per_token_head, kv_quant_spec
 from kvgate.engine.lora.adapter import AdapterConfig, read_adapter_config
 from kvgate.engine.lora.request import LoRARequest
+from kvgate.engine.prompt_logprobs import plan_rows
 from kvgate.engine.request import Logprob, Request
 from kvgate.engine.scheduler import SchedulerOutput
 from kvgate.engine.structured_output import allowed_token_ids, fill_bitmasks
@@ -198,7 +199,28 @@ class SimModelRunner:
 
     def launch(self, out: SchedulerOutput, running=None) -> "DoneStep":
         """The runner protocol's queued step: the sim runs it at once (its tokens never come from a step's)."""
-        return DoneStep(self.execute(out))
+        step = DoneStep(self.execute(out))
+        step.prompt_logprobs = self._prompt_logprobs(out)
+        return step
+
+    @staticmethod
+    def _prompt_logprobs(out: SchedulerOutput) -> dict[str, tuple[int, list[dict]]]:
+        """Prompt logprobs in the shape the torch runner gives (no logits: each prompt token scores -1, rank 1, with
+        made-up runners-up), so the API's shape is the same on the sim."""
+        plan = plan_rows(out.scheduled)
+        if plan is None:
+            return {}
+        entries = []
+        for target, k in zip(plan.targets, plan.counts):
+            entry = {target: Logprob(-1.0, 1)}
+            for rank in range(2, k + 2):
+                entry.setdefault(_PRINTABLE[(target + rank) % len(_PRINTABLE)], Logprob(-1.0 * rank, rank))
+            entries.append(entry)
+        computed, at = {}, 0
+        for request_id, first, count in plan.spans:
+            computed[request_id] = (first, entries[at:at + count])
+            at += count
+        return computed
 
     @staticmethod
     def _draw(rng: random.Random, allowed: list[int] | None, eos_token_ids) -> int:
@@ -225,6 +247,7 @@ class DoneStep:
 
     def __init__(self, result: tuple[dict[str, int], dict]) -> None:
         self._result = result
+        self.prompt_logprobs: dict = {}  # as PendingStep's
 
     def result(self) -> tuple[dict[str, int], dict]:
         return self._result

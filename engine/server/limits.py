@@ -25,6 +25,10 @@ class RequestLimits:
     max_stop_sequence_chars: int = 1024  # length of one stop string
     # entries of logit_bias (each also a token id of the vocabulary); vLLM takes any number up to the vocabulary
     max_logit_bias: int = 1024
+    # prompt tokens (over a request's prompts x n) whose logprobs completions' echo returns: each costs a log-softmax
+    # over the vocabulary and logprobs + 1 entries of the answer. vLLM has no bound; 131072 is 128 prompts of 1k
+    # tokens, an evaluation harness's large batch.
+    max_prompt_logprob_tokens: int = 131072
     # engine requests (prompts x n) waiting for a batch slot: 503 beyond (vLLM's flag; vLLM has no default
     # bound). 1024 is 8 full batches of the default --max-num-seqs 128.
     max_queued_requests: int = 1024
@@ -51,6 +55,9 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                    help=f"longest stop string (default {d.max_stop_sequence_chars})")
     g.add_argument("--max-logit-bias", type=_positive_int, default=d.max_logit_bias,
                    help=f"most entries in logit_bias (default {d.max_logit_bias})")
+    g.add_argument("--max-prompt-logprob-tokens", type=_positive_int, default=d.max_prompt_logprob_tokens,
+                   help="most prompt tokens (over a completions request's prompts x n) whose logprobs echo with "
+                        f"logprobs returns (default {d.max_prompt_logprob_tokens})")
     g.add_argument("--max-queued-requests", type=_positive_int, default=d.max_queued_requests,
                    help="answer 503 when a request would make more than this many engine requests "
                         f"(prompts x n) wait for a batch slot (default {d.max_queued_requests})")
@@ -70,7 +77,7 @@ def limits_from_args(args: argparse.Namespace) -> RequestLimits:
         max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request, max_logprobs=args.max_logprobs,
         max_stop_sequences=args.max_stop_sequences, max_stop_sequence_chars=args.max_stop_sequence_chars,
-        max_logit_bias=args.max_logit_bias,
+        max_logit_bias=args.max_logit_bias, max_prompt_logprob_tokens=args.max_prompt_logprob_tokens,
         max_queued_requests=args.max_queued_requests, tokenize_timeout=args.tokenize_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
         client_stall_timeout=args.client_stall_timeout,

@@ -78,6 +78,7 @@ class Prepared:
     prompts: list[list[int]]
     params: list[SamplingParams]
     tracker: RequestTracker
+    echo_texts: list[str] | None = None  # completions' echo: each prompt as text
 
 
 class OpenAIServing:

@@ -84,6 +84,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs
     echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's: the choice's prompt_logprobs (not streamed)
 
 
 class ChatMessage(BaseModel):
