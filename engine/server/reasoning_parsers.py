@@ -1,0 +1,99 @@
+"""Reasoning parsers (`--reasoning-parser NAME`, vLLM's flag and names): a thinking model's `<think>...</think>`
+text is split from its answer, into the chat message's `reasoning` (vLLM's field) and `reasoning_content` (the
+same text under DeepSeek's and older vLLM's name, which many clients read), whole or as streaming deltas.
+
+`qwen3` (Qwen3, QwQ) and `deepseek_r1` (DeepSeek-R1 and its distills) read the same text, as vLLM's parsers of
+those names do: everything before `</think>` is reasoning (a `<think>` that opens the output is dropped: newer
+templates put it in the prompt, so the output holds only the closing tag), everything after it is the answer;
+an output that never closes its thinking (cut by max_tokens) is all reasoning. `qwen3` honours the template's
+switch: with `chat_template_kwargs: {"enable_thinking": false}` the template closes the thinking in the prompt,
+and the whole output is the answer.
+
+Streaming holds back only what may still become a tag; the work is linear in the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+
+
+class ThinkReasoningParser:
+    name = ""
+    honours_enable_thinking = False
+
+    def __init__(self, chat_template_kwargs: dict | None = None) -> None:
+        kwargs = chat_template_kwargs or {}
+        self.thinking = not (self.honours_enable_thinking and kwargs.get("enable_thinking", True) is False)
+
+    def extract(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a finished output; each None when empty."""
+        stream = self.stream()
+        reasoning, content = stream.feed(text)
+        more_reasoning, more_content = stream.finish()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+        return (reasoning or None), (content or None)
+
+    def stream(self) -> "ReasoningStream":
+        return ReasoningStream("start" if self.thinking else "content")
+
+
+class Qwen3ReasoningParser(ThinkReasoningParser):
+    name = "qwen3"
+    honours_enable_thinking = True
+
+
+class DeepSeekR1ReasoningParser(ThinkReasoningParser):
+    name = "deepseek_r1"
+
+
+@dataclass
+class ReasoningStream:
+    """One output's split: text in, (reasoning to send now, content to send now) out."""
+
+    mode: str  # start (a <think> may open the output), reasoning, content
+    held: str = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        window, self.held = self.held + text, ""
+        if self.mode == "start":
+            if START.startswith(window) and len(window) < len(START):
+                self.held = window  # may still become the opening tag
+                return "", ""
+            if window.startswith(START):
+                window = window[len(START):]
+            self.mode = "reasoning"
+        if self.mode == "content":
+            return "", window
+        at = window.find(END)
+        if at >= 0:
+            self.mode = "content"
+            return window[:at], window[at + len(END):]
+        keep = _partial(END, window)
+        self.held = window[len(window) - keep:]
+        return window[:len(window) - keep], ""
+
+    def finish(self) -> tuple[str, str]:
+        """What is held back goes out: reasoning while the thinking is open."""
+        held, self.held = self.held, ""
+        if self.mode == "start" and held.startswith(START):
+            return "", ""
+        return ("", held) if self.mode == "content" else (held, "")
+
+
+def _partial(marker: str, text: str) -> int:
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
+    Qwen3ReasoningParser.name: Qwen3ReasoningParser,
+    DeepSeekR1ReasoningParser.name: DeepSeekR1ReasoningParser,
+}
+
+
+def reasoning_parser(name: str, chat_template_kwargs: dict | None = None) -> ThinkReasoningParser:
+    return REASONING_PARSERS[name](chat_template_kwargs)
