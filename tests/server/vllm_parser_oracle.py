@@ -8,6 +8,8 @@ JSON request on stdin, answers one JSON object on stdout.
 - `mistral_turns`: assistant messages with tool calls encoded by mistral_common, Mistral's own tokenizer library,
   with the tokenizer files it ships (v3 and v7 SentencePiece, Tekken): for each, the text of every token as
   decoded one at a time with special tokens kept (what a server streams), minus the end-of-turn token.
+  SentencePiece's word marker (U+2581) is written as the space it stands for: mistral_common's decode keeps it
+  raw when it keeps special tokens, where a server's detokenizer writes spaces.
 """
 
 import json
@@ -81,7 +83,7 @@ def _streamed_pieces(tok, ids: list[int], policy) -> list[str]:
         if text.endswith("\ufffd"):
             pieces.append("")
             continue
-        pieces.append(text[len(sent):])
+        pieces.append(text[len(sent):].replace("\u2581", " "))
         sent = text
     return pieces
 
