@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgate.engine.server.tool_parsers.scanners import partial_marker
+
 START, END = "<think>", "</think>"
 
 
@@ -70,7 +72,7 @@ class ReasoningStream:
         if at >= 0:
             self.mode = "content"
             return window[:at], window[at + len(END):]
-        keep = _partial(END, window)
+        keep = partial_marker(END, window)
         self.held = window[len(window) - keep:]
         return window[:len(window) - keep], ""
 
@@ -80,13 +82,6 @@ class ReasoningStream:
         if self.mode == "start" and held.startswith(START):
             return "", ""
         return ("", held) if self.mode == "content" else (held, "")
-
-
-def _partial(marker: str, text: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 from kvgate.common import bounded_json
+from kvgate.engine.server.tool_parsers.scanners import partial_marker
 
 # A model's calls are small: a few names and argument values. Generous bounds, far above real calls, that keep a
 # runaway output from becoming megabytes of arguments or thousands of calls in one message.
@@ -180,7 +181,7 @@ class CallStream:
             out.append(window[:at])
             self._open()
             return window[at:]
-        keep = _partial(parser.opener, window)
+        keep = partial_marker(parser.opener, window)
         out.append(window[:len(window) - keep])
         self.held = window[len(window) - keep:]
         return ""
@@ -225,10 +226,3 @@ class CallStream:
         self.segment, self.segment_chars = [], 0
         self.mode = "broken"
 
-
-def _partial(marker: str, text: str) -> int:
-    """How many characters at the end of `text` could begin `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

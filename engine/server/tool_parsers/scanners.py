@@ -1,8 +1,9 @@
 """Incremental scanners over streamed text: each takes the new text only, keeping a few characters of state, so a
 stream's parsing costs time linear in the output however finely it is cut.
 
-`MarkerFinder` finds a literal marker that may be split across pieces; `BracketScanner` finds where a JSON or
-Python bracketed value (an object, array or call list) closes, skipping brackets inside strings.
+`MarkerFinder` finds a literal marker that may be split across pieces (`partial_marker`: how much of a piece's end
+may begin one, to hold back); `BracketScanner` finds where a JSON or Python bracketed value (an object, array or
+call list) closes, skipping brackets inside strings.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ class MarkerFinder:
         self.tail = ""
         return at + len(self.marker) - len(tail)
 
-    def partial(self, text: str) -> int:
-        """How many characters at the end of `text` could begin the marker (text to hold back)."""
-        for n in range(min(len(self.marker) - 1, len(text)), 0, -1):
-            if self.marker.startswith(text[-n:]):
-                return n
-        return 0
+
+def partial_marker(marker: str, text: str) -> int:
+    """How many characters at the end of `text` could begin `marker` (text to hold back)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
 
 
 _JSON_SIGNIFICANT = re.compile(r'["\\{}\[\]]')
