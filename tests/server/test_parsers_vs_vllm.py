@@ -27,11 +27,10 @@ ORACLE = Path(__file__).with_name("vllm_parser_oracle.py")
 # the format's special tokens, added to the oracle's tokenizer: vLLM's parsers look their markers up in it
 SPECIALS = {"llama3_json": ["<|python_tag|>"], "mistral": ["[TOOL_CALLS]", "[ARGS]"],
             "mistral_v3": ["[TOOL_CALLS]"], "qwen3_coder": ["<tool_call>", "</tool_call>"],
-            "hermes": ["<tool_call>", "</tool_call>"], "pythonic": [], "reasoning": ["<think>", "</think>"]}
+            "hermes": ["<tool_call>", "</tool_call>"], "qwen3_json": ["<tool_call>", "</tool_call>"], "pythonic": [], "reasoning": ["<think>", "</think>"]}
 
 TOOL_TEXTS = [(name, text) for name, text, _, _ in CASES
-              if name != "qwen3_json"  # vLLM's alias of hermes, the same parser
-              and not (name == "mistral" and "[ARGS]" not in text and "[TOOL_CALLS]" in text
+              if not (name == "mistral" and "[ARGS]" not in text and "[TOOL_CALLS]" in text
                        and not text.endswith("ci"))  # pre-v11: below
               and not (name == "llama3_json" and text.startswith("The weather"))  # prose: read differently
               and "not xml" not in text  # a block that is no call: kvgate keeps it as content, vLLM drops it

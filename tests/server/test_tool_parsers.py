@@ -65,9 +65,13 @@ CASES = [
     ("pythonic", "[1, 2, 3]", "[1, 2, 3]", []),
     ("pythonic", 'Sure! [get_weather(city="Paris")]', 'Sure! [get_weather(city="Paris")]', []),
     ("pythonic", '[get_weather(city="Par', '[get_weather(city="Par', []),
-    # hermes (and its alias)
+    # hermes (and its alias): tests/server/test_auto_tool_choice.py has more
     ("qwen3_json", 'ok<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', "ok",
      [PARIS]),
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+     "Let me look.\n", [PARIS, ROME]),
+    ("hermes", 'x <tool_call>{not json}</tool_call>', 'x <tool_call>{not json}</tool_call>', []),
 ]
 
 
