@@ -9,6 +9,11 @@ an output that never closes its thinking (cut by max_tokens) is all reasoning. `
 switch: with `chat_template_kwargs: {"enable_thinking": false}` the template closes the thinking in the prompt,
 and the whole output is the answer.
 
+An output generated under a constraint from its first token (response_format, structured_outputs, guided_*)
+is thinking only when it opens with `<think>`: its grammar, not the model, chose its first characters, so an
+output that starts otherwise is the answer (vLLM holds the grammar back until the thinking ends; kvgate's
+constraints start at once, and a JSON answer must not become "reasoning").
+
 Streaming holds back only what may still become a tag; the work is linear in the output.
 """
 
@@ -25,9 +30,10 @@ class ThinkReasoningParser:
     name = ""
     honours_enable_thinking = False
 
-    def __init__(self, chat_template_kwargs: dict | None = None) -> None:
+    def __init__(self, chat_template_kwargs: dict | None = None, constrained: bool = False) -> None:
         kwargs = chat_template_kwargs or {}
         self.thinking = not (self.honours_enable_thinking and kwargs.get("enable_thinking", True) is False)
+        self.constrained = constrained  # thinking only when the output opens with <think>
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a finished output; each None when empty."""
@@ -38,7 +44,7 @@ class ThinkReasoningParser:
         return (reasoning or None), (content or None)
 
     def stream(self) -> "ReasoningStream":
-        return ReasoningStream("start" if self.thinking else "content")
+        return ReasoningStream("start" if self.thinking else "content", opened_only=self.constrained)
 
 
 class Qwen3ReasoningParser(ThinkReasoningParser):
@@ -55,6 +61,7 @@ class ReasoningStream:
     """One output's split: text in, (reasoning to send now, content to send now) out."""
 
     mode: str  # start (a <think> may open the output), reasoning, content
+    opened_only: bool = False  # thinking only when <think> opens the output
     held: str = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -65,7 +72,9 @@ class ReasoningStream:
                 return "", ""
             if window.startswith(START):
                 window = window[len(START):]
-            self.mode = "reasoning"
+                self.mode = "reasoning"
+            else:
+                self.mode = "content" if self.opened_only else "reasoning"
         if self.mode == "content":
             return "", window
         at = window.find(END)
@@ -79,8 +88,8 @@ class ReasoningStream:
     def finish(self) -> tuple[str, str]:
         """What is held back goes out: reasoning while the thinking is open."""
         held, self.held = self.held, ""
-        if self.mode == "start" and held.startswith(START):
-            return "", ""
+        if self.mode == "start" and self.opened_only:  # never opened with <think>: the answer
+            return "", held
         return ("", held) if self.mode == "content" else (held, "")
 
 
@@ -90,5 +99,8 @@ REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
 }
 
 
-def reasoning_parser(name: str, chat_template_kwargs: dict | None = None) -> ThinkReasoningParser:
-    return REASONING_PARSERS[name](chat_template_kwargs)
+def reasoning_parser(name: str, chat_template_kwargs: dict | None = None,
+                     constrained: bool = False) -> ThinkReasoningParser:
+    """The parser `name` (a key of REASONING_PARSERS) for a request; `constrained`: its output is generated under
+    a constraint from the first token."""
+    return REASONING_PARSERS[name](chat_template_kwargs, constrained)

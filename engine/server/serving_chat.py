@@ -29,7 +29,7 @@ class OpenAIServingChat:
 
         thinking = None
         if self.reasoning_parser is not None:
-            thinking = reasoning_parser(self.reasoning_parser, req.chat_template_kwargs)
+            thinking = reasoning_parser(self.reasoning_parser, req.chat_template_kwargs, _constrained(req))
         return ChatOutput(tool_calls.tool_mode(req, self.tool_parser), thinking, req.include_reasoning)
 
     def role(self, req: ChatCompletionRequest) -> str:
@@ -139,3 +139,11 @@ class OpenAIServingChat:
         finally:
             prep.tracker.close()
         yield sse("[DONE]")
+
+
+def _constrained(req: ChatCompletionRequest) -> bool:
+    """Whether the request's output is generated under a constraint from its first token (structured_outputs.py
+    reads the same fields)."""
+    rf = req.response_format
+    return (rf is not None and rf.type != "text") or req.structured_outputs is not None or any(
+        getattr(req, f) is not None for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"))

@@ -47,6 +47,21 @@ def test_qwen3_with_thinking_off_is_all_answer():
     assert reasoning_parser("deepseek_r1", {"enable_thinking": False}).extract(text) == ("a", "b")  # no switch
 
 
+@pytest.mark.parametrize("text, reasoning, content", [
+    ('{"a": 1}', None, '{"a": 1}'), ("<think>x</think>{}", "x", "{}"), ("x</think>y", None, "x</think>y"),
+    ("<thin", None, "<thin")])
+def test_a_constrained_output_thinks_only_when_it_opens_with_the_tag(text, reasoning, content):
+    """Its grammar chose its first characters: a JSON answer must not become reasoning."""
+    parser = reasoning_parser("qwen3", constrained=True)
+    assert parser.extract(text) == (reasoning, content)
+    for cut in range(len(text) + 1):
+        stream = parser.stream()
+        r1, c1 = stream.feed(text[:cut])
+        r2, c2 = stream.feed(text[cut:])
+        r3, c3 = stream.finish()
+        assert (r1 + r2 + r3, c1 + c2 + c3) == (reasoning or "", content or ""), cut
+
+
 def test_streaming_holds_back_only_a_possible_tag():
     stream = reasoning_parser("qwen3").stream()
     assert stream.feed("<thi") == ("", "")
@@ -151,6 +166,10 @@ def test_thinking_off_and_reasoning_left_out(client):
     on = client.chat.completions.create(model="sim-8b", messages=ASK, max_tokens=100, extra_body=THINKS_THEN_ANSWERS)
     assert on.choices[0].message.content == "It is sunny."
     assert on.choices[0].message.model_dump()["reasoning_content"] == "Easy."
+    constrained = client.chat.completions.create(model="sim-8b", messages=ASK, max_tokens=100,
+                                                 extra_body={"structured_outputs": {"regex": r'\{"a": [0-9]\}'}})
+    assert constrained.choices[0].message.content.startswith('{"a": ')  # the answer, not reasoning
+    assert constrained.choices[0].message.model_dump()["reasoning"] is None
     hidden = client.chat.completions.create(model="sim-8b", messages=ASK, max_tokens=100,
                                             extra_body={**THINKS_THEN_ANSWERS, "include_reasoning": False})
     assert hidden.choices[0].message.content == "It is sunny."
