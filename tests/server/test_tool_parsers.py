@@ -206,3 +206,20 @@ def test_streaming_work_is_linear_in_the_output(name):
     would cost sixteen)."""
     small, large = _stream_seconds(name, 48_000), _stream_seconds(name, 192_000)
     assert large < 8 * small, (name, small, large)
+
+
+def test_text_held_back_is_bounded():
+    """What a stream holds before deciding is bounded too: a Mistral call's name (1 KiB), the whitespace before a
+    leading format's first character (one call's size)."""
+    from kvgate.engine.server.tool_parsers.mistral import _MAX_HEAD
+
+    name = "n" * (_MAX_HEAD + 1)
+    long_name = f'[TOOL_CALLS]{name}[ARGS]{{"city": "Paris"}}'
+    assert _parser("mistral").extract(long_name) == (long_name, [])
+    assert streamed(_parser("mistral"), long_name, range(0, len(long_name), 9)) == (long_name, [])
+    ok_name = f'[TOOL_CALLS]{"n" * (_MAX_HEAD - 40)}[ARGS]{{"city": "Paris"}}'
+    assert _parser("mistral").extract(ok_name)[1] == [ParsedCall("n" * (_MAX_HEAD - 40), '{"city": "Paris"}')]
+    spaces = " " * 101
+    stream = _parser("pythonic", max_call_chars=100).stream()
+    assert stream.feed(spaces[:100]) == ("", [])  # held: may still open a list
+    assert stream.feed(spaces[100:]) == (spaces, [])  # past the bound: text

@@ -88,7 +88,7 @@ class MistralToolParser(ToolParser):
         if at < 0:  # text after the last call
             return []
         start = _value_start(segment + " " * len(ARGS))
-        if start is None:
+        if start is None or start - at > _MAX_HEAD:
             return None
         head = segment[at + len(TOOL_CALLS):start]
         m = _NAME.match(head)
