@@ -5,7 +5,9 @@ same text under DeepSeek's and older vLLM's name, which many clients read), whol
 `qwen3` (Qwen3, QwQ) and `deepseek_r1` (DeepSeek-R1 and its distills) read the same text, as vLLM's parsers of
 those names do: everything before `</think>` is reasoning (a `<think>` that opens the output is dropped: newer
 templates put it in the prompt, so the output holds only the closing tag), everything after it is the answer;
-an output that never closes its thinking (cut by max_tokens) is all reasoning. `qwen3` honours the template's
+an output that never closes its thinking (cut by max_tokens) is all reasoning. For `qwen3` a `<tool_call>`
+written while thinking ends the thinking too, and the answer starts with it (vLLM 0.32's qwen3 parser reads it so:
+Qwen3 models may call a tool without closing their thinking). `qwen3` honours the template's
 switch: with `chat_template_kwargs: {"enable_thinking": false}` the template closes the thinking in the prompt,
 and the whole output is the answer.
 
@@ -29,6 +31,7 @@ START, END = "<think>", "</think>"
 class ThinkReasoningParser:
     name = ""
     honours_enable_thinking = False
+    answer_starts: tuple[str, ...] = ()  # markers that end the thinking and begin the answer (kept in it)
 
     def __init__(self, chat_template_kwargs: dict | None = None, constrained: bool = False) -> None:
         kwargs = chat_template_kwargs or {}
@@ -44,12 +47,14 @@ class ThinkReasoningParser:
         return (reasoning or None), (content or None)
 
     def stream(self) -> "ReasoningStream":
-        return ReasoningStream("start" if self.thinking else "content", opened_only=self.constrained)
+        return ReasoningStream("start" if self.thinking else "content", opened_only=self.constrained,
+                               answer_starts=self.answer_starts)
 
 
 class Qwen3ReasoningParser(ThinkReasoningParser):
     name = "qwen3"
     honours_enable_thinking = True
+    answer_starts = ("<tool_call>",)
 
 
 class DeepSeekR1ReasoningParser(ThinkReasoningParser):
@@ -62,6 +67,7 @@ class ReasoningStream:
 
     mode: str  # start (a <think> may open the output), reasoning, content
     opened_only: bool = False  # thinking only when <think> opens the output
+    answer_starts: tuple[str, ...] = ()
     held: str = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -77,11 +83,15 @@ class ReasoningStream:
                 self.mode = "content" if self.opened_only else "reasoning"
         if self.mode == "content":
             return "", window
-        at = window.find(END)
+        at, skip = window.find(END), len(END)
+        for marker in self.answer_starts:
+            found = window.find(marker)
+            if found >= 0 and (at < 0 or found < at):
+                at, skip = found, 0
         if at >= 0:
             self.mode = "content"
-            return window[:at], window[at + len(END):]
-        keep = partial_marker(END, window)
+            return window[:at], window[at + skip:]
+        keep = max(partial_marker(m, window) for m in (END, *self.answer_starts))
         self.held = window[len(window) - keep:]
         return window[:len(window) - keep], ""
 

@@ -27,7 +27,7 @@ ORACLE = Path(__file__).with_name("vllm_parser_oracle.py")
 # the format's special tokens, added to the oracle's tokenizer: vLLM's parsers look their markers up in it
 SPECIALS = {"llama3_json": ["<|python_tag|>"], "mistral": ["[TOOL_CALLS]", "[ARGS]"],
             "mistral_v3": ["[TOOL_CALLS]"], "qwen3_coder": ["<tool_call>", "</tool_call>"],
-            "hermes": ["<tool_call>", "</tool_call>"], "qwen3_json": ["<tool_call>", "</tool_call>"], "pythonic": [], "reasoning": ["<think>", "</think>"]}
+            "hermes": ["<tool_call>", "</tool_call>"], "qwen3_json": ["<tool_call>", "</tool_call>"], "pythonic": [], "reasoning": ["<think>", "</think>", "<tool_call>", "</tool_call>"]}
 
 TOOL_TEXTS = [(name, text) for name, text, _, _ in CASES
               if not (name == "mistral" and "[ARGS]" not in text and "[TOOL_CALLS]" in text
@@ -39,7 +39,8 @@ MISTRAL_PRE_V11 = [text for name, text, _, _ in CASES if name == "mistral" and "
                    and text.partition("[TOOL_CALLS]")[2].lstrip()[:1] in ("[", "{") and not text.endswith("ci")]
 REASONING_TEXTS = ["<think>Let me think.</think>The answer is 4.", "Let me think.</think>The answer is 4.",
                    "<think>\nstep 1\nstep 2\n</think>\n\nDone.", "still thinking when cut",
-                   "<think>still thinking when cut", "thought</think>"]
+                   "<think>still thinking when cut", "thought</think>",
+                   "<think>I need the weather.\n<tool_call>\n<function=get_weather>\n</function>\n</tool_call>"]
 MISTRAL_TURNS = [{"content": None, "calls": [["get_weather", {"city": "Paris"}]]},
                  {"content": None, "calls": [["get_weather", {"city": "Köln"}], ["get_time", {"zone": "CET"}]]}]
 

@@ -40,6 +40,17 @@ def test_extract_and_stream_at_every_cut(name, text, reasoning, content):
         assert ("".join(got_reasoning) + r, "".join(got_content) + c) == (reasoning or "", content or ""), cuts
 
 
+def test_a_qwen3_call_while_thinking_ends_the_thinking():
+    text = "<think>I need the weather.\n<tool_call>\n<function=f>\n</function>\n</tool_call>"
+    call = text[text.index("<tool_call>"):]
+    assert reasoning_parser("qwen3").extract(text) == ("I need the weather.\n", call)
+    assert reasoning_parser("deepseek_r1").extract(text) == (text[len("<think>"):], None)
+    for cut in range(len(text) + 1):
+        stream = reasoning_parser("qwen3").stream()
+        parts = [stream.feed(text[:cut]), stream.feed(text[cut:]), stream.finish()]
+        assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == ("I need the weather.\n", call)
+
+
 def test_qwen3_with_thinking_off_is_all_answer():
     text = "<think>a</think>b"
     assert reasoning_parser("qwen3", {"enable_thinking": False}).extract(text) == (None, text)
