@@ -13,6 +13,7 @@ from kvgate.engine.server import tool_calls
 from kvgate.engine.server.chat_output import ChatOutput
 from kvgate.engine.server.openai_serving import OpenAIServing, Prepared, sse, stream_error, usage
 from kvgate.engine.server.protocol import ChatCompletionRequest
+from kvgate.engine.server.reasoning_parsers import reasoning_parser
 
 
 class OpenAIServingChat:
@@ -25,8 +26,6 @@ class OpenAIServingChat:
 
     def output(self, req: ChatCompletionRequest) -> ChatOutput:
         """How the request's choices are read: thinking, then tool calls or text."""
-        from kvgate.engine.server.reasoning_parsers import reasoning_parser
-
         thinking = None
         if self.reasoning_parser is not None:
             thinking = reasoning_parser(self.reasoning_parser, req.chat_template_kwargs, _constrained(req))
