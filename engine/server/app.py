@@ -64,9 +64,11 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
                on_fatal: Callable[[BaseException], None] | None = None, server_id: str | None = None,
                tool_parser: str | None = None, chat_template: str | None = None,
                response_role: str = "assistant", generation_defaults: GenerationDefaults | None = None,
-               api_keys: Sequence[str] = (), tracing=None, response_store: ResponseStore | None = None) -> FastAPI:
+               api_keys: Sequence[str] = (), tracing=None, response_store: ResponseStore | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """`on_fatal(exc)`: the engine failed to start, or its loop died later (the caller decides to exit).
     `tool_parser`: the tool-call parser that serves `tool_choice: auto` (None: auto is refused).
+    `reasoning_parser`: the parser that splits a thinking model's reasoning from its answer (None: not split).
     `chat_template`: the server's template (--chat-template, already checked: chat_template.load_server_template),
     used instead of the model's; `response_role`: the role chat answers name (--response-role).
     `generation_defaults`: the model's sampling defaults (None: read as the engine's config says).
@@ -78,7 +80,7 @@ def create_app(llm: AsyncLLM, served_model_name: str, limits: RequestLimits | No
     serving = OpenAIServing(llm, served_model_name, metrics, limits, chat_template=chat_template,
                             generation_defaults=generation_defaults)
     server = ServerState(llm, served_model_name, metrics, serving, OpenAIServingCompletion(serving),
-                         OpenAIServingChat(serving, tool_parser, response_role), on_fatal,
+                         OpenAIServingChat(serving, tool_parser, response_role, reasoning_parser), on_fatal,
                          tracing=EngineTracing(tracing) if tracing is not None else None)
     server.responses = OpenAIServingResponses(server.chat, response_store or ResponseStore())
     server.messages = AnthropicServingMessages(server.chat)

@@ -14,6 +14,7 @@ def add_serve_parser(sub) -> None:
     from kvgate.engine.server.auth import API_KEY_ENV
     from kvgate.engine.server.limits import _positive_float, add_limit_args
     from kvgate.engine.server.response_store import add_store_args
+    from kvgate.engine.server.reasoning_parsers import REASONING_PARSERS
     from kvgate.engine.server.tool_parsers import TOOL_PARSERS
 
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API")
@@ -41,9 +42,13 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default when a chat request has tools): the model writes '
                         "calls in its own syntax, read by --tool-call-parser (vLLM's flags; default off: a 400)")
-    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-                   help="the model's tool-call syntax, for --enable-auto-tool-choice (hermes: <tool_call>{json}"
-                        "</tool_call>, Hermes 2 Pro / Qwen2.5 / Qwen3 templates)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call syntax, for --enable-auto-tool-choice (vLLM's names: "
+                        f"{', '.join(sorted(TOOL_PARSERS))}; docs/engine.md shows each family's format)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split a thinking model's <think>...</think> text from its answer, into the chat message's "
+                        f"reasoning / reasoning_content (vLLM's flag and names: {', '.join(sorted(REASONING_PARSERS))}"
+                        "; default: not split)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the chat template of every chat request and of /tokenize with messages, instead of the "
                         "model's (a model without one then serves chats): a Jinja file, or the template itself "
@@ -100,6 +105,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvgate.engine.server.limits import limits_from_args
     from kvgate.engine.server.response_store import store_from_args
 
+    error = _parser_name_error(args.tool_call_parser, args.reasoning_parser)
+    if error:
+        print(f"kvgate serve: error: {error}", file=sys.stderr)
+        return 2
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         print("kvgate serve: error: --enable-auto-tool-choice and --tool-call-parser go together", file=sys.stderr)
         return 2
@@ -144,7 +153,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(llm, served, limits_from_args(args), on_fatal, server_id=f"{args.host}:{args.port}",
                      tool_parser=args.tool_call_parser, chat_template=chat_template,
                      response_role=args.response_role, generation_defaults=generation_defaults,
-                     api_keys=api_keys, tracing=tracing, response_store=store_from_args(args))
+                     api_keys=api_keys, tracing=tracing, response_store=store_from_args(args),
+                     reasoning_parser=args.reasoning_parser)
     # httptools + uvloop, named rather than left to uvicorn's "auto" (which falls back to pure-Python h11 and asyncio
     # without a word): every EPP scrapes every replica every 50 ms, and in `--backend sim` the server shares the
     # GIL with the engine loop, so the server's CPU per request is the engine's loss (`kvgate bench routing
@@ -161,6 +171,18 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvgate serve: error: {fatal[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def _parser_name_error(tool_call_parser: str | None, reasoning_parser: str | None) -> str | None:
+    """Why a parser name cannot be served (None: both are known or unset)."""
+    from kvgate.engine.server.reasoning_parsers import REASONING_PARSERS
+    from kvgate.engine.server.tool_parsers import TOOL_PARSERS
+
+    for flag, name, known in (("--tool-call-parser", tool_call_parser, TOOL_PARSERS),
+                              ("--reasoning-parser", reasoning_parser, REASONING_PARSERS)):
+        if name is not None and name not in known:
+            return f"{flag} {name!r} is not one of: {', '.join(sorted(known))}"
+    return None
 
 
 def _role(text: str) -> str:

@@ -129,6 +129,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # With --reasoning-parser: false drops the thinking from the answer (vLLM's field; chat_output.py)
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(BaseModel):

@@ -1,5 +1,5 @@
 """/v1/chat/completions (and its /render): conversations to token ids, and the answers, whole or as an SSE
-stream, with tool calls read from the text when the request has tools (tool_calls.py)."""
+stream, with the thinking and the tool calls read from the text (chat_output.py)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,26 @@ from collections.abc import AsyncIterator
 from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server import tool_calls
+from kvgate.engine.server.chat_output import ChatOutput
 from kvgate.engine.server.openai_serving import OpenAIServing, Prepared, sse, stream_error, usage
 from kvgate.engine.server.protocol import ChatCompletionRequest
+from kvgate.engine.server.reasoning_parsers import reasoning_parser
 
 
 class OpenAIServingChat:
     def __init__(self, serving: OpenAIServing, tool_parser: str | None = None,
-                 response_role: str = "assistant") -> None:
+                 response_role: str = "assistant", reasoning_parser: str | None = None) -> None:
         self.serving = serving
         self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice: tool_choice auto
         self.response_role = response_role  # --response-role
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser: the thinking split from the answer
+
+    def output(self, req: ChatCompletionRequest) -> ChatOutput:
+        """How the request's choices are read: thinking, then tool calls or text."""
+        thinking = None
+        if self.reasoning_parser is not None:
+            thinking = reasoning_parser(self.reasoning_parser, req.chat_template_kwargs, _constrained(req))
+        return ChatOutput(tool_calls.tool_mode(req, self.tool_parser), thinking, req.include_reasoning)
 
     def role(self, req: ChatCompletionRequest) -> str:
         """The role an answer names (vLLM's get_chat_request_role): --response-role when the template adds the
@@ -49,6 +59,9 @@ class OpenAIServingChat:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         constraint = await serving.off_loop(serving.constraint, req, self.tool_parser, param="structured_outputs")
         params = serving.sampling_params(req, len(ids), max_tokens, (top or 0) if req.logprobs else None, constraint)
+        mode = tool_calls.tool_mode(req, self.tool_parser)
+        if mode is not None and mode.parser is not None and mode.parser.needs_special_tokens:
+            params.skip_special_tokens = False  # the calls' markers are special tokens (vLLM does the same)
         return ids, params
 
     def _logprobs(self, c, k: int, start: int = 0) -> dict | None:
@@ -70,14 +83,11 @@ class OpenAIServingChat:
         """The whole answer, once every sample has finished."""
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         finals, cached = await self.serving.collect(rid, req, prep)
-        mode = tool_calls.tool_mode(req, self.tool_parser)
+        output = self.output(req)
         role = self.role(req)
         choices = []
         for (_, j), c in sorted(finals.items()):
-            message, finish_reason = {"role": role, "content": c.text}, c.finish_reason
-            if mode is not None:
-                message, finish_reason = tool_calls.message(mode, c.text, c.finish_reason)
-                message["role"] = role
+            message, finish_reason = output.message(role, c.text, c.finish_reason)
             choices.append({"index": j, "message": message, "logprobs": self._logprobs(c, req.top_logprobs or 0),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in finals.values())
@@ -98,8 +108,8 @@ class OpenAIServingChat:
 
         sent: dict[int, int] = {}
         completion_tokens, cached = 0, {}
-        mode = tool_calls.tool_mode(req, self.tool_parser)
-        tool_streams = {j: tool_calls.ToolCallStream(mode) for j in range(req.n)} if mode is not None else {}
+        output = self.output(req)
+        outputs = {j: output.stream() for j in range(req.n)}
         role = self.role(req)
         try:
             for j in range(req.n):
@@ -114,19 +124,14 @@ class OpenAIServingChat:
                     if not c.delta_text and not c.finished and c.logprobs is None:
                         continue
                     logprobs = self._logprobs(c, req.top_logprobs or 0, start)
-                    if mode is not None:
-                        deltas, finish_reason = tool_streams[c.index].deltas(c.delta_text, c.finish_reason)
-                        if not deltas and finish_reason is None and logprobs is None:
-                            continue  # a required array's text: sent as calls once it ends
-                        for k, delta in enumerate(deltas or [{}]):
-                            last = k == max(len(deltas) - 1, 0)
-                            yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs if last else None,
-                                          "finish_reason": finish_reason if last else None}])
-                        continue
-                    delta = {"content": c.delta_text} if c.delta_text else {}
-                    yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": c.finish_reason,
-                                  **({"stop_reason": c.stop_reason} if c.finished else {})}])
+                    deltas, finish_reason = outputs[c.index].deltas(c.delta_text, c.finish_reason)
+                    if not deltas and finish_reason is None and logprobs is None:
+                        continue  # held back: a possible tag, a call not yet closed, a required array's text
+                    for k, delta in enumerate(deltas or [{}]):
+                        last = k == max(len(deltas) - 1, 0)
+                        yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs if last else None,
+                                      "finish_reason": finish_reason if last else None,
+                                      **({"stop_reason": c.stop_reason} if c.finished and last else {})}])
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage=usage(prep.prompts, completion_tokens, cached))
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
@@ -134,3 +139,11 @@ class OpenAIServingChat:
         finally:
             prep.tracker.close()
         yield sse("[DONE]")
+
+
+def _constrained(req: ChatCompletionRequest) -> bool:
+    """Whether the request's output is generated under a constraint from its first token (structured_outputs.py
+    reads the same fields)."""
+    rf = req.response_format
+    return (rf is not None and rf.type != "text") or req.structured_outputs is not None or any(
+        getattr(req, f) is not None for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"))

@@ -5,7 +5,7 @@ schema; `required`: a JSON array of one or more `{"name", "parameters"}` objects
 (vLLM's shape for both). Either becomes the message's `tool_calls` (finish_reason `stop` for a named function,
 as OpenAI answers a forced call, `tool_calls` for required). `none` generates text. `auto` (the default when
 tools are given): the model writes calls in its own syntax, unconstrained, and the server's tool-call parser
-(`--enable-auto-tool-choice --tool-call-parser hermes`, engine/server/tool_parsers.py) splits them out
+(`--enable-auto-tool-choice --tool-call-parser NAME`, engine/server/tool_parsers/) splits them out
 (finish_reason `tool_calls` when there are any); without those flags it is a 400, as vLLM answers. Tools reach
 the chat template when it reads `tools`.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from kvgate.common import bounded_json
 from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.sampling_params import StructuredOutputsParams
-from kvgate.engine.server.tool_parsers import TOOL_PARSERS, ParsedCall
+from kvgate.engine.server.tool_parsers import ParsedCall, ToolParser, tool_parser
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -35,7 +35,7 @@ class ToolMode:
     model's own syntax, read by `parser`)."""
 
     name: str | None  # the named function; None: required or auto
-    parser: object | None = None  # auto: a tool_parsers parser
+    parser: ToolParser | None = None  # auto: the model's syntax
 
     @property
     def finish_reason(self) -> str:
@@ -63,7 +63,7 @@ def tool_mode(req, auto_parser: str | None = None) -> ToolMode | None:
                                       "started with --enable-auto-tool-choice and --tool-call-parser: set "
                                       'tool_choice to "required", to a named function, or to "none"',
                                       param="tool_choice")
-        return ToolMode(None, TOOL_PARSERS[auto_parser]())
+        return ToolMode(None, tool_parser(auto_parser, [t.model_dump(exclude_none=True) for t in tools]))
     if choice == "required":
         return ToolMode(None)
     name = choice.function.name
@@ -91,8 +91,8 @@ def _call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def _openai_call(call: ParsedCall) -> dict:
-    return {"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+def _openai_call(call: ParsedCall, parser: ToolParser) -> dict:
+    return {"id": parser.call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def tool_calls(mode: ToolMode, text: str) -> list[dict] | None:
@@ -116,7 +116,7 @@ def message(mode: ToolMode, text: str, finish_reason: str | None) -> tuple[dict,
         content, parsed = mode.parser.extract(text)
         if not parsed:
             return {"role": "assistant", "content": text}, finish_reason
-        return ({"role": "assistant", "content": content, "tool_calls": [_openai_call(c) for c in parsed]},
+        return ({"role": "assistant", "content": content, "tool_calls": [_openai_call(c, mode.parser) for c in parsed]},
                 "tool_calls" if finish_reason == "stop" else finish_reason)
     calls = tool_calls(mode, text) if finish_reason == "stop" else None
     if calls is None:
@@ -167,7 +167,7 @@ class ToolCallStream:
             content, calls = content + rest, calls + last
         out = [{"content": content}] if content else []
         for call in calls:
-            out.append({"tool_calls": [{"index": self.num_calls, **_openai_call(call)}]})
+            out.append({"tool_calls": [{"index": self.num_calls, **_openai_call(call, self.mode.parser)}]})
             self.num_calls += 1
         if finish_reason == "stop" and self.parsing.calls:
             finish_reason = "tool_calls"

@@ -136,9 +136,11 @@ def test_flags_go_together(capsys):
     for flags in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
         assert main(["serve", "x", "--backend", "sim", *flags]) == 2  # refused before anything starts
         assert "go together" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_:
-        main(["serve", "x", "--tool-call-parser", "nope"])
-    assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    assert main(["serve", "x", "--backend", "sim", "--enable-auto-tool-choice", "--tool-call-parser", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tool-call-parser 'nope' is not one of: hermes, llama3_json" in err
+    assert main(["serve", "x", "--backend", "sim", "--reasoning-parser", "nope"]) == 2
+    assert capsys.readouterr().err == "kvgate serve: error: --reasoning-parser 'nope' is not one of: deepseek_r1, qwen3\n"
 
 
 @pytest.mark.processes
