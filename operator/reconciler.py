@@ -36,6 +36,7 @@ import kopf
 
 from kvgate.operator import naming
 from kvgate.operator.apply import MODELSERVER, POOL, Kube
+from kvgate.operator.autoscaler import Autoscaler
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.failures import PermanentFailureLog, classify
 from kvgate.operator.gateway_reconciler import GatewayReconciler
@@ -59,6 +60,8 @@ class Reconciler:
         self.modelservers = ModelServerReconciler(kube, config)
         self.pools = InferencePoolReconciler(kube, config)
         self.gateways = GatewayReconciler(kube, config, self.failure_log)
+        # Autoscaled ModelServers: the autoscaler records a count, their reconcile renders it.
+        self.autoscaler = Autoscaler(kube, config.namespace, self.queue.add, config.autoscale_interval_s)
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
 
@@ -68,9 +71,11 @@ class Reconciler:
             t = threading.Thread(target=target, name=f"kvgate-operator-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        self.autoscaler.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self.autoscaler.stop()
         self.queue.stop()
         for t in self._threads:
             t.join(timeout=10)
