@@ -30,12 +30,14 @@ from datetime import datetime, timezone
 import httpx
 
 from kvgate.operator import naming
-from kvgate.operator.apply import DEPLOYMENT, MODELSERVER, POD, POOL, ApiError, Kube, describe
+from kvgate.operator.apply import (DEPLOYMENT, MODELSERVER, POD, POOL, SCALEDOBJECT, ApiError, Kube, NameConflict,
+                                  describe)
 from kvgate.operator.autoscale_policy import Decision, decide
 from kvgate.operator.autoscale_signals import EppReading, parse_epp_page, pool_signals
-from kvgate.operator.autoscaling_spec import (AUTOSCALER_CONDITIONS, OPERATOR, SCALED, SCALING_ACTIVE,
-                                              is_autoscaled, policy_of, provider, rendered_replicas, spec_replicas)
+from kvgate.operator.autoscaling_spec import (AUTOSCALER_CONDITIONS, KEDA, SCALED, SCALING_ACTIVE, is_autoscaled,
+                                              policy_of, provider, rendered_replicas, spec_replicas)
 from kvgate.operator.conditions import condition, stamp
+from kvgate.operator.keda import desired_scaled_object
 from kvgate.operator.spec_shape import modelserver_problems, pool_ref_name
 
 log = logging.getLogger("kvgate.operator.autoscaler")
@@ -43,7 +45,7 @@ log = logging.getLogger("kvgate.operator.autoscaler")
 DEFAULT_INTERVAL_S = 15.0  # HPA's sync period
 MAX_PAGE_BYTES = 8 * 1024 * 1024  # an EPP page of 1000 endpoints is ~2 MiB
 PAGE_TIMEOUT_S = 2.0
-CHANGED = ("ScaledUp", "ScaledDown", "ScaledFromZero", "ScaledToZero")
+MANAGED_SELECTOR = "app.kubernetes.io/managed-by=kvgate-operator"
 
 
 def fetch_page(url: str, max_bytes: int = MAX_PAGE_BYTES, timeout_s: float = PAGE_TIMEOUT_S) -> str:
@@ -86,8 +88,10 @@ class _State:
 class Autoscaler:
     def __init__(self, kube: Kube, namespace: str | None, enqueue: Callable[[tuple], None],
                  interval_s: float = DEFAULT_INTERVAL_S, metrics_port: int = naming.EPP_METRICS_PORT,
-                 fetch: Callable[[str], str] = fetch_page, clock: Callable[[], float] = time.time) -> None:
+                 fetch: Callable[[str], str] = fetch_page, clock: Callable[[], float] = time.time,
+                 keda_prometheus_address: str | None = None) -> None:
         self.kube, self.namespace, self.enqueue = kube, namespace, enqueue
+        self.keda_prometheus_address = keda_prometheus_address
         self.interval_s, self.metrics_port, self.fetch, self.clock = interval_s, metrics_port, fetch, clock
         self._states: dict[tuple[str, str], _State] = {}
         self._stop = threading.Event()
@@ -112,21 +116,76 @@ class Autoscaler:
 
     # --- one look at everything ---------------------------------------------------------------------------------
     def run_once(self) -> None:
-        seen = set()
+        seen, keda_wanted = set(), set()
+        keda_installed = None  # asked once per look, when a ModelServer wants KEDA
         for ms in self.kube.list(MODELSERVER, self.namespace):
             spec = ms.get("spec")
             if naming.is_deleting(ms) or modelserver_problems(ms) or not is_autoscaled(spec):
                 continue
-            if provider(spec) != OPERATOR:
-                continue
             key = naming.key_of(ms)
-            seen.add(key)
             try:
+                if provider(spec) == KEDA:
+                    keda_wanted.add(key)
+                    if keda_installed is None:
+                        keda_installed = self.keda_installed()
+                    self.keda(ms, keda_installed)
+                    continue
+                seen.add(key)
                 self.evaluate(ms)
             except ApiError as exc:
                 log.warning("autoscaler: %s: %s", describe(ms), exc)
         for key in set(self._states) - seen:
             del self._states[key]
+        if self.keda_prometheus_address and keda_installed is not False:  # KEDA in use here (and RBAC for it)
+            self._delete_unwanted_scaled_objects(keda_wanted)
+
+    # --- KEDA -------------------------------------------------------------------------------------------------
+    def keda_installed(self) -> bool:
+        """Whether the API server serves KEDA's ScaledObjects (its CRDs are installed)."""
+        try:
+            resources = self.kube.request("GET", f"/apis/{SCALEDOBJECT.api_version}")
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return any(r.get("name") == SCALEDOBJECT.plural for r in (resources or {}).get("resources") or [])
+
+    def keda(self, ms: dict, installed: bool) -> None:
+        """A ModelServer with provider keda: its ScaledObject applied, or a condition saying why not."""
+        pool_name = pool_ref_name(ms) or ""
+        if not installed:
+            ok, reason, message = False, "KedaNotInstalled", (f"autoscaling.provider keda: the API server serves no "
+                                                             f"{SCALEDOBJECT.kind} ({SCALEDOBJECT.api_version}); "
+                                                             "install KEDA, or use provider operator")
+        elif not self.keda_prometheus_address:
+            ok, reason, message = False, "KedaNotConfigured", ("autoscaling.provider keda: the operator runs "
+                                                              "without --keda-prometheus-address")
+        else:
+            try:
+                self.kube.apply(desired_scaled_object(ms, pool_name, self.keda_prometheus_address))
+                ok, reason, message = True, "KedaScaledObject", (f"{SCALEDOBJECT.kind} {naming.name_of(ms)!r} "
+                                                                "sets spec.replicas")
+            except NameConflict as exc:
+                ok, reason, message = False, exc.reason, str(exc)
+        previous = (ms.get("status") or {}).get("conditions") or []
+        mine = stamp([condition(SCALING_ACTIVE, ok, reason, message[:1000],
+                                (ms.get("metadata") or {}).get("generation"))], previous)
+        others = [c for c in previous if c.get("type") not in AUTOSCALER_CONDITIONS]
+        self.kube.patch_status(ms, {"conditions": others + mine})
+
+    def _delete_unwanted_scaled_objects(self, wanted: set[tuple[str, str]]) -> None:
+        """The operator's ScaledObjects of ModelServers that no longer ask for KEDA (absent KEDA: nothing)."""
+        try:
+            objects = self.kube.list(SCALEDOBJECT, self.namespace, label_selector=MANAGED_SELECTOR)
+        except ApiError as exc:
+            if exc.status == 404:
+                return
+            raise
+        for obj in objects:
+            if naming.is_managed(obj) and naming.key_of(obj) not in wanted:
+                obj.setdefault("apiVersion", SCALEDOBJECT.api_version)
+                obj.setdefault("kind", SCALEDOBJECT.kind)
+                self.kube.delete(obj)
 
     def readings(self, pool: dict) -> dict[str, EppReading]:
         """Each ready EPP pod's reading (by pod name); an EPP whose page fails is left out (and logged)."""

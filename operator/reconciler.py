@@ -61,7 +61,8 @@ class Reconciler:
         self.pools = InferencePoolReconciler(kube, config)
         self.gateways = GatewayReconciler(kube, config, self.failure_log)
         # Autoscaled ModelServers: the autoscaler records a count, their reconcile renders it.
-        self.autoscaler = Autoscaler(kube, config.namespace, self.queue.add, config.autoscale_interval_s)
+        self.autoscaler = Autoscaler(kube, config.namespace, self.queue.add, config.autoscale_interval_s,
+                                     keda_prometheus_address=config.keda_prometheus_address)
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
 
