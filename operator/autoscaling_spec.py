@@ -64,10 +64,13 @@ def rendered_replicas(ms: dict) -> int:
     spec = ms.get("spec") or {}
     if not is_autoscaled(spec):
         return spec_replicas(spec)
-    decided = (ms.get("status") or {}).get("autoscaling") or {}
-    if (provider(spec) == OPERATOR and decided.get("desiredReplicas") is not None
+    status = ms.get("status")
+    decided = status.get("autoscaling") if isinstance(status, dict) else None
+    decided = decided if isinstance(decided, dict) else {}  # the status schema's shape, unless bypassed
+    desired = decided.get("desiredReplicas")
+    if (provider(spec) == OPERATOR and isinstance(desired, int) and not isinstance(desired, bool)
             and decided.get("specReplicas") == spec_replicas(spec)):
-        return clamp(int(decided["desiredReplicas"]), spec)
+        return clamp(desired, spec)
     return clamp(spec_replicas(spec), spec)
 
 

@@ -25,21 +25,21 @@ class Timeline:
             samples = [s for s in self.samples if lo <= s[0] - self.t0 < hi]
             ttfts = sorted(r[2] for r in self.requests if lo <= r[0] - self.t0 < hi and r[2] is not None)
             failed = sum(1 for r in self.requests if lo <= r[0] - self.t0 < hi and r[1] != 200)
-            out.append({"t": lo, "replicas": max((s[1] for s in samples), default=None),
-                        "ready": max((s[2] for s in samples), default=None),
+            out.append({"t": lo, "replicas": samples[-1][1] if samples else None,  # at the window's end
+                        "ready": samples[-1][2] if samples else None,
                         "queue_max": max((s[3] for s in samples), default=None),
                         "requests": sum(1 for r in self.requests if lo <= r[0] - self.t0 < hi), "failed": failed,
                         "ttft_p90_s": ttfts[min(len(ttfts) - 1, math.ceil(0.9 * len(ttfts)) - 1)] if ttfts else None})
         return out
 
     def table(self, window_s: float = 10.0) -> str:
-        lines = ["|   t (s) | replicas | ready | queue (max) | requests | failed | TTFT p90 (s) |",
-                 "|--------:|---------:|------:|------------:|---------:|-------:|-------------:|"]
+        lines = ["|   t (s) | replicas (end) | ready (end) | waiting (max) | requests | failed | TTFT p90 (s) |",
+                 "|--------:|---------------:|------------:|--------------:|---------:|-------:|-------------:|"]
         for r in self.rows(window_s):
             def show(v, fmt="{}"):
                 return "-" if v is None else fmt.format(v)
-            lines.append(f"| {r['t']:7.0f} | {show(r['replicas']):>8} | {show(r['ready']):>5} | "
-                         f"{show(r['queue_max'], '{:.0f}'):>11} | {r['requests']:>8} | {r['failed']:>6} | "
+            lines.append(f"| {r['t']:7.0f} | {show(r['replicas']):>14} | {show(r['ready']):>11} | "
+                         f"{show(r['queue_max'], '{:.0f}'):>13} | {r['requests']:>8} | {r['failed']:>6} | "
                          f"{show(r['ttft_p90_s'], '{:.2f}'):>12} |")
         return "\n".join(lines)
 

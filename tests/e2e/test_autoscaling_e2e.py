@@ -53,6 +53,7 @@ flowControl:
 ENGINE_SELECTOR = "app=demo-llm"
 EPP_SELECTOR = "app.kubernetes.io/name=kvgate-epp,app.kubernetes.io/instance=demo-pool"
 ENVOY_SELECTOR = "app.kubernetes.io/name=kvgate-gateway,app.kubernetes.io/instance=inference-gateway"
+ENVOY_ADMIN_PORT = 19000  # kvgate.operator.gateway.ADMIN_PORT: on the rig, the pod's own address
 
 
 class Scene:
@@ -101,8 +102,23 @@ class Scene:
         # the EPP rolled onto the flow-control config (its digest) and Envoy follows that EPP pod
         wait_for(lambda: len(self.ready_ips(EPP_SELECTOR)) == 1 and len(self.pods(EPP_SELECTOR)) == 1,
                  timeout_s=60, interval_s=0.5, what="one EPP pod, Ready")
-        self.epp_url = f"http://{self.ready_ips(EPP_SELECTOR)[0]}:9090/metrics"
-        self.envoy_url = f"http://{self.ready_ips(ENVOY_SELECTOR)[0]}:8080"
+        epp_ip = self.ready_ips(EPP_SELECTOR)[0]
+        self.epp_url = f"http://{epp_ip}:9090/metrics"
+
+        def envoy_knows_the_epp() -> str | None:
+            """The one Envoy pod, once its clusters reach the EPP pod (its config follows the EPP's IP, and a
+            request sent before would fail closed): its address. No request may probe it: one would be held."""
+            ready = self.ready_ips(ENVOY_SELECTOR)
+            if len(ready) != 1 or len(self.pods(ENVOY_SELECTOR)) != 1:
+                return None
+            try:
+                clusters = httpx.get(f"http://{ready[0]}:{ENVOY_ADMIN_PORT}/clusters", timeout=5).text
+            except httpx.HTTPError:
+                return None
+            return ready[0] if f"{epp_ip}:9002" in clusters else None
+
+        envoy_ip = wait_for(envoy_knows_the_epp, timeout_s=60, interval_s=0.5, what="Envoy to reach the EPP")
+        self.envoy_url = f"http://{envoy_ip}:8080"
         assert not self.pods(ENGINE_SELECTOR), "an engine pod runs at minReplicas 0"
         self.mark("EPP and Envoy Ready, no engine pod")
 

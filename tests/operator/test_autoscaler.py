@@ -254,3 +254,9 @@ def test_min_above_max_is_a_condition(samples):
     ms["spec"].update(minReplicas=3, maxReplicas=2)
     problems = validate_modelserver(ms, samples["InferencePool"])
     assert problems == [{"reason": "InvalidSpec", "message": "minReplicas (3) must be <= maxReplicas (2)"}]
+
+
+def test_a_misshapen_autoscaling_status_falls_back_to_spec_replicas():
+    for status in ({"autoscaling": "x"}, {"autoscaling": {"desiredReplicas": "3", "specReplicas": 1}}, "x",
+                   {"autoscaling": {"desiredReplicas": True, "specReplicas": 1}}):
+        assert rendered_replicas({"spec": {"replicas": 1, "maxReplicas": 4}, "status": status}) == 1
