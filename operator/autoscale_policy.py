@@ -133,7 +133,8 @@ def decide(policy: Policy, signals: Signals | None, current: int, ready: int,
         desired = max(desired, current)
     elif rec < current:
         desired = max(rec, down_floor)
-        if desired < current and last_scale_up_at is not None and now - last_scale_up_at < policy.scale_down_delay_s:
+        if (desired < current <= high and last_scale_up_at is not None
+                and now - last_scale_up_at < policy.scale_down_delay_s):
             return Decision(current, rec, "ScaleDownDelayed",
                             f"{why}: recommends {rec}; no scale-down within {policy.scale_down_delay_s:g}s of the "
                             "last scale-up", history)

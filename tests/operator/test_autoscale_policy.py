@@ -154,3 +154,9 @@ def test_properties_over_a_run(policy, steps, start):
         if d.desired > current:
             last_up = now
         current, history = d.desired, d.history
+
+
+def test_a_count_above_a_lowered_max_comes_down_even_within_the_delay():
+    policy = Policy(min_replicas=0, max_replicas=2, scale_down_delay_s=600)
+    d = decide(policy, Signals(ready_endpoints=5, waiting=50, running=10), 5, 5, (), last_scale_up_at=0.0, now=1.0)
+    assert d.desired == 2
