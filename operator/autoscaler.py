@@ -94,6 +94,7 @@ class Autoscaler:
         self.keda_prometheus_address = keda_prometheus_address
         self.interval_s, self.metrics_port, self.fetch, self.clock = interval_s, metrics_port, fetch, clock
         self._states: dict[tuple[str, str], _State] = {}
+        self._pages: dict[tuple[str, str], dict[str, EppReading]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -116,6 +117,7 @@ class Autoscaler:
 
     # --- one look at everything ---------------------------------------------------------------------------------
     def run_once(self) -> None:
+        self._pages = {}  # each pool's EPPs are read once per look, however many ModelServers it has
         seen, keda_wanted = set(), set()
         keda_installed = None  # asked once per look, when a ModelServer wants KEDA
         for ms in self.kube.list(MODELSERVER, self.namespace):
@@ -188,7 +190,14 @@ class Autoscaler:
                 self.kube.delete(obj)
 
     def readings(self, pool: dict) -> dict[str, EppReading]:
-        """Each ready EPP pod's reading (by pod name); an EPP whose page fails is left out (and logged)."""
+        """Each ready EPP pod's reading (by pod name), read once per run_once; an EPP whose page fails is left
+        out (and logged)."""
+        key = naming.key_of(pool)
+        if key not in self._pages:
+            self._pages[key] = self._read_pool(pool)
+        return self._pages[key]
+
+    def _read_pool(self, pool: dict) -> dict[str, EppReading]:
         ns = naming.namespace_of(pool)
         labels = naming.selector_labels("epp", naming.name_of(pool))
         out = {}

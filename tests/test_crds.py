@@ -404,6 +404,21 @@ def test_the_engine_type_samples_are_valid():
         assert schema is not None and schema.errors(doc) == [], doc["metadata"]["name"]
 
 
+def test_the_autoscaling_sample_is_valid():
+    """crds/samples/autoscaling/ (kept out of the main samples: it replaces the pool's EPP config)."""
+    from kvgate.epp.scheduling.config import parse_config
+
+    docs = load_docs(SAMPLES / "autoscaling" / "autoscaling.yaml")
+    assert [d["kind"] for d in docs] == ["ConfigMap", "InferencePool", "ModelServer"]
+    schemas = schemas_by_type()
+    for doc in docs[1:]:
+        assert schemas[(doc["apiVersion"], doc["kind"])].errors(doc) == [], doc["kind"]
+    config = parse_config(docs[0]["data"]["epp.yaml"])
+    assert config.flow_control.enabled  # scale from zero: the first request waits in the EPP
+    assert docs[1]["metadata"]["annotations"]["kvgate.dev/epp-config"] == docs[0]["metadata"]["name"]
+    assert docs[2]["spec"]["minReplicas"] == 0
+
+
 def test_samples_make_one_consistent_pool():
     by_kind: dict[str, list[dict]] = {}
     for _, doc in sample_docs():

@@ -2,8 +2,9 @@
 once the EPP's held request has started a replica; a load step scales it out; after the load it scales back to
 zero; no request fails.
 
-The pool's EPP runs flow control (`featureGates: [flowControl]`): a request for a pool with no endpoint waits in
-the EPP instead of failing, and the operator (`--autoscale-interval-seconds 1`) reads that from the EPP's metrics.
+crds/samples/autoscaling/ on the samples' Gateway: the pool's EPP runs flow control (`featureGates: [flowControl]`),
+so a request for a pool with no endpoint waits in the EPP instead of failing, and the operator
+(`--autoscale-interval-seconds 1`) reads that from the EPP's metrics.
 
 KVGATE_AUTOSCALE_DEMO=1 runs the longer demonstration instead of skipping it: from zero, a light load, a load step
 and the idle tail, with a timeline per 10 s (replicas, queue, TTFT p90) printed, written as JSON and drawn as a PNG
@@ -23,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from autoscale_timeline import Timeline
-from k8srig.kube import CORE, DEPLOYMENT, wait_default_service_account, wait_for
+from k8srig.kube import CORE, DEPLOYMENT, load_documents, wait_default_service_account, wait_for
 from operator_run import (REPO, Stages, is_ready, print_log_tail, sample_namespace, sample_resources, start_operator,
                           stop_operator)
 
@@ -31,25 +32,9 @@ from kvgate.operator.autoscale_signals import parse_epp_page
 
 pytestmark = pytest.mark.e2e
 
-FLOW_CONTROL_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-featureGates: [flowControl]
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: max-score-picker
-flowControl:
-  defaultRequestTTL: 90s
-"""
+# crds/samples/autoscaling/: the flow-control EPP config, the pool naming it, the autoscaled ModelServer
+AUTOSCALING_SAMPLE = {d["kind"]: d for d in load_documents((REPO / "crds" / "samples" / "autoscaling" /
+                                                            "autoscaling.yaml").read_text())}
 ENGINE_SELECTOR = "app=demo-llm"
 EPP_SELECTOR = "app.kubernetes.io/name=kvgate-epp,app.kubernetes.io/instance=demo-pool"
 ENVOY_SELECTOR = "app.kubernetes.io/name=kvgate-gateway,app.kubernetes.io/instance=inference-gateway"
@@ -80,16 +65,12 @@ class Scene:
         client, ns = self.client, self.ns
         wait_default_service_account(client, ns, token=True)
         self.operator = start_operator(self.k8s.kubeconfig, self.log_path, "--autoscale-interval-seconds", "1")
-        client.create(CORE["ConfigMap"], {"apiVersion": "v1", "kind": "ConfigMap",
-                                          "metadata": {"name": "flow-control", "namespace": ns,
-                                                       "labels": {"kvgate.dev/epp-config": "true"}},
-                                          "data": {"epp.yaml": FLOW_CONTROL_CONFIG}}, ns)
-        pool = copy.deepcopy(self.docs["InferencePool"])
-        pool["metadata"].setdefault("annotations", {})["kvgate.dev/epp-config"] = "flow-control"
-        ms = copy.deepcopy(self.docs["ModelServer"])
-        ms["spec"].update(replicas=0, minReplicas=0, maxReplicas=self.max_replicas, autoscaling=self.autoscaling)
-        ms["spec"]["engine"] = {"backend": "sim", "maxNumSeqs": 2}
-        for doc in (self.docs["GatewayClass"], pool, ms, self.docs["Gateway"], self.docs["HTTPRoute"]):
+        config_map, pool, ms = (copy.deepcopy(AUTOSCALING_SAMPLE[k]) for k in ("ConfigMap", "InferencePool",
+                                                                             "ModelServer"))
+        for doc in (config_map, pool, ms):
+            doc["metadata"]["namespace"] = ns
+        ms["spec"].update(maxReplicas=self.max_replicas, autoscaling=self.autoscaling)
+        for doc in (config_map, self.docs["GatewayClass"], pool, ms, self.docs["Gateway"], self.docs["HTTPRoute"]):
             client.apply(doc)
         self.mark("operator started; ModelServer at minReplicas 0 applied")
 

@@ -260,3 +260,17 @@ def test_a_misshapen_autoscaling_status_falls_back_to_spec_replicas():
     for status in ({"autoscaling": "x"}, {"autoscaling": {"desiredReplicas": "3", "specReplicas": 1}}, "x",
                    {"autoscaling": {"desiredReplicas": True, "specReplicas": 1}}):
         assert rendered_replicas({"spec": {"replicas": 1, "maxReplicas": 4}, "status": status}) == 1
+
+
+def test_two_modelservers_of_one_pool_read_its_epp_once_per_look(cluster, epp, samples):
+    kube, reconciler, scaler, clock, _ = cluster
+    other = copy.deepcopy(kube.stored("ModelServer", "demo-llm"))
+    other["metadata"] = {"name": "demo-llm-b", "namespace": "default"}
+    kube.put(other)
+    fetched = []
+    scaler.fetch = lambda url: fetched.append(url) or epp.page()
+    epp.set([], held=1)
+    scaler.run_once()
+    assert len(fetched) == 1
+    assert {kube.stored("ModelServer", n)["status"]["autoscaling"]["desiredReplicas"]
+            for n in ("demo-llm", "demo-llm-b")} == {1}
