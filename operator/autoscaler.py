@@ -34,8 +34,9 @@ from kvgate.operator.apply import (DEPLOYMENT, MODELSERVER, POD, POOL, SCALEDOBJ
                                   describe)
 from kvgate.operator.autoscale_policy import Decision, decide
 from kvgate.operator.autoscale_signals import EppReading, parse_epp_page, pool_signals
-from kvgate.operator.autoscaling_spec import (AUTOSCALER_CONDITIONS, KEDA, SCALED, SCALING_ACTIVE, is_autoscaled,
-                                              policy_of, provider, rendered_replicas, spec_replicas)
+from kvgate.operator.autoscaling_spec import (AUTOSCALER_CONDITIONS, KEDA, SCALED, SCALING_ACTIVE,
+                                              autoscaling_problems, is_autoscaled, policy_of, provider,
+                                              rendered_replicas, spec_replicas)
 from kvgate.operator.conditions import condition, stamp
 from kvgate.operator.keda import desired_scaled_object
 from kvgate.operator.spec_shape import modelserver_problems, pool_ref_name
@@ -122,7 +123,8 @@ class Autoscaler:
         keda_installed = None  # asked once per look, when a ModelServer wants KEDA
         for ms in self.kube.list(MODELSERVER, self.namespace):
             spec = ms.get("spec")
-            if naming.is_deleting(ms) or modelserver_problems(ms) or not is_autoscaled(spec):
+            if (naming.is_deleting(ms) or modelserver_problems(ms) or not is_autoscaled(spec)
+                    or autoscaling_problems(spec)):  # an invalid spec is the reconciler's InvalidSpec condition
                 continue
             key = naming.key_of(ms)
             try:

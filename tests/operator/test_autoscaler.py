@@ -274,3 +274,14 @@ def test_two_modelservers_of_one_pool_read_its_epp_once_per_look(cluster, epp, s
     assert len(fetched) == 1
     assert {kube.stored("ModelServer", n)["status"]["autoscaling"]["desiredReplicas"]
             for n in ("demo-llm", "demo-llm-b")} == {1}
+
+
+def test_an_invalid_autoscaling_spec_is_left_to_the_reconcilers_condition(cluster, epp):
+    kube, reconciler, scaler, clock, _ = cluster
+    kube.stored("ModelServer", "demo-llm")["spec"].update(minReplicas=5, maxReplicas=4)
+    epp.set([], held=1)
+    scaler.run_once()
+    assert "autoscaling" not in (kube.stored("ModelServer", "demo-llm").get("status") or {})
+    reconciler.reconcile_modelserver("default", "demo-llm")
+    ready = next(c for c in kube.stored("ModelServer", "demo-llm")["status"]["conditions"] if c["type"] == "Ready")
+    assert (ready["reason"], ready["message"]) == ("InvalidSpec", "minReplicas (5) must be <= maxReplicas (4)")
