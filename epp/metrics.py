@@ -199,6 +199,13 @@ class EndpointGauges:
                 held.add_metric([flow_id, str(priority)], nbytes)
             yield size
             yield held
+            # Scale from zero: requests waiting for a pool with no endpoint in rotation (the operator's autoscaler
+            # starts a replica for them; autoscale_signals.py).
+            empty = GaugeMetricFamily("kvgate_epp_flow_control_held_without_endpoints", "Requests held by flow "
+                                      "control while the pool has no endpoint in rotation (0 while it has one).")
+            in_rotation = any(row.available for row in snapshot.rows)
+            empty.add_metric([], 0 if in_rotation else sum(count for _, _, count, _ in snapshot.flow_rows))
+            yield empty
 
 
 def _endpoint_input_families(snapshot: Snapshot):

@@ -72,6 +72,7 @@ def _kinds() -> dict[tuple[str, str], Kind]:
         Kind("gateway.networking.k8s.io/v1", "Gateway", "gateways"),
         Kind("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes"),
         Kind("gateway.networking.k8s.io/v1beta1", "ReferenceGrant", "referencegrants"),
+        Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),  # autoscaling.provider keda (keda.py)
     ]
     return {(k.api_version, k.kind): k for k in table}
 
@@ -93,6 +94,7 @@ NAMESPACE = KINDS[("v1", "Namespace")]
 NETWORKPOLICY = KINDS[("networking.k8s.io/v1", "NetworkPolicy")]
 PDB = KINDS[("policy/v1", "PodDisruptionBudget")]
 PDB_V1BETA1 = KINDS[("policy/v1beta1", "PodDisruptionBudget")]
+SCALEDOBJECT = KINDS[("keda.sh/v1alpha1", "ScaledObject")]
 
 
 def kind_of(api_version: str, kind: str) -> Kind:

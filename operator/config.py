@@ -51,6 +51,10 @@ class OperatorConfig:
     vllm_image: str | None = None
     sglang_image: str | None = None
     tracing: TraceExport | None = None  # None: no spans exported (no OTEL_* on the EPPs, no tracer in Envoy)
+    # Autoscaling (autoscaler.py): how often autoscaled ModelServers are looked at; the Prometheus KEDA queries
+    # for ModelServers with autoscaling.provider keda (keda.py; None: such ModelServers get a condition instead).
+    autoscale_interval_s: float = 15.0
+    keda_prometheus_address: str | None = None
 
     def engine_images(self) -> dict[str, str]:
         """The operator's image per engine type, for those it has one."""

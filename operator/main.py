@@ -71,6 +71,12 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--trace-sampling-ratio", type=_ratio, default=1.0, metavar="RATIO",
                    help="with --otlp-traces-endpoint: the share of requests without a sampled traceparent that are "
                         "traced, in [0, 1] (parentbased_traceidratio; default 1)")
+    p.add_argument("--autoscale-interval-seconds", type=_interval, default=15.0, metavar="SECONDS",
+                   help="look at autoscaled ModelServers (spec.maxReplicas) this often, in [1, 600] (default "
+                        "%(default)s, as HPA's sync period)")
+    p.add_argument("--keda-prometheus-address", type=_http_url, default=None, metavar="URL",
+                   help="the Prometheus (http(s)://HOST:PORT) that KEDA's ScaledObjects query, for ModelServers "
+                        "with autoscaling.provider keda (default: none; such ModelServers then get a condition)")
     p.add_argument("--resync-seconds", type=float, default=15.0,
                    help="reconcile everything again this often (default %(default)s)")
     p.add_argument("--liveness-port", type=int, default=None,
@@ -161,6 +167,29 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 1.0 <= value <= 600.0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in [1, 600], got {text!r}")
+    return value
+
+
+def _http_url(text: str) -> str:
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises on a port out of range
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or len(text) > 2048:
+        raise argparse.ArgumentTypeError(f"must be an http(s)://HOST[:PORT] URL, got {text[:100]!r}")
+    return text
+
+
 def _metrics_peers(text: str) -> tuple[dict, ...]:
     from kvgate.operator.network_policy import parse_peers
 
@@ -191,7 +220,9 @@ def run_operator(args: argparse.Namespace) -> int:
                             tenant_policy=TenantPolicy(allow_host_path=args.allow_host_path,
                                                        image_prefixes=tuple(args.allow_image_prefix)),
                             tracing=TraceExport(args.otlp_traces_endpoint, args.trace_sampling_ratio)
-                            if args.otlp_traces_endpoint else None)
+                            if args.otlp_traces_endpoint else None,
+                            autoscale_interval_s=args.autoscale_interval_seconds,
+                            keda_prometheus_address=args.keda_prometheus_address)
     if args.allow_host_path or args.allow_image_prefix:
         logging.getLogger("kvgate.operator").warning(
             "ModelServers may use: %s", ", ".join((["hostPath volumes"] if args.allow_host_path else [])

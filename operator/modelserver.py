@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from kvgate.common.epp_protocol import (ENGINE_TYPE_LABEL, KV_EVENTS_PORT_ANNOTATION,
                                         KV_EVENTS_REPLAY_PORT_ANNOTATION)
 from kvgate.operator import naming
+from kvgate.operator.autoscaling_spec import autoscaler_conditions, autoscaling_problems, rendered_replicas
 from kvgate.operator.conditions import condition, find, stamp
 from kvgate.operator.config import TraceExport
 from kvgate.operator.engine_commands import (ADAPTERS_DIR, DEFAULT_MODEL, KVGATE, OPERATOR_FLAGS, QUANTIZATIONS,
@@ -121,6 +122,7 @@ def _spec_problems(ms: dict) -> list[dict]:
         problems.append({"reason": "InvalidSpec", "message": f"podLabels may not set {ENGINE_TYPE_LABEL}: the "
                          "operator sets it from engine.type (the EPP reads the engine's metrics by it)"})
     problems += _api_key_ref_problems(spec)
+    problems += [{"reason": "InvalidSpec", "message": p} for p in autoscaling_problems(spec)]
     problems += _parallelism_problems(spec)
     lookup = (spec.get("engine") or {}).get("speculativeConfig") or {}
     if (lookup.get("promptLookupMin") or 0) > (lookup.get("promptLookupMax") or float("inf")):
@@ -287,9 +289,9 @@ def pool_port(pool: dict) -> int:
 
 
 def replicas_of(ms: dict) -> int:
-    """spec.replicas; 1 when unset or null (the CRD's default)."""
-    replicas = (ms.get("spec") or {}).get("replicas")
-    return 1 if replicas is None else int(replicas)
+    """The engine Deployment's replica count: spec.replicas (1 when unset or null, the CRD's default), or with
+    autoscaling (spec.maxReplicas) the autoscaler's count (autoscaling_spec.py)."""
+    return rendered_replicas(ms)
 
 
 def api_key_env(engine: dict) -> list[dict]:
@@ -545,7 +547,8 @@ def modelserver_status(ms: dict, deployment: dict | None, pool: dict | None, now
         "replicas": int(dep_status.get("replicas") or 0),
         "readyReplicas": int(dep_status.get("readyReplicas") or 0),
         "conditions": stamp([_ready_condition(ms, deployment, problems), _pool_condition(ms, pool, problems)],
-                            (ms.get("status") or {}).get("conditions"), now),
+                            (ms.get("status") or {}).get("conditions"), now)
+                      + autoscaler_conditions(ms),  # the autoscaler's own, written by it (autoscaler.py)
     }
     if pool is not None and not pool_problems(pool) and pool_labels(pool):
         status["selector"] = naming.selector_string(pool_labels(pool))

@@ -8,8 +8,9 @@ ingress only:
   reference the pool (a reference from another namespace counts only with a ReferenceGrant allowing it, as
   for routing), and from the peers of the pool's annotation `kvgate.dev/epp-ingress-from` (the proxies of
   another gateway implementation — Istio, Envoy Gateway, ... — whose pods the operator does not know);
-- to metrics (9090), from the peers of `--epp-metrics-from` (the operator's, for every pool: a Prometheus)
-  and of the pool's annotation `kvgate.dev/epp-metrics-from`;
+- to metrics (9090), from the peers of `--epp-metrics-from` (the operator's, for every pool: a Prometheus; the
+  chart adds the operator's own pods, whose autoscaler reads every EPP's load: autoscaler.py) and of the pool's
+  annotation `kvgate.dev/epp-metrics-from`;
 - to peer sync (9004; active-active replicas only, epp_peer_sync.py), from the pool's own EPP pods.
 
 No peer for a port means no ingress to it at all: a rule with an empty `from` would admit everyone, so none

@@ -42,6 +42,7 @@ import kopf
 
 from kvgate.operator import naming
 from kvgate.operator.apply import MODELSERVER, POOL, Kube
+from kvgate.operator.autoscaler import Autoscaler
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.failures import PermanentFailureLog, classify
 from kvgate.operator.fencing import NotLeader
@@ -72,6 +73,9 @@ class Reconciler:
         self._stop = threading.Event()
         self.leading = threading.Event()  # the worker reconciles only while set: always, without leader election
         self.leading.set()
+        # Autoscaled ModelServers: the autoscaler records a count, their reconcile renders it (on the leader only).
+        self.autoscaler = Autoscaler(kube, config.namespace, self.queue.add, config.autoscale_interval_s,
+                                     keda_prometheus_address=config.keda_prometheus_address, leading=self.leading)
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -79,9 +83,11 @@ class Reconciler:
             t = threading.Thread(target=target, name=f"kvgate-operator-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        self.autoscaler.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self.autoscaler.stop()
         self.queue.stop()
         for t in self._threads:
             t.join(timeout=10)

@@ -59,6 +59,13 @@ INT_OR_STRING = (int, str)
 MODELSERVER_SPEC = {
     "poolRef": {"name": str},
     "replicas": Int(0, 2**31 - 1),
+    "minReplicas": Int(0, 1000),
+    "maxReplicas": Int(1, 1000),
+    "autoscaling": {"provider": str, "targetWaitingPerReplica": Number(0.1, 10000),
+                    "targetKVUtilization": Number(0.05, 1), "targetQueueWaitSeconds": Number(0.01, 3600),
+                    "tolerance": Number(0, 0.9), "scaleUpStabilizationSeconds": Int(0, 3600),
+                    "scaleDownStabilizationSeconds": Int(0, 86400), "scaleDownDelaySeconds": Int(0, 86400),
+                    "scaleUpMaxPods": Int(1, 1000), "scaleUpMaxPercent": Int(0, 1000)},
     "model": {"path": str, "servedModelName": str, "pvc": {"claimName": Required(str), "readOnly": bool},
               "hostPath": {"path": Required(str)}, "image": {"reference": Required(str), "pullPolicy": str}},
     "engine": {"type": str, "backend": str, "device": str, "dtype": str, "blockSize": Int(1, 2**31 - 1),

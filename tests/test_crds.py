@@ -55,6 +55,9 @@ CEL_RULES: dict[str, Callable[[object], bool]] = {
         lambda s: sum(_has(s, k) for k in ("pvc", "hostPath", "image")) <= 1,
     "!(has(self.pvc) || has(self.hostPath) || has(self.image)) || self.path.startsWith('/')":
         lambda s: not any(_has(s, k) for k in ("pvc", "hostPath", "image")) or s["path"].startswith("/"),
+    # ModelServer .spec (autoscaling bounds)
+    "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas":
+        lambda s: not (_has(s, "minReplicas") and _has(s, "maxReplicas")) or s["minReplicas"] <= s["maxReplicas"],
     # ModelServer .spec.engine.lora.source
     "[has(self.pvc), has(self.image)].filter(x, x).size() == 1":
         lambda s: sum(_has(s, k) for k in ("pvc", "image")) == 1,
@@ -401,6 +404,21 @@ def test_the_engine_type_samples_are_valid():
         assert schema is not None and schema.errors(doc) == [], doc["metadata"]["name"]
 
 
+def test_the_autoscaling_sample_is_valid():
+    """crds/samples/autoscaling/ (kept out of the main samples: it replaces the pool's EPP config)."""
+    from kvgate.epp.scheduling.config import parse_config
+
+    docs = load_docs(SAMPLES / "autoscaling" / "autoscaling.yaml")
+    assert [d["kind"] for d in docs] == ["ConfigMap", "InferencePool", "ModelServer"]
+    schemas = schemas_by_type()
+    for doc in docs[1:]:
+        assert schemas[(doc["apiVersion"], doc["kind"])].errors(doc) == [], doc["kind"]
+    config = parse_config(docs[0]["data"]["epp.yaml"])
+    assert config.flow_control.enabled  # scale from zero: the first request waits in the EPP
+    assert docs[1]["metadata"]["annotations"]["kvgate.dev/epp-config"] == docs[0]["metadata"]["name"]
+    assert docs[2]["spec"]["minReplicas"] == 0
+
+
 def test_samples_make_one_consistent_pool():
     by_kind: dict[str, list[dict]] = {}
     for _, doc in sample_docs():
@@ -574,6 +592,18 @@ MODEL_SERVER_CASES = [
     ("engine-type-unknown", model_server(engine={"type": "tgi"}), False),
     ("engine-type-capitalized", model_server(engine={"type": "vLLM"}), False),
     ("engine-type-not-a-string", model_server(engine={"type": 1}), False),
+    # autoscaling: zero allowed for min, min <= max, bounded
+    ("autoscaled-from-zero", model_server(replicas=0, minReplicas=0, maxReplicas=8,
+                                          autoscaling={"provider": "operator", "targetWaitingPerReplica": 2.5,
+                                                       "scaleDownStabilizationSeconds": 60}), True),
+    ("autoscaled-keda", model_server(maxReplicas=4, autoscaling={"provider": "keda"}), True),
+    ("min-above-max", model_server(minReplicas=5, maxReplicas=4), False),
+    ("max-zero", model_server(maxReplicas=0), False),
+    ("max-over-1000", model_server(maxReplicas=1001), False),
+    ("unknown-provider", model_server(maxReplicas=4, autoscaling={"provider": "hpa"}), False),
+    ("kv-target-above-1", model_server(maxReplicas=4, autoscaling={"targetKVUtilization": 1.5}), False),
+    ("negative-window", model_server(maxReplicas=4, autoscaling={"scaleDownStabilizationSeconds": -1}), False),
+    ("unknown-autoscaling-field", model_server(maxReplicas=4, autoscaling={"metric": "cpu"}), False),
 ]
 
 

@@ -205,7 +205,9 @@ def test_default_operator_args():
     assert (args.allow_host_path, args.allow_image_prefix) == (False, [])  # tenants get no node or foreign image
     assert (args.envoy_service_type, args.epp_address_mode, args.resync_seconds) == ("ClusterIP", "service", 15.0)
     assert (args.vllm_image, args.sglang_image) == (None, None)  # vllm / sglang ModelServers name their image
-    assert (args.epp_network_policy, args.epp_metrics_from) == ("enabled", ())  # on, and no metrics scraper
+    # on, and only the operator's own pods (its autoscaler) may read the EPPs' metrics
+    assert (args.epp_network_policy, args.epp_metrics_from) == ("enabled", (OPERATOR_PEER,))
+    assert (args.autoscale_interval_seconds, args.keda_prometheus_address) == (15.0, None)
 
 
 def test_tenant_allowances_reach_the_operator():
@@ -236,7 +238,9 @@ def test_network_policy_values_reach_the_operator():
     (pod,) = _operators(render(values))
     args = _operator_args(pod)  # the real CLI parser validates the peers
     assert args.epp_network_policy == "enabled"
-    assert list(args.epp_metrics_from) == values["networkPolicy"]["metricsFrom"]
+    assert list(args.epp_metrics_from) == values["networkPolicy"]["metricsFrom"] + [OPERATOR_PEER]
+    (pod,) = _operators(render({"autoscaling": {"enabled": False}}))
+    assert _operator_args(pod).epp_metrics_from == ()
     (pod,) = _operators(render(VARIANTS["no-network-policy"][0]))
     assert _operator_args(pod).epp_network_policy == "disabled"
 
@@ -430,12 +434,32 @@ def test_operator_holds_what_the_epp_role_grants():
                 assert set(rule["verbs"]) <= held.get((group, resource), set()), (group, resource)
 
 
+# The operator's pods, as a NetworkPolicy peer of the EPPs' metrics port (autoscaling.enabled).
+OPERATOR_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
+                 "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator",
+                                                 "app.kubernetes.io/instance": "kvgate",
+                                                 "app.kubernetes.io/name": "kvgate"}}}
+KEDA_RULES = {("keda.sh", "scaledobjects"): {"get", "list", "create", "patch", "delete"}}
+
+
+def test_keda_values_reach_the_operator_with_their_rbac():
+    objects = render({"autoscaling": {"keda": {"enabled": True, "prometheusAddress": "http://prometheus:9090"}}})
+    held = {}
+    for role in (o for o in objects if o["kind"] in ("Role", "ClusterRole")):
+        held.update(grants(role))
+    assert held == {**NAMESPACED_RULES, **KEDA_RULES, **CLUSTER_RULES}
+    (pod,) = _operators(objects)
+    assert _operator_args(pod).keda_prometheus_address == "http://prometheus:9090"
+    with pytest.raises(Exception, match="prometheusAddress is required"):
+        render({"autoscaling": {"keda": {"enabled": True}}})
+
+
 def test_operator_holds_every_kind_it_applies():
     """Every kind of the operator's API table (operator/apply.py KINDS) is covered by the rules (PodDisruptionBudgets
     by eppHighAvailability's)."""
     from kvgate.operator.apply import KINDS
 
-    rules = {**NAMESPACED_RULES, **CLUSTER_RULES, **HA_RULES}
+    rules = {**NAMESPACED_RULES, **CLUSTER_RULES, **HA_RULES, **KEDA_RULES}
     for kind in KINDS.values():
         group = kind.api_version.rpartition("/")[0]
         assert (group, kind.plural) in rules, kind

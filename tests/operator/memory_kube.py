@@ -32,6 +32,7 @@ class MemoryKube(Kube):
         super().__init__(api_client=object(), attempts=1)
         self.objects: dict[tuple[str, str, str], dict] = {}  # (plural, namespace, name) -> object
         self.calls: list[tuple[str, str]] = []
+        self.events: list[dict] = []
         self._counter = itertools.count(1)
 
     def put(self, obj: dict) -> dict:
@@ -84,6 +85,9 @@ class MemoryKube(Kube):
                 merged["metadata"]["resourceVersion"] = str(next(self._counter))
                 self.objects[key] = merged
             return copy.deepcopy(self.objects[key])
+        if method == "POST" and plural == "events":  # Events are only recorded (the autoscaler's)
+            self.events.append(copy.deepcopy(body))
+            return copy.deepcopy(body)
         if method == "POST":
             key = (plural, namespace, body["metadata"]["name"])
             if key in self.objects:

@@ -78,7 +78,8 @@ get/list/watch are also what the EPP Role it creates grants (operator/pool.py EP
 only lets it create that Role if it holds those permissions itself (RBAC escalation prevention).
 ConfigMaps: list/watch for the watch of ConfigMaps labelled kvgate.dev/epp-config (a pool's EndpointPickerConfig;
 get already reads any ConfigMap, so they show it nothing new). NetworkPolicies (networkPolicy.enabled): the
-EPPs' policies, watched to put back one a user changed, deleted for a pool that opts out.
+EPPs' policies, watched to put back one a user changed, deleted for a pool that opts out. Events: kopf's and the
+autoscaler's scaling decisions on ModelServers; pods list also finds the EPP pods whose metrics it reads.
 */}}
 {{- define "kvgate.namespacedRules" -}}
 - apiGroups: [""]
@@ -120,6 +121,12 @@ EPPs' policies, watched to put back one a user changed, deleted for a pool that 
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]
+{{- end }}
+{{- if .Values.autoscaling.keda.enabled }}
+# ModelServers with autoscaling.provider keda: their ScaledObjects (listed to delete those no longer wanted).
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 {{- end }}
 - apiGroups: ["kvgate.dev"]
   resources: ["modelservers"]
