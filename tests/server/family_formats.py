@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import types
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -159,10 +158,10 @@ def qwen_agent_modules():
         raise ImportError("qwen-agent is not installed")
     root = Path(spec.origin).parent
     for name, path in (("qwen_agent", root), ("qwen_agent.llm", root / "llm")):
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [str(path)]
-            sys.modules[name] = package
+        if name not in sys.modules:  # the package, its __init__ not run
+            package_spec = importlib.util.spec_from_file_location(name, path / "__init__.py",
+                                                                  submodule_search_locations=[str(path)])
+            sys.modules[name] = importlib.util.module_from_spec(package_spec)
     from qwen_agent.llm import schema
     from qwen_agent.llm.fncall_prompts import nous_fncall_prompt
     from qwen_agent.utils import tokenization_qwen
