@@ -1,6 +1,7 @@
 """kvgate's tool-call and reasoning parsers against vLLM's own parsers of the same names, on the same texts, and
 the mistral parser on tool calls that Mistral's own tokenizer library (mistral_common) writes, streamed token by
-token as its tokenizers decode them. vLLM runs in its own install (tests/server/vllm_parser_oracle.py, under
+token as its tokenizers decode them, and both on the turns Meta's and Qwen's libraries write
+(tests/server/family_formats.py). vLLM runs in its own install (tests/server/vllm_parser_oracle.py, under
 KVGATE_VLLM_PYTHON, default /work/vllm-venv/bin/python); the tests skip where it is absent.
 
 Where kvgate reads a text differently on purpose, the text is left out here and the difference is in the parser's
@@ -9,6 +10,7 @@ one does not); a qwen3_coder block that holds no call stays content (vLLM drops 
 without surrounding whitespace (vLLM strips it for mistral and qwen3_coder, a
 stream cannot take back what it sent)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,13 +23,24 @@ from kvgate.engine.server.reasoning_parsers import reasoning_parser
 from kvgate.engine.server.tool_parsers import tool_parser
 from tests.server.test_tool_parsers import CASES, WEATHER_TOOL, streamed
 
+# the turns the families' own libraries write (tests/server/family_formats.py), when those test dependencies are here
+if all(importlib.util.find_spec(m) for m in ("llama_models", "qwen_agent")):
+    from tests.server.family_formats import llama_turns, qwen_turns
+
+    FAMILY_TURNS = llama_turns() + qwen_turns()
+else:
+    FAMILY_TURNS = []
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
 VLLM_PYTHON = os.environ.get("KVGATE_VLLM_PYTHON", "/work/vllm-venv/bin/python")
 ORACLE = Path(__file__).with_name("vllm_parser_oracle.py")
 
 # the format's special tokens, added to the oracle's tokenizer: vLLM's parsers look their markers up in it
-SPECIALS = {"llama3_json": ["<|python_tag|>"], "mistral": ["[TOOL_CALLS]", "[ARGS]"],
-            "mistral_v3": ["[TOOL_CALLS]"], "qwen3_coder": ["<tool_call>", "</tool_call>"],
-            "hermes": ["<tool_call>", "</tool_call>"], "qwen3_json": ["<tool_call>", "</tool_call>"], "pythonic": [], "reasoning": ["<think>", "</think>", "<tool_call>", "</tool_call>"]}
+SPECIALS = {"llama3_json": ["<|python_tag|>"], "llama4_json": ["<|python_tag|>"],
+            "mistral": ["[TOOL_CALLS]", "[ARGS]"], "mistral_v3": ["[TOOL_CALLS]"],
+            "qwen3_coder": ["<tool_call>", "</tool_call>"], "hermes": ["<tool_call>", "</tool_call>"],
+            "qwen3_json": ["<tool_call>", "</tool_call>"], "pythonic": [],
+            "reasoning": ["<think>", "</think>", "<tool_call>", "</tool_call>"]}
 
 TOOL_TEXTS = [(name, text) for name, text, _, _ in CASES
               if not (name == "mistral" and "[ARGS]" not in text and "[TOOL_CALLS]" in text
@@ -42,7 +55,10 @@ REASONING_TEXTS = ["<think>Let me think.</think>The answer is 4.", "Let me think
                    "<think>still thinking when cut", "thought</think>",
                    "<think>I need the weather.\n<tool_call>\n<function=get_weather>\n</function>\n</tool_call>"]
 MISTRAL_TURNS = [{"content": None, "calls": [["get_weather", {"city": "Paris"}]]},
-                 {"content": None, "calls": [["get_weather", {"city": "Köln"}], ["get_time", {"zone": "CET"}]]}]
+                 {"content": None, "calls": [["get_weather", {"city": "Köln"}], ["get_time", {"zone": "CET"}]]},
+                 {"content": None, "calls": [["get_weather", {"city": "Köln 🌧 東京", "quote": "say \"hi\" [ARGS] }]",
+                                                              "opts": {"unit": "C", "hours": [6, 12]}}]]},
+                 {"content": "Let me check.", "calls": [["get_weather", {"city": "Paris"}]]}]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +78,8 @@ def vllm_answers(tmp_path_factory):
                   for t in REASONING_TEXTS]
     cases += [{"kind": "reasoning", "parser": "qwen3", "text": t, "specials": SPECIALS["reasoning"],
                "kwargs": {"enable_thinking": False}} for t in REASONING_TEXTS]
+    cases += [_family_case(turn) for turn in FAMILY_TURNS]
+    cases += [_family_content_case(turn) for turn in FAMILY_TURNS if turn.reasoning is not None]
     request = {"byte_tokenizer": str(tokenizer), "cases": cases, "mistral_turns": MISTRAL_TURNS}
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)
@@ -70,6 +88,20 @@ def vllm_answers(tmp_path_factory):
     assert done.returncode == 0, done.stderr[-3000:]
     answer = json.loads(done.stdout)
     return dict(zip((json.dumps(c, sort_keys=True) for c in cases), answer["cases"])), answer["mistral_turns"]
+
+
+def _family_case(turn) -> dict:
+    if turn.reasoning is not None:  # the thinking split first, as the server splits it
+        return {"kind": "reasoning", "parser": "qwen3", "text": turn.text, "specials": SPECIALS["reasoning"]}
+    return {"kind": "tool", "parser": turn.parser, "text": turn.text, "tools": [WEATHER_TOOL, TIME_TOOL],
+            "specials": SPECIALS[turn.parser]}
+
+
+def _family_content_case(turn) -> dict:
+    """The answer after a turn's thinking, read for calls."""
+    _, content = reasoning_parser("qwen3").extract(turn.text)
+    return {"kind": "tool", "parser": turn.parser, "text": content, "tools": [WEATHER_TOOL, TIME_TOOL],
+            "specials": SPECIALS[turn.parser]}
 
 
 def _vllm(answers, **case) -> dict:
@@ -118,26 +150,65 @@ def test_reasoning_parsers_match_vllms(vllm_answers):
 
 @pytest.mark.processes
 def test_mistral_reads_the_calls_mistrals_tokenizers_write(vllm_answers):
-    """Mistral's tokenizer library writes the assistant turns (SentencePiece v3 and v7, Tekken): the parser reads
-    them whole and token by token, as the server would stream them."""
+    """Mistral's tokenizer library writes the assistant turns (SentencePiece v2, v3 and v7, Tekken): the parser
+    reads them whole and token by token, as the server would stream them."""
     turns = vllm_answers[1]
-    assert len(turns) == 3 * len(MISTRAL_TURNS)
-    for turn in turns:
+    assert len(turns) == 4 * len(MISTRAL_TURNS)
+    written = [t for t in turns if "refused" not in t]
+    assert len(written) >= 4 * len(MISTRAL_TURNS) - 3  # content with calls: v7's turn only
+    assert any(t["turn"]["content"] for t in written) and any("" in t["pieces"] for t in written)
+    for turn in written:
         text = "".join(turn["pieces"])
         assert "[TOOL_CALLS]" in text, turn["tokenizer"]
         expected = [[n, a] for n, a in turn["turn"]["calls"]]
         content, calls = tool_parser("mistral").extract(text)
         assert [[c.name, json.loads(c.arguments)] for c in calls] == expected, (turn["tokenizer"], text)
-        assert _strip(content) is None
+        assert _strip(content) == turn["turn"]["content"]
         cuts, at = [], 0
         for piece in turn["pieces"]:
             at += len(piece)
             cuts.append(at)
         streamed_content, streamed_calls = streamed(tool_parser("mistral"), text, cuts[:-1])
-        assert streamed_calls == calls and not streamed_content.strip(), turn["tokenizer"]
+        assert streamed_calls == calls and streamed_content == (content or ""), turn["tokenizer"]
 
 
 def test_oracle_script_is_standalone():
     """The oracle runs under vLLM's Python, which has no kvgate: it imports none."""
     source = ORACLE.read_text()
     assert "kvgate" not in source.replace("kvgate's", "") and sys.executable  # noqa: PLR2004
+
+
+@pytest.mark.processes
+def test_family_turns_read_as_vllm_reads_them(vllm_answers):
+    """The turns the families' own libraries write (test_parsers_on_family_formats.py): kvgate's parsers and vLLM's
+    read the same calls, content and thinking. One difference, on purpose: llama-models writes a turn's several
+    calls back to back (`{...}{...}`, `[f()][g()]`); kvgate reads each, vLLM 0.32 reads such a turn as text."""
+    if not FAMILY_TURNS:
+        pytest.skip("llama-models and qwen-agent (test dependencies) are not installed")
+    mismatches, back_to_back = [], 0
+    for turn in FAMILY_TURNS:
+        if turn.parser in ("llama3_json", "llama4_json", "pythonic") and len(turn.calls) > 1:
+            theirs = _vllm(vllm_answers, **_family_case(turn))
+            assert theirs == {"content": turn.text, "calls": []}, (turn.family, theirs)
+            _, calls = tool_parser(turn.parser, [WEATHER_TOOL, TIME_TOOL]).extract(turn.text)
+            assert [(c.name, json.loads(c.arguments)) for c in calls] == list(turn.calls)
+            back_to_back += 1
+    assert back_to_back == 4
+    for turn in FAMILY_TURNS:
+        text = turn.text
+        if turn.parser in ("llama3_json", "llama4_json", "pythonic") and len(turn.calls) > 1:
+            continue
+        if turn.reasoning is not None:
+            theirs = _vllm(vllm_answers, **_family_case(turn))
+            reasoning, text = reasoning_parser("qwen3").extract(turn.text)
+            if (reasoning, text) != (theirs["reasoning"], theirs["content"]):
+                mismatches.append((turn.family, "reasoning", (reasoning, text), theirs))
+            case = _family_content_case(turn)
+        else:
+            case = _family_case(turn)
+        theirs = _vllm(vllm_answers, **case)
+        content, calls = tool_parser(turn.parser, [WEATHER_TOOL, TIME_TOOL]).extract(text)
+        mine = {"content": _strip(content), "calls": [[c.name, json.loads(c.arguments)] for c in calls]}
+        if mine != {"content": _strip(theirs["content"]), "calls": theirs["calls"]}:
+            mismatches.append((turn.family, text, mine, theirs))
+    assert not mismatches, "\n".join(map(repr, mismatches))

@@ -6,14 +6,17 @@ JSON request on stdin, answers one JSON object on stdout.
   parsers look their markers up in the vocabulary): {"content", "calls": [[name, arguments]]} or
   {"reasoning", "content"}, or {"error"} when vLLM's parser raised.
 - `mistral_turns`: assistant messages with tool calls encoded by mistral_common, Mistral's own tokenizer library,
-  with the tokenizer files it ships (v3 and v7 SentencePiece, Tekken): for each, the text of every token as
-  decoded one at a time with special tokens kept (what a server streams), minus the end-of-turn token.
-  SentencePiece's word marker (U+2581) is written as the space it stands for: mistral_common's decode keeps it
-  raw when it keeps special tokens, where a server's detokenizer writes spaces.
+  with the tokenizer files it ships (v2, v3 and v7 SentencePiece, Tekken): for each, the text of every token as
+  decoded one at a time with special tokens kept (what a server streams), minus the end-of-turn token, or
+  {"refused"} where the tokenizer's version cannot write the turn (content with calls before v7).
+  SentencePiece's word marker (U+2581) is written as the space it stands for, and its byte tokens as the
+  characters they spell: mistral_common's decode keeps both raw when it keeps special tokens, where a server's
+  detokenizer writes text.
 """
 
 import json
 import os
+import re
 import sys
 
 
@@ -58,15 +61,19 @@ def mistral_turns(turns: list[dict]) -> list[dict]:
 
     data = os.path.join(os.path.dirname(mistral_common.__file__), "data")
     out = []
-    for name in ("mistral_instruct_tokenizer_240323.model.v3", "mistral_instruct_tokenizer_241114.model.v7",
-                 "tekken_240911.json"):
+    for name in ("mistral_instruct_tokenizer_240216.model.v2", "mistral_instruct_tokenizer_240323.model.v3",
+                 "mistral_instruct_tokenizer_241114.model.v7", "tekken_240911.json"):
         instruct = MistralTokenizer.from_file(os.path.join(data, name)).instruct_tokenizer
         tok = instruct.tokenizer
         for turn in turns:
             calls = [ToolCall(id=f"call{i:05d}", function=FunctionCall(name=n, arguments=json.dumps(a)))
                      for i, (n, a) in enumerate(turn["calls"])]
-            ids = instruct.encode_assistant_message(AssistantMessage(content=turn["content"], tool_calls=calls),
-                                                    is_before_last_user_message=False)
+            try:
+                ids = instruct.encode_assistant_message(AssistantMessage(content=turn["content"], tool_calls=calls),
+                                                        is_before_last_user_message=False)
+            except ValueError as exc:  # content with calls: v7 and later only
+                out.append({"tokenizer": f"{name} ({tok.version.value})", "turn": turn, "refused": str(exc)[:200]})
+                continue
             if ids and ids[-1] == tok.eos_id:
                 ids = ids[:-1]
             pieces = _streamed_pieces(tok, ids, SpecialTokenPolicy.KEEP)
@@ -74,12 +81,23 @@ def mistral_turns(turns: list[dict]) -> list[dict]:
     return out
 
 
+_BYTE_TOKENS = re.compile(r"(?:<0x[0-9A-F]{2}>)+")
+
+
+def _bytes_as_text(text: str) -> str:
+    """SentencePiece's byte-fallback tokens (`<0xF0>`...) as the UTF-8 text they spell, as a server's detokenizer
+    writes them: mistral_common's decode keeps them raw when it keeps special tokens (an incomplete character
+    becomes U+FFFD)."""
+    return _BYTE_TOKENS.sub(lambda m: bytes.fromhex(m.group()[3:-1].replace("><0x", "")).decode("utf-8", "replace"),
+                            text)
+
+
 def _streamed_pieces(tok, ids: list[int], policy) -> list[str]:
     """The text each token adds, as an incremental detokenizer sends it (a piece may be empty while a character
     is incomplete)."""
     pieces, sent = [], ""
     for n in range(1, len(ids) + 1):
-        text = tok.decode(ids[:n], special_token_policy=policy)
+        text = _bytes_as_text(tok.decode(ids[:n], special_token_policy=policy))
         if text.endswith("\ufffd"):
             pieces.append("")
             continue

@@ -148,7 +148,9 @@ class CallStream:
         if calls is None or not self._admit(calls):
             self.mode = "broken"
             return segment, []
-        self.mode = "plain" if not self.calls else "calls"
+        if not self.calls:  # an opener and then no call (Llama's <|python_tag|> before code): all of it was text
+            self.mode = "plain"
+            return segment, []
         return "", calls
 
     # -- content before the calls ---------------------------------------------------------------------------
@@ -169,7 +171,7 @@ class CallStream:
                 return ""
             if any(body.startswith(o) for o in parser.leading):
                 self._open()
-                return body
+                return window  # the whitespace too: it is content again if no call follows
             if any(o.startswith(body) for o in parser.leading):
                 self.held = window
                 return ""

@@ -4,10 +4,12 @@ JSON-tools chat templates ask for.
     <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": ...}
 
 The output is calls when it starts (after whitespace) with `{` or `<|python_tag|>`: JSON objects with a string
-`name` and an object `parameters` (or `arguments`), separated by `;` or whitespace (text between or after them is
-not part of the message, as in vLLM); the message then has no content. An output that starts otherwise is text: that is vLLM's streaming rule, used here for finished outputs
-too (vLLM's non-streaming parser also picks JSON out of the middle of prose, which a stream cannot do without
-holding back all text)."""
+`name` and an object `parameters` (or `arguments`), separated by `;`, whitespace or nothing (Meta's llama-models
+writes a turn's calls back to back, which vLLM reads as text; text between or after them is not part of the
+message, as in vLLM); the message then has no content. An output that starts otherwise is text: that is vLLM's
+streaming rule, used here for finished outputs too (vLLM's non-streaming parser also picks JSON out of the middle
+of prose, which a stream cannot do without holding back all text). So is an output whose `<|python_tag|>` is
+followed by no JSON call (Llama 3.1's code_interpreter code, its built-in tools' `brave_search.call(...)`)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ Llama 4's pythonic templates and ToolACE ask for.
 
 The output is calls when it starts (after whitespace) with `[`, and the list is a list of calls whose arguments
 are all literals (strings, numbers, True/False/None, lists, dicts, tuples); the message then has no content.
-Anything else is text, as vLLM answers. Text after the list's closing bracket is not part of the message (vLLM
-reads the whole output as the list, so such an output would be text there)."""
+Anything else is text, as vLLM answers. A second list right after the first is more calls (Meta's llama-models
+writes a turn's calls so, one list each); other text after the list's closing bracket is not part of the message
+(vLLM reads the whole output as one list, so either output would be text there)."""
 
 from __future__ import annotations
 
