@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvgate.common.envoy_config import EnvoyTracing
 from kvgate.operator.tenancy import TenantPolicy
+from kvgate.operator.xds.xds_files import XdsAddress
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,14 @@ class OperatorConfig:
     vllm_image: str | None = None
     sglang_image: str | None = None
     tracing: TraceExport | None = None  # None: no spans exported (no OTEL_* on the EPPs, no tracer in Envoy)
+    # Where the Gateways' Envoys get their config (--envoy-config-source): "xds", from the operator's xDS server
+    # at xds_address (operator/xds/); "files", from their mounted ConfigMap.
+    envoy_config_source: str = "files"
+    xds_address: XdsAddress | None = None
+
+    def envoy_xds(self) -> XdsAddress | None:
+        """The xDS server the Envoys dial, when they get their config over xDS."""
+        return self.xds_address if self.envoy_config_source == "xds" else None
 
     def engine_images(self) -> dict[str, str]:
         """The operator's image per engine type, for those it has one."""

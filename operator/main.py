@@ -67,6 +67,20 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--trace-sampling-ratio", type=_ratio, default=1.0, metavar="RATIO",
                    help="with --otlp-traces-endpoint: the share of requests without a sampled traceparent that are "
                         "traced, in [0, 1] (parentbased_traceidratio; default 1)")
+    p.add_argument("--envoy-config-source", default="files", choices=["files", "xds"],
+                   help="how the Gateways' Envoys get their config: 'files', from their mounted ConfigMap (changes "
+                        "arrive with the kubelet's ConfigMap sync, up to a minute); 'xds', over ADS from the "
+                        "operator's xDS server (every replica serves it; needs --xds-address) "
+                        "(default %(default)s)")
+    p.add_argument("--xds-address", type=_xds_address, default=None, metavar="HOST:PORT",
+                   help="with --envoy-config-source xds: where the Envoys reach the operator's xDS server (its "
+                        "Service, e.g. kvgate-xds.kvgate-system.svc.cluster.local:18000)")
+    p.add_argument("--xds-port", type=int, default=18000,
+                   help="port of the xDS server, plain gRPC (default %(default)s; admit only the Gateways' Envoy "
+                        "pods to it, as the chart's NetworkPolicy does)")
+    p.add_argument("--xds-host", default="0.0.0.0", help="address of the xDS server (default %(default)s)")
+    p.add_argument("--xds-max-streams", type=int, default=1000,
+                   help="at most this many Envoy streams at once; more are refused (default %(default)s)")
     p.add_argument("--resync-seconds", type=float, default=15.0,
                    help="reconcile everything again this often (default %(default)s)")
     p.add_argument("--liveness-port", type=int, default=None,
@@ -85,6 +99,15 @@ def _ratio(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
     return value
+
+
+def _xds_address(text: str):
+    from kvgate.operator.xds.xds_files import XdsAddress
+
+    try:
+        return XdsAddress.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _metrics_peers(text: str) -> tuple[dict, ...]:
@@ -117,7 +140,10 @@ def run_operator(args: argparse.Namespace) -> int:
                             tenant_policy=TenantPolicy(allow_host_path=args.allow_host_path,
                                                        image_prefixes=tuple(args.allow_image_prefix)),
                             tracing=TraceExport(args.otlp_traces_endpoint, args.trace_sampling_ratio)
-                            if args.otlp_traces_endpoint else None)
+                            if args.otlp_traces_endpoint else None,
+                            envoy_config_source=args.envoy_config_source, xds_address=args.xds_address)
+    if args.envoy_config_source == "xds" and args.xds_address is None:
+        raise SystemExit("kvgate operator: --envoy-config-source xds needs --xds-address HOST:PORT")
     if args.allow_host_path or args.allow_image_prefix:
         logging.getLogger("kvgate.operator").warning(
             "ModelServers may use: %s", ", ".join((["hostPath volumes"] if args.allow_host_path else [])
@@ -127,8 +153,18 @@ def run_operator(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # kopf, in its own thread, leaves the signals to us
         signal.signal(sig, lambda *_: stop.set())
 
+    current: list = []  # the running reconciler, woken when the Envoys' xDS answers change
+
+    if args.envoy_config_source == "xds":  # every replica serves xDS, leader or not
+        from kvgate.operator.reconciler import GATEWAYS_KEY
+        from kvgate.operator.xds.serve import start_xds
+
+        start_xds(Kube(), args.namespace, args.xds_host, args.xds_port, args.xds_max_streams,
+                  on_reports=lambda *_: current and current[-1].queue.add(GATEWAYS_KEY))
+
     def serve_once() -> None:
         reconciler = Reconciler(Kube(), config)
+        current[:] = [reconciler]
 
         def run() -> None:
             try:
