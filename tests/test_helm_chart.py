@@ -89,6 +89,8 @@ VARIANTS = {
                           "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]}},
                      BASE + Counter({"GatewayClass": 1})),
     "epp-high-availability": ({"eppHighAvailability": {"enabled": True}}, BASE + Counter({"GatewayClass": 1})),
+    "xds": ({"operator": {"envoyConfigSource": "xds"}},
+            BASE + Counter({"GatewayClass": 1, "Service": 1, "NetworkPolicy": 1})),
     "no-network-policy": ({"networkPolicy": {"enabled": False}, "watchNamespaces": ["team-a"]},
                           Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1,
                                    "RoleBinding": 1, "Deployment": 1, "GatewayClass": 1})),
@@ -151,7 +153,7 @@ def test_every_object_is_valid(variant):
             assert schema is not None, f"{what}: no Gateway API CRD serves {obj['apiVersion']}"
             assert schema.errors(obj) == [], what
         else:
-            assert obj["apiVersion"] in ("v1", "apps/v1", "rbac.authorization.k8s.io/v1"), what
+            assert obj["apiVersion"] in ("v1", "apps/v1", "rbac.authorization.k8s.io/v1", "networking.k8s.io/v1"), what
             if obj["kind"] == "Deployment":
                 pod = obj["spec"]["template"]
                 assert obj["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(), what
@@ -190,6 +192,29 @@ def test_default_operator_args():
     assert (args.envoy_service_type, args.epp_address_mode, args.resync_seconds) == ("ClusterIP", "service", 15.0)
     assert (args.vllm_image, args.sglang_image) == (None, None)  # vllm / sglang ModelServers name their image
     assert (args.epp_network_policy, args.epp_metrics_from) == ("enabled", ())  # on, and no metrics scraper
+
+
+def test_xds_values_reach_the_operator():
+    """xDS: the operator serves it on the port its Service targets, names that Service to its Envoys, and only the
+    Gateways' Envoy pods of the served namespace may connect (the liveness port stays open to probes)."""
+    assert _operator_args(_operators(render())[0]).envoy_config_source == "files"
+    objects = render({"operator": {"envoyConfigSource": "xds"}, "xds": {"port": 18500, "maxStreams": 50}})
+    (pod,) = _operators(objects)
+    args = _operator_args(pod)
+    assert (args.envoy_config_source, args.xds_port, args.xds_max_streams) == ("xds", 18500, 50)
+    service = one(objects, "Service")
+    assert (args.xds_address.host, args.xds_address.port) == (
+        f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local", 18500)
+    assert {"name": "xds", "containerPort": 18500, "protocol": "TCP"} in pod["containers"][0]["ports"]
+    assert service["spec"]["ports"][0]["targetPort"] == "xds"
+    policy = one(objects, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"] == service["spec"]["selector"]
+    envoys, probes = policy["spec"]["ingress"]
+    assert envoys == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "gateway",
+                                                                "app.kubernetes.io/managed-by": "kvgate-operator"}},
+                                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}}],
+                      "ports": [{"port": 18500, "protocol": "TCP"}]}
+    assert probes == {"ports": [{"port": 8080, "protocol": "TCP"}]}
 
 
 def test_tenant_allowances_reach_the_operator():
