@@ -56,6 +56,9 @@ class OperatorConfig:
     # at xds_address (operator/xds/); "files", from their mounted ConfigMap.
     envoy_config_source: str = "files"
     xds_address: XdsAddress | None = None
+    # Where xDS-configured Envoys bind their listeners (--envoy-bind-address): "any" (0.0.0.0), or "pod-ip" for
+    # clusters whose pods share one network namespace (the e2e rig).
+    envoy_bind_address: str = "any"
 
     def envoy_xds(self) -> XdsAddress | None:
         """The xDS server the Envoys dial, when they get their config over xDS."""

@@ -350,7 +350,7 @@ def _envoy_ports(gateway: dict) -> list[int]:
     return sorted({l["port"] for l in _http_listeners(gateway)})
 
 
-def _envoy_container(gateway: dict, image: str, xds: bool = False) -> dict:
+def _envoy_container(gateway: dict, image: str, xds: bool = False, bind_pod_ip: bool = False) -> dict:
     ports = _envoy_ports(gateway)
     container = {
         "name": "envoy",
@@ -374,8 +374,11 @@ def _envoy_container(gateway: dict, image: str, xds: bool = False) -> dict:
         # Everything but the bootstrap comes over ADS. The pod's name in the node metadata says which Envoy
         # ACKed what (operator/xds/ack_report.py). No liveness probe on a listener: listeners exist only once
         # the operator answered, and an Envoy waiting for an unreachable operator is not broken.
-        container["command"] += ["--config-yaml", json.dumps({"node": {"metadata": {"pod": "$(POD_NAME)"}}})]
+        metadata = {"pod": "$(POD_NAME)", **({"listen_host": "$(POD_IP)"} if bind_pod_ip else {})}
+        container["command"] += ["--config-yaml", json.dumps({"node": {"metadata": metadata}})]
         container["env"] = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+        if bind_pod_ip:  # pods sharing one network namespace (the e2e rig): listeners on the pod's own IP
+            container["env"].append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
         del container["livenessProbe"]
     return container
 
@@ -445,7 +448,7 @@ def _eds_file_of(cluster: dict) -> str | None:
 
 def desired_envoy_objects(gateway: dict, rendered_config: dict[str, dict], image: str,
                           service_type: str = "ClusterIP", previous_config_map: dict | None = None,
-                          now: float | None = None) -> list[dict]:
+                          now: float | None = None, bind_pod_ip: bool = False) -> list[dict]:
     """ConfigMap (Envoy's config files, render_config's, plus clusters lingering after their routes: see
     retain_retired_clusters), Deployment (Envoy) and Service (the listener ports) of a Gateway."""
     name = naming.envoy_name(gateway)
@@ -465,7 +468,7 @@ def desired_envoy_objects(gateway: dict, rendered_config: dict[str, dict], image
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": naming.object_meta(name, gateway, labels),
         "spec": {"replicas": 1, "selector": {"matchLabels": selector}, "template": {
             "metadata": {"labels": labels, "annotations": {"kvgate.dev/config-digest": digest}},
-            "spec": {"containers": [_envoy_container(gateway, image, xds)],
+            "spec": {"containers": [_envoy_container(gateway, image, xds, bind_pod_ip)],
                      "volumes": [{"name": "config", "configMap": volume}, {"name": "tmp", "emptyDir": {}}],
                      "automountServiceAccountToken": False,
                      "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,

@@ -110,7 +110,8 @@ class GatewayReconciler:
         applied = [self.kube.apply(o) for o in
                    desired_envoy_objects(gw, render_config(gw, routing, tracing, xds), self.config.envoy_image,
                                          self.config.envoy_service_type,
-                                         previous if naming.is_owned_by(previous, gw) else None)]
+                                         previous if naming.is_owned_by(previous, gw) else None,
+                                         bind_pod_ip=self.config.envoy_bind_address == "pod-ip")]
         config_map = next(o for o in applied if o.get("kind") == "ConfigMap")
         deployment = next(o for o in applied if o.get("kind") == "Deployment")
         service = next(o for o in applied if o.get("kind") == "Service")

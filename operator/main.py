@@ -75,11 +75,15 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--xds-address", type=_xds_address, default=None, metavar="HOST:PORT",
                    help="with --envoy-config-source xds: where the Envoys reach the operator's xDS server (its "
                         "Service, e.g. kvgate-xds.kvgate-system.svc.cluster.local:18000)")
-    p.add_argument("--xds-port", type=int, default=18000,
+    p.add_argument("--envoy-bind-address", default="any", choices=["any", "pod-ip"],
+                   help="with --envoy-config-source xds: where the Envoys bind their listeners: 'any' (0.0.0.0, "
+                        "the default) or 'pod-ip' (the pod's own IP, for clusters whose pods share one network "
+                        "namespace, e.g. the e2e rig)")
+    p.add_argument("--xds-port", type=_port, default=18000,
                    help="port of the xDS server, plain gRPC (default %(default)s; admit only the Gateways' Envoy "
                         "pods to it, as the chart's NetworkPolicy does)")
     p.add_argument("--xds-host", default="0.0.0.0", help="address of the xDS server (default %(default)s)")
-    p.add_argument("--xds-max-streams", type=int, default=1000,
+    p.add_argument("--xds-max-streams", type=_stream_limit, default=1000,
                    help="at most this many Envoy streams at once; more are refused (default %(default)s)")
     p.add_argument("--resync-seconds", type=float, default=15.0,
                    help="reconcile everything again this often (default %(default)s)")
@@ -99,6 +103,20 @@ def _ratio(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
     return value
+
+
+def _bounded_int(text: str, low: int, high: int) -> int:
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}], got {text!r}")
+    return int(text)
+
+
+def _port(text: str) -> int:
+    return _bounded_int(text, 1, 65535)
+
+
+def _stream_limit(text: str) -> int:
+    return _bounded_int(text, 1, 100_000)
 
 
 def _xds_address(text: str):
@@ -141,7 +159,8 @@ def run_operator(args: argparse.Namespace) -> int:
                                                        image_prefixes=tuple(args.allow_image_prefix)),
                             tracing=TraceExport(args.otlp_traces_endpoint, args.trace_sampling_ratio)
                             if args.otlp_traces_endpoint else None,
-                            envoy_config_source=args.envoy_config_source, xds_address=args.xds_address)
+                            envoy_config_source=args.envoy_config_source, xds_address=args.xds_address,
+                            envoy_bind_address=args.envoy_bind_address)
     if args.envoy_config_source == "xds" and args.xds_address is None:
         raise SystemExit("kvgate operator: --envoy-config-source xds needs --xds-address HOST:PORT")
     if args.allow_host_path or args.allow_image_prefix:

@@ -21,6 +21,7 @@ version_info is the type's version (snapshot.py), its nonce a counter of the str
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest, DiscoveryResponse
@@ -46,6 +47,7 @@ class TypeState:
 class AdsStream:
     node_id: str = ""
     envoy: str = ""  # which Envoy: its pod's name (node metadata "pod"), else the peer address
+    listen_host: str | None = None  # node metadata "listen_host": bind listeners there, not on the any-address
     types: dict[str, TypeState] = field(default_factory=lambda: {t: TypeState() for t in TYPE_ORDER})
     _counter: int = 0
 
@@ -54,6 +56,8 @@ class AdsStream:
             self.node_id = request.node.id
             pod = request.node.metadata.fields.get("pod")
             self.envoy = (pod.string_value if pod is not None else "") or peer
+            host = request.node.metadata.fields.get("listen_host")
+            self.listen_host = _ip(host.string_value) if host is not None else None
         state = self.types.get(request.type_url)
         if state is None:
             return []  # a type this server does not serve (Envoy then waits for it as for an absent resource)
@@ -90,7 +94,7 @@ class AdsStream:
             self._counter += 1
             state.nonce, state.awaiting, state.sent = str(self._counter), True, (version, names)
             out.append(DiscoveryResponse(version_info=version, type_url=type_url, nonce=state.nonce,
-                                         resources=snapshot.select(type_url, list(names))))
+                                         resources=snapshot.select(type_url, list(names), self.listen_host)))
         return out
 
     def _prerequisites_met(self, type_url: str, snapshot: Snapshot) -> bool:
@@ -114,4 +118,12 @@ class AdsStream:
         used = [CLUSTER, LISTENER] + [t for t in (ENDPOINT, ROUTE) if snapshot.resources[t]]
         if all(self.types[t].acked == snapshot.versions[t] for t in used):
             return snapshot.version, ""
+        return None
+
+
+def _ip(text: str) -> str | None:
+    """`text` if it is an IP address (what an Envoy's listen_host must be), else None."""
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
         return None

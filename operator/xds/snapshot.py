@@ -122,22 +122,38 @@ def pack(resource: dict) -> any_pb2.Any:
     return packed
 
 
+ANY_ADDRESS = "0.0.0.0"
+
+
+def bound_to(listener: dict, host: str) -> dict:
+    """`listener` bound to `host` instead of the any-address."""
+    address = (listener.get("address") or {}).get("socket_address") or {}
+    if address.get("address") != ANY_ADDRESS:
+        return listener
+    return {**listener, "address": {**listener["address"], "socket_address": {**address, "address": host}}}
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """One Gateway's resources, packed, by type and name; each type's version and the snapshot's."""
+    """One Gateway's resources, packed, by type and name; each type's version and the snapshot's; the
+    listeners also as dicts, for Envoys that bind them to their pod's address (select's listen_host)."""
     resources: dict[str, dict[str, any_pb2.Any]]
     versions: dict[str, str]
     version: str
+    listeners: dict[str, dict] = None
 
     @classmethod
     def from_files(cls, files: dict[str, dict]) -> "Snapshot":
         by_type = resources_by_type(files)
         versions, version = versions_of(by_type)
         packed = {t: {name: pack(r) for name, r in sorted(by_type[t].items())} for t in TYPE_ORDER}
-        return cls(packed, versions, version)
+        return cls(packed, versions, version, dict(sorted(by_type[LISTENER].items())))
 
-    def select(self, type_url: str, names: list[str] | None) -> list[any_pb2.Any]:
-        """The resources of `type_url`: all (listeners, clusters), or those named (route tables, endpoints)."""
+    def select(self, type_url: str, names: list[str] | None, listen_host: str | None = None) -> list[any_pb2.Any]:
+        """The resources of `type_url`: all (listeners, clusters), or those named (route tables, endpoints);
+        with `listen_host`, listeners on the any-address are bound to it instead."""
+        if type_url == LISTENER and listen_host:
+            return [pack(bound_to(listener, listen_host)) for listener in (self.listeners or {}).values()]
         have = self.resources.get(type_url) or {}
         if type_url in (LISTENER, CLUSTER) or not names:
             return list(have.values())
