@@ -56,20 +56,22 @@ def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
 
 
 # The default: the release namespace only (a Role there, a small ClusterRole for what is cluster-scoped).
+# The operator's xDS Service and its NetworkPolicy (operator.envoyConfigSource xds, the default): one per operator.
+XDS = Counter({"Service": 1, "NetworkPolicy": 1})
 BASE = Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1, "RoleBinding": 1,
-                "Deployment": 1})
+                "Deployment": 1}) + XDS
 SAMPLE = Counter({"InferencePool": 1, "ModelServer": 1, "Gateway": 1, "HTTPRoute": 1})
 VARIANTS = {
     "default": ({}, BASE + Counter({"GatewayClass": 1})),
     "all-namespaces": ({"allNamespaces": True},
                        Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Deployment": 1,
-                                "GatewayClass": 1})),
+                                "GatewayClass": 1}) + XDS),
     "tenant-allowances": ({"operator": {"allowHostPath": True,
                                         "allowedImagePrefixes": ["registry.example/kvgate", "mirror.example/ml/"]}},
                           BASE + Counter({"GatewayClass": 1})),
     "namespaced": ({"watchNamespaces": ["team-a", "team-b"]},
                    Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 2,
-                            "RoleBinding": 2, "Deployment": 2, "GatewayClass": 1})),
+                            "RoleBinding": 2, "Deployment": 2, "GatewayClass": 1}) + XDS + XDS),
     "sample-pool": ({"samplePool": {"enabled": True}}, BASE + Counter({"GatewayClass": 1}) + SAMPLE),
     "no-gatewayclass": ({"gatewayClass": {"create": False}}, BASE),
     "custom-images": ({"image": {"repository": "registry.example/kvgate", "tag": "1.2.3", "pullPolicy": "Always"},
@@ -89,11 +91,10 @@ VARIANTS = {
                           "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]}},
                      BASE + Counter({"GatewayClass": 1})),
     "epp-high-availability": ({"eppHighAvailability": {"enabled": True}}, BASE + Counter({"GatewayClass": 1})),
-    "xds": ({"operator": {"envoyConfigSource": "xds"}},
-            BASE + Counter({"GatewayClass": 1, "Service": 1, "NetworkPolicy": 1})),
+    "files": ({"operator": {"envoyConfigSource": "files"}}, BASE - XDS + Counter({"GatewayClass": 1})),
     "no-network-policy": ({"networkPolicy": {"enabled": False}, "watchNamespaces": ["team-a"]},
                           Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1,
-                                   "RoleBinding": 1, "Deployment": 1, "GatewayClass": 1})),
+                                   "RoleBinding": 1, "Deployment": 1, "GatewayClass": 1, "Service": 1})),
 }
 
 
@@ -192,13 +193,15 @@ def test_default_operator_args():
     assert (args.envoy_service_type, args.epp_address_mode, args.resync_seconds) == ("ClusterIP", "service", 15.0)
     assert (args.vllm_image, args.sglang_image) == (None, None)  # vllm / sglang ModelServers name their image
     assert (args.epp_network_policy, args.epp_metrics_from) == ("enabled", ())  # on, and no metrics scraper
+    assert args.envoy_config_source == "xds"  # the Envoys' config over xDS from the operator's Service
 
 
 def test_xds_values_reach_the_operator():
     """xDS: the operator serves it on the port its Service targets, names that Service to its Envoys, and only the
     Gateways' Envoy pods of the served namespace may connect (the liveness port stays open to probes)."""
-    assert _operator_args(_operators(render())[0]).envoy_config_source == "files"
-    objects = render({"operator": {"envoyConfigSource": "xds"}, "xds": {"port": 18500, "maxStreams": 50}})
+    assert _operator_args(_operators(render({"operator": {"envoyConfigSource": "files"}}))[0]).envoy_config_source \
+        == "files"
+    objects = render({"xds": {"port": 18500, "maxStreams": 50}})
     (pod,) = _operators(objects)
     args = _operator_args(pod)
     assert (args.envoy_config_source, args.xds_port, args.xds_max_streams) == ("xds", 18500, 50)
@@ -450,7 +453,7 @@ def test_operator_holds_every_kind_it_applies():
 
 def test_rbac_disabled_renders_no_rbac():
     objects = render({"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "existing"}})
-    assert kinds(objects) == Counter({"Deployment": 1, "GatewayClass": 1})
+    assert kinds(objects) == Counter({"Deployment": 1, "GatewayClass": 1}) + XDS
     assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
 
 
