@@ -26,6 +26,7 @@ log = logging.getLogger("kvgate.operator.xds")
 PREFIX = "xds.kvgate.dev/"
 FIELD_MANAGER = "kvgate-xds"
 MAX_MESSAGE_CHARS = 1024
+RETRY_S = 2.0  # after a failed write of a report
 _POD_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")  # fits an annotation name's 63 characters
 _VERSION = re.compile(r"^[0-9a-f]{1,64}$")
 
@@ -119,5 +120,12 @@ class AckWriter:
                 name = naming.envoy_name({"metadata": {"name": gateway}})
                 try:
                     patch_annotations(self.kube, ns, name, {annotation_key(envoy): report_value(version, error)})
-                except Exception as exc:  # noqa: BLE001 - the next answer of that Envoy writes again
-                    log.warning("cannot record Envoy %s's answer on ConfigMap %s/%s: %s", envoy, ns, name, exc)
+                except Exception as exc:  # noqa: BLE001 - tried again below, unless a newer answer came
+                    log.warning("cannot record Envoy %s's answer on ConfigMap %s/%s (again in %.0f s): %s", envoy,
+                                ns, name, RETRY_S, exc)
+                    threading.Timer(RETRY_S, self._retry, ((node_id, envoy), (version, error))).start()
+
+    def _retry(self, key: tuple[str, str], report: tuple[str, str]) -> None:
+        with self._lock:
+            self._pending.setdefault(key, report)
+        self._wake.put(None)
