@@ -30,6 +30,8 @@ NODE = "ns/gw"
 def _backend(text: bytes) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
+            if self.path == "/health":  # b's cluster warms this long (its first health check) once added
+                time.sleep(0.5)
             self.send_response(200)
             self.send_header("content-length", str(len(text)))
             self.end_headers()
@@ -72,7 +74,12 @@ def _files(a: ServiceBackend, b: ServiceBackend, weights: tuple[int, int], port:
                       XdsAddress("127.0.0.1", xds_port))
     # What the operator does when routes leave a cluster: it lingers in the config (the ConfigMap's cds.yaml)
     previous_map = {"data": {CDS_FILE: json.dumps(previous[CDS_FILE])}} if previous else None
-    return retain_retired_clusters(files, previous_map, time.time())[0]
+    out = retain_retired_clusters(files, previous_map, time.time())[0]
+    for cluster in out[CDS_FILE]["resources"]:  # a cluster that warms, as a pool's EPP cluster does
+        if cluster["name"] == "svc-b":
+            cluster["health_checks"] = [{"timeout": "2s", "interval": "1s", "unhealthy_threshold": 3,
+                                         "healthy_threshold": 1, "http_health_check": {"path": "/health"}}]
+    return out
 
 
 def test_envoy_over_ads(tmp_path):
@@ -114,7 +121,8 @@ def test_envoy_over_ads(tmp_path):
         loader.start()
         time.sleep(1.0)
 
-        # 100/0 -> 0/100: b's cluster arrives (and is ACKed) before the routes that use it; a's lingers.
+        # 100/0 -> 0/100: b's cluster arrives (and is ACKed) before the routes that use it, and warms for its first
+        # health check; a's lingers.
         second = _files(a, b, (0, 100), listen, xds_port, previous=first)
         snapshot = Snapshot.from_files(second)
         assert set(snapshot.resources[CLUSTER]) == {"svc-a", "svc-b"}
