@@ -10,7 +10,8 @@ EPP. Under keep-alive completions from two clients:
 1. the HTTPRoute's split across pools a and b goes from 100/0 to 0/100;
 2. a third pool is created and the route moved to it in the same step (its clusters are new: the xDS server sends
    them, and the route table only once Envoy ACKed them);
-3. pool b, which no route uses any more, is deleted.
+3. pool b, which no route uses any more, is deleted;
+4. the operator is killed (SIGKILL) and started again, and the route moved back to the sample's pool.
 
 Each change is timed from the API write to the last request Envoy sent to the pool it left (its cluster's
 `upstream_rq_total` stops growing; polled every 50 ms at Envoy's admin) and to the first one to the pool it moved
@@ -20,6 +21,8 @@ to. The Gateway's Programmed condition names the config version its Envoy ACKed.
 from __future__ import annotations
 
 import copy
+import os
+import signal
 import threading
 import time
 
@@ -61,9 +64,9 @@ def test_route_and_pool_changes_over_xds_under_load(k8s, tmp_path):
     stop_load = threading.Event()
     try:
         wait_default_service_account(client, ns, token=True)
-        operator = start_operator(k8s.kubeconfig, log_path, "--envoy-config-source", "xds", "--xds-host",
-                                  XDS_HOST, "--xds-port", str(xds_port), "--xds-address", f"{XDS_HOST}:{xds_port}",
-                                  "--envoy-bind-address", "pod-ip")
+        xds_args = ("--envoy-config-source", "xds", "--xds-host", XDS_HOST, "--xds-port", str(xds_port),
+                    "--xds-address", f"{XDS_HOST}:{xds_port}", "--envoy-bind-address", "pod-ip")
+        operator = start_operator(k8s.kubeconfig, log_path, *xds_args)
 
         def pool(name: str) -> dict:
             out = copy.deepcopy(samples["InferencePool"])
@@ -175,6 +178,28 @@ def test_route_and_pool_changes_over_xds_under_load(k8s, tmp_path):
         final_message = wait_for(lambda: (m := programmed()) and m != first_message and m, timeout_s=30,
                                  what="the Gateway Programmed with the last config")
 
+        # 4. The operator killed: Envoy keeps serving what it has; a new operator is sent the Envoy's stream back
+        # and answers nothing it already has, and the next change is served as fast.
+        def connected() -> bool:
+            text = admin.get("/stats", params={"filter": "^control_plane.connected_state$"}).text
+            return text.strip().endswith(": 1")
+        def updates() -> dict[str, int]:  # what Envoy was sent: listeners and route tables do not change here
+            names = ("listener_manager.lds.update_success", "http.gateway_8080.rds.gateway-8080.update_success")
+            return {n: int(admin.get("/stats", params={"filter": f"^{n}$"}).text.split(": ")[1]) for n in names}
+        sent_before = updates()
+        os.killpg(operator.pid, signal.SIGKILL)
+        operator.wait(timeout=15)
+        killed_at = len(outcomes)
+        wait_for(lambda: not connected(), timeout_s=30, interval_s=0.1, what="Envoy's xDS stream down")
+        time.sleep(2)
+        operator = start_operator(k8s.kubeconfig, log_path.with_suffix(".2.log"), *xds_args)
+        wait_for(connected, timeout_s=90, interval_s=0.2, what="Envoy's xDS stream back")
+        time.sleep(2)  # the new operator's first reconcile
+        while_down = len(outcomes) - killed_at
+        assert updates() == sent_before, "the reconnected Envoy was sent listeners or routes it had"
+        times["after an operator restart: route moved back to pool a"] = switch(
+            lambda: set_refs(_ref("demo-pool", 1)), "demo-pool-c", "demo-pool")
+
         stop_load.set()
         for loader in loaders:
             loader.join(timeout=40)
@@ -191,7 +216,8 @@ def test_route_and_pool_changes_over_xds_under_load(k8s, tmp_path):
         print(f"\n[xds-e2e] {len(outcomes)} completions from 2 keep-alive clients, none failed; "
               + "; ".join(f"{what}: last request to the old pool {l:.2f}s, first to the new {r:.2f}s after the "
                           f"write ({n} requests meanwhile)" for what, (l, r, n) in times.items())
-              + f"; pool b deleted under {during_delete} requests; Gateway: {final_message}", flush=True)
+              + f"; pool b deleted under {during_delete} requests; Gateway: {final_message}; operator killed and "
+              f"started again under {while_down} requests", flush=True)
         assert operator.poll() is None, "the operator exited"
     except BaseException:
         print_log_tail(log_path)
