@@ -2,7 +2,8 @@
 gRPC): each Envoy stream follows ads_stream.py's rules on the snapshots of a SnapshotCache.
 
 Bounded: at most `max_streams` streams at once (more are refused with RESOURCE_EXHAUSTED), requests of at most
-1 MiB, responses of at most 16 MiB, keepalive pings every 30 s so that a vanished Envoy frees its stream. The
+1 MiB and 64 of them waiting per stream, responses of at most 16 MiB, keepalive pings every 30 s so that a
+vanished Envoy frees its stream. The
 server runs its own asyncio loop in a daemon thread. What each Envoy ACKed or NACKed goes to `on_status(node id,
 envoy, snapshot version, error)` — called on the loop; it must not block.
 """
@@ -25,6 +26,7 @@ log = logging.getLogger("kvgate.operator.xds")
 MAX_REQUEST_BYTES = 1 << 20
 MAX_RESPONSE_BYTES = 16 << 20
 DEFAULT_MAX_STREAMS = 1000
+STREAM_QUEUE = 64  # requests (and snapshot wake-ups) waiting per stream
 _WAKE = object()
 StatusCallback = Callable[[str, str, str, str], None]
 
@@ -34,17 +36,20 @@ class _Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.server = server
 
     async def StreamAggregatedResources(self, request_iterator, context):
-        queue: asyncio.Queue = asyncio.Queue()
+        # Bounded: a client that sends faster than it is answered is held by gRPC's flow control.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE)
         stream = AdsStream()
         cache, peer = self.server.cache, context.peer()
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    queue.put_nowait(request)
+                    await queue.put(request)
             except (grpc.RpcError, asyncio.CancelledError):
                 pass
             finally:
+                while queue.full():  # the stream is ending: what is still queued no longer matters
+                    queue.get_nowait()
                 queue.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
@@ -96,7 +101,8 @@ class AdsServer:
 
     def _wake_all(self) -> None:
         for queue in list(self.streams):
-            queue.put_nowait(_WAKE)
+            if not queue.full():  # a full queue's requests each look at the new snapshot anyway
+                queue.put_nowait(_WAKE)
 
     async def _serve(self) -> None:
         self._server = grpc.aio.server(maximum_concurrent_rpcs=self.max_streams, options=[
