@@ -37,8 +37,8 @@ pytestmark = pytest.mark.e2e
 ENVOY_SELECTOR = "app.kubernetes.io/name=kvgate-gateway,app.kubernetes.io/instance=inference-gateway"
 ADMIN_PORT = 19000  # kvgate.operator.gateway.ADMIN_PORT: on the rig, the pod's own address
 SWITCH_BOUND_S = 1.0
-QUIET_S = 3.0
-XDS_HOST = "127.0.0.2"  # how long a pool's counter must stay still to count as left
+QUIET_S = 2.0  # how long a pool's counter must stay still to count as left
+XDS_HOST = "127.0.0.2"  # the operator's xDS server: a host address outside the rig's pod networks
 
 
 # The sample pool stays in the route on a path of its own: the engines' NetworkPolicy admits the Gateways whose
@@ -173,7 +173,7 @@ def test_route_and_pool_changes_over_xds_under_load(k8s, tmp_path):
         times["pool c created, route moved to it"] = switch(new_pool, "demo-pool-b", "demo-pool-c")
         deleted_at = len(outcomes)
         client.delete(pool_res, "demo-pool-b", ns)
-        time.sleep(3)
+        time.sleep(2)
         during_delete = len(outcomes) - deleted_at
         final_message = wait_for(lambda: (m := programmed()) and m != first_message and m, timeout_s=30,
                                  what="the Gateway Programmed with the last config")
