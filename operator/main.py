@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 import threading
 import time
 
@@ -162,7 +163,8 @@ def run_operator(args: argparse.Namespace) -> int:
                             envoy_config_source=args.envoy_config_source, xds_address=args.xds_address,
                             envoy_bind_address=args.envoy_bind_address)
     if args.envoy_config_source == "xds" and args.xds_address is None:
-        raise SystemExit("kvgate operator: --envoy-config-source xds needs --xds-address HOST:PORT")
+        print("kvgate operator: --envoy-config-source xds needs --xds-address HOST:PORT", file=sys.stderr)
+        return 2
     if args.allow_host_path or args.allow_image_prefix:
         logging.getLogger("kvgate.operator").warning(
             "ModelServers may use: %s", ", ".join((["hostPath volumes"] if args.allow_host_path else [])

@@ -262,3 +262,22 @@ def test_the_leader_waits_for_the_envoys_ack(samples):
     reconciler.reconcile()
     assert _programmed(kube) == ("False", "Invalid",
                                  f"Envoy gw-envoy-1 rejected config {version}: Cluster: invalid thing")
+
+
+def test_xds_flags_are_checked_at_start(capsys):
+    from kvgate.cli import build_parser
+    from kvgate.operator.main import run_operator
+
+    parser = build_parser()
+    for bad in (["--xds-address", "no-port"], ["--xds-address", "h:99999"], ["--xds-port", "0"],
+                ["--xds-max-streams", "0"], ["--envoy-config-source", "grpc"]):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(["operator", *bad])
+        assert exit_.value.code == 2, bad
+    args = parser.parse_args(["operator", "--envoy-config-source", "xds"])
+    assert run_operator(args) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "kvgate operator: --envoy-config-source xds needs --xds-address HOST:PORT")
+    args = parser.parse_args(["operator", "--xds-address", "kvgate-xds.ns.svc.cluster.local:18000"])
+    assert (args.xds_address, args.envoy_config_source) == (XdsAddress("kvgate-xds.ns.svc.cluster.local", 18000),
+                                                            "files")
