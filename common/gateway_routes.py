@@ -18,7 +18,8 @@ Beyond one pool on one listener, a Gateway needs:
   precedence (Exact path first, then longer prefixes).
 
 Route and pool changes reach a running Envoy without a restart. A Gateway's config is a set of files, all in
-one ConfigMap mounted at /etc/envoy (`render_gateway_files`):
+one ConfigMap (`render_gateway_files`): mounted at /etc/envoy in the operator's `files` mode, as described
+here; served over ADS in its `xds` mode (kvgate.operator.xds.xds_files turns the set into its xDS form):
 
 - `envoy.yaml`, the bootstrap: admin, node, and one listener per port whose connection manager takes its
   route table from RDS, and `dynamic_resources.cds_config` for the clusters. Only this file changes the

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvgate.common.envoy_config import EnvoyTracing
 from kvgate.operator.tenancy import TenantPolicy
+from kvgate.operator.xds.xds_files import XdsAddress
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,17 @@ class OperatorConfig:
     # for ModelServers with autoscaling.provider keda (keda.py; None: such ModelServers get a condition instead).
     autoscale_interval_s: float = 15.0
     keda_prometheus_address: str | None = None
+    # Where the Gateways' Envoys get their config (--envoy-config-source): "xds", from the operator's xDS server
+    # at xds_address (operator/xds/); "files", from their mounted ConfigMap.
+    envoy_config_source: str = "files"
+    xds_address: XdsAddress | None = None
+    # Where xDS-configured Envoys bind their listeners (--envoy-bind-address): "any" (0.0.0.0), or "pod-ip" for
+    # clusters whose pods share one network namespace (the e2e rig).
+    envoy_bind_address: str = "any"
+
+    def envoy_xds(self) -> XdsAddress | None:
+        """The xDS server the Envoys dial, when they get their config over xDS."""
+        return self.xds_address if self.envoy_config_source == "xds" else None
 
     def engine_images(self) -> dict[str, str]:
         """The operator's image per engine type, for those it has one."""

@@ -18,8 +18,9 @@ from kvgate.common.envoy_config import CircuitBreakers, EnvoyTracing, PoolBacken
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 from kvgate.common.gateway_routes import RouteRule, ServiceBackend, WeightedBackend, hostname_covers
-from kvgate.common.gateway_routes import BOOTSTRAP_FILE, CDS_FILE, file_name, render_gateway_files
+from kvgate.common.gateway_routes import BOOTSTRAP_FILE, CDS_FILE, eds_file, file_name, render_gateway_files
 from kvgate.operator.pool import epp_ref, epp_service_port, is_fail_open
+from kvgate.operator.xds.xds_files import ADS_SOURCE, XdsAddress, is_xds_file_set, xds_files
 
 ADMIN_PORT = 19000
 UNPRIVILEGED_OFFSET = 10000  # listener ports below 1024 are served on port+10000 in the (non-root) pod
@@ -307,13 +308,21 @@ def _rules_for(route: dict, route_rules: list, listeners: list[tuple[dict, list[
     return out
 
 
-def render_config(gateway: dict, routing: GatewayRouting, tracing: EnvoyTracing | None = None) -> dict[str, dict]:
+def render_config(gateway: dict, routing: GatewayRouting, tracing: EnvoyTracing | None = None,
+                  xds: XdsAddress | None = None) -> dict[str, dict]:
     """The Gateway's Envoy config files, {file name: document}: the bootstrap, route tables and clusters;
-    `tracing`: Envoy's OpenTelemetry tracer (the operator's --otlp-traces-endpoint)."""
+    `tracing`: Envoy's OpenTelemetry tracer (the operator's --otlp-traces-endpoint); `xds`: the operator's xDS
+    server, for the xDS form (operator/xds/xds_files.py: a minimal bootstrap, everything else served over ADS)."""
     ports = [container_port(l["port"]) for l in _http_listeners(gateway)]
-    return render_gateway_files(routing.rules, ports or [container_port(80)], ADMIN_PORT,
-                                node_id=f"{naming.namespace_of(gateway)}/{naming.name_of(gateway)}",
-                                node_cluster=naming.envoy_name(gateway), tracing=tracing)
+    files = render_gateway_files(routing.rules, ports or [container_port(80)], ADMIN_PORT,
+                                 node_id=xds_node_id(gateway), node_cluster=naming.envoy_name(gateway),
+                                 tracing=tracing)
+    return xds_files(files, xds) if xds is not None else files
+
+
+def xds_node_id(gateway: dict) -> str:
+    """The node id of a Gateway's Envoys: which snapshot the xDS server gives them."""
+    return f"{naming.namespace_of(gateway)}/{naming.name_of(gateway)}"
 
 
 def httproute_status(route: dict, our_parents: list[dict], now: str | None = None) -> dict:
@@ -341,9 +350,9 @@ def _envoy_ports(gateway: dict) -> list[int]:
     return sorted({l["port"] for l in _http_listeners(gateway)})
 
 
-def _envoy_container(gateway: dict, image: str) -> dict:
+def _envoy_container(gateway: dict, image: str, xds: bool = False, bind_pod_ip: bool = False) -> dict:
     ports = _envoy_ports(gateway)
-    return {
+    container = {
         "name": "envoy",
         "image": image,
         # Routes and clusters are files Envoy watches in its working directory (the mounted ConfigMap), so
@@ -361,6 +370,17 @@ def _envoy_container(gateway: dict, image: str) -> dict:
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
     }
+    if xds:
+        # Everything but the bootstrap comes over ADS. The pod's name in the node metadata says which Envoy
+        # ACKed what (operator/xds/ack_report.py). No liveness probe on a listener: listeners exist only once
+        # the operator answered, and an Envoy waiting for an unreachable operator is not broken.
+        metadata = {"pod": "$(POD_NAME)", **({"listen_host": "$(POD_IP)"} if bind_pod_ip else {})}
+        container["command"] += ["--config-yaml", json.dumps({"node": {"metadata": metadata}})]
+        container["env"] = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+        if bind_pod_ip:  # pods sharing one network namespace (the e2e rig): listeners on the pod's own IP
+            container["env"].append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+        del container["livenessProbe"]
+    return container
 
 
 def envoy_bootstrap_digest(files: dict[str, str]) -> str:
@@ -420,13 +440,15 @@ def retain_retired_clusters(rendered_config: dict[str, dict], previous_config_ma
 
 def _eds_file_of(cluster: dict) -> str | None:
     eds_config = (cluster.get("eds_cluster_config") or {}).get("eds_config") or {}
+    if eds_config == ADS_SOURCE:  # the xDS form: the endpoints' file is named after the cluster
+        return eds_file(cluster.get("name", ""))
     path = (eds_config.get("path_config_source") or {}).get("path")
     return file_name(path) if isinstance(path, str) else None
 
 
 def desired_envoy_objects(gateway: dict, rendered_config: dict[str, dict], image: str,
                           service_type: str = "ClusterIP", previous_config_map: dict | None = None,
-                          now: float | None = None) -> list[dict]:
+                          now: float | None = None, bind_pod_ip: bool = False) -> list[dict]:
     """ConfigMap (Envoy's config files, render_config's, plus clusters lingering after their routes: see
     retain_retired_clusters), Deployment (Envoy) and Service (the listener ports) of a Gateway."""
     name = naming.envoy_name(gateway)
@@ -436,6 +458,9 @@ def desired_envoy_objects(gateway: dict, rendered_config: dict[str, dict], image
                                                        time.time() if now is None else now)
     files = {file: _config_text(doc) for file, doc in sorted(rendered_config.items())}
     digest = envoy_bootstrap_digest(files)
+    xds = is_xds_file_set(rendered_config)
+    # The xDS form mounts only the bootstrap: the other keys are served over ADS, not read by Envoy.
+    volume = {"name": name, **({"items": [{"key": BOOTSTRAP_FILE, "path": BOOTSTRAP_FILE}]} if xds else {})}
     annotations = {RETIRED_ANNOTATION: json.dumps(retired, sort_keys=True)} if retired else None
     config_map = {"apiVersion": "v1", "kind": "ConfigMap",
                   "metadata": naming.object_meta(name, gateway, labels, annotations), "data": files}
@@ -443,8 +468,8 @@ def desired_envoy_objects(gateway: dict, rendered_config: dict[str, dict], image
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": naming.object_meta(name, gateway, labels),
         "spec": {"replicas": 1, "selector": {"matchLabels": selector}, "template": {
             "metadata": {"labels": labels, "annotations": {"kvgate.dev/config-digest": digest}},
-            "spec": {"containers": [_envoy_container(gateway, image)],
-                     "volumes": [{"name": "config", "configMap": {"name": name}}, {"name": "tmp", "emptyDir": {}}],
+            "spec": {"containers": [_envoy_container(gateway, image, xds, bind_pod_ip)],
+                     "volumes": [{"name": "config", "configMap": volume}, {"name": "tmp", "emptyDir": {}}],
                      "automountServiceAccountToken": False,
                      "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
                                          "seccompProfile": {"type": "RuntimeDefault"}}}}},
@@ -485,8 +510,10 @@ def _listener_status(listener: dict, programmed: bool, gen: int | None) -> list[
 
 
 def gateway_status(gateway: dict, deployment: dict | None, service: dict | None, routing: GatewayRouting,
-                   now: str | None = None) -> dict:
-    """Gateway.status: Accepted, Programmed (Envoy ready and an address known), addresses, listeners."""
+                   now: str | None = None, xds: tuple[bool, str, str] | None = None) -> dict:
+    """Gateway.status: Accepted, Programmed (Envoy ready and an address known; with `xds`, the (programmed,
+    reason, message) of the Envoys' answers to the current config: ack_report.xds_programmed), addresses,
+    listeners."""
     gen = (gateway.get("metadata") or {}).get("generation")
     previous = gateway.get("status") or {}
     addresses = gateway_addresses(service)
@@ -496,7 +523,10 @@ def gateway_status(gateway: dict, deployment: dict | None, service: dict | None,
     accepted = (condition("Accepted", True, "Accepted", "", gen) if has_http
                 else condition("Accepted", False, "ListenersNotValid", "no HTTP listener", gen))
     why = "Envoy is ready" if programmed else ("waiting for an address" if ready else "waiting for Envoy to be ready")
-    conds = [accepted, condition("Programmed", programmed, "Programmed" if programmed else "Pending", why, gen)]
+    reason = "Programmed" if programmed else "Pending"
+    if xds is not None and (programmed or xds[1] == "Invalid"):  # a NACK shows even while no Envoy is ready
+        programmed, reason, why = xds
+    conds = [accepted, condition("Programmed", programmed, reason, why, gen)]
     old_listeners = {l.get("name"): l for l in previous.get("listeners") or []}
     listeners = [{"name": l.get("name"), "supportedKinds": [dict(HTTPROUTE_KIND)],
                   "attachedRoutes": routing.attached_routes.get(l.get("name"), 0),

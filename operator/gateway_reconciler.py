@@ -28,6 +28,7 @@ from kvgate.operator.gateway import (GatewayRouting, desired_envoy_objects, gate
 from kvgate.operator.pool import (epp_ref, is_fail_open, needs_response_body, pool_status, returns_lists,
                                   running_epp_config)
 from kvgate.operator.spec_shape import pool_problems
+from kvgate.operator.xds.envoy_status import envoys_programmed
 
 log = logging.getLogger("kvgate.operator")
 
@@ -77,7 +78,7 @@ class GatewayReconciler:
                                              fallback_pools, headers_only_pools)
                 if self.config.epp_address_mode == "pod-ip":
                     routing = routing_via_epp_pods(routing, services, pods.of)
-                self._program(gw, routing)
+                self._program(gw, routing, pods)
             except NameConflict as exc:  # permanent until the user acts: a condition, no retry loop
                 log.warning("%s: %s", describe(gw), exc)
                 self.kube.patch_status(gw, _not_programmed(gateway_status(gw, None, None, routing), gw, exc))
@@ -101,17 +102,21 @@ class GatewayReconciler:
         if failed:
             raise kopf.TemporaryError("; ".join(failed), delay=None)
 
-    def _program(self, gw: dict, routing: GatewayRouting) -> None:
+    def _program(self, gw: dict, routing: GatewayRouting, pods: "PodCache") -> None:
         """Apply the Gateway's Envoy objects for `routing`, then its status."""
         previous = self.kube.get(CONFIGMAP, naming.envoy_name(gw), naming.namespace_of(gw))
         tracing = self.config.tracing.envoy() if self.config.tracing is not None else None
+        xds = self.config.envoy_xds()
         applied = [self.kube.apply(o) for o in
-                   desired_envoy_objects(gw, render_config(gw, routing, tracing), self.config.envoy_image,
+                   desired_envoy_objects(gw, render_config(gw, routing, tracing, xds), self.config.envoy_image,
                                          self.config.envoy_service_type,
-                                         previous if naming.is_owned_by(previous, gw) else None)]
+                                         previous if naming.is_owned_by(previous, gw) else None,
+                                         bind_pod_ip=self.config.envoy_bind_address == "pod-ip")]
+        config_map = next(o for o in applied if o.get("kind") == "ConfigMap")
         deployment = next(o for o in applied if o.get("kind") == "Deployment")
         service = next(o for o in applied if o.get("kind") == "Service")
-        self.kube.patch_status(gw, gateway_status(gw, deployment, service, routing))
+        programmed = envoys_programmed(self.kube, gw, config_map, pods.of(naming.namespace_of(gw))) if xds else None
+        self.kube.patch_status(gw, gateway_status(gw, deployment, service, routing, xds=programmed))
 
     def _write_parents(self, routes: list[dict], route_parents: dict, pools: list[dict], pool_gateways: dict,
                        services: list[dict]) -> None:

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -77,6 +78,24 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--keda-prometheus-address", type=_http_url, default=None, metavar="URL",
                    help="the Prometheus (http(s)://HOST:PORT) that KEDA's ScaledObjects query, for ModelServers "
                         "with autoscaling.provider keda (default: none; such ModelServers then get a condition)")
+    p.add_argument("--envoy-config-source", default="files", choices=["files", "xds"],
+                   help="how the Gateways' Envoys get their config: 'files', from their mounted ConfigMap (changes "
+                        "arrive with the kubelet's ConfigMap sync, up to a minute); 'xds', over ADS from the "
+                        "operator's xDS server (every replica serves it; needs --xds-address) "
+                        "(default %(default)s)")
+    p.add_argument("--xds-address", type=_xds_address, default=None, metavar="HOST:PORT",
+                   help="with --envoy-config-source xds: where the Envoys reach the operator's xDS server (its "
+                        "Service, e.g. kvgate-xds.kvgate-system.svc.cluster.local:18000)")
+    p.add_argument("--envoy-bind-address", default="any", choices=["any", "pod-ip"],
+                   help="with --envoy-config-source xds: where the Envoys bind their listeners: 'any' (0.0.0.0, "
+                        "the default) or 'pod-ip' (the pod's own IP, for clusters whose pods share one network "
+                        "namespace, e.g. the e2e rig)")
+    p.add_argument("--xds-port", type=_port, default=18000,
+                   help="port of the xDS server, plain gRPC (default %(default)s; admit only the Gateways' Envoy "
+                        "pods to it, as the chart's NetworkPolicy does)")
+    p.add_argument("--xds-host", default="0.0.0.0", help="address of the xDS server (default %(default)s)")
+    p.add_argument("--xds-max-streams", type=_stream_limit, default=1000,
+                   help="at most this many Envoy streams at once; more are refused (default %(default)s)")
     p.add_argument("--resync-seconds", type=float, default=15.0,
                    help="reconcile everything again this often (default %(default)s)")
     p.add_argument("--liveness-port", type=int, default=None,
@@ -190,6 +209,29 @@ def _http_url(text: str) -> str:
     return text
 
 
+def _bounded_int(text: str, low: int, high: int) -> int:
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}], got {text!r}")
+    return int(text)
+
+
+def _port(text: str) -> int:
+    return _bounded_int(text, 1, 65535)
+
+
+def _stream_limit(text: str) -> int:
+    return _bounded_int(text, 1, 100_000)
+
+
+def _xds_address(text: str):
+    from kvgate.operator.xds.xds_files import XdsAddress
+
+    try:
+        return XdsAddress.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _metrics_peers(text: str) -> tuple[dict, ...]:
     from kvgate.operator.network_policy import parse_peers
 
@@ -222,7 +264,12 @@ def run_operator(args: argparse.Namespace) -> int:
                             tracing=TraceExport(args.otlp_traces_endpoint, args.trace_sampling_ratio)
                             if args.otlp_traces_endpoint else None,
                             autoscale_interval_s=args.autoscale_interval_seconds,
-                            keda_prometheus_address=args.keda_prometheus_address)
+                            keda_prometheus_address=args.keda_prometheus_address,
+                            envoy_config_source=args.envoy_config_source, xds_address=args.xds_address,
+                            envoy_bind_address=args.envoy_bind_address)
+    if args.envoy_config_source == "xds" and args.xds_address is None:
+        print("kvgate operator: --envoy-config-source xds needs --xds-address HOST:PORT", file=sys.stderr)
+        return 2
     if args.allow_host_path or args.allow_image_prefix:
         logging.getLogger("kvgate.operator").warning(
             "ModelServers may use: %s", ", ".join((["hostPath volumes"] if args.allow_host_path else [])
@@ -250,6 +297,15 @@ def run_operator(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # kopf, in its own thread, leaves the signals to us
         signal.signal(sig, lambda *_: stop.set())
 
+    current: list = []  # the running reconciler, woken when the Envoys' xDS answers change
+
+    if args.envoy_config_source == "xds":  # every replica serves xDS, leader or not
+        from kvgate.operator.reconciler import GATEWAYS_KEY
+        from kvgate.operator.xds.serve import start_xds
+
+        start_xds(Kube(), args.namespace, args.xds_host, args.xds_port, args.xds_max_streams,
+                  on_reports=lambda *_: current and current[-1].queue.add(GATEWAYS_KEY))
+
     def serve_once() -> None:
         if leadership is None:
             reconciler = Reconciler(Kube(), config)
@@ -258,6 +314,7 @@ def run_operator(args: argparse.Namespace) -> int:
 
             reconciler = Reconciler(FencedKube(leadership.may_write), config)
             leadership.follow(reconciler)
+        current[:] = [reconciler]
 
         def run() -> None:
             try:

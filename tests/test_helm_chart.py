@@ -64,21 +64,23 @@ def _leader_election(obj: dict) -> bool:
 # The default: the release namespace only (a Role there, a small ClusterRole for what is cluster-scoped).
 # Two operator replicas electing a leader: a Role and RoleBinding on their Lease, a PodDisruptionBudget.
 OPERATOR_HA = Counter({"Role": 1, "RoleBinding": 1, "PodDisruptionBudget": 1})
+# The operator's xDS Service and its NetworkPolicy (operator.envoyConfigSource xds, the default): one per operator.
+XDS = Counter({"Service": 1, "NetworkPolicy": 1})
 BASE = Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1, "RoleBinding": 1,
-                "Deployment": 1}) + OPERATOR_HA
+                "Deployment": 1}) + OPERATOR_HA + XDS
 SAMPLE = Counter({"InferencePool": 1, "ModelServer": 1, "Gateway": 1, "HTTPRoute": 1})
 VARIANTS = {
     "default": ({}, BASE + Counter({"GatewayClass": 1})),
     "all-namespaces": ({"allNamespaces": True},
                        Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Deployment": 1,
-                                "GatewayClass": 1}) + OPERATOR_HA),
+                                "GatewayClass": 1}) + OPERATOR_HA + XDS),
     "tenant-allowances": ({"operator": {"allowHostPath": True,
                                         "allowedImagePrefixes": ["registry.example/kvgate", "mirror.example/ml/"]}},
                           BASE + Counter({"GatewayClass": 1})),
     "namespaced": ({"watchNamespaces": ["team-a", "team-b"]},
                    Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 2,
                             "RoleBinding": 2, "Deployment": 2, "GatewayClass": 1, "PodDisruptionBudget": 1})
-                   + OPERATOR_HA),
+                   + OPERATOR_HA + XDS + XDS),
     "sample-pool": ({"samplePool": {"enabled": True}}, BASE + Counter({"GatewayClass": 1}) + SAMPLE),
     "no-gatewayclass": ({"gatewayClass": {"create": False}}, BASE),
     "custom-images": ({"image": {"repository": "registry.example/kvgate", "tag": "1.2.3", "pullPolicy": "Always"},
@@ -98,9 +100,10 @@ VARIANTS = {
                           "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]}},
                      BASE + Counter({"GatewayClass": 1})),
     "epp-high-availability": ({"eppHighAvailability": {"enabled": True}}, BASE + Counter({"GatewayClass": 1})),
+    "files": ({"operator": {"envoyConfigSource": "files"}}, BASE - XDS + Counter({"GatewayClass": 1})),
     "no-network-policy": ({"networkPolicy": {"enabled": False}, "watchNamespaces": ["team-a"]},
                           Counter({"ServiceAccount": 1, "ClusterRole": 1, "ClusterRoleBinding": 1, "Role": 1,
-                                   "RoleBinding": 1, "Deployment": 1, "GatewayClass": 1}) + OPERATOR_HA),
+                                   "RoleBinding": 1, "Deployment": 1, "GatewayClass": 1, "Service": 1}) + OPERATOR_HA),
     "single-operator": ({"operator": {"replicas": 1, "leaderElection": {"enabled": False}}},
                         BASE - OPERATOR_HA + Counter({"GatewayClass": 1})),
 }
@@ -167,7 +170,7 @@ def test_every_object_is_valid(variant):
                              and d["spec"]["selector"] == obj["spec"]["selector"]]
             assert deployment["spec"]["replicas"] > obj["spec"]["minAvailable"], what
         else:
-            assert obj["apiVersion"] in ("v1", "apps/v1", "rbac.authorization.k8s.io/v1"), what
+            assert obj["apiVersion"] in ("v1", "apps/v1", "rbac.authorization.k8s.io/v1", "networking.k8s.io/v1"), what
             if obj["kind"] == "Deployment":
                 pod = obj["spec"]["template"]
                 assert obj["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(), what
@@ -208,6 +211,35 @@ def test_default_operator_args():
     # on, and only the operator's own pods (its autoscaler) may read the EPPs' metrics
     assert (args.epp_network_policy, args.epp_metrics_from) == ("enabled", (OPERATOR_PEER,))
     assert (args.autoscale_interval_seconds, args.keda_prometheus_address) == (15.0, None)
+    assert args.envoy_config_source == "xds"  # the Envoys' config over xDS from the operator's Service
+
+
+def test_xds_values_reach_the_operator():
+    """xDS: the operator serves it on the port its Service targets, names that Service to its Envoys, and only the
+    Gateways' Envoy pods of the served namespace may connect (the liveness port stays open to probes)."""
+    assert _operator_args(_operators(render({"operator": {"envoyConfigSource": "files"}}))[0]).envoy_config_source \
+        == "files"
+    objects = render({"xds": {"port": 18500, "maxStreams": 50}})
+    (pod,) = _operators(objects)
+    args = _operator_args(pod)
+    assert (args.envoy_config_source, args.xds_port, args.xds_max_streams) == ("xds", 18500, 50)
+    service = one(objects, "Service")
+    assert (args.xds_address.host, args.xds_address.port) == (
+        f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local", 18500)
+    assert {"name": "xds", "containerPort": 18500, "protocol": "TCP"} in pod["containers"][0]["ports"]
+    assert service["spec"]["ports"][0]["targetPort"] == "xds"
+    policy = one(objects, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"] == service["spec"]["selector"]
+    envoys, probes = policy["spec"]["ingress"]
+    assert envoys == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "gateway",
+                                                                "app.kubernetes.io/managed-by": "kvgate-operator"}},
+                                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}}],
+                      "ports": [{"port": 18500, "protocol": "TCP"}]}
+    assert probes == {"ports": [{"port": 8080, "protocol": "TCP"}]}
+    # the operator's own metrics port admits the scrapers networkPolicy.metricsFrom names, and nobody by default
+    prometheus = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    policy = one(render({"networkPolicy": {"metricsFrom": prometheus}}), "NetworkPolicy")
+    assert policy["spec"]["ingress"][2] == {"from": prometheus, "ports": [{"port": 9090, "protocol": "TCP"}]}
 
 
 def test_tenant_allowances_reach_the_operator():
@@ -467,7 +499,7 @@ def test_operator_holds_every_kind_it_applies():
 
 def test_rbac_disabled_renders_no_rbac():
     objects = render({"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "existing"}})
-    assert kinds(objects) == Counter({"Deployment": 1, "GatewayClass": 1, "PodDisruptionBudget": 1})
+    assert kinds(objects) == Counter({"Deployment": 1, "GatewayClass": 1, "PodDisruptionBudget": 1}) + XDS
     assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
 
 

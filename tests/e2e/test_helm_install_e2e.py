@@ -61,7 +61,9 @@ def test_helm_install_runs_the_operator_and_the_samples(k8s, tmp_path, mode):
     release_ns, class_name = f"e2e-helm-{suffix}", f"kvgate-helm-{suffix}"  # a GatewayClass is cluster-scoped
     values = {
         "image": {"repository": "ghcr.io/kvgate/kvgate", "tag": "latest"},
-        "operator": {"eppAddressMode": "pod-ip", "resyncSeconds": 10},  # no Service DNS on the rig
+        # No Service DNS on the rig: Envoy reaches the EPP by pod IP, and reads its config from files (the chart's
+        # default, xDS, names the operator's xDS Service by DNS; tests/e2e/test_xds_e2e.py runs xDS on the rig).
+        "operator": {"eppAddressMode": "pod-ip", "resyncSeconds": 10, "envoyConfigSource": "files"},
         "gatewayClass": {"name": class_name},
         "logLevel": "info",
     }

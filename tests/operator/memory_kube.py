@@ -75,6 +75,17 @@ class MemoryKube(Kube):
             for k, v in body["status"].items():  # merge patch: lists are replaced whole
                 current["status"][k] = copy.deepcopy(v)
             return copy.deepcopy(current)
+        if method == "PATCH" and content_type == "application/merge-patch+json":  # metadata, as the xDS side does
+            if current is None:
+                raise ApiError(404, method, path, "")
+            annotations = current["metadata"].setdefault("annotations", {})
+            for k, v in ((body.get("metadata") or {}).get("annotations") or {}).items():
+                if v is None:
+                    annotations.pop(k, None)
+                else:
+                    annotations[k] = v
+            current["metadata"]["resourceVersion"] = str(next(self._counter))
+            return copy.deepcopy(current)
         if method == "PATCH":
             assert content_type == "application/apply-patch+yaml" and query == {"fieldManager": "kvgate-operator",
                                                                                 "force": "true"}

@@ -170,3 +170,15 @@ notice resources installed after it started).
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
 {{- end }}
+
+{{/*
+The name of the xDS Service (and NetworkPolicy) of the operator Deployment serving namespace "ns" (one per
+watched namespace with watchNamespaces), given (dict "root" $ "ns" $ns): the Deployment's name and "-xds".
+*/}}
+{{- define "kvgate.xdsName" -}}
+{{- $name := include "kvgate.fullname" .root }}
+{{- if .root.Values.watchNamespaces }}
+{{- $name = printf "%s-%s" (include "kvgate.fullname" .root | trunc 40 | trimSuffix "-") .ns | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- printf "%s-xds" ($name | trunc 59 | trimSuffix "-") }}
+{{- end }}
