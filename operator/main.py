@@ -176,24 +176,22 @@ def leader_election_namespace(args: argparse.Namespace) -> str:
     return namespace
 
 
-def _ratio(text: str) -> float:
+def _bounded_float(text: str, low: float, high: float, what: str = "a number") -> float:
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+        value = float("nan")
+    if not low <= value <= high:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be {what} in [{low:g}, {high:g}], got {text!r}")
     return value
+
+
+def _ratio(text: str) -> float:
+    return _bounded_float(text, 0.0, 1.0)
 
 
 def _interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 1.0 <= value <= 600.0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds in [1, 600], got {text!r}")
-    return value
+    return _bounded_float(text, 1.0, 600.0, "a number of seconds")
 
 
 def _http_url(text: str) -> str:

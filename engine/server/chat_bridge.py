@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from pydantic import ValidationError
 
@@ -55,6 +56,42 @@ async def chat_chunks(stream: AsyncIterator[str]) -> AsyncIterator[dict]:
             yield json.loads(data)
     finally:
         await stream.aclose()
+
+
+class EventShaper(Protocol):
+    """What turns chat's chunks into another API's stream events (serving_responses' ResponseEvents,
+    serving_messages' MessageEvents)."""
+
+    failed: bool
+
+    def start(self) -> list[dict]: ...
+
+    def feed(self, chunk: dict) -> list[dict]: ...
+
+    def finish(self) -> list[dict]: ...
+
+
+def sse_event(event: dict) -> str:
+    """One event as SSE with its `event:` line, as the Responses and Anthropic streams send them."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+async def relay_events(events: EventShaper, stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Chat's SSE `stream` re-sent as `events` shapes it; ends early once `events.failed` (an in-band error was
+    sent). However it ends, chat's stream is closed, which aborts the request in the engine."""
+    for event in events.start():
+        yield sse_event(event)
+    chunks = chat_chunks(stream)
+    try:
+        async for chunk in chunks:
+            for event in events.feed(chunk):
+                yield sse_event(event)
+            if events.failed:
+                return
+    finally:
+        await chunks.aclose()
+    for event in events.finish():
+        yield sse_event(event)
 
 
 def arguments_object(arguments: str) -> dict:

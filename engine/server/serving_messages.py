@@ -19,7 +19,7 @@ from kvgate.common.anthropic_system import system_prompt
 from kvgate.common.api_errors import anthropic_error_type
 from kvgate.common.errors import InvalidRequestError
 from kvgate.engine.server.anthropic_protocol import MessagesRequest
-from kvgate.engine.server.chat_bridge import arguments_object, chat_chunks, chat_request, passed_on, text_of
+from kvgate.engine.server.chat_bridge import arguments_object, chat_request, passed_on, relay_events, text_of
 from kvgate.engine.server.openai_serving import Prepared
 from kvgate.engine.server.protocol import ChatCompletionRequest
 from kvgate.engine.server.serving_chat import OpenAIServingChat
@@ -228,10 +228,6 @@ class MessageEvents:
         return [*out, {"type": "content_block_stop", "index": self.index}]
 
 
-def sse_event(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
-
-
 class AnthropicServingMessages:
     def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat
@@ -255,16 +251,5 @@ class AnthropicServingMessages:
                      prep: Prepared) -> AsyncIterator[str]:
         events = MessageEvents(f"msg_{uuid.uuid4().hex}", self.chat.serving.response_model(chat_req),
                                sum(map(len, prep.prompts)), req.stop_sequences)
-        for event in events.start():
-            yield sse_event(event)
-        chunks = chat_chunks(self.chat.stream(chat_req, prep))
-        try:
-            async for chunk in chunks:
-                for event in events.feed(chunk):
-                    yield sse_event(event)
-                if events.failed:
-                    return
-        finally:
-            await chunks.aclose()  # however this stream ends: chat's closes, aborting the engine request
-        for event in events.finish():
-            yield sse_event(event)
+        async for event in relay_events(events, self.chat.stream(chat_req, prep)):
+            yield event

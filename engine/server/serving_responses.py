@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 from kvgate.common.errors import InvalidRequestError
 from kvgate.common.response_ids import new_response_id
-from kvgate.engine.server.chat_bridge import chat_chunks, chat_request, passed_on, text_of
+from kvgate.engine.server.chat_bridge import chat_request, passed_on, relay_events, text_of
 from kvgate.engine.server.openai_serving import Prepared
 from kvgate.engine.server.protocol import ChatCompletionRequest
 from kvgate.engine.server.response_store import ResponseStore
@@ -311,10 +311,6 @@ class ResponseEvents:
         return out
 
 
-def sse_event(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
-
-
 class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
         self.chat = chat
@@ -364,20 +360,10 @@ class OpenAIServingResponses:
     async def stream(self, req: ResponsesRequest, chat_req: ChatCompletionRequest, conversation: list[dict],
                      prep: Prepared, endpoint: str = "") -> AsyncIterator[str]:
         events = ResponseEvents(self.shape(req, chat_req, endpoint))
-        for event in events.start():
-            yield sse_event(event)
-        chunks = chat_chunks(self.chat.stream(chat_req, prep))
-        try:
-            async for chunk in chunks:
-                for event in events.feed(chunk):
-                    yield sse_event(event)
-                if events.failed:
-                    return
-        finally:
-            await chunks.aclose()  # however this stream ends: chat's closes, aborting the engine request
-        for event in events.finish():
-            yield sse_event(event)
-        await self._keep(events.shape, events.final(), conversation)
+        async for event in relay_events(events, self.chat.stream(chat_req, prep)):
+            yield event
+        if not events.failed:
+            await self._keep(events.shape, events.final(), conversation)
 
     def retrieve(self, response_id: str) -> dict:
         stored = self.store.get(response_id)
