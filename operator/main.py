@@ -104,7 +104,8 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
                    help="address of the liveness endpoint (default %(default)s: every interface of the pod)")
     p.add_argument("--metrics-port", type=_port, default=None,
                    help="serve the operator's Prometheus metrics (kvgate_operator_leader, the autoscaler's "
-                        "kvgate_operator_autoscale_*) at http://HOST:PORT/metrics, HOST being --liveness-host (default: off)")
+                        "kvgate_operator_autoscale_*) at http://HOST:PORT/metrics, HOST being --liveness-host "
+                        "(default: off)")
     add_leader_election_flags(p)
     p.set_defaults(func=run_operator)
     return p
