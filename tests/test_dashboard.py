@@ -193,6 +193,8 @@ def test_pod_monitors_cover_the_namespaces_the_operator_serves(values, namespace
     assert len(monitors) == 2
     (operator,) = [o for o in objects if o["metadata"]["name"] == "kvgate-operator"]  # where the operator runs
     assert operator["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    # the autoscaler's series keep the ModelServer's namespace, not the operator pod's
+    assert operator["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
     for monitor in monitors:
         assert monitor["spec"]["namespaceSelector"] == namespace_selector
         assert monitor["metadata"]["labels"]["release"] == "kps"
@@ -439,6 +441,9 @@ def test_every_metric_and_label_a_query_uses_is_exported(scraped):
                     problems.append(f"{where}: no process exports {name}")
                     continue
                 (process,) = owners
+                own = labels & {"namespace"} if name.startswith(OPERATOR_POOL_SERIES) else set()
+                if own - scraped[process][name]:  # the target's namespace would be the operator's own
+                    problems.append(f"{where}: {name} ({process}) does not carry its ModelServer's namespace")
                 missing = labels - scraped[process][name] - carried[process]
                 if missing:
                     problems.append(f"{where}: {name} ({process}) carries no label {sorted(missing)}")
