@@ -71,18 +71,28 @@ class Decision:
     history: tuple[tuple[float, int], ...] = field(default=())  # (time, recommendation), oldest first
 
 
+def usage_ratios(policy: Policy, s: Signals) -> dict[str, float]:
+    """Each signal's usage / target ("waiting", "kv_utilization", and "queue_wait" when known); empty without a
+    ready endpoint (no load per endpoint to speak of)."""
+    if s.ready_endpoints <= 0:
+        return {}
+    ratios = {"waiting": (s.held + s.waiting) / s.ready_endpoints / policy.target_waiting_per_replica,
+              "kv_utilization": s.kv_utilization / policy.target_kv_utilization}
+    if s.queue_wait_s is not None:
+        ratios["queue_wait"] = s.queue_wait_s / policy.target_queue_wait_s
+    return ratios
+
+
 def _ratio(policy: Policy, s: Signals) -> tuple[float, str]:
     """The largest usage / target ratio and what it was (for the message). Needs ready_endpoints > 0."""
-    ready = s.ready_endpoints
-    ratios = [((s.held + s.waiting) / ready / policy.target_waiting_per_replica,
-               f"{s.held + s.waiting:g} waiting ({s.held:g} held by the EPP) on {ready} ready endpoints, target "
-               f"{policy.target_waiting_per_replica:g} each"),
-              (s.kv_utilization / policy.target_kv_utilization,
-               f"KV utilisation {s.kv_utilization:.2f}, target {policy.target_kv_utilization:g}")]
+    ready, ratios = s.ready_endpoints, usage_ratios(policy, s)
+    said = {"waiting": f"{s.held + s.waiting:g} waiting ({s.held:g} held by the EPP) on {ready} ready endpoints, "
+                       f"target {policy.target_waiting_per_replica:g} each",
+            "kv_utilization": f"KV utilisation {s.kv_utilization:.2f}, target {policy.target_kv_utilization:g}"}
     if s.queue_wait_s is not None:
-        ratios.append((s.queue_wait_s / policy.target_queue_wait_s,
-                       f"queue wait {s.queue_wait_s:.2f}s, target {policy.target_queue_wait_s:g}s"))
-    return max(ratios, key=lambda r: r[0])
+        said["queue_wait"] = f"queue wait {s.queue_wait_s:.2f}s, target {policy.target_queue_wait_s:g}s"
+    largest = max(ratios, key=lambda k: ratios[k])  # the first of equals, as before: waiting, KV, wait
+    return ratios[largest], said[largest]
 
 
 def recommend(policy: Policy, s: Signals, current: int, ready: int) -> tuple[int, str]:

@@ -15,6 +15,9 @@ two conditions — ScalingActive (True with the last look's reason: Steady, Stab
 scale's; False: FailedGetMetrics) and Scaled (the last change of the count: ScaledUp, ScaledDown, ScaledFromZero,
 ScaledToZero, with the signals that made it). Each change is also a Normal event on the ModelServer.
 
+With `metrics` (OperatorMetrics.autoscale, autoscale_metrics.py) each look's decision and signals are also
+exported; only while this replica looks (a standby, or a stopped autoscaler, clears them).
+
 The stabilisation windows' recommendations are kept in memory; after a restart the first look records the
 running count, so no scale-down comes sooner than a full window after it.
 """
@@ -32,6 +35,7 @@ import httpx
 from kvgate.operator import naming
 from kvgate.operator.apply import (DEPLOYMENT, MODELSERVER, POD, POOL, SCALEDOBJECT, ApiError, Kube, NameConflict,
                                   describe)
+from kvgate.operator.autoscale_metrics import AutoscaleMetrics
 from kvgate.operator.autoscale_policy import Decision, decide
 from kvgate.operator.autoscale_signals import EppReading, parse_epp_page, pool_signals
 from kvgate.operator.autoscaling_spec import (AUTOSCALER_CONDITIONS, KEDA, SCALED, SCALING_ACTIVE,
@@ -90,11 +94,13 @@ class Autoscaler:
     def __init__(self, kube: Kube, namespace: str | None, enqueue: Callable[[tuple], None],
                  interval_s: float = DEFAULT_INTERVAL_S, metrics_port: int = naming.EPP_METRICS_PORT,
                  fetch: Callable[[str], str] = fetch_page, clock: Callable[[], float] = time.time,
-                 keda_prometheus_address: str | None = None, leading: threading.Event | None = None) -> None:
+                 keda_prometheus_address: str | None = None, leading: threading.Event | None = None,
+                 metrics: AutoscaleMetrics | None = None) -> None:
         self.kube, self.namespace, self.enqueue = kube, namespace, enqueue
         # Only the leading operator replica looks (None: always, without leader election); a standby's windows
         # start afresh when it leads, as a restarted HPA's do.
         self.leading = leading
+        self.metrics = metrics
         self.keda_prometheus_address = keda_prometheus_address
         self.interval_s, self.metrics_port, self.fetch, self.clock = interval_s, metrics_port, fetch, clock
         self._states: dict[tuple[str, str], _State] = {}
@@ -111,16 +117,28 @@ class Autoscaler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.stand_by()  # a stopped autoscaler's series would go stale
+
+    def stand_by(self) -> None:
+        """This replica no longer looks: its exported decisions are withdrawn (the leader's are the live ones)."""
+        if self.metrics is not None:
+            self.metrics.clear()
+
+    def _looking(self) -> bool:
+        return self.leading is None or self.leading.is_set()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            if self.leading is not None and not self.leading.is_set():
+            if not self._looking():
                 self._states.clear()
+                self.stand_by()
                 continue
             try:
                 self.run_once()
             except Exception as exc:  # the API server away, say: the next look tries again
                 log.warning("autoscaler: %s", exc)
+            if not self._looking():  # stopped leading during the look: what it exported is not the leader's
+                self.stand_by()
 
     # --- one look at everything ---------------------------------------------------------------------------------
     def run_once(self) -> None:
@@ -146,6 +164,8 @@ class Autoscaler:
                 log.warning("autoscaler: %s: %s", describe(ms), exc)
         for key in set(self._states) - seen:
             del self._states[key]
+        if self.metrics is not None:
+            self.metrics.retain(seen, set(self._pages))
         if self.keda_prometheus_address and keda_installed is not False:  # KEDA in use here (and RBAC for it)
             self._delete_unwanted_scaled_objects(keda_wanted)
 
@@ -203,6 +223,7 @@ class Autoscaler:
         key = naming.key_of(pool)
         if key not in self._pages:
             self._pages[key] = self._read_pool(pool)
+
         return self._pages[key]
 
     def _read_pool(self, pool: dict) -> dict[str, EppReading]:
@@ -221,6 +242,8 @@ class Autoscaler:
                 out[meta["name"]] = parse_epp_page(self.fetch(url))
             except (ValueError, httpx.HTTPError, OSError) as exc:
                 log.warning("autoscaler: EPP pod %s/%s metrics (%s): %s", ns, meta["name"], url, str(exc)[:300])
+                if self.metrics is not None:
+                    self.metrics.read_failed(naming.key_of(pool))
         return out
 
     def evaluate(self, ms: dict) -> Decision | None:
@@ -229,6 +252,8 @@ class Autoscaler:
         spec = ms["spec"]
         pool = self.kube.get(POOL, pool_ref_name(ms) or "", ns)
         if pool is None:
+            if self.metrics is not None:
+                self.metrics.forget((ns, name))
             return None  # the reconciler's PoolFound condition says so
         state = self._states.setdefault((ns, name), _State())
         now = self.clock()
@@ -247,9 +272,12 @@ class Autoscaler:
         readings = self.readings(pool)
         signals = pool_signals(readings, state.readings)
         state.readings = readings
-        decision = decide(policy_of(spec), signals, current, min(ready, current), state.history, last_up, now)
+        policy = policy_of(spec)
+        decision = decide(policy, signals, current, min(ready, current), state.history, last_up, now)
         state.history = decision.history
         self._record(ms, decision, current, now, last_up)
+        if self.metrics is not None:
+            self.metrics.observe((ns, name), policy, signals, current, ready, decision)
         if decision.desired != current:
             log.info("%s: %d -> %d replicas (%s: %s)", describe(ms), current, decision.desired, decision.reason,
                      decision.message)

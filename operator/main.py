@@ -103,8 +103,9 @@ def add_operator_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--liveness-host", default="0.0.0.0",
                    help="address of the liveness endpoint (default %(default)s: every interface of the pod)")
     p.add_argument("--metrics-port", type=_port, default=None,
-                   help="serve the operator's Prometheus metrics (kvgate_operator_leader) at "
-                        "http://HOST:PORT/metrics, HOST being --liveness-host (default: off)")
+                   help="serve the operator's Prometheus metrics (kvgate_operator_leader, the autoscaler's "
+                        "kvgate_operator_autoscale_*) at http://HOST:PORT/metrics, HOST being --liveness-host "
+                        "(default: off)")
     add_leader_election_flags(p)
     p.set_defaults(func=run_operator)
     return p
@@ -295,6 +296,7 @@ def run_operator(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # kopf, in its own thread, leaves the signals to us
         signal.signal(sig, lambda *_: stop.set())
 
+    autoscale_metrics = metrics.autoscale if metrics is not None else None
     current: list = []  # the running reconciler, woken when the Envoys' xDS answers change
 
     if args.envoy_config_source == "xds":  # every replica serves xDS, leader or not
@@ -306,11 +308,11 @@ def run_operator(args: argparse.Namespace) -> int:
 
     def serve_once() -> None:
         if leadership is None:
-            reconciler = Reconciler(Kube(), config)
+            reconciler = Reconciler(Kube(), config, autoscale_metrics)
         else:  # writes fenced by the Lease; the worker waits while this replica stands by
             from kvgate.operator.fencing import FencedKube
 
-            reconciler = Reconciler(FencedKube(leadership.may_write), config)
+            reconciler = Reconciler(FencedKube(leadership.may_write), config, autoscale_metrics)
             leadership.follow(reconciler)
         current[:] = [reconciler]
 

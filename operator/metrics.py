@@ -1,13 +1,17 @@
-"""The operator's own Prometheus metrics (`kvgate operator --metrics-port`): whether this replica leads.
+"""The operator's own Prometheus metrics (`kvgate operator --metrics-port`): whether this replica leads, and the
+autoscaler's decisions and signals (autoscale_metrics.py, `autoscale`, handed to the Autoscaler).
 
 kvgate_operator_leader                 1 while this replica holds the leader Lease and reconciles (1 without
                                        leader election: the one replica always does), else 0
 kvgate_operator_leader_transitions_total  times this replica started or stopped leading
+kvgate_operator_autoscale_*            per autoscaled ModelServer: see autoscale_metrics.py
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from kvgate.operator.autoscale_metrics import AutoscaleMetrics
 
 
 class OperatorMetrics:
@@ -18,6 +22,8 @@ class OperatorMetrics:
         self.transitions = Counter("kvgate_operator_leader_transitions", "Times this operator replica started or "
                                    "stopped leading", registry=self.registry)
         self.leader.set(1)
+        self.autoscale = AutoscaleMetrics()
+        self.registry.register(self.autoscale)
         self._server = None
 
     def set_leader(self, leading: bool, transition: bool = False) -> None:

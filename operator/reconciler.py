@@ -42,6 +42,7 @@ import kopf
 
 from kvgate.operator import naming
 from kvgate.operator.apply import MODELSERVER, POOL, Kube
+from kvgate.operator.autoscale_metrics import AutoscaleMetrics
 from kvgate.operator.autoscaler import Autoscaler
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.failures import PermanentFailureLog, classify
@@ -62,7 +63,7 @@ STANDBY_POLL_S = 0.5  # how often a standby's worker, holding a key, looks wheth
 class Reconciler:
     """The work queue, its worker and the resync, over one reconciler per kind (modelservers, pools, gateways)."""
 
-    def __init__(self, kube: Kube, config: OperatorConfig) -> None:
+    def __init__(self, kube: Kube, config: OperatorConfig, autoscale_metrics: AutoscaleMetrics | None = None) -> None:
         self.kube, self.config = kube, config
         self.queue = WorkQueue()
         self.failure_log = PermanentFailureLog()
@@ -75,7 +76,8 @@ class Reconciler:
         self.leading.set()
         # Autoscaled ModelServers: the autoscaler records a count, their reconcile renders it (on the leader only).
         self.autoscaler = Autoscaler(kube, config.namespace, self.queue.add, config.autoscale_interval_s,
-                                     keda_prometheus_address=config.keda_prometheus_address, leading=self.leading)
+                                     keda_prometheus_address=config.keda_prometheus_address, leading=self.leading,
+                                     metrics=autoscale_metrics)
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -99,6 +101,7 @@ class Reconciler:
             self.queue.add(ALL_KEY)
         elif not leading:
             self.leading.clear()
+            self.autoscaler.stand_by()
 
     @property
     def stopped(self) -> threading.Event:

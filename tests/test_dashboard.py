@@ -33,6 +33,9 @@ LABEL_VALUES = re.compile(r"^label_values\((.*),\s*(\w+)\)$", re.S)
 # What the Prometheus Operator puts on every PodMonitor target (besides the relabelings' labels).
 POD_MONITOR_TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "job", "instance"}
 # kube-state-metrics' Deployment series (its documented names and labels): kvgate does not export replica counts.
+# The operator's per-ModelServer series carry the ModelServer's own namespace (the operator's PodMonitor honours
+# it); its other series have only the target's: the namespace the operator runs in.
+OPERATOR_POOL_SERIES = "kvgate_operator_autoscale_"
 KUBE_STATE_METRICS = {"kube_deployment_spec_replicas": {"namespace", "deployment"},
                       "kube_deployment_status_replicas_available": {"namespace", "deployment"}}
 
@@ -64,12 +67,14 @@ def panels(dashboard: dict) -> list[dict]:
 
 
 def queries(dashboard: dict) -> list[tuple[str, str, str | None]]:
-    """(where, PromQL, label asked of it) for every panel target and query variable; a variable's
+    """(where, PromQL, label asked of it) for every panel target, annotation and query variable; a variable's
     label_values(selector, label) gives its selector and its label."""
     out = []
     for panel in panels(dashboard):
         for target in panel.get("targets", []):
             out.append((f"panel {panel['title']!r} {target['refId']}", target["expr"], None))
+    for annotation in dashboard["annotations"]["list"]:
+        out.append((f"annotation {annotation['name']!r}", annotation["expr"], None))
     for var in dashboard["templating"]["list"]:
         if var["type"] == "query":
             query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
@@ -188,6 +193,8 @@ def test_pod_monitors_cover_the_namespaces_the_operator_serves(values, namespace
     assert len(monitors) == 2
     (operator,) = [o for o in objects if o["metadata"]["name"] == "kvgate-operator"]  # where the operator runs
     assert operator["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    # the autoscaler's series keep the ModelServer's namespace, not the operator pod's
+    assert operator["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
     for monitor in monitors:
         assert monitor["spec"]["namespaceSelector"] == namespace_selector
         assert monitor["metadata"]["labels"]["release"] == "kps"
@@ -268,12 +275,17 @@ def test_dashboard_grafana_basics():
         for var in variables.values():
             if var["type"] == "query":
                 assert var["datasource"]["uid"] == "${datasource}"
+        for annotation in dashboard["annotations"]["list"]:
+            assert annotation["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, annotation["name"]
         for where, expr, _ in queries(dashboard):
             assert {v for v in VARIABLE_USE.findall(expr) if not v.startswith("__")} <= variables.keys(), where
             for selector in _selectors(parse(expr)):
                 namespace = [m for m in selector.matchers.matchers if m.name == "namespace"]
-                # the operator's series come from where it runs (the release namespace), not the pools'
-                wanted = "$operator_namespace" if _name(selector).startswith("kvgate_operator_") else "$namespace"
+                # the operator's series come from where it runs (the release namespace), not the pools', but for
+                # the autoscaler's, labelled with the ModelServer's own
+                name = _name(selector)
+                wanted = ("$operator_namespace" if name.startswith("kvgate_operator_")
+                          and not name.startswith(OPERATOR_POOL_SERIES) else "$namespace")
                 if where not in ("variable namespace", "variable operator_namespace"):
                     assert [m.value for m in namespace] == [wanted], f"{where}: {expr}"
         cells = set()
@@ -365,17 +377,43 @@ def scraped(tmp_path_factory) -> dict[str, dict[str, set[str]]]:
 
 def _operator_series() -> dict[str, set[str]]:
     """The operator's metrics as its --metrics-port serves them (its real server, in process: the operator itself
-    needs an API server), once leading."""
+    needs an API server), once leading, after its real autoscaler looked at the chart's sample ModelServer twice
+    (its pool's EPP page served by the EPP's real exporter, a second EPP pod not answering): scaled from zero, then
+    under load, so that every autoscaling family has samples."""
+    from kvgate.operator import naming
+    from kvgate.operator.autoscaler import Autoscaler
     from kvgate.operator.metrics import OperatorMetrics
+    from tests.operator.epp_exporter import FakeEpp
+    from tests.operator.memory_kube import MemoryKube
     from tests.procs import free_port
 
-    metrics, port = OperatorMetrics(), free_port()
+    kube = MemoryKube()
+    pool = kube.put(copy.deepcopy(next(o for o in _objects() if o["kind"] == "InferencePool")))
+    modelserver = copy.deepcopy(next(o for o in _objects() if o["kind"] == "ModelServer"))
+    modelserver["spec"].update(replicas=0, minReplicas=0, maxReplicas=4)
+    modelserver = kube.put(modelserver)
+    labels = naming.selector_labels("epp", naming.name_of(pool))
+    for name, ip in (("epp-answers", "127.0.0.1"), ("epp-refuses", "127.0.0.2")):  # nothing listens on .2
+        kube.put({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NAMESPACE,
+                                                                  "labels": labels},
+                  "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}})
+    metrics, port, epp = OperatorMetrics(), free_port(), FakeEpp()
     metrics.serve("127.0.0.1", port)
     try:
         metrics.set_leader(True, transition=True)
+        scaler = Autoscaler(kube, None, lambda key: None, metrics_port=epp.port, metrics=metrics.autoscale)
+        epp.set([], held=1)
+        scaler.run_once()  # from zero
+        kube.put({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {
+            "name": naming.engine_deployment_name(modelserver), "namespace": NAMESPACE},
+            "status": {"readyReplicas": 1}})
+        epp.set([(6, 1, 0.5)], held=2)
+        epp.metrics.observe_flow("default", 0, "Dispatched", 2.0)
+        scaler.run_once()  # a load step
         return _exported(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text)
     finally:
         metrics.close()
+        epp.close()
 
 
 def _target_labels(monitor: dict) -> set[str]:
@@ -403,6 +441,9 @@ def test_every_metric_and_label_a_query_uses_is_exported(scraped):
                     problems.append(f"{where}: no process exports {name}")
                     continue
                 (process,) = owners
+                own = labels & {"namespace"} if name.startswith(OPERATOR_POOL_SERIES) else set()
+                if own - scraped[process][name]:  # the target's namespace would be the operator's own
+                    problems.append(f"{where}: {name} ({process}) does not carry its ModelServer's namespace")
                 missing = labels - scraped[process][name] - carried[process]
                 if missing:
                     problems.append(f"{where}: {name} ({process}) carries no label {sorted(missing)}")
@@ -412,4 +453,6 @@ def test_every_metric_and_label_a_query_uses_is_exported(scraped):
     assert "inference_extension_flow_control_request_queue_duration_seconds_bucket" in used
     assert "kvgate_epp_peer_sync_total" in used
     assert "kvgate_operator_leader" in used
+    assert {"kvgate_operator_autoscale_desired_replicas", "kvgate_operator_autoscale_scaled_total",
+            "kvgate_operator_autoscale_usage_ratio", "kvgate_operator_autoscale_epp_read_failures_total"} <= used
 
