@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -98,10 +99,21 @@ def test_the_standby_finishes_an_xds_change_its_killed_leader_began(k8s, tmp_pat
             slot = next((n for i, n in enumerate("ab") if leader_gauge(metrics_ports[i]) == 1), "none")
             return f"{slot} ({lease_holder(client, ns)})"
 
+        def standing_by(i: int) -> bool:
+            """Replica i follows, its xDS server listening: it listens once its first ConfigMap list is in,
+            and runs its election from then on (its leader gauge reads 0 from its start)."""
+            if leader_gauge(metrics_ports[i]) != 0:
+                return False
+            try:
+                socket.create_connection((XDS_HOSTS[i], xds_port), timeout=1).close()
+            except OSError:
+                return False
+            return True
+
         start(0, logs[0])
         wait_for(lambda: leader_gauge(metrics_ports[0]) == 1, timeout_s=60, what="operator a leading")
         start(1, logs[1])
-        wait_for(lambda: leader_gauge(metrics_ports[1]) == 0, timeout_s=60, what="operator b standing by")
+        wait_for(lambda: standing_by(1), timeout_s=60, what="operator b standing by")
         for kind in ("GatewayClass", "InferencePool", "ModelServer", "Gateway", "HTTPRoute"):
             client.apply(docs[kind])
 
@@ -224,7 +236,8 @@ def test_the_standby_finishes_an_xds_change_its_killed_leader_began(k8s, tmp_pat
 
         # 3. Replica a back as the standby; leader b killed while it holds the stream: the Envoy reconnects to a.
         start(0, logs[2])
-        wait_for(lambda: leader_gauge(metrics_ports[0]) == 0, timeout_s=60, what="operator a standing by again")
+        wait_for(lambda: standing_by(0), timeout_s=60, what="operator a standing by again")
+        time.sleep(RETRY_S * 2)  # its election's first rounds: it has seen the Lease renewed
         failover("pool d, route to it; leader b SIGKILLed (stream moves to a)", 1, 0, "demo-pool-d", "demo-pool-c")
         assert admin.xds_connections() > connections, "the Envoy never reconnected: its stream was not on b"
 
