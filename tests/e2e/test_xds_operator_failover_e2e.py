@@ -22,7 +22,7 @@ Then: no failed request, every object the operator made has exactly one live own
 left), one Envoy pod that never restarted, and the Gateway Programmed at the version of the config in its
 ConfigMap. Each change is timed as in test_xds_e2e (gateway_traffic.switch).
 
-Opt-in (about 100 s on the 2-core sandbox, beyond the e2e tier's budget): KVGATE_E2E_OPERATOR_HA=1.
+Opt-in (about 2 minutes on the 2-core sandbox, beyond the e2e tier's budget): KVGATE_E2E_OPERATOR_HA=1.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from kvgate.operator.xds.configmap_source import snapshot_of
 from tests.procs import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(os.environ.get("KVGATE_E2E_OPERATOR_HA") != "1",
-                                                   reason="opt-in: KVGATE_E2E_OPERATOR_HA=1 (about 100 s)")]
+                                                   reason="opt-in: KVGATE_E2E_OPERATOR_HA=1 (about 2 minutes)")]
 XDS_HOSTS = ("127.0.0.2", "127.0.0.3")  # host addresses outside the rig's pod networks, one per replica
 SWITCH_BOUND_S = 1.0
 RECONCILE_SLACK_S = 10.0  # the new leader's first reconcile and the xDS push, on a loaded 2-core machine
