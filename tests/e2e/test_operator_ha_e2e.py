@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 import signal
 import threading
 import time
@@ -18,23 +17,13 @@ import time
 import httpx
 import pytest
 from k8srig.kube import CORE, DEPLOYMENT, wait_default_service_account, wait_for
+from operator_ha import MANAGED, LEASE_S, RETRY_S, leader_election_flags, leader_gauge, made_objects
 from operator_run import (is_ready, pod_story, print_log_tail, sample_namespace, start_operator,
                           stop_operator)
 from test_epp_kubernetes import free_ports
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(os.environ.get("KVGATE_E2E_OPERATOR_HA") != "1",
                                                    reason="opt-in: KVGATE_E2E_OPERATOR_HA=1 (about 2 minutes)")]
-LEASE_S, RENEW_S, RETRY_S = 4, 3, 0.5
-MANAGED = "app.kubernetes.io/managed-by=kvgate-operator"
-
-
-def leader_gauge(port: int) -> float | None:
-    try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=3).text
-    except httpx.HTTPError:
-        return None
-    found = re.search(r"^kvgate_operator_leader (\S+)$", text, re.M)
-    return float(found.group(1)) if found else None
 
 
 def test_the_standby_finishes_what_a_killed_leader_began(k8s, tmp_path):
@@ -43,9 +32,7 @@ def test_the_standby_finishes_what_a_killed_leader_began(k8s, tmp_path):
     wait_default_service_account(client, ns, token=True)
     ports = free_ports(2)
     logs = [tmp_path / "operator-a.log", tmp_path / "operator-b.log"]
-    flags = ["--leader-election", "enabled", "--leader-election-namespace", ns,
-             "--leader-election-lease-duration", str(LEASE_S), "--leader-election-renew-deadline", str(RENEW_S),
-             "--leader-election-retry-period", str(RETRY_S), "--liveness-host", "127.0.0.1"]
+    flags = leader_election_flags(ns)
     operators = []
     stop_load = threading.Event()
     outcomes: list[str] = []
@@ -120,18 +107,7 @@ def test_the_standby_finishes_what_a_killed_leader_began(k8s, tmp_path):
         loader.join(timeout=15)
 
         # Nothing twice, nothing orphaned: every object of the operator is owned by a live owner, each once.
-        owners = {o["metadata"]["uid"] for kind in ("InferencePool", "ModelServer", "Gateway")
-                  for o in client.list(client.resource_for(docs[kind]["apiVersion"], kind), ns)["items"]}
-        made = {}
-        for kind in ("Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
-                     "NetworkPolicy"):
-            res = DEPLOYMENT if kind == "Deployment" else CORE.get(kind) or client.resource_for(
-                {"Role": "rbac.authorization.k8s.io/v1", "RoleBinding": "rbac.authorization.k8s.io/v1",
-                 "NetworkPolicy": "networking.k8s.io/v1"}[kind], kind)
-            for o in client.list(res, ns, labelSelector=MANAGED)["items"]:
-                refs = o["metadata"].get("ownerReferences") or []
-                assert len(refs) == 1 and refs[0]["uid"] in owners, (kind, o["metadata"]["name"], refs)
-                made.setdefault(kind, []).append(o["metadata"]["name"])
+        made = made_objects(client, docs, ns)
         assert sorted(made["Deployment"]) == ["demo-llm", "demo-pool-epp", "inference-gateway-envoy", "second-epp",
                                               "second-llm"], made
         epp_pods = client.list(CORE["Pod"], ns, labelSelector="app.kubernetes.io/instance=second,"

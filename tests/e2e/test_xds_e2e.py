@@ -23,32 +23,20 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import threading
 import time
 
 import httpx
 import pytest
+from gateway_traffic import (ENVOY_SELECTOR, ClosedLoopLoad, EnvoyAdmin, completion, pool_ref, set_route_refs,
+                             switch)
 from k8srig.kube import CORE, DEPLOYMENT, wait_default_service_account, wait_for
 from operator_run import is_ready, print_log_tail, sample_namespace, start_operator, stop_operator
 
 from tests.procs import free_port
 
 pytestmark = pytest.mark.e2e
-ENVOY_SELECTOR = "app.kubernetes.io/name=kvgate-gateway,app.kubernetes.io/instance=inference-gateway"
-ADMIN_PORT = 19000  # kvgate.operator.gateway.ADMIN_PORT: on the rig, the pod's own address
 SWITCH_BOUND_S = 1.0
-QUIET_S = 2.0  # how long a pool's counter must stay still to count as left
 XDS_HOST = "127.0.0.2"  # the operator's xDS server: a host address outside the rig's pod networks
-
-
-# The sample pool stays in the route on a path of its own: the engines' NetworkPolicy admits the Gateways whose
-# routes use the ModelServer's pool (pools b and c select the same pods, but are not the ModelServer's).
-KEEP_RULE = {"matches": [{"path": {"type": "Exact", "value": "/kvgate-e2e/keep"}}],
-             "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "demo-pool"}]}
-
-
-def _ref(pool: str, weight: int) -> dict:
-    return {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool, "weight": weight}
 
 
 def test_route_and_pool_changes_over_xds_under_load(k8s, tmp_path):
@@ -60,8 +48,7 @@ def test_route_and_pool_changes_over_xds_under_load(k8s, tmp_path):
     pool_res = client.resource_for("inference.networking.k8s.io/v1", "InferencePool", wait_s=30)
     log_path = tmp_path / "operator.log"
     xds_port = free_port()
-    operator = None
-    stop_load = threading.Event()
+    operator = load = None
     try:
         wait_default_service_account(client, ns, token=True)
         xds_args = ("--envoy-config-source", "xds", "--xds-host", XDS_HOST, "--xds-port", str(xds_port),
@@ -78,10 +65,6 @@ def test_route_and_pool_changes_over_xds_under_load(k8s, tmp_path):
 
         def pods(selector: str) -> list[dict]:
             return client.list(CORE["Pod"], ns, labelSelector=selector)["items"]
-
-        def completion(http: httpx.Client, ip: str) -> httpx.Response:
-            return http.post(f"http://{ip}:8080/v1/completions",
-                             json={"model": "demo", "prompt": "Hello", "max_tokens": 2})
 
         last = ["no ready Envoy pod"]
 
@@ -110,67 +93,34 @@ def test_route_and_pool_changes_over_xds_under_load(k8s, tmp_path):
         assert " serve config " in sample_message, sample_message
 
         def set_refs(*refs: dict) -> None:
-            current = client.get(route_res, "demo-route", ns)
-            current["spec"]["rules"][0]["backendRefs"] = list(refs)
-            current["spec"]["rules"][1:] = [KEEP_RULE]
-            client.replace(route_res, current, ns)
+            set_route_refs(client, route_res, ns, *refs)
 
         # Pool b over the same pods (created once the engines run: a ModelServer refuses to start pods that two
         # pools would select), in the route at weight 0.
         client.apply(pool("demo-pool-b"))
-        set_refs(_ref("demo-pool", 100), _ref("demo-pool-b", 0))
+        set_refs(pool_ref("demo-pool", 100), pool_ref("demo-pool-b", 0))
         first_message = wait_for(lambda: (m := programmed()) and m != sample_message and m, timeout_s=60,
                                  what="the Gateway Programmed with pool b in its config")
         (envoy_pod,) = pods(ENVOY_SELECTOR)
         uid = envoy_pod["metadata"]["uid"]
         restarts = envoy_pod["status"]["containerStatuses"][0]["restartCount"]
         template = client.get(DEPLOYMENT, "inference-gateway-envoy", ns)["spec"]["template"]
-        admin = httpx.Client(base_url=f"http://{ip}:{ADMIN_PORT}", timeout=5)
-
-        def requests_to(pool_name: str) -> int:
-            text = admin.get("/stats", params={"filter": f"^cluster.pool-{ns}-{pool_name}.upstream_rq_total$"}).text
-            return int(text.split(": ")[1]) if ": " in text else 0
-
-        outcomes: list[tuple] = []
-
-        def load() -> None:
-            with httpx.Client(timeout=30) as http:
-                while not stop_load.is_set():
-                    try:
-                        r = completion(http, ip)
-                        outcomes.append((r.status_code, "" if r.status_code == 200 else r.text[:120]))
-                    except httpx.HTTPError as exc:
-                        outcomes.append((type(exc).__name__, str(exc)[:120]))
-        loaders = [threading.Thread(target=load, daemon=True) for _ in range(2)]
-        for loader in loaders:
-            loader.start()
+        admin = EnvoyAdmin(ip, ns)
+        load = ClosedLoopLoad(ip, clients=2).start()
+        outcomes = load.outcomes
         time.sleep(2)
-        assert requests_to("demo-pool") > 0 and requests_to("demo-pool-b") == 0
+        assert admin.requests_to("demo-pool") > 0 and admin.requests_to("demo-pool-b") == 0
 
-        def switch(write, left: str, to: str) -> tuple[float, float, int]:
-            """(seconds to the last request to `left`, seconds to the first to `to`, requests during) of write()."""
-            before_left, before_to, before_n = requests_to(left), requests_to(to), len(outcomes)
-            began = time.monotonic()
-            write()
-            last_left, first_to, still_since = began, None, time.monotonic()
-            while time.monotonic() - still_since < QUIET_S:
-                assert time.monotonic() - began < 60, f"traffic never left {left}"
-                now_left, now_to = requests_to(left), requests_to(to)
-                if now_left != before_left:
-                    before_left, last_left, still_since = now_left, time.monotonic(), time.monotonic()
-                if first_to is None and now_to != before_to:
-                    first_to = time.monotonic()
-                time.sleep(0.05)
-            assert first_to is not None, f"no request reached {to}; answers meanwhile: {outcomes[before_n:][-5:]}"
-            return last_left - began, first_to - began, len(outcomes) - before_n
+        def switch_(write, left: str, to: str) -> tuple[float, float, int]:
+            return switch(admin, load, write, left, to)
 
-        times = {"weights 100/0 -> 0/100": switch(lambda: set_refs(_ref("demo-pool", 0), _ref("demo-pool-b", 100)),
-                                                  "demo-pool", "demo-pool-b")}
+        times = {"weights 100/0 -> 0/100": switch_(
+            lambda: set_refs(pool_ref("demo-pool", 0), pool_ref("demo-pool-b", 100)), "demo-pool", "demo-pool-b")}
 
         def new_pool() -> None:
             client.apply(pool("demo-pool-c"))
-            set_refs(_ref("demo-pool-c", 1))
-        times["pool c created, route moved to it"] = switch(new_pool, "demo-pool-b", "demo-pool-c")
+            set_refs(pool_ref("demo-pool-c", 1))
+        times["pool c created, route moved to it"] = switch_(new_pool, "demo-pool-b", "demo-pool-c")
         deleted_at = len(outcomes)
         client.delete(pool_res, "demo-pool-b", ns)
         time.sleep(2)
@@ -180,12 +130,11 @@ def test_route_and_pool_changes_over_xds_under_load(k8s, tmp_path):
 
         # 4. The operator killed: Envoy keeps serving what it has; a new operator is sent the Envoy's stream back
         # and answers nothing it already has, and the next change is served as fast.
-        def connected() -> bool:
-            text = admin.get("/stats", params={"filter": "^control_plane.connected_state$"}).text
-            return text.strip().endswith(": 1")
+        connected = admin.connected
+
         def updates() -> dict[str, int]:  # what Envoy was sent: listeners and route tables do not change here
             names = ("listener_manager.lds.update_success", "http.gateway_8080.rds.gateway-8080.update_success")
-            return {n: int(admin.get("/stats", params={"filter": f"^{n}$"}).text.split(": ")[1]) for n in names}
+            return {n: admin.stat(n) for n in names}
         sent_before = updates()
         os.killpg(operator.pid, signal.SIGKILL)
         operator.wait(timeout=15)
@@ -197,12 +146,10 @@ def test_route_and_pool_changes_over_xds_under_load(k8s, tmp_path):
         time.sleep(2)  # the new operator's first reconcile
         while_down = len(outcomes) - killed_at
         assert updates() == sent_before, "the reconnected Envoy was sent listeners or routes it had"
-        times["after an operator restart: route moved back to pool a"] = switch(
-            lambda: set_refs(_ref("demo-pool", 1)), "demo-pool-c", "demo-pool")
+        times["after an operator restart: route moved back to pool a"] = switch_(
+            lambda: set_refs(pool_ref("demo-pool", 1)), "demo-pool-c", "demo-pool")
 
-        stop_load.set()
-        for loader in loaders:
-            loader.join(timeout=40)
+        load.stop()
         failed = [o for o in outcomes if o[0] != 200]
         assert outcomes and not failed, failed[:10]
         for what, (left_s, reached_s, _) in times.items():
@@ -211,8 +158,7 @@ def test_route_and_pool_changes_over_xds_under_load(k8s, tmp_path):
         assert after["metadata"]["uid"] == uid, "the Envoy pod was replaced"
         assert after["status"]["containerStatuses"][0]["restartCount"] == restarts, "Envoy restarted"
         assert client.get(DEPLOYMENT, "inference-gateway-envoy", ns)["spec"]["template"] == template
-        rejected = admin.get("/stats", params={"filter": "update_rejected$"}).text
-        assert all(line.endswith(": 0") for line in rejected.strip().splitlines()), rejected
+        assert not admin.rejected(), admin.rejected()
         print(f"\n[xds-e2e] {len(outcomes)} completions from 2 keep-alive clients, none failed; "
               + "; ".join(f"{what}: last request to the old pool {l:.2f}s, first to the new {r:.2f}s after the "
                           f"write ({n} requests meanwhile)" for what, (l, r, n) in times.items())
@@ -223,7 +169,8 @@ def test_route_and_pool_changes_over_xds_under_load(k8s, tmp_path):
         print_log_tail(log_path)
         raise
     finally:
-        stop_load.set()
+        if load:
+            load.stop()
         stop_operator(operator)
         client.delete(gc_res, class_name)
         client.delete(CORE["Namespace"], ns)
