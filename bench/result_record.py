@@ -48,9 +48,13 @@ def device_name(device) -> str:
 
 
 def environment(device) -> dict:
-    """The record described in the module doc, for `device` (a torch.device or its name)."""
+    """The record described in the module doc, for `device` (a torch.device or its name; None: a server this
+    process did not start, whose device it cannot see)."""
     import torch
 
+    if device is None:
+        return {**commit(), "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "device_name": None, "device_type": None, "torch": torch.__version__, "host": platform.node()}
     is_cuda = getattr(device, "type", str(device)).startswith("cuda")
     driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if is_cuda else None
     return {
