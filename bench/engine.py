@@ -28,6 +28,11 @@ RANDOM_MODELS = {
                                         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                         head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True,
                                         rope_theta=1000000.0, rms_norm_eps=1e-6)),
+    # the same with Qwen3's own context length (40,960 positions), for --context up to 32k
+    "qwen3-0.5b-long": ("Qwen3Config", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                             num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                             head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+                                             rope_theta=1000000.0, rms_norm_eps=1e-6)),
     # Qwen3-30B-A3B's layer shape scaled down (hidden 2048 -> 1024, 128 -> 64 experts of 768 -> 384, top-8, 48 -> 12
     # layers; 1.3B parameters, 0.9B of them in the experts): loads in seconds, still routes like the real one.
     "qwen3-moe-tiny": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 from importlib import metadata
@@ -14,10 +15,10 @@ from pathlib import Path
 _REPO = Path(__file__).resolve().parent.parent
 
 
-def _run(cmd: list[str]) -> str | None:
+def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
     """A short command's stripped stdout; None when it is missing or fails (bounded: 10 s)."""
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=_REPO)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=cwd)
     except (OSError, subprocess.SubprocessError):
         return None
     return r.stdout.strip() if r.returncode == 0 else None
@@ -31,11 +32,15 @@ def _version(package: str) -> str | None:
 
 
 def commit() -> dict:
-    """The checkout's commit and whether tracked files differ from it; None fields outside a git checkout (an
-    installed wheel)."""
-    sha = _run(["git", "rev-parse", "HEAD"])
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"]) if sha else None
-    return {"commit": sha, "dirty": bool(status) if status is not None else None}
+    """The commit of the checkout this code is in, else of the working directory's (an installed wheel run from
+    the repository), and whether tracked files differ from it; else $KVGATE_COMMIT (a copy of the tree without
+    git, given by whoever copied it; dirty then unknown), else None."""
+    for where in (_REPO, Path.cwd()):
+        sha = _run(["git", "rev-parse", "HEAD"], where)
+        if sha:
+            status = _run(["git", "status", "--porcelain", "--untracked-files=no"], where)
+            return {"commit": sha, "dirty": bool(status) if status is not None else None}
+    return {"commit": os.environ.get("KVGATE_COMMIT") or None, "dirty": None}
 
 
 def device_name(device) -> str:
@@ -71,8 +76,6 @@ def environment(device) -> dict:
 
 
 def _cpu_count() -> int | None:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
