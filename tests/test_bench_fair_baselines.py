@@ -69,6 +69,7 @@ def test_context_prompts_have_the_exact_length_and_are_reproducible():
     assert a != make_context_workload(3, 700, 151936, 6)
 
 
+@pytest.mark.processes  # git, for the commit
 def test_environment_record_on_cpu():
     env = environment("cpu")
     assert all(k in env for k in ENVIRONMENT_FIELDS)
