@@ -42,7 +42,19 @@ def resolve_model(name: str, serve_args: list[str]) -> tuple[str, tempfile.Tempo
     from kvgate.bench.engine import _model_path
 
     ns = serve_namespace("demo", serve_args)
-    return _model_path(argparse.Namespace(model=name, device=ns.device, dtype=ns.dtype))
+    built = _model_path(argparse.Namespace(model=name, device=ns.device, dtype=ns.dtype))
+    _release_device_memory()  # a random model is built on the GPU: leave its memory to the server
+    return built
+
+
+def _release_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager

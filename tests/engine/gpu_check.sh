@@ -54,7 +54,8 @@ case ",$STAGES," in *,suites,*)
     tests/engine/test_async_scheduling.py tests/engine/test_hf_parity.py tests/engine/test_lora_parity.py \
     tests/engine/test_structured_outputs.py \
     --deselect tests/engine/test_structured_outputs.py::test_bench_prints_the_ratio ;; esac
-# Production-shaped runs (STAGES=bench1024,sampling,serve,context; about 9 min together): `sampling` is bench1024
+# Production-shaped runs (STAGES=bench1024,sampling,serve, then STAGES=context in a second call: each call under the
+# device tool's 10 minutes a command): `sampling` is bench1024
 # with the realistic sampling mix (temperature 0.7, top-p 0.9, top-k 50, repetition penalty 1.05, one request in
 # 8 with logprobs), and prints its tok/s against bench1024's greedy run of the same session; `serve` starts
 # `kvgate serve` with bench1024's engine flags and loads it with 256 streaming clients (1024 requests of ~330 prompt
