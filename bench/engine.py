@@ -1,6 +1,9 @@
-"""`kvgate bench engine`: the same greedy workload through kvgate's engine and through HF transformers'
-generate (one request at a time, and left-padded batches) or vLLM's offline LLM.generate (engine_vllm.py), on the
-same model, with throughput ratios."""
+"""`kvgate bench engine`: the same workload (greedy, or the realistic sampling mix of engine_sampling.py; prompts
+of random lengths or of one --context length each) through kvgate's engine and through HF transformers' generate
+(one request at a time, and left-padded batches of kvgate's own batch size or of the sizes given) or vLLM's offline
+LLM.generate (engine_vllm.py), on the same model, with throughput ratios. Decode steps are set against the
+memory-bandwidth bound at the device's spec bandwidth (device_spec.py) and at the copy bandwidth measured in the run;
+--result-file records the numbers with the commit, versions and device (result_record.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvgate.bench.engine_sampling import SAMPLING_MIXES
+
 if TYPE_CHECKING:
     from kvgate.engine.config import EngineConfig
 
@@ -23,6 +28,11 @@ RANDOM_MODELS = {
                                         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                         head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True,
                                         rope_theta=1000000.0, rms_norm_eps=1e-6)),
+    # the same with Qwen3's own context length (40,960 positions), for --context up to 32k
+    "qwen3-0.5b-long": ("Qwen3Config", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                             num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                             head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+                                             rope_theta=1000000.0, rms_norm_eps=1e-6)),
     # Qwen3-30B-A3B's layer shape scaled down (hidden 2048 -> 1024, 128 -> 64 experts of 768 -> 384, top-8, 48 -> 12
     # layers; 1.3B parameters, 0.9B of them in the experts): loads in seconds, still routes like the real one.
     "qwen3-moe-tiny": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -47,7 +57,18 @@ def add_bench_engine_parser(sub) -> None:
     p.add_argument("--min-prompt-len", type=int, default=32)
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-batch-size", type=parse_hf_batch_sizes, default="match",
+                   help="HF generate's batch size for the batched baseline: 'match' (default: kvgate's own "
+                        "--max-num-seqs, at most --num-requests, so both batch alike) or sizes, comma-separated "
+                        "(each is run; the best is reported as hf_best)")
+    p.add_argument("--sampling", choices=SAMPLING_MIXES, default="greedy",
+                   help="greedy (default: the argmax path) or realistic: temperature 0.7, top-p 0.9, top-k 50, "
+                        "repetition penalty 1.05, and one request in 8 with the top 5 logprobs; HF's baselines "
+                        "sample alike")
+    p.add_argument("--context", type=parse_contexts, default=None,
+                   help="long prompts: every prompt exactly N tokens (random tokens, fixed by --workload-seed), "
+                        "comma-separated for several lengths, each its own run reported per context (the engine "
+                        "needs --max-model-len >= N + --output-len)")
     p.add_argument("--baselines", default="single,batched",
                    help="runs to compare with, comma-separated: HF single, batched, both (default) or none; vllm "
                         "(vLLM's offline LLM.generate, needs --vllm-python)")
@@ -110,6 +131,36 @@ def _build_random_model(name: str, folder: Path, dtype) -> None:
     write_tokenizer_files(build_byte_tokenizer(), folder, kwargs["max_position_embeddings"])
 
 
+def parse_hf_batch_sizes(text: str) -> str | list[int]:
+    """--hf-batch-size: "match" or positive sizes, comma-separated (at most 8, each at most 4096)."""
+    if text.strip() == "match":
+        return "match"
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or len(sizes) > 8 or not all(1 <= x <= 4096 for x in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: 'match' or 1 to 8 sizes from 1 to 4096, comma-separated")
+    return sorted(set(sizes))
+
+
+def parse_contexts(text: str) -> list[int]:
+    """--context: prompt lengths in tokens, comma-separated (at most 8, each from 1 to 1,048,576)."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or len(sizes) > 8 or not all(1 <= x <= 1 << 20 for x in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: 1 to 8 prompt lengths from 1 to 1048576 tokens, comma-separated")
+    return list(dict.fromkeys(sizes))  # each length once, in the order given
+
+
+def make_context_workload(n: int, context: int, vocab: int, seed: int) -> list[list[int]]:
+    """n prompts of exactly `context` random tokens each, the same for the same seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(min(vocab, 256)) for _ in range(context)] for _ in range(n)]
+
+
 def make_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(min(vocab, 256)) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -142,8 +193,10 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _hf_generate(model, batch: list[list[int]], output_len: int, pad_id: int, device) -> list[list[int]]:
-    """Greedy, exactly output_len new tokens per row, left padding."""
+def _hf_generate(model, batch: list[list[int]], output_len: int, pad_id: int, device,
+                 sampling: dict | None = None) -> list[list[int]]:
+    """Exactly output_len new tokens per row, left padding; greedy unless `sampling` (generate's sampling
+    arguments, engine_sampling.hf_generate_kwargs) says otherwise."""
     import torch
 
     width = max(len(p) for p in batch)
@@ -154,7 +207,8 @@ def _hf_generate(model, batch: list[list[int]], output_len: int, pad_id: int, de
         mask[i, width - len(p):] = 1
     with torch.inference_mode():
         out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+                             min_new_tokens=output_len, eos_token_id=None, pad_token_id=pad_id,
+                             **(sampling or {"do_sample": False}))
     return [row[width:].tolist() for row in out]
 
 
@@ -277,22 +331,53 @@ def parse_baselines(text: str) -> tuple[list[str], bool]:
 
 
 def run_bench_engine(args: argparse.Namespace) -> int:
-    import torch
-
     from kvgate.bench.engine_vllm import vllm_python
+    from kvgate.bench.result_record import write_result
     from kvgate.engine.cli_args import engine_config_from_args
 
     hf_baselines, with_vllm = parse_baselines(args.baselines)
+    if with_vllm and args.sampling != "greedy":
+        raise SystemExit("kvgate bench engine: --baselines vllm runs greedy only (use --sampling greedy)")
     python = vllm_python(args) if with_vllm else None  # refused here, before any model is built
     model_path, tmp = _model_path(args)
     config = engine_config_from_args(model_path, args)
+    try:
+        by_context = {}
+        for context in args.context or [None]:
+            if context is not None:
+                print(f"\n=== context {context} tokens", flush=True)
+            by_context[str(context)] = _bench_one_workload(args, config, model_path, hf_baselines, python, context)
+        if args.result_file:
+            last = by_context[str((args.context or [None])[-1])]
+            record = {"model": args.model, "device": last["device"], "dtype": last["dtype"],
+                      "num_requests": args.num_requests, "output_len": args.output_len,
+                      "sampling": last["sampling"], "bandwidth": last["bandwidth"],
+                      "copy_bandwidth_gbs": last["bandwidth"]["copy_gbs"]}
+            if args.context:
+                record["by_context"] = {c: {k: r[k] for k in ("results", "sampling", "bandwidth")}
+                                        for c, r in by_context.items()}
+            else:
+                record["results"] = last["results"]
+            write_result(args.result_file, record, last["torch_device"])
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return 0
+
+
+def _bench_one_workload(args: argparse.Namespace, config: EngineConfig, model_path: str, hf_baselines: list[str],
+                        python: str | None, context: int | None) -> dict:
+    """Every kvgate run, the HF and vLLM baselines and the comparison of one workload (one --context length, or
+    the random-length prompts), printed; its results, sampling mix and bandwidths."""
+    import torch
+
     spec = config.speculative_config
-    workload = args.workload or ("quote" if spec is not None else "random")
+    workload = "context" if context is not None else (args.workload or ("quote" if spec is not None else "random"))
     results: dict[str, dict] = {}
     work: _Workload | None = None
     ours_tokens = None  # the first run's outputs, which every other run and HF are compared with
     for label, run_config in _planned_runs(args, config):
-        run = _run_kvgate(label, run_config, args, workload, spec, work, ours_tokens)
+        run = _run_kvgate(label, run_config, args, workload, spec, work, ours_tokens, context)
         work, results[label], device, dtype = run.work, run.result, run.device, run.dtype
         if ours_tokens is None:
             ours_tokens = run.tokens
@@ -305,13 +390,10 @@ def run_bench_engine(args: argparse.Namespace) -> int:
     if python is not None:
         _vllm_baseline(python, model_path, dtype, work, ours_tokens, results)
     _print_comparison(args, results, work, ours_tokens, hf_single, hf_outputs, dtype)
-    if args.result_file:
-        Path(args.result_file).write_text(json.dumps({
-            "model": args.model, "device": str(device), "dtype": str(dtype), "num_requests": args.num_requests,
-            "output_len": args.output_len, "copy_bandwidth_gbs": work.bandwidth / 1e9, "results": results}, indent=2))
-    if tmp is not None:
-        tmp.cleanup()
-    return 0
+    if context is not None:
+        results["context_tokens"] = context
+    return {"results": results, "sampling": work.sampling, "bandwidth": work.bandwidth_record(),
+            "device": str(device), "dtype": str(dtype), "torch_device": device}
 
 
 def _model_path(args: argparse.Namespace) -> tuple[str, tempfile.TemporaryDirectory | None]:
@@ -384,28 +466,81 @@ def _use_torch_experts(engine) -> int:
 class _Workload:
     """What every run generates, made once the first engine tells its vocabulary and context length."""
     prompts: list[list[int]]
-    params: object  # SamplingParams: greedy, exactly --output-len tokens
+    params: list  # one SamplingParams per prompt (engine_sampling.py), exactly --output-len tokens each
     n_out: int  # output tokens of one run
     bandwidth: float  # the device's copy bandwidth, bytes/s: the decode steps' bound
+    sampling: dict  # the sampling mix as recorded (engine_sampling.describe_mix)
+    spec: object = None  # device_spec.SpecBandwidth of the device; None where the table has none (a CPU)
+    device_name: str = ""
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling["mix"] == "greedy"
+
+    def bandwidth_record(self) -> dict:
+        """Both bandwidths the bound is given against, as the result file records them."""
+        return {"device_name": self.device_name, "copy_gbs": self.bandwidth / 1e9,
+                "spec_gbs": self.spec.bytes_per_s / 1e9 if self.spec else None,
+                "spec_entry": self.spec.name if self.spec else None,
+                "headline_bound": "spec" if self.spec else "copy (no spec bandwidth for this device)"}
 
 
-def _workload_for(args: argparse.Namespace, workload: str, engine) -> _Workload:
+def _workload_for(args: argparse.Namespace, workload: str, engine, context: int | None = None) -> _Workload:
+    from kvgate.bench.device_spec import spec_bandwidth
     from kvgate.bench.engine_roofline import copy_bandwidth
-    from kvgate.engine import SamplingParams
+    from kvgate.bench.engine_sampling import describe_mix, sampling_params_for
+    from kvgate.bench.result_record import device_name
 
     device, dtype = engine.device, engine.dtype
-    max_prompt = min(args.max_prompt_len, engine.max_model_len - args.output_len)
-    make = {"quote": make_quote_workload, "shared-prefix": make_shared_prefix_workload}.get(workload, make_workload)
-    prompts = make(args.num_requests, min(args.min_prompt_len, max_prompt), max_prompt, engine.vocab_size,
-                   args.workload_seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    if context is not None:
+        if context + args.output_len > engine.max_model_len:
+            raise SystemExit(f"kvgate bench engine: --context {context} + --output-len {args.output_len} exceeds the "
+                             f"engine's context length {engine.max_model_len} (raise --max-model-len)")
+        prompts = make_context_workload(args.num_requests, context, engine.vocab_size, args.workload_seed)
+    else:
+        max_prompt = min(args.max_prompt_len, engine.max_model_len - args.output_len)
+        make = {"quote": make_quote_workload, "shared-prefix": make_shared_prefix_workload}.get(workload,
+                                                                                               make_workload)
+        prompts = make(args.num_requests, min(args.min_prompt_len, max_prompt), max_prompt, engine.vocab_size,
+                       args.workload_seed)
+    params = sampling_params_for(args.sampling, args.num_requests, args.output_len)
+    sampling = describe_mix(args.sampling, params)
     print(f"workload: {args.num_requests} requests, prompts {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens (mean {sum(map(len, prompts)) / len(prompts):.0f}), "
-          f"{args.output_len} output tokens each, greedy, {workload} | model {args.model} | device {device} | "
-          f"dtype {dtype}", flush=True)
+          f"{args.output_len} output tokens each, {_mix_line(sampling)}, {workload} | model {args.model} | "
+          f"device {device} | dtype {dtype}", flush=True)
     bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 27))
-    print(f"device copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
-    return _Workload(prompts, params, args.num_requests * args.output_len, bandwidth)
+    name = device_name(device)
+    spec = spec_bandwidth(name) if device.type == "cuda" else None
+    print(f"device {name}: copy bandwidth (read + write) {bandwidth / 1e9:.0f} GB/s measured; "
+          + (f"spec bandwidth {spec.bytes_per_s / 1e9:.0f} GB/s ({spec.name}): the bound's headline is against it"
+             if spec else "no spec bandwidth for this device (not in bench/device_spec.py): the bound is against "
+                          "the measured copy bandwidth only"), flush=True)
+    return _Workload(prompts, params, args.num_requests * args.output_len, bandwidth, sampling, spec, name)
+
+
+def _mix_line(sampling: dict) -> str:
+    if sampling["mix"] == "greedy":
+        return "greedy"
+    settings = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in sampling["settings"].items())
+    return (f"sampled ({settings}; {sampling['logprobs_requests']} of {sampling['requests']} with top-"
+            f"{sampling['logprobs_top']} logprobs)")
+
+
+def _with_spec_bound(decode: dict, work: _Workload) -> dict:
+    """The decode summary with its bound also at the spec bandwidth (the headline), where the device has one: the
+    same bytes, so the fraction scales by copy / spec bandwidth."""
+    if not decode.get("decode_steps"):
+        return decode
+    decode["fraction_of_copy_bound"] = decode["fraction_of_bound"]
+    if work.spec is None:
+        decode["fraction_of_spec_bound"] = decode["mean_bound_spec_ms"] = None
+        return decode
+    scale = work.bandwidth / work.spec.bytes_per_s
+    decode["mean_bound_spec_ms"] = decode["mean_bound_ms"] * scale
+    decode["fraction_of_spec_bound"] = decode["fraction_of_bound"] * scale
+    decode["full_batch_median_bound_spec_ms"] = decode["full_batch_median_bound_ms"] * scale
+    return decode
 
 
 @dataclasses.dataclass
@@ -418,8 +553,8 @@ class _Run:
     dtype: object  # torch.dtype
 
 
-def _run_kvgate(label: str, run_config: EngineConfig, args: argparse.Namespace, workload: str, spec, work: _Workload | None,
-                ours_tokens: list[list[int]] | None) -> _Run:
+def _run_kvgate(label: str, run_config: EngineConfig, args: argparse.Namespace, workload: str, spec,
+                work: _Workload | None, ours_tokens: list[list[int]] | None, context: int | None = None) -> _Run:
     """One engine of `run_config` through the workload (made here on the first run), timed, compared with the
     first run's outputs (`ours_tokens`), printed."""
     from kvgate.engine import LLM
@@ -431,13 +566,15 @@ def _run_kvgate(label: str, run_config: EngineConfig, args: argparse.Namespace, 
     if label == "kvgate_moe_torch":
         if not _use_torch_experts(engine):
             raise SystemExit("--compare-moe-reference: the model has no MoE layers")
-    work = work or _workload_for(args, workload, engine)
+    work = work or _workload_for(args, workload, engine, context)
     stats_before = engine.stats()
     info = _engine_info(label, engine, run_config, stats_before)
     elapsed, outs, decode = _timed_generate(llm, work, info, stats_before.num_preemptions)
+    decode = _with_spec_bound(decode, work)
     tokens = [o.outputs[0].token_ids for o in outs]
     assert sum(map(len, tokens)) == work.n_out
-    if ours_tokens is not None:
+    info["max_num_seqs"] = engine.config.max_num_seqs
+    if ours_tokens is not None and work.greedy:  # sampled outputs are not comparable token by token
         same = sum(a == b for a, b in zip(tokens, ours_tokens))
         info["greedy_identical_to_kvgate"] = f"{same}/{len(work.prompts)}"
         info["mean_common_prefix_with_kvgate"] = _agreement(tokens, ours_tokens)["mean_common_prefix"]
@@ -449,7 +586,7 @@ def _run_kvgate(label: str, run_config: EngineConfig, args: argparse.Namespace, 
     if "spec_decode" in info:
         _print_spec_decode(info["spec_decode"], spec)
     if decode["decode_steps"]:
-        _print_decode_steps(decode)
+        _print_decode_steps(decode, work)
     return _Run(work, result, tokens, engine.device, engine.dtype)
 
 
@@ -543,7 +680,7 @@ def _print_spec_decode(s: dict, spec) -> None:
               f"on context), {d['reused_tokens']} context positions skipped by prefix reuse", flush=True)
 
 
-def _print_decode_steps(decode: dict) -> None:
+def _print_decode_steps(decode: dict, work: _Workload) -> None:
     print(f"    decode-only steps: {decode['decode_steps']} (mean batch {decode['mean_batch']:.0f}), "
           f"{decode['mean_step_ms']:.2f} ms a step ({decode['mean_execute_ms']:.2f} ms in the runner; host "
           f"work {decode['mean_host_ms']:.2f} ms, waiting for the device {decode['mean_wait_ms']:.2f} ms) "
@@ -552,6 +689,14 @@ def _print_decode_steps(decode: dict) -> None:
           f"({100 * decode['fraction_of_bound_execute']:.1f}% counting the runner alone); "
           f"at the full batch of {decode['full_batch']}: {decode['full_batch_median_step_ms']:.2f} ms vs "
           f"{decode['full_batch_median_bound_ms']:.2f} ms", flush=True)
+    if decode.get("fraction_of_spec_bound") is not None:
+        print(f"    against the spec bandwidth ({work.spec.name}, {work.spec.bytes_per_s / 1e12:.2f} TB/s; the "
+              f"headline): bound {decode['mean_bound_spec_ms']:.2f} ms a step, "
+              f"{100 * decode['fraction_of_spec_bound']:.1f}% of it (against the copy bandwidth "
+              f"{work.bandwidth / 1e12:.2f} TB/s: {100 * decode['fraction_of_copy_bound']:.1f}%)", flush=True)
+    else:
+        print(f"    no spec bandwidth for {work.device_name or 'this device'}: the bound above is against the measured "
+              f"copy bandwidth only", flush=True)
     if "mean_bound_stored_weights_ms" in decode:
         print(f"    with the weights read as the checkpoint stores them (quantized kernels), the bound would be "
               f"{decode['mean_bound_stored_weights_ms']:.2f} ms a step", flush=True)
@@ -564,20 +709,22 @@ def _speculation_speed_ups(results: dict) -> None:
     print(f"speculative decoding: mean acceptance length {s['spec_decode']['mean_acceptance_length']:.2f}, "
           f"speed-up {s['speedup_vs_no_speculation']:.2f}x against the same run without speculation "
           f"({results['kvgate']['seconds']:.2f} s -> {s['seconds']:.2f} s); greedy outputs identical: "
-          f"{s['greedy_identical_to_kvgate']}", flush=True)
+          f"{s.get('greedy_identical_to_kvgate', 'n/a (sampled)')}", flush=True)
     if "kvgate_spec_no_backoff" in results:
         s = results["kvgate_spec_no_backoff"]
         s["speedup_vs_no_speculation"] = results["kvgate"]["seconds"] / s["seconds"]
         print(f"  without adaptive drafting: mean acceptance length "
               f"{s['spec_decode']['mean_acceptance_length']:.2f}, speed-up {s['speedup_vs_no_speculation']:.2f}x "
-              f"({s['seconds']:.2f} s); greedy outputs identical: {s['greedy_identical_to_kvgate']}", flush=True)
+              f"({s['seconds']:.2f} s); greedy outputs identical: "
+              f"{s.get('greedy_identical_to_kvgate', 'n/a (sampled)')}", flush=True)
     if "kvgate_spec_no_draft_reuse" in results:
         s = results["kvgate_spec_no_draft_reuse"]
         s["speedup_vs_no_speculation"] = results["kvgate"]["seconds"] / s["seconds"]
         with_reuse = results["kvgate_spec"]["spec_decode"]["draft_model"]["computed_tokens"]
         print(f"  without the draft's prefix reuse: {s['spec_decode']['draft_model']['computed_tokens']} draft "
               f"positions computed against {with_reuse}, speed-up {s['speedup_vs_no_speculation']:.2f}x "
-              f"({s['seconds']:.2f} s); greedy outputs identical: {s['greedy_identical_to_kvgate']}", flush=True)
+              f"({s['seconds']:.2f} s); greedy outputs identical: "
+              f"{s.get('greedy_identical_to_kvgate', 'n/a (sampled)')}", flush=True)
 
 
 def _hf_baselines(args: argparse.Namespace, baselines: list[str], model_path: str, device, dtype,
@@ -589,27 +736,55 @@ def _hf_baselines(args: argparse.Namespace, baselines: list[str], model_path: st
         return None, None
     from transformers import AutoModelForCausalLM
 
+    from kvgate.bench.engine_sampling import hf_generate_kwargs
+
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     pad_id = 0
-    _hf_generate(hf, [work.prompts[0][:16]], 4, pad_id, device)  # warm-up
-    _hf_first_token_check(hf, model_path, device, dtype, work.prompts, ours_tokens, results)
+    sampling = hf_generate_kwargs(work.sampling["mix"])
+    _hf_generate(hf, [work.prompts[0][:16]], 4, pad_id, device, sampling)  # warm-up
+    if work.greedy:  # a sampled first token is not HF's argmax
+        _hf_first_token_check(hf, model_path, device, dtype, work.prompts, ours_tokens, results)
     hf_single = hf_outputs = None
-    for name in baselines:
-        size = 1 if name == "single" else args.hf_batch_size
+    sizes = [1 if name == "single" else size for name in baselines
+             for size in ([1] if name == "single" else hf_batch_sizes(args, results["kvgate"]["max_num_seqs"]))]
+    for size in sizes:
         _sync(device)
         t0 = time.perf_counter()
         outs = []
         for i in range(0, len(work.prompts), size):
-            outs.extend(_hf_generate(hf, work.prompts[i:i + size], args.output_len, pad_id, device))
+            outs.extend(_hf_generate(hf, work.prompts[i:i + size], args.output_len, pad_id, device, sampling))
         _sync(device)
         elapsed = time.perf_counter() - t0
         label = "hf_single" if size == 1 else f"hf_batched_{size}"
-        results[label] = {"seconds": elapsed, "output_tokens_per_s": work.n_out / elapsed}
-        if size == 1:
+        results[label] = {"seconds": elapsed, "output_tokens_per_s": work.n_out / elapsed, "batch_size": size}
+        if size == 1 and work.greedy:
             hf_single = outs
-        hf_outputs = hf_outputs or outs
+        hf_outputs = hf_outputs or (outs if work.greedy else None)
         print(f"  {label}: {elapsed:.2f} s", flush=True)
+    _best_hf(results, results["kvgate"]["max_num_seqs"])
     return hf_single, hf_outputs
+
+
+def hf_batch_sizes(args: argparse.Namespace, kvgate_batch: int) -> list[int]:
+    """The batched baseline's sizes: kvgate's own --max-num-seqs with --hf-batch-size match (at most the number of
+    requests: neither runs a larger batch), else the sizes given."""
+    if args.hf_batch_size == "match":
+        return [max(1, min(kvgate_batch, args.num_requests))]
+    return list(args.hf_batch_size)
+
+
+def _best_hf(results: dict, kvgate_batch: int) -> None:
+    """The fastest HF run into results["hf_best"], with its batch size beside kvgate's, printed."""
+    runs = {k: r for k, r in results.items() if k.startswith("hf_") and "batch_size" in r}
+    if not runs:
+        return
+    label, best = max(runs.items(), key=lambda kv: kv[1]["output_tokens_per_s"])
+    results["hf_best"] = {"label": label, "batch_size": best["batch_size"], "kvgate_max_num_seqs": kvgate_batch,
+                          "output_tokens_per_s": best["output_tokens_per_s"],
+                          "kvgate_speedup": results["kvgate"]["output_tokens_per_s"] / best["output_tokens_per_s"]}
+    b = results["hf_best"]
+    print(f"  best HF run: {label} (batch {b['batch_size']}; kvgate's --max-num-seqs {kvgate_batch}): kvgate "
+          f"{b['kvgate_speedup']:.2f}x", flush=True)
 
 
 def _vllm_baseline(python: str, model_path: str, dtype, work: _Workload, ours_tokens: list[list[int]],
@@ -655,7 +830,7 @@ def _print_comparison(args: argparse.Namespace, results: dict, work: _Workload, 
     base = results["kvgate"]["output_tokens_per_s"]
     print(f"\n{'system':<28}{'time (s)':>10}{'output tok/s':>15}{'kvgate speed-up':>18}")
     for label, r in results.items():
-        if not isinstance(r, dict) or "output_tokens_per_s" not in r:
+        if not isinstance(r, dict) or "output_tokens_per_s" not in r or label == "hf_best":
             continue
         ratio = base / r["output_tokens_per_s"]
         r["kvgate_speedup"] = ratio

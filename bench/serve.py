@@ -6,6 +6,10 @@ Requests are streamed (`/v1/completions`, `ignore_eos` so every request yields e
 `--max-concurrency`. Datasets: `random` (random text of given lengths) and `shared-prefix` (G groups x P
 prompts, each group sharing a system prompt: the workload that makes prefix-cache routing visible).
 Prompt lengths are in characters; for the byte-level `demo` tokenizer that is also tokens.
+
+`--serve-model MODEL` starts `kvgate serve` itself (serve_launch.py) and loads it; `--compare-offline` then runs the
+same prompts through the offline engine with the same flags and reports served / offline output tok/s.
+`--sampling realistic` sends the sampling of `kvgate bench engine --sampling realistic` (engine_sampling.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class BenchRequest:
     prompt: str
     output_len: int
     group: int = -1  # shared-prefix group, -1 for none
+    sampling: dict = field(default_factory=lambda: {"temperature": 0.0})  # the request's sampling fields
 
 
 @dataclass
@@ -81,7 +86,7 @@ def arrival_gaps(n: int, rate: float, burstiness: float, rng: np.random.Generato
 async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
                    extra_headers: dict | None = None) -> RequestResult:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0}
+            "stream": True, "stream_options": {"include_usage": True}, **req.sampling}
     result = RequestResult()
     start = time.perf_counter()
     last = start
@@ -156,7 +161,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 async def run_benchmark(base_url: str, model: str | None, requests: list[BenchRequest], rate: float,
                         burstiness: float, max_concurrency: int | None, seed: int, timeout: float,
                         headers: dict | None = None) -> tuple[dict, list[RequestResult]]:
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests), max_keepalive_connections=64)
+    # one connection per concurrent stream, all kept alive: 256 clients hold 256 connections
+    connections = max_concurrency or len(requests)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout, connect=10.0),
                                  limits=limits) as client:
         if model is None:
@@ -208,12 +215,24 @@ def format_summary(s: dict) -> str:
 
 def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     if args.dataset == "random":
-        return random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
+        reqs = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
                               args.random_range_ratio, args.seed)
-    reqs = shared_prefix_dataset(args.sp_num_groups, args.sp_prompts_per_group, args.sp_system_prompt_len,
-                                 args.sp_question_len, args.sp_output_len, args.seed)
-    random.Random(args.seed).shuffle(reqs)  # groups interleave in arrival order
+    else:
+        reqs = shared_prefix_dataset(args.sp_num_groups, args.sp_prompts_per_group, args.sp_system_prompt_len,
+                                     args.sp_question_len, args.sp_output_len, args.seed)
+        random.Random(args.seed).shuffle(reqs)  # groups interleave in arrival order
+    for req, params in zip(reqs, request_sampling(getattr(args, "sampling", "greedy"), len(reqs))):
+        req.sampling = params
     return reqs
+
+
+def request_sampling(mix: str, n: int) -> list[dict]:
+    """Each request's sampling fields for the completions API, as `kvgate bench engine --sampling` samples."""
+    from kvgate.bench.engine_sampling import LOGPROBS, LOGPROBS_EVERY, REALISTIC
+
+    if mix == "greedy":
+        return [{"temperature": 0.0} for _ in range(n)]
+    return [{**REALISTIC, **({"logprobs": LOGPROBS} if i % LOGPROBS_EVERY == 0 else {})} for i in range(n)]
 
 
 def add_bench_serve_parser(sub) -> None:
@@ -236,28 +255,95 @@ def add_bench_serve_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--header", action="append", default=[], help="extra request header NAME=VALUE")
-    p.add_argument("--result-file", default=None, help="write the summary as JSON here")
+    p.add_argument("--result-file", default=None,
+                   help="write the summary as JSON here, with the commit, versions and device (result_record.py)")
+    p.add_argument("--sampling", choices=["greedy", "realistic"], default="greedy",
+                   help="greedy (default) or the realistic mix of `kvgate bench engine --sampling realistic`")
+    p.add_argument("--serve-model", default=None, metavar="MODEL",
+                   help="start `kvgate serve MODEL` here on a free loopback port and load it (instead of "
+                        "--base-url); MODEL as `kvgate bench engine --model` takes it (demo, a random model such as "
+                        "qwen3-0.5b, or a folder)")
+    p.add_argument("--serve-args", type=parse_serve_args, default=[], metavar="FLAGS",
+                   help="with --serve-model: `kvgate serve` flags, one shell-quoted string (e.g. '--device cuda "
+                        "--max-num-seqs 256'); also the offline engine's flags with --compare-offline")
+    p.add_argument("--serve-start-timeout", type=_positive_seconds, default=600.0,
+                   help="with --serve-model: seconds the server may take to answer /health (default 600)")
+    p.add_argument("--compare-offline", action="store_true",
+                   help="with --serve-model: after the server stops, the same prompts through the offline engine "
+                        "(LLM.generate, same model, flags and device); prints served / offline output tok/s")
     p.set_defaults(func=run_bench_serve)
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text}: seconds from 0 to 3600")
+    return value
+
+
+def parse_serve_args(text: str) -> list[str]:
+    from kvgate.bench.serve_launch import parse_serve_args as parse
+
+    return parse(text)
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
+    from kvgate.bench.result_record import write_result
+
     if args.burstiness <= 0:
         raise SystemExit("kvgate bench serve: --burstiness must be > 0")
+    if args.max_concurrency is not None and not 1 <= args.max_concurrency <= 65536:
+        raise SystemExit("kvgate bench serve: --max-concurrency must be from 1 to 65536")
+    if args.compare_offline and args.serve_model is None:
+        raise SystemExit("kvgate bench serve: --compare-offline needs --serve-model (the bench must know the "
+                         "server's model and flags to run them offline)")
     headers = dict(h.split("=", 1) for h in args.header)
     requests = build_requests(args)
-    summary, results = asyncio.run(run_benchmark(args.base_url.rstrip("/"), args.model, requests,
-                                                 args.request_rate, args.burstiness, args.max_concurrency,
-                                                 args.seed, args.timeout, headers or None))
+    if args.serve_model is None:
+        summary, results = asyncio.run(run_benchmark(args.base_url.rstrip("/"), args.model, requests,
+                                                     args.request_rate, args.burstiness, args.max_concurrency,
+                                                     args.seed, args.timeout, headers or None))
+        device = None
+    else:
+        summary, results, device = _run_launched(args, requests, headers)
     print(format_summary(summary))
+    if "offline" in summary:
+        o = summary["offline"]
+        print(f"{'offline output tok/s (same model)':<34}{o['output_throughput']:.1f}\n"
+              f"{'served / offline output tok/s':<34}{summary['served_vs_offline']:.3f}")
     if args.result_file:
         summary["config"] = {k: v for k, v in vars(args).items() if k != "func"}
         summary["served_by"] = [r.served_by for r in results]
-        with open(args.result_file, "w") as f:
-            json.dump(summary, f, indent=2, default=str)
+        summary["sampling"] = args.sampling
+        write_result(args.result_file, summary, device)
     return 0 if summary["completed"] else 1
 
 
+def _run_launched(args: argparse.Namespace, requests: list[BenchRequest], headers: dict):
+    """The load against a `kvgate serve` started here; with --compare-offline, then the offline run and the
+    ratio into the summary. (summary, results, the server's device)."""
+    from kvgate.bench.serve_launch import launched_server, offline_run, resolve_model, server_device
 
+    model_path, tmp = resolve_model(args.serve_model, args.serve_args)
+    try:
+        with launched_server(model_path, args.serve_args, args.serve_start_timeout) as url:
+            warmup = random_dataset(4, 16, 4, 0.0, args.seed + 1)
+            asyncio.run(run_benchmark(url, args.model, warmup, float("inf"), 1.0, 4, args.seed, args.timeout))
+            summary, results = asyncio.run(run_benchmark(url, args.model, requests, args.request_rate,
+                                                         args.burstiness, args.max_concurrency, args.seed,
+                                                         args.timeout, headers or None))
+        summary["server"] = {"model": args.serve_model, "serve_args": args.serve_args}
+        device = server_device(model_path, args.serve_args)
+        if args.compare_offline:
+            offline = offline_run(model_path, args.serve_args, requests)
+            summary["offline"] = offline
+            summary["served_vs_offline"] = (summary["output_throughput"] / offline["output_throughput"]
+                                            if offline["output_throughput"] else 0.0)
+            device = offline["device"]
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return summary, results, device
 
 
 def add_bench_engine_loop_parser(sub) -> None:

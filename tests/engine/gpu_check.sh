@@ -2,7 +2,9 @@
 # The engine's GPU checks in one run (tests/engine/gpu_prepare.sh readies the wheels and the copier), for a
 # lent GPU machine (the device tool) or any CUDA host with torch, triton, transformers and peft: the compiled kernels,
 # `kvgate bench engine` (qwen3-0.5b, 1024 and 256 requests) with a GPU profile of the engine, then the engine suites on CUDA. Logs and JSON go to
-# ${OUT:-/tmp/kvgate-gpu}. Each stage has its own time limit and a failing stage does not stop the next. Wheels for
+# ${OUT:-/tmp/kvgate-gpu} (each JSON records the commit, versions, driver and device: copy them to docs/results/, see
+# its README; where the copy on the machine is no git checkout, pass KVGATE_COMMIT=$(git rev-parse HEAD)). Further
+# stages, named in STAGES, are described where they run. Each stage has its own time limit and a failing stage does not stop the next. Wheels for
 # packages the machine lacks are installed from .whl/ when it exists: kvgate itself, llguidance, jsonschema and its
 # three dependencies, pyzmq (the CLI imports the chaos bench, which needs it) and msgspec; see the device tool's README.
 set -u
@@ -38,8 +40,9 @@ case ",$STAGES," in *,bench1024,*)
 case ",$STAGES," in *,profile,*)
   TAIL=45 stage profile 50 python3 -m tests.engine.gpu_profile engine ;; esac
 case ",$STAGES," in *,bench256,*)
-  TAIL=20 stage bench256 140 python3 -m kvgate bench engine --model qwen3-0.5b --device cuda --num-requests 256 \
-    --baselines batched --hf-batch-size 64 --compare-eager --result-file "$OUT/bench256.json" ;; esac
+  # HF generate batches as kvgate does (--hf-batch-size match: kvgate's --max-num-seqs, 256 here), not at 64.
+  TAIL=20 stage bench256 160 python3 -m kvgate bench engine --model qwen3-0.5b --device cuda --num-requests 256 \
+    --max-num-seqs 256 --baselines batched --hf-batch-size match --compare-eager --result-file "$OUT/bench256.json" ;; esac
 case ",$STAGES," in *,bf16,*)
   # The bf16 first-token check alone (no HF generate baseline): agreement, its floor, and the prompts bf16 decides.
   TAIL=12 stage bf16 120 python3 -m kvgate bench engine --model qwen3-0.5b --device cuda --num-requests 256 \
@@ -51,6 +54,38 @@ case ",$STAGES," in *,suites,*)
     tests/engine/test_async_scheduling.py tests/engine/test_hf_parity.py tests/engine/test_lora_parity.py \
     tests/engine/test_structured_outputs.py \
     --deselect tests/engine/test_structured_outputs.py::test_bench_prints_the_ratio ;; esac
+# Production-shaped runs (STAGES=bench1024,sampling,serve, then STAGES=context in a second call: each call under the
+# device tool's 10 minutes a command): `sampling` is bench1024
+# with the realistic sampling mix (temperature 0.7, top-p 0.9, top-k 50, repetition penalty 1.05, one request in
+# 8 with logprobs), and prints its tok/s against bench1024's greedy run of the same session; `serve` starts
+# `kvgate serve` with bench1024's engine flags and loads it with 256 streaming clients (1024 requests of ~330 prompt
+# and 128 output tokens, as bench1024), then runs the same prompts offline: TTFT p50/p99, ITL, output tok/s and
+# served / offline; `context` decodes at batch 1 after prompts of 2k, 8k and 32k tokens (qwen3-0.5b-long: Qwen3's
+# 40,960 positions), each context's decode steps against the spec-bandwidth bound.
+case ",$STAGES," in *,sampling,*)
+  TAIL=16 stage sampling 150 python3 -m kvgate bench engine --model qwen3-0.5b --device cuda --num-requests 1024 \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --baselines none --sampling realistic \
+    --result-file "$OUT/sampling.json"
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+try:
+    greedy, sampled = (json.loads((out / f).read_text())["results"]["kvgate"] for f in ("bench1024.json", "sampling.json"))
+except (OSError, KeyError, ValueError) as exc:
+    sys.exit(f"sampling against greedy: no pair of results ({exc})")
+print(f"realistic sampling {sampled['output_tokens_per_s']:.0f} tok/s against greedy {greedy['output_tokens_per_s']:.0f}: "
+      f"{sampled['output_tokens_per_s'] / greedy['output_tokens_per_s']:.3f}")
+PY
+  ;; esac
+case ",$STAGES," in *,serve,*)
+  TAIL=22 stage serve 300 python3 -m kvgate bench serve --serve-model qwen3-0.5b \
+    --serve-args "--device cuda --max-num-seqs 256 --max-num-batched-tokens 8192" --num-prompts 1024 \
+    --random-input-len 330 --random-range-ratio 0.5 --random-output-len 128 --max-concurrency 256 \
+    --compare-offline --result-file "$OUT/serve.json" ;; esac
+case ",$STAGES," in *,context,*)
+  TAIL=30 stage context 240 python3 -m kvgate bench engine --model qwen3-0.5b-long --device cuda --num-requests 2 \
+    --max-num-seqs 1 --output-len 256 --context 2048,8192,32768 --max-model-len 33024 --baselines none \
+    --result-file "$OUT/context.json" ;; esac
 # Quantized KV cache and speculation on the GPU (STAGES=qkernels,spec,kvfp8,spectests): the quantized-cache kernels and speculation on graphs
 # under the `cuda` marker; speculation's speed-up at batch 1 and 32, each beside the same workload without it in the
 # same process (K=4, the quote workload): copier-wide (a 0.37B Llama computing the trained copier, so prompt lookup's

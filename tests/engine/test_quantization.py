@@ -455,6 +455,7 @@ def test_quantized_tensors_split_across_shards_load_the_same(fp8_llama, tmp_path
     assert whole.keys() == split.keys() and all(torch.equal(whole[k], split[k]) for k in whole)
 
 
+@pytest.mark.processes  # the result file records the commit (git)
 def test_bench_engine_reports_held_and_stored_weight_bytes(fp8_llama, tmp_path, capsys):
     from kvgate.cli import main
 
