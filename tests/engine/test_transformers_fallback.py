@@ -68,7 +68,7 @@ def test_uniform_sliding_window_matches_hf(tmp_path):
     model = build_tiny_model("phi3", tmp_path, seed=3, config=config)
     expected = hf_greedy(model, make_prompts(), MAX_NEW)
     llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=32)
-    assert llm.engine.runner.sliding_window == 24
+    assert llm.engine.runner.layer_windows == [24] * config.num_hidden_layers
     outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()],
                         SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected

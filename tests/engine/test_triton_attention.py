@@ -215,7 +215,7 @@ def test_sliding_window_on_triton_path_matches_hf(tmp_path):
     expected = _hf_greedy(model, prompts, 12)
     llm = LLM(str(tmp_path), max_model_len=128, attention_backend="triton", max_num_batched_tokens=32,
               max_num_seqs=8)
-    assert llm.engine.runner.sliding_window == 24
+    assert llm.engine.runner.layer_windows == [24] * model.config.num_hidden_layers
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == expected
