@@ -109,7 +109,7 @@ def test_roofline_counts_the_experts_a_batch_reads():
 def test_qwen2_moe_sliding_layers_among_full_ones_get_their_own_windows():
     config = make_config("qwen2_moe")
     assert [is_sparse_layer(config, i) for i in range(3)] == [True, True, False]  # mlp_only_layers=[2]
-    config.sliding_window = 8
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 0
     config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]  # use_sliding_window's pattern
     model = Qwen2MoeForCausalLM(config, 64)
     assert model.layer_windows == [8, None, 8]
