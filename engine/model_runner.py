@@ -102,9 +102,9 @@ class ModelRunner:
             self.draft = DraftModelProposer(spec, config, hf_config, device, dtype, max_model_len, self.kv_quant,
                                             read_weights, self.attention_backend,
                                             graphs=self.attention_backend == "triton" and not config.enforce_eager)
-        # a draft model reads the same blocks (its own cache at our block ids): its layers' windows count too
-        draft_windows = self.draft.layer_windows if self.draft is not None else []
-        self.kv_window = freeable_window(self.layer_windows + draft_windows)
+        # Blocks behind every layer's window may be freed (kv_cache_manager.py), but not under a draft model: it
+        # catches up on a request's whole context when it first drafts, writing its own K/V at our block ids.
+        self.kv_window = freeable_window(self.layer_windows) if self.draft is None else None
         self.inputs = StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
                                  cdiv(max_model_len, self.block_size), self.block_size, device)
         # Padded step shapes (and, on CUDA, their captured graphs): with the Triton kernels unless --enforce-eager.
