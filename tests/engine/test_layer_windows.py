@@ -97,8 +97,8 @@ def test_sliding_layers_among_full_ones_match_hf(tmp_path):
     prompts = window_prompts()
     expected = hf_greedy(model, prompts, MAX_NEW)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    full = hf_greedy(build_tiny_model(family, tmp_path / "full", seed=5, config=qwen_config(family, max_window_layers=3)),
-                     prompts, MAX_NEW)
+    no_window = qwen_config(family, max_window_layers=3)  # every layer full attention
+    full = hf_greedy(build_tiny_model(family, tmp_path / "full", seed=5, config=no_window), prompts, MAX_NEW)
     assert full != expected, "the window should change some outputs (else this test could not fail)"
     for mode, args in MODES.items():
         llm = LLM(str(tmp_path), max_model_len=128, **args)
@@ -113,12 +113,13 @@ def test_sliding_layers_among_full_ones_match_hf(tmp_path):
 
 @pytest.mark.slow
 def test_blocks_outside_every_window_are_freed_while_requests_run(tmp_path):
-    """Every layer slides (Qwen2 with max_window_layers 0): a request holds at most the blocks its window spans
-    (plus the one being filled), outputs still match HF, and with prefix caching the second pass is still exact."""
+    """Every layer slides (Qwen2 with max_window_layers 0), async scheduling: a request holds at most the blocks its
+    window spans (plus the one being filled), outputs still match HF, and with prefix caching the second pass (hits
+    on freed blocks that kept their hashes) is still exact."""
     model = build_tiny_model("qwen2", tmp_path, seed=5, config=qwen_config("qwen2", max_window_layers=0))
     prompts = window_prompts()[2:]
     expected = hf_greedy(model, prompts, MAX_NEW)
-    llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=16, block_size=8)
+    llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=16, block_size=8, async_scheduling=True)
     engine, kv = llm.engine, llm.engine.kv_cache_manager
     assert engine.runner.kv_window == kv.sliding_window == WINDOW
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
