@@ -314,7 +314,7 @@ def test_draft_path_padded_decodes_match_hf(tiny_model_dir):
     model = load_model(config, folder, torch.device("cpu"), torch.float32, 128)
     block_size = 16
     kv = allocate_kv_caches(model, config.num_hidden_layers, 12, block_size, torch.float32, None, torch.device("cpu"))
-    path = DraftTritonPath(model, 4, 64, 8, block_size, None, torch.device("cpu"), capture=False)
+    path = DraftTritonPath(model, 4, 64, 8, block_size, torch.device("cpu"), capture=False)
     prompts = [random_tokens(n, seed=n) for n in (5, 17, 33)]
     tables = [[0], [1, 2], [3, 4, 5]]
     hidden = path.forward([(0, len(p), t) for p, t in zip(prompts, tables)], sum(prompts, []), kv)
