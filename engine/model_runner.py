@@ -105,6 +105,11 @@ class ModelRunner:
         # Blocks behind every layer's window may be freed (kv_cache_manager.py), but not under a draft model: it
         # catches up on a request's whole context when it first drafts, writing its own K/V at our block ids.
         self.kv_window = freeable_window(self.layer_windows) if self.draft is None else None
+        if any(w is not None for w in self.layer_windows):
+            sliding = sum(w is not None for w in self.layer_windows)
+            log.info("attention: %d of %d layers slide (windows %s); blocks outside every window %s", sliding,
+                     len(self.layer_windows), sorted({w for w in self.layer_windows if w is not None}),
+                     f"freed (window {self.kv_window})" if self.kv_window is not None else "kept")
         self.inputs = StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
                                  cdiv(max_model_len, self.block_size), self.block_size, device)
         # Padded step shapes (and, on CUDA, their captured graphs): with the Triton kernels unless --enforce-eager.
