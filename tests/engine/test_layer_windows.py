@@ -119,7 +119,9 @@ def test_blocks_outside_every_window_are_freed_while_requests_run(tmp_path):
     model = build_tiny_model("qwen2", tmp_path, seed=5, config=qwen_config("qwen2", max_window_layers=0))
     prompts = window_prompts()[2:]
     expected = hf_greedy(model, prompts, MAX_NEW)
-    llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=16, block_size=8, async_scheduling=True)
+    # 16 blocks of 8: the four requests need 30 at their ends without freeing, 4 or 5 each with it
+    llm = LLM(str(tmp_path), max_model_len=96, max_num_batched_tokens=16, block_size=8, async_scheduling=True,
+              num_gpu_blocks_override=16)
     engine, kv = llm.engine, llm.engine.kv_cache_manager
     assert engine.runner.kv_window == kv.sliding_window == WINDOW
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -139,6 +141,7 @@ def test_blocks_outside_every_window_are_freed_while_requests_run(tmp_path):
             freed = max(freed, ids.count(None))
             assert all(b is None for b in ids[:ids.count(None)]), "freed blocks are the leading ones"
     assert [outputs[i] for i in range(len(prompts))] == expected
+    assert engine.stats().num_preemptions == 0, "freeing behind the window should have left room for all four"
     # the 70-token prompt's last step computes from position 80: blocks wholly before 80 - WINDOW + 1 = 61 go
     assert freed == (70 + MAX_NEW - 2 - WINDOW + 1) // 8, "the long prompt should have let its early blocks go"
     assert kv.pool.num_free_blocks == kv.num_blocks  # every block back, none freed twice (the pool asserts that)
