@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from kvgate.common.errors import ModelLoadError
 from kvgate.engine import LLM, SamplingParams
