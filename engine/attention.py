@@ -17,7 +17,9 @@ slots or indexing along an inner dimension.
   groups of similar length, with their K + 1 queries a sequence (padded to the group's longest) each masked
   causally: one SDPA call a group instead of one a chunk, which saves the per-call overhead that dominates
   small chunks.
-The gather indices and masks are built once per step and shared by all layers.
+The gather indices and masks are built once per step and shared by all layers. Masks depend on a layer's sliding
+window: a model whose layers have different windows (Qwen2/Qwen3's max_window_layers, Gemma's layer_types) gets one
+set per distinct window, and each layer attends with its own (`attend`'s window).
 
 A quantized cache (kv_quant.py) is quantized as it is written and its gathered rows dequantized as they are read.
 """
@@ -70,10 +72,29 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSeq]
     verifies: list[VerifyGroup] = field(default_factory=list)
+    window: int | None = None  # the sliding window these masks apply
+    # the same step's metadata for the other windows among the model's layers, by window
+    others: dict[int | None, "AttentionMetadata"] = field(default_factory=dict)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
-               scale: float) -> torch.Tensor:
-        return paged_attention(q, k, v.contiguous(), kv_cache, self, scale)
+               scale: float, window: int | None = None) -> torch.Tensor:
+        """One layer's attention; window: that layer's sliding window (None: full attention)."""
+        meta = self if window == self.window else self.others.get(window)
+        if meta is None:
+            raise RuntimeError(f"attention with sliding window {window}: the step's metadata was built for windows "
+                               f"{sorted([self.window, *self.others], key=str)}")
+        return paged_attention(q, k, v.contiguous(), kv_cache, meta, scale)
+
+    @classmethod
+    def for_windows(cls, windows, seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device,
+                    num_kv_heads: int, num_cache_blocks: int, **kwargs) -> "AttentionMetadata":
+        """build() for each distinct window of `windows` (the model's layers'), the first holding the others."""
+        distinct = list(dict.fromkeys(windows)) or [None]
+        meta = cls.build(seqs, block_size, device, num_kv_heads, num_cache_blocks, distinct[0], **kwargs)
+        kwargs["slot_mapping"] = meta.slot_mapping
+        for w in distinct[1:]:
+            meta.others[w] = cls.build(seqs, block_size, device, num_kv_heads, num_cache_blocks, w, **kwargs)
+        return meta
 
     @classmethod
     def build(
@@ -139,7 +160,7 @@ class AttentionMetadata:
             verifying = verifying[cut:]
         if slot_mapping is None:
             slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        return cls(slot_mapping, block_size, decodes, prefills, verifies)
+        return cls(slot_mapping, block_size, decodes, prefills, verifies, sliding_window)
 
 
 def _decode_group(token_idx, tables, lens, block_size, device, num_kv_heads, num_cache_blocks,

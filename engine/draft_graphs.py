@@ -30,8 +30,8 @@ NAMES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"
 
 class DraftTritonPath:
     def __init__(self, model, max_seqs: int, max_tokens: int, max_blocks_per_seq: int, block_size: int,
-                 sliding_window: int | None, device: torch.device, capture: bool) -> None:
-        self.model, self.block_size, self.sliding_window, self.device = model, block_size, sliding_window, device
+                 device: torch.device, capture: bool) -> None:
+        self.model, self.block_size, self.device = model, block_size, device
         pin = device.type == "cuda"
         self._host = {
             "input_ids": torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pin),
@@ -73,7 +73,7 @@ class DraftTritonPath:
         d = self.dev
         meta = TritonAttentionMetadata(d["slot_mapping"][:num_tokens], d["block_table"][:num_seqs],
                                        d["seq_lens"][:num_seqs], d["query_start_loc"][:num_seqs + 1],
-                                       self.block_size, decode_only, self.sliding_window)
+                                       self.block_size, decode_only)
         return self.model(d["input_ids"][:num_tokens], d["positions"][:num_tokens], kv_caches, meta)
 
     def forward(self, seqs: list, ids: list[int], kv_caches: list, keep: bool = True) -> torch.Tensor:

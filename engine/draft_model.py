@@ -112,8 +112,7 @@ class DraftModelProposer(Proposer):
         self.vocab_size, self.target_vocab_size = hf.vocab_size, target_hf_config.vocab_size
         self.model = load_model(hf, path, device, dtype, max_model_len, read_weights=read_weights)
         self.num_layers = hf.num_hidden_layers
-        window = self.model.sliding_window
-        self.sliding_window = window if window is not None and window < max_model_len else None
+        self.layer_windows = self.model.layer_windows  # each layer's sliding window (None: full attention)
         self.triton = None  # draft_graphs.DraftTritonPath on the Triton path
         if attention_backend == "triton":
             from kvgate.engine.draft_graphs import DraftTritonPath
@@ -122,7 +121,7 @@ class DraftModelProposer(Proposer):
             use_fused_kernels(self.model)
             self.triton = DraftTritonPath(self.model, config.max_num_seqs,
                                           max(config.max_num_batched_tokens, config.max_num_seqs),
-                                          cdiv(max_model_len, self.block_size), self.block_size, self.sliding_window,
+                                          cdiv(max_model_len, self.block_size), self.block_size,
                                           device, capture=graphs)
         self.kv_caches: list = []
         self.num_blocks = 0
@@ -293,8 +292,8 @@ class DraftModelProposer(Proposer):
             # positions: each chunk's, from seqs; rows that outlive the next forward (all_rows) are copied
             hidden = self.triton.forward(seqs, ids, self.kv_caches, keep=all_rows)
         else:
-            meta = AttentionMetadata.build(seqs, self.block_size, dev, self.model.num_kv_heads, self.num_blocks,
-                                           self.sliding_window)
+            meta = AttentionMetadata.for_windows(self.layer_windows, seqs, self.block_size, dev,
+                                                 self.model.num_kv_heads, self.num_blocks)
             hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                                 torch.tensor(list(positions), dtype=torch.long, device=dev), self.kv_caches, meta)
         if all_rows:

@@ -1,4 +1,12 @@
-"""Per-request block tables over the block pool, with prefix-cache lookups and accounting."""
+"""Per-request block tables over the block pool, with prefix-cache lookups and accounting.
+
+With a sliding window on every layer (`sliding_window`: the largest of the layers' windows), a request's blocks that
+lie wholly before its next query's window are read by no layer again: each allocation frees them, and the request's
+block list keeps None in their place (positions stay block-aligned). Their ids stay in the request's block-table
+row, where the attention reads them only under its window mask (a freed block that another request reuses holds
+finite K/V, and what is masked contributes nothing). A freed block keeps its hash, so it stays a prefix-cache hit
+until the pool hands it out again; a lookup needs the whole prefix from the first block, so once an early block of
+a prompt is reused, later requests find no prefix of it. With any full-attention layer nothing is freed early."""
 
 from __future__ import annotations
 
@@ -31,8 +39,12 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 max_blocks_per_request: int = 64, max_requests: int = 64, record_kv_events: bool = False) -> None:
+                 max_blocks_per_request: int = 64, max_requests: int = 64, record_kv_events: bool = False,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, record_kv_events)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -40,6 +52,7 @@ class KVCacheManager:
         # expected requests and lengths (it grows past them).
         self.block_table = BlockTable(max_blocks_per_request, max_requests)
         self._num_cached_blocks: dict[str, int] = {}
+        self._num_released: dict[str, int] = {}  # leading blocks freed as outside every layer's window
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -113,7 +126,10 @@ class KVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more tokens; None (and no change) when the pool is too full."""
+        """Make room for `num_new_tokens` more tokens; None (and no change) when the pool is too full. Blocks outside
+        every layer's window are freed first (with a sliding window)."""
+        if self.sliding_window is not None:
+            self._release_outside_window(request)
         total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         # Blocks full of known tokens are hashed; one that an output placeholder completes (async scheduling) is
         # hashed by the request's next allocation, once the token is known.
@@ -145,6 +161,22 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, num_full)
         return new_blocks
 
+    def _release_outside_window(self, request: Request) -> None:
+        """Free the request's blocks wholly before the window of its next query (at position num_computed_tokens,
+        which sees keys from num_computed_tokens - window + 1 on)."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        first_needed = min(first_needed, len(blocks))
+        done = self._num_released.get(request.request_id, 0)
+        if first_needed <= done:
+            return
+        released = blocks[done:first_needed]
+        blocks[done:first_needed] = [None] * len(released)
+        self._num_released[request.request_id] = first_needed
+        self.pool.free_blocks(reversed(released))  # later blocks evicted first: earlier ones are shared prefixes
+
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full: int) -> None:
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
@@ -153,7 +185,8 @@ class KVCacheManager:
         events = self.pool.kv_events
         run_start = None  # first block of the current run of hashes new to the table
         for i in range(start, num_full):
-            stored = self.pool.cache_block(blocks[i], hashes[i])
+            # a block freed as outside the window before it was hashed (a window shorter than a block) is not cached
+            stored = blocks[i] is not None and self.pool.cache_block(blocks[i], hashes[i])
             if events is None:
                 continue
             if stored and run_start is None:
@@ -181,20 +214,27 @@ class KVCacheManager:
         keep = cdiv(num_tokens, self.block_size)
         if blocks is None or len(blocks) <= keep:
             return
-        extra = blocks[keep:]
+        extra = [b for b in blocks[keep:] if b is not None]
         del blocks[keep:]
+        self._num_released[request.request_id] = min(self._num_released.get(request.request_id, 0), keep)
         self.pool.free_blocks(reversed(extra))
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        self._num_released.pop(request.request_id, None)
         self.block_table.release(request.request_id)
         if blocks:
             # Tail blocks are the least likely to be shared: evict them first.
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(reversed([b for b in blocks if b is not None]))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str) -> list[int | None]:
+        """The request's block ids by position (None: freed as outside every layer's window)."""
+        return [None if b is None else b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (those freed as outside the window not counted)."""
+        return sum(b is not None for b in self.req_blocks.get(request_id, ()))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

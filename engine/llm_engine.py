@@ -165,7 +165,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                                max_blocks_per_request=cdiv(self.max_model_len, config.block_size),
                                                max_requests=config.max_num_seqs,
-                                               record_kv_events=kv_events_enabled(config.kv_events_config))
+                                               record_kv_events=kv_events_enabled(config.kv_events_config),
+                                               sliding_window=self.runner.kv_window)
         self.lora = self._build_lora()
         spec = config.speculative_config
         self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * spec.num_speculative_tokens) \

@@ -22,6 +22,7 @@ from kvgate.engine.loader import load_model
 from kvgate.engine.lora.adapter import LoRAWeights, load_lora_weights
 from kvgate.engine.lora.layers import add_lora_layers, module_shapes, set_slot
 from kvgate.engine.lora.request import LoRARequest
+from kvgate.engine.models.layer_windows import freeable_window
 from kvgate.engine.models.layers import use_fused_kernels
 from kvgate.engine import prompt_logprobs
 from kvgate.engine.quantization.linear import kernel_path_applies
@@ -82,9 +83,7 @@ class ModelRunner:
         if config.enable_lora:  # after the base weights: the wrapped projections keep them as they are
             self.lora_state, self.lora_layers = add_lora_layers(model, config.max_loras, config.max_lora_rank)
         self.num_layers = hf_config.num_hidden_layers
-        self.sliding_window = model.sliding_window
-        if self.sliding_window is not None and self.sliding_window >= max_model_len:
-            self.sliding_window = None
+        self.layer_windows = model.layer_windows  # each layer's sliding window (None: full attention)
         self.sampler = Sampler()
         # Structured-output masks beside the forward pass (see execute); started by the first constrained request.
         self.fill_masks_in_thread = device.type != "cpu"
@@ -103,6 +102,14 @@ class ModelRunner:
             self.draft = DraftModelProposer(spec, config, hf_config, device, dtype, max_model_len, self.kv_quant,
                                             read_weights, self.attention_backend,
                                             graphs=self.attention_backend == "triton" and not config.enforce_eager)
+        # Blocks behind every layer's window may be freed (kv_cache_manager.py), but not under a draft model: it
+        # catches up on a request's whole context when it first drafts, writing its own K/V at our block ids.
+        self.kv_window = freeable_window(self.layer_windows) if self.draft is None else None
+        if any(w is not None for w in self.layer_windows):
+            sliding = sum(w is not None for w in self.layer_windows)
+            log.info("attention: %d of %d layers slide (windows %s); blocks outside every window %s", sliding,
+                     len(self.layer_windows), sorted({w for w in self.layer_windows if w is not None}),
+                     f"freed (window {self.kv_window})" if self.kv_window is not None else "kept")
         self.inputs = StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
                                  cdiv(max_model_len, self.block_size), self.block_size, device)
         # Padded step shapes (and, on CUDA, their captured graphs): with the Triton kernels unless --enforce-eager.
@@ -286,7 +293,7 @@ class ModelRunner:
         view = self.inputs.view
         meta = TritonAttentionMetadata(view("slot_mapping", num_tokens), view("block_table", num_seqs),
                                        view("seq_lens", num_seqs), view("query_start_loc", num_seqs + 1),
-                                       self.block_size, decode_only, self.sliding_window)
+                                       self.block_size, decode_only)
         return self.model(view("input_ids", num_tokens), view("positions", num_tokens), self.kv_caches, meta)
 
     def _graph_seqs(self, padded_tokens: int) -> int:
@@ -346,10 +353,10 @@ class ModelRunner:
         """The model over the prepared buffers: SDPA over `seqs` ((computed, new, block ids) per sequence), a
         captured graph's replay, or the padded static forward."""
         if self.attention_backend == "sdpa":
-            meta = AttentionMetadata.build(seqs, self.block_size, self.device, self.model.num_kv_heads,
-                                           self.num_blocks, self.sliding_window,
-                                           slot_mapping=self.inputs.view("slot_mapping", num_tokens),
-                                           verify=verify, num_heads=self.model.num_heads)
+            meta = AttentionMetadata.for_windows(self.layer_windows, seqs, self.block_size, self.device,
+                                                 self.model.num_kv_heads, self.num_blocks,
+                                                 slot_mapping=self.inputs.view("slot_mapping", num_tokens),
+                                                 verify=verify, num_heads=self.model.num_heads)
             view = self.inputs.view
             return self.model(view("input_ids", num_tokens), view("positions", num_tokens), self.kv_caches, meta)
         if replay:

@@ -33,6 +33,9 @@ class StepResult(Protocol):
 class Runner(Protocol):
     device: torch.device
     dtype: torch.dtype
+    # positions this far behind a sequence's next query are read by no layer again (every layer slides): its KV
+    # blocks wholly behind them may be freed; None: every block is read until the sequence ends
+    kv_window: int | None
 
     @property
     def bytes_per_block(self) -> int:

@@ -119,6 +119,7 @@ class SimModelRunner:
         self.max_model_len = max_model_len
         self.device = torch.device("cpu")
         self.dtype = torch.bfloat16
+        self.kv_window = None  # every block kept, as a full-attention model
         self.vocab_size = len(tokenizer)
         self.num_blocks = 0
         self.busy_seconds = 0.0  # modelled time, for checks and metrics

@@ -329,14 +329,15 @@ class TritonAttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     block_size: int
     decode_only: bool
-    sliding_window: int | None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None = None) -> torch.Tensor:
+        """One layer's attention; window: that layer's sliding window (None: full attention), a constant of the
+        kernel launch, so a captured graph holds each layer's."""
         store_kv(k, v, kv_cache, self.slot_mapping)
         out = torch.empty_like(q)
         args = (q, kv_cache, out, self.block_table, self.seq_lens, self.query_start_loc)
-        common = dict(scale=scale, block_size=self.block_size, sliding_window=self.sliding_window)
+        common = dict(scale=scale, block_size=self.block_size, sliding_window=window)
         if self.decode_only:
             return paged_attention(*args, decode_only=True, **common)
         # A mixed step: the decodes with the small tile (a 64-row tile would hold 2 useful rows of 64), then the

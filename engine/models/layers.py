@@ -118,11 +118,14 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_di
 
 
 class Attention(nn.Module):
-    """GQA self-attention with a fused qkv projection, optional qkv bias (Qwen2) and q/k norm (Qwen3). Under tensor
+    """GQA self-attention with a fused qkv projection, optional qkv bias (Qwen2), q/k norm (Qwen3) and an optional
+    sliding window (its layer's, which the step's metadata masks by). Under tensor
     parallelism (distributed/group.py's current group) num_heads and num_kv_heads are this rank's heads."""
 
-    def __init__(self, config, max_positions: int, qkv_bias: bool = False, qk_norm: bool = False) -> None:
+    def __init__(self, config, max_positions: int, qkv_bias: bool = False, qk_norm: bool = False,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window  # this layer's: the most recent keys a query sees (None: all)
         tp = tp_group.current()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -151,7 +154,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        o = meta.attend(q, k, v, kv_cache, self.scale)
+        o = meta.attend(q, k, v, kv_cache, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

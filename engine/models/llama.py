@@ -11,6 +11,7 @@ from torch import nn
 from kvgate.common.errors import ModelLoadError
 from kvgate.engine.models.checkpoint_writes import write_checkpoint
 from kvgate.engine.distributed import group as tp_group
+from kvgate.engine.models.layer_windows import layer_windows
 from kvgate.engine.models.layers import Attention, GatedMLP, RMSNorm
 from kvgate.engine.models.parallel_linear import lm_head, vocab_embedding
 
@@ -33,9 +34,11 @@ def dense_mlp(config, layer_idx: int) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, max_positions: int, qkv_bias: bool, qk_norm: bool, mlp: nn.Module) -> None:
+    def __init__(self, config, max_positions: int, qkv_bias: bool, qk_norm: bool, mlp: nn.Module,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, max_positions, qkv_bias=qkv_bias, qk_norm=qk_norm)
+        self.self_attn = Attention(config, max_positions, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                                   sliding_window=sliding_window)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -47,12 +50,13 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config, max_positions: int, qkv_bias: bool, qk_norm: bool,
-                 make_mlp: Callable[[object, int], nn.Module]) -> None:
-        """make_mlp(config, layer index): the layer's MLP (dense, or a sparse MoE block)."""
+                 make_mlp: Callable[[object, int], nn.Module], windows: list[int | None]) -> None:
+        """make_mlp(config, layer index): the layer's MLP (dense, or a sparse MoE block); windows: each layer's
+        sliding window (None: full attention)."""
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp_group.current())
         self.layers = nn.ModuleList(
-            DecoderLayer(config, max_positions, qkv_bias, qk_norm, make_mlp(config, i))
+            DecoderLayer(config, max_positions, qkv_bias, qk_norm, make_mlp(config, i), windows[i])
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -79,16 +83,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, max_positions, self.qkv_bias, self.qk_norm, self.make_mlp)
+        # each layer's window (layer_windows.py); a window of max_positions or more is full attention
+        self.layer_windows = layer_windows(config, max_positions)
+        self.model = DecoderModel(config, max_positions, self.qkv_bias, self.qk_norm, self.make_mlp,
+                                  self.layer_windows)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp_group.current())
         self.tie_weights()
         attn = self.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        window = getattr(config, "sliding_window", None)
-        if window is not None and getattr(config, "use_sliding_window", True) is False:
-            window = None
-        self.sliding_window = window
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head (again after the module was moved off the meta device)."""

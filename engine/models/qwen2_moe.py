@@ -7,7 +7,6 @@ sparse layers route each token to `num_experts_per_tok` of `num_experts` experts
 import torch
 from torch import nn
 
-from kvgate.common.errors import ModelLoadError
 from kvgate.engine.models.layers import GatedMLP
 from kvgate.engine.models.llama import dense_mlp
 from kvgate.engine.models.moe import FusedMoE, SparseMoeBlock
@@ -34,10 +33,6 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     expert_params = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", None)}
 
     def __init__(self, config, max_positions: int) -> None:
-        types = set(getattr(config, "layer_types", None) or [])
-        if "sliding_attention" in types and len(types) > 1:  # use_sliding_window with max_window_layers
-            raise ModelLoadError("config.json: Qwen2-MoE with sliding-window layers among full-attention ones "
-                                 "(use_sliding_window) is not supported (the attention has one window for all layers)")
         self.qkv_bias = bool(getattr(config, "qkv_bias", True))  # before Module.__init__: read by the decoder stack
         super().__init__(config, max_positions)
 

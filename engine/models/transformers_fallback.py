@@ -9,7 +9,7 @@ kernels), exactly as the native models' Attention does. The engine packs a step'
 them as one sequence of batch 1 ([1, T] ids and positions), and the attention metadata keeps the sequences apart.
 
 What the paged attention cannot do is refused at load (ModelLoadError) rather than computed wrongly: attention
-logit softcapping, attention sinks, multi-head latent attention, layers with different sliding windows or head
+logit softcapping, attention sinks, multi-head latent attention, layers with different head
 sizes, non-causal (encoder) attention, encoder-decoder and multimodal models. The weights keep the HF model's own
 parameter names; load_weights has the native models' contract (an unknown tensor, a wrong shape or a missing weight
 is a ModelLoadError). LoRA is not served on this path (lora/layers.py refuses it: the HF modules have no fused
@@ -32,6 +32,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from kvgate.common.errors import ModelLoadError
 from kvgate.engine.models.checkpoint_writes import write_checkpoint
+from kvgate.engine.models.layer_windows import layer_windows
 
 ATTN_IMPLEMENTATION = "kvgate_paged"
 
@@ -39,10 +40,11 @@ ATTN_IMPLEMENTATION = "kvgate_paged"
 class StepContext:
     """The step's KV caches and attention metadata, set by the model's forward for its attention modules."""
 
-    def __init__(self, sliding_window: int | None) -> None:
+    def __init__(self, config_windows: list[int | None], windows: list[int | None]) -> None:
         self.kv_caches: list | None = None
         self.meta = None
-        self.sliding_window = sliding_window  # the window every layer was checked to have at load
+        self.config_windows = config_windows  # each layer's window as its config says (what its module asks for)
+        self.windows = windows  # each layer's window as attended (None where a window spans every position)
 
 
 def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -61,15 +63,15 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get("s_aux") is not None:
         raise RuntimeError(f"{type(module).__name__} has attention sinks, which kvgate's paged attention does not "
                            "compute")
-    window = kwargs.get("sliding_window")
-    if window != step.sliding_window:  # the config promised one window for every layer; the module says otherwise
-        raise RuntimeError(f"{type(module).__name__} (layer {module.layer_idx}) asks for sliding window {window}, "
-                           f"the model was loaded with {step.sliding_window} from its config")
+    window, layer = kwargs.get("sliding_window"), module.layer_idx
+    if window != step.config_windows[layer]:  # the config said one window for this layer; the module another
+        raise RuntimeError(f"{type(module).__name__} (layer {layer}) asks for sliding window {window}, the model "
+                           f"was loaded with {step.config_windows[layer]} for it from its config")
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
     k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
     v = value[0].transpose(0, 1).contiguous()
     scale = module.scaling if scaling is None else scaling
-    out = step.meta.attend(q, k, v, step.kv_caches[module.layer_idx], scale)
+    out = step.meta.attend(q, k, v, step.kv_caches[layer], scale, step.windows[layer])
     return out.unsqueeze(0), None
 
 
@@ -98,28 +100,6 @@ def check_supported(config) -> str:
                              "(kvgate's paged attention has no logit softcapping)")
     layer_windows(config)
     return causal
-
-
-def layer_windows(config) -> list[int | None]:
-    """Each layer's sliding window (None: full attention), from `layer_types` where the config has it, else
-    `sliding_window` on every layer (unless use_sliding_window is False). kvgate's attention metadata has one window
-    for all layers: different windows across layers are a ModelLoadError."""
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False:
-        window = None
-    types = getattr(config, "layer_types", None)
-    if types:
-        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise ModelLoadError(f"config.json: layer_types {unknown} are not supported (only full_attention and "
-                                 "sliding_attention layers run on kvgate's paged attention)")
-        windows = [window if t == "sliding_attention" else None for t in types]
-    else:
-        windows = [window] * config.num_hidden_layers
-    if len(set(windows)) > 1:
-        raise ModelLoadError(f"config.json: layers with different sliding windows ({sorted(set(windows), key=str)}) "
-                             "are not supported (kvgate's attention has one window for all layers)")
-    return windows
 
 
 class _DecoderOutput:
@@ -176,9 +156,8 @@ class TransformersForCausalLM(nn.Module):
         self._tied = dict(getattr(hf, "all_tied_weights_keys", None) or {})  # tied parameter -> its source
         self.tie_weights()
         self.num_heads, self.num_kv_heads, self.head_dim = self._attention_layout(hf_config)
-        windows = layer_windows(hf_config)
-        self.sliding_window = windows[0] if windows else None
-        self._step = StepContext(self.sliding_window)
+        self.layer_windows = layer_windows(hf_config, max_positions)
+        self._step = StepContext(layer_windows(hf_config), self.layer_windows)
         for module in self._attention_modules():
             module.kvgate_step = self._step
 

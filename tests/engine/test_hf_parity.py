@@ -80,7 +80,7 @@ def test_mistral_sliding_window_matches_hf(tmp_path):
     prompts = make_prompts()
     expected = hf_greedy(model, prompts, MAX_NEW)
     llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=32)
-    assert llm.engine.runner.sliding_window == 24
+    assert llm.engine.runner.layer_windows == [24] * model.config.num_hidden_layers
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected

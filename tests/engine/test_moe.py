@@ -106,11 +106,11 @@ def test_roofline_counts_the_experts_a_batch_reads():
     assert weights.read_by(1000) == total
 
 
-def test_qwen2_moe_sliding_layers_among_full_ones_are_refused():
-    from kvgate.common.errors import ModelLoadError
-
+def test_qwen2_moe_sliding_layers_among_full_ones_get_their_own_windows():
     config = make_config("qwen2_moe")
     assert [is_sparse_layer(config, i) for i in range(3)] == [True, True, False]  # mlp_only_layers=[2]
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 0
     config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]  # use_sliding_window's pattern
-    with pytest.raises(ModelLoadError, match="sliding-window layers among full-attention ones"):
-        Qwen2MoeForCausalLM(config, 64)
+    model = Qwen2MoeForCausalLM(config, 64)
+    assert model.layer_windows == [8, None, 8]
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [8, None, 8]

@@ -61,6 +61,22 @@ def test_speculative_decoding_with_a_fallback_draft_matches_hf(tiny_model_dir, d
 
 
 @pytest.mark.slow
+def test_per_layer_windows_match_hf(tmp_path):
+    """Gemma 3's layer_types (sliding layers with their own RoPE base beside a full-attention one): each HF attention
+    module asks for its layer's window, which the metadata masks by."""
+    config = make_config("gemma3")
+    config.layer_types, config.sliding_window = ["sliding_attention", "sliding_attention", "full_attention"], 20
+    model = build_tiny_model("gemma3", tmp_path, seed=3, config=config)
+    prompts = [p for p in make_prompts() if len(p) > 20][:4]
+    expected = hf_greedy(model, prompts, 12)
+    llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=32)
+    assert llm.engine.runner.layer_windows == [20, 20, None] and llm.engine.runner.kv_window is None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.slow
 def test_uniform_sliding_window_matches_hf(tmp_path):
     """A window on every layer (Phi-3's sliding_window) goes to the attention metadata: prompts longer than it."""
     config = make_config("phi3")
@@ -68,7 +84,7 @@ def test_uniform_sliding_window_matches_hf(tmp_path):
     model = build_tiny_model("phi3", tmp_path, seed=3, config=config)
     expected = hf_greedy(model, make_prompts(), MAX_NEW)
     llm = LLM(str(tmp_path), max_model_len=128, max_num_batched_tokens=32)
-    assert llm.engine.runner.sliding_window == 24
+    assert llm.engine.runner.layer_windows == [24] * config.num_hidden_layers
     outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()],
                         SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -160,13 +176,12 @@ def _config(name: str, **kwargs):
 
 @pytest.mark.parametrize("config, message", [
     (lambda: _config("Gemma2Config", architectures=["Gemma2ForCausalLM"]), "attn_logit_softcapping 50.0"),
-    (lambda: _config("Gemma3TextConfig", architectures=["Gemma3ForCausalLM"]), "different sliding windows"),
     (lambda: _config("DeepseekV2Config", architectures=["DeepseekV2ForCausalLM"]), "multi-head latent attention"),
     (lambda: _config("T5Config", architectures=["T5ForConditionalGeneration"]), "encoder-decoder"),
     (lambda: _config("BertConfig", architectures=["BertForMaskedLM"]), "neither a native family nor a decoder-only"),
     (lambda: _config("LlavaConfig", architectures=["LlavaForConditionalGeneration"]), "multimodal"),
     (lambda: _config("LlamaConfig", architectures=[]), "none given in config.json"),
-], ids=["softcapping", "per-layer-windows", "latent-attention", "encoder-decoder", "encoder", "multimodal",
+], ids=["softcapping", "latent-attention", "encoder-decoder", "encoder", "multimodal",
         "no-architecture"])
 def test_unsupported_architectures_are_refused(config, message):
     from kvgate.engine.models import resolve_model_class

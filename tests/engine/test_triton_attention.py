@@ -202,21 +202,20 @@ def test_engine_on_triton_path_matches_hf(case, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_sliding_window_on_triton_path_matches_hf(tmp_path):
-    from transformers import AutoModelForCausalLM
+def test_per_layer_windows_on_triton_path_match_hf(tmp_path):
+    """Sliding windows on the Triton path: Qwen2 with max_window_layers 1 (layer 0 full attention, layers 1-2 a
+    20-token window), each layer's window a constant of its own kernel launch (the padded graph-shape path), over
+    prompts longer than the window, in chunks over a cached prefix (Mistral's one window for all layers reads into
+    the same per-layer windows: test_hf_parity.py)."""
+    from tests.engine.tiny_models import build_tiny_model, sliding_qwen_config
 
-    from tests.engine.tiny_models import build_tiny_model
-
-    model = build_tiny_model("mistral", tmp_path, seed=3)
-    model.config.sliding_window = 24
-    model.save_pretrained(str(tmp_path), safe_serialization=True)
-    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    prompts = [p for p in _prompts() if len(p) > 24] + [_prompts()[0]]
-    expected = _hf_greedy(model, prompts, 12)
+    model = build_tiny_model("qwen2", tmp_path, seed=5, config=sliding_qwen_config("qwen2", 20))
+    prompts = [p for p in _prompts() if len(p) > 20][:2] + [_prompts()[0]]
+    expected = _hf_greedy(model, prompts, 6)
     llm = LLM(str(tmp_path), max_model_len=128, attention_backend="triton", max_num_batched_tokens=32,
               max_num_seqs=8)
-    assert llm.engine.runner.sliding_window == 24
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert llm.engine.runner.layer_windows == [None, 20, 20] and llm.engine.runner.shapes is not None
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == expected
 
@@ -315,7 +314,7 @@ def test_draft_path_padded_decodes_match_hf(tiny_model_dir):
     model = load_model(config, folder, torch.device("cpu"), torch.float32, 128)
     block_size = 16
     kv = allocate_kv_caches(model, config.num_hidden_layers, 12, block_size, torch.float32, None, torch.device("cpu"))
-    path = DraftTritonPath(model, 4, 64, 8, block_size, None, torch.device("cpu"), capture=False)
+    path = DraftTritonPath(model, 4, 64, 8, block_size, torch.device("cpu"), capture=False)
     prompts = [random_tokens(n, seed=n) for n in (5, 17, 33)]
     tables = [[0], [1, 2], [3, 4, 5]]
     hidden = path.forward([(0, len(p), t) for p, t in zip(prompts, tables)], sum(prompts, []), kv)

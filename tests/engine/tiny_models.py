@@ -70,6 +70,17 @@ def make_config(family: str):
     raise ValueError(family)
 
 
+def sliding_qwen_config(family: str, window: int, **overrides):
+    """The tiny Qwen2/Qwen3 config with 3 layers and use_sliding_window: max_window_layers 1 (layer 0 full attention,
+    layers 1-2 sliding over `window` tokens) unless overridden; transformers builds layer_types from them."""
+    config = make_config(family)
+    base = config.to_dict()
+    base.update(num_hidden_layers=3, use_sliding_window=True, sliding_window=window, max_window_layers=1,
+                layer_types=None)
+    base.update(overrides)
+    return type(config)(**{k: v for k, v in base.items() if k not in ("model_type", "transformers_version")})
+
+
 # Weight std of build_tiny_model's smooth variant: (q/k projections, the other matrices, embeddings and LM head).
 # The default (0.2 everywhere) makes attention sharp and generation chaotic: any perturbation (bf16 weights alone)
 # changes most 64-token greedy outputs. Small q/k/v/o/MLP weights and a wide embedding/LM head keep greedy margins
