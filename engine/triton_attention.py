@@ -330,6 +330,9 @@ class TritonAttentionMetadata:
     block_size: int
     decode_only: bool
     sliding_window: int | None
+    # decode-only steps: > 1 runs triton_split_decode.py's kernels with this many splits (plan_splits), 1 this
+    # module's kernel
+    num_splits: int = 1
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                scale: float) -> torch.Tensor:
@@ -337,6 +340,10 @@ class TritonAttentionMetadata:
         out = torch.empty_like(q)
         args = (q, kv_cache, out, self.block_table, self.seq_lens, self.query_start_loc)
         common = dict(scale=scale, block_size=self.block_size, sliding_window=self.sliding_window)
+        if self.decode_only and self.num_splits > 1:
+            from kvgate.engine.triton_split_decode import split_decode_attention
+
+            return split_decode_attention(*args, num_splits=self.num_splits, **common)
         if self.decode_only:
             return paged_attention(*args, decode_only=True, **common)
         # A mixed step: the decodes with the small tile (a 64-row tile would hold 2 useful rows of 64), then the

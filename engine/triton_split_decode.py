@@ -210,15 +210,15 @@ def split_decode_attention(
     block_size: int,
     num_splits: int,
     sliding_window: int | None = None,
-    min_split_tokens: int = MIN_SPLIT_TOKENS,
+    min_split_tokens: int | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of every one-token sequence of a step (sequences of other query lengths are skipped, as
     triton_attention.paged_attention's only=1 skips them), the context of each cut into up to num_splits ranges
-    of at least min_split_tokens (rounded up to whole tiles). tile / num_warps / num_stages: launch settings (None:
-    triton_attention.DECODE_LAUNCH)."""
+    of at least min_split_tokens (None: MIN_SPLIT_TOKENS; rounded up to whole tiles). tile / num_warps /
+    num_stages: launch settings (None: triton_attention.DECODE_LAUNCH)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[1]
     g = num_heads // num_kv_heads
@@ -231,7 +231,7 @@ def split_decode_attention(
     block_d = max(16, next_power_of_2(head_dim))
     tile, num_stages = fit_shared_memory(tile or DECODE_LAUNCH["tile"], num_stages or DECODE_LAUNCH["num_stages"],
                                          block_d, q.element_size(), q.device)
-    min_split_tiles = max(1, -(-min_split_tokens // tile))
+    min_split_tiles = max(1, -(-(min_split_tokens or MIN_SPLIT_TOKENS) // tile))
     # float32 partials: one output row and one log-sum-exp per (sequence, head, split)
     part_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
