@@ -73,7 +73,12 @@ def _shared_memory_limit(device: torch.device) -> int:
 def fit_shared_memory(tile: int, stages: int, block_d: int, elem: int, device: torch.device) -> tuple[int, int]:
     """The largest (tile, stages) up to the asked ones whose pipelined K and V tiles fit the device's shared memory
     (float32 or head_dim 256 would not fit the bf16 decode setting), keeping 16 KiB for the rest of the kernel."""
-    limit = _shared_memory_limit(device) - 16 * 1024
+    return fit_tiles(tile, stages, block_d, elem, _shared_memory_limit(device))
+
+
+def fit_tiles(tile: int, stages: int, block_d: int, elem: int, shared_memory: int) -> tuple[int, int]:
+    """fit_shared_memory for a given shared memory a block (bytes): what the compile check uses per architecture."""
+    limit = shared_memory - 16 * 1024
     while stages * 2 * tile * block_d * elem > limit and (tile > 32 or stages > 1):
         if tile > 32:
             tile //= 2
