@@ -156,7 +156,8 @@ class EngineConfig:
                 not isinstance(self.max_cudagraph_capture_size, int) or self.max_cudagraph_capture_size < 0):
             raise ConfigError("max_cudagraph_capture_size must be a non-negative integer, got "
                               f"{self.max_cudagraph_capture_size!r}")
-        if not isinstance(self.max_decode_splits, int) or not 1 <= self.max_decode_splits <= 256:
+        splits = self.max_decode_splits
+        if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 256:
             raise ConfigError(f"max_decode_splits must be an integer in [1, 256], got {self.max_decode_splits!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")

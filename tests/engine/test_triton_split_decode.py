@@ -38,6 +38,22 @@ def test_plan_splits_fills_the_gpu_at_small_batches_only():
             sd.plan_splits(*bad)
 
 
+def test_max_decode_splits_is_checked_and_reaches_the_config():
+    import argparse
+
+    from kvgate.common.errors import ConfigError
+    from kvgate.engine.cli_args import add_engine_args, engine_config_from_args
+    from kvgate.engine.config import EngineConfig
+
+    for bad in (0, 257, True, "4", 2.0):
+        with pytest.raises(ConfigError, match="max_decode_splits"):
+            EngineConfig(model="m", max_decode_splits=bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args("m", parser.parse_args(["--max-decode-splits", "1"])).max_decode_splits == 1
+    assert engine_config_from_args("m", parser.parse_args([])).max_decode_splits == sd.MAX_SPLITS
+
+
 @pytest.mark.parametrize("seq_len,window,splits,min_tokens", [
     (1, None, 8, 64), (31, None, 8, 32), (1000, None, 5, 64), (1000, None, 64, 64), (1000, 200, 8, 64),
     (32768, None, 32, 512), (8192, 4096, 32, 512), (100, 300, 4, 32),
