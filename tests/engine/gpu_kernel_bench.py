@@ -12,8 +12,9 @@ quant: triton_quant's GEMMs (int8 and int4 weight-only, FP8 per channel and bloc
 splitkv: decode attention of one layer at batch 1 and 4 over 8k and 32k-token contexts (--contexts), Qwen3-0.6B's
        and Llama-3-8B's heads (16 or 32 query heads, 8 KV heads, head_dim 128; bf16 and, from sm_89, an fp8 cache),
        triton_split_decode's kernels (splits from plan_splits) against triton_attention's one program a (sequence,
-       KV head), each as a CUDA graph replay: time, speed-up, the K/V bytes read against the device's spec bandwidth (SPEC_BANDWIDTH, by
-       device name) and the measured copy bandwidth, and the difference from a float64 reference.
+       KV head), each as a CUDA graph replay: time, speed-up, the K/V bytes read against the device's spec
+       bandwidth (SPEC_BANDWIDTH, by device name) and the measured copy bandwidth, and the difference from a float64
+       reference.
 --device cpu runs every kernel once on tiny sizes under Triton's interpreter: the check that the script runs.
 """
 

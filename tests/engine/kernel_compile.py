@@ -1,5 +1,5 @@
-"""Compile the MoE, quantized-weight and split-KV decode kernels for a GPU architecture without a GPU (triton.compile with an explicit
-target: Triton's front end, LLVM and the bundled ptxas, no driver), one line per kernel variant:
+"""Compile the MoE, quantized-weight and split-KV decode kernels for a GPU architecture without a GPU (triton.compile
+with an explicit target: Triton's front end, LLVM and the bundled ptxas, no driver), one line per kernel variant:
 
     python -m tests.engine.kernel_compile 90 [bf16 fp16 fp32]   # sm_90 (H100); 80: sm_80 (A100), 89: sm_89 (L4)
 
