@@ -104,6 +104,9 @@ def _add_execution_flags(g) -> None:
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="largest step (tokens) of mixed prefill+decode captured as a CUDA graph; larger steps run "
                         "eagerly; 0 captures decode steps only (default: 1024)")
+    g.add_argument("--max-decode-splits", type=int, default=32,
+                   help="split-KV decode (Triton path): the most splits a sequence's context takes in a decode step "
+                        "of a small batch, in [1, 256]; 1 turns splitting off (default: 32)")
     g.add_argument("--attention-backend", choices=["auto", "sdpa", "triton"], default="auto",
                    help="paged attention: triton kernels reading block tables (default on CUDA) or SDPA over "
                         "gathered blocks (default on CPU)")
@@ -230,6 +233,7 @@ def engine_config_from_args(model_path: str, args: argparse.Namespace) -> Engine
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+        max_decode_splits=getattr(args, "max_decode_splits", EngineConfig.max_decode_splits),
         attention_backend=args.attention_backend,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         enable_prefix_caching=args.enable_prefix_caching,

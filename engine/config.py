@@ -60,6 +60,9 @@ class EngineConfig:
     enforce_eager: bool = False
     max_cudagraph_capture_size: int | None = None
     attention_backend: str = "auto"
+    # Split-KV decode on the Triton path (triton_split_decode.py): the most splits one sequence's context takes in a
+    # decode step of a small batch; 1 turns it off.
+    max_decode_splits: int = 32
     # vLLM's --async-scheduling: schedule the next step while the device runs this one (model_runner.launch).
     # None: on for the torch backend on CUDA, off elsewhere (on CPU the forward pass is itself host work, and the
     # sim's step is a sleep).
@@ -153,6 +156,9 @@ class EngineConfig:
                 not isinstance(self.max_cudagraph_capture_size, int) or self.max_cudagraph_capture_size < 0):
             raise ConfigError("max_cudagraph_capture_size must be a non-negative integer, got "
                               f"{self.max_cudagraph_capture_size!r}")
+        splits = self.max_decode_splits
+        if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 256:
+            raise ConfigError(f"max_decode_splits must be an integer in [1, 256], got {self.max_decode_splits!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

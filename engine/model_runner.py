@@ -32,6 +32,7 @@ from kvgate.engine.spec_decode import verify_greedy, verify_sampled
 from kvgate.engine.step_inputs import StepInputs
 from kvgate.engine.structured_output import fill_bitmasks
 from kvgate.engine.triton_attention import HAS_TRITON, TritonAttentionMetadata
+from kvgate.engine.triton_split_decode import plan_splits, sm_count
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class ModelRunner:
             self.lora_state, self.lora_layers = add_lora_layers(model, config.max_loras, config.max_lora_rank)
         self.num_layers = hf_config.num_hidden_layers
         self.layer_windows = model.layer_windows  # each layer's sliding window (None: full attention)
+        self._num_sms = sm_count(device)  # split-KV decode's target programs (_decode_splits)
         self.sampler = Sampler()
         # Structured-output masks beside the forward pass (see execute); started by the first constrained request.
         self.fill_masks_in_thread = device.type != "cpu"
@@ -293,8 +295,14 @@ class ModelRunner:
         view = self.inputs.view
         meta = TritonAttentionMetadata(view("slot_mapping", num_tokens), view("block_table", num_seqs),
                                        view("seq_lens", num_seqs), view("query_start_loc", num_seqs + 1),
-                                       self.block_size, decode_only)
+                                       self.block_size, decode_only,
+                                       self._decode_splits(num_seqs) if decode_only else 1)
         return self.model(view("input_ids", num_tokens), view("positions", num_tokens), self.kv_caches, meta)
+
+    def _decode_splits(self, num_seqs: int) -> int:
+        """Split-KV splits of a decode step of num_seqs (padded) sequences: a function of the batch size alone, so
+        each captured decode graph keeps one grid (triton_split_decode.plan_splits)."""
+        return plan_splits(num_seqs, self.model.num_kv_heads, self._num_sms, self.config.max_decode_splits)
 
     def _graph_seqs(self, padded_tokens: int) -> int:
         """Sequences a graph of padded_tokens rows is captured for: no step has more than either bound."""

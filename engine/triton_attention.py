@@ -73,7 +73,12 @@ def _shared_memory_limit(device: torch.device) -> int:
 def fit_shared_memory(tile: int, stages: int, block_d: int, elem: int, device: torch.device) -> tuple[int, int]:
     """The largest (tile, stages) up to the asked ones whose pipelined K and V tiles fit the device's shared memory
     (float32 or head_dim 256 would not fit the bf16 decode setting), keeping 16 KiB for the rest of the kernel."""
-    limit = _shared_memory_limit(device) - 16 * 1024
+    return fit_tiles(tile, stages, block_d, elem, _shared_memory_limit(device))
+
+
+def fit_tiles(tile: int, stages: int, block_d: int, elem: int, shared_memory: int) -> tuple[int, int]:
+    """fit_shared_memory for a given shared memory a block (bytes): what the compile check uses per architecture."""
+    limit = shared_memory - 16 * 1024
     while stages * 2 * tile * block_d * elem > limit and (tile > 32 or stages > 1):
         if tile > 32:
             tile //= 2
@@ -329,6 +334,9 @@ class TritonAttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     block_size: int
     decode_only: bool
+    # decode-only steps: > 1 runs triton_split_decode.py's kernels with this many splits (plan_splits), 1 this
+    # module's kernel
+    num_splits: int = 1
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                scale: float, window: int | None = None) -> torch.Tensor:
@@ -338,6 +346,10 @@ class TritonAttentionMetadata:
         out = torch.empty_like(q)
         args = (q, kv_cache, out, self.block_table, self.seq_lens, self.query_start_loc)
         common = dict(scale=scale, block_size=self.block_size, sliding_window=window)
+        if self.decode_only and self.num_splits > 1:
+            from kvgate.engine.triton_split_decode import split_decode_attention
+
+            return split_decode_attention(*args, num_splits=self.num_splits, **common)
         if self.decode_only:
             return paged_attention(*args, decode_only=True, **common)
         # A mixed step: the decodes with the small tile (a 64-row tile would hold 2 useful rows of 64), then the

@@ -131,5 +131,22 @@ case ",$STAGES," in *,moe,*)
     --compare-moe-reference --result-file "$OUT/moe.json" ;; esac
 case ",$STAGES," in *,fp8,*)
   TAIL=60 stage fp8 60 python3 -m tests.engine.gpu_kernel_bench moe quant ;; esac
+# Split-KV decode (STAGES=splitkv; ~4 min, ~8 with the engine runs): the compiled kernels against the float64
+# reference (test_cuda.py -k split_decode; also part of `kernels`), the kernels alone (gpu_kernel_bench.py splitkv: batch 1 and 4
+# at 8k and 32k tokens, bf16 and fp8 caches, split against one program a KV head, each against the spec and copy
+# bandwidth and a float64 reference; exit 1 past its tolerance), then the engine's batch-1 decode after 8k and 32k
+# prompts with split-KV (the default) and without (--max-decode-splits 1), where `kvgate bench engine` has --context.
+case ",$STAGES," in *,splitkv,*)
+  TAIL=8 stage splitkv_tests 100 python3 -m pytest -x -q -p no:cacheprovider tests/engine/test_cuda.py -k split_decode
+  TAIL=40 stage splitkv 120 python3 -m tests.engine.gpu_kernel_bench splitkv
+  if python3 -m kvgate bench engine --help 2>/dev/null | grep -q -- "--context"; then
+    for splits in 32 1; do
+      TAIL=20 stage "splitkv_engine_s$splits" 150 python3 -m kvgate bench engine --model qwen3-0.5b-long \
+        --device cuda --num-requests 2 --max-num-seqs 1 --output-len 256 --context 8192,32768 --max-model-len 33024 \
+        --max-decode-splits "$splits" --baselines none --result-file "$OUT/splitkv_engine_s$splits.json"
+    done
+  else
+    echo "=== splitkv_engine: skipped (kvgate bench engine has no --context here)"
+  fi ;; esac
 case ",$STAGES," in *,sweep,*)
   TAIL=30 stage sweep 120 python3 -m tests.engine.gpu_profile attention ;; esac

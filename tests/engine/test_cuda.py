@@ -46,6 +46,31 @@ def test_compiled_kernel_matches_reference(dtype, heads, kv_heads, head_dim, blo
         assert err < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype], err
 
 
+# split-KV decode: contexts of many 128-token tiles (odd lengths, a short one, one of a single token)
+SPLIT_DECODES = [(4999, 1), (0, 1), (700, 1), (2047, 1), (130, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,window", [(16, 8, None), (32, 8, None), (6, 2, 1000)])
+@pytest.mark.parametrize("num_splits", [1, 4, 32])
+def test_compiled_split_decode_matches_reference(dtype, heads, kv_heads, window, num_splits):
+    """triton_split_decode's kernels compiled (the launch settings a step uses; splits of at least 512 tokens)."""
+    from kvgate.engine import triton_split_decode as sd
+
+    q, cache, table, lens, starts = random_paged_batch(SPLIT_DECODES, heads, kv_heads, 128, 16, dtype, "cuda",
+                                                       seed=num_splits, padded_tokens=3, padded_seqs=3)
+    total = len(SPLIT_DECODES)
+    out = torch.full_like(q, float("nan"))
+    sd.split_decode_attention(q, cache, out, table, lens, starts, scale=128**-0.5, block_size=16,
+                              num_splits=num_splits, sliding_window=window)
+    torch.cuda.synchronize()
+    ref = reference_attention(q, cache, table, lens, starts, 128**-0.5, 16, window)
+    got = out[:total].double()
+    assert not got.isnan().any() and out[total:].isnan().all()
+    err = ((got - ref[:total]).norm() / ref[:total].norm()).item()
+    assert err < {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype], err
+
+
 def _release_gpu_memory() -> None:
     """An engine takes 90% of the GPU's memory (gpu_memory_utilization): free one before the next starts."""
     import gc

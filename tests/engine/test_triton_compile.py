@@ -1,7 +1,7 @@
-"""The MoE and quantized-weight kernels compiled for GPU architectures on a machine without one
+"""The MoE, quantized-weight and split-KV decode kernels compiled for GPU architectures on a machine without one
 (tests/engine/kernel_compile.py, in a child process without the interpreter): every variant the wrappers launch
 compiles to a cubin within the architecture's shared memory, except Triton's fp8e4nv conversion below sm_89, which
-is why fp8_triton_gemm decodes the FP8 bits itself there."""
+is why fp8_triton_gemm decodes the FP8 bits itself there (and why an fp8 KV cache needs sm_89)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def test_every_variant_compiles(arch, dtypes):
     """Hopper in bf16 and fp32; Ada in fp32, the largest tiles against its 99 KiB of shared memory a block."""
     rc, lines = _compile(arch, *dtypes)
     assert rc == 0 and all(line.startswith("ok ") for line in lines), "\n".join(lines)
-    assert len(lines) == 18 * len(dtypes)
+    assert len(lines) == 24 * len(dtypes)  # 18 MoE and weight GEMMs, 5 split-KV decode and its merge a dtype
+    assert sum(" split_decode " in line or " split_merge " in line for line in lines) == 6 * len(dtypes)
 
 
 def test_ampere_has_no_fp8e4nv_but_decodes_the_bits():
@@ -41,3 +42,4 @@ def test_ampere_has_no_fp8e4nv_but_decodes_the_bits():
     assert len(failed) == rc == 2, "\n".join(lines)
     assert all("format 2" in line and "fp8e4nv not supported" in line for line in failed)
     assert sum(line.startswith("ok sm_80 weight_gemm format 3") for line in lines) == 2  # the bit decoding
+    assert sum(line.startswith(("ok sm_80 split_decode", "ok sm_80 split_merge")) for line in lines) == 4
