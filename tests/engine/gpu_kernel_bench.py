@@ -13,7 +13,7 @@ splitkv: decode attention of one layer at batch 1 and 4 over 8k and 32k-token co
        and Llama-3-8B's heads (16 or 32 query heads, 8 KV heads, head_dim 128; bf16 and, from sm_89, an fp8 cache),
        triton_split_decode's kernels (splits from plan_splits) against triton_attention's one program a (sequence,
        KV head), each as a CUDA graph replay: time, speed-up, the K/V bytes read against the device's spec
-       bandwidth (SPEC_BANDWIDTH, by device name) and the measured copy bandwidth, and the difference from a float64
+       bandwidth (bench/device_spec.py, by device name) and the measured copy bandwidth, and the difference from a float64
        reference.
 --device cpu runs every kernel once on tiny sizes under Triton's interpreter: the check that the script runs.
 """
@@ -155,17 +155,13 @@ def quant_bench(device: torch.device, bandwidth: float) -> None:
 # Spec (datasheet) memory bandwidth, bytes/s: (words the device name must contain, words it must not, bandwidth),
 # the first match counts. The H100 SXM module is named "NVIDIA H100 80GB HBM3", its PCIe card "NVIDIA H100 PCIe";
 # the NVL card is not listed (no spec bound rather than a guess).
-SPEC_BANDWIDTH = [(("H200",), (), 4.8e12), (("H100", "PCIE"), (), 2.0e12), (("H100", "SXM"), (), 3.35e12),
-                  (("H100", "HBM3"), ("NVL",), 3.35e12), (("A100", "80GB"), (), 2.0e12)]
-
-
 def spec_bandwidth(device_name: str) -> float | None:
-    """The datasheet bandwidth of a device by its name (torch.cuda.get_device_name), None for an unlisted one."""
-    name = device_name.upper()
-    for needed, excluded, bandwidth in SPEC_BANDWIDTH:
-        if all(w in name for w in needed) and not any(w in name for w in excluded):
-            return bandwidth
-    return None
+    """The datasheet bandwidth of a device by its name (torch.cuda.get_device_name), None for an unlisted one: the
+    bench's table (bench/device_spec.py)."""
+    from kvgate.bench.device_spec import spec_bandwidth as table_entry
+
+    entry = table_entry(device_name)
+    return None if entry is None else entry.bytes_per_s
 
 
 def _contexts(text: str) -> list[int]:
