@@ -60,7 +60,8 @@ class SamplingBatch:
     num_logprobs: list[int | None]
     penalties: Penalties | None = None
     max_top_k: int = 0  # the largest top_k of the batch (known on the host: the size of the partial selection)
-    # Rows with top_p but no top_k ([R] long); None when there are none (their top-p threshold is bisected).
+    # Rows with top_p but no top_k ([R] long, maybe empty: their top-p threshold is bisected); None: not known, every
+    # row without top_k is bisected and the ones with top_p < 1 take it.
     top_p_only_rows: torch.Tensor | None = None
     # Structured outputs: the constrained rows and their allowed tokens, int32 bitmask [len(rows), ceil(V/32)].
     grammar_rows: list[int] | None = None
@@ -130,7 +131,7 @@ class SamplingBatch:
             num_logprobs=[p.logprobs for p in ps],
             penalties=penalties,
             max_top_k=max(sampled_top_k, default=0),
-            top_p_only_rows=col(top_p_only, torch.long) if top_p_only else None,
+            top_p_only_rows=col(top_p_only, torch.long) if top_p_only else torch.empty(0, dtype=torch.long),
             grammar_rows=grammar[0] or None,
             grammar_bitmask=None if grammar[1] is None else grammar[1].to(device, non_blocking=True),
             logit_bias=(col(bias_rows, torch.long), col(bias_ids, torch.long), col(bias_values))
@@ -206,6 +207,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
             cut_p = cand.gather(1, (num_kept - 1)[:, None]).squeeze(1)
             cut = torch.where(has_k & (top_p < 1.0), torch.maximum(cut, cut_p), cut)
     if top_p is not None and top_p_only_rows is not None:
+        if top_p_only_rows.numel() == 0:  # a shape, known on the host
+            return logits.masked_fill(logits < cut[:, None], float("-inf"))
         sub = logits.index_select(0, top_p_only_rows)
         cut.index_copy_(0, top_p_only_rows, _top_p_threshold(sub, top_p.index_select(0, top_p_only_rows)))
     elif top_p is not None:  # rows not named: every row without top_k (bisected whole, then chosen per row)
