@@ -27,7 +27,8 @@ TOP_P_ONLY = SamplingParams(temperature=0.9, top_p=0.8, max_tokens=8, ignore_eos
 PENALTIES = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.05, presence_penalty=0.3,
                            frequency_penalty=0.2, max_tokens=8, ignore_eos=True)
 GREEDY_PENALIZED = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=8, ignore_eos=True)
-EXTRAS = SamplingParams(temperature=0.8, min_p=0.05, min_tokens=4, logit_bias={7: 1.5}, max_tokens=8)
+EXTRAS = SamplingParams(temperature=0.8, min_p=0.05, min_tokens=4, stop_token_ids=[3], logit_bias={7: 1.5}, max_tokens=8,
+                        ignore_eos=True, seed=11)
 LOGPROBS = SamplingParams(temperature=0.7, top_p=0.9, logprobs=3, max_tokens=8, ignore_eos=True)
 
 BATCHES = {
