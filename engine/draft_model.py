@@ -325,9 +325,9 @@ def _select_rows(batch: SamplingBatch, rows: torch.Tensor, index: list[int]) -> 
     """The sampling tensors of some of the batch's rows (the requests still drafting)."""
     pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
     return SamplingBatch(temperature=pick(batch.temperature), greedy=pick(batch.greedy), top_k=pick(batch.top_k),
-                         top_p=pick(batch.top_p), min_p=pick(batch.min_p), repetition=None, presence=None,
-                         frequency=None, prompt_mask=None, output_counts=None, banned=[],
-                         generators=[batch.generators[i] for i in index], num_logprobs=[None] * len(index))
+                         top_p=pick(batch.top_p), min_p=pick(batch.min_p), banned=[],
+                         generators=[batch.generators[i] for i in index], num_logprobs=[None] * len(index),
+                         max_top_k=batch.max_top_k)
 
 
 def _check_same_tokenizer(draft, target) -> None:

@@ -26,7 +26,8 @@ from kvgate.engine.models.layer_windows import freeable_window
 from kvgate.engine.models.layers import use_fused_kernels
 from kvgate.engine import prompt_logprobs
 from kvgate.engine.quantization.linear import kernel_path_applies
-from kvgate.engine.sampler import Sampler, SamplingBatch
+from kvgate.engine.penalty_state import PenaltyState
+from kvgate.engine.sampler import LogprobTensors, Sampler, SamplingBatch
 from kvgate.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvgate.engine.spec_decode import verify_greedy, verify_sampled
 from kvgate.engine.step_inputs import StepInputs
@@ -87,6 +88,7 @@ class ModelRunner:
         self.layer_windows = model.layer_windows  # each layer's sliding window (None: full attention)
         self._num_sms = sm_count(device)  # split-KV decode's target programs (_decode_splits)
         self.sampler = Sampler()
+        self._penalty_state: PenaltyState | None = None  # penalized requests' token counts, from the first one
         # Structured-output masks beside the forward pass (see execute); started by the first constrained request.
         self.fill_masks_in_thread = device.type != "cpu"
         self._mask_pool: ThreadPoolExecutor | None = None
@@ -419,13 +421,13 @@ class ModelRunner:
         else:
             tokens, logprobs = self._sample(samplers, logits, plain, masks)
             ids = [r.request_id for r in samplers]
-            logprob_map = {rid: lp for rid, lp in zip(ids, logprobs)} if logprobs is not None else {}
-            step = PendingStep.copy_back(ids, tokens, logprob_map, self._next_token_buffer())
+            step = PendingStep.copy_back(ids, tokens, logprobs, self._next_token_buffer())
         step.prompt_logprobs = computed
         return step
 
-    def _sample(self, samplers: list, logits: torch.Tensor, plain: bool, masks) -> tuple[torch.Tensor, list | None]:
-        """One token per sampling request from its row of logits."""
+    def _sample(self, samplers: list, logits: torch.Tensor, plain: bool,
+                masks) -> tuple[torch.Tensor, LogprobTensors | None]:
+        """One token per sampling request from its row of logits (and its logprobs on the device, if asked)."""
         if plain:
             return self.sampler.greedy(logits), None
         grammar = ([], None) if masks is None else masks if isinstance(masks, tuple) else masks.result()
@@ -434,7 +436,9 @@ class ModelRunner:
             if r.generator is None and r.sampling_params.seed is not None:
                 r.generator = torch.Generator(device=dev)
                 r.generator.manual_seed(r.sampling_params.seed)
-        sampling = SamplingBatch.build(samplers, self.vocab_size, dev, grammar)
+        if self._penalty_state is None and any(r.sampling_params.has_penalties for r in samplers):
+            self._penalty_state = PenaltyState(self.vocab_size, dev)
+        sampling = SamplingBatch.build(samplers, self.vocab_size, dev, grammar, self._penalty_state)
         return self.sampler(logits, sampling)
 
     def _verify_drafts(self, out: SchedulerOutput, samplers: list, logits: torch.Tensor, plain: bool,
@@ -461,8 +465,9 @@ class ModelRunner:
         if plain and argmax is not None:
             tokens, logprobs = [argmax[i] for i in last_rows], None
         else:
-            sampled_last, logprobs = self._sample(samplers, logits[last_rows], plain, masks)
+            sampled_last, logprob_rows = self._sample(samplers, logits[last_rows], plain, masks)
             tokens = sampled_last.tolist()
+            logprobs = logprob_rows.entries() if logprob_rows is not None else None
         results: dict[str, int | list[int]] = dict(zip(ids, tokens))
         for request, draft, r0, _ in greedy:
             results[request.request_id] = verify_greedy(argmax[r0:r0 + len(draft) + 1], draft)
@@ -500,6 +505,7 @@ class PendingStep:
 
     def __init__(self, ids: list[str], tokens: torch.Tensor | None, logprobs: dict) -> None:
         self.ids, self.tokens, self.logprobs = ids, tokens, logprobs
+        self._logprob_rows: LogprobTensors | None = None  # the rows' logprobs, host copies once copied back
         # {request id: (first prompt index, entries)}: the prompt logprobs its chunks computed (prompt_logprobs.py)
         self.prompt_logprobs: dict = {}
         self.rows = {rid: i for i, rid in enumerate(ids)}
@@ -517,19 +523,26 @@ class PendingStep:
         return cls([], None, {})
 
     @classmethod
-    def copy_back(cls, ids: list[str], tokens: torch.Tensor, logprobs: dict,
+    def copy_back(cls, ids: list[str], tokens: torch.Tensor, logprobs: LogprobTensors | None = None,
                   host: tuple[torch.Tensor, torch.cuda.Event] | None = None) -> PendingStep:
-        """host: a pinned buffer (at least len(ids) int64) and an event for it, the runner's, reused in turn."""
-        step = cls(ids, tokens, logprobs)
+        """host: a pinned buffer (at least len(ids) int64) and an event for it, the runner's, reused in turn.
+        logprobs: the rows' logprobs on the device, copied back behind the same event."""
+        step = cls(ids, tokens, {})
         if tokens.device.type == "cuda":
             buffer, event = host if host is not None else (torch.empty(len(ids), dtype=torch.int64, pin_memory=True),
                                                             torch.cuda.Event())
             step._host = buffer[:len(ids)]
             step._host.copy_(tokens, non_blocking=True)
+            if logprobs is not None:  # requests with logprobs are rarer: their pinned buffers are made per step
+                copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in logprobs.tensors()]
+                for copy, t in zip(copies, logprobs.tensors()):
+                    copy.copy_(t, non_blocking=True)
+                logprobs = logprobs.with_tensors(copies)
             step._event = event
             event.record()
         else:
             step._host = tokens
+        step._logprob_rows = logprobs
         return step
 
     def result(self) -> tuple[dict[str, int], dict[str, dict]]:
@@ -539,6 +552,9 @@ class PendingStep:
             return {}, {}
         if self._event is not None:
             self._event.synchronize()
+        if self._logprob_rows is not None:
+            entries, self._logprob_rows = self._logprob_rows.entries(), None
+            self.logprobs = {rid: lp for rid, lp in zip(self.ids, entries) if lp is not None}
         return dict(zip(self.ids, self._host.tolist())), self.logprobs
 
 

@@ -55,10 +55,11 @@ def prefill_tokens_pending(request: Request) -> int:
 
 
 def samples_from_host_state(request: Request) -> bool:
-    """Its sampling reads its earlier output on the host (a grammar's mask, penalties' token counts), so its steps
-    cannot be scheduled before the step before them has returned its token (no async scheduling)."""
+    """Its sampling reads its earlier output on the host (a grammar's mask), so its steps cannot be scheduled
+    before the step before them has returned its token (no async scheduling). Penalties read token counts kept on
+    the device (penalty_state.py) and do not."""
     p = request.sampling_params  # a request has a grammar exactly when it asks for structured outputs
-    return p.structured_outputs is not None or p.has_penalties
+    return p.structured_outputs is not None
 
 
 @dataclass(slots=True)

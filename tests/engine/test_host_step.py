@@ -141,5 +141,6 @@ def test_greedy_argmax_in_bf16_equals_the_float32_path():
     assert torch.equal(tokens, logits.float().argmax(dim=-1)) and tokens[3] == 10
     # With logprobs the float32 path runs, and picks the same tokens.
     reqs[0] = Request("r0", [1], SamplingParams(temperature=0.0, logprobs=1), max_model_len=10)
-    tokens2, lps = Sampler()(logits, SamplingBatch.build(reqs, 1000, torch.device("cpu")))
+    tokens2, device_lps = Sampler()(logits, SamplingBatch.build(reqs, 1000, torch.device("cpu")))
+    lps = device_lps.entries()
     assert torch.equal(tokens2, tokens) and lps[0] is not None and np.isfinite(list(lps[0].values())[0].logprob)

@@ -153,7 +153,8 @@ def test_temperature_sampling_distribution():
 
 def test_logprobs_are_raw_model_logprobs():
     batch = make_batch([SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0)])
-    tokens, logprobs = Sampler()(torch.tensor(LOGITS), batch)
+    tokens, device_logprobs = Sampler()(torch.tensor(LOGITS), batch)
+    logprobs = device_logprobs.entries()  # read back on the host (the runner copies them with the tokens)
     ref = np.log(softmax(LOGITS[0]))
     assert tokens.tolist() == [5, 3]
     entry = logprobs[0]
@@ -180,7 +181,8 @@ def test_logit_bias_moves_only_its_own_row():
 
     def run(params):
         gens = {f"r{i}": torch.Generator().manual_seed(3) for i, p in enumerate(params) if p.seed is not None}
-        return Sampler()(logits.clone(), make_batch(params, gens))
+        tokens, device_logprobs = Sampler()(logits.clone(), make_batch(params, gens))
+        return tokens, device_logprobs.entries()
 
     mixed_tokens, mixed_logprobs = run([biased, plain, seeded, bias_only])
     alone_tokens, alone_logprobs = run([plain, plain, seeded, plain])
