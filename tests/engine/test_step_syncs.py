@@ -58,6 +58,7 @@ class StepRecorder:
         self.events: list[tuple[str, int]] = []  # ("launch", n) / ("result", n): step n launched / waited on
         self._in_launch = 0
         self._ids: dict[int, int] = {}
+        self._steps: list = []
         for name in _HOST_READS:
             monkeypatch.setattr(torch.Tensor, name, self._counting(name, getattr(torch.Tensor, name)))
         monkeypatch.setattr(torch, "nonzero", self._counting("torch.nonzero", torch.nonzero))
@@ -70,6 +71,7 @@ class StepRecorder:
                 step = launch(*args, **kwargs)
             finally:
                 self._in_launch -= 1
+            self._steps.append(step)  # kept alive: an id() is never reused while the recorder maps it
             self._ids[id(step)] = n = len(self._ids)
             self.events.append(("launch", n))
             return step
@@ -124,7 +126,7 @@ def test_no_host_wait_inside_a_step(llm, monkeypatch, name):
     monkeypatch.undo()
     assert sum(1 for kind, _ in recorder.events if kind == "launch") >= 8
     assert dict(recorder.reads) == {}, f"{name}: host reads inside launch"
-    assert recorder.stalls() == 0, f"{name}: steps waited for before the next was queued"
+    assert recorder.stalls() == 0, f"{name}: steps waited for before the next was queued: {recorder.events}"
 
 
 @pytest.mark.cuda
