@@ -46,6 +46,7 @@ class ChatOutput:
                 message["content"] = None
         else:
             message = {"content": text}
+        message.pop("role", None)  # tool_calls.message names "assistant"; the answer's role is the server's choice
         return {"role": role, **message, **self._reasoning_fields(reasoning)}, finish_reason
 
     def stream(self) -> "ChatOutputStream":
