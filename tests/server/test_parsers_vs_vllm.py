@@ -2,7 +2,7 @@
 the mistral parser on tool calls that Mistral's own tokenizer library (mistral_common) writes, streamed token by
 token as its tokenizers decode them, and both on the turns Meta's and Qwen's libraries write
 (tests/server/family_formats.py). vLLM runs in its own install (tests/server/vllm_parser_oracle.py, under
-KVGATE_VLLM_PYTHON, default /work/vllm-venv/bin/python); the tests skip where it is absent.
+$KVGATE_VLLM_PYTHON, as tests/operator/test_modelserver_engines.py); the tests skip where it names none.
 
 Where kvgate reads a text differently on purpose, the text is left out here and the difference is in the parser's
 docstring: llama3_json picks no JSON out of the middle of prose (vLLM's non-streaming parser does, its streaming
@@ -32,7 +32,7 @@ else:
     FAMILY_TURNS = []
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 
-VLLM_PYTHON = os.environ.get("KVGATE_VLLM_PYTHON", "/work/vllm-venv/bin/python")
+VLLM_PYTHON = os.environ.get("KVGATE_VLLM_PYTHON", "")
 ORACLE = Path(__file__).with_name("vllm_parser_oracle.py")
 
 # the format's special tokens, added to the oracle's tokenizer: vLLM's parsers look their markers up in it
