@@ -143,10 +143,10 @@ class PoolBackend:
     # The EPP's pods, (ip, ext-proc port, health port), where Envoy reaches them by pod IP (the operator's
     # --epp-address-mode pod-ip); None: by `epp_host` (a Service's DNS name). See `pool_clusters`.
     epp_pods: tuple[tuple[str, int, int | None], ...] | None = None
-    # The response body streams through the EPP (FULL_DUPLEX_STREAMED, as upstream's gateways send it): False when
-    # the pool's EPP config needs no response body (EppConfig.needs_response_body), and its routes then send the
-    # EPP the response headers only — see RESPONSE_HEADERS_ONLY.
-    response_body: bool = True
+    # What of the response the pool's routes send its EPP (EppConfig.response_needs): RESPONSE_BODY, the headers
+    # and the streamed body, as upstream's gateways send them; RESPONSE_HEADERS or RESPONSE_NONE for an EPP config
+    # that reads less — see RESPONSE_HEADERS_ONLY and REQUEST_ONLY.
+    response: str = "body"
 
 
 def _duration(seconds: float) -> str:
@@ -320,7 +320,15 @@ def add_tracing(bootstrap: dict, tracing: EnvoyTracing | None) -> dict:
 
 # --- routes -----------------------------------------------------------------------------------------------------
 
-# A pool whose EPP needs no response body (PoolBackend.response_body False): its routes process the request as the
+# What a pool's EPP reads of a response (PoolBackend.response, from EppConfig.response_needs). Each message the EPP
+# is sent on the response path holds the response there for a gRPC round trip to the EPP and back, so a pool's
+# routes send it no more than its config reads.
+RESPONSE_BODY = "body"  # the headers and every body chunk (the filter's own mode, upstream's)
+RESPONSE_HEADERS = "headers"  # the headers only
+RESPONSE_NONE = "none"  # nothing: the ext-proc stream's end marks the response's end
+RESPONSE_NEEDS = (RESPONSE_BODY, RESPONSE_HEADERS, RESPONSE_NONE)
+
+# A pool whose EPP needs no response body (RESPONSE_HEADERS): its routes process the request as the
 # filter does, but send the EPP only the response headers; the body goes from the engine to the client without a
 # gRPC message each way per streamed chunk. The ext-proc stream still lasts until the response ends (it may yet
 # carry the response's trailers), which is when the EPP releases the request. The gateway tier saves its CPU for
@@ -336,14 +344,23 @@ RESPONSE_HEADERS_ONLY = {
     "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
 }
 
+# A pool whose EPP reads nothing of the response (RESPONSE_NONE): the response headers skip the EPP too, so the only
+# round trip to the EPP is the request's (its headers and body in, the routing answer out). The response trailer
+# mode stays SEND, which keeps the ext-proc stream open until the response has ended (HTTP/1.1 responses have no
+# trailers, so nothing is sent): the stream's end is when the EPP releases the request.
+REQUEST_ONLY = {**RESPONSE_HEADERS_ONLY, "response_header_mode": "SKIP"}
+_MODES = {RESPONSE_HEADERS: RESPONSE_HEADERS_ONLY, RESPONSE_NONE: REQUEST_ONLY}
+
 
 def ext_proc_route_config(pool: PoolBackend) -> dict:
     """A route's `typed_per_filter_config` turning the shared ext_proc filter on for `pool`."""
     overrides = {"grpc_service": {"envoy_grpc": {"cluster_name": f"epp-{pool.name}"},
                                   "timeout": _duration(pool.epp_timeout_s)},
                  "failure_mode_allow": pool.failure_mode_allow}
-    if not pool.response_body:
-        overrides["processing_mode"] = dict(RESPONSE_HEADERS_ONLY)
+    if pool.response not in RESPONSE_NEEDS:
+        raise ValueError(f"PoolBackend.response: {pool.response!r} is not one of {', '.join(RESPONSE_NEEDS)}")
+    if pool.response in _MODES:
+        overrides["processing_mode"] = dict(_MODES[pool.response])
     return {SHARED_EXT_PROC: {
         "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
         "config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",

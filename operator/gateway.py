@@ -11,10 +11,11 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from kvgate.common import bounded_json
-from kvgate.common.envoy_config import CircuitBreakers, EnvoyTracing, PoolBackend, RouteTimeouts
+from kvgate.common.envoy_config import RESPONSE_BODY, CircuitBreakers, EnvoyTracing, PoolBackend, RouteTimeouts
 from kvgate.operator import naming
 from kvgate.operator.conditions import condition, stamp
 from kvgate.common.gateway_routes import RouteRule, ServiceBackend, WeightedBackend, hostname_covers
@@ -139,7 +140,7 @@ class Lookups(NamedTuple):
     grants: list[dict]
     pool_endpoints: dict[tuple[str, str], list[str]]
     fallback_pools: frozenset[tuple[str, str]] = frozenset()
-    headers_only_pools: frozenset[tuple[str, str]] = frozenset()
+    response_needs: Mapping[tuple[str, str], str] | None = None  # per pool; absent: RESPONSE_BODY
 
 
 # Per-pool Envoy limits, as annotations on the InferencePool (its schema is upstream's): unset or invalid values
@@ -160,7 +161,7 @@ def _pool_limits(pool: dict) -> tuple[CircuitBreakers, float | None]:
 
 
 def pool_backend(pool: dict, services: dict[tuple[str, str], dict], endpoints: list[str],
-                 fallbacks: bool = False, response_body: bool = True) -> PoolBackend:
+                 fallbacks: bool = False, response: str = RESPONSE_BODY) -> PoolBackend:
     """The Envoy view of a pool: its EPP Service's DNS name, its endpoints, EPP health port, Envoy limits."""
     ns = naming.namespace_of(pool)
     svc_name = epp_ref(pool).get("name", "")
@@ -175,7 +176,7 @@ def pool_backend(pool: dict, services: dict[tuple[str, str], dict], endpoints: l
                        failure_mode_allow=is_fail_open(pool), epp_health_port=health,
                        app_protocol=(pool.get("spec") or {}).get("appProtocol") or "http",
                        circuit_breakers=breakers, stream_idle_s=stream_idle_s, fallbacks=fallbacks,
-                       response_body=response_body)
+                       response=response)
 
 
 _DURATION = re.compile(r"^(?:[0-9]{1,5}(?:h|m|s|ms)){1,4}$")  # the Gateway API's Duration (GEP-2257)
@@ -216,7 +217,7 @@ def resolve_backend(ref: dict, route: dict, look: Lookups) -> tuple[PoolBackend 
             return None, condition("ResolvedRefs", False, "BackendNotFound", f"InferencePool {ns}/{name} not found")
         return pool_backend(pool, look.services, look.pool_endpoints.get((ns, name), []),
                             fallbacks=(ns, name) in look.fallback_pools,
-                            response_body=(ns, name) not in look.headers_only_pools), None
+                            response=(look.response_needs or {}).get((ns, name), RESPONSE_BODY)), None
     svc, port = look.services.get((ns, name)), ref.get("port")
     if svc is None:
         return None, condition("ResolvedRefs", False, "BackendNotFound", f"Service {ns}/{name} not found")
@@ -262,15 +263,15 @@ def routes_for_gateway(gateway: dict, httproutes: list[dict], pools: list[dict],
                        referencegrants: list[dict], pool_endpoints: dict[tuple[str, str], list[str]] | None = None,
                        namespaces: dict[str, dict] | None = None,
                        fallback_pools: frozenset[tuple[str, str]] = frozenset(),
-                       headers_only_pools: frozenset[tuple[str, str]] = frozenset()) -> GatewayRouting:
+                       response_needs: Mapping[tuple[str, str], str] | None = None) -> GatewayRouting:
     """Attach `httproutes` to `gateway`'s listeners and resolve their backends.
 
     `pool_endpoints` maps (ns, pool) to its ready pods' ip:port (FailOpen's cluster, and the hosts of an
     override_host cluster); `fallback_pools` are the pools whose EPP answers with lists (pool.returns_lists);
-    `headers_only_pools` those whose EPP needs no response body (not pool.needs_response_body);
+    `response_needs` what of a response each pool's EPP reads (pool.response_needs; absent: the body);
     `namespaces` maps a namespace to its labels (for listeners admitting routes by namespace selector)."""
     look = Lookups({naming.key_of(p): p for p in pools}, {naming.key_of(s): s for s in services},
-                   referencegrants, pool_endpoints or {}, frozenset(fallback_pools), frozenset(headers_only_pools))
+                   referencegrants, pool_endpoints or {}, frozenset(fallback_pools), dict(response_needs or {}))
     rules, parents, used, attached = [], {}, set(), {l.get("name"): 0 for l in _http_listeners(gateway)}
     for order, route in enumerate(sorted(httproutes, key=_order_key)):
         gen = (route.get("metadata") or {}).get("generation")

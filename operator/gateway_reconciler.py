@@ -25,7 +25,7 @@ from kvgate.operator.epp_pod_address import routing_via_epp_pods
 from kvgate.operator.failures import REASON as FAILED, PermanentFailureLog, classify, failure_message
 from kvgate.operator.gateway import (GatewayRouting, desired_envoy_objects, gateway_status, gatewayclass_status,
                                      httproute_status, is_our_class, render_config, routes_for_gateway)
-from kvgate.operator.pool import (epp_ref, is_fail_open, needs_response_body, pool_status, returns_lists,
+from kvgate.operator.pool import (epp_ref, is_fail_open, pool_status, response_needs, returns_lists,
                                   running_epp_config)
 from kvgate.operator.spec_shape import pool_problems
 from kvgate.operator.xds.envoy_status import envoys_programmed
@@ -33,7 +33,7 @@ from kvgate.operator.xds.envoy_status import envoys_programmed
 log = logging.getLogger("kvgate.operator")
 
 # The operator's EPP ConfigMaps: a pool's EPP config says whether the EPP answers with lists (returns_lists) and
-# whether it needs response bodies (needs_response_body).
+# what of a response it reads (response_needs).
 _EPP_CONFIGMAPS = f"app.kubernetes.io/component=epp,{naming.MANAGED_BY_KEY}={naming.MANAGED_BY}"
 
 
@@ -60,8 +60,8 @@ class GatewayReconciler:
         running = {naming.key_of(pool): running_epp_config(
             epp_configs.get((naming.namespace_of(pool), naming.epp_name(pool))), pool) for pool in pools}  # one parse
         fallback_pools = frozenset(key for key, config in running.items() if returns_lists(config))
-        # Pools whose EPP (the operator's) learns nothing from response bodies: their routes send it headers only.
-        headers_only_pools = frozenset(key for key, config in running.items() if not needs_response_body(config))
+        # What of a response each pool's EPP reads: its routes send it no more.
+        pool_response_needs = {key: response_needs(config) for key, config in running.items()}
         endpoints = {}
         for pool in pools:  # FailOpen's cluster, and an override_host cluster's hosts (other pools use none)
             if is_fail_open(pool) or naming.key_of(pool) in fallback_pools:
@@ -75,7 +75,7 @@ class GatewayReconciler:
             routing = GatewayRouting([], {}, [], {})  # what the status shows if the routes cannot be computed
             try:
                 routing = routes_for_gateway(gw, routes, pools, services, grants, endpoints, namespaces,
-                                             fallback_pools, headers_only_pools)
+                                             fallback_pools, pool_response_needs)
                 if self.config.epp_address_mode == "pod-ip":
                     routing = routing_via_epp_pods(routing, services, pods.of)
                 self._program(gw, routing, pods)

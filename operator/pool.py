@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kvgate.epp.scheduling.config import (DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, ConfigError, EppConfig,
                                           parse_config)
+from kvgate.common.envoy_config import RESPONSE_BODY
 from kvgate.epp.leader import lease_name
 from kvgate.operator.epp_peer_sync import with_peer_sync
 from kvgate.operator import naming
@@ -429,7 +430,7 @@ def _last_good(pool: dict, current: dict | None) -> tuple[str | None, EppConfig 
 
 def running_epp_config(epp_config_map: dict | None, pool: dict) -> EppConfig | None:
     """The config the pool's EPP runs, parsed (the last good one in its ConfigMap), when that EPP is the operator's;
-    None when its config is not known here. Parse once per pool and ask `returns_lists` / `needs_response_body`."""
+    None when its config is not known here. Parse once per pool and ask `returns_lists` / `response_needs`."""
     return _last_good(pool, epp_config_map)[1]
 
 
@@ -440,11 +441,11 @@ def returns_lists(config: EppConfig | None) -> bool:
     return config is not None and config.returns_lists
 
 
-def needs_response_body(config: EppConfig | None) -> bool:
-    """Whether the pool's EPP (its `running_epp_config`) must see response bodies (a plugin of its config learns
-    from them). True for an EPP whose config is not known (its bodies stream through it, as upstream's do); False
-    lets the Gateways send that EPP the response headers only (envoy_config.RESPONSE_HEADERS_ONLY)."""
-    return config is None or config.needs_response_body
+def response_needs(config: EppConfig | None) -> str:
+    """What of a response the pool's EPP (its `running_epp_config`) reads (envoy_config.RESPONSE_NEEDS): the
+    Gateways send it no more. The body for an EPP whose config is not known (its bodies stream through it, as
+    upstream's do)."""
+    return RESPONSE_BODY if config is None else config.response_needs
 
 
 def pool_modelservers(pool: dict, modelservers: list[dict]) -> list[dict]:

@@ -316,7 +316,7 @@ def _envoy_config(spec: StackSpec, engines: _Engines, epps: list[tuple[int, int,
     epp_hosts = tuple(("127.0.0.1", g, h) for g, h, _ in epps) if len(epps) > 1 else None
     pool = PoolBackend("local", "127.0.0.1", grpc_port, engines.endpoints, spec.fail_open,
                        epp_health_port=health_port, circuit_breakers=breakers, fallbacks=epp_config.returns_lists,
-                       epp_pods=epp_hosts, response_body=epp_config.needs_response_body)
+                       epp_pods=epp_hosts, response=epp_config.response_needs)
     return render_pool_gateway(pool, spec.host, spec.port, admin_port, route_timeouts=route_timeouts,
                                listener_timeouts=listener_timeouts, tracing=envoy_tracing(spec))
 

@@ -1,7 +1,7 @@
-"""A pool whose EPP config needs no response body gets routes that send the EPP the response headers only: through
-the real Envoy and `kvgate epp` (`kvgate up`'s stack on sim engines) a streamed completion arrives whole, the EPP
-holds the request until the response has ended and then releases it, and it never sees the body (no usage counted).
-A config with a plugin that learns from response bodies keeps them streaming through the EPP."""
+"""A pool's routes send its EPP only what its config reads of a response: nothing (the default configs), the headers
+(the served-endpoint verifier), or the streamed body (a plugin that learns from bodies). Through the real Envoy and
+`kvgate epp` (`kvgate up`'s stack on sim engines) a streamed completion arrives whole, the EPP holds the request
+until the response has ended and then releases it, and it sees the body (counts its usage) only in the last mode."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from kvgate.common.envoy_config import RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC, PoolBackend, ext_proc_route_config
+from kvgate.common.envoy_config import (REQUEST_ONLY, RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC, PoolBackend,
+                                        ext_proc_route_config)
 from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, KVGATE_PROFILE_YAML, parse_config
 from kvgate.common.processes import free_port
 from kvgate.stack.local_stack import StackSpec, launch_local_stack
@@ -33,14 +34,21 @@ schedulingProfiles:
 """
 
 
-def test_which_configs_need_the_response_body():
-    assert not parse_config(DEFAULT_CONFIG_YAML).needs_response_body
-    assert not parse_config(KVGATE_PROFILE_YAML).needs_response_body
-    assert parse_config(LEARNING_CONFIG).needs_response_body  # it learns from first-token times and usage
+SERVED_VERIFIER_CONFIG = DEFAULT_CONFIG_YAML.replace("plugins:\n", "plugins:\n- type: destination-endpoint-served-verifier\n", 1)
+
+
+def test_what_each_config_reads_of_a_response():
+    assert parse_config(DEFAULT_CONFIG_YAML).response_needs == "none"
+    assert parse_config(KVGATE_PROFILE_YAML).response_needs == "none"
+    assert parse_config(SERVED_VERIFIER_CONFIG).response_needs == "headers"  # it reports from the response headers
+    assert parse_config(LEARNING_CONFIG).response_needs == "body"  # it learns from first-token times and usage
     overrides = lambda pool: ext_proc_route_config(pool)[SHARED_EXT_PROC]["config"]["overrides"]  # noqa: E731
     assert "processing_mode" not in overrides(PoolBackend("p", "127.0.0.1", 9002))  # upstream's: bodies stream
-    assert overrides(PoolBackend("p", "127.0.0.1", 9002, response_body=False))["processing_mode"] == \
+    assert overrides(PoolBackend("p", "127.0.0.1", 9002, response="headers"))["processing_mode"] == \
         RESPONSE_HEADERS_ONLY
+    assert overrides(PoolBackend("p", "127.0.0.1", 9002, response="none"))["processing_mode"] == REQUEST_ONLY
+    with pytest.raises(ValueError, match="not one of"):
+        ext_proc_route_config(PoolBackend("p", "127.0.0.1", 9002, response="trailers"))
 
 
 def _epp_lines(metrics_port: int, prefix: str) -> list[str]:
@@ -66,7 +74,7 @@ def _stream(url: str, max_tokens: int) -> tuple[int, int, dict | None]:
     return r.status_code, events, usage
 
 
-def _check(tmp_path, config: str | None, body_through_epp: bool) -> None:
+def _check(tmp_path, config: str | None, body_through_epp: bool, headers_through_epp: bool) -> None:
     stack = Stack(tmp_path)
     try:
         up = launch_local_stack(stack, StackSpec(
@@ -75,6 +83,7 @@ def _check(tmp_path, config: str | None, body_through_epp: bool) -> None:
             engine_args=["--sim-decode-ms-per-seq", "15"]))  # ~1.5 s of 100 tokens
         rendered = json.dumps(json.loads((stack.workdir / "envoy.json").read_text()))
         assert ('"response_body_mode": "NONE"' in rendered) is not body_through_epp
+        assert ('"response_header_mode": "SKIP"' in rendered) is not headers_through_epp
         seen: list[float] = []
         done = threading.Event()
 
@@ -104,13 +113,13 @@ def _check(tmp_path, config: str | None, body_through_epp: bool) -> None:
 
 
 @pytest.mark.processes
-def test_headers_only_when_the_config_needs_no_body(tmp_path):
-    _check(tmp_path, None, body_through_epp=False)  # StackSpec's default: upstream's profile
+def test_nothing_of_the_response_when_the_config_reads_none(tmp_path):
+    _check(tmp_path, None, body_through_epp=False, headers_through_epp=False)  # StackSpec's default: upstream's profile
 
 
 @pytest.mark.processes
 def test_bodies_stream_through_the_epp_when_a_plugin_learns_from_them(tmp_path):
-    _check(tmp_path, LEARNING_CONFIG, body_through_epp=True)
+    _check(tmp_path, LEARNING_CONFIG, body_through_epp=True, headers_through_epp=True)
 
 
 def test_the_epp_says_once_when_a_plugin_wants_bodies_that_bypass_it(caplog, monkeypatch):

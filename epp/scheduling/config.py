@@ -46,6 +46,7 @@ from typing import Any
 import yaml
 
 from kvgate.common import bounded_file, bounded_yaml
+from kvgate.common.envoy_config import RESPONSE_BODY, RESPONSE_HEADERS, RESPONSE_NONE
 from kvgate.epp.flow_config import POLICY_TYPES, FlowConfigError, FlowControlConfig, parse_flow_control
 from kvgate.epp.scheduling.framework import (
     Filter,
@@ -129,6 +130,15 @@ class EppConfig:
         through the EPP. Otherwise a gateway that can choose (kvgate's: PoolBackend.response_body) leaves them out
         of the EPP's path — the response headers and the stream's end are all the EPP's release needs."""
         return needs_response_body(self.scheduler)
+
+    @property
+    def response_needs(self) -> str:
+        """What of a response this config reads (envoy_config.RESPONSE_NEEDS): the body where a plugin learns from
+        it, the headers where the served-endpoint verifier reports from them, else nothing — the ext-proc stream's
+        end is all the EPP's release needs."""
+        if self.needs_response_body:
+            return RESPONSE_BODY
+        return RESPONSE_HEADERS if self.report_served_endpoint else RESPONSE_NONE
 
 
 # Upstream's default: queue 2, kv-cache 2, prefix 3, and a max-score picker returning one endpoint — all that a

@@ -598,10 +598,10 @@ def test_a_pool_whose_epp_returns_lists_gets_retries_over_the_list(samples, tmp_
 
 
 @pytest.mark.processes
-def test_a_pool_whose_epp_needs_no_response_body_gets_headers_only_routes(samples, tmp_path):
-    """not pool.needs_response_body → that pool's routes send its EPP the response headers only (the real Envoy
-    accepts the override); other pools keep streaming bodies through their EPP."""
-    from kvgate.common.envoy_config import RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC
+def test_a_pool_gets_routes_that_send_its_epp_what_it_reads_of_responses(samples, tmp_path):
+    """pool.response_needs "headers" → that pool's routes send its EPP the response headers only, "none" → nothing
+    of the response (the real Envoy accepts both overrides); other pools keep streaming bodies through their EPP."""
+    from kvgate.common.envoy_config import REQUEST_ONLY, RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC
 
     route, pool = samples["HTTPRoute"], samples["InferencePool"]
     key = (pool["metadata"]["namespace"], pool["metadata"]["name"])
@@ -613,8 +613,9 @@ def test_a_pool_whose_epp_needs_no_response_body_gets_headers_only_routes(sample
         return [r["typed_per_filter_config"][SHARED_EXT_PROC]["config"]["overrides"].get("processing_mode")
                 for r in _routes_of(config)["virtual_hosts"][0]["routes"] if "typed_per_filter_config" in r]
 
-    assert modes(headers_only_pools=frozenset({key})) and \
-        all(m == RESPONSE_HEADERS_ONLY for m in modes(headers_only_pools=frozenset({key})))
+    for needs, mode in (("headers", RESPONSE_HEADERS_ONLY), ("none", REQUEST_ONLY)):
+        assert modes(response_needs={key: needs}) and all(m == mode for m in modes(response_needs={key: needs}))
+    assert modes(response_needs={key: "body"}) and all(m is None for m in modes(response_needs={key: "body"}))
     assert modes() and all(m is None for m in modes())
 
 

@@ -363,21 +363,21 @@ def test_returns_lists_reads_the_operators_epp_config(samples):
     assert not p.returns_lists(p.running_epp_config(users, pool))
 
 
-def test_needs_response_body_reads_the_operators_epp_config(samples):
-    """The Gateways send a pool's EPP the response headers only when the operator's EPP config for it learns
-    nothing from response bodies; a config that does (predicted-latency-scorer), no ConfigMap, or one that is not
-    the operator's: bodies stream through the EPP, as upstream's gateways send them."""
+def test_response_needs_reads_the_operators_epp_config(samples):
+    """The Gateways send a pool's EPP nothing of the response when the operator's EPP config for it reads nothing
+    of it; a config that learns from bodies (predicted-latency-scorer), no ConfigMap, or one that is not the
+    operator's: bodies stream through the EPP, as upstream's gateways send them."""
     from tests.test_response_headers_only import LEARNING_CONFIG
 
     pool = samples["InferencePool"]
     default_cm = _by_kind(p.desired_epp_objects(pool, IMAGE))["ConfigMap"]
     learning_cm = _by_kind(p.desired_epp_objects(pool, IMAGE, LEARNING_CONFIG))["ConfigMap"]
-    assert not p.needs_response_body(p.running_epp_config(default_cm, pool))
-    assert p.needs_response_body(p.running_epp_config(learning_cm, pool))
-    assert p.needs_response_body(p.running_epp_config(None, pool))
+    assert p.response_needs(p.running_epp_config(default_cm, pool)) == "none"
+    assert p.response_needs(p.running_epp_config(learning_cm, pool)) == "body"
+    assert p.response_needs(p.running_epp_config(None, pool)) == "body"
     users = copy.deepcopy(default_cm)
     users["metadata"]["labels"] = {}
-    assert p.needs_response_body(p.running_epp_config(users, pool))
+    assert p.response_needs(p.running_epp_config(users, pool)) == "body"
 
 
 def test_the_draining_epp_reports_not_serving_only_when_gateways_address_its_pods(samples):
