@@ -79,6 +79,7 @@ def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None =
     from kvgate.bench.routing.runner import epp_histograms, epp_metrics, epp_time
     from kvgate.common.envoy_config import PoolBackend, envoy_binary, render_direct
     from kvgate.common.gateway_routes import render_pool_gateway
+    from kvgate.epp.scheduling.config import DEFAULT_CONFIG_YAML, parse_config
 
     kvgate = str(Path(sys.executable).parent / "kvgate")
     work = Path(tempfile.mkdtemp(prefix="kvgate-bench-epp-"))
@@ -104,7 +105,8 @@ def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None =
         wait_http_ok(f"http://127.0.0.1:{metrics}/metrics", 120)
         gw_port, gw_admin, direct_port, direct_admin = (free_port() for _ in range(4))
         (work / "gw.json").write_text(json.dumps(render_pool_gateway(
-            PoolBackend("bench", "127.0.0.1", grpc, [endpoint], epp_health_port=health), "127.0.0.1", gw_port,
+            PoolBackend("bench", "127.0.0.1", grpc, [endpoint], epp_health_port=health,
+                        response=parse_config(DEFAULT_CONFIG_YAML).response_needs), "127.0.0.1", gw_port,
             gw_admin)))
         (work / "direct.json").write_text(json.dumps(render_direct("127.0.0.1", direct_port, direct_admin)))
         for name, admin in (("gw", gw_admin), ("direct", direct_admin)):
