@@ -36,7 +36,7 @@ def add_bench_epp_parser(sub) -> None:
                         "kvgate.bench.epp_floor.FLOOR_MODES)")
     p.add_argument("--floor-servers", default=None,
                    help="floor part: the ext-proc servers (comma-separated; default all: grpc-aio, grpc-sync, "
-                        "grpclib, node-grpc-js, kvgate-epp; one not installed is skipped with a note)")
+                        "grpclib, node-grpc-js, go-grpc, kvgate-epp; one not installed is skipped with a note)")
     p.add_argument("--floor-seed", type=int, default=0, help="floor part: the seed of the stream and the bootstrap")
     p.add_argument("--tracing", action="store_true",
                    help="latency part: the EPP traces every request (OpenTelemetry, sampled always) and exports the "

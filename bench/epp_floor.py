@@ -131,6 +131,11 @@ def _start_paths(servers: list[str], modes: list[str], endpoint: str, work: Path
     for server in servers:
         impl = IMPLEMENTATIONS.get(server)
         why = impl.missing() if impl is not None else None
+        if not why and impl is not None and impl.build is not None:
+            try:
+                impl.build()
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                why = str(exc)
         if why:
             skipped[server] = why
             continue
@@ -184,9 +189,11 @@ def _body(tag: str, i: int) -> dict:
 
 async def _until_answered(client: httpx.AsyncClient, url: str, paths: list[str], endpoint: str, timeout: float
                           ) -> None:
-    """Each path answers 200 (Envoy's first health checks and connections are done), then WARM_REQUESTS more."""
+    """Each path answers 200 (Envoy's first health checks and connections are done), then WARM_REQUESTS more; the
+    paths side by side."""
     deadline = time.monotonic() + timeout
-    for name in paths:
+
+    async def warm(name: str) -> None:
         while True:
             try:
                 r = await client.post(url, headers=_headers(name, endpoint), json=_body("ready", 0))
@@ -200,6 +207,8 @@ async def _until_answered(client: httpx.AsyncClient, url: str, paths: list[str],
             await asyncio.sleep(0.2)
         for i in range(WARM_REQUESTS):
             await client.post(url, headers=_headers(name, endpoint), json=_body(f"warm-{name}", i))
+
+    await asyncio.gather(*(warm(name) for name in paths))
 
 
 async def _stream(url: str, paths: list[str], plan: np.ndarray, arrivals: np.ndarray, endpoint: str,
