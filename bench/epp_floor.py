@@ -43,6 +43,7 @@ FLOOR_MODES: dict[str, dict | None] = {
 }
 BOOTSTRAP_RESAMPLES = 2000
 WARM_REQUESTS = 5  # per path, before the measured stream
+IDLE_WINDOW_S = 3.0  # each process's CPU without requests, measured before the stream (the `net` CPU leaves it out)
 START_TIMEOUT_S = 120.0
 
 
@@ -212,14 +213,17 @@ async def _until_answered(client: httpx.AsyncClient, url: str, paths: list[str],
 
 
 async def _stream(url: str, paths: list[str], plan: np.ndarray, arrivals: np.ndarray, endpoint: str,
-                  started, bar) -> list[tuple[int, int, float]]:
-    """Warm every path, call `started()`, then the measured stream: request i to paths[plan[i]] at arrivals[i] s;
-    (path index, status, seconds) each, status 0 for a transport error."""
+                  mark, bar) -> list[tuple[int, int, float]]:
+    """Warm every path; `mark("idle")`, IDLE_WINDOW_S without requests, `mark("stream")`; the measured stream:
+    request i to paths[plan[i]] at arrivals[i] s; `mark("end")`. (path index, status, seconds) each, status 0 for
+    a transport error."""
     results: list = [None] * len(plan)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
         await _until_answered(client, url, paths, endpoint, START_TIMEOUT_S)
-        started()
+        mark("idle")
+        await asyncio.sleep(IDLE_WINDOW_S)
+        mark("stream")
 
         async def one(i: int) -> None:
             name = paths[plan[i]]
@@ -240,6 +244,7 @@ async def _stream(url: str, paths: list[str], plan: np.ndarray, arrivals: np.nda
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
+        mark("end")
     return results
 
 
@@ -338,18 +343,22 @@ def measure_floor(n: int, rate: float, modes: list[str], servers: list[str], cpu
         arrivals = np.cumsum(rng.exponential(1.0 / rate, size=n))
         plan = rng.permutation(np.resize(np.arange(len(paths)), n))  # every path the same share, shuffled
         epps = [p for p in paths if p.metrics_port is not None]
-        before: dict = {}
+        marks: dict = {}
 
-        def started() -> None:
-            before["cpu"] = {id(p): group_cpu_seconds(p.pid) for p in procs}
-            before["epp"] = {p.name: epp_histograms(epp_metrics(p.metrics_port)) for p in epps}
+        def mark(name: str) -> None:
+            marks[name] = (time.perf_counter(), {id(p): group_cpu_seconds(p.pid) for p in procs})
+            if name == "stream":
+                marks["epp"] = {p.name: epp_histograms(epp_metrics(p.metrics_port)) for p in epps}
 
         with tqdm(total=n, unit="req", file=sys.stderr, mininterval=1.0, leave=False) as bar:
             results = asyncio.run(_stream(f"http://127.0.0.1:{gw_port}/v1/completions", [p.name for p in paths],
-                                          plan, arrivals, endpoint, started, bar))
-        cpu = {id(p): group_cpu_seconds(p.pid) - before["cpu"][id(p)] for p in procs}
-        inside = {p.name: epp_time(before["epp"][p.name], epp_histograms(epp_metrics(p.metrics_port)))
+                                          plan, arrivals, endpoint, mark, bar))
+        inside = {p.name: epp_time(marks["epp"][p.name], epp_histograms(epp_metrics(p.metrics_port)))
                   for p in epps}
+        (t_idle, idle), (t_stream, stream), (t_end, end) = marks["idle"], marks["stream"], marks["end"]
+        cpu = {key: end[key] - stream[key] for key in end}
+        # what each process spends without requests (health checks, the EPP's scrapes), over the stream's length
+        background = {key: (stream[key] - idle[key]) * (t_end - t_stream) / (t_stream - t_idle) for key in end}
     finally:
         for p in reversed(procs):
             stop_group(p)
@@ -358,8 +367,10 @@ def measure_floor(n: int, rate: float, modes: list[str], servers: list[str], cpu
     summary = summarize(paths, results, seed, ROUNDS)
     for path in paths:
         row = summary["paths"][path.name]
-        row["server_cpu_ms_per_request"] = (round(1000 * cpu[id(path.proc)] / row["ok"], 3)
-                                            if path.proc is not None and row["ok"] else None)
+        served = path.proc is not None and row["ok"]
+        row["server_cpu_ms_per_request"] = round(1000 * cpu[id(path.proc)] / row["ok"], 3) if served else None
+        row["server_cpu_ms_per_request_net"] = (round(1000 * (cpu[id(path.proc)] - background[id(path.proc)])
+                                                      / row["ok"], 3) if served else None)
         if path.name in inside:
             row["inside_epp"] = inside[path.name]
     ok = sum(row["ok"] for row in summary["paths"].values())
@@ -385,14 +396,15 @@ def format_floor(result: dict) -> str:
     for server, why in result["skipped"].items():
         lines.append(f"  skipped {server}: {why}")
     lines.append(f"  {'path':<34}{'ok/sent':>9}{'p50':>8}{'p99':>8}{'added p50':>11}{'95% CI':>17}{'p99':>9}"
-                 f"{'rounds':>8}{'cpu/req':>9}")
+                 f"{'rounds':>8}{'cpu/req':>9}{'net':>7}")
     for name, row in result["paths"].items():
         ci = row.get("added_p50_ci95_ms")
         ci_text = f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else ""
         lines.append(f"  {name:<34}{row['ok']:>4}/{row['sent']:<4}{_ms(row['p50_ms']):>8}{_ms(row['p99_ms']):>8}"
                      f"{_ms(row.get('added_p50_ms'), True):>11}{ci_text:>17}{_ms(row.get('added_p99_ms'), True):>9}"
                      f"{_ms(row.get('added_p50_ms_median_of_rounds'), True):>8}"
-                     f"{_ms(row.get('server_cpu_ms_per_request')):>9}")
+                     f"{_ms(row.get('server_cpu_ms_per_request')):>9}"
+                     f"{_ms(row.get('server_cpu_ms_per_request_net')):>7}")
         if row["errors"]:
             lines.append(f"  {'':<34}errors: {row['errors']}")
         inside = (row.get("inside_epp") or {}).get("request_path")
@@ -406,6 +418,6 @@ def format_floor(result: dict) -> str:
                 f"{entry['epp_over_best_floor_p50_ci95_ms'][1]:+.2f}]" if gap is not None else "")
         lines.append(f"  {mode}: best do-nothing server {entry['best_floor']}{text}")
     lines.append(f"  CPU per request (ms, all paths): Envoy {_ms(result['envoy_cpu_ms_per_request'])}, "
-                 f"engine {_ms(result['engine_cpu_ms_per_request'])}; 'cpu/req' is each server's own process "
-                 f"(10 ms ticks, health checks and the EPP's scrapes included)")
+                 f"engine {_ms(result['engine_cpu_ms_per_request'])}; 'cpu/req': each server's own process over the "
+                 f"stream (10 ms ticks), 'net': less its CPU without requests (health checks, the EPP's scrapes)")
     return "\n".join(lines)

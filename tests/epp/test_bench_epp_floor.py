@@ -191,7 +191,7 @@ def test_the_floor_part_answers_every_request_on_every_installed_path(tmp_path):
         assert row["p50_ms"] > 0 and row["p99_ms"] >= row["p50_ms"]
         if name != NO_EXT_PROC:
             assert row["added_p50_ci95_ms"][0] <= row["added_p50_ci95_ms"][1]
-            assert row["server_cpu_ms_per_request"] is not None
+            assert row["server_cpu_ms_per_request"] is not None and row["server_cpu_ms_per_request_net"] is not None
     for mode in ("full", "headers-only-response"):
         assert floor["modes"][mode]["best_floor"] in _installed()
         assert floor["modes"][mode]["epp_over_best_floor_p50_ms"] is not None
