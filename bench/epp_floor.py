@@ -43,7 +43,13 @@ FLOOR_MODES: dict[str, dict | None] = {
 }
 BOOTSTRAP_RESAMPLES = 2000
 WARM_REQUESTS = 5  # per path, before the measured stream
-IDLE_WINDOW_S = 3.0  # each process's CPU without requests, measured before the stream (the `net` CPU leaves it out)
+# each process's CPU without requests, measured just before the stream (the `net` CPU leaves it out): half the
+# stream's expected length, within these bounds, so that its 10 ms ticks are not scaled up much
+IDLE_WINDOW_S = (3.0, 30.0)
+
+
+def idle_window_s(n: int, rate: float) -> float:
+    return min(IDLE_WINDOW_S[1], max(IDLE_WINDOW_S[0], 0.5 * n / rate))
 START_TIMEOUT_S = 120.0
 
 
@@ -213,8 +219,8 @@ async def _until_answered(client: httpx.AsyncClient, url: str, paths: list[str],
 
 
 async def _stream(url: str, paths: list[str], plan: np.ndarray, arrivals: np.ndarray, endpoint: str,
-                  mark, bar) -> list[tuple[int, int, float]]:
-    """Warm every path; `mark("idle")`, IDLE_WINDOW_S without requests, `mark("stream")`; the measured stream:
+                  idle_s: float, mark, bar) -> list[tuple[int, int, float]]:
+    """Warm every path; `mark("idle")`, `idle_s` without requests, `mark("stream")`; the measured stream:
     request i to paths[plan[i]] at arrivals[i] s; `mark("end")`. (path index, status, seconds) each, status 0 for
     a transport error."""
     results: list = [None] * len(plan)
@@ -222,7 +228,7 @@ async def _stream(url: str, paths: list[str], plan: np.ndarray, arrivals: np.nda
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
         await _until_answered(client, url, paths, endpoint, START_TIMEOUT_S)
         mark("idle")
-        await asyncio.sleep(IDLE_WINDOW_S)
+        await asyncio.sleep(idle_s)
         mark("stream")
 
         async def one(i: int) -> None:
@@ -352,7 +358,7 @@ def measure_floor(n: int, rate: float, modes: list[str], servers: list[str], cpu
 
         with tqdm(total=n, unit="req", file=sys.stderr, mininterval=1.0, leave=False) as bar:
             results = asyncio.run(_stream(f"http://127.0.0.1:{gw_port}/v1/completions", [p.name for p in paths],
-                                          plan, arrivals, endpoint, mark, bar))
+                                          plan, arrivals, endpoint, idle_window_s(n, rate), mark, bar))
         inside = {p.name: epp_time(marks["epp"][p.name], epp_histograms(epp_metrics(p.metrics_port)))
                   for p in epps}
         (t_idle, idle), (t_stream, stream), (t_end, end) = marks["idle"], marks["stream"], marks["end"]
@@ -395,13 +401,13 @@ def format_floor(result: dict) -> str:
              f"stream over {len(result['paths'])} paths, one Envoy, {where}; ms"]
     for server, why in result["skipped"].items():
         lines.append(f"  skipped {server}: {why}")
-    lines.append(f"  {'path':<34}{'ok/sent':>9}{'p50':>8}{'p99':>8}{'added p50':>11}{'95% CI':>17}{'p99':>9}"
+    lines.append(f"  {'path':<34}{'ok/sent':>9}{'p50':>8}{'p99':>8}{'added p50':>11}{'95% CI':>17}{'added p99':>10}"
                  f"{'rounds':>8}{'cpu/req':>9}{'net':>7}")
     for name, row in result["paths"].items():
         ci = row.get("added_p50_ci95_ms")
         ci_text = f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else ""
         lines.append(f"  {name:<34}{row['ok']:>4}/{row['sent']:<4}{_ms(row['p50_ms']):>8}{_ms(row['p99_ms']):>8}"
-                     f"{_ms(row.get('added_p50_ms'), True):>11}{ci_text:>17}{_ms(row.get('added_p99_ms'), True):>9}"
+                     f"{_ms(row.get('added_p50_ms'), True):>11}{ci_text:>17}{_ms(row.get('added_p99_ms'), True):>10}"
                      f"{_ms(row.get('added_p50_ms_median_of_rounds'), True):>8}"
                      f"{_ms(row.get('server_cpu_ms_per_request')):>9}"
                      f"{_ms(row.get('server_cpu_ms_per_request_net')):>7}")

@@ -89,7 +89,8 @@ IMPLEMENTATIONS = {impl.name: impl for impl in (
     Implementation("grpc-sync", "Python grpcio, synchronous, a thread per stream from a pool",
                    lambda: None, _python_module("grpc_sync")),
     Implementation("grpclib", "Python grpclib: pure-Python HTTP/2 (h2) on asyncio",
-                   _needs_module("grpclib", "pip install grpclib, or kvgate[bench]"), _python_module("grpclib_asyncio")),
+                   _needs_module("grpclib", "pip install grpclib, or kvgate[bench]"),
+                   _python_module("grpclib_asyncio")),
     Implementation("node-grpc-js", "Node.js @grpc/grpc-js, messages from the Python protos' descriptors",
                    _node_missing,
                    lambda port, destination, descriptors: [
