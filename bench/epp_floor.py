@@ -46,11 +46,11 @@ WARM_REQUESTS = 5  # per path, before the measured stream
 # each process's CPU without requests, measured just before the stream (the `net` CPU leaves it out): half the
 # stream's expected length, within these bounds, so that its 10 ms ticks are not scaled up much
 IDLE_WINDOW_S = (3.0, 30.0)
+START_TIMEOUT_S = 120.0
 
 
 def idle_window_s(n: int, rate: float) -> float:
     return min(IDLE_WINDOW_S[1], max(IDLE_WINDOW_S[0], 0.5 * n / rate))
-START_TIMEOUT_S = 120.0
 
 
 def server_names() -> list[str]:
@@ -401,13 +401,14 @@ def format_floor(result: dict) -> str:
              f"stream over {len(result['paths'])} paths, one Envoy, {where}; ms"]
     for server, why in result["skipped"].items():
         lines.append(f"  skipped {server}: {why}")
-    lines.append(f"  {'path':<34}{'ok/sent':>9}{'p50':>8}{'p99':>8}{'added p50':>11}{'95% CI':>17}{'added p99':>10}"
-                 f"{'rounds':>8}{'cpu/req':>9}{'net':>7}")
+    lines.append(f"  {'path':<34}{'ok/sent':>9}{'p50':>8}{'p99':>8}{'added p50':>11}{'95% CI':>19}"
+                 f"{'added p99':>11}{'rounds':>8}{'cpu/req':>9}{'net':>7}")
     for name, row in result["paths"].items():
         ci = row.get("added_p50_ci95_ms")
         ci_text = f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else ""
         lines.append(f"  {name:<34}{row['ok']:>4}/{row['sent']:<4}{_ms(row['p50_ms']):>8}{_ms(row['p99_ms']):>8}"
-                     f"{_ms(row.get('added_p50_ms'), True):>11}{ci_text:>17}{_ms(row.get('added_p99_ms'), True):>10}"
+                     f"{_ms(row.get('added_p50_ms'), True):>11}{ci_text:>19}"
+                     f"{_ms(row.get('added_p99_ms'), True):>11}"
                      f"{_ms(row.get('added_p50_ms_median_of_rounds'), True):>8}"
                      f"{_ms(row.get('server_cpu_ms_per_request')):>9}"
                      f"{_ms(row.get('server_cpu_ms_per_request_net')):>7}")
