@@ -11,7 +11,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from kvgate.bench.extproc_noop.replies import NoopStream, parse_args, routing
 
-THREADS = 64  # streams served at once; the bench's load keeps far fewer requests in flight
+THREADS = 128  # streams served at once (more wait for a thread); the bench's load keeps far fewer in flight
 
 
 class Servicer(pb_grpc.ExternalProcessorServicer):
@@ -25,7 +25,7 @@ class Servicer(pb_grpc.ExternalProcessorServicer):
 
 
 def serve(port: int, destination: str) -> None:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=THREADS), maximum_concurrent_rpcs=THREADS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=THREADS))
     pb_grpc.add_ExternalProcessorServicer_to_server(Servicer(destination), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()

@@ -133,6 +133,16 @@ def test_summary_adds_over_the_no_ext_proc_path_with_an_interval_and_rounds():
     assert out["modes"]["full"]["epp_over_best_floor_p50_ms"] == pytest.approx(2.0, abs=0.1)
 
 
+def test_unknown_floor_modes_or_servers_are_refused_before_any_part_runs():
+    from kvgate.cli import build_parser
+
+    for flags, word in ((["--floor-modes", "full,lean-nonexistent"], "lean-nonexistent"),
+                        (["--floor-servers", "grpc-aio,rust-tonic"], "rust-tonic")):
+        args = build_parser().parse_args(["bench", "epp", "--parts", "scheduling,floor", *flags])
+        with pytest.raises(SystemExit, match=word):
+            args.func(args)
+
+
 # --- processes ---------------------------------------------------------------------------------------------------
 
 def _installed() -> list[str]:
