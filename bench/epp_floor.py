@@ -401,12 +401,12 @@ def format_floor(result: dict) -> str:
              f"stream over {len(result['paths'])} paths, one Envoy, {where}; ms"]
     for server, why in result["skipped"].items():
         lines.append(f"  skipped {server}: {why}")
-    lines.append(f"  {'path':<34}{'ok/sent':>9}{'p50':>8}{'p99':>8}{'added p50':>11}{'95% CI':>19}"
+    lines.append(f"  {'path':<34}{'ok/sent':>9}{'p50':>9}{'p99':>10}{'added p50':>11}{'95% CI':>19}"
                  f"{'added p99':>11}{'rounds':>8}{'cpu/req':>9}{'net':>7}")
     for name, row in result["paths"].items():
         ci = row.get("added_p50_ci95_ms")
         ci_text = f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else ""
-        lines.append(f"  {name:<34}{row['ok']:>4}/{row['sent']:<4}{_ms(row['p50_ms']):>8}{_ms(row['p99_ms']):>8}"
+        lines.append(f"  {name:<34}{row['ok']:>4}/{row['sent']:<4}{_ms(row['p50_ms']):>9}{_ms(row['p99_ms']):>10}"
                      f"{_ms(row.get('added_p50_ms'), True):>11}{ci_text:>19}"
                      f"{_ms(row.get('added_p99_ms'), True):>11}"
                      f"{_ms(row.get('added_p50_ms_median_of_rounds'), True):>8}"
