@@ -25,10 +25,19 @@ def add_bench_epp_parser(sub) -> None:
     p.add_argument("--latency-requests", type=int, default=300)
     p.add_argument("--request-rate", type=float, default=25.0, help="requests/s for the latency comparison")
     p.add_argument("--parts", default="scheduling,latency",
-                   help="comma-separated: scheduling (decision time), latency (Envoy + EPP)")
+                   help="comma-separated: scheduling (decision time), latency (Envoy + EPP), floor (one Envoy: no "
+                        "ext_proc, do-nothing ext-proc servers and the EPP, one request stream)")
     p.add_argument("--epp-cpus", default=None, metavar="CPUS",
                    help="latency part: pin the EPP to these CPUs (e.g. 0; Linux) and the engine, both Envoys and "
-                        "the load to the others — the EPP on a core of its own; default: no pinning (shared cores)")
+                        "the load to the others — the EPP on a core of its own; floor part: every ext-proc server "
+                        "there; default: no pinning (shared cores)")
+    p.add_argument("--floor-modes", default="full,headers-only-response",
+                   help="floor part: the processing modes each server is measured in (comma-separated; "
+                        "kvgate.bench.epp_floor.FLOOR_MODES)")
+    p.add_argument("--floor-servers", default=None,
+                   help="floor part: the ext-proc servers (comma-separated; default all: grpc-aio, grpc-sync, "
+                        "grpclib, node-grpc-js, go-grpc, kvgate-epp; one not installed is skipped with a note)")
+    p.add_argument("--floor-seed", type=int, default=0, help="floor part: the seed of the stream and the bootstrap")
     p.add_argument("--tracing", action="store_true",
                    help="latency part: the EPP traces every request (OpenTelemetry, sampled always) and exports the "
                         "spans to an OTLP/gRPC receiver in this process: the cost of tracing on (compare a run "
@@ -159,13 +168,14 @@ def run_bench_epp(args: argparse.Namespace) -> int:
     from kvgate.bench.scheduling import bench_prefix_match, bench_scheduling
 
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    unknown = parts - {"scheduling", "latency"}
+    unknown = parts - {"scheduling", "latency", "floor"}
     if unknown:
         raise SystemExit(f"kvgate bench epp: unknown part(s) {', '.join(sorted(unknown))}")
+    floor_modes, floor_servers = _floor_choices(args) if "floor" in parts else ([], [])
     epp_cpus = cpus_flag(args.epp_cpus, "--epp-cpus", "kvgate bench epp")  # before a long scheduling part
     if epp_cpus is not None and not os.sched_getaffinity(0) - epp_cpus:
         raise SystemExit("kvgate bench epp: --epp-cpus must leave a CPU for the rest")
-    results: dict = {"scheduling": {}, "prefix_match_us": None, "latency": None}
+    results: dict = {"scheduling": {}, "prefix_match_us": None, "latency": None, "floor": None}
     if "scheduling" in parts:
         print("decision = schedule + on_picked, queue 2 / kv-cache 2 / prefix 3 / max-score picker (1 endpoint), "
               "every endpoint holding a hot 4 KB prefix; µs")
@@ -206,6 +216,28 @@ def run_bench_epp(args: argparse.Namespace) -> int:
         if inside:
             print(f"  inside the EPP (body to routing answer, its own histogram): mean {inside['mean_ms']:.3f} ms, "
                   f"p99 ≤ {inside['p99_ms_at_most']} ms", flush=True)
+    if "floor" in parts:
+        from kvgate.bench.epp_floor import format_floor, measure_floor
+
+        results["floor"] = measure_floor(args.latency_requests, args.request_rate, floor_modes, floor_servers,
+                                         epp_cpus, args.floor_seed)
+        print("\n" + format_floor(results["floor"]), flush=True)
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(results, indent=2))
     return 0
+
+
+def _floor_choices(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The floor part's modes and servers, checked before any part runs."""
+    from kvgate.bench.epp_floor import FLOOR_MODES, server_names
+
+    def listed(value: str, known: list[str], flag: str) -> list[str]:
+        chosen = [x.strip() for x in value.split(",") if x.strip()]
+        unknown = [x for x in chosen if x not in known]
+        if unknown or not chosen:
+            raise SystemExit(f"kvgate bench epp: {flag}: unknown {', '.join(unknown) or '(none given)'} "
+                             f"(known: {', '.join(known)})")
+        return chosen
+
+    return (listed(args.floor_modes, list(FLOOR_MODES), "--floor-modes"),
+            listed(args.floor_servers or ",".join(server_names()), server_names(), "--floor-servers"))
