@@ -31,7 +31,7 @@ def add_bench_epp_parser(sub) -> None:
                    help="latency part: pin the EPP to these CPUs (e.g. 0; Linux) and the engine, both Envoys and "
                         "the load to the others — the EPP on a core of its own; floor part: every ext-proc server "
                         "there; default: no pinning (shared cores)")
-    p.add_argument("--floor-modes", default="full,headers-only-response",
+    p.add_argument("--floor-modes", default="full,request-only",
                    help="floor part: the processing modes each server is measured in (comma-separated; "
                         "kvgate.bench.epp_floor.FLOOR_MODES)")
     p.add_argument("--floor-servers", default=None,

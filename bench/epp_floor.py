@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from kvgate.common.envoy_config import RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC
+from kvgate.common.envoy_config import REQUEST_ONLY, RESPONSE_HEADERS_ONLY, SHARED_EXT_PROC
 
 PATH_HEADER = "x-kvgate-bench-path"
 NO_EXT_PROC = "none"
@@ -40,6 +40,7 @@ EPP = "kvgate-epp"
 FLOOR_MODES: dict[str, dict | None] = {
     "full": None,
     "headers-only-response": RESPONSE_HEADERS_ONLY,
+    "request-only": REQUEST_ONLY,  # what kvgate's gateways send an EPP whose config reads nothing of a response
 }
 BOOTSTRAP_RESAMPLES = 2000
 WARM_REQUESTS = 5  # per path, before the measured stream

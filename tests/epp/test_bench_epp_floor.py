@@ -27,7 +27,8 @@ MODE = processing_mode_pb2.ProcessingMode
 BODY = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 1}).encode()
 
 
-def _stream_messages(request_mode: int, response_mode: int, trailers: bool = False) -> list[pb.ProcessingRequest]:
+def _stream_messages(request_mode: int, response_mode: int, trailers: bool = False,
+                     response_headers: bool = True) -> list[pb.ProcessingRequest]:
     """What Envoy sends for one request whose body comes in two chunks and whose answer streams two chunks."""
     headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
                                           base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")])
@@ -42,7 +43,8 @@ def _stream_messages(request_mode: int, response_mode: int, trailers: bool = Fal
         messages.append(pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY, end_of_stream=not trailers)))
     if trailers:
         messages.append(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
-    messages.append(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=headers)))
+    if response_headers:
+        messages.append(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=headers)))
     if response_mode != MODE.NONE:
         messages.append(pb.ProcessingRequest(response_body=pb.HttpBody(body=b'{"choices": [{"text": "x"}]')))
         messages.append(pb.ProcessingRequest(response_body=pb.HttpBody(
@@ -51,9 +53,10 @@ def _stream_messages(request_mode: int, response_mode: int, trailers: bool = Fal
     return messages
 
 
-CASES = {  # name: (request body mode, response body mode, trailers)
+CASES = {  # name: (request body mode, response body mode, trailers[, response headers sent])
     "full": (MODE.FULL_DUPLEX_STREAMED, MODE.FULL_DUPLEX_STREAMED, False),
     "headers-only-response": (MODE.FULL_DUPLEX_STREAMED, MODE.NONE, False),
+    "request-only": (MODE.FULL_DUPLEX_STREAMED, MODE.NONE, False, False),
     "body-ending-in-trailers": (MODE.FULL_DUPLEX_STREAMED, MODE.FULL_DUPLEX_STREAMED, True),
     "buffered": (MODE.BUFFERED, MODE.BUFFERED, False),
 }
@@ -192,7 +195,7 @@ def test_the_floor_part_answers_every_request_on_every_installed_path(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     floor = json.loads(out.read_text())["floor"]
     servers = [*_installed(), EPP]
-    expected = [NO_EXT_PROC, *(f"{s}/{m}" for s in servers for m in ("full", "headers-only-response"))]
+    expected = [NO_EXT_PROC, *(f"{s}/{m}" for s in servers for m in ("full", "request-only"))]
     assert list(floor["paths"]) == expected
     assert set(floor["skipped"]) == set(IMPLEMENTATIONS) - set(_installed())
     assert sum(row["sent"] for row in floor["paths"].values()) == 60
@@ -202,11 +205,11 @@ def test_the_floor_part_answers_every_request_on_every_installed_path(tmp_path):
         if name != NO_EXT_PROC:
             assert row["added_p50_ci95_ms"][0] <= row["added_p50_ci95_ms"][1]
             assert row["server_cpu_ms_per_request"] is not None and row["server_cpu_ms_per_request_net"] is not None
-    for mode in ("full", "headers-only-response"):
+    for mode in ("full", "request-only"):
         assert floor["modes"][mode]["best_floor"] in _installed()
         assert floor["modes"][mode]["epp_over_best_floor_p50_ms"] is not None
     # the EPPs' own histograms counted their measured requests (the warm-up's were before)
-    for mode in ("full", "headers-only-response"):
+    for mode in ("full", "request-only"):
         row = floor["paths"][f"{EPP}/{mode}"]
         assert row["inside_epp"]["request_path"]["requests"] == row["ok"]
     if pin:
