@@ -174,6 +174,15 @@ def test_short_run_end_to_end(tmp_path):
             assert c["cpus"]["threads_pinned"] > 10, c["cpus"]
     assert "multi-tenant" in run.stdout and "round-robin" in run.stdout and "routed p90" in run.stdout
     assert "EPP ms/req" in run.stdout
+    # --short runs each cell once, on --seed's stream: its interval is over that run's requests, and says so
+    assert result["repeats"] == 1 and result["repeat_seeds"] == [0]
+    for name, c in cells.items():
+        assert c["ci"]["method"] == "within-run" and c["ci"]["runs"] == 1 and "runs" not in c, name
+        lo, hi = c["ci"]["ttft_s"]["p90"]
+        assert lo <= c["ttft_s"]["p90"] <= hi, (name, c["ci"])
+        assert len(c["samples"]["ttft_s"]) == len(c["samples"]["tokens"]) == c["succeeded"], name
+        assert sum(c["samples"]["tokens"]) / c["samples"]["span_s"] == pytest.approx(c["output_tokens_per_s"], rel=0.01)
+    assert f"{cells['round-robin']['ttft_s']['p90']:.2f} [" in run.stdout and "within its one run" in run.stdout
 
 
 def test_base_workloads_send_the_streams_they_always_sent():

@@ -176,3 +176,11 @@ def test_a_lead_gets_an_interval_and_a_verdict_with_95_percent_confidence(tmp_pa
         assert lo < 1.0 < hi and lo < s["p90_lead"] < hi
     assert even["leads_95"] is False and not even["leads"]
     assert leads(json.loads(json.dumps(results))) == found  # the same files, the same intervals
+
+
+def test_repeats_are_bounded_before_anything_starts():
+    from kvgate.cli import main
+
+    for bad in ("0", "51"):
+        with pytest.raises(SystemExit, match="--repeats"):
+            main(["bench", "routing", "--workloads", "multi-tenant", "--repeats", bad])

@@ -308,6 +308,8 @@ def run_bench_routing(args) -> int:
                         **combine_runs(by_run[i])}
                 cell["ci"] = cell_intervals(cell_samples(cell), cell_seed(shape.name, rate, name))
                 cells.append(cell)
+            if args.result_file:  # as it goes (ratios at the end): a sweep of repeats takes hours
+                Path(args.result_file).write_text(json.dumps(result, indent=2))
     for workload in result["workloads"].values():
         add_ratios(workload["cells"])
     print_tables(result)

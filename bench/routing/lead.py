@@ -151,8 +151,8 @@ def print_leads(found: dict[str, dict], subject: str) -> None:
                   "yes" if entry["leads"] else "no", confident)
     console = Console(width=240)
     console.print(t)
-    console.print(f"leads, 95%: on every seed the p90 lead's interval at or above {P90_BAR}, tok lead ≥ {TOK_BAR} and "
-                  f"its interval's lower bound ≥ {TOK_BAR - TOK_MARGIN:g}; -: a cell without samples (an older "
+    console.print(f"leads, 95%: on every seed the p90 lead's interval at or above {P90_BAR}, tok lead ≥ {TOK_BAR} "
+                  f"and its interval's lower bound ≥ {TOK_BAR - TOK_MARGIN:g}; -: a cell without samples (an older "
                   "result file)" + ("; *: some cell ran once, so its interval is within-run only and too narrow "
                                     "(--repeats)" if within else ""))
 

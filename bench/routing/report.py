@@ -110,7 +110,7 @@ def print_tables(result: dict, console=None) -> None:
     for name, workload in result["workloads"].items():
         console.print(table(name, workload["what"], workload["cells"]))
     repeats = result.get("repeats", 1)
-    console.print(f"p90 [lo, hi]: the 95% confidence interval, " + (
+    console.print("p90 \\[lo, hi]: the 95% confidence interval, " + (
         f"a hierarchical bootstrap over the cell's {repeats} runs (each its own request stream) and their requests"
         if repeats > 1 else "a bootstrap over the cell's requests within its one run: it leaves out how much a run's "
         "placement moves between runs, so it is too narrow for a claim (--repeats)"))

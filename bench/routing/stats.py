@@ -16,9 +16,8 @@ interval is a percentile bootstrap:
 A run's output tok/s in a draw is its resampled requests' tokens ÷ its own span (first arrival to last answer).
 
 Few runs: a bootstrap over R runs sees (R − 1)/R of their spread and no more than R of them, so where the runs differ
-more than their requests do, its percentile interval is too narrow (78% for a nominal 95% at R = 5 on synthetic
-runs whose placement effect dominates). Each measure's draws are therefore widened around the point, on a log
-scale, by
+more than their requests do, its percentile interval is too narrow (its coverage at R = 5: docs/benchmarks.md). Each
+measure's draws are therefore widened around the point, on a log scale, by
 
     m = t(0.975, df) / z(0.975) × sqrt(1 + f / (R − 1)),      df = (R − 1) / f²  (Satterthwaite)
 
@@ -27,7 +26,7 @@ the mean of their within-run bootstrap variances, over the runs' variance. Runs 
 interval as drawn; runs that differ as much as a few clusters can (f → 1) get Student's t with R − 1 degrees of
 freedom and the (R − 1)/R bias undone.
 
-Each draw is counts over the requests (a multinomial per drawn run), so the draws are weighted quantiles over the
+Each draw is counts over the requests (how often each was drawn), so the draws are weighted quantiles over the
 runs' requests sorted once: B draws cost O(B × requests). `replicates` gives the draws themselves, for ratios of
 two cells (lead.py bootstraps a lead from the two cells' draws, each cell drawn on its own).
 """
@@ -88,8 +87,9 @@ def replicates(runs: list[RunSample], draws: int = DEFAULT_DRAWS,
     rng = rng if rng is not None else np.random.default_rng(0)
     drawn = _draws(runs, draws, rng)
     if len(runs) > 1:
+        center = point(runs)
         for name, factor in widening(runs, rng).items():
-            drawn[name] = _widen(drawn[name], point(runs)[name], factor)
+            drawn[name] = _widen(drawn[name], center[name], factor)
     return drawn
 
 
