@@ -174,6 +174,15 @@ def test_short_run_end_to_end(tmp_path):
             assert c["cpus"]["threads_pinned"] > 10, c["cpus"]
     assert "multi-tenant" in run.stdout and "round-robin" in run.stdout and "routed p90" in run.stdout
     assert "EPP ms/req" in run.stdout
+    # --short runs each cell once, on --seed's stream: its interval is over that run's requests, and says so
+    assert result["repeats"] == 1 and result["repeat_seeds"] == [0]
+    for name, c in cells.items():
+        assert c["ci"]["method"] == "within-run" and c["ci"]["runs"] == 1 and "runs" not in c, name
+        lo, hi = c["ci"]["ttft_s"]["p90"]
+        assert lo <= c["ttft_s"]["p90"] <= hi, (name, c["ci"])
+        assert len(c["samples"]["ttft_s"]) == len(c["samples"]["tokens"]) == c["succeeded"], name
+        assert sum(c["samples"]["tokens"]) / c["samples"]["span_s"] == pytest.approx(c["output_tokens_per_s"], rel=0.01)
+    assert f"{cells['round-robin']['ttft_s']['p90']:.2f} [" in run.stdout and "within its one run" in run.stdout
 
 
 def test_base_workloads_send_the_streams_they_always_sent():
@@ -187,6 +196,39 @@ def test_base_workloads_send_the_streams_they_always_sent():
         got = hashlib.sha256(json.dumps([(round(r.at, 9), r.prompt, r.key) for r in reqs]).encode()).hexdigest()
         assert got[:16] == digest and len(reqs) == 248, name
         assert {r.max_tokens for r in reqs} == {32}
+
+
+def test_held_out_4_sends_the_streams_it_was_frozen_with():
+    """held-out-4 was chosen and frozen before any routing change ran on it: its shapes' requests (times, prompts,
+    keys, max_tokens; seed 5, 12/s, 20 s) hash as they did when it was frozen, and fit the replicas' context."""
+    import hashlib
+
+    expected = {"agent-sessions": "78fd3dbf5b4378af", "shifting-tenants": "67544bed56442122",
+                "user-documents": "9b51b73b39c8974a"}
+    assert SHAPE_SETS["held-out-4"] == tuple(expected)
+    for name, digest in expected.items():
+        reqs = arrivals(SHAPES[name], 12.0, 20.0, seed=5)
+        got = hashlib.sha256(json.dumps([(round(r.at, 9), r.prompt, r.key) for r in reqs]).encode()).hexdigest()
+        assert got[:16] == digest and len(reqs) == 248, name
+        assert max(len(r.prompt) + r.max_tokens for r in reqs) <= SHAPES[name].context_tokens(), name
+
+
+def test_a_rotating_popularity_moves_the_hot_tenant_every_n_requests():
+    shape = parse_shape("multi-tenant:tenants=6,tenant_skew=2,skew_rotate_every=50")
+    reqs = arrivals(shape, 50.0, 20.0, seed=1)
+    assert len(reqs) >= 600
+    for phase in range(len(reqs) // 50):
+        asked = Counter(r.key.split("/")[0] for r in reqs[50 * phase:50 * (phase + 1)])
+        hottest, coldest = f"t{phase % 6}", f"t{(phase - 1) % 6}"  # the hottest moves on; last one's goes coldest
+        assert asked.most_common(1)[0][0] == hottest and asked[hottest] > 25, (phase, asked)
+        assert asked[coldest] <= 3, (phase, asked)
+    # the same draws as without rotation, each tenant moved on by its phase: prompts and users as before
+    still = arrivals(parse_shape("multi-tenant:tenants=6,tenant_skew=2"), 50.0, 20.0, seed=1)
+    for i, (a, b) in enumerate(zip(reqs, still)):
+        t = int(b.key.split("/")[0][1:])
+        assert a.key == f"t{(t + i // 50) % 6}/{b.key.split('/')[1]}"
+    with pytest.raises(ValueError, match="skew_rotate_every"):
+        parse_shape("multi-tenant:skew_rotate_every=-1")
 
 
 @pytest.mark.slow
@@ -212,8 +254,11 @@ def test_knobs_do_what_they_say():
 
 
 def test_shape_sets_and_command_line_shapes():
-    for held_out in ("held-out", "held-out-2", "held-out-3"):  # judged on, never tuned on
+    held_outs = ("held-out", "held-out-2", "held-out-3", "held-out-4")
+    for held_out in held_outs:  # judged on, never tuned on
         assert not set(SHAPE_SETS[held_out]) & set(SHAPE_SETS["tuning"])
+        assert not set(SHAPE_SETS[held_out]) & {s for other in held_outs if other != held_out
+                                                for s in SHAPE_SETS[other]}
     assert all(name in SHAPES for names in SHAPE_SETS.values() for name in names)
     custom = parse_shape("multi-tenant:tenants=32,burstiness=2.5,kv_tokens=4096")
     assert (custom.tenants, custom.burstiness, custom.kv_tokens, custom.generator) == (32, 2.5, 4096, "multi-tenant")

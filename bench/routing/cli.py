@@ -3,7 +3,9 @@ stream — round-robin, kvgate's EPP profiles, and sglang-router / vllm-router w
 per workload shape (`--workloads`, `--shapes`: workloads.py). One table per shape, `--result-file` JSON, `--plot`
 PNG. `--short` is the test suite's shape.
 
-Every (workload, rate, configuration) cell runs on a fresh stack (cold caches; see runner.py), one at a time.
+Every (workload, rate, configuration) cell runs `--repeats` times, each run on a fresh stack (cold caches; see
+runner.py) with a request stream of its own (repeats.py), one at a time; the cell pools its runs and carries a
+confidence interval per measure (stats.py).
 """
 
 from __future__ import annotations
@@ -16,11 +18,18 @@ from pathlib import Path
 
 from kvgate.bench.routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
 from kvgate.bench.routing.pinning import cpus_flag
+from kvgate.bench.routing.repeats import repeat_seed
 from kvgate.bench.routing.workloads import SHAPE_SETS, SHAPES, WORKLOADS, WorkloadShape, arrivals, parse_shape, \
     with_foreign
 
-SHORT = {"rates": "6", "duration": 6.0, "drain": 20.0}  # --rates, when given, still wins
+SHORT = {"rates": "6", "duration": 6.0, "drain": 20.0, "repeats": 1}  # --rates and --repeats, when given, still win
 DEFAULT_RATES = "2,6,10,14"
+# A cell's default length and runs: what a claim rests on (docs/benchmarks.md, "How much to trust one cell"). Cells
+# as long as those the frozen saturation rates were found with; the runs sample placements, which a longer cell
+# does not.
+DEFAULT_DURATION = 20.0
+DEFAULT_REPEATS = 5
+MAX_REPEATS = 50
 
 
 def _names(text: str, known, what: str) -> list[str]:
@@ -111,7 +120,13 @@ def add_bench_routing_parser(sub) -> None:
                    help=f"requests/s, comma-separated (default {DEFAULT_RATES}); or 'saturation': each shape at its "
                         "own saturation rate (bench/routing/saturation.py SATURATION_RATES, found by "
                         "--find-saturation), or 'saturation:FILE' from a --find-saturation result file")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per cell (default 30)")
+    p.add_argument("--duration", type=float, default=DEFAULT_DURATION,
+                   help=f"seconds of arrivals per run of a cell (default {DEFAULT_DURATION:g})")
+    p.add_argument("--repeats", type=int, default=None, metavar="R",
+                   help=f"runs per cell, each on a fresh stack with its own request stream (the first is --seed's; "
+                        f"bench/routing/repeats.py); the cell pools them and reports a 95%% confidence interval, "
+                        f"hierarchical over runs and requests (one run: over its requests only) (default "
+                        f"{DEFAULT_REPEATS}; 1 with --short)")
     p.add_argument("--drain", type=float, default=60.0,
                    help="seconds after the last arrival before unfinished requests count as failed (default 60)")
     p.add_argument("--replicas", type=int, default=4, help="sim replicas (default 4)")
@@ -121,7 +136,8 @@ def add_bench_routing_parser(sub) -> None:
                         "the pool (hashing the prompt's first 256 characters to a replica), unseen by the router "
                         "under test; the same requests for every configuration (default 0)")
     p.add_argument("--short", action="store_true",
-                   help=f"{SHORT['duration']:g} s per cell, rate {SHORT['rates']}/s unless --rates (the test suite's)")
+                   help=f"{SHORT['duration']:g} s per cell, rate {SHORT['rates']}/s unless --rates, one run per cell "
+                        "unless --repeats (the test suite's)")
     p.add_argument("--gateway-cpus", default=None, metavar="CPUS",
                    help="pin the gateway tier (Envoy + the EPP, or the external router) to these CPUs, e.g. 0 or "
                         "0,2 or 1-3, and the engines and the load to the others: a slower machine's share for the "
@@ -147,7 +163,8 @@ def add_bench_routing_parser(sub) -> None:
     p.add_argument("--lead", default=None, metavar="FILE,FILE,...",
                    help="run nothing: from result files of the same sweep with different seeds, --lead-subject's "
                         "TTFT p90 lead (best router's p90 / its p90, bar 1.5) and output tok/s lead (its tok/s / "
-                        "best router's, bar 1.0) per shape and seed, and whether it clears both bars on every seed "
+                        "best router's, bar 1.0) per shape and seed with their 95%% intervals, whether it clears "
+                        "both bars on every seed, and whether it does with 95%% confidence "
                         "(bench/routing/lead.py; --plot, --result-file)")
     p.add_argument("--lead-subject", default="kvgate", metavar="NAME", help="the configuration --lead judges")
     p.add_argument("--result-file", default=None, help="write every cell as JSON here")
@@ -159,6 +176,11 @@ def add_bench_routing_parser(sub) -> None:
 
 
 MAX_EPP_REPLICAS = 4
+
+
+def _cell_name(config, n: int, sync: bool, insecure: bool) -> str:
+    return config.name if n == 1 else f"{config.name}-x{n}" + ("-nosync" if not sync else "-insecure" if insecure
+                                                                 else "")
 
 
 def _run_lead(args) -> int:
@@ -185,14 +207,20 @@ def _run_lead(args) -> int:
 def run_bench_routing(args) -> int:
     from tqdm import tqdm
 
+    from kvgate.bench.routing.repeats import combine_runs
     from kvgate.bench.routing.report import add_ratios, plot, print_tables
     from kvgate.bench.routing.runner import run_cell
+    from kvgate.bench.routing.stats import cell_intervals, cell_samples, cell_seed
 
     if args.lead:
         return _run_lead(args)
     if args.short:
         args.rates, args.duration, args.drain = args.rates or SHORT["rates"], SHORT["duration"], SHORT["drain"]
+        args.repeats = args.repeats or SHORT["repeats"]
     args.rates = args.rates or DEFAULT_RATES
+    args.repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
+    if not 1 <= args.repeats <= MAX_REPEATS:
+        raise SystemExit(f"kvgate bench routing: --repeats must be in [1, {MAX_REPEATS}], got {args.repeats}")
     shapes = _shapes(args.workloads, args.shapes)
     wanted = _names(args.configs, BY_NAME, "configuration(s)")
     shape_rates = _rates_per_shape(args.rates, shapes)
@@ -212,7 +240,9 @@ def run_bench_routing(args) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the run, not after it
         raise SystemExit("kvgate bench routing: --plot needs matplotlib (pip install 'kvgate[bench]')")
     configs, result = [], {"replicas": args.replicas, "duration_s": args.duration, "drain_s": args.drain,
-                           "seed": args.seed, "foreign_share": args.foreign_share, "rates": rates,
+                           "seed": args.seed, "repeats": args.repeats,
+                           "repeat_seeds": [repeat_seed(args.seed, k) for k in range(args.repeats)],
+                           "foreign_share": args.foreign_share, "rates": rates,
                            "rates_per_shape": shape_rates,
                            "gateway_cpus": sorted(gateway_cpus) if gateway_cpus else None,
                            "epp_replicas": epp_replicas, "epp_peer_sync": args.epp_peer_sync,
@@ -239,33 +269,47 @@ def run_bench_routing(args) -> int:
         run_find_saturation(args, shapes, workdir)  # writes --result-file as it goes
         print(f"logs: {workdir}")
         return 0
-    plan = [(s, r, with_foreign(arrivals(s, r, args.duration, args.seed), args.foreign_share, args.replicas,
-                                args.seed)) for s in shapes for r in shape_rates[s.name]]
-    for shape, _, requests in plan:
-        _fits(shape, requests)
+    seeds = result["repeat_seeds"]
+    # per (shape, rate): one request stream per repeat, the same for every configuration
+    plan = [(s, r, [with_foreign(arrivals(s, r, args.duration, seed), args.foreign_share, args.replicas, seed)
+                    for seed in seeds]) for s in shapes for r in shape_rates[s.name]]
+    for shape, _, streams in plan:
+        for requests in streams:
+            _fits(shape, requests)
     syncs = {"on": [True], "off": [False], "both": [True, False]}[args.epp_peer_sync]
     runs = [(c, n, sync) for c in configs for n in (epp_replicas if c.kind == "epp" else [1])
             for sync in (syncs if n > 1 else [True])]
-    total = sum(len(reqs) for _, _, reqs in plan) * len(runs)
+    total = sum(len(reqs) for _, _, streams in plan for reqs in streams) * len(runs)
+    count, done = len(plan) * len(runs) * len(seeds), 0
     failed = False
     with tqdm(total=total, unit="req", file=sys.stderr, mininterval=1.0, leave=False) as bar:
-        for shape, rate, requests in plan:
+        for shape, rate, streams in plan:
             cells = result["workloads"].setdefault(shape.name, {"what": shape.what, "knobs": shape.knobs(),
                                                                 "cells": []})["cells"]
-            for config, n, sync in runs:
-                name = config.name if n == 1 else f"{config.name}-x{n}" + (
-                    "-nosync" if not sync else "-insecure" if args.epp_peer_sync_insecure else "")
-                bar.set_description(f"{shape.name} {rate:g}/s {name}")
+            by_run: dict[int, list[dict]] = {}
+            # repeat by repeat, every configuration within one: a drift of the machine meets them all alike
+            for repeat, (seed, requests) in enumerate(zip(seeds, streams)):
+                for i, (config, n, sync) in enumerate(runs):
+                    name = _cell_name(config, n, sync, args.epp_peer_sync_insecure)
+                    done += 1
+                    bar.set_description(f"run {done}/{count}: {shape.name} {rate:g}/s {name}"
+                                        + (f" repeat {repeat + 1}/{len(seeds)}" if len(seeds) > 1 else ""))
+                    run = run_cell(workdir, config, shape, requests, replicas=args.replicas, drain_s=args.drain,
+                                   tick=lambda: bar.update(1), gateway_cpus=gateway_cpus, epp_replicas=n,
+                                   epp_peer_sync=sync, epp_peer_sync_insecure=args.epp_peer_sync_insecure,
+                                   per_request=args.per_request)
+                    by_run.setdefault(i, []).append({"seed": seed, **run} if len(seeds) > 1 else run)
+                    failed |= run["sent"] != run["requests"]
+            for i, (config, n, sync) in enumerate(runs):
+                name = _cell_name(config, n, sync, args.epp_peer_sync_insecure)
                 cell = {"configuration": name, "rate": rate,
                         **({"epp_replicas": n} if config.kind == "epp" else {}),
                         **({"epp_peer_sync": sync} if n > 1 else {}),
-                        **run_cell(workdir, config, shape, requests, replicas=args.replicas,
-                                   drain_s=args.drain, tick=lambda: bar.update(1), gateway_cpus=gateway_cpus,
-                                   epp_replicas=n, epp_peer_sync=sync,
-                                   epp_peer_sync_insecure=args.epp_peer_sync_insecure,
-                                   per_request=args.per_request)}
+                        **combine_runs(by_run[i])}
+                cell["ci"] = cell_intervals(cell_samples(cell), cell_seed(shape.name, rate, name))
                 cells.append(cell)
-                failed |= cell["sent"] != cell["requests"]
+            if args.result_file:  # as it goes (ratios at the end): a sweep of repeats takes hours
+                Path(args.result_file).write_text(json.dumps(result, indent=2))
     for workload in result["workloads"].values():
         add_ratios(workload["cells"])
     print_tables(result)

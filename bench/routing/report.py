@@ -2,7 +2,8 @@
 
 Ratios at the same rate: output tok/s ÷ round-robin's (higher is better) and TTFT p90 ÷ round-robin's (lower is
 better); the same against the best external cache-aware router present (highest tok/s, lowest TTFT p90 of
-sglang-router / vllm-router, each taken on its own)."""
+sglang-router / vllm-router, each taken on its own). Each TTFT p90 is printed with its 95% confidence interval
+(the cell's `ci`, stats.py) when it has one."""
 
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def with_interval(value, interval, fmt: str = ".2f") -> str:
+    """`0.43 [0.38, 0.51]`, or the value alone without an interval."""
+    if value is None:
+        return "-"
+    return format(value, fmt) + (f" [{format(interval[0], fmt)}, {format(interval[1], fmt)}]" if interval else "")
+
+
 def table(workload: str, what: str, cells: list[dict]):
     from rich.table import Table
 
@@ -77,7 +85,8 @@ def table(workload: str, what: str, cells: list[dict]):
         row = [f"{c['rate']:g}", c["configuration"], f"{c['succeeded']}/{c['requests']}",
                ", ".join(f"{k} ×{v}" for k, v in c["errors"].items()) or "0",
                f"{c['output_tokens_per_s']:.0f}", _num(vs_rr.get("output_tokens_per_s"), ".2f"),
-               _num(ttft["p50"], ".2f"), _num(ttft["p90"], ".2f"), _num(ttft["p99"], ".2f"),
+               _num(ttft["p50"], ".2f"), with_interval(ttft["p90"], c.get("ci", {}).get("ttft_s", {}).get("p90")),
+               _num(ttft["p99"], ".2f"),
                _num(vs_rr.get("ttft_p90"), ".2f"),
                "-" if c["prefix_cache_hit_rate"] is None else f"{100 * c['prefix_cache_hit_rate']:.0f}%",
                _num(c["load_spread"], ".2f")]
@@ -97,9 +106,14 @@ def table(workload: str, what: str, cells: list[dict]):
 def print_tables(result: dict, console=None) -> None:
     from rich.console import Console
 
-    console = console or Console(width=200)
+    console = console or Console(width=220)
     for name, workload in result["workloads"].items():
         console.print(table(name, workload["what"], workload["cells"]))
+    repeats = result.get("repeats", 1)
+    console.print("p90 \\[lo, hi]: the 95% confidence interval, " + (
+        f"a hierarchical bootstrap over the cell's {repeats} runs (each its own request stream) and their requests"
+        if repeats > 1 else "a bootstrap over the cell's requests within its one run: it leaves out how much a run's "
+        "placement moves between runs, so it is too narrow for a claim (--repeats)"))
     console.print("out tok/s: output tokens of the succeeded requests ÷ seconds from the first arrival to the last "
                   "answer; TTFT in seconds; ×RR: against round-robin at the same rate (×router: the best of "
                   "sglang-router / vllm-router); hit rate: the engines' prefix-cache hits ÷ queries (tokens) over the "
@@ -129,9 +143,16 @@ def plot(result: dict, path: str) -> None:
         for config, cells in by_config.items():
             cells.sort(key=lambda c: c["rate"])
             rates = [c["rate"] for c in cells]
-            axes[row][0].plot(rates, [c["ttft_s"]["p90"] for c in cells], marker="o", label=config)
+            p90s = [c["ttft_s"]["p90"] for c in cells]
+            intervals = [c.get("ci", {}).get("ttft_s", {}).get("p90") for c in cells]
+            if all(i is not None and p is not None for i, p in zip(intervals, p90s)):
+                errors = [[p - i[0] for p, i in zip(p90s, intervals)], [i[1] - p for p, i in zip(p90s, intervals)]]
+                axes[row][0].errorbar(rates, p90s, yerr=[[max(e, 0) for e in side] for side in errors],
+                                      marker="o", capsize=3, label=config)
+            else:
+                axes[row][0].plot(rates, p90s, marker="o", label=config)
             axes[row][1].plot(rates, [c["output_tokens_per_s"] for c in cells], marker="o", label=config)
-        axes[row][0].set(title=f"{name}: TTFT p90", xlabel="requests/s", ylabel="seconds", yscale="log")
+        axes[row][0].set(title=f"{name}: TTFT p90 (95% interval)", xlabel="requests/s", ylabel="seconds", yscale="log")
         axes[row][1].set(title=f"{name}: output throughput", xlabel="requests/s", ylabel="tokens/s")
         axes[row][0].legend(fontsize="small")
     fig.tight_layout()

@@ -293,6 +293,10 @@ def summarize(outcomes: list[Outcome], start: float, before: dict[str, dict], af
         "served_per_endpoint": served,  # engine-side, so any router's choice is counted the same way
         "load_spread": round(max(served.values()) / mean, 3) if mean else None,  # busiest / mean; 1.0 = even
         "seconds": round(end - start, 2),
+        # what stats.py resamples for the cell's confidence intervals: each succeeded request's TTFT and output
+        # tokens, and the span tok/s divides by
+        "samples": {"ttft_s": [round(o.first_token_at - o.sent_at, 4) for o in ok], "tokens": [o.tokens for o in ok],
+                    "span_s": round(end - start, 4)},
     }
 
 
@@ -436,8 +440,9 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
             result["epp_time"] = epp_time(epp_before, _summed_histograms(up))  # every replica's requests
         if any(r.foreign is not None for r in requests):  # the requests the configuration itself routed
             routed = [o for o, r in zip(outcomes, requests) if r.foreign is None]
-            result["routed"] = {"requests": len(routed), "ttft_s": _percentiles(
-                [o.first_token_at - o.sent_at for o in routed if o.ok()])}
+            ttfts = [o.first_token_at - o.sent_at for o in routed if o.ok()]
+            result["routed"] = {"requests": len(routed), "ttft_s": _percentiles(ttfts),
+                                "samples_ttft_s": [round(t, 4) for t in ttfts]}
         result["logs"] = str(up.stack.workdir)
         if per_request:
             result["per_request"] = request_records(outcomes, requests, start)

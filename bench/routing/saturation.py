@@ -39,13 +39,15 @@ DEFAULT_BISECT_STEPS = 2
 # Each shape's saturation rate on the bench's 4 sim replicas: what `--rates saturation` runs each shape at. Found
 # by `kvgate bench routing --find-saturation --shapes tuning,held-out,held-out-2,held-out-3 --duration 20 --drain 20
 # --saturation-start 6 --seed 0` and, for the mixed-hardware set, `kvgate bench routing --find-saturation --shapes
-# mixed-hardware --duration 15 --drain 30` (every probe in docs/benchmarks.md). Kept fixed like the held-out sets:
-# rates are not re-found to suit a profile.
+# mixed-hardware --duration 15 --drain 30`, and for held-out-4 the first command's flags with `--workloads NAME`, one
+# shape at a time (every probe in docs/benchmarks.md). Kept fixed like the held-out sets: rates are not re-found to
+# suit a profile.
 SATURATION_RATES: dict[str, float] = {
     "multi-tenant": 16.53, "multi-turn": 14.94, "no-reuse": 18.30, "many-tenants": 22.41, "bursty-tenants": 16.53,
     "hot-tenant": 22.41, "long-output": 8.13, "small-kv": 9.00, "deep-chat": 9.96, "mixed-lengths": 16.53,
     "small-kv-turns": 11.02, "mixed-speed": 9.00, "mixed-speed-no-reuse": 12.20,
     "mixed-generations": 8.13, "mixed-kv": 11.02, "skewed-tenants": 20.25,
+    "agent-sessions": 6.64, "shifting-tenants": 30.38, "user-documents": 20.25,
 }
 MAX_RESULT_BYTES = 1 << 20
 
@@ -153,7 +155,11 @@ def run_find_saturation(args, shapes, workdir) -> dict:
                 requests = arrivals(shape, rate, args.duration, args.seed)
                 cell = run_cell(workdir, round_robin, shape, requests, replicas=args.replicas, drain_s=args.drain)
                 bar.update(1)
-                return cell_p90(cell)
+                p90 = cell_p90(cell)
+                if p90 is None:  # what failed, for the record: the search goes on past it
+                    print(f"{shape.name} {rate:.2f}/s failed: {cell['sent']}/{cell['requests']} sent, errors "
+                          f"{cell['errors']}, logs {cell['logs']}", file=sys.stderr, flush=True)
+                return p90
 
             found = find_saturation(measure, factor=args.saturation_factor, start_rate=args.saturation_start)
         result["workloads"][shape.name] = {"what": shape.what, "knobs": shape.knobs(), **found.as_dict()}

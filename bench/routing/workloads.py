@@ -6,7 +6,9 @@ characters is its length in tokens (the sim backend's byte tokenizer).
 - multi-tenant: T tenants, each a long system prompt; U users per tenant, each with a context of their own; every
   request is tenant system prompt + user context + a fresh question (llm-d's shared-prefix benchmark, scaled
   down). Which tenant asks is uniform at random, or Zipf-skewed (`tenant_skew` s: weights 1/(i+1)^s); the user
-  uniform within it.
+  uniform within it. With `skew_rotate_every` N the popularity moves on every N requests: the ranking rotates by one
+  place, so the second most popular tenant becomes the hottest and the hottest the least asked (a tenant mix that
+  shifts while the cell runs; counted in requests, not seconds, so every rate still sends the same prompts).
 - multi-turn: C conversations; a request is a conversation's next turn: its whole history so far (system, every
   earlier question and a stand-in reply) + a new question, so each conversation's prompt grows. The reply in the
   history is text of the turn's output length, not what the engine answered: what a router can reuse is the
@@ -63,6 +65,7 @@ class WorkloadShape:
     user_context_len: int = 0
     question_len: int = 0
     tenant_skew: float = 0.0
+    skew_rotate_every: int = 0  # requests between rotations of the popularity ranking; 0: it never moves
     # multi-turn
     conversations: int = 0
     reply_len: int = 0
@@ -87,13 +90,14 @@ class WorkloadShape:
         if self.generator not in KINDS:
             raise ValueError(f"unknown workload kind {self.generator!r}; known: {', '.join(KINDS)}")
         if self.output_len < 1 or self.kv_tokens < 256 or self.burstiness <= 0 or self.length_spread < 0 \
-                or self.output_spread < 0 or self.tenant_skew < 0 or self.ttft_objective_ms < 0 \
+                or self.output_spread < 0 or self.tenant_skew < 0 or self.skew_rotate_every < 0 \
+                or self.ttft_objective_ms < 0 \
                 or not 0.0 <= self.objective_share <= 1.0 \
                 or self.slow_replicas < 0 or not 1.0 <= self.slowdown <= MAX_SLOWDOWN \
                 or 0 < self.slow_kv_tokens < 256 or self.slow_kv_tokens < 0 or self.prefill_chunk < 0:
             raise ValueError(f"workload {self.name!r}: output_len ≥ 1, kv_tokens and slow_kv_tokens ≥ 256 (0: "
                              "kv_tokens), burstiness > 0, the spreads, skew, TTFT objective, slow_replicas and "
-                             "prefill_chunk ≥ 0, objective_share in [0, 1], "
+                             "prefill_chunk and skew_rotate_every ≥ 0, objective_share in [0, 1], "
                              f"1 ≤ slowdown ≤ {MAX_SLOWDOWN:g}")
 
     @property
@@ -179,6 +183,21 @@ SHAPES = {
     "skewed-tenants": _shape("skewed-tenants", "multi-tenant", "16 tenants, Zipf-skewed (s=0.8: the first asks "
                              "~23%, the second ~13%), 1500-token system prompts, 6 users each", tenants=16,
                              tenant_skew=0.8, system_len=1500, users_per_tenant=6),
+    # held-out-4: chosen and frozen before any routing change of its round was run on it; round-robin alone found
+    # their saturation rates
+    "agent-sessions": _shape("agent-sessions", "multi-turn", "12 agent sessions, each a 1000-token tool prompt of "
+                             "its own, up to 8 steps of a ~60-token instruction (spread 0.5) and a 500-token tool "
+                             "output, ~64 output tokens (spread 0.5): a context that grows fast", conversations=12,
+                             system_len=1000, max_turns=8, question_len=60, reply_len=500, length_spread=0.5,
+                             output_len=64, output_spread=0.5),
+    "shifting-tenants": _shape("shifting-tenants", "multi-tenant", "10 tenants, Zipf-skewed (s=1.0: the hottest "
+                               "asks ~34%), 1500-token system prompts, whose ranking rotates every 80 requests (the "
+                               "second becomes the hottest, the hottest the least asked)", tenants=10,
+                               tenant_skew=1.0, skew_rotate_every=80, system_len=1500),
+    "user-documents": _shape("user-documents", "multi-tenant", "12 tenants x short 400-token system prompts x 2 "
+                             "users, each with a 1000-token document of their own, ~200-token questions (spread "
+                             "0.5): what is reused is the user's, not the tenant's", tenants=12, system_len=400,
+                             users_per_tenant=2, user_context_len=1000, question_len=200, length_spread=0.5),
 }
 
 SHAPE_SETS = {
@@ -187,6 +206,7 @@ SHAPE_SETS = {
     "held-out": ("hot-tenant", "long-output", "small-kv", "deep-chat", "mixed-lengths"),
     "held-out-2": ("small-kv-turns",),
     "held-out-3": ("skewed-tenants",),
+    "held-out-4": ("agent-sessions", "shifting-tenants", "user-documents"),
     "mixed-hardware": ("mixed-speed", "mixed-speed-no-reuse", "mixed-generations", "mixed-kv"),
 }
 
@@ -244,8 +264,10 @@ def prompts(shape: WorkloadShape, n: int, seed: int) -> list[tuple[str, str]]:
                     for _ in range(shape.tenants)]
         weights = [1.0 / (i + 1) ** shape.tenant_skew for i in range(shape.tenants)] if shape.tenant_skew else None
         out = []
-        for _ in range(n):
+        for i in range(n):
             t = rng.choices(range(shape.tenants), weights)[0] if weights else rng.randrange(shape.tenants)
+            if shape.skew_rotate_every:  # the draw is a rank; the tenant holding it moves on every N requests
+                t = (t + i // shape.skew_rotate_every) % shape.tenants
             u = rng.randrange(shape.users_per_tenant)
             question = random_text(rng, _length(rng, shape.question_len, shape.length_spread))
             out.append((f"t{t}/u{u}", systems[t] + contexts[t][u] + question))
