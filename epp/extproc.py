@@ -94,6 +94,24 @@ def _destination(value: str, rewritten_body: bytes | None, *, buffered_body: boo
     return common, metadata
 
 
+# The headers answer of an untraced, FULL_DUPLEX_STREAMED decision depends only on the destination list: built once
+# per list and reused (the messages are never changed once built; grpc serializes each at its write). Bounded:
+# emptied when it holds _ROUTING_ANSWERS_MAX lists (a pool's endpoints, and their fallback orders, are far fewer).
+_ROUTING_ANSWERS_MAX = 4096
+_routing_answers: dict[str, pb.ProcessingResponse] = {}
+
+
+def _routing_headers_answer(value: str) -> pb.ProcessingResponse:
+    answer = _routing_answers.get(value)
+    if answer is None:
+        if len(_routing_answers) >= _ROUTING_ANSWERS_MAX:
+            _routing_answers.clear()
+        common, metadata = _destination(value, None, buffered_body=False)
+        answer = _routing_answers[value] = pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+    return answer
+
+
 def _immediate(status: int, message: str, headers: dict[str, str] | None = None,
                anthropic: bool = False) -> pb.ProcessingResponse:
     """A refusal in the client API's error shape: Anthropic's on its Messages path, else OpenAI's."""
@@ -171,7 +189,7 @@ class _RequestStream:
         self.response_full_duplex = False
         self.headers: dict[str, str] = {}
         self.subset: list[str] | None = None
-        self.body = bytearray()
+        self.body: bytes | bytearray = b""  # the request body until the decision: one chunk as it came, or joined
         self.request: LLMRequest | None = None
         # (raw, body, end_of_stream, responses to send after the decision): a decision that waits for the
         # director's prepare step (a long prompt's tokenization, off the loop), which Process awaits
@@ -205,9 +223,15 @@ class _RequestStream:
         if kind == "request_body":
             if self.decided:  # after a refusal Envoy stops the stream; nothing more to buffer
                 return []
-            if len(self.body) + len(msg.request_body.body) > self.max_body_bytes:
+            chunk = msg.request_body.body
+            if len(self.body) + len(chunk) > self.max_body_bytes:
                 return [self._refuse(413, f"the request body is larger than {self.max_body_bytes} bytes")]
-            self.body += msg.request_body.body
+            if self.body:
+                self.body += chunk
+            elif msg.request_body.end_of_stream:  # the whole body in one message: used as it is, no copy
+                self.body = chunk
+            else:
+                self.body = bytearray(chunk)
             if msg.request_body.end_of_stream or not self.request_full_duplex:  # BUFFERED: one message, answer it
                 return self._decide_on_body(end_of_stream=msg.request_body.end_of_stream)
             return []
@@ -258,7 +282,7 @@ class _RequestStream:
         self.decided = True
         self.request = None
         self.deferred = None
-        self.body = bytearray()
+        self.body = b""
         self._count(status)
         if self.span is not None:
             self.span.refused(status, message)
@@ -267,7 +291,7 @@ class _RequestStream:
     def _decide_on_body(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         self.path_started = time.perf_counter()
         rid = self.headers.get("x-request-id") or uuid.uuid4().hex
-        raw, self.body = bytes(self.body), bytearray()  # held no longer than the decision
+        raw, self.body = bytes(self.body), b""  # held no longer than the decision (bytes(bytes) is no copy)
         try:
             self.request, body = parse_request(rid, raw, self.headers)
         except BadRequest as exc:
@@ -306,10 +330,15 @@ class _RequestStream:
         value = ",".join(s.address for s in ordered)
         self._count(200)
         if self.request_full_duplex:
-            common, metadata = _destination(value, None, buffered_body=False, trace_headers=trace_headers)
+            if trace_headers:
+                common, metadata = _destination(value, None, buffered_body=False, trace_headers=trace_headers)
+                headers_answer = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
+                                                       dynamic_metadata=metadata)
+            else:
+                headers_answer = _routing_headers_answer(value)
             out_body = rewritten if rewritten is not None else raw
             return [
-                pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata),
+                headers_answer,
                 pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
                     body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                         body=out_body, end_of_stream=end_of_stream))))),
@@ -356,7 +385,7 @@ class _RequestStream:
 
     def _count(self, code: int) -> None:
         if self.metrics is not None:
-            self.metrics.requests.labels(str(code)).inc()
+            self.metrics.request_count(code).inc()
 
     def release(self) -> None:
         if self.released or self.request is None or self.picked is None:
@@ -364,7 +393,7 @@ class _RequestStream:
         self.released = True
         if self.response_open and not self.response_body_seen:
             _warn_body_bypassed(self.director)
-        usage = find_usage(bytes(self.tail)) or (0, 0)
+        usage = (find_usage(bytes(self.tail)) if self.tail else None) or (0, 0)
         self.director.release(self.request, self.picked, *usage)
         if self.span is not None:
             self.span.usage(*usage)

@@ -292,6 +292,14 @@ class EppMetrics:
             ["fairness_id", "priority", "outcome"], registry=r,
             buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
         self._flow_ids: set[str] = set()
+        self._request_counts: dict[int, object] = {}
+
+    def request_count(self, code: int):
+        """The requests counter's child for a result code (a handful of codes: looked up once each)."""
+        child = self._request_counts.get(code)
+        if child is None:
+            child = self._request_counts[code] = self.requests.labels(str(code))
+        return child
 
     def observe_flow(self, flow_id: str, priority: int, outcome: str, seconds: float) -> None:
         """FlowController's observer. Flow ids are client text: past MAX_FLOW_LABELS distinct ones the histogram
