@@ -23,8 +23,7 @@ Modelled on upstream's datalayer (a collector per endpoint, a data source, an ex
 - an answer is read (HTTP framing, in httptools) as it arrives, and queued; the pages are parsed from the queue
   ANSWER_TURN_S of the loop's time at a time, the loop polling its sockets between turns, so that a burst of answers
   holds a request's messages back for one turn, not for all of them (`kvgate bench epp --parts scale`).
-- a round is spread over its period (the interval, or what the share below allows): its endpoints are asked in
-  slices of ROUND_SLICE, the slices evenly apart,
+- a round is spread over the interval: its endpoints are asked in slices of ROUND_SLICE, the slices evenly apart,
   so that the answers of a large pool come back spread too, and a request's messages on the same event loop wait
   for one slice's answers at most, never a whole round's (a pool of up to ROUND_SLICE endpoints is asked at once).
 - scraping takes at most SCRAPE_LOOP_SHARE of the event loop, the pool together: a round whose sends and answers
@@ -60,7 +59,7 @@ FAILURES_OUT_OF_ROTATION = 2
 PREFILL_TIMING_SERIES = DIALECTS["vllm"].prefill_seconds.name  # the series the log names (kvgate engines export it)
 READ_BACKOFF = 10.0  # an endpoint whose answer took c seconds to read and parse waits READ_BACKOFF·c for its next
 LOG_EVERY_S = 30.0  # at most one log line per endpoint this often about values its pages carried out of range
-ROUND_SLICE = 25  # endpoints asked at once; a round of more is spread over its period in slices of this many
+ROUND_SLICE = 50  # endpoints asked at once; a round of more is spread over the interval in slices of this many
 ANSWER_TURN_S = 0.0005  # pages parsed from the queue at a time, at least one, before the loop polls its sockets
 SCRAPE_LOOP_SHARE = 0.5  # of the event loop's time, at most, that scraping the pool takes (its CPU, sends and answers)
 
@@ -420,15 +419,14 @@ class Datalayer:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        period = self.interval  # what a round takes: the interval, or longer where the share holds it back
         async for now in self.ticker.ticks():
             began, cpu_before = now, self.scrape_cpu_s
             self.rounds += 1
             order = self._order
             slices = max(1, -(-len(order) // ROUND_SLICE))
             for k in range(slices):
-                if k:  # the slices evenly over the round
-                    await asyncio.sleep(max(0.0, began + k * period / slices - loop.time()))
+                if k:  # the slices evenly over the interval
+                    await asyncio.sleep(max(0.0, began + k * self.interval / slices - loop.time()))
                     now = loop.time()
                 self._scrape_slice(order[k * ROUND_SLICE:(k + 1) * ROUND_SLICE], now)
             for listener in self.round_listeners:
@@ -436,11 +434,9 @@ class Datalayer:
                     listener()
                 except Exception:  # a listener's bug must not stop scraping
                     log.exception("datalayer round listener failed")
-            # The pool's share of the loop: this round's sends and the answers read since it began; the next round's
-            # slices are spread over the period it allows.
-            period = max(self.interval, (self.scrape_cpu_s - cpu_before) / SCRAPE_LOOP_SHARE)
-            hold = began + period - loop.time()
-            if hold > 0 and period > self.interval:
+            # The pool's share of the loop: this round's sends and the answers read since the last round began.
+            hold = (self.scrape_cpu_s - cpu_before) / SCRAPE_LOOP_SHARE - (loop.time() - began)
+            if hold > 0:
                 await asyncio.sleep(hold)
 
     def _scrape_slice(self, collectors: tuple[EndpointCollector, ...], now: float) -> None:
