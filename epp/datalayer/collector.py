@@ -28,9 +28,8 @@ Modelled on upstream's datalayer (a collector per endpoint, a data source, an ex
   for one slice's answers at most, never a whole round's (a pool of up to ROUND_SLICE endpoints is asked at once).
 - scraping takes at most SCRAPE_LOOP_SHARE of the event loop, the pool together: a round whose sends and answers
   took c seconds of the loop's CPU is followed by the next no sooner than c / SCRAPE_LOOP_SHARE after it began.
-  The interval holds wherever the pool's pages cost less than that (a kvgate or vLLM page filtered to the dialect's
-  families costs ~0.1 ms: 250 endpoints at 50 ms); past it, each endpoint is scraped less often, as often as the
-  share allows, rather than the requests waiting on the loop. `kvgate_epp_scrapes_total`'s rate over the
+  The interval holds wherever the pool's pages cost less than that; past it, each endpoint is scraped less often,
+  as often as the share allows, rather than the requests waiting on the loop. `kvgate_epp_scrapes_total`'s rate over the
   endpoints shows the interval achieved; the in-flight overlay (scheduling/live_load.py) counts the requests
   routed since an endpoint's last scrape, whatever its age.
 After each round the Datalayer calls its round listeners on the event loop: the EPP's Prometheus exporter
