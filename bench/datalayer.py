@@ -4,8 +4,9 @@ A child process serves a realistic vLLM-shaped /metrics page (the shape `kvgate 
 gauges, counters, four latency histograms; the LoRA info gauge's value is a fresh timestamp on every answer,
 as vLLM's and ours are, so no two bodies are identical) from N loopback keep-alive servers. Like
 prometheus_client's exposition, it honours `?name[]=`. This process runs the Datalayer over them for a fixed
-time and reports scrapes/s, the achieved interval against the target, and this process's CPU
-(time.process_time / wall: the child's serving is not counted). Each endpoint count also runs a baseline in
+time and reports scrapes/s, the achieved interval against the target, this process's CPU
+(time.process_time / wall: the child's serving is not counted), and the loop's lag: how late a 2 ms timer on the
+same event loop fires, the wait a request's message would see behind the scraping. Each endpoint count also runs a baseline in
 the same command — by default the same Datalayer reading the whole page (no name[] filter) — and prints the
 ratio. `--datalayer-class module:Class` runs another implementation with the same API (start, stop,
 set_endpoints, stats, states; e.g. an older copy) for before/after numbers.
@@ -171,6 +172,28 @@ def _load_class(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
+LAG_PERIOD_S = 0.002  # the loop-lag probe's timer
+
+
+async def _probe_loop_lag(lags: list[float]) -> None:
+    """How late a 2 ms timer fires, again and again: what a request's message on the same event loop waits for
+    the scraping's callbacks (a read of the socket and a timer wait for the same turn of the loop)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t0 = loop.time()
+        await asyncio.sleep(LAG_PERIOD_S)
+        lags.append(loop.time() - t0 - LAG_PERIOD_S)
+
+
+def _lag_summary(lags: list[float]) -> dict:
+    if not lags:
+        return {"loop_lag_p50_ms": None, "loop_lag_p99_ms": None, "loop_lag_max_ms": None}
+    lags = sorted(lags)
+    return {"loop_lag_p50_ms": round(1000 * lags[len(lags) // 2], 3),
+            "loop_lag_p99_ms": round(1000 * lags[min(len(lags) - 1, int(0.99 * len(lags)))], 3),
+            "loop_lag_max_ms": round(1000 * lags[-1], 3)}
+
+
 async def _measure(cls, ports: list[int], interval: float, seconds: float, whole_page: bool, tick) -> dict:
     kwargs = {"interval": interval}
     filters = "filter_families" in inspect.signature(cls).parameters  # an older implementation may not
@@ -181,12 +204,15 @@ async def _measure(cls, ports: list[int], interval: float, seconds: float, whole
     await layer.start()
     try:
         await asyncio.sleep(1.0)  # connect and warm up before measuring
+        lags: list[float] = []
+        probe = asyncio.get_running_loop().create_task(_probe_loop_lag(lags))
         before, cpu0, wall0 = layer.stats(), time.process_time(), time.perf_counter()
         steps = max(1, int(seconds / 0.25))
         for _ in range(steps):
             await asyncio.sleep(seconds / steps)
             tick(seconds / steps)
         after, cpu1, wall1 = layer.stats(), time.process_time(), time.perf_counter()
+        probe.cancel()
         fresh = sum(not s.stale for s in layer.states())
     finally:
         await layer.stop()
@@ -206,6 +232,7 @@ async def _measure(cls, ports: list[int], interval: float, seconds: float, whole
         "cpu_us_per_scrape": round(1e6 * cpu / scrapes, 1) if scrapes else None,
         "failures": after["failures"] - before["failures"],
         "fresh_endpoints": fresh,
+        **_lag_summary(lags),
     }
 
 
@@ -254,7 +281,7 @@ def run_bench_scrape(args: argparse.Namespace) -> int:
                     row["filtered"]["epp_cpu_cores"] / row["whole_page"]["epp_cpu_cores"], 3)
             results.append(row)
     header = f"{'endpoints':>9} {'mode':>10} {'scrapes/s':>10} {'target':>8} {'interval ms':>11} " \
-             f"{'EPP cores':>9} {'us/scrape':>9} {'fails':>6} {'fresh':>6}"
+             f"{'EPP cores':>9} {'us/scrape':>9} {'fails':>6} {'fresh':>6} {'loop lag p50/p99/max ms':>24}"
     print(header)
     for row in results:
         for key in ("filtered", "whole_page"):
@@ -263,7 +290,8 @@ def run_bench_scrape(args: argparse.Namespace) -> int:
                 continue
             print(f"{r['endpoints']:>9} {r['mode']:>10} {r['scrapes_per_s']:>10.0f} {r['target_scrapes_per_s']:>8.0f} "
                   f"{r['achieved_interval_ms'] or 0:>11.1f} {r['epp_cpu_cores']:>9.3f} {r['cpu_us_per_scrape'] or 0:>9.1f} "
-                  f"{r['failures']:>6} {r['fresh_endpoints']:>6}")
+                  f"{r['failures']:>6} {r['fresh_endpoints']:>6} "
+                  f"{r['loop_lag_p50_ms']:>8.2f}/{r['loop_lag_p99_ms']:.2f}/{r['loop_lag_max_ms']:.2f}")
         if "cpu_ratio_filtered_vs_whole_page" in row:
             print(f"{'':>9} filtered / whole page CPU: {row['cpu_ratio_filtered_vs_whole_page']:.2f}x")
     if len(results) > 1:

@@ -26,7 +26,10 @@ def add_bench_epp_parser(sub) -> None:
     p.add_argument("--request-rate", type=float, default=25.0, help="requests/s for the latency comparison")
     p.add_argument("--parts", default="scheduling,latency",
                    help="comma-separated: scheduling (decision time), latency (Envoy + EPP), floor (one Envoy: no "
-                        "ext_proc, do-nothing ext-proc servers and the EPP, one request stream)")
+                        "ext_proc, do-nothing ext-proc servers and the EPP, one request stream), scale (the added "
+                        "latency at each of --endpoint-counts real endpoints: bench/epp_scale.py)")
+    p.add_argument("--scale-idle-seconds", type=float, default=3.0,
+                   help="scale part: seconds the EPP's CPU and scrape interval are measured while it only scrapes")
     p.add_argument("--epp-cpus", default=None, metavar="CPUS",
                    help="latency part: pin the EPP to these CPUs (e.g. 0; Linux) and the engine, both Envoys and "
                         "the load to the others — the EPP on a core of its own; floor part: every ext-proc server "
@@ -129,19 +132,9 @@ def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None =
         direct_header = {DESTINATION_HEADER: endpoint}
         asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", warm, rate, {}, "warm-epp"))
         asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", warm, rate, direct_header, "warm-direct"))
-        # Alternating rounds, so that a drift of the machine's load (which moves the engine's latency between runs)
-        # falls on both paths alike; the added p50 is also taken per round.
         epp_before = epp_histograms(epp_metrics(metrics))
-        via_epp, direct, rounds = [], [], []
-        per_round = max(1, n // ROUNDS)
-        for k in range(ROUNDS):
-            e = asyncio.run(_timed_requests(f"http://127.0.0.1:{gw_port}", per_round, rate, {}, f"epp{k}"))
-            d = asyncio.run(_timed_requests(f"http://127.0.0.1:{direct_port}", per_round, rate, direct_header,
-                                            f"direct{k}"))
-            via_epp += e
-            direct += d
-            if e and d:
-                rounds.append(1000 * (float(np.percentile(e, 50)) - float(np.percentile(d, 50))))
+        via_epp, direct, rounds = alternate_rounds(f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{direct_port}",
+                                                   direct_header, n, rate)
         # the EPP's own share: from a request's body to its routing answer, inside the EPP (the rest of what it adds
         # is gRPC messages and Envoy's ext_proc work)
         inside = epp_time(epp_before, epp_histograms(epp_metrics(metrics)))
@@ -152,8 +145,33 @@ def measure_added_latency(n: int, rate: float, epp_cpus: frozenset[int] | None =
         spans = receiver.count() if receiver else None
         if receiver:
             receiver.stop()
-    out = {"rate": rate, "requests": n, "cpus": pinned, "tracing": tracing, "spans_exported": spans, "added_p50_ms_per_round": [round(r, 3) for r in rounds],
-           "added_p50_ms_median_of_rounds": float(np.median(rounds)) if rounds else None, "inside_epp": inside}
+    return {"rate": rate, "requests": n, "cpus": pinned, "tracing": tracing, "spans_exported": spans,
+            **added_latency(via_epp, direct, rounds), "inside_epp": inside}
+
+
+def alternate_rounds(epp_url: str, direct_url: str, direct_header: dict, n: int, rate: float,
+                     tag: str = "", progress=None) -> tuple[list[float], list[float], list[float]]:
+    """`n` requests each through the EPP's gateway and the direct one, in ROUNDS alternating rounds, so that a drift
+    of the machine's load (which moves the engine's latency between runs) falls on both paths alike: (latencies
+    via the EPP, latencies direct, the added p50 of each round in ms). `progress(k)`: k requests done."""
+    via_epp, direct, rounds = [], [], []
+    per_round = max(1, n // ROUNDS)
+    for k in range(ROUNDS):
+        e = asyncio.run(_timed_requests(epp_url, per_round, rate, {}, f"{tag}epp{k}"))
+        d = asyncio.run(_timed_requests(direct_url, per_round, rate, direct_header, f"{tag}direct{k}"))
+        via_epp += e
+        direct += d
+        if e and d:
+            rounds.append(1000 * (float(np.percentile(e, 50)) - float(np.percentile(d, 50))))
+        if progress is not None:
+            progress(2 * per_round)
+    return via_epp, direct, rounds
+
+
+def added_latency(via_epp: list[float], direct: list[float], rounds: list[float]) -> dict:
+    """Both paths' answered requests, p50/p99 (ms), and what the EPP added: absolute, as a ratio, per round."""
+    out = {"added_p50_ms_per_round": [round(r, 3) for r in rounds],
+           "added_p50_ms_median_of_rounds": float(np.median(rounds)) if rounds else None}
     for name, values in (("envoy_epp", via_epp), ("envoy_direct", direct)):
         a = np.asarray(values) * 1000
         out[name] = {"ok": len(values), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
@@ -168,7 +186,7 @@ def run_bench_epp(args: argparse.Namespace) -> int:
     from kvgate.bench.scheduling import bench_prefix_match, bench_scheduling
 
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    unknown = parts - {"scheduling", "latency", "floor"}
+    unknown = parts - {"scheduling", "latency", "floor", "scale"}
     if unknown:
         raise SystemExit(f"kvgate bench epp: unknown part(s) {', '.join(sorted(unknown))}")
     floor_modes, floor_servers = _floor_choices(args) if "floor" in parts else ([], [])
@@ -222,6 +240,10 @@ def run_bench_epp(args: argparse.Namespace) -> int:
         results["floor"] = measure_floor(args.latency_requests, args.request_rate, floor_modes, floor_servers,
                                          epp_cpus, args.floor_seed)
         print("\n" + format_floor(results["floor"]), flush=True)
+    if "scale" in parts:
+        from kvgate.bench.epp_scale import run_scale_part
+
+        run_scale_part(args, results)
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(results, indent=2))
     return 0

@@ -46,6 +46,7 @@ class Snapshot(NamedTuple):
     # Datalayer.endpoint_counts(): per endpoint, failed scrapes by reason and dropped values by (family, reason)
     endpoint_counts: tuple = ()
     scheduling_faults: Mapping[str, int] = {}  # Scheduler.endpoint_faults: decisions a plugin failed on its data
+    scrapes: int = 0  # successful /metrics scrapes of every endpoint together (Datalayer.stats)
 
 
 # The precise scorer's gauges; every other key of its stats is a cumulative count of KV-event batches or blocks.
@@ -101,7 +102,8 @@ class EndpointGauges:
         self.snapshot = Snapshot(rows, self.director.datalayer.staleness, self.director.scheduler.stats(),
                                  flow.rows() if flow is not None else None,
                                  tuple(self.director.datalayer.endpoint_counts()),
-                                 dict(self.director.scheduler.endpoint_faults))
+                                 dict(self.director.scheduler.endpoint_faults),
+                                 self.director.datalayer.stats()["scrapes"])
         if self.tokens is not None:
             self.tokens.retain({row.address for row in rows})
 
@@ -147,6 +149,11 @@ class EndpointGauges:
             timed.add_metric(labels, 1.0 if row.prefill_rate_timed else 0.0)
         yield from (queue, kv, running, stale, age, flight, available, rate, timed)
         yield from _endpoint_input_families(snapshot)
+        scrapes = CounterMetricFamily("kvgate_epp_scrapes", "Successful /metrics scrapes, every endpoint together: "
+                                      "its rate over the endpoints is each endpoint's scrapes per second, whose "
+                                      "inverse is the interval the datalayer achieves.")
+        scrapes.add_metric([], snapshot.scrapes)
+        yield scrapes
         values = snapshot.plugin_stats.get("prefix_index") or {}
         if values:
             size = GaugeMetricFamily("kvgate_epp_prefix_index_size", "Block hashes in the prefix index.")

@@ -6,6 +6,10 @@ import argparse
 import functools
 import logging
 import sys
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from kvgate.engine.server.lifecycle import DrainingServer
 
 
 def add_serve_parser(sub) -> None:
@@ -81,7 +85,36 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=run_serve)
 
 
+class BuiltServer(NamedTuple):
+    """What `kvgate serve` runs: the uvicorn server over the app, and what to close and report after it stops."""
+    server: "DrainingServer"
+    served: str  # the served model name
+    tracing: object | None  # the tracing provider, shut down after the server stops
+    fatal: list  # the engine's fatal error, once it has one
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    built = build_server(args)
+    if isinstance(built, int):
+        return built
+    logging.getLogger("kvgate").info("serving %s on http://%s:%d", built.served, args.host, args.port)
+    return serve_built(built)
+
+
+def serve_built(built: BuiltServer, sockets: list | None = None) -> int:
+    """Run the server until it exits (on --host/--port, or on already bound listening `sockets`); the exit status."""
+    built.server.run(sockets=sockets)
+    if built.tracing is not None:
+        built.tracing.shutdown()  # the spans still queued go out (bounded by the export timeout)
+    if built.fatal:
+        print(f"kvgate serve: error: {built.fatal[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_server(args: argparse.Namespace) -> BuiltServer | int:
+    """The engine and the app over it, from `kvgate serve`'s flags, not yet serving; or the exit status of a start
+    refused (or of --print-config)."""
     from kvgate.common.errors import ConfigError
     from kvgate.engine.server.auth import API_KEY_ENV, resolve_api_keys
 
@@ -163,14 +196,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=FINAL_GRACE_SECONDS, access_log=False,
                                            http="httptools", loop="uvloop"),
                             args.shutdown_timeout, functools.partial(start_drain, app.state.server))
-    logging.getLogger("kvgate").info("serving %s on http://%s:%d", served, args.host, args.port)
-    server.run()
-    if tracing is not None:
-        tracing.shutdown()  # the spans still queued go out (bounded by the export timeout)
-    if fatal:
-        print(f"kvgate serve: error: {fatal[0]}", file=sys.stderr)
-        return 1
-    return 0
+    return BuiltServer(server, served, tracing, fatal)
 
 
 def _parser_name_error(tool_call_parser: str | None, reasoning_parser: str | None) -> str | None:

@@ -20,6 +20,18 @@ Modelled on upstream's datalayer (a collector per endpoint, a data source, an ex
   scrapes: a dead engine (connection refused, HTTP 503 from a dead engine loop) leaves rotation within about
   two intervals (~100 ms), not after the staleness threshold; one that hangs leaves at its first timeout
   past that count. The first successful scrape brings it back.
+- an answer is read (HTTP framing, in httptools) as it arrives, and queued; the pages are parsed from the queue
+  ANSWER_TURN_S of the loop's time at a time, the loop polling its sockets between turns, so that a burst of answers
+  holds a request's messages back for one turn, not for all of them (`kvgate bench epp --parts scale`).
+- a round is spread over the interval: its endpoints are asked in slices of ROUND_SLICE, the slices evenly apart,
+  so that the answers of a large pool come back spread too, and a request's messages on the same event loop wait
+  for one slice's answers at most, never a whole round's (a pool of up to ROUND_SLICE endpoints is asked at once).
+- scraping takes at most SCRAPE_LOOP_SHARE of the event loop, the pool together: a round whose sends and answers
+  took c seconds of the loop's CPU is followed by the next no sooner than c / SCRAPE_LOOP_SHARE after it began.
+  The interval holds wherever the pool's pages cost less than that; past it, each endpoint is scraped less often,
+  as often as the share allows, rather than the requests waiting on the loop. `kvgate_epp_scrapes_total`'s rate over the
+  endpoints shows the interval achieved; the in-flight overlay (scheduling/live_load.py) counts the requests
+  routed since an endpoint's last scrape, whatever its age.
 After each round the Datalayer calls its round listeners on the event loop: the EPP's Prometheus exporter
 publishes its snapshot there.
 """
@@ -27,6 +39,7 @@ publishes its snapshot there.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -45,6 +58,9 @@ FAILURES_OUT_OF_ROTATION = 2
 PREFILL_TIMING_SERIES = DIALECTS["vllm"].prefill_seconds.name  # the series the log names (kvgate engines export it)
 READ_BACKOFF = 10.0  # an endpoint whose answer took c seconds to read and parse waits READ_BACKOFF·c for its next
 LOG_EVERY_S = 30.0  # at most one log line per endpoint this often about values its pages carried out of range
+ROUND_SLICE = 50  # endpoints asked at once; a round of more is spread over the interval in slices of this many
+ANSWER_TURN_S = 0.0005  # pages parsed from the queue at a time, at least one, before the loop polls its sockets
+SCRAPE_LOOP_SHARE = 0.5  # of the event loop's time, at most, that scraping the pool takes (its CPU, sends and answers)
 
 log = logging.getLogger("kvgate.epp.datalayer")
 
@@ -74,7 +90,7 @@ class EndpointCollector:
 
     __slots__ = ("endpoint", "metrics", "connection", "scrapes", "failures", "consecutive_failures", "failing", "sent_at", "filtered",
                  "prefill_rate", "timing_said", "last_body", "connecting", "removed", "failed_by", "rejected",
-                 "not_before", "rejections_said_at", "rejections_unsaid", "cpu_s", "_layer")
+                 "not_before", "rejections_said_at", "rejections_unsaid", "cpu_s", "queued", "_layer")
 
     def __init__(self, endpoint: Endpoint, layer: "Datalayer") -> None:
         self.endpoint = endpoint  # replaced in place when the pod's metadata changes
@@ -97,6 +113,7 @@ class EndpointCollector:
         self.cpu_s = 0.0  # CPU seconds of the event loop its answers took to read and parse, in all
         self.rejections_said_at: float | None = None  # when the log last named this endpoint's rejected values
         self.rejections_unsaid = 0  # rejected since then
+        self.queued = False  # its answer waits in the layer's queue to be parsed
         self._layer = layer
 
     def path(self) -> str:
@@ -105,7 +122,7 @@ class EndpointCollector:
     def scrape(self, now: float) -> None:
         """Start one scrape unless one is in flight; fail the one in flight once past the timeout."""
         if self.sent_at is not None:
-            if now - self.sent_at >= self._layer.timeout:
+            if now - self.sent_at >= self._layer.timeout and not self.queued:
                 if self.connecting is not None:
                     task, self.connecting = self.connecting, None
                     task.cancel()
@@ -120,7 +137,7 @@ class EndpointCollector:
         if path != self.connection.path:
             self.connection.set_path(path)
         if self.connection.connected:
-            self.connection.send(self.on_answer)
+            self.connection.send(self.answered)
         else:
             self.connecting = asyncio.get_running_loop().create_task(
                 self._connect_and_send(), name=f"metrics connect {self.endpoint.address}")
@@ -142,11 +159,17 @@ class EndpointCollector:
         if self.removed:
             self.connection.close()
         else:
-            self.connection.send(self.on_answer)
+            self.connection.send(self.answered)
+
+    def answered(self, status: int, body: bytes, exc: BaseException | None) -> None:
+        """The connection's callback: the answer (or failure) joins the layer's queue, parsed in its turn."""
+        self.queued = True
+        self._layer.queue_answer(self, status, body, exc)
 
     def on_answer(self, status: int, body: bytes, exc: BaseException | None) -> None:
-        """The connection's callback: parse, record, notify. Never raises into the event loop."""
+        """An answer's turn (or a failure found here): parse, record, notify. Never raises into the event loop."""
         self.sent_at = None
+        self.queued = False
         layer = self._layer
         if self.removed or not layer.running:  # removed, or the connection closed by stop(): not a failure
             return
@@ -171,6 +194,7 @@ class EndpointCollector:
                 self.last_body = body
         except Exception as e:  # noqa: BLE001 - any failure keeps the old numbers; staleness reports it
             self.cpu_s += cost
+            layer.scrape_cpu_s += cost
             self.not_before = time.monotonic() + READ_BACKOFF * cost
             self.last_body = b""
             if self.filtered and (isinstance(e, MetricsParseError) or 400 <= status < 500):
@@ -186,6 +210,7 @@ class EndpointCollector:
                 log.warning("scraping %s failed: %s", self.endpoint.metrics_url, str(e) or type(e).__name__)
             return
         self.cpu_s += cost
+        layer.scrape_cpu_s += cost
         self.not_before = time.monotonic() + READ_BACKOFF * cost
         metrics.prefill_tokens_per_s = self.prefill_rate.update(metrics)
         metrics.prefill_rate_timed = self.prefill_rate.timed and metrics.prefill_tokens_per_s is not None
@@ -259,6 +284,10 @@ class Datalayer:
         self._started = False
         self._snapshot: list[EndpointState] | None = None  # snapshot(): the round's states, and when built
         self._snapshot_at = 0.0
+        self.scrape_cpu_s = 0.0  # CPU seconds of the event loop scraping took: sends, answers read and parsed
+        self.rounds = 0  # rounds begun
+        self._answers: collections.deque = collections.deque()  # (collector, status, body, exc) to parse
+        self._parsing = False  # a parse turn is scheduled
 
     @property
     def running(self) -> bool:
@@ -285,6 +314,9 @@ class Datalayer:
                 c.connecting = None
             c.connection.close()
             c.sent_at = None
+        for c, *_ in self._answers:
+            c.queued = False
+        self._answers.clear()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
 
@@ -355,6 +387,27 @@ class Datalayer:
                 "scrapes": sum(c.scrapes for c in self._collectors.values()),
                 "failures": sum(c.failures for c in self._collectors.values())}
 
+    def queue_answer(self, collector: EndpointCollector, status: int, body: bytes, exc: BaseException | None) -> None:
+        self._answers.append((collector, status, body, exc))
+        if not self._parsing:
+            self._parsing = True
+            asyncio.get_running_loop().call_soon(self._parse_turn)
+
+    def _parse_turn(self) -> None:
+        """Parse queued answers for ANSWER_TURN_S (one at least); what is left waits for the loop's next pass, after
+        the sockets that turned ready meanwhile (a request's messages) were served."""
+        answers = self._answers
+        deadline = time.perf_counter() + ANSWER_TURN_S
+        while answers:
+            collector, status, body, exc = answers.popleft()
+            collector.on_answer(status, body, exc)
+            if time.perf_counter() >= deadline:
+                break
+        if answers:
+            asyncio.get_running_loop().call_soon(self._parse_turn)
+        else:
+            self._parsing = False
+
     def _notify(self, address: str, metrics: EndpointMetrics | None) -> None:
         if self.on_change is None:
             return
@@ -364,20 +417,38 @@ class Datalayer:
             log.exception("datalayer on_change listener failed for %s", address)
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         async for now in self.ticker.ticks():
-            for c in self._order:
-                if not c.removed:
-                    try:
-                        c.scrape(now)
-                    except Exception:  # one endpoint's surprise must not stop the pool's scraping
-                        log.exception("scraping %s failed unexpectedly", c.endpoint.metrics_url)
-                        c.connection.abort(ScrapeError("unexpected failure", "error"))
-                        c.sent_at = None
+            began, cpu_before = now, self.scrape_cpu_s
+            self.rounds += 1
+            order = self._order
+            slices = max(1, -(-len(order) // ROUND_SLICE))
+            for k in range(slices):
+                if k:  # the slices evenly over the interval
+                    await asyncio.sleep(max(0.0, began + k * self.interval / slices - loop.time()))
+                    now = loop.time()
+                self._scrape_slice(order[k * ROUND_SLICE:(k + 1) * ROUND_SLICE], now)
             for listener in self.round_listeners:
                 try:
                     listener()
                 except Exception:  # a listener's bug must not stop scraping
                     log.exception("datalayer round listener failed")
+            # The pool's share of the loop: this round's sends and the answers read since the last round began.
+            hold = (self.scrape_cpu_s - cpu_before) / SCRAPE_LOOP_SHARE - (loop.time() - began)
+            if hold > 0:
+                await asyncio.sleep(hold)
+
+    def _scrape_slice(self, collectors: tuple[EndpointCollector, ...], now: float) -> None:
+        started = time.thread_time()
+        for c in collectors:
+            if not c.removed:
+                try:
+                    c.scrape(now)
+                except Exception:  # one endpoint's surprise must not stop the pool's scraping
+                    log.exception("scraping %s failed unexpectedly", c.endpoint.metrics_url)
+                    c.connection.abort(ScrapeError("unexpected failure", "error"))
+                    c.sent_at = None
+        self.scrape_cpu_s += time.thread_time() - started
 
 
 def _failure_reason(e: BaseException) -> str:

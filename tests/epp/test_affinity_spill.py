@@ -146,7 +146,8 @@ def test_the_scheduler_serves_a_hot_prefix_from_two_endpoints_not_all():
     assert len(homes) == 2 and "a:1" in homes
     assert min(served.count(h) for h in homes) >= 10
     assert scheduler.stats()["affinity"] == {"spills": 1, "spills_without_room": 0}
-    gauges = EndpointGauges(SimpleNamespace(states=lambda: [], datalayer=SimpleNamespace(staleness=2.0, endpoint_counts=list),
+    gauges = EndpointGauges(SimpleNamespace(states=lambda: [], datalayer=SimpleNamespace(staleness=2.0, endpoint_counts=list,
+                                                                           stats=lambda: {"scrapes": 0}),
                                             scheduler=scheduler))
     gauges.publish(force=True)
     registry = CollectorRegistry()

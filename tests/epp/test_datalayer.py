@@ -584,3 +584,108 @@ def test_page_without_any_known_family_is_an_error():
         parse_metrics("<html>not metrics</html>", DIALECTS["vllm"])
     with pytest.raises(MetricsParseError):
         parse_metrics(vllm_page(), DIALECTS["sglang"])
+
+
+# ------------------------------------------------------------------------------------- a large pool's rounds
+
+@pytest.mark.parametrize("turn_s, seen", [(0.0, 1), (60.0, 20)])
+def test_a_burst_of_answers_is_parsed_in_turns_with_the_sockets_polled_between(monkeypatch, turn_s, seen):
+    """Twenty answers arrive at once while a request's message waits on another socket: with a turn of one page
+    the message is served after the first page, not after the twenty (a long turn shows the difference)."""
+    import socket
+
+    monkeypatch.setattr(collector_module, "ANSWER_TURN_S", turn_s)
+    page = vllm_page(waiting=2).encode()
+
+    async def main():
+        layer = Datalayer(interval=0.05, ticker=ManualTicker())  # no round runs: the answers come from the test
+        layer.set_endpoints([Endpoint(f"127.0.0.1:{9000 + i}") for i in range(20)])
+        await layer.start()
+        request_side, client_side = socket.socketpair()
+        request_side.setblocking(False)
+        loop = asyncio.get_running_loop()
+        served = loop.create_future()
+        try:
+            client_side.send(b"x")  # a request's message, waiting
+            loop.add_reader(request_side, lambda: served.done() or served.set_result(layer.stats()["scrapes"]))
+            for address in [e.address for e in layer.endpoints()]:  # the connections' callbacks, one burst
+                layer._collectors[address].answered(200, page, None)
+            assert await served == seen
+            await wait_until(lambda: layer.stats()["scrapes"] == 20)
+            assert all(layer.metrics(e.address).waiting_queue_size == 2 for e in layer.endpoints())
+        finally:
+            loop.remove_reader(request_side)
+            request_side.close()
+            client_side.close()
+            await layer.stop()
+
+    run(main())
+
+
+def test_a_round_of_a_large_pool_is_spread_over_the_interval_in_slices(monkeypatch, no_read_backoff):
+    """Six endpoints in slices of two, a 0.3 s interval: three slices 0.1 s apart; a pool no larger than a slice is
+    asked at once."""
+    sent: list[tuple[str, float]] = []
+    scrape = collector_module.EndpointCollector.scrape
+
+    def recording(self, now):
+        if self.sent_at is None:
+            sent.append((self.endpoint.address, asyncio.get_running_loop().time()))
+        scrape(self, now)
+
+    monkeypatch.setattr(collector_module.EndpointCollector, "scrape", recording)
+
+    async def first_round(slice_size: int) -> list[float]:
+        monkeypatch.setattr(collector_module, "ROUND_SLICE", slice_size)
+        sent.clear()
+        engines = [await FakeEngine(vllm_page()).start() for _ in range(6)]
+        layer = Datalayer(interval=0.3)
+        try:
+            layer.set_endpoints([Endpoint(e.address) for e in engines])
+            await layer.start()
+            await wait_until(lambda: len(sent) >= 6)
+        finally:
+            await layer.stop()
+            for e in engines:
+                await e.stop()
+        times = [t for _, t in sent[:6]]
+        assert len({a for a, _ in sent[:6]}) == 6  # each endpoint once in the round
+        return [t - times[0] for t in times]
+
+    async def main():
+        spread = await first_round(2)
+        assert spread[1] < 0.05 and 0.07 < spread[2] < 0.2 and 0.17 < spread[4] < 0.3, spread
+        at_once = await first_round(50)
+        assert max(at_once) < 0.05, at_once
+
+    run(main())
+
+
+def test_scraping_is_held_to_its_share_of_the_loop(monkeypatch, no_read_backoff):
+    """A round whose scraping took c seconds of the loop is followed by the next no sooner than c / share after it
+    began: with a share of 1/5000, a 20 ms interval slows to a few rounds a second; with the default share the
+    interval holds."""
+    async def rounds_in(seconds: float) -> tuple[int, float]:
+        engines = [await FakeEngine(vllm_page()).start() for _ in range(3)]
+        layer = Datalayer(interval=0.02)
+        try:
+            layer.set_endpoints([Endpoint(e.address) for e in engines])
+            await layer.start()
+            await wait_until(lambda: layer.stats()["scrapes"] >= 3)
+            rounds, cpu, t0 = layer.rounds, layer.scrape_cpu_s, time.perf_counter()
+            await asyncio.sleep(seconds)
+            return layer.rounds - rounds, (layer.scrape_cpu_s - cpu) / (time.perf_counter() - t0)
+        finally:
+            await layer.stop()
+            for e in engines:
+                await e.stop()
+
+    async def main():
+        rounds, _ = await rounds_in(1.0)
+        assert rounds >= 15, rounds  # 50 at the interval; a loaded machine's sleeps run late
+        monkeypatch.setattr(collector_module, "SCRAPE_LOOP_SHARE", 0.0002)
+        rounds, share = await rounds_in(1.0)
+        assert 1 <= rounds <= 6, rounds
+        assert share < 0.002, share  # the share held, with a round's slack
+
+    run(main())

@@ -182,6 +182,7 @@ def test_each_endpoint_says_whether_its_prefill_rate_is_the_engines_own_timing()
     gauges.snapshot = Snapshot((EndpointRow("a:1", 0, 0, 0.0, now, 0, False, True, 4800.0, True),
                                 EndpointRow("b:1", 0, 0, 0.0, now, 0, False, True, 2100.0, False),
                                 EndpointRow("c:1", 0, 0, 0.0, now, 0, False, True)))
-    families = {f.name: {s.labels["endpoint"]: s.value for s in f.samples} for f in gauges.collect()}
+    families = {f.name: {s.labels["endpoint"]: s.value for s in f.samples} for f in gauges.collect()
+                if f.name.startswith("kvgate_epp_endpoint_")}
     assert families["kvgate_epp_endpoint_prefill_rate_timed"] == {"a:1": 1.0, "b:1": 0.0, "c:1": 0.0}
     assert families["kvgate_epp_endpoint_prefill_tokens_per_second"] == {"a:1": 4800.0, "b:1": 2100.0}

@@ -34,3 +34,4 @@ def test_bench_scrape_runs_and_writes_json(tmp_path):
             r = run[mode]
             assert r["failures"] == 0 and r["fresh_endpoints"] == r["endpoints"]
             assert r["scrapes_per_s"] > 0.5 * r["target_scrapes_per_s"] and r["epp_cpu_cores"] > 0
+            assert 0 <= r["loop_lag_p50_ms"] <= r["loop_lag_p99_ms"] <= r["loop_lag_max_ms"]
