@@ -284,6 +284,8 @@ class Datalayer:
         self._started = False
         self._snapshot: list[EndpointState] | None = None  # snapshot(): the round's states, and when built
         self._snapshot_at = 0.0
+        self._in_flight_source: Callable[[], Mapping[str, tuple[int, int]]] | None = None  # snapshot()'s argument
+        self._snapshot_used = False  # a decision asked for the snapshot since it was built
         self.scrape_cpu_s = 0.0  # CPU seconds of the event loop scraping took: sends, answers read and parsed
         self.rounds = 0  # rounds begun
         self._answers: collections.deque = collections.deque()  # (collector, status, body, exc) to parse
@@ -366,16 +368,32 @@ class Datalayer:
 
     def snapshot(self, in_flight: Callable[[], Mapping[str, tuple[int, int]]] | None = None
                  ) -> list[EndpointState]:
-        """states() for one scrape round: the same list of the same objects until `interval` has passed or the
-        endpoint set changed, so the scheduler's per-snapshot caches hold between requests (building the states
-        costs more than a decision over kept ones; `kvgate bench epp --parts scheduling` prints a decision over a
-        kept snapshot against one over new states every request). `in_flight` is called only on a rebuild:
-        the in-flight counts and staleness in a snapshot lag by at most one interval, like the metrics."""
-        now = time.monotonic()
-        if self._snapshot is None or now - self._snapshot_at >= self.interval:
-            self._snapshot = self.states(in_flight() if in_flight is not None else None)
-            self._snapshot_at = now
+        """states() for one scrape round: the same list of the same objects for the round, so the scheduler's
+        per-snapshot caches hold between requests (building the states costs more than a decision over kept ones;
+        `kvgate bench epp --parts scheduling` prints a decision over a kept snapshot against one over new states
+        every request). While the datalayer runs, the next round's snapshot is built when the round's scrapes are
+        out, off any request's path (at a thousand endpoints the states take milliseconds to build), if a decision
+        used the last one; otherwise here, at the first decision after a quiet round, an endpoint set change, or
+        (not running) an interval. `in_flight` is called only on a rebuild: the in-flight counts and staleness in a
+        snapshot lag by at most one round, like the metrics."""
+        self._in_flight_source = in_flight
+        self._snapshot_used = True
+        if self._snapshot is None or (not self._started and time.monotonic() - self._snapshot_at >= self.interval):
+            self._build_snapshot()
         return self._snapshot
+
+    def _build_snapshot(self) -> None:
+        source = self._in_flight_source
+        self._snapshot = self.states(source() if source is not None else None)
+        self._snapshot_at = time.monotonic()
+
+    def _renew_snapshot(self) -> None:
+        """After a round: the next snapshot built now if decisions are being made, else left to the next decision."""
+        if self._snapshot_used:
+            self._snapshot_used = False
+            self._build_snapshot()
+        else:
+            self._snapshot = None
 
     def endpoint_counts(self) -> list[tuple[str, dict[str, int], dict[tuple[str, str], int], float]]:
         """(address, failed scrapes by reason, dropped values by (family, reason), seconds of the loop its answers
@@ -428,6 +446,11 @@ class Datalayer:
                     await asyncio.sleep(max(0.0, began + k * self.interval / slices - loop.time()))
                     now = loop.time()
                 self._scrape_slice(order[k * ROUND_SLICE:(k + 1) * ROUND_SLICE], now)
+            try:
+                self._renew_snapshot()
+            except Exception:  # a surprise in one endpoint's state must not stop scraping (decisions rebuild it)
+                log.exception("datalayer snapshot failed")
+                self._snapshot = None
             for listener in self.round_listeners:
                 try:
                     listener()

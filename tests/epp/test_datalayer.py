@@ -689,3 +689,45 @@ def test_scraping_is_held_to_its_share_of_the_loop(monkeypatch, no_read_backoff)
         assert share < 0.002, share  # the share held, with a round's slack
 
     run(main())
+
+
+def test_a_running_layer_builds_the_next_snapshot_after_its_round_not_on_a_decision(no_read_backoff):
+    """While decisions are made, the round's snapshot is built when the round's scrapes are out (off the request
+    path); a decision between rounds gets that one, whatever its age, with the in-flight counts of the round's end.
+    After a round without decisions the next decision builds its own."""
+    async def main():
+        engine = await FakeEngine(vllm_page(waiting=2)).start()
+        ticker = ManualTicker()
+        layer = Datalayer(interval=0.001, ticker=ticker)  # an interval far shorter than the rounds the test makes
+        in_flight = {engine.address: (1, 10)}
+        calls = []
+
+        def source():
+            calls.append(1)
+            return dict(in_flight)
+
+        try:
+            layer.set_endpoints([Endpoint(engine.address)])
+            await layer.start()
+            first = layer.snapshot(source)  # no round yet: the decision builds one
+            assert len(calls) == 1 and first[0].in_flight_requests == 1
+            await asyncio.sleep(0.01)
+            assert layer.snapshot(source) is first and len(calls) == 1  # older than the interval, still the round's
+            in_flight[engine.address] = (3, 30)
+            ticker.tick()
+            await wait_until(lambda: len(calls) == 2)  # built at the round, no decision asking
+            second = layer.snapshot(source)
+            assert second is not first and second[0].in_flight_requests == 3 and len(calls) == 2
+            ticker.tick()  # a decision used `second`: the round builds the next
+            await wait_until(lambda: len(calls) == 3)
+            ticker.tick()  # no decision since: nothing built, the next decision builds its own
+            await wait_until(lambda: layer.stats()["scrapes"] == 3)
+            await asyncio.sleep(0.05)
+            assert len(calls) == 3
+            layer.snapshot(source)
+            assert len(calls) == 4
+        finally:
+            await layer.stop()
+            await engine.stop()
+
+    run(main())
