@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from kvgate.engine.config import EngineConfig
+from kvgate.engine.config import DEFAULT_STEP_TIMEOUT_S, EngineConfig
 from kvgate.engine.engine_client import EngineClient, make_engine_client
 from kvgate.engine.engine_messages import AbortRequest, AddRequest, ArrivalProbe, EngineInfo, LoRACall, StepResult
 from kvgate.common.errors import EngineDeadError, EngineError, LoRAError
@@ -35,10 +35,6 @@ from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-# vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S default: far above any sane step (a full 2048-token batch of a large
-# model on a slow accelerator takes seconds), far below a client's patience.
-DEFAULT_STEP_TIMEOUT_S = 60.0
 
 
 class AsyncLLM:

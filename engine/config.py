@@ -31,6 +31,11 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # vLLM's largest supported --max-lora-rank.
 MAX_LORA_RANK = 512
 
+# The longest one engine step may take before the server declares the engine dead (AsyncLLM; --engine-step-timeout).
+# vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S default: far above any sane step (a full 2048-token batch of a large
+# model on a slow accelerator takes seconds), far below a client's patience.
+DEFAULT_STEP_TIMEOUT_S = 60.0
+
 
 @dataclass
 class EngineConfig:

@@ -77,3 +77,14 @@ def test_the_epp_and_the_operator_never_import_torch(module):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"{module} loads torch: {done.stdout}"
+
+
+@pytest.mark.processes  # a fresh interpreter
+def test_the_kvgate_commands_parser_never_imports_torch():
+    """Every `kvgate ...` process builds the whole parser before it runs its command: `kvgate epp`, `kvgate
+    operator`, `kvgate up` and the benches' drivers must not load torch only to read their flags."""
+    code = ("import sys; from kvgate.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"the kvgate command's parser loads torch: {done.stdout}"

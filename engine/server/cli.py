@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 
 
 def add_serve_parser(sub) -> None:
-    from kvgate.engine.async_llm import DEFAULT_STEP_TIMEOUT_S
     from kvgate.engine.cli_args import add_engine_args
+    from kvgate.engine.config import DEFAULT_STEP_TIMEOUT_S
     from kvgate.engine.server.auth import API_KEY_ENV
     from kvgate.engine.server.limits import _positive_float, add_limit_args
     from kvgate.engine.server.response_store import add_store_args

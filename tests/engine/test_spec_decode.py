@@ -277,21 +277,34 @@ class PausingBackoff(DraftBackoff):
     PRIOR = 0.0
 
 
+DISTRIBUTION_DRAWS = 10_000
+DISTRIBUTION_SAMPLING = dict(temperature=0.4, max_tokens=4, ignore_eos=True)
+DISTRIBUTION_ENGINE = dict(max_model_len=128, max_num_seqs=256, max_num_batched_tokens=1024)
+
+
+@pytest.fixture(scope="module")
+def plain_draws(tiny_model_dir) -> list[list[int]]:
+    """The plain-sampling side of the distribution tests, drawn once for all of them: 10k requests of one prompt."""
+    folder, _ = tiny_model_dir("qwen2")
+    torch.manual_seed(1)
+    plain = LLM(str(folder), **DISTRIBUTION_ENGINE)
+    prompts = [{"prompt_token_ids": repetitive_prompts()[1]}] * DISTRIBUTION_DRAWS
+    return [o.outputs[0].token_ids for o in plain.generate(prompts, SamplingParams(**DISTRIBUTION_SAMPLING))]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("adaptive", ["default", "pausing"])
-def test_sampling_with_speculation_keeps_the_distribution(adaptive, tiny_model_dir):
+def test_sampling_with_speculation_keeps_the_distribution(adaptive, tiny_model_dir, plain_draws):
     """10k requests each way (20k draws a position), one prompt (prefix-cached), temperature 0.4: the second to
     fourth tokens' distributions with speculation agree with plain sampling (two-sample chi-square), with drafts both
     accepted and rejected; also while adaptive drafting pauses requests after their rejections."""
     folder, _ = tiny_model_dir("qwen2")
     prompt = repetitive_prompts()[1]
-    params = SamplingParams(temperature=0.4, max_tokens=4, ignore_eos=True)
-    n = 10_000
-    torch.manual_seed(1)
-    plain = LLM(str(folder), max_model_len=128, max_num_seqs=256, max_num_batched_tokens=1024)
-    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": prompt}] * n, params)]
+    params = SamplingParams(**DISTRIBUTION_SAMPLING)
+    n = DISTRIBUTION_DRAWS
+    want = plain_draws
     common = Counter(t[1] for t in want).most_common(2)
-    spec = LLM(str(folder), max_model_len=128, max_num_seqs=256, max_num_batched_tokens=1024,
+    spec = LLM(str(folder), **DISTRIBUTION_ENGINE,
                speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1})
     spec.engine.scheduler.proposer = FixedDraft([common[0][0], Counter(t[2] for t in want).most_common(1)[0][0]])
     if adaptive == "pausing":
