@@ -66,10 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--count must be at least 1")
     serve_argv = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
 
-    from kvgate.cli import build_parser
-    from kvgate.engine.server.cli import build_server, serve_built
+    from kvgate.engine.server.cli import add_serve_parser, build_server, serve_built
 
-    serve_args = build_parser().parse_args(["serve", *serve_argv])
+    serve_parser = argparse.ArgumentParser(prog="kvgate")  # `kvgate serve`'s own flags, as the CLI registers them
+    serve_parser.add_argument("--log-level", default="warning")
+    add_serve_parser(serve_parser.add_subparsers(dest="command"))
+    serve_args = serve_parser.parse_args(["serve", *serve_argv])
     raise_fd_limit(args.count * 3 + SPARE_FDS)  # each socket, and a connection to it from the EPP and from Envoy
     sockets = bind_sockets(args.count, serve_args.host)
     built = build_server(serve_args)
