@@ -47,7 +47,7 @@ SATURATION_RATES: dict[str, float] = {
     "hot-tenant": 22.41, "long-output": 8.13, "small-kv": 9.00, "deep-chat": 9.96, "mixed-lengths": 16.53,
     "small-kv-turns": 11.02, "mixed-speed": 9.00, "mixed-speed-no-reuse": 12.20,
     "mixed-generations": 8.13, "mixed-kv": 11.02, "skewed-tenants": 20.25,
-    "agent-sessions": 6.64, "shifting-tenants": 30.38, "user-documents": 20.25,
+    "agent-sessions": 6.64, "shifting-tenants": 27.45, "user-documents": 20.25,
 }
 MAX_RESULT_BYTES = 1 << 20
 
