@@ -71,19 +71,21 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 import xxhash
 
 from kvgate.epp.scheduling import live_load
-from kvgate.epp.scheduling.data import PICKED_UNCACHED_TOKENS
+from kvgate.epp.scheduling.data import PICKED_UNCACHED_TOKENS, PREDICTED_TTFT, PREFILL_HARM
 from kvgate.epp.scheduling.framework import CycleState, Filter
 from kvgate.epp.scheduling.kv_fit import KV_ROOM
 from kvgate.epp.scheduling.plugins._params import (LOAD_UNITS, bool_param, check_keys, choice_param, float_param,
                                                        load_unit_param, str_param)
 from kvgate.epp.scheduling.plugins._prefix_rates import PrefixRates, prefix_key
-from kvgate.epp.scheduling.plugins._relative_speed import relative_speed
+from kvgate.epp.scheduling.plugins._relative_speed import prefill_rates, relative_speed
+from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import DEFAULT_PREFILL_TOKENS_PER_SECOND
 from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens, record_picked_uncached
 from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH
 from kvgate.epp.types import EndpointState, LLMRequest
@@ -92,6 +94,8 @@ DEFAULT_AFFINITY_THRESHOLD = 0.80  # llm-d's default
 DEFAULT_EXPLORATION_PROBABILITY = 0.01  # llm-d's default
 LOAD_SIGNALS = ("auto", "backlog", "tokens")
 DEFAULT_SPILL_WINDOW_S = 30.0
+SECOND_HOMES = ("share", "latency")
+MAX_HOME_GROUPS = 4096  # groups whose homes are recorded (secondHome latency); the least recently picked go first
 
 
 class PrefixCacheAffinityFilter(Filter):
@@ -106,12 +110,22 @@ class PrefixCacheAffinityFilter(Filter):
                  exploration_probability: float = DEFAULT_EXPLORATION_PROBABILITY, load_tolerance: float = 1.0,
                  prefix_source_name: str = "", load_signal: str = "auto", load_unit: str = "tokens",
                  spill_share: float = 0.0, spill_window_s: float = DEFAULT_SPILL_WINDOW_S, spill_fit: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 second_home: str = "share", clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self.spill_share = spill_share
+        if second_home not in SECOND_HOMES:
+            raise ValueError(f"second_home must be one of {', '.join(SECOND_HOMES)}, got {second_home!r}")
+        self.by_latency = second_home == "latency"
+        self.spill_share = 0.0 if self.by_latency else spill_share
         self.spill_fit = spill_fit
-        self._rates = PrefixRates(spill_window_s, clock) if spill_share > 0 else None
+        self.window_s = spill_window_s
+        self.clock = clock
+        self._rates = PrefixRates(spill_window_s, clock) if self.spill_share > 0 or self.by_latency else None
+        # secondHome latency: group → {address: the group's latest pick there}, in the order its homes opened
+        self._home_picks: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._group_key = (self, "group")
         self.counts = {"spills": 0, "spills_without_room": 0}
+        if self.by_latency:
+            self.counts.update(second_homes_opened=0, second_homes_declined=0, homes_lapsed=0, homes_evicted=0)
         if load_unit not in LOAD_UNITS:
             raise ValueError(f"load_unit must be one of {', '.join(LOAD_UNITS)}, got {load_unit!r}")
         self.load_unit = load_unit
@@ -120,23 +134,25 @@ class PrefixCacheAffinityFilter(Filter):
         self.load_tolerance = load_tolerance
         if prefix_source_name:
             self.sources[PREFIX_MATCH] = prefix_source_name
-        if not (spill_share > 0 and spill_fit):
+        if self.by_latency:  # the engines' predictions and the interference a cold start causes decide
+            self.consumes = (PREDICTED_TTFT, PREFILL_HARM)
+        if not ((self.spill_share > 0 or self.by_latency) and spill_fit):
             self.consumes_optional = (PREFIX_MATCH,)
         self.load_signal = load_signal
 
     def filter(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
                ) -> list[EndpointState]:
-        homes = self._homes(request, len(endpoints))
+        homes = self._homes(request, len(endpoints), cycle)
         if len(endpoints) <= 1 or cycle is None or cycle.read(self, PREFIX_MATCH) is None or self._explores(request):
             return endpoints
         prompt, cached = prefix_tokens(self, request, endpoints, cycle)
         warm = cached >= self.affinity_threshold * prompt
+        group = cycle.get(self._group_key) if self.by_latency else None
+        if group is not None:
+            return self._homes_by_latency(group, endpoints, cycle, warm, prompt, cached)
         if not warm.any() or warm.all():
             return endpoints
-        load = self._load(cycle, endpoints)
-        if self.load_unit == "seconds":
-            speed = relative_speed(endpoints, cycle)
-            load = load / speed
+        load, speed = self._loads(endpoints, cycle)
         w = _argmin_where(load, warm)
         c = _argmin_where(load, ~warm)
         if homes > warm.sum() and load[w] > load[c]:  # the prefix outgrows its warm endpoints: one more home
@@ -146,13 +162,119 @@ class PrefixCacheAffinityFilter(Filter):
             elif load[w] > load[_argmin_where(load, room)]:
                 self.counts["spills"] += 1
                 return [e for e, keep in zip(endpoints, room) if keep]
-        if self.load_unit == "seconds":  # the prefill each side would still do, in the fastest replica's seconds
+        if self._leaves(load, speed, w, c, prompt, cached):
+            return endpoints
+        return [e for e, keep in zip(endpoints, warm) if keep]
+
+    def _leaves(self, load: np.ndarray, speed: np.ndarray | None, w: int, c: int, prompt: int, cached: np.ndarray
+                ) -> bool:
+        """The sticky rule: the warm side's least loaded w* carries more than loadTolerance × what its hit saves over
+        the cold side's least loaded c*."""
+        if speed is not None:  # the prefill each side would still do, in the fastest replica's seconds
             saved = (prompt - cached[c]) / speed[c] - (prompt - cached[w]) / speed[w]
         else:
             saved = cached[w] - cached[c]
-        if load[w] - load[c] > self.load_tolerance * saved:
+        return load[w] - load[c] > self.load_tolerance * saved
+
+    def _loads(self, endpoints: list[EndpointState], cycle: CycleState) -> tuple[np.ndarray, np.ndarray | None]:
+        """The load signal per candidate, in seconds of the fastest replica with loadUnit seconds; and the relative
+        speeds then (None in tokens)."""
+        load = self._load(cycle, endpoints)
+        if self.load_unit != "seconds":
+            return load, None
+        speed = relative_speed(endpoints, cycle)
+        return load / speed, speed
+
+    # ---------------------------------------------------------------- secondHome latency
+
+    def _homes_by_latency(self, group: int, endpoints: list[EndpointState], cycle: CycleState, warm: np.ndarray,
+                          prompt: int, cached: np.ndarray) -> list[EndpointState]:
+        """secondHome latency (the module docstring): a second home where it pays, else the sticky rule against the
+        endpoints that do not hold the prompt, else the group's nearest home."""
+        homes, recorded = self._live_homes(group, endpoints, warm)
+        if not homes.any():
             return endpoints
-        return [e for e, keep in zip(endpoints, warm) if keep]
+        if not homes.all():
+            opened = self._second_home(group, endpoints, cycle, homes, prompt, cached)
+            if opened is not None:
+                return [endpoints[opened]]
+        if not warm.all():  # lapsed homes that still hold the prompt are reopened only by a second home's price
+            load, speed = self._loads(endpoints, cycle)
+            if self._leaves(load, speed, _argmin_where(load, homes), _argmin_where(load, ~warm), prompt, cached):
+                return endpoints
+        if recorded and homes.sum() > 1:
+            return self._nearest_home(group, endpoints, cycle, homes)
+        return endpoints if homes.all() else [e for e, keep in zip(endpoints, homes) if keep]
+
+    def _live_homes(self, group: int, endpoints: list[EndpointState], warm: np.ndarray) -> tuple[np.ndarray, bool]:
+        """The group's homes among the candidates — the warm ones it was picked on within the window — and True;
+        or, without a live one (a group not picked yet, or every home lapsed or evicted), every warm candidate and
+        False. A home not picked for a window lapses; one whose cache no longer holds the prompt (the KV events'
+        removals, in the prefix match) is forgotten."""
+        picks = self._home_picks.get(group)
+        if not picks:
+            return warm, False
+        horizon = self.clock() - self.window_s
+        positions = {e.address: i for i, e in enumerate(endpoints)}
+        homes = np.zeros(len(endpoints), dtype=bool)
+        for address, at in list(picks.items()):
+            i = positions.get(address)
+            if at < horizon:
+                del picks[address]
+                self.counts["homes_lapsed"] += 1
+            elif i is not None and not warm[i]:
+                del picks[address]
+                self.counts["homes_evicted"] += 1
+            elif i is not None:
+                homes[i] = True
+        if not picks:
+            del self._home_picks[group]
+        return (homes, True) if homes.any() else (warm, False)
+
+    def _nearest_home(self, group: int, endpoints: list[EndpointState], cycle: CycleState, homes: np.ndarray
+                      ) -> list[EndpointState]:
+        """A group served from several homes: the one its request is predicted to start soonest on (ties: the
+        home opened first, so a group that cools comes back to one home and the other lapses)."""
+        ttft = cycle.read(self, PREDICTED_TTFT).of(endpoints)
+        opened = list(self._home_picks.get(group, ()))
+        rank = {address: k for k, address in enumerate(opened)}
+        best = min(np.flatnonzero(homes), key=lambda i: (ttft[i], rank.get(endpoints[i].address, len(opened))))
+        return [endpoints[int(best)]]
+
+    def _second_home(self, group: int, endpoints: list[EndpointState], cycle: CycleState, homes: np.ndarray,
+                     prompt: int, cached: np.ndarray) -> int | None:
+        """Open a second home for the group on a cold candidate when it pays (see the module docstring): the
+        candidate, or None to stay."""
+        ttft = cycle.read(self, PREDICTED_TTFT).of(endpoints)
+        w = _argmin_where(ttft, homes)
+        cold = ~homes
+        if ttft[w] <= ttft[cold].min():  # no cold start anywhere comes sooner than the home: nothing to weigh
+            return None
+        harm = cycle.read(self, PREFILL_HARM).of(endpoints)
+        cost = harm + self._eviction(endpoints, cycle, prompt, cached, harm)
+        rate = self._rates.rate(group)
+        gain = (ttft[w] - ttft) * (1.0 + rate * ttft[w] / 2.0)
+        net = np.where(cold, gain - cost, -np.inf)
+        c = int(np.argmax(net))
+        if not net[c] > 0:
+            self.counts["second_homes_declined"] += 1
+            return None
+        self.counts["second_homes_opened"] += 1
+        return c
+
+    def _eviction(self, endpoints: list[EndpointState], cycle: CycleState, prompt: int, cached: np.ndarray,
+                  harm: np.ndarray) -> np.ndarray:
+        """Per candidate, what the copy costs the groups it evicts there (spillFit, with the KV room in the
+        profile): the tokens by which it overflows the cache beside the groups the endpoint serves, each to be
+        prefilled again, priced as this request's own uncached tokens there — their prefill time and the harm it
+        does. 0 where the copy fits, or without a KV room."""
+        room = cycle.read(self, KV_ROOM) if self.spill_fit else None
+        if room is None:
+            return np.zeros(len(endpoints))
+        overflow = np.maximum(room.footprint.of(endpoints) + prompt - room.limit.of(endpoints), 0.0)
+        uncached = np.maximum(prompt - cached, 1.0)
+        seconds_per_token = 1.0 / prefill_rates(endpoints, DEFAULT_PREFILL_TOKENS_PER_SECOND)
+        return overflow * (seconds_per_token + harm / uncached)
 
     def _room(self, endpoints: list[EndpointState], cycle: CycleState, warm: np.ndarray, prompt: int) -> np.ndarray:
         """The cold candidates a spill may go to: those where a copy of the prompt fits (every cold one without a
@@ -162,12 +284,17 @@ class PrefixCacheAffinityFilter(Filter):
             return ~warm
         return ~warm & room.fits(endpoints, prompt)
 
-    def _homes(self, request: LLMRequest, candidates: int) -> int:
+    def _homes(self, request: LLMRequest, candidates: int, cycle: CycleState | None) -> int:
         """How many warm endpoints the request's sticky prefix deserves by its share of the recent requests (1
-        without spillShare); counts the request."""
+        without spillShare); counts the request. With secondHome latency, keeps its group in the cycle instead."""
         if self._rates is None:
             return 1
-        share = self._rates.add(prefix_key(request.prompt, self.affinity_threshold))
+        key = prefix_key(request.prompt, self.affinity_threshold)
+        share = self._rates.add(key)
+        if self.by_latency:
+            if cycle is not None and key is not None:
+                cycle[self._group_key] = key
+            return 1
         return max(1, math.ceil(share * candidates / self.spill_share - 1e-9))
 
     def stats(self) -> dict[str, float]:
@@ -188,6 +315,27 @@ class PrefixCacheAffinityFilter(Filter):
 
     def pre_request(self, request: LLMRequest, endpoint: EndpointState, cycle: CycleState | None = None) -> None:
         record_picked_uncached(self, request, endpoint, cycle)
+        if self.by_latency:
+            group = cycle.get(self._group_key) if cycle is not None else None
+            if group is None:
+                group = prefix_key(request.prompt, self.affinity_threshold)
+            if group is not None:
+                self._record_home(group, endpoint.address)
+
+    def _record_home(self, group: int, address: str) -> None:
+        """The group was picked on `address` now: a home of its (the latest, if new)."""
+        picks = self._home_picks.get(group)
+        if picks is None:
+            picks = self._home_picks[group] = {}
+        else:
+            self._home_picks.move_to_end(group)
+        picks[address] = self.clock()
+        if len(self._home_picks) > MAX_HOME_GROUPS:
+            self._home_picks.popitem(last=False)
+
+    def remove_endpoint(self, address: str) -> None:
+        for picks in self._home_picks.values():
+            picks.pop(address, None)
 
 
 def _argmin_where(values: np.ndarray, mask: np.ndarray) -> int:
@@ -198,7 +346,7 @@ def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
     t = PrefixCacheAffinityFilter.type_name
     params = check_keys(parameters, {"affinityThreshold", "explorationProbability", "loadTolerance",
                                      "loadSignal", "prefixScorer", "loadUnit", "spillShare", "spillWindowSeconds",
-                                     "spillFit"},
+                                     "spillFit", "secondHome"},
                         t)
     signal = choice_param(params, "loadSignal", "auto", LOAD_SIGNALS, t)
     unit = load_unit_param(params, t)
@@ -215,4 +363,5 @@ def factory(parameters: dict | None) -> PrefixCacheAffinityFilter:
         spill_window_s=float_param(params, "spillWindowSeconds", DEFAULT_SPILL_WINDOW_S, t, 0.0, 3600.0,
                                    min_inclusive=False),
         spill_fit=bool_param(params, "spillFit", True, t),
+        second_home=choice_param(params, "secondHome", "share", SECOND_HOMES, t),
     )
