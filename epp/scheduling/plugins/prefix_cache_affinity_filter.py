@@ -60,11 +60,37 @@ where none does the request is not spilled (counted as a spill without room) and
 oversubscribed caches the filter then behaves as without spilling, and where caches have room it spills
 (docs/benchmarks.md).
 
+A second home priced by the latency models (secondHome latency, in place of spillShare's share threshold): whether a
+prefix group's traffic outgrows its home is a question of what a second home costs and what it saves, both of which
+the profile's other plugins measure. The group is the spill's key (the prompt's first affinityThreshold share,
+plugins/_prefix_rates.py); its homes are the warm candidates it was picked on within spillWindowSeconds (a group
+not picked yet: every warm candidate). For a request whose best home h* (by predicted TTFT) starts it later than a
+cold start would somewhere:
+
+    T(e)     its predicted TTFT at e (PREDICTED_TTFT: predicted-latency-scorer, the engines' own models with
+             learnFrom engines): e's queue and the prompt tokens e does not hold — at a home the user part, at a
+             cold endpoint the whole prompt
+    H(e)     the delay its uncached prefill puts on e's other requests, in request-seconds (PREFILL_HARM:
+             prefill-interference-scorer's harm)
+    V(e)     spillFit, with the group balance's KV room: the tokens by which a copy overflows e's cache beside the
+             groups e serves, to be prefilled again, priced as this request's own there: V × (1/R(e) + H(e)/u(e))
+    λ        the group's requests per second (its decayed count over the window)
+    gain(e)  = (T(h*) − T(e)) × (1 + λ × T(h*) / 2)      this request's saving, and the group's next requests'
+             while the home's wait lasts (λ × T(h*) of them, each saving half the gap on average as the queues even)
+    open e* = argmax over the cold candidates of gain − H − V   iff it is > 0      keep only e*
+
+Once a group has two homes, its request goes to the home with the lower predicted TTFT (ties: the home opened first,
+so a group that cools comes back to one home); a home not picked for a window lapses, and a home whose cache lost the
+prompt (the prefix match: with the precise scorer, the engines' KV events' removals) is forgotten. A lapsed home
+that still holds the prompt is reopened only at the price above, and the sticky rule weighs the homes against the
+endpoints that hold no part of the prompt.
+
 Parameters: affinityThreshold (0, 1] = 0.80, explorationProbability [0, 1] = 0.01, loadTolerance ≥ 0 = 1.0 (0:
 leave warm endpoints as soon as they carry more load than the coldest; large: always sticky; above 1 values the
 cache a spill would pollute), loadSignal auto | backlog | tokens = auto, loadUnit tokens | seconds = tokens,
 prefixScorer = the profile's only prefix scorer, spillShare ≥ 0 = 0 (off), spillWindowSeconds (0, 3600] = 30,
-spillFit true | false = true.
+spillFit true | false = true, secondHome share | latency = share (latency needs a predicted-latency-scorer and a
+prefill-interference-scorer in the profile, and ignores spillShare).
 """
 
 from __future__ import annotations
