@@ -138,26 +138,49 @@ def test_a_home_whose_cache_lost_the_prompt_is_forgotten():
     assert f.stats()["homes_evicted"] == 1
 
 
-def test_the_eviction_a_copy_causes_is_priced_where_the_kv_room_is_known():
-    """With the group balance's fit check in the profile, a copy that overflows a cold endpoint's cache beside the
-    groups it serves costs their prefill again: an idle b whose cache is full declines, where without the fit
-    check (spillFit false) it opens."""
-    balance = "type: prefix-group-balance-scorer\n  parameters: {balanceBy: tokens, fitKvCapacity: 1}"
+def kv_pool(spill_fit: bool = True):
+    """The profile with the group balance's fit check, over a, b and c of 512 tokens of KV each, the check at half of
+    it (fitKvCapacity 0.5: one tenant's prompt fits, not two, while the prefix index still holds both): a is tenant
+    0's home, with 400 tokens of backlog; b idle; c far busier than a."""
+    balance = "type: prefix-group-balance-scorer\n  parameters: {balanceBy: tokens, fitKvCapacity: 0.5}"
+    fit = FILTER.replace("secondHome: latency", f"secondHome: latency, spillFit: {str(spill_fit).lower()}")
+    scheduler, f, clock = pool(fit, *PROFILE[1:], balance)
+    assert (KV_ROOM in f.inputs) is spill_fit
+    states = [ep("a:1", pending=400), ep("b:1"), ep("c:1", pending=1000)]
+    for s in states:
+        s.metrics.num_kv_blocks, s.metrics.kv_block_size = 32, 16
+    picked(scheduler, states, "a:1", 1)
+    return scheduler, f, states
 
-    def kv_ep(address, pending=0, running=0, blocks=16):  # 16 blocks of 16: 256 tokens, one tenant's prompt
-        s = ep(address, pending, running)
-        s.metrics.num_kv_blocks, s.metrics.kv_block_size = blocks, 16
-        return s
 
-    for spill_fit, expected in ((True, ["a:1"]), (False, ["b:1"])):
-        fit = FILTER.replace("secondHome: latency", f"secondHome: latency, spillFit: {str(spill_fit).lower()}")
-        scheduler, f, _ = pool(fit, *PROFILE[1:], balance)
-        assert (KV_ROOM in f.inputs) is spill_fit
-        states = [kv_ep("a:1", pending=400), kv_ep("b:1", running=1)]
-        picked(scheduler, states, "a:1", 1)
-        other = LLMRequest("other", "m", "m", tenant_prompt(5, 0))  # b serves tenant 5: no room for a second prompt
-        scheduler.on_picked(other, states[1], cycle_for(scheduler, other, states))
-        assert ask(scheduler, f, states) == expected, spill_fit
+def serves(scheduler, states, address: str, tenant: int) -> None:
+    other = LLMRequest(f"other-{tenant}", "m", "m", tenant_prompt(tenant, 0))
+    scheduler.on_picked(other, {s.address: s for s in states}[address], cycle_for(scheduler, other, states))
+
+
+def test_a_second_home_opens_only_where_its_copy_fits_and_is_dropped_once_crowded():
+    """With the group balance's fit check (spillFit): b and c, serving tenants 5 and 6, have no room for tenant 0's
+    prompt beside theirs, and a second home would evict them at each turn — none opens (counted as a spill without room); with
+    b free it opens. When a group comes to b after the copy, the copy no longer fits: b is dropped as a home (never
+    the home opened first), and the request weighs b as any cold endpoint again."""
+    scheduler, f, states = kv_pool()
+    serves(scheduler, states, "b:1", 5)
+    serves(scheduler, states, "c:1", 6)
+    assert ask(scheduler, f, states) == ["a:1"]
+    assert f.stats()["spills_without_room"] == 1 and f.stats()["second_homes_opened"] == 0
+    scheduler, f, states = kv_pool(spill_fit=False)
+    serves(scheduler, states, "b:1", 5)
+    assert ask(scheduler, f, states) == ["b:1"]  # without the fit check the copy goes where it pays
+
+    scheduler, f, states = kv_pool()
+    assert ask(scheduler, f, states) == ["b:1"]
+    picked(scheduler, states, "b:1", 2)  # the second home's first request
+    states[1].metrics.prefill_tokens_pending = 0
+    assert ask(scheduler, f, states, user=11) == ["b:1"]  # two homes: b starts it sooner
+    serves(scheduler, states, "b:1", 5)  # tenant 5 arrives at b: no room for both
+    assert ask(scheduler, f, states, user=12) == ["a:1"]
+    assert f.stats()["homes_crowded"] == 1
+    assert list(f._home_picks[prefix_key(tenant_prompt(0, 1), f.affinity_threshold)]) == ["a:1"]
 
 
 def test_second_home_needs_the_latency_and_interference_data_and_is_off_in_kvgates_profile():

@@ -72,12 +72,16 @@ cold start would somewhere:
              cold endpoint the whole prompt
     H(e)     the delay its uncached prefill puts on e's other requests, in request-seconds (PREFILL_HARM:
              prefill-interference-scorer's harm)
-    V(e)     spillFit, with the group balance's KV room: the tokens by which a copy overflows e's cache beside the
-             groups e serves, to be prefilled again, priced as this request's own there: V × (1/R(e) + H(e)/u(e))
     λ        the group's requests per second (its decayed count over the window)
     gain(e)  = (T(h*) − T(e)) × (1 + λ × T(h*) / 2)      this request's saving, and the group's next requests'
              while the home's wait lasts (λ × T(h*) of them, each saving half the gap on average as the queues even)
-    open e* = argmax over the cold candidates of gain − H − V   iff it is > 0      keep only e*
+    open e* = argmax of gain − H over the cold candidates where a copy fits   iff it is > 0      keep only e*
+
+Where the copy fits: spillFit, with the group balance's KV room, as for the share spill. A copy that does not fit
+costs more than one cold prefill: as long as it stays, the endpoint's own groups evict each other in turn (priced
+as one re-prefill of the overflow, `kvgate bench routing --workloads bursty-tenants --configs kvgate,kvgate-second-home`
+lost 5-14 points of hit rate), so it opens none there (counted as a spill without room), and a second home where
+other groups have since come and the copy no longer fits beside them stops being a home (the first home never).
 
 Once a group has two homes, its request goes to the home with the lower predicted TTFT (ties: the home opened first,
 so a group that cools comes back to one home); a home not picked for a window lapses, and a home whose cache lost the
@@ -110,8 +114,7 @@ from kvgate.epp.scheduling.kv_fit import KV_ROOM
 from kvgate.epp.scheduling.plugins._params import (LOAD_UNITS, bool_param, check_keys, choice_param, float_param,
                                                        load_unit_param, str_param)
 from kvgate.epp.scheduling.plugins._prefix_rates import PrefixRates, prefix_key
-from kvgate.epp.scheduling.plugins._relative_speed import prefill_rates, relative_speed
-from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import DEFAULT_PREFILL_TOKENS_PER_SECOND
+from kvgate.epp.scheduling.plugins._relative_speed import relative_speed
 from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens, record_picked_uncached
 from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH
 from kvgate.epp.types import EndpointState, LLMRequest
@@ -151,7 +154,8 @@ class PrefixCacheAffinityFilter(Filter):
         self._group_key = (self, "group")
         self.counts = {"spills": 0, "spills_without_room": 0}
         if self.by_latency:
-            self.counts.update(second_homes_opened=0, second_homes_declined=0, homes_lapsed=0, homes_evicted=0)
+            self.counts.update(second_homes_opened=0, second_homes_declined=0, homes_lapsed=0, homes_evicted=0,
+                               homes_crowded=0)
         if load_unit not in LOAD_UNITS:
             raise ValueError(f"load_unit must be one of {', '.join(LOAD_UNITS)}, got {load_unit!r}")
         self.load_unit = load_unit
@@ -220,8 +224,10 @@ class PrefixCacheAffinityFilter(Filter):
         homes, recorded = self._live_homes(group, endpoints, warm)
         if not homes.any():
             return endpoints
+        if recorded and homes.sum() > 1:
+            homes = self._without_crowded(group, endpoints, cycle, homes, prompt)
         if not homes.all():
-            opened = self._second_home(group, endpoints, cycle, homes, prompt, cached)
+            opened = self._second_home(group, endpoints, cycle, homes, prompt)
             if opened is not None:
                 return [endpoints[opened]]
         if not warm.all():  # lapsed homes that still hold the prompt are reopened only by a second home's price
@@ -257,6 +263,25 @@ class PrefixCacheAffinityFilter(Filter):
             del self._home_picks[group]
         return (homes, True) if homes.any() else (warm, False)
 
+    def _without_crowded(self, group: int, endpoints: list[EndpointState], cycle: CycleState, homes: np.ndarray,
+                         prompt: int) -> np.ndarray:
+        """The group's homes less those, but the first opened, where its copy no longer fits beside the groups the
+        endpoint serves (spillFit, with the KV room in the profile): other groups came after the copy, and keeping
+        it there would evict them in turn."""
+        room = cycle.read(self, KV_ROOM) if self.spill_fit else None
+        if room is None:
+            return homes
+        picks = self._home_picks[group]
+        first = next(iter(picks))
+        fits = room.fits(endpoints, prompt)
+        for i in np.flatnonzero(homes & ~fits):
+            address = endpoints[i].address
+            if address != first:
+                homes[i] = False
+                del picks[address]
+                self.counts["homes_crowded"] += 1
+        return homes
+
     def _nearest_home(self, group: int, endpoints: list[EndpointState], cycle: CycleState, homes: np.ndarray
                       ) -> list[EndpointState]:
         """A group served from several homes: the one its request is predicted to start soonest on (ties: the
@@ -268,7 +293,7 @@ class PrefixCacheAffinityFilter(Filter):
         return [endpoints[int(best)]]
 
     def _second_home(self, group: int, endpoints: list[EndpointState], cycle: CycleState, homes: np.ndarray,
-                     prompt: int, cached: np.ndarray) -> int | None:
+                     prompt: int) -> int | None:
         """Open a second home for the group on a cold candidate when it pays (see the module docstring): the
         candidate, or None to stay."""
         ttft = cycle.read(self, PREDICTED_TTFT).of(endpoints)
@@ -276,31 +301,20 @@ class PrefixCacheAffinityFilter(Filter):
         cold = ~homes
         if ttft[w] <= ttft[cold].min():  # no cold start anywhere comes sooner than the home: nothing to weigh
             return None
+        room = self._room(endpoints, cycle, homes, prompt) if self.spill_fit else cold
+        if not room.any():
+            self.counts["spills_without_room"] += 1
+            return None
         harm = cycle.read(self, PREFILL_HARM).of(endpoints)
-        cost = harm + self._eviction(endpoints, cycle, prompt, cached, harm)
         rate = self._rates.rate(group)
         gain = (ttft[w] - ttft) * (1.0 + rate * ttft[w] / 2.0)
-        net = np.where(cold, gain - cost, -np.inf)
+        net = np.where(room, gain - harm, -np.inf)
         c = int(np.argmax(net))
         if not net[c] > 0:
             self.counts["second_homes_declined"] += 1
             return None
         self.counts["second_homes_opened"] += 1
         return c
-
-    def _eviction(self, endpoints: list[EndpointState], cycle: CycleState, prompt: int, cached: np.ndarray,
-                  harm: np.ndarray) -> np.ndarray:
-        """Per candidate, what the copy costs the groups it evicts there (spillFit, with the KV room in the
-        profile): the tokens by which it overflows the cache beside the groups the endpoint serves, each to be
-        prefilled again, priced as this request's own uncached tokens there — their prefill time and the harm it
-        does. 0 where the copy fits, or without a KV room."""
-        room = cycle.read(self, KV_ROOM) if self.spill_fit else None
-        if room is None:
-            return np.zeros(len(endpoints))
-        overflow = np.maximum(room.footprint.of(endpoints) + prompt - room.limit.of(endpoints), 0.0)
-        uncached = np.maximum(prompt - cached, 1.0)
-        seconds_per_token = 1.0 / prefill_rates(endpoints, DEFAULT_PREFILL_TOKENS_PER_SECOND)
-        return overflow * (seconds_per_token + harm / uncached)
 
     def _room(self, endpoints: list[EndpointState], cycle: CycleState, warm: np.ndarray, prompt: int) -> np.ndarray:
         """The cold candidates a spill may go to: those where a copy of the prompt fits (every cold one without a
