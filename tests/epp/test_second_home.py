@@ -40,7 +40,15 @@ def pool(*plugins: str):
     f = scheduler.plugins_of_type("prefix-cache-affinity-filter")[0]
     clock = Clock()
     f.clock = f._rates.clock = clock
+    elapse(f, 32)  # a whole window of the pool's requests: a second home may open from now on
     return scheduler, f, clock
+
+
+def elapse(f, seconds: float) -> None:
+    """`seconds` pass, with the pool's other requests arriving at ~6/s (none of the group's)."""
+    for _ in range(round(seconds / 0.16)):
+        f.clock.now += 0.16
+        f._rates.add(None)
 
 
 def picked(scheduler, states, address: str, user: int) -> None:
@@ -78,6 +86,21 @@ def test_a_busy_home_opens_a_second_home_where_a_cold_start_and_its_harm_cost_le
     picked(scheduler, states, "a:1", 1)
     assert ask(scheduler, f, states) == ["a:1"]
     assert f.stats()["second_homes_declined"] == 0 and f.stats()["second_homes_opened"] == 0
+
+
+def test_no_second_home_before_a_whole_window_has_passed():
+    """The KV room knows only the groups picked so far: a cell's first seconds open no second home."""
+    scheduler = Scheduler(parse_config(config(*PROFILE)).scheduler)
+    f = scheduler.plugins_of_type("prefix-cache-affinity-filter")[0]
+    f.clock = f._rates.clock = clock = Clock()
+    states = [ep("a:1", pending=400), ep("b:1"), ep("c:1")]
+    picked(scheduler, states, "a:1", 1)
+    for _ in range(150):  # 24 s of the group's requests: the home stays busy, the first window has not passed
+        assert ask(scheduler, f, states) == ["a:1"]
+        clock.now += 0.16
+    clock.now += 7
+    assert ask(scheduler, f, states) == ["b:1"]
+    assert f.stats()["second_homes_opened"] == 1 and f.stats()["second_homes_declined"] == 0
 
 
 def test_the_groups_rate_counts_the_wait_a_second_home_saves_its_next_requests():
@@ -118,9 +141,9 @@ def test_a_cooled_groups_second_home_lapses():
     picked(scheduler, states, "a:1", 1)
     picked(scheduler, states, "b:1", 2)
     assert ask(scheduler, f, states) == ["b:1"]  # both homes: b starts it sooner (its backlog is empty)
-    clock.now += 20
+    elapse(f, 20)
     picked(scheduler, states, "a:1", 3)
-    clock.now += 15  # 35 s since b's last pick, 15 since a's
+    elapse(f, 15)  # 35 s since b's last pick, 15 since a's
     assert ask(scheduler, f, states) == ["a:1"]
     assert f.stats()["homes_lapsed"] == 1 and f.stats()["second_homes_declined"] == 1
 

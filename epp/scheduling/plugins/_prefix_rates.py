@@ -77,6 +77,12 @@ class PrefixRates:
             self._keys.popitem(last=False)
         return count / total if total >= MIN_REQUESTS and now - self._first >= self.window_s else 0.0
 
+    def settled(self) -> bool:
+        """Whether shares count yet: MIN_REQUESTS decayed requests, and a whole window since the first."""
+        now = self.clock()
+        return (self._first is not None and now - self._first >= self.window_s
+                and self._decayed(self._total, now) >= MIN_REQUESTS)
+
     def rate(self, key: int | None) -> float:
         """Key's requests per second, now: its decayed count over the window (≈ its arrival rate once a window has
         passed, less before: the first seconds count low). 0 for no key, or one not seen."""

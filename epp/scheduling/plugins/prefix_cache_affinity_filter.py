@@ -77,6 +77,9 @@ cold start would somewhere:
              while the home's wait lasts (λ × T(h*) of them, each saving half the gap on average as the queues even)
     open e* = argmax of gain − H over the cold candidates where a copy fits   iff it is > 0      keep only e*
 
+Not before the spill's whole window has passed (plugins/_prefix_rates.py): until then the KV room knows only the
+groups picked so far, a copy fits everywhere, and one copy made in a cell's first seconds put the hot group's
+footprint where the balance would have placed a tenant (multi-tenant, a tuning shape: hit rate 0.87 → 0.78).
 Where the copy fits: spillFit, with the group balance's KV room, as for the share spill. A copy that does not fit
 costs more than one cold prefill: as long as it stays, the endpoint's own groups evict each other in turn (priced
 as one re-prefill of the overflow, `kvgate bench routing --workloads bursty-tenants --configs kvgate,kvgate-second-home`
@@ -296,6 +299,8 @@ class PrefixCacheAffinityFilter(Filter):
                      prompt: int) -> int | None:
         """Open a second home for the group on a cold candidate when it pays (see the module docstring): the
         candidate, or None to stay."""
+        if not self._rates.settled():  # the KV room knows only the groups picked so far (as for the share spill)
+            return None
         ttft = cycle.read(self, PREDICTED_TTFT).of(endpoints)
         w = _argmin_where(ttft, homes)
         cold = ~homes
