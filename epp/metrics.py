@@ -193,6 +193,18 @@ class EndpointGauges:
             no_room.add_metric([], affinity.get("spills_without_room", 0))
             yield spills
             yield no_room
+            if "second_homes_opened" in affinity:
+                homes = CounterMetricFamily("kvgate_epp_affinity_second_homes", "The prefix-cache affinity filter's "
+                                            "second homes (secondHome latency), by what happened: opened, declined "
+                                            "(a home busier than a cold start elsewhere, where the cold start did "
+                                            "not pay), lapsed (no pick there within the window), evicted (the "
+                                            "prompt left its cache), crowded (the copy no longer fits beside the "
+                                            "endpoint's groups).", labels=["event"])
+                for event in ("opened", "declined"):
+                    homes.add_metric([event], affinity.get(f"second_homes_{event}", 0))
+                for event in ("lapsed", "evicted", "crowded"):
+                    homes.add_metric([event], affinity.get(f"homes_{event}", 0))
+                yield homes
         latency = snapshot.plugin_stats.get("latency_model") or {}
         if latency:
             yield from _latency_model_families(latency)

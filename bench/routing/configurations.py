@@ -209,6 +209,19 @@ CONFIGURATIONS = [
                   "goes to the least loaded cold replica whatever its cache holds", "epp",
                   with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", spillFit=False),
                   kv_events=True),
+    # the spill decided from the engines' latency models instead of a share threshold (secondHome latency): a second
+    # home for a busy prefix where a cold start there, plus the delay it puts on that endpoint's requests and the
+    # cache it evicts, costs less than the wait at home saves this request and the prefix's next ones
+    RoutingConfig("kvgate-second-home", "kvgate's profile with the affinity filter's second home decided from the "
+                  "engines' latency models (secondHome latency) in place of the share spill", "epp",
+                  with_parameters(KVGATE_PROFILE_YAML, "prefix-cache-affinity-filter", secondHome="latency"),
+                  kv_events=True),
+    # the group balance counting a homeless request's group where it is recorded (evictionAware): a group its home
+    # evicted goes to the least loaded endpoint, not back to the home that could not keep it
+    RoutingConfig("kvgate-evict-aware", "kvgate's profile with the group balance eviction-aware (evictionAware): a "
+                  "group whose prefix no cache holds counts at its old home like any group there", "epp",
+                  with_parameters(KVGATE_PROFILE_YAML, "prefix-group-balance-scorer", evictionAware=True),
+                  kv_events=True),
     RoutingConfig("oracle-placement", "a reference point, not a router: each prefix group fixed to one replica for "
                   "the whole cell, ranked by its request count (known in advance) and dealt out in a snake, sent "
                   "through the EPP's header-based-testing-filter (bench/routing/oracle.py)", "epp",

@@ -129,6 +129,15 @@ def affinity_spills(families: list, name: str = "kvgate_epp_affinity_spills") ->
     return None
 
 
+def second_homes(families: list) -> dict[str, int] | None:
+    """The affinity filter's second homes (secondHome latency) by event — opened, declined, lapsed, evicted; None
+    when the EPP runs no such filter."""
+    for family in families:
+        if family.name == "kvgate_epp_affinity_second_homes":
+            return {s.labels["event"]: int(s.value) for s in family.samples if s.name.endswith("_total")}
+    return None
+
+
 def latency_model(families: list) -> dict | None:
     """predicted-latency-scorer's model as the EPP exports it: per kind (ttft, tpot) the responses it learned from,
     its mean relative error (sum |predicted - measured| / sum measured) and the p50 / p90 of the per-request
@@ -462,6 +471,9 @@ def run_cell(workdir: Path, config: RoutingConfig, shape: WorkloadShape, request
             spills = affinity_spills(epp_after, family) if epp_after is not None else None
             if spills:
                 result[key] = spills
+        homes = second_homes(epp_after) if epp_after is not None else None
+        if homes:
+            result["epp_affinity_second_homes"] = homes
         model = latency_model(epp_after) if epp_after is not None else None
         if model is not None:
             result["epp_latency_model"] = model

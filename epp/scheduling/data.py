@@ -50,6 +50,12 @@ PICKED_UNCACHED_TOKENS = DataKey("picked-uncached-prompt-tokens")
 # The request states latency objectives and no endpoint is predicted to meet them, written while scoring: the
 # director sheds such a request when it is sheddable (priority < 0), as llm-d's SLO scorer does.
 OBJECTIVES_UNMEETABLE = DataKey("latency-objectives-unmeetable")
+# Per candidate, for plugins that weigh where a request should go against what it costs there (the affinity
+# filter's second home): its predicted TTFT in seconds (predicted-latency-scorer, from the engines' own models
+# where they publish them), and the delay its uncached prefill there puts on the other requests, in
+# request-seconds (prefill-interference-scorer). Both PerEndpoint, computed at the first read (Deferred).
+PREDICTED_TTFT = DataKey("predicted-ttft-seconds", "keep one predicted-latency-scorer")
+PREFILL_HARM = DataKey("prefill-harm-request-seconds", "keep one prefill-interference-scorer")
 
 
 class Deferred:

@@ -1,5 +1,6 @@
 """Each sticky prompt prefix's share of the recent requests: what the affinity filter's spill rule (spillShare) reads
-to give a prefix whose traffic outgrows one endpoint more warm homes.
+to give a prefix whose traffic outgrows one endpoint more warm homes; and its rate (n_k / τ), what its second-home
+rule (secondHome latency) weighs the wait a second home saves the prefix's next requests by.
 
     key(r)    = xxh3 of the prompt's first c characters, c = the affinity threshold's share of the prompt rounded
                 down to a grid of eighth-octave steps (256 · 2^(i/8) characters): the prefix that makes a request
@@ -75,6 +76,18 @@ class PrefixRates:
         if len(self._keys) > self.max_keys:
             self._keys.popitem(last=False)
         return count / total if total >= MIN_REQUESTS and now - self._first >= self.window_s else 0.0
+
+    def settled(self) -> bool:
+        """Whether shares count yet: MIN_REQUESTS decayed requests, and a whole window since the first."""
+        now = self.clock()
+        return (self._first is not None and now - self._first >= self.window_s
+                and self._decayed(self._total, now) >= MIN_REQUESTS)
+
+    def rate(self, key: int | None) -> float:
+        """Key's requests per second, now: its decayed count over the window (≈ its arrival rate once a window has
+        passed, less before: the first seconds count low). 0 for no key, or one not seen."""
+        entry = self._keys.get(key) if key is not None else None
+        return self._decayed(entry, self.clock()) / self.window_s if entry else 0.0
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -66,6 +66,16 @@ def timed_prefill_rates(endpoints: list[EndpointState]) -> np.ndarray:
                         for e in endpoints), dtype=float, count=len(endpoints))
 
 
+def prefill_rates(endpoints: list[EndpointState], default: float) -> np.ndarray:
+    """R(e) in tokens/s, to turn prefill tokens into seconds: the engines' own timing (unmeasured ones at the
+    measured median); none timed: each endpoint's estimated rate, else `default`."""
+    timed = fill_unmeasured(timed_prefill_rates(endpoints))
+    if timed is not None:
+        return timed
+    return np.fromiter((e.metrics.prefill_tokens_per_s or default for e in endpoints), dtype=float,
+                       count=len(endpoints))
+
+
 def _compute(endpoints: list[EndpointState]) -> np.ndarray:
     return _relative(timed_prefill_rates(endpoints))
 

@@ -58,7 +58,8 @@ import numpy as np
 from kvgate.common import engine_latency_protocol as published
 from kvgate.common.epp_protocol import TPOT_OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER
 from kvgate.epp.scheduling import live_load
-from kvgate.epp.scheduling.data import OBJECTIVES_UNMEETABLE, PICKED_UNCACHED_TOKENS
+from kvgate.epp.scheduling.data import (OBJECTIVES_UNMEETABLE, PICKED_UNCACHED_TOKENS, PREDICTED_TTFT, Deferred,
+                                        PerEndpoint)
 from kvgate.epp.scheduling.framework import CycleState, Filter
 from kvgate.epp.scheduling.latency_model import LatencyModel, tpot_features, ttft_features
 from kvgate.epp.scheduling.plugins._normalize import attribute_values, lower_is_better, per_snapshot
@@ -106,8 +107,8 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
     reads_response_body = True  # it learns from each response's first-token time and token count
     consumes_optional = (PREFIX_MATCH,)  # prompt and cached tokens, as predicted-ttft-scorer reads them
     # what its pick adds to the endpoint's prefill backlog; that no endpoint is predicted to meet the request's
-    # objectives (the director sheds a sheddable one)
-    produces = (PICKED_UNCACHED_TOKENS, OBJECTIVES_UNMEETABLE)
+    # objectives (the director sheds a sheddable one); each candidate's predicted TTFT, for a filter that weighs it
+    produces = (PICKED_UNCACHED_TOKENS, OBJECTIVES_UNMEETABLE, PREDICTED_TTFT)
 
     def __init__(self, default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_SECOND,
                  decode_ms_per_running_request: float = DEFAULT_DECODE_MS_PER_RUNNING_REQUEST,
@@ -146,6 +147,12 @@ class PredictedLatencyScorer(PredictedTTFTScorer, Filter):
         if self.from_engines:
             self._predict_published(endpoints, cycle, uncached, decoding, waiting, kv, ttft, tpot)
         return tx, ttft, px, tpot
+
+    def produce(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState) -> None:
+        """Each candidate's predicted TTFT (PREDICTED_TTFT), computed only for the cycles that read it (Deferred):
+        the affinity filter's second home weighs a busy home against a cold start elsewhere on it."""
+        cycle.put(self, PREDICTED_TTFT,
+                  Deferred(lambda: PerEndpoint(endpoints, self.predict(request, endpoints, cycle)[1], float("inf"))))
 
     def _published(self, endpoints: list[EndpointState]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per endpoint, once per snapshot: whether it publishes a model fitted enough to use, and its TTFT and TPOT

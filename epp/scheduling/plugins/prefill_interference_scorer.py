@@ -53,12 +53,14 @@ from collections.abc import Callable
 import numpy as np
 
 from kvgate.epp.scheduling import live_load
+from kvgate.epp.scheduling.data import PREFILL_HARM, Deferred, PerEndpoint
 from kvgate.epp.scheduling.framework import CycleState, Scorer
 from kvgate.epp.scheduling.plugins._normalize import attribute_values, per_snapshot
 from kvgate.epp.scheduling.plugins._params import bool_param, check_keys, float_param, int_param, str_param
 from kvgate.epp.scheduling.plugins._prefix_source import prefix_tokens
-from kvgate.epp.scheduling.plugins._relative_speed import (fill_unmeasured, relative_kv_capacity, relative_speed,
-                                                               timed_prefill_rates)
+from kvgate.epp.scheduling.plugins._relative_speed import (fill_unmeasured, prefill_rates, relative_kv_capacity,
+                                                               relative_speed, timed_prefill_rates)
+from kvgate.epp.scheduling.plugins.predicted_ttft_scorer import DEFAULT_PREFILL_TOKENS_PER_SECOND
 from kvgate.epp.scheduling.prefix_match import PREFIX_MATCH
 from kvgate.epp.types import EndpointState, LLMRequest
 
@@ -71,6 +73,7 @@ _HELD_KEY = "kvgate.scraped-running-plus-waiting"
 class PrefillInterferenceScorer(Scorer):
     type_name = "prefill-interference-scorer"
     consumes_optional = (PREFIX_MATCH,)  # the prompt tokens each endpoint would compute (without: the whole prompt)
+    produces = (PREFILL_HARM,)  # harm(e) per candidate, for a filter that weighs it (the affinity filter's second home)
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S, prefix_source_name: str = "",
                  max_picks: int = DEFAULT_MAX_PICKS, clock: Callable[[], float] = time.monotonic,
@@ -113,6 +116,20 @@ class PrefillInterferenceScorer(Scorer):
         if self.capacity_shares:
             speed = relative_speed(endpoints, cycle)
             harm = harm * speed ** 2 / np.minimum(relative_kv_capacity(endpoints, cycle), speed)
+        return harm
+
+    def produce(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState) -> None:
+        """harm(e) of each candidate (PREFILL_HARM), computed only for the cycles that read it (Deferred)."""
+        cycle.put(self, PREFILL_HARM, Deferred(lambda: PerEndpoint(endpoints, self.harm_seconds(request, endpoints,
+                                                                                             cycle), float("inf"))))
+
+    def harm_seconds(self, request: LLMRequest, endpoints: list[EndpointState], cycle: CycleState | None = None
+                     ) -> np.ndarray:
+        """harm(e) in request-seconds also where no engine times its prefill (harm is then in tokens): at each
+        endpoint's estimated prefill rate, else the analytic model's default."""
+        harm = self.harm(request, endpoints, cycle)
+        if np.isnan(per_snapshot(_RATE_KEY, cycle, endpoints, _seconds_per_token)).any():
+            harm = harm / prefill_rates(endpoints, DEFAULT_PREFILL_TOKENS_PER_SECOND)
         return harm
 
     def _arrival_column(self, endpoints: list[EndpointState]) -> np.ndarray:

@@ -18,7 +18,7 @@ Parameters: groupChars ≥ 1 = 512, windowSeconds > 0 = 60, affinityThreshold (0
 prefixScorer = the profile's only prefix scorer, maxGroupsPerEndpoint ≥ 1 = 4096 (memory: the oldest group goes
 first past it; ~100 bytes a group, so ≤ ~0.4 MB an endpoint however many distinct prompts arrive within the
 window), keepHomeBelow [0, 1] = 0 (off), fitKvCapacity [0, 4] = 0 (off), balanceBy groups | tokens = groups,
-loadUnit tokens | seconds = tokens, kvCapacityShares true | false = true.
+loadUnit tokens | seconds = tokens, kvCapacityShares true | false = true, evictionAware true | false = false.
 
 Why: when a pool's caches together hold the working set only if each prefix lives on one endpoint, an endpoint
 given one group too many evicts its groups' prefixes faster than they are reused, and its hit rate collapses
@@ -67,6 +67,16 @@ so φ = 1 still lets a replica hold a little more than fits. `kvgate bench routi
 multi-tenant,hot-tenant,bursty-tenants --per-request` prints each replica's tenants, with and without the check
 (configurations in bench/routing/configurations.py).
 
+Why eviction-aware (evictionAware, off in kvgate's profile; bench configuration `kvgate-evict-aware`): G'(e) leaves
+out the request's own group where e serves it — right while e's cache holds the group, since the request costs e
+nothing new. A homeless request's group is held nowhere: where it was picked last (its home) the cache has evicted
+it, which says that endpoint serves more than its cache holds, and leaving the group out there makes the home look
+lightest by exactly its footprint, so the balance sends every evicted group back to the endpoint that could not
+keep it. With evictionAware the group of a homeless request counts wherever it is recorded, as any other group
+there (the prefix match says what each cache holds; with the precise scorer, from the engines' KV events' removals):
+its next cold start goes to the least loaded endpoint, its evicted home included only on equal terms; a group whose
+prefix is still resident is not homeless, and stays where the prefix scorers and the affinity filter keep it.
+
 Why tokens in kvgate's profile: when groups differ in size (conversations of 1 to 10 turns, `kvgate bench routing
 --workloads multi-turn`) counting them piles long conversations together; weighing each by its footprint spreads
 the cache they take.
@@ -111,8 +121,9 @@ class PrefixGroupBalanceScorer(Filter, Scorer):
                  affinity_threshold: float = DEFAULT_AFFINITY_THRESHOLD, prefix_source_name: str = "",
                  max_groups: int = DEFAULT_MAX_GROUPS, clock: Callable[[], float] = time.monotonic,
                  balance_by: str = "groups", load_unit: str = "tokens", kv_capacity_shares: bool = True,
-                 keep_home_below: float = 0.0, fit_kv_capacity: float = 0.0) -> None:
+                 keep_home_below: float = 0.0, fit_kv_capacity: float = 0.0, eviction_aware: bool = False) -> None:
         super().__init__()
+        self.eviction_aware = eviction_aware
         self.fit_kv_capacity = fit_kv_capacity
         if fit_kv_capacity <= 0:
             self.produces = ()
@@ -161,7 +172,7 @@ class PrefixGroupBalanceScorer(Filter, Scorer):
         _, entry = groups.popitem(last=False)
         self._count(address, entry, -1)
 
-    def _load(self, address: str, groups: OrderedDict[int, tuple[float, int, bool]], group: int
+    def _load(self, address: str, groups: OrderedDict[int, tuple[float, int, bool]], group: int | None
               ) -> tuple[float, float]:
         """What e carries besides this request's own group, as (reused, once): the groups picked there more than
         once within the window and those picked once — counted, or weighed by their prompts' tokens (O(1) both)."""
@@ -185,14 +196,16 @@ class PrefixGroupBalanceScorer(Filter, Scorer):
         prompt, cached = prefix_tokens(self, request, endpoints, cycle)
         if not self._homeless(prompt, cached):
             return endpoints
-        fits = self.copy_fits(request, endpoints, prompt)
+        fits = self.copy_fits(request, endpoints, prompt, homeless=True)
         if all(fits) or not any(fits):
             return endpoints
         return [e for e, fit in zip(endpoints, fits) if fit]
 
-    def copy_fits(self, request: LLMRequest, endpoints: list[EndpointState], prompt_tokens: int) -> list[bool]:
-        """Per endpoint, whether the request's prompt fits beside the footprints of the groups it serves."""
-        group, now = self.group(request), self.clock()
+    def copy_fits(self, request: LLMRequest, endpoints: list[EndpointState], prompt_tokens: int,
+                  homeless: bool = False) -> list[bool]:
+        """Per endpoint, whether the request's prompt fits beside the footprints of the groups it serves (a homeless
+        request's own group among them with evictionAware)."""
+        group, now = self._own_group(request, homeless), self.clock()
         fits = []
         for e in endpoints:
             footprint, limit = self._room(e, group, now)
@@ -212,7 +225,7 @@ class PrefixGroupBalanceScorer(Filter, Scorer):
             footprint[i], limit[i] = self._room(e, group, now)
         return KvRoom(PerEndpoint(endpoints, footprint), PerEndpoint(endpoints, limit, math.inf))
 
-    def _room(self, endpoint: EndpointState, group: int, now: float) -> tuple[int, float]:
+    def _room(self, endpoint: EndpointState, group: int | None, now: float) -> tuple[int, float]:
         """(the footprints of the groups `endpoint` serves but `group`, φ × its KV cache in tokens; unknown: inf)."""
         capacity = endpoint.metrics.kv_cache_tokens
         if capacity is None:
@@ -228,6 +241,7 @@ class PrefixGroupBalanceScorer(Filter, Scorer):
         if not self._homeless(prompt, cached):
             return np.full(n, 0.5)
         group, now = self.group(request), self.clock()
+        own = self._own_group(request, True)
         if self.keep_home_below > 0:
             home = self._home(group, endpoints, now)
             if home is not None and cached[home] < self.keep_home_below * prompt:
@@ -236,12 +250,17 @@ class PrefixGroupBalanceScorer(Filter, Scorer):
                 return kept
         reused, once = np.empty(n), np.empty(n)
         for i, e in enumerate(endpoints):
-            reused[i], once[i] = self._load(e.address, self._live(e.address, now), group)
+            reused[i], once[i] = self._load(e.address, self._live(e.address, now), own)
         # each group against the resource it takes: footprints reused there are a share of e's KV capacity, and in
         # seconds a one-off prompt is a share of e's speed (in tokens, of its KV like the rest)
         kv = relative_kv_capacity(endpoints, cycle) if self.kv_capacity_shares else 1.0
         work = relative_speed(endpoints, cycle) if self.load_unit == "seconds" else kv
         return lower_is_better(reused / kv + once / work)
+
+    def _own_group(self, request: LLMRequest, homeless: bool) -> int | None:
+        """The group whose footprint the request's endpoint would not pay again: its own — but for a homeless
+        request with evictionAware (None: no group left out), whose prefix no cache holds any longer."""
+        return None if homeless and self.eviction_aware else self.group(request)
 
     def _home(self, group: int, endpoints: list[EndpointState], now: float) -> int | None:
         """The candidate the group's latest pick within the window went to, if any."""
@@ -290,7 +309,7 @@ def factory(parameters: dict | None) -> PrefixGroupBalanceScorer:
     t = PrefixGroupBalanceScorer.type_name
     params = check_keys(parameters, {"groupChars", "windowSeconds", "affinityThreshold", "prefixScorer",
                                      "maxGroupsPerEndpoint", "balanceBy", "loadUnit", "kvCapacityShares",
-                                     "keepHomeBelow", "fitKvCapacity"}, t)
+                                     "keepHomeBelow", "fitKvCapacity", "evictionAware"}, t)
     balance_by = choice_param(params, "balanceBy", "groups", BALANCE_BY, t)
     return PrefixGroupBalanceScorer(
         group_chars=int_param(params, "groupChars", DEFAULT_GROUP_CHARS, t, 1),
@@ -304,4 +323,5 @@ def factory(parameters: dict | None) -> PrefixGroupBalanceScorer:
         kv_capacity_shares=bool_param(params, "kvCapacityShares", True, t),
         keep_home_below=float_param(params, "keepHomeBelow", 0.0, t, 0.0, 1.0),
         fit_kv_capacity=float_param(params, "fitKvCapacity", 0.0, t, 0.0, 4.0),
+        eviction_aware=bool_param(params, "evictionAware", False, t),
     )
