@@ -252,14 +252,8 @@ def run_bench_epp(args: argparse.Namespace) -> int:
 def _floor_choices(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The floor part's modes and servers, checked before any part runs."""
     from kvgate.bench.epp_floor import FLOOR_MODES, server_names
+    from kvgate.bench.flag_lists import chosen_names
 
-    def listed(value: str, known: list[str], flag: str) -> list[str]:
-        chosen = [x.strip() for x in value.split(",") if x.strip()]
-        unknown = [x for x in chosen if x not in known]
-        if unknown or not chosen:
-            raise SystemExit(f"kvgate bench epp: {flag}: unknown {', '.join(unknown) or '(none given)'} "
-                             f"(known: {', '.join(known)})")
-        return chosen
-
-    return (listed(args.floor_modes, list(FLOOR_MODES), "--floor-modes"),
-            listed(args.floor_servers or ",".join(server_names()), server_names(), "--floor-servers"))
+    return (chosen_names(args.floor_modes, FLOOR_MODES, "--floor-modes", "kvgate bench epp"),
+            chosen_names(args.floor_servers or ",".join(server_names()), server_names(), "--floor-servers",
+                         "kvgate bench epp"))

@@ -360,7 +360,7 @@ def test_oracle_placement_reaches_the_engines_through_envoy_and_the_epp(tmp_path
     """Each tenant's requests are served by the one replica its rank gives (the engines' own answer header)."""
     result_file = tmp_path / "oracle.json"
     run = subprocess.run([KVGATE, "bench", "routing", "--workloads", "multi-tenant", "--configs", "oracle-placement",
-                          "--rates", "6", "--duration", "3", "--drain", "20", "--per-request",
+                          "--rates", "6", "--duration", "3", "--drain", "20", "--repeats", "1", "--per-request",
                           "--result-file", str(result_file)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and result_file.exists(), run.stdout + run.stderr[-3000:]
     (cell,) = json.loads(result_file.read_text())["workloads"]["multi-tenant"]["cells"]

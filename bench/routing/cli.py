@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvgate.bench.flag_lists import chosen_names
 from kvgate.bench.routing.configurations import BY_NAME, CONFIGURATIONS, unavailable
 from kvgate.bench.routing.pinning import cpus_flag
 from kvgate.bench.routing.repeats import repeat_seed
@@ -30,15 +31,6 @@ DEFAULT_RATES = "2,6,10,14"
 DEFAULT_DURATION = 20.0
 DEFAULT_REPEATS = 5
 MAX_REPEATS = 50
-
-
-def _names(text: str, known, what: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise SystemExit(f"kvgate bench routing: unknown {what}: {', '.join(unknown) or '(none)'}; "
-                         f"known: {', '.join(known)}")
-    return names
 
 
 def _shapes(workloads: str | None, sets: str | None) -> list[WorkloadShape]:
@@ -222,7 +214,7 @@ def run_bench_routing(args) -> int:
     if not 1 <= args.repeats <= MAX_REPEATS:
         raise SystemExit(f"kvgate bench routing: --repeats must be in [1, {MAX_REPEATS}], got {args.repeats}")
     shapes = _shapes(args.workloads, args.shapes)
-    wanted = _names(args.configs, BY_NAME, "configuration(s)")
+    wanted = chosen_names(args.configs, BY_NAME, "--configs", "kvgate bench routing")
     shape_rates = _rates_per_shape(args.rates, shapes)
     rates = sorted({r for rs in shape_rates.values() for r in rs})
     if args.replicas < 1 or args.duration <= 0 or args.drain <= 0:
